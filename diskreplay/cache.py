@@ -1,0 +1,90 @@
+"""The chunk cache: decoded chunks in a preallocated slab, found by array arithmetic.
+
+Each field owns one slab of ``slots * chunk_rows`` rows. A (lane, chunk) pair is resident in at
+most one slot, the same slot for every field; ``table[lane, chunk]`` gives the slot (or -1). A
+batch of steps therefore maps to slab rows with one table lookup and one multiply-add, and each
+field is gathered with a single ``take`` however many chunks the batch touches.
+
+Slots are recycled least-recently-used. Pinned slots (chunks being written) are never evicted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .schema import Schema
+
+
+class ChunkCache:
+    def __init__(self, schema: Schema, num_envs: int, chunk_rows: int, slots: int, chunks_per_lane: int):
+        self.chunk_rows = chunk_rows
+        self.slots = slots
+        self.slabs = {name: np.zeros((slots * chunk_rows, *f.shape), dtype=f.dtype)
+                      for name, f in schema.items()}
+        self.table = np.full((num_envs, max(chunks_per_lane, 1)), -1, dtype=np.int64)
+        self.owner_lane = np.full(slots, -1, dtype=np.int64)
+        self.owner_chunk = np.full(slots, -1, dtype=np.int64)
+        self.last_used = np.zeros(slots, dtype=np.int64)
+        self.pinned = np.zeros(slots, dtype=bool)
+        self.clock = 1
+
+    @staticmethod
+    def slots_for_budget(schema: Schema, chunk_rows: int, cache_bytes: int, minimum: int) -> int:
+        return max(minimum, cache_bytes // (chunk_rows * schema.row_bytes))
+
+    def ensure_chunks(self, chunks_per_lane: int) -> None:
+        """Grow the table (dataset mode) so chunk indices below ``chunks_per_lane`` are valid."""
+        have = self.table.shape[1]
+        if chunks_per_lane > have:
+            grown = np.full((self.table.shape[0], max(chunks_per_lane, 2 * have)), -1, dtype=np.int64)
+            grown[:, :have] = self.table
+            self.table = grown
+
+    def lookup(self, lane: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+        return self.table[lane, chunk]
+
+    def touch(self, slots: np.ndarray) -> None:
+        self.last_used[slots] = self.clock
+        self.clock += 1
+
+    def evictable(self) -> int:
+        return int(self.slots - self.pinned.sum())
+
+    def assign(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """Give each (lane, chunk) a slot, evicting the least recently used unpinned chunks.
+
+        The returned slots are pinned; the caller fills them and unpins. Raises RuntimeError if
+        there are fewer evictable slots than chunks asked for.
+        """
+        n = len(lanes)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        age = np.where(self.pinned, np.iinfo(np.int64).max, self.last_used)
+        if n > self.evictable():
+            raise RuntimeError(f"chunk cache has {self.evictable()} free slots, {n} needed")
+        victims = np.argpartition(age, n - 1)[:n] if n < self.slots else np.arange(n)
+        self.evict(victims)
+        self.table[lanes, chunks] = victims
+        self.owner_lane[victims] = lanes
+        self.owner_chunk[victims] = chunks
+        self.pinned[victims] = True
+        self.last_used[victims] = self.clock
+        return victims
+
+    def evict(self, slots: np.ndarray) -> None:
+        held = slots[self.owner_lane[slots] >= 0]
+        self.table[self.owner_lane[held], self.owner_chunk[held]] = -1
+        self.owner_lane[held] = -1
+        self.owner_chunk[held] = -1
+
+    def invalidate(self, lane: int, chunks: np.ndarray) -> None:
+        """Forget cached copies of these chunks (they were rewritten elsewhere). Pinned ones stay."""
+        chunks = chunks[chunks < self.table.shape[1]]
+        slots = self.table[lane, chunks]
+        slots = slots[(slots >= 0)]
+        self.evict(slots[~self.pinned[slots]])
+
+    def chunk_rows_of(self, name: str, slot: int) -> np.ndarray:
+        """The slab rows of one slot for one field (a view: writes go straight into the cache)."""
+        start = slot * self.chunk_rows
+        return self.slabs[name][start:start + self.chunk_rows]

@@ -1,0 +1,37 @@
+"""The exceptions diskreplay raises.
+
+Each subclasses the builtin that a caller would naturally catch (ValueError, KeyError, ...), so
+code that does not know diskreplay still handles them sensibly.
+"""
+
+
+class DiskReplayError(Exception):
+    """Base class of every diskreplay error."""
+
+
+class SchemaError(DiskReplayError, ValueError):
+    """Incoming rows do not match the buffer's fields (name, shape, dtype or leading axis)."""
+
+
+class NotABufferError(DiskReplayError, FileNotFoundError):
+    """The URL holds no diskreplay buffer (or its metadata is unreadable)."""
+
+
+class BufferExistsError(DiskReplayError, FileExistsError):
+    """`create` found a buffer at the URL and `overwrite=True` was not given."""
+
+
+class ReadOnlyError(DiskReplayError, PermissionError):
+    """A write was attempted on a buffer opened with mode="r"."""
+
+
+class EmptyBufferError(DiskReplayError, IndexError):
+    """Sampling was asked of a buffer (or lane) that holds no rows."""
+
+
+class CorruptBufferError(DiskReplayError, OSError):
+    """Stored data contradicts the last commit: a missing or undecodable chunk, bad metadata."""
+
+
+class LockedError(DiskReplayError, RuntimeError):
+    """Another writer holds the buffer's write lock."""

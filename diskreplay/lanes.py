@@ -1,0 +1,85 @@
+"""Index arithmetic of env lanes, rings and chunks: pure functions over small integer arrays.
+
+Vocabulary used across the package:
+- *lane*: one env's time-ordered stream of steps (``num_envs`` lanes; 1 by default).
+- *step*: a step's absolute position in its lane, counting every step ever added (never wraps).
+- *slot*: where a step is stored along the lane axis: ``step % lane_capacity`` in a ring,
+  ``step`` in dataset mode (``lane_capacity=None``).
+- *row id*: the user-facing index of a step, ``step * num_envs + lane``. With one lane it is
+  simply "the n-th row ever added". It stays valid until the ring overwrites that row.
+- *window*: the steps of a lane currently readable, ``[lo, hi)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """Shape of the storage: lanes, ring capacity per lane (None = grow forever), chunk length."""
+
+    num_envs: int
+    lane_capacity: int | None
+    chunk_rows: int
+
+    def slot(self, step: np.ndarray | int) -> np.ndarray | int:
+        return step % self.lane_capacity if self.lane_capacity else step
+
+    def chunk_and_offset(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk index along the lane and row inside that chunk, for each step."""
+        return np.divmod(self.slot(step), self.chunk_rows)
+
+    def oldest(self, total: np.ndarray) -> np.ndarray:
+        """First step still stored in each lane once ``total`` steps were added."""
+        if self.lane_capacity is None:
+            return np.zeros_like(total)
+        return np.maximum(total - self.lane_capacity, 0)
+
+    def chunks_per_lane(self, total_steps: int = 0) -> int:
+        if self.lane_capacity is not None:
+            return -(-self.lane_capacity // self.chunk_rows)
+        return -(-max(total_steps, 1) // self.chunk_rows)
+
+    def piece_length(self, step: int, remaining: int) -> int:
+        """How many of ``remaining`` steps from ``step`` fit before a chunk or ring boundary."""
+        slot = self.slot(step)
+        room = self.chunk_rows - slot % self.chunk_rows
+        if self.lane_capacity is not None:
+            room = min(room, self.lane_capacity - slot)
+        return min(room, remaining)
+
+    def chunks_between(self, first: int, last: int) -> np.ndarray:
+        """Distinct chunk indices holding steps ``[first, last)`` of one lane, sorted."""
+        if last <= first:
+            return np.zeros(0, dtype=np.int64)
+        if self.lane_capacity is not None and last - first >= self.lane_capacity:
+            return np.arange(self.chunks_per_lane(), dtype=np.int64)
+        starts = np.arange(first - first % self.chunk_rows, last, self.chunk_rows, dtype=np.int64)
+        steps = np.concatenate([np.maximum(starts, first), [last - 1]])
+        return np.unique(self.slot(steps) // self.chunk_rows)
+
+
+def row_ids(lane: np.ndarray, step: np.ndarray, num_envs: int) -> np.ndarray:
+    return step * num_envs + lane
+
+
+def split_row_ids(ids: np.ndarray, num_envs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of `row_ids`: (lane, step) per id."""
+    step, lane = np.divmod(ids, num_envs)
+    return lane, step
+
+
+def flat_to_lane_step(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map positions in ``[0, sum(hi - lo))`` onto (lane, step), lane by lane in order.
+
+    Uniform positions give uniform rows over all lanes' windows ``[lo, hi)``.
+    """
+    if lo.size == 1:
+        return np.zeros_like(pos), lo[0] + pos
+    ends = np.cumsum(hi - lo)
+    lane = np.searchsorted(ends, pos, side="right")
+    starts = ends - (hi - lo)
+    return lane, lo[lane] + pos - starts[lane]

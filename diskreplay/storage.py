@@ -1,0 +1,391 @@
+"""The Zarr-backed store of a buffer: staged writes, the commit protocol and the chunk cache.
+
+Writes. Rows are copied into the chunk they belong to, which sits pinned in the chunk cache
+(its *staging* slot). A chunk that fills up is *sealed* and written whole, once; `flush` also
+writes each lane's partial tail chunk. No zarr-python call is made per row or per chunk.
+
+Commit protocol. Chunk objects are written first; then one small JSON object, ``commit.json``,
+is replaced atomically (temp + fsync + rename locally, one PUT on object stores). It holds, per
+lane, ``committed`` (steps visible to readers) and ``lower`` (first visible step). Readers and a
+reopening writer see exactly the steps ``[max(lower, committed - capacity), committed)`` of the last
+commit. In a full ring, writing a chunk destroys the oldest rows of its slots, so before any such
+write the writer first commits a raised ``lower``: a reader never reads a row that is being
+overwritten, and a crash at any point leaves the last commit's visible rows intact.
+
+Reads. `gather` maps steps to cache slots; missing chunks are fetched concurrently (a thread
+pool; fsspec's async gather for remote stores), decoded once into their slot, and every field is
+then gathered with one ``take``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import zarr_layout
+from .cache import ChunkCache
+from .chunkstore import ChunkStore, LocalChunkStore, open_chunkstore
+from .errors import CorruptBufferError, NotABufferError, ReadOnlyError
+from .lanes import LaneLayout
+from .schema import Schema
+from .zarr_layout import Codec
+
+COMMIT_KEY = "commit.json"
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass
+class Commit:
+    """The durable cursor record: which steps of each lane are visible."""
+
+    sequence: int
+    committed: np.ndarray
+    lower: np.ndarray
+    time: float
+    extra: dict[str, Any]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "sequence": self.sequence, "time": self.time,
+            "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": self.extra,
+        }).encode()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> "Commit":
+        try:
+            data = json.loads(blob)
+            commit = cls(int(data["sequence"]), np.asarray(data["committed"], dtype=np.int64),
+                         np.asarray(data["lower"], dtype=np.int64), float(data["time"]), data["extra"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} is unreadable ({exc})") from None
+        if commit.committed.shape != (num_envs,) or commit.lower.shape != (num_envs,):
+            raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} has cursors for the wrong number of lanes")
+        return commit
+
+
+class Storage:
+    """Chunk I/O, staging, the cache and commits for one buffer. Not thread-safe (one writer)."""
+
+    def __init__(self, url: str, config: dict[str, Any], commit: Commit, *, mode: str,
+                 storage_options: dict | None, cache_bytes: int, io_threads: int):
+        self.url = url
+        self.mode = mode
+        self.storage_options = storage_options
+        self.config = config
+        self.schema = Schema.from_json(config["fields"])
+        self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
+        self.codec = Codec(config["compression"], config["level"])
+        self.store: ChunkStore = open_chunkstore(url, storage_options)
+        self.commit_record = commit
+        self.committed = commit.committed.copy()
+        self.lower = commit.lower.copy()
+        self.total = commit.committed.copy()
+        self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
+        self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
+        self.sealed: list[tuple[int, int, int]] = []
+        self.unsynced: set[str] = set()
+        slots = ChunkCache.slots_for_budget(self.schema, self.layout.chunk_rows, cache_bytes,
+                                            minimum=2 * self.layout.num_envs + 2)
+        self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
+                                self.layout.chunks_per_lane(int(self.total.max(initial=0))))
+        self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="diskreplay-io")
+        self.group_lane_rows = config.get("lane_rows_allocated", 0)
+
+    # ---- creation and opening -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None,
+               chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
+               cache_bytes: int, io_threads: int, extra: dict[str, Any]) -> "Storage":
+        zarr_layout.check_schema_compatible(schema)
+        codec = Codec(compression, level)
+        config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
+                  "chunk_rows": chunk_rows, "compression": compression, "level": level}
+        store = open_chunkstore(url, storage_options)
+        store.delete(COMMIT_KEY)
+        group = zarr_layout.open_group(url, "w", storage_options)
+        zarr_layout.create_arrays(group, schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
+        commit = Commit(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time.time(), extra)
+        store.put(COMMIT_KEY, commit.to_bytes(), durable=True)
+        return cls(url, config, commit, mode="r+", storage_options=storage_options,
+                   cache_bytes=cache_bytes, io_threads=io_threads)
+
+    @classmethod
+    def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
+             io_threads: int) -> "Storage":
+        store = open_chunkstore(url, storage_options)
+        blob = store.get(COMMIT_KEY)
+        if blob is None:
+            raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+        try:
+            group = zarr_layout.open_group(url, "r", storage_options)
+        except Exception as exc:  # zarr raises several types for "no group here"
+            raise NotABufferError(f"{url!r} is not a diskreplay buffer ({exc})") from None
+        config = zarr_layout.read_config(group, url)
+        commit = Commit.from_bytes(blob, url, config["num_envs"])
+        storage = cls(url, config, commit, mode=mode, storage_options=storage_options,
+                      cache_bytes=cache_bytes, io_threads=io_threads)
+        storage.group_lane_rows = group[next(iter(storage.schema))].shape[1]
+        return storage
+
+    # ---- windows ---------------------------------------------------------------------------
+
+    def window(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the readable steps ``[lo, hi)``: everything added (writer) or committed (reader)."""
+        if self.mode == "r":
+            hi = self.committed
+            lo = np.maximum(self.lower, self.layout.oldest(hi))
+            return np.minimum(lo, hi), hi
+        return self.layout.oldest(self.total), self.total
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def append(self, lane: int, rows: dict[str, np.ndarray], count: int) -> tuple[int, int]:
+        """Stage ``count`` steps for one lane. Returns the steps actually stored ``[first, end)``.
+
+        In a ring, only the last ``lane_capacity`` of them are stored (the others would be
+        overwritten at once).
+        """
+        self._require_writable()
+        start = int(self.total[lane])
+        cap = self.layout.lane_capacity
+        skip = count - cap if cap is not None and count > cap else 0
+        step, i = start + skip, skip
+        while i < count:
+            piece = self.layout.piece_length(step, count - i)
+            chunk, offset = divmod(self.layout.slot(step), self.layout.chunk_rows)
+            slot = self._staging_slot(lane, chunk, step - offset)
+            base = slot * self.layout.chunk_rows + offset
+            for name, slab in self.cache.slabs.items():
+                slab[base:base + piece] = rows[name][i:i + piece]
+            self.dirty[lane] = True
+            i += piece
+            step += piece
+            if offset + piece == self.layout.chunk_rows or self.layout.slot(step) == 0:
+                self._seal(lane)
+            self.total[lane] = step
+            if len(self.sealed) * 2 > self.cache.slots:
+                self.write_sealed(durable=False)
+        self.total[lane] = start + count
+        return start + skip, start + count
+
+    def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
+        if self.staging[lane] == chunk:
+            return int(self.cache.table[lane, chunk])
+        if self.staging[lane] >= 0:
+            self._seal(lane)
+        self.cache.ensure_chunks(chunk + 1)
+        slot = int(self.cache.table[lane, chunk])
+        if slot >= 0:
+            self.cache.pinned[slot] = True
+        else:
+            slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
+            if self._holds_data(lane, chunk_first_step):
+                self._fetch_into([(lane, chunk, slot)], must_exist=self._holds_visible(lane, chunk_first_step))
+        self.staging[lane] = chunk
+        return slot
+
+    def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
+        """Whether the chunk starting at this step already has stored rows (to keep on rewrite)."""
+        cap = self.layout.lane_capacity
+        earlier_round = cap is not None and chunk_first_step >= cap
+        return earlier_round or self.total[lane] > chunk_first_step
+
+    def _holds_visible(self, lane: int, chunk_first_step: int) -> bool:
+        cap = self.layout.lane_capacity or 0
+        lo = max(self.lower[lane], self.layout.oldest(self.committed[lane]))
+        spans = [(chunk_first_step, chunk_first_step + self.layout.chunk_rows)]
+        if cap:
+            spans.append((chunk_first_step - cap, chunk_first_step - cap + self.layout.chunk_rows))
+        return any(a < self.committed[lane] and b > lo for a, b in spans)
+
+    def _seal(self, lane: int) -> None:
+        chunk = int(self.staging[lane])
+        if chunk >= 0 and self.dirty[lane]:
+            self.sealed.append((lane, chunk, int(self.cache.table[lane, chunk])))
+        elif chunk >= 0:
+            self.cache.pinned[self.cache.table[lane, chunk]] = False
+        self.staging[lane] = -1
+        self.dirty[lane] = False
+
+    def write_sealed(self, durable: bool) -> None:
+        """Write every sealed chunk (and nothing else), after retiring the rows they overwrite."""
+        self._write_chunks(self.sealed, durable)
+        for _, _, slot in self.sealed:
+            self.cache.pinned[slot] = False
+        self.sealed = []
+
+    def flush(self, durable: bool = True, extra: dict[str, Any] | None = None) -> None:
+        """Write sealed chunks and every lane's partial tail chunk, then commit."""
+        self._require_writable()
+        tails = [(lane, int(self.staging[lane]), int(self.cache.table[lane, self.staging[lane]]))
+                 for lane in np.flatnonzero(self.dirty)]
+        self._write_chunks(self.sealed + tails, durable)
+        for _, _, slot in self.sealed:
+            self.cache.pinned[slot] = False
+        self.sealed = []
+        self.dirty[:] = False
+        if durable:
+            self._sync_written()
+        self._grow_arrays()
+        self.commit(self.total.copy(), np.maximum(self.lower, self.layout.oldest(self.total)),
+                    durable, extra)
+
+    def _write_chunks(self, chunks: list[tuple[int, int, int]], durable: bool) -> None:
+        if not chunks:
+            return
+        self._retire_overwritten(durable)
+        jobs = []
+        for lane, chunk, slot in chunks:
+            for name, field in self.schema.items():
+                key = zarr_layout.chunk_key(name, field, lane, chunk)
+                jobs.append(self.io.submit(self._put_chunk, key, self.cache.chunk_rows_of(name, slot), durable))
+        for job in jobs:
+            job.result()
+
+    def _put_chunk(self, key: str, rows: np.ndarray, durable: bool) -> None:
+        self.store.put(key, self.codec.encode(rows), durable)
+        if not durable and isinstance(self.store, LocalChunkStore):
+            self.unsynced.add(key)
+
+    def _sync_written(self) -> None:
+        """fsync chunk files written without durability since the last commit (local disk)."""
+        if self.unsynced:
+            list(self.io.map(self.store.sync_file, self.unsynced))
+            self.store.sync_dirs(self.unsynced)
+            self.unsynced = set()
+
+    def _retire_overwritten(self, durable: bool) -> None:
+        oldest = self.layout.oldest(self.total)
+        if np.any(oldest > self.lower):
+            self.commit(self.committed, np.maximum(self.lower, oldest), durable, self.commit_record.extra)
+
+    def _grow_arrays(self) -> None:
+        if self.layout.lane_capacity is not None:
+            return
+        rows = int(self.total.max(initial=0))
+        if rows > self.group_lane_rows:
+            group = zarr_layout.open_group(self.url, "r+", self.storage_options)
+            zarr_layout.resize_lanes(group, self.schema, self.layout.num_envs, rows)
+            self.group_lane_rows = rows
+
+    def commit(self, committed: np.ndarray, lower: np.ndarray, durable: bool,
+               extra: dict[str, Any] | None) -> None:
+        record = Commit(self.commit_record.sequence + 1, committed.copy(), lower.copy(), time.time(),
+                        self.commit_record.extra if extra is None else extra)
+        self.store.put(COMMIT_KEY, record.to_bytes(), durable)
+        self.commit_record = record
+        self.committed = record.committed.copy()
+        self.lower = record.lower.copy()
+
+    def _require_writable(self) -> None:
+        if self.mode == "r":
+            raise ReadOnlyError(f"buffer {self.url!r} was opened read-only (mode='r'); open it with mode='r+' to write")
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def refresh(self) -> bool:
+        """Reader: adopt the newest commit, dropping cached chunks it rewrote. True if it changed."""
+        blob = self.store.get(COMMIT_KEY)
+        if blob is None:
+            raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
+        record = Commit.from_bytes(blob, self.url, self.layout.num_envs)
+        if record.sequence == self.commit_record.sequence:
+            return False
+        for lane in range(self.layout.num_envs):
+            old = int(self.committed[lane])
+            first = old - old % self.layout.chunk_rows
+            self.cache.invalidate(lane, self.layout.chunks_between(first, int(record.committed[lane])))
+        self.commit_record = record
+        self.committed, self.lower = record.committed.copy(), record.lower.copy()
+        self.total = self.committed.copy()
+        self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
+        return True
+
+    def gather(self, lane: np.ndarray, step: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows at (lane, step) for every field: a dict of arrays with leading axis ``len(step)``.
+
+        The caller guarantees the steps lie inside `window`.
+        """
+        chunk, offset = self.layout.chunk_and_offset(step)
+        slots = self.cache.table[lane, chunk]
+        if (slots < 0).any():
+            return self._gather_with_misses(lane, chunk, offset, slots)
+        self.cache.touch(slots)
+        index = slots * self.layout.chunk_rows + offset
+        return {name: slab.take(index, axis=0) for name, slab in self.cache.slabs.items()}
+
+    def _gather_with_misses(self, lane, chunk, offset, slots) -> dict[str, np.ndarray]:
+        miss = slots < 0
+        width = self.cache.table.shape[1]
+        keys = np.unique(lane[miss] * width + chunk[miss])
+        room = self.cache.evictable()
+        if room == 0:
+            raise RuntimeError("chunk cache has no free slot: raise cache_bytes")
+        out = {name: np.empty((len(lane), *f.shape), f.dtype) for name, f in self.schema.items()}
+        todo = ~miss
+        self._fill(out, todo, lane, chunk, offset)
+        for start in range(0, len(keys), room):
+            group = keys[start:start + room]
+            self._load(group // width, group % width)
+            todo = miss & np.isin(lane * width + chunk, group)
+            self._fill(out, todo, lane, chunk, offset)
+        return out
+
+    def _fill(self, out, mask, lane, chunk, offset) -> None:
+        if not mask.any():
+            return
+        slots = self.cache.table[lane[mask], chunk[mask]]
+        self.cache.touch(slots)
+        index = slots * self.layout.chunk_rows + offset[mask]
+        for name, slab in self.cache.slabs.items():
+            out[name][mask] = slab.take(index, axis=0)
+
+    def _load(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        slots = self.cache.assign(lanes, chunks)
+        try:
+            self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist=True)
+        except BaseException:
+            self.cache.evict(slots)
+            raise
+        finally:
+            self.cache.pinned[slots] = False
+
+    def _fetch_into(self, targets: list[tuple[int, int, int]], must_exist: bool) -> None:
+        """Read chunks into their slots; a missing chunk is an error if ``must_exist`` else zeros."""
+        work = [(zarr_layout.chunk_key(name, field, lane, chunk), self.cache.chunk_rows_of(name, slot))
+                for lane, chunk, slot in targets for name, field in self.schema.items()]
+        if isinstance(self.store, LocalChunkStore) and self.codec.raw:
+            found = list(self.io.map(lambda kv: self._read_raw(*kv), work))
+        else:
+            blobs = self.store.get_many([key for key, _ in work])
+            found = list(self.io.map(lambda kb: self._decode(kb[0][0], kb[1], kb[0][1]), zip(work, blobs)))
+        for (key, rows), ok in zip(work, found):
+            if not ok:
+                if must_exist:
+                    raise CorruptBufferError(
+                        f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
+                rows[...] = 0
+
+    def _read_raw(self, key: str, rows: np.ndarray) -> bool:
+        got = self.store.read_into(key, memoryview(rows.reshape(-1).view(np.uint8)))
+        if got is not None and got != rows.nbytes:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} has {got} bytes, expected {rows.nbytes}")
+        return got is not None
+
+    def _decode(self, key: str, blob: bytes | None, rows: np.ndarray) -> bool:
+        if blob is None:
+            return False
+        try:
+            self.codec.decode_into(blob, rows)
+        except Exception as exc:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
+        return True
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
