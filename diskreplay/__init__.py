@@ -3,13 +3,21 @@
 from .buffer import ReplayBuffer
 from .errors import (BufferExistsError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError)
-from .sampling import Draw, Sampler, Uniform
+from .episodes import EpisodeTable
+from .returns import discount_cumsum, episodic_returns, gae_advantages, normalize_advantages, nstep_targets
+from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows,
+                       ere_schedule)
+from .segment_tree import MinSegmentTree, SumSegmentTree
+from .rollout import RolloutBuffer
+from .transitions import HER
 from .schema import Field
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "Field", "Uniform", "Sampler", "Draw",
+    "ReplayBuffer", "Field", "Uniform", "Prioritized", "WithoutReplacement", "Sampler", "Draw",
+    "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable", "HER", "RolloutBuffer",
+    "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError",
 ]

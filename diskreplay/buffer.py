@@ -10,13 +10,16 @@ from typing import Any, Mapping
 import fsspec
 import numpy as np
 
-from . import snapshot
+from . import snapshot, transitions
 from .chunkstore import is_local, local_path
 from .errors import BufferExistsError, EmptyBufferError, SchemaError
+from .episodes import EpisodeIndex, EpisodeTable
 from .lanes import row_ids, split_row_ids
-from .sampling import Sampler, Uniform
+from .lanes import flat_to_lane_step
+from .sampling import Draw, Sampler, Uniform, sampler_from_state
 from .schema import Field, Schema
 from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, Storage
+from .transitions import HER
 
 STATE_PREFIX = "state/"
 
@@ -34,6 +37,7 @@ class ReplayBuffer:
         self.storage = storage
         self.sampler = sampler
         self.rng = rng
+        self.episode_index = EpisodeIndex(storage.layout.num_envs, tuple(storage.config.get("episode_end", ())))
         sampler.attach(storage.layout)
         self._closed = False
 
@@ -44,7 +48,8 @@ class ReplayBuffer:
                num_envs: int = 1, chunk_rows: int = 4096, compression: str | None = "zstd",
                compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
                storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-               io_threads: int = 8, overwrite: bool = False) -> "ReplayBuffer":
+               io_threads: int = 8, overwrite: bool = False,
+               episode_end: str | tuple[str, ...] | None = "auto") -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Args:
@@ -60,6 +65,8 @@ class ReplayBuffer:
             cache_bytes: bound on decoded chunks kept in RAM (bytes).
             io_threads: concurrent chunk reads/writes.
             overwrite: replace an existing buffer at ``url``.
+            episode_end: the bool field(s) whose OR ends an episode; ``"auto"`` takes ``done``, or
+                ``terminated`` and ``truncated``, when present; ``None`` keeps no episode index.
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
@@ -68,6 +75,7 @@ class ReplayBuffer:
         """
         url = os.fspath(url)
         schema = Schema(fields)
+        end_fields = _episode_end_fields(schema, episode_end)
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         _prepare_location(url, storage_options, overwrite)
         sampler = sampler or Uniform()
@@ -75,7 +83,7 @@ class ReplayBuffer:
             url, schema, num_envs=num_envs, lane_capacity=lane_capacity,
             chunk_rows=min(chunk_rows, lane_capacity or chunk_rows), compression=compression,
             level=compression_level, storage_options=storage_options, cache_bytes=cache_bytes,
-            io_threads=io_threads, extra={})
+            io_threads=io_threads, extra={}, options={"episode_end": list(end_fields)})
         buf = cls(storage, sampler, np.random.default_rng(seed))
         buf.flush()
         return buf
@@ -101,7 +109,7 @@ class ReplayBuffer:
         storage = Storage.open(url, mode=mode, storage_options=storage_options,
                                cache_bytes=cache_bytes, io_threads=io_threads)
         state = _load_committed_state(storage)
-        buf = cls(storage, sampler or _sampler_from_state(state.get("sampler")), np.random.default_rng())
+        buf = cls(storage, sampler or sampler_from_state(state.get("sampler")), np.random.default_rng())
         if state:
             buf._load_state(state)
         return buf
@@ -179,8 +187,10 @@ class ReplayBuffer:
 
     def _append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
         for j, lane in enumerate(lanes.tolist()):
-            first, end = self.storage.append(lane, {k: v[:, j] for k, v in rows.items()}, count)
+            lane_rows = {k: v[:, j] for k, v in rows.items()}
+            first, end = self.storage.append(lane, lane_rows, count)
             self.sampler.on_append(lane, first, end)
+            self.episode_index.on_append(lane, first, {k: v[count - (end - first):] for k, v in lane_rows.items()})
         if self.storage.sealed:
             self.storage.write_sealed(durable=False)
 
@@ -219,12 +229,31 @@ class ReplayBuffer:
     # ---- reading ---------------------------------------------------------------------------
 
     def sample(self, batch_size: int, *, seed: int | None = None, rng: np.random.Generator | None = None,
-               **options: Any) -> dict[str, np.ndarray]:
+               seq_len: int | None = None, pad: bool = False, n_step: int | None = None,
+               gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
+               her: HER | None = None, **options: Any) -> dict[str, np.ndarray]:
         """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
 
         Rows come from the buffer's sampler (uniform with replacement by default) over every row
         added so far, staged or committed (read-only buffers: committed rows). Random choices
         use ``rng``, else a generator seeded with ``seed``, else the buffer's own generator.
+        Prioritized samplers add ``"weight"`` (float32 importance weights) and take ``beta=``.
+        ``recent_rows=c`` (Uniform) draws from the newest ``c`` rows only (ERE).
+
+        Trajectory slices: ``seq_len=L`` returns arrays ``[batch_size, L, *shape]`` of consecutive
+        steps of one lane inside one episode, ``"index"`` ``[batch_size, L]`` and ``"start"`` (row
+        id of each first step). Without ``pad``, only windows that fit wholly inside an episode
+        are drawn (uniformly over such windows; episodes shorter than L are skipped). With
+        ``pad=True`` any readable step may start a slice; steps past the episode end repeat its
+        last step and ``"mask"`` ``[batch_size, L]`` is False there. With a prioritized sampler
+        a slice's priority is its start row's.
+
+        n-step returns: ``n_step=n, gamma=g`` replaces ``reward`` with the discounted sum of up to
+        n rewards inside the episode, every ``next_*`` field with its value at the last step used
+        (t+k-1), and adds ``"discount"`` = g^k * (1 - terminated) (a truncation bootstraps).
+        Frame stacking: ``stack=k`` returns each of ``stack_fields`` (and its ``next_`` twin) as
+        ``[batch_size, k, *shape]``, repeating the episode's first frame before its start.
+        ``her=dr.HER(...)`` relabels goals from the same episode (see `HER`).
 
         Raises:
             ValueError: batch_size <= 0.
@@ -237,13 +266,110 @@ class ReplayBuffer:
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 rows)")
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
+        if seq_len is not None:
+            return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
         batch = self.storage.gather(draw.lane, draw.step)
+        if (n_step or stack or her) and not self.episode_index.enabled:
+            raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+        if her is not None:
+            her.relabel(batch, self.storage, self.episode_index, draw.lane, draw.step, lo, hi, rng)
+        if n_step is not None:
+            batch.update(transitions.nstep(self.storage, self.episode_index, draw.lane, draw.step, hi, n_step, gamma))
+        if stack is not None:
+            batch.update(transitions.frame_stack(self.storage, self.episode_index, draw.lane, draw.step, lo,
+                                                 stack, tuple(stack_fields)))
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
             batch["weight"] = draw.weight
         batch.update(draw.extra)
         return batch
+
+    def _sample_slices(self, rng: np.random.Generator, batch_size: int, seq_len: int, pad: bool,
+                       lo: np.ndarray, hi: np.ndarray, options: dict[str, Any]) -> dict[str, np.ndarray]:
+        if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        if not self.episode_index.enabled:
+            raise ValueError("seq_len needs episode ends: create the buffer with episode_end= naming a bool field")
+        draw = self._slice_starts(rng, batch_size, seq_len, pad, lo, hi, options)
+        steps = draw.step[:, None] + np.arange(seq_len)
+        last = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
+        mask = steps <= last[:, None]
+        steps = np.minimum(steps, last[:, None])
+        lanes = np.repeat(draw.lane, seq_len)
+        rows = self.storage.gather(lanes, steps.reshape(-1))
+        batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) for k, v in rows.items()}
+        batch["index"] = row_ids(lanes, steps.reshape(-1), self.num_envs).reshape(batch_size, seq_len)
+        batch["start"] = row_ids(draw.lane, draw.step, self.num_envs)
+        if pad:
+            batch["mask"] = mask
+        if draw.weight is not None:
+            batch["weight"] = draw.weight
+        return batch
+
+    def _slice_starts(self, rng, batch_size, seq_len, pad, lo, hi, options):
+        """Starts of slices that fit in one episode (``pad``: any readable step may start one)."""
+        if isinstance(self.sampler, Uniform) and not options:
+            if pad:
+                return self.sampler.sample(rng, batch_size, lo, hi)
+            lane, first, count = self.episode_index.window_starts(lo, hi, seq_len)
+            if count.sum() == 0:
+                raise EmptyBufferError(f"no episode holds {seq_len} consecutive readable steps; "
+                                       f"use pad=True or a shorter seq_len")
+            segment, step = flat_to_lane_step(rng.integers(0, int(count.sum()), batch_size), first, first + count)
+            return Draw(lane[segment], step)
+        draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
+        for _ in range(256):
+            end = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
+            bad = np.zeros(batch_size, bool) if pad else draw.step + seq_len - 1 > end
+            if not bad.any():
+                return draw
+            again = self.sampler.sample(rng, int(bad.sum()), lo, hi, **options)
+            draw.lane[bad], draw.step[bad] = again.lane, again.step
+            if draw.weight is not None:
+                draw.weight[bad] = again.weight
+        raise EmptyBufferError(f"could not draw slices of {seq_len} steps inside one episode; "
+                               f"use pad=True or a shorter seq_len")
+
+    def update_priorities(self, index: Any, td_errors: Any) -> int:
+        """Set the priorities of rows (by row id, e.g. ``batch["index"]``) from TD errors.
+
+        Priorities become ``(|td| + eps) ** alpha``. Ids of rows overwritten since they were
+        sampled are ignored. Returns the number of rows updated.
+
+        Raises:
+            TypeError: the buffer's sampler has no priorities.
+            ValueError: NaN/inf TD errors, or not one TD error per index.
+            IndexError: a negative id.
+        """
+        update = getattr(self.sampler, "update_priorities", None)
+        if update is None:
+            raise TypeError(f"update_priorities needs a prioritized sampler; this buffer uses "
+                            f"{type(self.sampler).__name__}")
+        ids = np.asarray(index).reshape(-1)
+        if ids.dtype.kind not in "iu" or (ids < 0).any():
+            raise IndexError(f"row ids must be non-negative integers, got {ids[:5]}... (dtype {ids.dtype})")
+        lane, step = split_row_ids(ids.astype(np.int64), self.num_envs)
+        lo, hi = self.storage.window()
+        return update(lane, step, td_errors, lo, hi)
+
+    def episodes(self) -> EpisodeTable:
+        """Every episode with readable rows: lane, start step, length, complete (ended and its
+        first step not overwritten). Rows of an episode are row ids ``(start + i) * num_envs + lane``."""
+        if not self.episode_index.enabled:
+            raise ValueError("this buffer keeps no episode index (created with episode_end=None)")
+        return self.episode_index.table(*self.storage.window())
+
+    def episode(self, k: int) -> dict[str, np.ndarray]:
+        """The readable rows of episode ``k`` of `episodes` (negative k counts from the end)."""
+        table = self.episodes()
+        if not -len(table) <= k < len(table):
+            raise IndexError(f"episode {k} out of range: the buffer lists {len(table)} episodes")
+        lane, start, length = int(table.lane[k]), int(table.start[k]), int(table.length[k])
+        steps = np.arange(start, start + length)
+        rows = self.storage.gather(np.full(length, lane), steps)
+        rows["index"] = row_ids(lane, steps, self.num_envs)
+        return rows
 
     def __getitem__(self, ids: Any) -> dict[str, np.ndarray]:
         """Rows by row id (an int or a 1-D int array): ``{field: array}``.
@@ -274,11 +400,14 @@ class ReplayBuffer:
     # ---- state -----------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict()}
+        return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
+                "episodes": self.episode_index.state_dict()}
 
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.sampler.load_state_dict(state["sampler"])
+        if "episodes" in state:
+            self.episode_index.load_state_dict(state["episodes"])
 
     def state_dict(self) -> dict[str, Any]:
         """The small in-RAM state: cursors per lane, the generator and the sampler's state."""
@@ -395,13 +524,15 @@ def _load_committed_state(storage: Storage) -> dict[str, Any]:
     return snapshot.join(extra["state"], arrays)
 
 
-SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform}
-
-
-def _sampler_from_state(state: Mapping[str, Any] | None) -> Sampler:
-    if not state:
-        return Uniform()
-    kind = SAMPLER_TYPES.get(state.get("type", "Uniform"))
-    if kind is None:
-        raise ValueError(f"the buffer was saved with sampler {state.get('type')!r}; pass sampler= to open")
-    return kind.from_state_dict(state) if hasattr(kind, "from_state_dict") else kind()
+def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if episode_end is None:
+        return ()
+    if episode_end == "auto":
+        names = ("done",) if "done" in schema.fields else ("terminated", "truncated")
+        return tuple(n for n in names if n in schema.fields and schema[n].dtype == np.bool_ and schema[n].shape == ())
+    names = (episode_end,) if isinstance(episode_end, str) else tuple(episode_end)
+    for name in names:
+        if name not in schema.fields or schema[name].dtype != np.bool_ or schema[name].shape != ():
+            raise SchemaError(f"episode_end: expected scalar bool fields, got {name!r} "
+                              f"({schema.fields.get(name)})")
+    return names

@@ -1,18 +1,21 @@
 """Samplers: which rows a minibatch takes. A buffer is composed with one; none subclasses it.
 
-A sampler sees only lane windows (``lo``, ``hi``: the readable steps of each lane) and the
+A sampler sees the lane layout, the lane windows (``lo``, ``hi``: readable steps per lane) and
 notifications of appended steps; it returns (lane, step) pairs. Its state is plain data
-(`state_dict`), saved with the buffer at every commit.
+(`state_dict`), saved with the buffer at every commit and restored on open, so a resumed run
+draws exactly what an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
 from .lanes import LaneLayout, flat_to_lane_step
+from .segment_tree import MinSegmentTree, SumSegmentTree
 
 
 @dataclass
@@ -41,7 +44,20 @@ class Sampler(Protocol):
 
 
 class Uniform:
-    """Uniform sampling with replacement over every readable row of every lane."""
+    """Uniform sampling with replacement over every readable row of every lane.
+
+    ``recent_ratio`` of each batch (rounded) is drawn from the newest ``recent_rows`` rows
+    (split evenly over lanes) instead, as alf's ``recent_data_ratio``. ``sample(...,
+    recent_rows=c)`` draws the whole batch from the newest ``c`` rows (ERE; see `ere_schedule`).
+    """
+
+    def __init__(self, recent_ratio: float = 0.0, recent_rows: int = 0):
+        if not 0.0 <= recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
+        if recent_ratio > 0 and recent_rows < 1:
+            raise ValueError(f"recent_rows must be >= 1 when recent_ratio > 0, got {recent_rows}")
+        self.recent_ratio = recent_ratio
+        self.recent_rows = recent_rows
 
     def attach(self, layout: LaneLayout) -> None:
         self.layout = layout
@@ -50,15 +66,274 @@ class Uniform:
         pass
 
     def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
-               **options: Any) -> Draw:
-        if options:
-            raise TypeError(f"Uniform.sample got unexpected options {sorted(options)}")
-        pos = rng.integers(0, int((hi - lo).sum()), size=batch_size)
-        lane, step = flat_to_lane_step(pos, lo, hi)
-        return Draw(lane, step)
+               recent_rows: int | None = None) -> Draw:
+        if recent_rows is not None:
+            return _uniform(rng, batch_size, _recent(lo, hi, recent_rows), hi)
+        n_recent = int(round(batch_size * self.recent_ratio))
+        if n_recent == 0:
+            return _uniform(rng, batch_size, lo, hi)
+        old = _uniform(rng, batch_size - n_recent, lo, hi)
+        new = _uniform(rng, n_recent, _recent(lo, hi, self.recent_rows), hi)
+        return Draw(np.concatenate([old.lane, new.lane]), np.concatenate([old.step, new.step]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"type": "Uniform"}
+        return {"type": "Uniform", "recent_ratio": self.recent_ratio, "recent_rows": self.recent_rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "Uniform":
+        return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
+
+
+def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
+    pos = rng.integers(0, int((hi - lo).sum()), size=n)
+    lane, step = flat_to_lane_step(pos, lo, hi)
+    return Draw(lane, step)
+
+
+def _recent(lo: np.ndarray, hi: np.ndarray, rows: int) -> np.ndarray:
+    """Per-lane lower bounds that keep (about) the newest ``rows`` rows over all lanes."""
+    if rows < 1:
+        raise ValueError(f"recent_rows must be >= 1, got {rows}")
+    per_lane = -(-rows // len(lo))
+    return np.maximum(lo, hi - per_lane)
+
+
+def ere_recent_rows(buffer_rows: int, k: int, updates: int, eta: float = 0.996, c_min: int = 2500) -> int:
+    """ERE's window for update ``k`` of ``updates`` (Wang & Ross 2019):
+    ``c_k = max(N * eta ** (k * 1000 / K), c_min)``, capped at ``N`` (the rows in the buffer)."""
+    c_k = max(int(buffer_rows * eta ** (k * 1000 / updates)), c_min)
+    return min(c_k, buffer_rows)
+
+
+def ere_schedule(buffer_rows: int, updates: int, eta: float = 0.996, c_min: int = 2500) -> Iterator[int]:
+    """Yield `ere_recent_rows` for k = 0..updates-1: pass each as ``buf.sample(B, recent_rows=c_k)``."""
+    for k in range(updates):
+        yield ere_recent_rows(buffer_rows, k, updates, eta, c_min)
+
+
+class Prioritized:
+    """Proportional prioritized replay (Schaul et al. 2016) on in-RAM sum and min segment trees.
+
+    New rows get the largest priority seen so far (or ``initial_priority``). ``update_priorities``
+    sets ``p = (|td| + eps) ** alpha``; P(i) = p_i / sum(p). Importance weights are
+    ``(N * P(i)) ** -beta`` normalized by their maximum over the *whole buffer*, which comes from
+    the minimum priority (as cpprb and TorchRL), not by the batch maximum: ``w_i = (p_i / p_min)
+    ** -beta``. Sampling is stratified (one draw in each of ``batch_size`` equal slices of the
+    total) unless ``stratified=False``.
+
+    Leaves are storage slots, so an overwritten ring row simply takes the new row's priority. An
+    update naming a row that was overwritten since it was sampled (a stale row id) is ignored.
+    """
+
+    def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
+                 initial_priority: float | None = None, stratified: bool = True):
+        for name, value in (("alpha", alpha), ("beta", beta), ("eps", eps)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if initial_priority is not None and not (math.isfinite(initial_priority) and initial_priority > 0):
+            raise ValueError(f"initial_priority must be a finite number > 0, got {initial_priority!r}")
+        self.alpha, self.beta, self.eps = float(alpha), float(beta), float(eps)
+        self.initial_priority = initial_priority
+        self.stratified = stratified
+        self.max_priority = 1.0 if initial_priority is None else float(initial_priority)
+        self._pending: list[tuple[int, int, int]] = []
+
+    def attach(self, layout: LaneLayout) -> None:
+        self.layout = layout
+        self.stride = layout.lane_capacity or 1 << 16
+        self._make_trees(layout.num_envs * self.stride)
+
+    def _make_trees(self, leaves: int) -> None:
+        self.sum_tree = SumSegmentTree(leaves)
+        self.min_tree = MinSegmentTree(leaves)
+
+    def _leaf(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+        return lane * self.stride + self.layout.slot(step)
+
+    def _grow(self, steps_needed: int) -> None:
+        """Dataset mode: widen each lane's range of leaves (rebuilding the trees)."""
+        stride = self.stride
+        while stride < steps_needed:
+            stride *= 2
+        if stride == self.stride:
+            return
+        old = self.sum_tree[np.arange(self.sum_tree.capacity)].reshape(self.layout.num_envs, self.stride)
+        self.stride = stride
+        self._make_trees(self.layout.num_envs * stride)
+        leaves = np.zeros((self.layout.num_envs, stride))
+        leaves[:, : old.shape[1]] = old
+        self._set_leaves(np.flatnonzero(leaves.reshape(-1)), leaves.reshape(-1)[leaves.reshape(-1) > 0])
+
+    def _set_leaves(self, leaves: np.ndarray, values: np.ndarray) -> None:
+        self.sum_tree.update(leaves, values)
+        self.min_tree.update(leaves, values)
+
+    def on_append(self, lane: int, first: int, end: int) -> None:
+        self._pending.append((lane, first, end))
+
+    def _apply_pending(self) -> None:
+        """Give newly appended rows the current max priority (batched: adds stay cheap)."""
+        if not self._pending:
+            return
+        if self.layout.lane_capacity is None:
+            self._grow(max(end for _, _, end in self._pending))
+        lanes = np.concatenate([np.full(e - f, lane, np.int64) for lane, f, e in self._pending])
+        steps = np.concatenate([np.arange(f, e, dtype=np.int64) for _, f, e in self._pending])
+        self._pending = []
+        self._set_leaves(self._leaf(lanes, steps), np.full(len(steps), self.max_priority ** self.alpha))
+
+    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
+               beta: float | None = None) -> Draw:
+        self._apply_pending()
+        total = self.sum_tree.total()
+        if self.stratified:
+            thresholds = (np.arange(batch_size) + rng.random(batch_size)) * (total / batch_size)
+        else:
+            thresholds = rng.random(batch_size) * total
+        leaf = self.sum_tree.find_prefix_sum(thresholds)
+        for _ in range(64):
+            lane, slot = np.divmod(leaf, self.stride)
+            step = self._step_of_slot(lane, slot, hi)
+            outside = (step < lo[lane]) | (step >= hi[lane])
+            if not outside.any():
+                return Draw(lane, step, self._weights(leaf, beta))
+            leaf[outside] = self.sum_tree.find_prefix_sum(rng.random(int(outside.sum())) * total)
+        raise RuntimeError("prioritized sampler keeps drawing rows outside the readable window; "
+                           "its state does not match the buffer's commit")
+
+    def _step_of_slot(self, lane: np.ndarray, slot: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        cap = self.layout.lane_capacity
+        if cap is None:
+            return slot
+        last = hi[lane] - 1
+        return last - (last - slot) % cap
+
+    def _weights(self, leaf: np.ndarray, beta: float | None) -> np.ndarray:
+        beta = self.beta if beta is None else beta
+        p = self.sum_tree[leaf]
+        return ((p / self.min_tree.min()) ** -beta).astype(np.float32)
+
+    def update_priorities(self, lane: np.ndarray, step: np.ndarray, td_errors: np.ndarray,
+                          lo: np.ndarray, hi: np.ndarray) -> int:
+        """Set priorities from TD errors; returns how many rows were updated (stale ones skipped).
+
+        Raises ValueError (nothing changed) if a TD error is NaN or infinite.
+        """
+        td = np.asarray(td_errors, dtype=np.float64).reshape(-1)
+        if td.shape != step.shape:
+            raise ValueError(f"update_priorities: expected {step.shape[0]} priorities (one per index), "
+                             f"got shape {np.shape(td_errors)}")
+        if not np.isfinite(td).all():
+            bad = td[~np.isfinite(td)][0]
+            raise ValueError(f"update_priorities: priorities must be finite, got {bad} "
+                             f"at position {int(np.flatnonzero(~np.isfinite(td))[0])}")
+        self._apply_pending()
+        live = (step >= lo[lane]) & (step < hi[lane])
+        priority = np.abs(td[live]) + self.eps
+        if priority.size:
+            self.max_priority = max(self.max_priority, float(priority.max()))
+            self._set_leaves(self._leaf(lane[live], step[live]), priority ** self.alpha)
+        return int(live.sum())
+
+    def state_dict(self) -> dict[str, Any]:
+        self._apply_pending()
+        return {"type": "Prioritized", "alpha": self.alpha, "beta": self.beta, "eps": self.eps,
+                "initial_priority": self.initial_priority, "stratified": self.stratified,
+                "max_priority": self.max_priority, "stride": self.stride,
+                "leaves": self.sum_tree[np.arange(self.sum_tree.capacity)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.max_priority = float(state["max_priority"])
+        self._pending = []
+        self.stride = int(state["stride"])
+        leaves = np.asarray(state["leaves"], dtype=np.float64)
+        self._make_trees(len(leaves))
+        nonzero = np.flatnonzero(leaves)
+        self._set_leaves(nonzero, leaves[nonzero])
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "Prioritized":
+        return cls(state["alpha"], state["beta"], state["eps"], state["initial_priority"], state["stratified"])
+
+
+class WithoutReplacement:
+    """Each readable row once per epoch, in a seeded random order; then a new epoch.
+
+    An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so
+    the saved state is a few integers. Rows overwritten during an epoch are skipped; rows added
+    during an epoch wait for the next one. A batch that crosses an epoch end is completed from
+    the next epoch.
+    """
+
+    def __init__(self):
+        self.epoch = -1
+        self.cursor = 0
+        self.epoch_seed = 0
+        self.epoch_lo = np.zeros(0, np.int64)
+        self.epoch_hi = np.zeros(0, np.int64)
+        self._order: tuple[np.ndarray, np.ndarray] | None = None
+
+    def attach(self, layout: LaneLayout) -> None:
+        self.layout = layout
+
+    def on_append(self, lane: int, first: int, end: int) -> None:
+        pass
+
+    def _start_epoch(self, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray) -> None:
+        self.epoch += 1
+        self.cursor = 0
+        self.epoch_seed = int(rng.integers(0, 2**63 - 1))
+        self.epoch_lo, self.epoch_hi = lo.copy(), hi.copy()
+        self._order = None
+
+    def order(self) -> tuple[np.ndarray, np.ndarray]:
+        """This epoch's (lane, step) sequence."""
+        if self._order is None:
+            n = int((self.epoch_hi - self.epoch_lo).sum())
+            perm = np.random.default_rng(self.epoch_seed).permutation(n)
+            self._order = flat_to_lane_step(perm, self.epoch_lo, self.epoch_hi)
+        return self._order
+
+    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
+        lanes, steps = [], []
+        need = batch_size
+        while need > 0:
+            if self.epoch < 0 or self.cursor >= len(self.order()[0]):
+                self._start_epoch(rng, lo, hi)
+            lane, step = self.order()
+            take_lane = lane[self.cursor:self.cursor + need]
+            take_step = step[self.cursor:self.cursor + need]
+            self.cursor += len(take_lane)
+            live = take_step >= lo[take_lane]
+            lanes.append(take_lane[live])
+            steps.append(take_step[live])
+            need -= int(live.sum())
+        return Draw(np.concatenate(lanes), np.concatenate(steps))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "WithoutReplacement", "epoch": self.epoch, "cursor": self.cursor,
+                "epoch_seed": self.epoch_seed, "epoch_lo": self.epoch_lo.copy(), "epoch_hi": self.epoch_hi.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.epoch_seed = int(state["epoch_seed"])
+        self.epoch_lo = np.asarray(state["epoch_lo"], np.int64)
+        self.epoch_hi = np.asarray(state["epoch_hi"], np.int64)
+        self._order = None
+
+
+SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform, "Prioritized": Prioritized,
+                                  "WithoutReplacement": WithoutReplacement}
+
+
+def sampler_from_state(state: dict[str, Any] | None) -> Sampler:
+    """Rebuild the sampler a buffer was saved with (its type and settings; state loaded later)."""
+    if not state:
+        return Uniform()
+    kind = SAMPLER_TYPES.get(state.get("type", ""))
+    if kind is None:
+        raise ValueError(f"the buffer was saved with sampler {state.get('type')!r}; pass sampler= to open")
+    return kind.from_state_dict(state) if hasattr(kind, "from_state_dict") else kind()

@@ -1,52 +1,42 @@
 """Array-backed segment trees for prioritized replay (sum and min).
 
-Both trees store ``2 * P`` float64 nodes in one flat numpy array, where ``P``
-is the smallest power of two ``>= capacity``: the root is node 1 and the
-leaves are nodes ``P .. 2P - 1``. Every internal node is always recomputed
+Both trees keep ``2 * P`` float64 nodes in one flat numpy array, ``P`` being
+the smallest power of two ``>= capacity``: the root is node 1, the children of
+node ``i`` are ``2i`` and ``2i + 1``, and the leaves are nodes ``P .. 2P - 1``.
+Padding leaves hold the neutral element. Every internal node is recomputed
 from its two children (never maintained by deltas), so the tree is a pure
 function of its leaves and sums do not drift.
 
-All batched operations are vectorized over the batch; the only Python loops
-run over tree levels. Bottom levels are processed a few levels per step on
-cache-line-sized blocks of siblings, and the top levels (a few thousand
-nodes) are recomputed whole, which is cheaper than gathering.
+Batched operations are vectorized over the batch; the only Python loops run
+over tree levels. ``update`` gathers sibling pairs through a complex128 view
+of each level and recomputes the top levels whole (a few thousand nodes are
+cheaper to recompute than to gather); ``find_prefix_sum`` resolves the top
+levels with one ``searchsorted`` over a prefix sum and descends the rest one
+level per step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
 __all__ = ["SumSegmentTree", "MinSegmentTree"]
 
-_BLOCK_LEVELS = 3
-"""Levels handled per gather step below the top region (2**3 float64 = one cache line)."""
-
-_TOP_LEVELS = 10
-"""Levels under the root that are recomputed whole (update) or scanned whole (search)."""
-
-_ALIGN = 64
-_SIGN_OR_NONFINITE = np.uint64(0x7FF0000000000000)
+_TOP_UPDATE_LEVELS = 10
+_TOP_SEARCH_LEVELS = 10
+_ALIGN_BYTES = 64
+_NONNEG_FINITE_LIMIT = np.uint64(0x7FF0000000000000)
 
 
 def _aligned_full(size: int, fill: float) -> np.ndarray:
-    """A float64 array of ``size`` elements filled with ``fill``, 64-byte aligned."""
-    pad = _ALIGN // 8
+    """Float64 array of ``size`` elements set to ``fill``, aligned to 64 bytes."""
+    pad = _ALIGN_BYTES // 8
     raw = np.zeros(size + pad) if fill == 0.0 else np.full(size + pad, fill)
-    offset = (-raw.ctypes.data % _ALIGN) // 8
+    offset = (-raw.ctypes.data % _ALIGN_BYTES) // 8
     return raw[offset : offset + size]
-
-
-def _split_levels(levels: int, step: int) -> list[int]:
-    """Split ``levels`` into near-equal chunks of at most ``step`` levels."""
-    if levels <= 0:
-        return []
-    count = -(-levels // step)
-    base, extra = divmod(levels, count)
-    return [base + 1] * extra + [base] * (count - extra)
 
 
 class _SegmentTree:
@@ -68,86 +58,76 @@ class _SegmentTree:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity: int = int(capacity)
         self._depth = (self.capacity - 1).bit_length()
-        size = 1 << self._depth
-        self._tree = _aligned_full(2 * size, self._neutral)
+        self._tree = _aligned_full(2 << self._depth, self._neutral)
         self._levels = [self._tree[1 << lv : 2 << lv] for lv in range(self._depth + 1)]
         self._leaves = self._levels[self._depth][: self.capacity]
         self._plan()
 
     def _plan(self) -> None:
         """Precompute the per-level views used by ``update`` and searches."""
-        depth = self._depth
-        top = min(depth, _TOP_LEVELS)
-        self._top = top
+        depth, levels = self._depth, self._levels
+        top = min(depth, _TOP_UPDATE_LEVELS)
         self._top_plan = [
-            (self._levels[lv + 1][0::2], self._levels[lv + 1][1::2], self._levels[lv])
-            for lv in reversed(range(top))
+            (levels[lv + 1][0::2], levels[lv + 1][1::2], levels[lv]) for lv in reversed(range(top))
         ]
-        self._up_plan: list[tuple[int, np.ndarray, list[np.ndarray]]] = []
-        level = depth
-        for s in _split_levels(depth - top, _BLOCK_LEVELS):
-            block = self._levels[level].reshape(-1, 1 << s)
-            writes = [self._levels[level - r].reshape(-1, 1 << (s - r)) for r in range(1, s + 1)]
-            self._up_plan.append((s, block, writes))
-            level -= s
-        self._down_plan = [(s, b) for s, b, _ in reversed(self._up_plan)]
+        self._shifts = np.arange(1, depth - top + 1, dtype=np.intp)[:, None]
+        self._pair_views = [levels[depth - r].view(np.complex128) for r in range(depth - top)]
+        self._parent_views = [levels[depth - 1 - r] for r in range(depth - top)]
 
     def __len__(self) -> int:
         return self.capacity
 
     def __getitem__(self, indices: Any) -> np.ndarray:
-        """Leaf values (float64 copy) at ``indices`` (numpy indexing rules).
+        """Leaf values (a float64 copy) at ``indices``, with numpy indexing rules.
 
         Raises:
             IndexError: an index is outside ``[-capacity, capacity)``.
         """
         return np.array(self._leaves[indices], dtype=np.float64, copy=True)
 
-    def update(self, indices: np.ndarray, values: np.ndarray | float) -> None:
-        """Set ``leaves[indices] = values`` and recompute the affected ancestors.
+    def update(self, indices: Any, values: Any) -> None:
+        """Set ``leaves[indices] = values`` and recompute their ancestors.
 
         Args:
-            indices: integer array of leaf indices, any shape; duplicates allowed,
+            indices: integer array of leaf indices, any shape; with duplicates
                 the last write wins (numpy assignment semantics).
-            values: float64-castable array broadcastable to ``indices.shape``.
+            values: float64-castable, same size as ``indices`` or a scalar.
 
         Raises:
             TypeError: ``indices`` is not an integer array.
             IndexError: an index is negative or ``>= capacity`` (named in the message).
-            ValueError: a value is not acceptable for this tree (named in the
-                message), or ``values`` does not broadcast to ``indices``.
+            ValueError: a value this tree refuses (named in the message), or
+                ``values`` does not match ``indices`` in size.
+
         Nothing is modified when an exception is raised.
         """
         idx = self._check_indices(indices)
         if idx.size == 0:
             return
-        vals = self._check_values(self._broadcast_values(values, idx))
+        vals = self._check_values(self._match_values(values, idx))
         self._levels[self._depth][idx] = vals
         self._propagate(idx)
 
     def _propagate(self, idx: np.ndarray) -> None:
-        """Recompute all ancestors of leaf positions ``idx`` (local leaf indices)."""
+        """Recompute every ancestor of the leaves ``idx`` (1-D intp, in range)."""
         op = self._op
-        for s, block, writes in self._up_plan:
-            idx = idx >> s
-            cur = block[idx]
-            for view in writes:
-                cur = op(cur[:, 0::2], cur[:, 1::2])
-                view[idx] = cur
+        ancestors = idx >> self._shifts
+        for parents, pairs_view, parent_view in zip(ancestors, self._pair_views, self._parent_views):
+            pairs = pairs_view[parents]
+            parent_view[parents] = op(pairs.real, pairs.imag)
         for left, right, out in self._top_plan:
             op(left, right, out=out)
 
     def _rebuild(self) -> None:
         """Recompute every internal node from the leaves."""
-        op = self._op
         for lv in reversed(range(self._depth)):
             child = self._levels[lv + 1]
-            op(child[0::2], child[1::2], out=self._levels[lv])
+            self._op(child[0::2], child[1::2], out=self._levels[lv])
 
     def _query(self, start: int, end: int | None) -> float:
-        """Combine leaves ``[start, end)`` with the tree's operation."""
+        """Combine the leaves ``[start, end)`` with the tree's operation."""
         end = self.capacity if end is None else end
-        if not 0 <= start <= self.capacity or not 0 <= end <= self.capacity:
+        if not (0 <= start <= self.capacity and 0 <= end <= self.capacity):
             raise IndexError(
                 f"range [{start}, {end}) is out of bounds: expected "
                 f"0 <= start <= end <= capacity={self.capacity}"
@@ -169,14 +149,14 @@ class _SegmentTree:
         return float(result)
 
     def _check_indices(self, indices: Any) -> np.ndarray:
-        """Validate ``indices`` and return them as a flat intp array."""
+        """``indices`` as a flat intp array; raise if not integer or out of range."""
         idx = np.asarray(indices)
         if idx.dtype.kind not in "iu":
             if idx.size:
                 raise TypeError(f"indices must be an integer array, got dtype {idx.dtype}")
             idx = idx.astype(np.intp)
-        idx = idx.ravel()
-        if idx.size and not self._indices_in_range(idx):
+        idx = idx.reshape(-1)
+        if idx.size and not self._in_range(idx):
             bad = idx[(idx < 0) | (idx >= self.capacity)][0]
             raise IndexError(
                 f"index {bad} is out of range for {type(self).__name__} of capacity "
@@ -184,24 +164,23 @@ class _SegmentTree:
             )
         return idx.astype(np.intp, copy=False)
 
-    def _indices_in_range(self, idx: np.ndarray) -> bool:
+    def _in_range(self, idx: np.ndarray) -> bool:
         if idx.dtype == np.intp:
             return bool(np.maximum.reduce(idx.view(np.uintp)) < self.capacity)
         return bool(np.minimum.reduce(idx) >= 0 and np.maximum.reduce(idx) < self.capacity)
 
     @staticmethod
-    def _broadcast_values(values: Any, idx: np.ndarray) -> np.ndarray:
+    def _match_values(values: Any, idx: np.ndarray) -> np.ndarray:
+        """``values`` as a contiguous float64 array shaped like ``idx``."""
         vals = np.asarray(values, dtype=np.float64)
-        if vals.shape != idx.shape:
-            if vals.size != idx.size and vals.size != 1:
-                raise ValueError(
-                    f"values of shape {vals.shape} do not match {idx.size} indices"
-                )
-            vals = np.broadcast_to(vals.ravel(), idx.shape)
-        return np.ascontiguousarray(vals)
+        if vals.size != idx.size:
+            if vals.size != 1:
+                raise ValueError(f"got {vals.size} values for {idx.size} indices")
+            return np.full(idx.shape, vals.reshape(-1)[0])
+        return np.ascontiguousarray(vals.reshape(-1))
 
     def _check_values(self, vals: np.ndarray) -> np.ndarray:
-        """Return ``vals`` (flat float64) if acceptable, else raise ValueError."""
+        """``vals`` (1-D float64, possibly normalized) if acceptable, else ValueError."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -209,18 +188,18 @@ class _SegmentTree:
         return {"leaves": self._leaves.copy()}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> Any:
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Self:
         """Rebuild a tree from :meth:`state_dict` output.
 
         Raises:
             KeyError: ``state`` has no ``"leaves"``.
-            ValueError: leaves are not a non-empty 1-D array or hold refused values.
+            ValueError: leaves are not a non-empty 1-D array, or hold refused values.
         """
-        leaves = np.ascontiguousarray(state["leaves"], dtype=np.float64)
+        leaves = np.asarray(state["leaves"], dtype=np.float64)
         if leaves.ndim != 1 or leaves.size == 0:
             raise ValueError(f"expected non-empty 1-D leaves, got shape {leaves.shape}")
         tree = cls(leaves.size)
-        tree._leaves[:] = tree._check_values(leaves)
+        tree._leaves[:] = tree._check_values(np.ascontiguousarray(leaves))
         tree._rebuild()
         return tree
 
@@ -229,92 +208,109 @@ class _SegmentTree:
 
 
 class SumSegmentTree(_SegmentTree):
-    """Sum tree over ``capacity`` non-negative finite float64 leaves (initially 0)."""
+    """Sum tree over ``capacity`` finite, non-negative float64 leaves (initially 0)."""
 
     _op = np.add
     _neutral = 0.0
 
+    def _plan(self) -> None:
+        super()._plan()
+        self._search_levels = min(self._depth, _TOP_SEARCH_LEVELS)
+        self._left_views = [
+            self._levels[lv + 1][0::2] for lv in range(self._search_levels, self._depth)
+        ]
+
     def _check_values(self, vals: np.ndarray) -> np.ndarray:
-        bits = vals.view(np.uint64)
-        if bits.size == 0 or np.maximum.reduce(bits) < _SIGN_OR_NONFINITE:
+        if vals.size == 0 or np.maximum.reduce(vals.view(np.uint64)) < _NONNEG_FINITE_LIMIT:
             return vals
-        bad = ~(vals >= 0) | ~np.isfinite(vals)
+        bad = ~((vals >= 0) & np.isfinite(vals))
         if bad.any():
             pos = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"SumSegmentTree values must be finite and >= 0, got {vals[pos]!r} "
                 f"at position {pos}"
             )
-        return vals + 0.0  # turns -0.0 into 0.0
+        return vals + 0.0  # only -0.0 got here; store it as +0.0
 
     def total(self) -> float:
         """Sum of all leaves."""
         return float(self._tree[1])
 
     def sum(self, start: int = 0, end: int | None = None) -> float:
-        """Sum of leaves ``[start, end)``; ``end=None`` means ``capacity``.
+        """Sum of the leaves ``[start, end)``; ``end=None`` means ``capacity``.
 
         Raises:
-            IndexError: bounds outside ``[0, capacity]``.
+            IndexError: a bound outside ``[0, capacity]``.
             ValueError: ``start > end``.
         """
         return self._query(start, end)
 
-    def find_prefix_sum(self, thresholds: np.ndarray | float) -> np.ndarray:
-        """For each threshold ``t`` the smallest ``i`` with ``sum(leaves[:i+1]) > t``.
+    def find_prefix_sum(self, thresholds: Any) -> np.ndarray:
+        """For each threshold ``t``, the smallest ``i`` with ``sum(leaves[:i+1]) > t``.
 
         Args:
-            thresholds: float array, any shape, each ``0 <= t < total()``.
-                Larger thresholds (e.g. ``total()`` after rounding) return the
-                last leaf with a non-zero value.
+            thresholds: float array, any shape, each ``0 <= t < total()``;
+                larger ones (e.g. ``total()`` itself) give the last non-zero leaf.
 
         Returns:
-            int64 array of leaf indices, shape of ``thresholds``. A leaf holding
-            0 (or a padding leaf) is never returned.
+            int64 array of leaf indices shaped like ``thresholds``. A leaf
+            holding 0 (padding included) is never returned.
 
         Raises:
-            ValueError: ``total() == 0``, or a threshold is negative or NaN.
+            ValueError: ``total()`` is 0, or a threshold is negative or NaN.
         """
-        t = np.array(thresholds, dtype=np.float64, copy=True)
+        t = np.array(thresholds, dtype=np.float64)
         shape = t.shape
         t = t.reshape(-1)
         if t.size == 0:
             return np.zeros(shape, dtype=np.int64)
         if not self._tree[1] > 0:
-            raise ValueError("find_prefix_sum needs total() > 0, got a tree summing to 0")
+            raise ValueError("find_prefix_sum needs total() > 0, but all leaves are 0")
         if not np.minimum.reduce(t) >= 0:
             pos = int(np.flatnonzero(~(t >= 0))[0])
             raise ValueError(f"thresholds must be >= 0, got {t[pos]!r} at position {pos}")
-        idx = self._search_top(t)
-        for s, block in self._down_plan:
-            idx = self._search_block(t, idx, s, block)
+        idx = self._descend_top(t)
+        for left_view in self._left_views:
+            left = left_view[idx]
+            right = t >= left
+            t -= left * right
+            idx += idx
+            idx += right
+        if not np.minimum.reduce(self._leaves[idx]) > 0:
+            self._fix_zero_hits(idx)
         return idx.astype(np.int64, copy=False).reshape(shape)
 
-    def _search_top(self, t: np.ndarray) -> np.ndarray:
-        """Descend from the root to level ``_top`` for all ``t`` at once (``t`` updated)."""
-        level = self._levels[self._top]
-        cum = np.empty(level.size + 1)
-        cum[0] = 0.0
-        np.cumsum(level, out=cum[1:])
-        np.minimum(t, math.nextafter(cum[-1], -math.inf), out=t)
-        idx = np.searchsorted(cum[1:], t, side="right")
-        t -= cum[idx]
+    def _descend_top(self, t: np.ndarray) -> np.ndarray:
+        """Node indices (within their level) after the top levels; subtracts from ``t``."""
+        level = self._levels[self._search_levels]
+        cumsum = np.empty(level.size + 1)
+        cumsum[0] = 0.0
+        np.cumsum(level, out=cumsum[1:])
+        idx = np.searchsorted(cumsum[1:], t, side="right")
+        np.minimum(idx, level.size - 1, out=idx)
+        t -= cumsum[idx]
         return idx
 
-    @staticmethod
-    def _search_block(t: np.ndarray, idx: np.ndarray, s: int, block: np.ndarray) -> np.ndarray:
-        """Descend ``s`` levels: pick, below each node ``idx``, the child holding ``t``."""
-        width = 1 << s
-        n = idx.size
-        cum = np.empty((n, width + 1))
-        cum[:, 0] = 0.0
-        np.cumsum(block[idx], axis=1, out=cum[:, 1:])
-        np.minimum(t, np.nextafter(cum[:, -1], -np.inf), out=t)
-        step = np.add.reduce(cum[:, 1:] <= t[:, None], axis=1, dtype=np.intp)
-        t -= cum.reshape(-1)[np.arange(0, n * (width + 1), width + 1) + step]
-        idx <<= s
-        idx += step
-        return idx
+    def _fix_zero_hits(self, idx: np.ndarray) -> None:
+        """Move results that landed on a zero leaf to the last non-zero leaf before them.
+
+        Rounding can carry a threshold at (or past) the end of a subtree's mass
+        into a run of zero leaves that follows it; the intended leaf is then the
+        last non-zero one before the run.
+        """
+        for pos in np.flatnonzero(self._leaves[idx] == 0):
+            idx[pos] = self._last_nonzero_before(int(idx[pos]))
+
+    def _last_nonzero_before(self, leaf: int) -> int:
+        """Largest leaf index ``< leaf`` with a non-zero value (the last one if none)."""
+        tree, size = self._tree, 1 << self._depth
+        node = leaf + size
+        while node > 1 and not (node & 1 and tree[node - 1] > 0):
+            node >>= 1
+        node = node - 1 if node > 1 else 1
+        while node < size:
+            node = 2 * node + 1 if tree[2 * node + 1] > 0 else 2 * node
+        return node - size
 
 
 class MinSegmentTree(_SegmentTree):
@@ -330,15 +326,12 @@ class MinSegmentTree(_SegmentTree):
         raise ValueError(f"MinSegmentTree values must not be NaN, got nan at position {pos}")
 
     def min(self, start: int = 0, end: int | None = None) -> float:
-        """Minimum of leaves ``[start, end)`` (``+inf`` if empty or never set).
+        """Minimum of the leaves ``[start, end)`` (``+inf`` if empty or never set).
 
         Raises:
-            IndexError: bounds outside ``[0, capacity]``.
+            IndexError: a bound outside ``[0, capacity]``.
             ValueError: ``start > end``.
         """
         if start == 0 and end is None:
             return float(self._tree[1])
         return self._query(start, end)
-
-
-_Op = Callable[[np.ndarray, np.ndarray], np.ndarray]

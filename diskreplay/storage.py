@@ -101,11 +101,12 @@ class Storage:
     @classmethod
     def create(cls, url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None,
                chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
-               cache_bytes: int, io_threads: int, extra: dict[str, Any]) -> "Storage":
+               cache_bytes: int, io_threads: int, extra: dict[str, Any],
+               options: dict[str, Any] | None = None) -> "Storage":
         zarr_layout.check_schema_compatible(schema)
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
-                  "chunk_rows": chunk_rows, "compression": compression, "level": level}
+                  "chunk_rows": chunk_rows, "compression": compression, "level": level, **(options or {})}
         store = open_chunkstore(url, storage_options)
         store.delete(COMMIT_KEY)
         group = zarr_layout.open_group(url, "w", storage_options)
@@ -307,18 +308,21 @@ class Storage:
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         return True
 
-    def gather(self, lane: np.ndarray, step: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows at (lane, step) for every field: a dict of arrays with leading axis ``len(step)``.
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None
+               ) -> dict[str, np.ndarray]:
+        """Rows at (lane, step) of every field (or of ``names``): arrays with leading axis ``len(step)``.
 
         The caller guarantees the steps lie inside `window`.
         """
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
         if (slots < 0).any():
-            return self._gather_with_misses(lane, chunk, offset, slots)
+            rows = self._gather_with_misses(lane, chunk, offset, slots)
+            return rows if names is None else {name: rows[name] for name in names}
         self.cache.touch(slots)
         index = slots * self.layout.chunk_rows + offset
-        return {name: slab.take(index, axis=0) for name, slab in self.cache.slabs.items()}
+        slabs = self.cache.slabs
+        return {name: slabs[name].take(index, axis=0) for name in (names or slabs)}
 
     def _gather_with_misses(self, lane, chunk, offset, slots) -> dict[str, np.ndarray]:
         miss = slots < 0

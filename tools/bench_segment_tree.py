@@ -37,7 +37,7 @@ def median_us(fn: Callable[[int], None], reps: int, warmup: int = 50) -> float:
 
 def bench_sum(capacity: int, batch: int, reps: int, rng: np.random.Generator) -> float:
     tree = SumSegmentTree.from_state_dict({"leaves": rng.random(capacity)})
-    pool = 64
+    pool = reps
     idx = rng.integers(0, capacity, (pool, batch))
     vals = rng.random((pool, batch))
     fracs = rng.random((pool, batch))
@@ -52,7 +52,7 @@ def bench_sum(capacity: int, batch: int, reps: int, rng: np.random.Generator) ->
 
 def bench_min(capacity: int, batch: int, reps: int, rng: np.random.Generator) -> float:
     tree = MinSegmentTree.from_state_dict({"leaves": rng.random(capacity)})
-    pool = 64
+    pool = reps
     idx = rng.integers(0, capacity, (pool, batch))
     vals = rng.random((pool, batch))
 
@@ -66,7 +66,7 @@ def bench_min(capacity: int, batch: int, reps: int, rng: np.random.Generator) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5000)
+    parser.add_argument("--reps", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     rng = np.random.default_rng(0)

@@ -1,0 +1,143 @@
+"""The episode index: per env lane, the steps at which episodes ended, kept in RAM.
+
+An episode ends at step ``t`` of a lane when any of the buffer's *end fields* (by default
+``done``, or ``terminated`` and ``truncated``) is true at ``t``. Only those end steps are stored
+(one int64 per episode), so the index stays small next to the data and is saved with every
+commit. Everything else — where the episode of a step began, how many steps remain, which
+windows of length L fit inside one episode — is derived with ``searchsorted``.
+
+A ring overwrites the oldest steps: an episode whose first steps are gone is *partial*. It is
+still listed, starting at the oldest readable step, with ``complete=False`` when its true start
+was overwritten (or when it has not ended yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+NO_END = np.iinfo(np.int64).max
+
+
+@dataclass
+class EpisodeTable:
+    """One row per episode (readable part): lane, first step, length, complete?"""
+
+    lane: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    complete: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lane)
+
+
+class EpisodeIndex:
+    """End steps per lane, appended as rows arrive. Plain arrays: trivially saved."""
+
+    def __init__(self, num_envs: int, end_fields: tuple[str, ...]):
+        self.end_fields = end_fields
+        self._ends = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
+        self._count = np.zeros(num_envs, dtype=np.int64)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.end_fields)
+
+    def ends(self, lane: int) -> np.ndarray:
+        """Sorted end steps of one lane (a view)."""
+        return self._ends[lane][: self._count[lane]]
+
+    def on_append(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:
+        """Record the episode ends among steps ``first, first+1, ...`` (``rows`` of one lane)."""
+        if not self.end_fields:
+            return
+        flags = rows[self.end_fields[0]]
+        for name in self.end_fields[1:]:
+            flags = flags | rows[name]
+        if not flags.any():
+            return
+        new = first + np.flatnonzero(flags)
+        ends = self.ends(lane)
+        keep = np.searchsorted(ends, new[0])
+        self._store(lane, np.concatenate([ends[:keep], new]))
+
+    def _store(self, lane: int, ends: np.ndarray) -> None:
+        if len(ends) > len(self._ends[lane]):
+            grown = np.zeros(max(2 * len(self._ends[lane]), len(ends)), dtype=np.int64)
+            self._ends[lane] = grown
+        self._ends[lane][: len(ends)] = ends
+        self._count[lane] = len(ends)
+
+    def truncate(self, lane: int, total: int) -> None:
+        """Forget ends at or after ``total`` (rows that were never committed)."""
+        ends = self.ends(lane)
+        self._count[lane] = np.searchsorted(ends, total)
+
+    def prune(self, lo: np.ndarray) -> None:
+        """Drop ends older than each lane's oldest readable step (keeping one before it)."""
+        for lane, first in enumerate(lo.tolist()):
+            ends = self.ends(lane)
+            cut = max(int(np.searchsorted(ends, first)) - 1, 0)
+            if cut > 1024 and cut * 2 > len(ends):
+                self._store(lane, ends[cut:].copy())
+
+    def next_end(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """The first end step >= ``step`` in the same lane (NO_END if the episode is open)."""
+        out = np.full(step.shape, NO_END, dtype=np.int64)
+        for e in np.unique(lane).tolist():
+            sel = lane == e
+            ends = self.ends(e)
+            pos = np.searchsorted(ends, step[sel])
+            found = pos < len(ends)
+            out[np.flatnonzero(sel)[found]] = ends[pos[found]]
+        return out
+
+    def episode_start(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """The first step of the episode holding ``step`` (may be overwritten in a ring)."""
+        out = np.zeros(step.shape, dtype=np.int64)
+        for e in np.unique(lane).tolist():
+            sel = lane == e
+            ends = self.ends(e)
+            pos = np.searchsorted(ends, step[sel]) - 1
+            out[sel] = np.where(pos >= 0, ends[np.maximum(pos, 0)] + 1, 0)
+        return out
+
+    def table(self, lo: np.ndarray, hi: np.ndarray) -> EpisodeTable:
+        """Every episode with readable steps, lane by lane in time order."""
+        parts = [self._lane_table(e, int(lo[e]), int(hi[e])) for e in range(len(lo))]
+        return EpisodeTable(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
+
+    def _lane_table(self, lane: int, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        if hi <= lo:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, empty.astype(bool)
+        ends = self.ends(lane)
+        inside = ends[(ends >= lo) & (ends < hi)]
+        starts = np.concatenate([[lo], inside + 1])
+        stops = np.concatenate([inside + 1, [hi]])
+        keep = stops > starts
+        true_start = self.episode_start(np.full(1, lane), np.array([lo]))[0]
+        complete = np.concatenate([[true_start == lo], np.ones(len(inside), bool)])
+        complete &= np.concatenate([np.ones(len(inside), bool), [False]])
+        starts, stops, complete = starts[keep], stops[keep], complete[keep]
+        return np.full(len(starts), lane, np.int64), starts, stops - starts, complete
+
+    def window_starts(self, lo: np.ndarray, hi: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Segments of valid slice starts: (lane, first start, count) per episode with room for
+        ``seq_len`` consecutive steps inside one episode and inside the readable window."""
+        table = self.table(lo, hi)
+        count = np.maximum(table.length - seq_len + 1, 0)
+        keep = count > 0
+        return table.lane[keep], table.start[keep], count[keep]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"end_fields": list(self.end_fields), "count": self._count.copy(),
+                "ends": np.concatenate([self.ends(e) for e in range(len(self._count))])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        offsets = np.concatenate([[0], np.cumsum(state["count"])])
+        for e in range(len(self._count)):
+            self._store(e, np.asarray(state["ends"][offsets[e]:offsets[e + 1]], dtype=np.int64))

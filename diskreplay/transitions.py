@@ -1,0 +1,151 @@
+"""Sample-time views of stored steps: n-step returns, frame stacks and HER goal relabelling.
+
+Each is computed from rows already on disk when a batch is drawn, so nothing extra is stored
+and every one works on buffers larger than RAM. They read the episode index to stay inside the
+sampled step's episode and the readable window ``[lo, hi)`` of its lane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .episodes import EpisodeIndex
+from .schema import Schema
+from .storage import Storage
+
+
+def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The last readable step of the episode holding each step (its end, or the lane's newest)."""
+    return np.minimum(episodes.next_end(lane, step), hi[lane] - 1)
+
+
+def episode_first_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """The first readable step of the episode holding each step."""
+    return np.maximum(episodes.episode_start(lane, step), lo[lane])
+
+
+def termination_field(schema: Schema) -> str:
+    """The field that says "no bootstrap": ``terminated`` if stored, else ``done``."""
+    for name in ("terminated", "done"):
+        if name in schema.fields:
+            return name
+    raise ValueError("n-step returns need a 'terminated' or 'done' field")
+
+
+def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
+          hi: np.ndarray, n: int, gamma: float) -> dict[str, np.ndarray]:
+    """n-step targets for transitions starting at (lane, step).
+
+    Uses k = min(n, steps left in the episode, steps left in the lane) steps. Returns
+    ``reward`` (float32 sum of gamma^i r[t+i], i < k), every ``next_*`` field taken at step t+k-1,
+    and ``discount`` = gamma^k * (1 - terminated[t+k-1]): a time-limit truncation bootstraps,
+    a termination does not.
+    """
+    if not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n_step must be an int >= 1, got {n!r}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    schema = storage.schema
+    term = termination_field(schema)
+    next_fields = tuple(name for name in schema.fields if name.startswith("next_"))
+    last = episode_last_step(episodes, lane, step, hi)
+    k = np.minimum(n, last - step + 1)
+    offsets = np.minimum(np.arange(n)[None, :], (k - 1)[:, None])
+    steps = (step[:, None] + offsets).reshape(-1)
+    rows = storage.gather(np.repeat(lane, n), steps, ("reward", term, *next_fields))
+    used = np.arange(n)[None, :] < k[:, None]
+    powers = gamma ** np.arange(n + 1, dtype=np.float64)
+    rewards = rows["reward"].reshape(len(step), n).astype(np.float64)
+    out = {"reward": (rewards * powers[None, :n] * used).sum(axis=1).astype(np.float32)}
+    final = np.arange(len(step)) * n + (k - 1)
+    terminated = rows[term][final].astype(bool)
+    out["discount"] = (powers[k] * ~terminated).astype(np.float32)
+    for name in next_fields:
+        out[name] = rows[name][final]
+    return out
+
+
+def frame_stack(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
+                lo: np.ndarray, frames: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Stacks ``[B, frames, *shape]`` of each field in ``fields`` (and its ``next_`` twin).
+
+    Frame i of step t is the field at step t - (frames-1) + i, never earlier than the first step
+    of t's episode: at an episode start the first frame repeats. The ``next_`` stack is the
+    stack of step t shifted by one frame, ending with ``next_<field>`` at t.
+    """
+    if not isinstance(frames, (int, np.integer)) or frames < 1:
+        raise ValueError(f"stack must be an int >= 1, got {frames!r}")
+    first = episode_first_step(episodes, lane, step, lo)
+    back = np.arange(-(frames - 1), 1)
+    steps = np.maximum(step[:, None] + back[None, :], first[:, None])
+    rows = storage.gather(np.repeat(lane, frames), steps.reshape(-1), fields)
+    out = {}
+    for name in fields:
+        stack = rows[name].reshape(len(step), frames, *rows[name].shape[1:])
+        out[name] = stack
+        twin = f"next_{name}"
+        if twin in storage.schema.fields:
+            last = storage.gather(lane, step, (twin,))[twin]
+            out[twin] = np.concatenate([stack[:, 1:], last[:, None]], axis=1)
+    return out
+
+
+@dataclass
+class HER:
+    """Hindsight experience replay: relabel goals at sample time from the same episode.
+
+    For a share ``k / (k + 1)`` of each batch (rounded; the rows chosen at random) the ``goal``
+    field is replaced by an achieved goal of the same episode, and the reward recomputed with
+    ``reward_fn(achieved, goal) -> reward`` (vectorized over the batch). The new goal is the
+    achieved goal after step t' (``next_<achieved_goal>`` if stored, else ``achieved_goal``), with
+    t' drawn uniformly from [t, episode end] for ``"future"``, the episode's last step for
+    ``"final"``, or any step of the episode for ``"episode"``. Unfinished episodes use their
+    newest step as the end. Nothing extra is stored.
+    """
+
+    reward_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    strategy: str = "future"
+    k: int = 4
+    goal: str = "desired_goal"
+    achieved_goal: str = "achieved_goal"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("future", "final", "episode"):
+            raise ValueError(f"HER strategy must be 'future', 'final' or 'episode', got {self.strategy!r}")
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"HER k must be an int >= 0, got {self.k!r}")
+
+    def relabel(self, batch: dict[str, np.ndarray], storage: Storage, episodes: EpisodeIndex,
+                lane: np.ndarray, step: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Relabel ``batch`` (drawn at ``(lane, step)``) in place; adds ``"relabelled"`` (bool)."""
+        for name in (self.goal, self.achieved_goal, "reward"):
+            if name not in storage.schema.fields:
+                raise ValueError(f"HER needs field {name!r}; the buffer has {list(storage.schema.fields)}")
+        size = len(step)
+        chosen = np.zeros(size, dtype=bool)
+        chosen[rng.permutation(size)[: int(round(size * self.k / (self.k + 1)))]] = True
+        rows = np.flatnonzero(chosen)
+        source = self._source_steps(episodes, lane[rows], step[rows], lo, hi, rng)
+        achieved = self._achieved_after(storage, lane[rows], step[rows])
+        new_goal = self._achieved_after(storage, lane[rows], source)
+        batch[self.goal][rows] = new_goal
+        batch["reward"][rows] = np.asarray(self.reward_fn(achieved, new_goal)).astype(batch["reward"].dtype)
+        batch["relabelled"] = chosen
+        return batch
+
+    def _source_steps(self, episodes, lane, step, lo, hi, rng) -> np.ndarray:
+        last = episode_last_step(episodes, lane, step, hi)
+        if self.strategy == "final":
+            return last
+        first = step if self.strategy == "future" else episode_first_step(episodes, lane, step, lo)
+        return first + np.floor(rng.random(len(step)) * (last - first + 1)).astype(np.int64)
+
+    def _achieved_after(self, storage: Storage, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+        name = f"next_{self.achieved_goal}"
+        if name not in storage.schema.fields:
+            name = self.achieved_goal
+        return storage.gather(lane, step, (name,))[name]

@@ -1,0 +1,163 @@
+"""Shared fixtures and the reference model of a replay buffer used by the core tests.
+
+`Model` is the plain-Python truth: a list of every row ever added, per lane, plus the committed
+count per lane. Everything a `ReplayBuffer` returns is compared against it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+import diskreplay as dr
+
+# A small schema touching several dtypes and ranks; `row_values` fills it from a row counter so
+# every row ever added is distinguishable.
+SMALL_FIELDS = {
+    "obs": dr.Field((2,), "float32"),
+    "act": dr.Field((), "int16"),
+    "done": dr.Field((), "bool"),
+    "img": dr.Field((2, 2), "uint8"),
+}
+
+
+def row_values(counter: int) -> dict[str, np.ndarray]:
+    """The row with serial number ``counter`` (unique per counter in obs)."""
+    c = int(counter)
+    return {
+        "obs": np.array([c, -0.5 * c], dtype=np.float32),
+        "act": np.int16(c % 30000),
+        "done": np.bool_(c % 3 == 0),
+        "img": np.full((2, 2), c % 251, dtype=np.uint8) + np.eye(2, dtype=np.uint8),
+    }
+
+
+def stack_rows(rows: list[dict[str, np.ndarray]], fields=SMALL_FIELDS) -> dict[str, np.ndarray]:
+    if not rows:
+        return {k: np.zeros((0, *f.shape), f.dtype) for k, f in fields.items()}
+    return {k: np.stack([np.asarray(r[k]) for r in rows]) for k in fields}
+
+
+class Model:
+    """Reference buffer: every row ever added per lane, the commit point and the lost-below floor."""
+
+    def __init__(self, num_envs: int, capacity: int | None):
+        self.num_envs = num_envs
+        self.lane_cap = None if capacity is None else capacity // num_envs
+        self.rows: list[list[dict]] = [[] for _ in range(num_envs)]
+        self.committed = [0] * num_envs
+        self.floor = [0] * num_envs  # steps below this were lost in a crash (ring only)
+        self.counter = 0
+
+    def next_rows(self, n: int) -> list[dict]:
+        out = [row_values(self.counter + i) for i in range(n)]
+        self.counter += n
+        return out
+
+    def append(self, lane: int, rows: list[dict]) -> None:
+        self.rows[lane].extend(rows)
+
+    def flush(self) -> None:
+        self.committed = [len(r) for r in self.rows]
+
+    def crash(self) -> None:
+        """Unflushed rows are lost."""
+        for lane in range(self.num_envs):
+            del self.rows[lane][self.committed[lane]:]
+
+    def window(self, lane: int, committed: bool = False) -> tuple[int, int]:
+        hi = self.committed[lane] if committed else len(self.rows[lane])
+        lo = 0 if self.lane_cap is None else max(0, hi - self.lane_cap)
+        return min(max(lo, self.floor[lane]), hi), hi
+
+    def readable_ids(self, committed: bool = False) -> np.ndarray:
+        ids = [step * self.num_envs + lane
+               for lane in range(self.num_envs)
+               for step in range(*self.window(lane, committed))]
+        return np.array(sorted(ids), dtype=np.int64)
+
+    def row(self, row_id: int) -> dict:
+        step, lane = divmod(int(row_id), self.num_envs)
+        return self.rows[lane][step]
+
+    def expected(self, ids) -> dict[str, np.ndarray]:
+        return stack_rows([self.row(i) for i in np.asarray(ids).reshape(-1)])
+
+    def __len__(self) -> int:
+        return sum(hi - lo for lo, hi in (self.window(lane) for lane in range(self.num_envs)))
+
+
+def assert_rows_equal(got: dict, want: dict, context: str = "") -> None:
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name]), want[name], err_msg=f"{context} field {name!r}")
+        assert np.asarray(got[name]).dtype == want[name].dtype, (context, name)
+
+
+def check_buffer_against(buf: dr.ReplayBuffer, model: Model, committed: bool = False,
+                         exact: bool = True) -> None:
+    """Every readable id matches the model; ids outside the window raise IndexError.
+
+    ``committed``: compare against the committed rows only (a reader). ``exact=False``: the buffer
+    may expose fewer old rows than the model (a reader between commits, whose lower cursor was
+    raised by the writer), but what it exposes must match and end at the commit point.
+    """
+    want_ids = model.readable_ids(committed)
+    got_ids = np.sort(buf.row_ids())
+    if exact:
+        np.testing.assert_array_equal(got_ids, want_ids)
+        assert len(buf) == len(want_ids)
+    else:
+        assert set(got_ids.tolist()) <= set(want_ids.tolist())
+        assert len(buf) == len(got_ids)
+    if len(got_ids):
+        assert_rows_equal(buf[got_ids], model.expected(got_ids), "buf[ids]")
+    # ids that must not be readable: negative, future, overwritten
+    bad = [-1, -model.num_envs - 1]
+    for lane in range(model.num_envs):
+        lo, hi = model.window(lane, committed)
+        bad.append(hi * model.num_envs + lane)
+        if lo > 0:
+            bad.append((lo - 1) * model.num_envs + lane)
+    for row_id in bad:
+        with pytest.raises(IndexError):
+            buf[[row_id]]
+    if len(got_ids):
+        batch = buf.sample(16, seed=len(got_ids))
+        assert batch["index"].dtype == np.int64
+        assert set(batch["index"].tolist()) <= set(got_ids.tolist())
+        assert_rows_equal(batch, model.expected(batch["index"]), "sample")
+
+
+@pytest.fixture
+def memory_url():
+    """A fresh memory:// URL, removed from the process-wide memory filesystem afterwards."""
+    name = f"diskreplay-test-{uuid.uuid4().hex}"
+    url = f"memory://{name}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
+
+
+@pytest.fixture(params=["local", "memory"])
+def url(request, tmp_path):
+    """A buffer location: a local directory path or a memory:// URL."""
+    if request.param == "local":
+        yield os.fspath(tmp_path / "buf")
+        return
+    yield request.getfixturevalue("memory_url")
+
+
+def dir_snapshot(path: str) -> dict[str, bytes]:
+    """Every file under a local directory, by relative path, with its bytes."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out

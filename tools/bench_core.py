@@ -1,0 +1,469 @@
+"""Core benchmark (issue #2): diskreplay vs TorchRL memmap vs cpprb vs a numpy gather, one run.
+
+Workload: five fields — obs (17,) f32, action (6,) f32, reward () f32, next_obs (17,) f32,
+done () bool — 1,000,000 rows, batch 256, local disk (``--dir``), data in the OS page cache.
+
+Measured, side by side, repeats interleaved across contestants (median reported):
+1. uniform sample(256): µs per batch, index generation included for every contestant;
+2. single-step add: µs per add into an empty 1M-capacity buffer (diskreplay: adds alone, and
+   separately the durable flush that follows);
+3. extend of 1M rows (+ durable flush for diskreplay): seconds;
+4. memory: a 20M-row uncompressed buffer (written once in a subprocess, reused if present),
+   opened read-only in a fresh subprocess with cache_bytes=256 MiB, 10,000 batches of 256:
+   peak RSS and µs per batch.
+
+Prints the machine, a markdown table and PASS/FAIL for the issue's targets; ``--out FILE`` also
+writes the report there. ``--quick`` shrinks everything to run in about a minute or two.
+
+Usage: python tools/bench_core.py [--quick] [--dir /tmp/diskreplay-bench] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchlib as bl  # noqa: E402
+
+import diskreplay as dr  # noqa: E402
+
+N_ROWS = 1_000_000
+BATCH = 256
+CHUNK_ROWS = 4096
+FIELDS = {
+    "obs": dr.Field((17,), "float32"),
+    "action": dr.Field((6,), "float32"),
+    "reward": dr.Field((), "float32"),
+    "next_obs": dr.Field((17,), "float32"),
+    "done": dr.Field((), "bool"),
+}
+ROW_BYTES = sum(f.row_bytes for f in FIELDS.values())  # 165
+
+DR_RAW, DR_RAW_R = "diskreplay raw", "diskreplay raw (reader)"
+DR_ZSTD, DR_ZSTD_R = "diskreplay zstd", "diskreplay zstd (reader)"
+TRL, CPPRB, NUMPY = "TorchRL memmap", "cpprb", "numpy"
+COLUMNS = [DR_RAW, DR_RAW_R, DR_ZSTD, DR_ZSTD_R, TRL, CPPRB, NUMPY]
+COMPRESSION = {DR_RAW: None, DR_ZSTD: "zstd"}
+PACKAGES = ["diskreplay", "numpy", "zarr", "numcodecs", "torch", "torchrl", "tensordict", "cpprb"]
+
+RSS_LIMIT = 600e6  # bytes ("600 MB")
+log = bl.log
+
+
+def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.standard_normal((rows, 17), dtype=np.float32),
+        "action": rng.standard_normal((rows, 6), dtype=np.float32),
+        "reward": rng.standard_normal(rows, dtype=np.float32),
+        "next_obs": rng.standard_normal((rows, 17), dtype=np.float32),
+        "done": rng.random(rows) < 0.01,
+    }
+
+
+# ---- contestants ----------------------------------------------------------------------------
+
+
+def cpprb_buffer(capacity: int):
+    import cpprb
+    return cpprb.ReplayBuffer(capacity, env_dict={
+        "obs": {"shape": 17}, "action": {"shape": 6}, "reward": {}, "next_obs": {"shape": 17},
+        "done": {"dtype": np.bool_}})
+
+
+def torchrl_buffer(capacity: int, scratch_dir: str):
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+    os.makedirs(scratch_dir, exist_ok=True)
+    return TensorDictReplayBuffer(storage=LazyMemmapStorage(capacity, scratch_dir=scratch_dir),
+                                  batch_size=BATCH)
+
+
+def as_tensordict(data: dict[str, np.ndarray]):
+    import torch
+    from tensordict import TensorDict
+    n = len(next(iter(data.values())))
+    return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[n])
+
+
+def fresh_dir(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def dr_create(path: str, compression: str | None) -> dr.ReplayBuffer:
+    return dr.ReplayBuffer.create(fresh_dir(path), FIELDS, capacity=N_ROWS, chunk_rows=CHUNK_ROWS,
+                                  compression=compression, seed=0)
+
+
+# ---- 1. sampling ----------------------------------------------------------------------------
+
+
+def bench_sample(data, work: str, repeats: int, number: int) -> dict[str, bl.Stats]:
+    log("[1/4] uniform sample(256): building contestants")
+    samplers: dict[str, Callable[[], Any]] = {}
+    keep: list[Any] = []
+    for name, comp in COMPRESSION.items():
+        path = os.path.join(work, f"sample_{comp or 'raw'}")
+        buf = dr_create(path, comp)
+        buf.extend(data)
+        buf.flush()
+        reader = dr.ReplayBuffer.open(path, "r")
+        keep += [buf, reader]
+        samplers[name] = lambda b=buf: b.sample(BATCH)
+        samplers[name + " (reader)"] = lambda b=reader: b.sample(BATCH)
+    trl = torchrl_buffer(N_ROWS, fresh_dir(os.path.join(work, "sample_torchrl")))
+    trl.extend(as_tensordict(data))
+    samplers[TRL] = trl.sample
+    cb = cpprb_buffer(N_ROWS)
+    cb.add(**data)
+    samplers[CPPRB] = lambda: cb.sample(BATCH)
+    rng = np.random.default_rng(1)
+
+    def numpy_gather():
+        idx = rng.integers(0, N_ROWS, BATCH)
+        return {k: v[idx] for k, v in data.items()}
+    samplers[NUMPY] = numpy_gather
+
+    def repeat(fn):
+        def run():
+            for _ in range(number):
+                fn()
+        return run
+    samplers = {c: samplers[c] for c in COLUMNS}
+    log(f"[1/4] sampling: {repeats} interleaved repeats x {number} batches (+1 warm-up round)")
+    stats = bl.interleaved({k: repeat(f) for k, f in samplers.items()}, repeats, number=number, warmup=1)
+    for b in keep:
+        b.close()
+    del trl, cb, keep
+    return stats
+
+
+# ---- 2. single-step add ---------------------------------------------------------------------
+
+
+def bench_add(data, work: str, repeats: int, adds: int) -> dict[str, bl.Stats]:
+    pool = 1024  # per-step inputs prepared up front, in each library's native form
+    rows = [{k: v[i] for k, v in data.items()} for i in range(pool)]
+    td = as_tensordict({k: v[:pool] for k, v in data.items()})
+    td_rows = [td[i] for i in range(pool)]
+
+    def dr_case(comp):
+        def run():
+            buf = dr_create(os.path.join(work, f"add_{comp or 'raw'}"), comp)
+            add = buf.add
+            start = time.perf_counter_ns()
+            for i in range(adds):
+                add(**rows[i % pool])
+            added = (time.perf_counter_ns() - start) / 1e9
+            flush, _ = bl.timed(buf.flush)
+            buf.close()
+            return {"total": added, "flush": flush * adds}  # per-op division happens in interleaved
+        return run
+
+    def trl_case():
+        rb = torchrl_buffer(N_ROWS, fresh_dir(os.path.join(work, "add_torchrl")))
+        add = rb.add
+        start = time.perf_counter_ns()
+        for i in range(adds):
+            add(td_rows[i % pool])
+        return (time.perf_counter_ns() - start) / 1e9
+
+    def cpprb_case():
+        rb = cpprb_buffer(N_ROWS)
+        add = rb.add
+        start = time.perf_counter_ns()
+        for i in range(adds):
+            add(**rows[i % pool])
+        return (time.perf_counter_ns() - start) / 1e9
+
+    def numpy_case():
+        store = {k: np.empty((N_ROWS, *v.shape[1:]), v.dtype) for k, v in data.items()}
+        start = time.perf_counter_ns()
+        for i in range(adds):
+            for k, v in rows[i % pool].items():
+                store[k][i] = v
+        return (time.perf_counter_ns() - start) / 1e9
+
+    cases = {DR_RAW: dr_case(None), DR_ZSTD: dr_case("zstd"), TRL: trl_case, CPPRB: cpprb_case, NUMPY: numpy_case}
+    log(f"[2/4] single-step add: {repeats} interleaved repeats x {adds:,} adds into empty 1M buffers")
+    return bl.interleaved(cases, repeats, number=adds)
+
+
+# ---- 3. extend 1M rows ----------------------------------------------------------------------
+
+
+def bench_extend(data, work: str, repeats: int) -> dict[str, bl.Stats]:
+    td = as_tensordict(data)
+
+    def dr_case(comp):
+        def run():
+            buf = dr_create(os.path.join(work, f"extend_{comp or 'raw'}"), comp)
+            ext, _ = bl.timed(lambda: buf.extend(data))
+            flush, _ = bl.timed(buf.flush)
+            buf.close()
+            return {"total": ext + flush, "extend": ext, "flush": flush}
+        return run
+
+    def trl_case():
+        rb = torchrl_buffer(N_ROWS, fresh_dir(os.path.join(work, "extend_torchrl")))
+        secs, _ = bl.timed(lambda: rb.extend(td))
+        return secs
+
+    def cpprb_case():
+        rb = cpprb_buffer(N_ROWS)
+        secs, _ = bl.timed(lambda: rb.add(**data))
+        return secs
+
+    def numpy_case():
+        store = {k: np.empty_like(v) for k, v in data.items()}
+
+        def copy():
+            for k, v in data.items():
+                store[k][:] = v
+        secs, _ = bl.timed(copy)
+        return secs
+
+    cases = {DR_RAW: dr_case(None), DR_ZSTD: dr_case("zstd"), TRL: trl_case, CPPRB: cpprb_case, NUMPY: numpy_case}
+    log(f"[3/4] extend of {N_ROWS:,} rows: {repeats} interleaved repeats")
+    return bl.interleaved(cases, repeats)
+
+
+# ---- 4. big buffer, bounded memory ------------------------------------------------------------
+
+
+def big_buffer(work: str, rows: int) -> tuple[str, float | None]:
+    """Path of an uncompressed ``rows``-row buffer under ``work``; written (in a child) if missing."""
+    path = os.path.join(work, f"big_{rows}")
+    if os.path.exists(os.path.join(path, "commit.json")):
+        try:
+            with dr.ReplayBuffer.open(path, "r", cache_bytes=0) as buf:
+                if len(buf) == rows and buf.fields == FIELDS:
+                    log(f"[4/4] reusing {path} ({rows:,} rows)")
+                    return path, None
+        except dr.DiskReplayError as exc:
+            log(f"[4/4] {path} is unusable ({exc}); rewriting it")
+    bl.require_free_space(work, rows * ROW_BYTES)
+    log(f"[4/4] writing {rows:,} rows ({bl.format_bytes(rows * ROW_BYTES)}) to {path} in a subprocess")
+    res = bl.run_child([sys.executable, __file__, "--child-write", path, str(rows)])
+    if res.returncode:
+        raise SystemExit(f"writer subprocess failed ({res.returncode}):\n{res.stdout}")
+    return path, res.wall
+
+
+def warm_page_cache(path: str) -> float:
+    """Read every file under ``path`` once so the data sits in the OS page cache. Returns seconds."""
+    buf = bytearray(8 * bl.MiB)
+    view = memoryview(buf)
+    start = time.perf_counter()
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while f.readinto(view):
+                    pass
+    return time.perf_counter() - start
+
+
+def bench_memory(work: str, rows: int, batches: int, cache_mib: int, seconds: float | None) -> dict[str, Any]:
+    path, write_s = big_buffer(work, rows)
+    warm_s = warm_page_cache(path)
+    log(f"[4/4] page cache warmed in {warm_s:.1f} s; sampling {batches:,} batches in a fresh subprocess")
+    res = bl.run_child([sys.executable, __file__, "--child-sample", path, str(batches), str(cache_mib),
+                        str(seconds or 0)])
+    if res.returncode:
+        raise SystemExit(f"sampler subprocess failed ({res.returncode}):\n{res.stdout}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out.update(rows=rows, cache_mib=cache_mib, peak_rss_wait4=res.peak_rss,
+               write_s=write_s, path=path)
+    return out
+
+
+def child_write(path: str, rows: int) -> None:
+    piece = 1_000_000
+    buf = dr.ReplayBuffer.create(path, FIELDS, capacity=rows, chunk_rows=CHUNK_ROWS, compression=None,
+                                 overwrite=True, seed=0)
+    for start in range(0, rows, piece):
+        n = min(piece, rows - start)
+        buf.extend(make_data(n, seed=start))
+    buf.close()
+
+
+def child_sample(path: str, batches: int, cache_mib: int, seconds: float) -> None:
+    rss_start = bl.self_rss()
+    buf = dr.ReplayBuffer.open(path, "r", cache_bytes=cache_mib * bl.MiB)
+    rss_open = bl.self_rss()
+    block = max(1, batches // 10)
+    blocks = []
+    done = 0
+    start_all = time.perf_counter_ns()
+    while done < batches:
+        n = min(block, batches - done)
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            buf.sample(BATCH)
+        blocks.append((time.perf_counter_ns() - start) / 1e9 / n)
+        done += n
+        if seconds and (time.perf_counter_ns() - start_all) / 1e9 > seconds:
+            break
+    total = (time.perf_counter_ns() - start_all) / 1e9
+    print(json.dumps({
+        "batches": done, "mean_s": total / done, "first_block_s": blocks[0], "median_block_s": float(np.median(blocks)),
+        "rss_after_imports": rss_start, "rss_after_open": rss_open, "rss_end": bl.self_rss(),
+        "peak_rss_self": bl.self_peak_rss(), "cache_slots": buf.storage.cache.slots,
+        "chunks": -(-len(buf) // CHUNK_ROWS)}))
+    buf.close()
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def build_report(args, sample, add, extend, mem, adds: int) -> str:
+    table = bl.Table(COLUMNS)
+    table.add("uniform sample(256), per batch", {c: sample[c].median for c in COLUMNS}, baseline=NUMPY)
+    table.add("single-step add, per add", {c: add[c].median for c in add}, baseline=CPPRB)
+    table.add(f"flush after {adds:,} adds (durable)",
+              {c: add[c].phases["flush"].median * adds for c in (DR_RAW, DR_ZSTD)})
+    table.add(f"extend {N_ROWS:,} rows (+ durable flush for diskreplay)",
+              {c: extend[c].median for c in extend}, unit="s", baseline=TRL)
+    table.add("… of which extend", {c: extend[c].phases["extend"].median for c in (DR_RAW, DR_ZSTD)}, unit="s")
+    table.add("… of which flush", {c: extend[c].phases["flush"].median for c in (DR_RAW, DR_ZSTD)}, unit="s")
+    if mem:
+        label = f"{mem['rows'] / 1e6:g}M rows, cache {mem['cache_mib']} MiB, {mem['batches']:,} batches"
+        table.add(f"{label}: sample(256) per batch", {DR_RAW_R: mem["mean_s"]})
+        table.add(f"{label}: peak RSS", {DR_RAW_R: mem["peak_rss_wait4"]}, kind="bytes")
+
+    s_raw = max(sample[DR_RAW].median, sample[DR_RAW_R].median)
+    s_raw_who = DR_RAW if sample[DR_RAW].median >= sample[DR_RAW_R].median else DR_RAW_R
+    a_dr = max(add[DR_RAW].median, add[DR_ZSTD].median)
+    e_dr = max(extend[DR_RAW].median, extend[DR_ZSTD].median)
+    us = lambda s: bl.format_seconds(s, "us")  # noqa: E731
+    targets = [
+        bl.Target("sample(256): diskreplay uncompressed no slower than cpprb",
+                  f"{us(s_raw)} ({s_raw_who}) vs {us(sample[CPPRB].median)}: "
+                  f"{bl.format_ratio(s_raw / sample[CPPRB].median)}", s_raw <= sample[CPPRB].median),
+        bl.Target("sample(256): at least 2× faster than TorchRL memmap",
+                  f"{bl.format_ratio(sample[TRL].median / s_raw)} faster", sample[TRL].median >= 2 * s_raw),
+        bl.Target("sample(256): within 1.5× of the numpy gather",
+                  f"{bl.format_ratio(s_raw / sample[NUMPY].median)} of numpy", s_raw <= 1.5 * sample[NUMPY].median),
+        bl.Target("single-step add within 2× of cpprb (slower of raw/zstd)",
+                  f"{us(a_dr)} vs {us(add[CPPRB].median)}: {bl.format_ratio(a_dr / add[CPPRB].median)}",
+                  a_dr <= 2 * add[CPPRB].median),
+        bl.Target("extend 1M rows + flush at least as fast as TorchRL extend into memmap (slower of raw/zstd)",
+                  f"{bl.format_seconds(e_dr, 's')} vs {bl.format_seconds(extend[TRL].median, 's')}: "
+                  f"{bl.format_ratio(e_dr / extend[TRL].median)}", e_dr <= extend[TRL].median),
+    ]
+    if mem:
+        spec = mem["rows"] >= 20_000_000 and mem["batches"] >= 10_000 and mem["cache_mib"] == 256
+        targets.append(bl.Target(
+            "20M-row buffer, 10,000 batches, cache_bytes=256 MiB: RSS under 600 MB"
+            + ("" if spec else f" (**reduced run: {mem['rows']:,} rows, {mem['batches']:,} batches**)"),
+            f"peak {bl.format_bytes(mem['peak_rss_wait4'])}", mem["peak_rss_wait4"] < RSS_LIMIT))
+    else:
+        targets.append(bl.Target("20M-row buffer RSS under 600 MB", "skipped (--skip-memory)", None))
+
+    def spread(stats):
+        return max(s.spread for s in stats.values())
+    notes = [
+        f"- sampling: median of {args.repeats} interleaved repeats x {args.batches:,} batches; batch {BATCH}, "
+        f"{N_ROWS:,} rows, index generation included everywhere. diskreplay writers sample from the process "
+        "that wrote the data; readers are fresh `ReplayBuffer.open(path, 'r')` in the same process; all warmed "
+        "(one untimed round). TorchRL: `TensorDictReplayBuffer(LazyMemmapStorage)`, default RandomSampler, "
+        "`rb.sample()`. numpy: `rng.integers` + `{k: v[idx]}` over in-RAM arrays.",
+        f"- add: median of {args.add_repeats} interleaved repeats x {adds:,} adds into a fresh 1M-capacity "
+        "buffer; per-step inputs prebuilt in each library's native form (numpy rows; TensorDict rows for "
+        "TorchRL). diskreplay adds are not durable until `flush()`, timed separately (fsync included). "
+        "numpy column: row assignment into preallocated arrays.",
+        f"- extend: median of {args.extend_repeats} interleaved repeats into fresh buffers; diskreplay includes "
+        "a durable `flush()` (fsync); TorchRL/cpprb/numpy do not sync. Baseline for this row is TorchRL.",
+        f"- noise, worst (max−min)/median over contestants: sample {spread(sample):.0%}, add {spread(add):.0%}, "
+        f"extend {spread(extend):.0%}.",
+    ]
+    if mem:
+        notes.append(
+            f"- memory: `{mem['path']}` ({mem['rows']:,} rows, raw, chunk_rows {CHUNK_ROWS}, "
+            f"{mem['chunks']:,} chunks; cache {mem['cache_slots']} chunk slots), opened read-only in a fresh "
+            f"subprocess; page cache warmed first. RSS after imports {bl.format_bytes(mem['rss_after_imports'])}, "
+            f"after open {bl.format_bytes(mem['rss_after_open'])}, at end {bl.format_bytes(mem['rss_end'])}; "
+            f"peak (VmHWM) {bl.format_bytes(mem['peak_rss_self'])}, (wait4) {bl.format_bytes(mem['peak_rss_wait4'])}. "
+            f"Per batch: first {bl.format_seconds(mem['first_block_s'])} (cold cache), median of 10 blocks "
+            f"{bl.format_seconds(mem['median_block_s'])}."
+            + (f" Buffer written in {mem['write_s']:.1f} s." if mem["write_s"] else ""))
+    return "\n\n".join([table.render(), "## Targets (issue #2)", bl.render_targets(targets), "\n".join(notes)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/tmp/diskreplay-bench", help="work directory on the local disk to test")
+    p.add_argument("--out", help="also write the markdown report to this file")
+    p.add_argument("--quick", action="store_true", help="fewer repeats, 2M-row memory test (~1-2 minutes)")
+    p.add_argument("--repeats", type=int, help="sampling repeats (default 7; quick 5)")
+    p.add_argument("--batches", type=int, help="batches per sampling repeat (default 2000; quick 500)")
+    p.add_argument("--adds", type=int, help="single-step adds per repeat (default 50,000; quick 10,000)")
+    p.add_argument("--add-repeats", type=int, help="add repeats (default 5; quick 3)")
+    p.add_argument("--extend-repeats", type=int, help="extend repeats (default 3; quick 2)")
+    p.add_argument("--mem-rows", type=int, help="rows of the memory-test buffer (default 20M; quick 2M)")
+    p.add_argument("--mem-batches", type=int, help="batches in the memory test (default 10,000; quick 1,000)")
+    p.add_argument("--mem-seconds", type=float, help="stop the memory test's sampling after this many "
+                   "seconds (reported as a reduced run); default: no limit")
+    p.add_argument("--cache-mib", type=int, default=256, help="cache_bytes of the memory test, MiB")
+    p.add_argument("--skip-memory", action="store_true", help="skip the big-buffer memory test")
+    p.add_argument("--child-write", nargs=2, metavar=("PATH", "ROWS"), help=argparse.SUPPRESS)
+    p.add_argument("--child-sample", nargs=4, metavar=("PATH", "BATCHES", "MIB", "SECONDS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child_write:
+        return child_write(args.child_write[0], int(args.child_write[1]))
+    if args.child_sample:
+        return child_sample(args.child_sample[0], int(args.child_sample[1]), int(args.child_sample[2]),
+                            float(args.child_sample[3]))
+
+    q = args.quick
+    args.repeats = args.repeats or (5 if q else 7)
+    args.batches = args.batches or (500 if q else 2000)
+    args.adds = args.adds or (10_000 if q else 50_000)
+    args.add_repeats = args.add_repeats or (3 if q else 5)
+    args.extend_repeats = args.extend_repeats or (2 if q else 3)
+    args.mem_rows = args.mem_rows or (2_000_000 if q else 20_000_000)
+    args.mem_batches = args.mem_batches or (1_000 if q else 10_000)
+
+    os.makedirs(args.dir, exist_ok=True)
+    work = os.path.join(args.dir, "core")
+    os.makedirs(work, exist_ok=True)
+    # working set of sections 1-3: ~4 diskreplay copies + TorchRL memmap of 1M rows
+    bl.require_free_space(args.dir, 6 * N_ROWS * ROW_BYTES)
+    import logging
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    header = "# diskreplay core benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
+        PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
+    print(header + "\n", flush=True)
+    started = time.perf_counter()
+
+    data = make_data(N_ROWS, seed=0)
+    sample = bench_sample(data, work, args.repeats, args.batches)
+    add = bench_add(data, work, args.add_repeats, args.adds)
+    extend = bench_extend(data, work, args.extend_repeats)
+    del data
+    shutil.rmtree(work, ignore_errors=True)
+    mem = None if args.skip_memory else bench_memory(args.dir, args.mem_rows, args.mem_batches, args.cache_mib,
+                                                       args.mem_seconds)
+
+    body = build_report(args, sample, add, extend, mem, args.adds)
+    body += f"\n\nTotal benchmark time: {time.perf_counter() - started:.0f} s.\n"
+    print(body, flush=True)
+    if args.out:
+        Path(args.out).write_text(header + "\n\n" + body)
+        log(f"report written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""Shared helpers for the benchmarks in ``tools/``: timing, tables, machine info, child RSS.
+
+Nothing here knows about replay buffers. The pieces:
+
+* `interleaved` — median-of-repeats timing with ``perf_counter_ns``. Each repeat runs every
+  contestant once, in a rotating order, so slow phases of a shared, noisy machine hit all
+  contestants alike instead of whichever happened to run then.
+* `Stats` — the per-operation samples of one contestant, with median/min/max and named phases.
+* `Table` / `Target` — markdown output: absolute times with ratios against a named baseline
+  column, and PASS/FAIL lines for performance targets.
+* `machine_info` — the command line, CPU, memory, Python and package versions, for quoting.
+* `run_child` — run a command in a subprocess and get its peak RSS (kernel ``ru_maxrss`` via
+  ``os.wait4``), plus its stdout; `self_peak_rss` reads ``VmHWM`` for a process measuring itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+MiB = 2**20
+GB = 10**9
+
+# ---- timing ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """Seconds per operation of one contestant, one sample per repeat."""
+
+    samples: list[float] = field(default_factory=list)
+    phases: dict[str, "Stats"] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        s = sorted(self.samples)
+        n = len(s)
+        if n == 0:
+            return math.nan
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+    @property
+    def min(self) -> float:
+        return min(self.samples) if self.samples else math.nan
+
+    @property
+    def max(self) -> float:
+        return max(self.samples) if self.samples else math.nan
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the repeats were."""
+        m = self.median
+        return (self.max - self.min) / m if m and not math.isnan(m) else math.nan
+
+    def phase(self, name: str) -> "Stats":
+        return self.phases.setdefault(name, Stats())
+
+
+Outcome = None | float | Mapping[str, float]
+"""What a contestant's repeat returns: None (the helper times the call), seconds it timed
+itself (to leave setup out), or a mapping with ``"total"`` seconds plus named phase seconds."""
+
+
+def interleaved(contestants: Mapping[str, Callable[[], Outcome]], repeats: int, *, number: int = 1,
+                warmup: int = 0, rotate: bool = True, disable_gc: bool = False,
+                progress: Callable[[str], None] | None = None) -> dict[str, Stats]:
+    """Time each contestant ``repeats`` times, interleaved; return seconds per operation.
+
+    One call of a contestant is one repeat and performs ``number`` operations; its time is divided
+    by ``number``. Repeats are interleaved (A B C, B C A, C A B, ... with ``rotate``) so machine
+    noise is spread over all contestants. ``warmup`` untimed rounds run first.
+    """
+    names = list(contestants)
+    for _ in range(warmup):
+        for name in names:
+            contestants[name]()
+    out = {name: Stats() for name in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)] if rotate else names
+        for name in order:
+            gc_was = gc.isenabled()
+            if disable_gc:
+                gc.collect()
+                gc.disable()
+            try:
+                start = time.perf_counter_ns()
+                got = contestants[name]()
+                elapsed = (time.perf_counter_ns() - start) / 1e9
+            finally:
+                if disable_gc and gc_was:
+                    gc.enable()
+            if got is None:
+                total = elapsed
+            elif isinstance(got, Mapping):
+                total = float(got["total"])
+                for phase, secs in got.items():
+                    if phase != "total":
+                        out[name].phase(phase).samples.append(float(secs) / number)
+            else:
+                total = float(got)
+            out[name].samples.append(total / number)
+            if progress:
+                progress(f"  repeat {r + 1}/{repeats} {name}: {format_seconds(total / number)}")
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call, with ``perf_counter_ns``."""
+    start = time.perf_counter_ns()
+    result = fn()
+    return (time.perf_counter_ns() - start) / 1e9, result
+
+
+# ---- formatting -----------------------------------------------------------------------------
+
+
+def format_seconds(seconds: float | None, unit: str | None = None) -> str:
+    """A time with a fitting unit (or a fixed one: "ns", "us", "ms", "s"); 3 significant digits."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "—"
+    scales = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+    names = {"ns": "ns", "us": "µs", "ms": "ms", "s": "s"}
+    if unit is None:
+        a = abs(seconds)
+        unit = "ns" if a < 1e-6 else "us" if a < 1e-3 else "ms" if a < 1 else "s"
+    return f"{_sig(seconds / scales[unit])} {names[unit]}"
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "—"
+    return f"{_sig(n / 1e6)} MB"
+
+
+def format_ratio(r: float) -> str:
+    if r is None or math.isnan(r) or math.isinf(r):
+        return "—"
+    return f"{r:.2f}×" if r < 10 else f"{r:.1f}×" if r < 100 else f"{r:.0f}×"
+
+
+def _sig(x: float) -> str:
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    label: str
+    values: dict[str, float | None]
+    kind: str
+    unit: str | None
+    baseline: str | None
+    notes: dict[str, str]
+
+
+class Table:
+    """A markdown table: one row per measurement, one column per contestant.
+
+    Cells show the absolute value and, when the row names a ``baseline`` column, the ratio
+    value / baseline (so for times, ``2.00×`` means twice as slow as the baseline).
+    """
+
+    def __init__(self, columns: Sequence[str], corner: str = "measurement"):
+        self.columns = list(columns)
+        self.corner = corner
+        self.rows: list[_Row] = []
+
+    def add(self, label: str, values: Mapping[str, float | None], *, kind: str = "time",
+            unit: str | None = None, baseline: str | None = None,
+            notes: Mapping[str, str] | None = None) -> None:
+        """``kind``: "time" (seconds), "bytes", "count" or "text" (values preformatted strings)."""
+        unknown = set(values) - set(self.columns)
+        if unknown:
+            raise KeyError(f"values for unknown columns {sorted(unknown)}; columns are {self.columns}")
+        if baseline is not None and baseline not in self.columns:
+            raise KeyError(f"baseline {baseline!r} is not a column")
+        self.rows.append(_Row(label, dict(values), kind, unit, baseline, dict(notes or {})))
+
+    def _cell(self, row: _Row, col: str) -> str:
+        v = row.values.get(col)
+        if v is None:
+            text = "—"
+        elif row.kind == "time":
+            text = format_seconds(v, row.unit)
+        elif row.kind == "bytes":
+            text = format_bytes(v)
+        elif row.kind == "count":
+            text = f"{v:,}"
+        else:
+            text = str(v)
+        if v is not None and row.baseline and row.kind in ("time", "bytes"):
+            base = row.values.get(row.baseline)
+            if base:
+                text += f" ({format_ratio(v / base)})"
+        if col in row.notes:
+            text += f" {row.notes[col]}"
+        return text
+
+    def render(self) -> str:
+        head = [self.corner] + self.columns
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * len(self.columns)) + "|"]
+        for row in self.rows:
+            label = row.label + (f" (ratio vs {row.baseline})" if row.baseline else "")
+            lines.append("| " + " | ".join([label] + [self._cell(row, c) for c in self.columns]) + " |")
+        return "\n".join(lines)
+
+
+@dataclass
+class Target:
+    """One performance target: what it asks, what was measured, whether it holds."""
+
+    description: str
+    measured: str
+    passed: bool | None  # None: not evaluated (e.g. skipped)
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.passed is None else "PASS" if self.passed else "FAIL"
+
+
+def render_targets(targets: Iterable[Target]) -> str:
+    lines = ["| target | measured | verdict |", "|---|---|:---:|"]
+    for t in targets:
+        lines.append(f"| {t.description} | {t.measured} | **{t.verdict}** |")
+    return "\n".join(lines)
+
+
+# ---- machine info ---------------------------------------------------------------------------
+
+
+def command_line() -> str:
+    """The command that started this process, as one shell line relative to the cwd."""
+    script = sys.argv[0]
+    try:
+        rel = os.path.relpath(script)
+        script = rel if not rel.startswith("..") else script
+    except ValueError:
+        pass
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _total_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _git_describe(path: str) -> str:
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return f"{head}{' (+ uncommitted changes)' if dirty else ''}" if head else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info(packages: Iterable[str], repo: str | None = None, data_dir: str | None = None) -> str:
+    """Markdown lines: command, date, CPU, RAM, OS, Python, package versions, git commit."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    ram = _total_ram()
+    lines = [
+        f"- command: `{command_line()}`",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"- CPU: {_cpu_model()}; os.cpu_count()={os.cpu_count()}, usable by this process={usable}",
+        f"- RAM: {format_bytes(ram) if ram else 'unknown'}; OS: {platform.platform()}",
+        f"- Python {platform.python_version()} ({platform.python_implementation()})",
+        "- packages: " + ", ".join(f"{k} {v}" for k, v in package_versions(packages).items()),
+    ]
+    if repo:
+        lines.append(f"- git: {_git_describe(repo)}")
+    if data_dir:
+        lines.append(f"- data dir: `{data_dir}` ({filesystem_of(data_dir)})")
+    return "\n".join(lines)
+
+
+def filesystem_of(path: str) -> str:
+    """The mount (device, fs type) holding ``path``, from /proc/mounts."""
+    path = os.path.realpath(path)
+    best = ("?", "?", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[2]):
+                    best = (dev, fstype, mnt)
+    except OSError:
+        return "unknown filesystem"
+    return f"{best[0]} {best[1]} mounted at {best[2]}"
+
+
+# ---- disk and memory ------------------------------------------------------------------------
+
+
+def free_bytes(path: str) -> int:
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "."
+    return shutil.disk_usage(probe).free
+
+
+def require_free_space(path: str, needed: int, margin: int = 1 * GB) -> None:
+    """Raise SystemExit with a clear message if ``path``'s filesystem lacks ``needed + margin``."""
+    free = free_bytes(path)
+    if free < needed + margin:
+        raise SystemExit(f"not enough free disk under {path!r}: need {format_bytes(needed + margin)} "
+                         f"(data + margin), have {format_bytes(free)}; use --dir elsewhere or --quick")
+
+
+def self_peak_rss() -> int | None:
+    """This process's peak resident set size in bytes (``VmHWM``), or None where unavailable."""
+    return _proc_status_kb("VmHWM")
+
+
+def self_rss() -> int | None:
+    """This process's current resident set size in bytes (``VmRSS``)."""
+    return _proc_status_kb("VmRSS")
+
+
+def _proc_status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+        if key == "VmHWM":
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except ImportError:
+        pass
+    return None
+
+
+@dataclass
+class ChildResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    peak_rss: int | None  # bytes, kernel's ru_maxrss of this child (and its waited-for children)
+    wall: float
+
+
+def run_child(argv: Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
+              echo_stderr: bool = True) -> ChildResult:
+    """Run ``argv`` to completion; return its output and peak RSS as the kernel counted it.
+
+    The peak comes from ``os.wait4`` (``ru_maxrss`` of exactly this child), so it is not affected
+    by other children of this process, and covers the whole life of the child.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=err, env=None if env is None else dict(env))
+        peak = None
+        try:
+            if hasattr(os, "wait4"):
+                deadline = None if timeout is None else start + timeout
+                while True:
+                    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                    if pid:
+                        proc.returncode = os.waitstatus_to_exitcode(status)
+                        peak = usage.ru_maxrss * 1024  # KiB on Linux
+                        break
+                    if deadline is not None and time.perf_counter() > deadline:
+                        proc.kill()
+                        proc.wait()
+                        raise subprocess.TimeoutExpired(list(argv), timeout)
+                    time.sleep(0.02)
+            else:
+                proc.wait(timeout=timeout)
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        result = ChildResult(proc.returncode, out.read(), err.read(), peak, wall)
+    if echo_stderr and result.stderr.strip():
+        sys.stderr.write(result.stderr if result.stderr.endswith("\n") else result.stderr + "\n")
+    return result
+
+
+def log(message: str) -> None:
+    """Progress on stderr (stdout carries the report)."""
+    print(message, file=sys.stderr, flush=True)
