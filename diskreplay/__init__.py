@@ -1,8 +1,11 @@
 """diskreplay: RL replay buffers on chunked Zarr arrays, served at in-memory speed."""
 
 from .buffer import ReplayBuffer
+from .export import export_buffer
+from .importers import import_dataset
 from .errors import (BufferExistsError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError)
+from .derived import EpisodicReturn
 from .episodes import EpisodeTable
 from .returns import discount_cumsum, episodic_returns, gae_advantages, normalize_advantages, nstep_targets
 from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows,
@@ -15,8 +18,8 @@ from .schema import Field
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "Field", "Uniform", "Prioritized", "WithoutReplacement", "Sampler", "Draw",
-    "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable", "HER", "RolloutBuffer",
+    "ReplayBuffer", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized", "WithoutReplacement", "Sampler", "Draw",
+    "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError",

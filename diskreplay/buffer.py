@@ -18,10 +18,14 @@ from .lanes import row_ids, split_row_ids
 from .lanes import flat_to_lane_step
 from .sampling import Draw, Sampler, Uniform, sampler_from_state
 from .schema import Field, Schema
+from .derived import EpisodicReturn, RowView, derived_next_fields
 from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, Storage
 from .transitions import HER
 
 STATE_PREFIX = "state/"
+FINALS_PATH = "final"
+FINALS_CHUNK_ROWS = 64
+FINALS_CACHE_BYTES = 32 * 2**20
 
 
 class ReplayBuffer:
@@ -33,11 +37,21 @@ class ReplayBuffer:
     overwritten id raises IndexError. Use `create` or `open` to get one.
     """
 
-    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator):
+    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
+                 finals: Storage | None = None):
         self.storage = storage
         self.sampler = sampler
         self.rng = rng
-        self.episode_index = EpisodeIndex(storage.layout.num_envs, tuple(storage.config.get("episode_end", ())))
+        config = storage.config
+        self.episode_index = EpisodeIndex(storage.layout.num_envs, tuple(config.get("episode_end", ())))
+        derived = {f"next_{base}": base for base in config.get("derive_next", ())}
+        logical = dict(storage.schema.fields)
+        logical.update({twin: storage.schema[base] for twin, base in derived.items()})
+        self.view = RowView(storage, self.episode_index, Schema(logical), derived, finals)
+        spec = config.get("episodic_return")
+        self.episodic_return = EpisodicReturn.from_json(spec) if spec else None
+        self._inputs = Schema({name: field for name, field in logical.items()
+                               if not spec or name != spec["name"]})
         sampler.attach(storage.layout)
         self._closed = False
 
@@ -49,7 +63,8 @@ class ReplayBuffer:
                compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
                storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                io_threads: int = 8, overwrite: bool = False,
-               episode_end: str | tuple[str, ...] | None = "auto") -> "ReplayBuffer":
+               episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
+               episodic_return: EpisodicReturn | None = None, commit: bool = True) -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Args:
@@ -67,6 +82,13 @@ class ReplayBuffer:
             overwrite: replace an existing buffer at ``url``.
             episode_end: the bool field(s) whose OR ends an episode; ``"auto"`` takes ``done``, or
                 ``terminated`` and ``truncated``, when present; ``None`` keeps no episode index.
+            derive_next: fields ``f`` (e.g. ``("obs",)``) whose ``next_f`` twin is not stored but
+                read from ``f`` at step t+1 of the same episode; each episode's final ``next_f`` is
+                kept in a small side store. Halves the disk used by observations.
+            episodic_return: store each step's discounted return-to-go as a field, computed when
+                its episode ends (see `EpisodicReturn`); it is not passed to `add`/`extend`.
+            commit: write the first commit now. ``False`` leaves the location unopenable until the
+                first `flush` (bulk imports: an interrupted one never looks like a buffer).
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
@@ -74,18 +96,33 @@ class ReplayBuffer:
                 by num_envs; SchemaError for bad fields.
         """
         url = os.fspath(url)
-        schema = Schema(fields)
-        end_fields = _episode_end_fields(schema, episode_end)
+        user = Schema(fields)
+        end_fields = _episode_end_fields(user, episode_end)
+        derived = derived_next_fields(tuple(derive_next), user.fields)
+        stored = {name: field for name, field in user.items() if name not in derived}
+        if (derived or episodic_return) and not end_fields:
+            raise ValueError("derive_next and episodic_return need episode ends: name them with episode_end=")
+        if episodic_return is not None:
+            _check_episodic_return(episodic_return, user)
+            stored[episodic_return.name] = episodic_return.field()
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         _prepare_location(url, storage_options, overwrite)
-        sampler = sampler or Uniform()
+        common = dict(num_envs=num_envs, compression=compression, level=compression_level,
+                      storage_options=storage_options, io_threads=io_threads, extra={})
         storage = Storage.create(
-            url, schema, num_envs=num_envs, lane_capacity=lane_capacity,
-            chunk_rows=min(chunk_rows, lane_capacity or chunk_rows), compression=compression,
-            level=compression_level, storage_options=storage_options, cache_bytes=cache_bytes,
-            io_threads=io_threads, extra={}, options={"episode_end": list(end_fields)})
-        buf = cls(storage, sampler, np.random.default_rng(seed))
-        buf.flush()
+            url, Schema(stored), lane_capacity=lane_capacity,
+            chunk_rows=min(chunk_rows, lane_capacity or chunk_rows), cache_bytes=cache_bytes,
+            options={"episode_end": list(end_fields), "derive_next": list(derived.values()),
+                     "episodic_return": episodic_return.to_json() if episodic_return else None},
+            commit=commit, **common)
+        finals = None
+        if derived:
+            finals = Storage.create(_finals_url(url), Schema({base: user[base] for base in derived.values()}),
+                                    lane_capacity=None, chunk_rows=FINALS_CHUNK_ROWS,
+                                    cache_bytes=FINALS_CACHE_BYTES, **common)
+        buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals)
+        if commit:
+            buf.flush()
         return buf
 
     @classmethod
@@ -108,10 +145,16 @@ class ReplayBuffer:
         url = os.fspath(url)
         storage = Storage.open(url, mode=mode, storage_options=storage_options,
                                cache_bytes=cache_bytes, io_threads=io_threads)
+        finals = None
+        if storage.config.get("derive_next"):
+            finals = Storage.open(_finals_url(url), mode=mode, storage_options=storage_options,
+                                  cache_bytes=FINALS_CACHE_BYTES, io_threads=io_threads)
         state = _load_committed_state(storage)
-        buf = cls(storage, sampler or sampler_from_state(state.get("sampler")), np.random.default_rng())
+        buf = cls(storage, sampler or sampler_from_state(state.get("sampler")), np.random.default_rng(), finals)
         if state:
             buf._load_state(state)
+        if finals is not None and mode == "r+":
+            finals.rewind(buf.episode_index.ended())
         return buf
 
     # ---- properties ------------------------------------------------------------------------
@@ -122,7 +165,8 @@ class ReplayBuffer:
 
     @property
     def fields(self) -> dict[str, Field]:
-        return dict(self.storage.schema.fields)
+        """Every field a row has, derived ones included."""
+        return dict(self.view.schema.fields)
 
     @property
     def capacity(self) -> int | None:
@@ -159,11 +203,11 @@ class ReplayBuffer:
         """
         self.storage._require_writable()
         if self.num_envs == 1 and env_ids is None:
-            rows = self.storage.schema.rows(step, lead=())
+            rows = self._inputs.rows(step, lead=())
             self._append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
             return
         lanes = self._env_ids(env_ids)
-        rows = self.storage.schema.rows(step, lead=(len(lanes),))
+        rows = self._inputs.rows(step, lead=(len(lanes),))
         self._append(lanes, {k: v[None] for k, v in rows.items()}, 1)
 
     def extend(self, data: Mapping[str, Any], env_ids: Any = None) -> None:
@@ -178,21 +222,28 @@ class ReplayBuffer:
         self.storage._require_writable()
         count = _leading(data)
         if self.num_envs == 1 and env_ids is None:
-            rows = self.storage.schema.rows(data, lead=(count,))
+            rows = self._inputs.rows(data, lead=(count,))
             self._append(np.array([0]), {k: v[:, None] for k, v in rows.items()}, count)
             return
         lanes = self._env_ids(env_ids)
-        rows = self.storage.schema.rows(data, lead=(count, len(lanes)))
+        rows = self._inputs.rows(data, lead=(count, len(lanes)))
         self._append(lanes, rows, count)
 
     def _append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
         for j, lane in enumerate(lanes.tolist()):
             lane_rows = {k: v[:, j] for k, v in rows.items()}
-            first, end = self.storage.append(lane, lane_rows, count)
+            if self.episodic_return is not None:
+                self.episodic_return.fill(self.storage, self.episode_index, lane, lane_rows,
+                                          self.episode_index.end_flags(lane_rows))
+            stored = {k: v for k, v in lane_rows.items() if k not in self.view.derived}
+            first, end = self.storage.append(lane, stored, count)
+            kept = {k: v[count - (end - first):] for k, v in lane_rows.items()}
             self.sampler.on_append(lane, first, end)
-            self.episode_index.on_append(lane, first, {k: v[count - (end - first):] for k, v in lane_rows.items()})
-        if self.storage.sealed:
-            self.storage.write_sealed(durable=False)
+            self.episode_index.on_append(lane, first, kept)
+            self.view.record(lane, first, kept)
+        for storage in self._storages():
+            if storage.sealed:
+                storage.write_sealed(durable=False)
 
     def _env_ids(self, env_ids: Any) -> np.ndarray:
         if env_ids is None:
@@ -218,13 +269,18 @@ class ReplayBuffer:
         if arrays:
             key = f"{STATE_PREFIX}{self.storage.commit_record.sequence + 1:012d}.safetensors"
             self.storage.store.put(key, snapshot.arrays_to_bytes(arrays), durable)
+        if self.view.finals is not None:
+            self.view.finals.flush(durable)
         self.storage.flush(durable, {"state": state_meta, "state_arrays": key})
         if previous and previous != key:
             self.storage.store.delete(previous)
 
     def refresh(self) -> bool:
         """Read-only buffers: pick up rows committed by the writer since open. True if any."""
-        return self.storage.refresh()
+        changed = self.storage.refresh()
+        if changed and self.view.finals is not None:
+            self.view.finals.refresh()
+        return changed
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -269,15 +325,15 @@ class ReplayBuffer:
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
-        batch = self.storage.gather(draw.lane, draw.step)
+        batch = self.view.gather(draw.lane, draw.step)
         if (n_step or stack or her) and not self.episode_index.enabled:
             raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
         if her is not None:
-            her.relabel(batch, self.storage, self.episode_index, draw.lane, draw.step, lo, hi, rng)
+            her.relabel(batch, self.view, self.episode_index, draw.lane, draw.step, lo, hi, rng)
         if n_step is not None:
-            batch.update(transitions.nstep(self.storage, self.episode_index, draw.lane, draw.step, hi, n_step, gamma))
+            batch.update(transitions.nstep(self.view, self.episode_index, draw.lane, draw.step, hi, n_step, gamma))
         if stack is not None:
-            batch.update(transitions.frame_stack(self.storage, self.episode_index, draw.lane, draw.step, lo,
+            batch.update(transitions.frame_stack(self.view, self.episode_index, draw.lane, draw.step, lo,
                                                  stack, tuple(stack_fields)))
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
@@ -297,7 +353,7 @@ class ReplayBuffer:
         mask = steps <= last[:, None]
         steps = np.minimum(steps, last[:, None])
         lanes = np.repeat(draw.lane, seq_len)
-        rows = self.storage.gather(lanes, steps.reshape(-1))
+        rows = self.view.gather(lanes, steps.reshape(-1))
         batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) for k, v in rows.items()}
         batch["index"] = row_ids(lanes, steps.reshape(-1), self.num_envs).reshape(batch_size, seq_len)
         batch["start"] = row_ids(draw.lane, draw.step, self.num_envs)
@@ -367,7 +423,7 @@ class ReplayBuffer:
             raise IndexError(f"episode {k} out of range: the buffer lists {len(table)} episodes")
         lane, start, length = int(table.lane[k]), int(table.start[k]), int(table.length[k])
         steps = np.arange(start, start + length)
-        rows = self.storage.gather(np.full(length, lane), steps)
+        rows = self.view.gather(np.full(length, lane), steps)
         rows["index"] = row_ids(lane, steps, self.num_envs)
         return rows
 
@@ -388,7 +444,7 @@ class ReplayBuffer:
             first = int(flat[bad][0])
             raise IndexError(f"row id {first} is not in the buffer (readable ids per lane: steps "
                              f"{lo.tolist()} to {(hi - 1).tolist()}, id = step * {self.num_envs} + lane)")
-        rows = self.storage.gather(lane, step)
+        rows = self.view.gather(lane, step)
         return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
 
     def row_ids(self) -> np.ndarray:
@@ -401,13 +457,15 @@ class ReplayBuffer:
 
     def _state(self) -> dict[str, Any]:
         return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
-                "episodes": self.episode_index.state_dict()}
+                "episodes": self.episode_index.state_dict(), "last_next": self.view.state_dict()}
 
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.sampler.load_state_dict(state["sampler"])
         if "episodes" in state:
             self.episode_index.load_state_dict(state["episodes"])
+        if state.get("last_next"):
+            self.view.load_state_dict(state["last_next"])
 
     def state_dict(self) -> dict[str, Any]:
         """The small in-RAM state: cursors per lane, the generator and the sampler's state."""
@@ -456,8 +514,12 @@ class ReplayBuffer:
             return
         if self.mode != "r":
             self.flush()
-        self.storage.close()
+        for storage in self._storages():
+            storage.close()
         self._closed = True
+
+    def _storages(self) -> list[Storage]:
+        return [self.storage] + ([self.view.finals] if self.view.finals is not None else [])
 
     def __enter__(self) -> "ReplayBuffer":
         return self
@@ -536,3 +598,17 @@ def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | Non
             raise SchemaError(f"episode_end: expected scalar bool fields, got {name!r} "
                               f"({schema.fields.get(name)})")
     return names
+
+
+def _finals_url(url: str) -> str:
+    """Where a buffer with ``derive_next`` keeps each episode's final next observation."""
+    return f"{url.rstrip('/')}/{FINALS_PATH}"
+
+
+def _check_episodic_return(spec: EpisodicReturn, user: Schema) -> None:
+    if spec.name in user.fields:
+        raise SchemaError(f"episodic_return: field {spec.name!r} is computed by the buffer; "
+                          f"remove it from fields or choose another name")
+    if spec.reward not in user.fields or user[spec.reward].shape != ():
+        raise SchemaError(f"episodic_return: expected a scalar reward field {spec.reward!r}, "
+                          f"got {user.fields.get(spec.reward)}")

@@ -28,9 +28,13 @@ class ChunkCache:
         self.pinned = np.zeros(slots, dtype=bool)
         self.clock = 1
 
+    # Bookkeeping and LRU choice cost O(slots) per miss; past this many slots (tiny chunks and a
+    # big budget) the cache costs more than it saves.
+    MAX_SLOTS = 1 << 16
+
     @staticmethod
     def slots_for_budget(schema: Schema, chunk_rows: int, cache_bytes: int, minimum: int) -> int:
-        return max(minimum, cache_bytes // (chunk_rows * schema.row_bytes))
+        return max(minimum, min(cache_bytes // (chunk_rows * schema.row_bytes), ChunkCache.MAX_SLOTS))
 
     def ensure_chunks(self, chunks_per_lane: int) -> None:
         """Grow the table (dataset mode) so chunk indices below ``chunks_per_lane`` are valid."""
@@ -59,10 +63,14 @@ class ChunkCache:
         n = len(lanes)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        age = np.where(self.pinned, np.iinfo(np.int64).max, self.last_used)
         if n > self.evictable():
             raise RuntimeError(f"chunk cache has {self.evictable()} free slots, {n} needed")
-        victims = np.argpartition(age, n - 1)[:n] if n < self.slots else np.arange(n)
+        empty = np.flatnonzero((self.owner_lane < 0) & ~self.pinned)
+        if len(empty) >= n:  # unused slots first: no LRU scan
+            victims = empty[:n]
+        else:
+            age = np.where(self.pinned, np.iinfo(np.int64).max, self.last_used)
+            victims = np.argpartition(age, n - 1)[:n] if n < self.slots else np.arange(n)
         self.evict(victims)
         self.table[lanes, chunks] = victims
         self.owner_lane[victims] = lanes

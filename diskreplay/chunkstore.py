@@ -2,17 +2,94 @@
 
 Two backends behind one small interface: `LocalChunkStore` (plain files: atomic temp+rename
 writes, optional fsync, reads straight into preallocated memory) and `FsspecChunkStore` (any
-fsspec URL: s3://, gs://, memory://, ...; many keys fetched concurrently by fsspec's async
-gather). `open_chunkstore` picks one from a URL.
+fsspec URL: s3://, gs://, memory://, ...). `open_chunkstore` picks one from a URL.
+
+Remote I/O. `FsspecChunkStore.get_many` runs one coroutine per key on the filesystem's event loop,
+at most ``concurrency`` in flight (a semaphore), each a single GET (for s3fs, without the HEAD it
+would otherwise send first). Every remote call (get, put, delete) retries *transient* failures —
+connection resets and timeouts, HTTP 5xx and 429, S3 ``SlowDown``/throttling codes — with
+exponential backoff and jitter, bounded by `RetryPolicy` (attempts per object and seconds per
+object), then raises `StoreUnavailableError` naming the key. A missing object is never retried
+and never an error here: ``get`` returns None and the caller decides (a chunk the commit says
+exists is a `CorruptBufferError` in storage). Retries of the layers below (botocore, s3fs)
+still apply first; `RetryPolicy` bounds what diskreplay adds on top.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import inspect
 import os
+import random
+import time
 import uuid
-from typing import Iterable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
 
 import fsspec
+import fsspec.asyn
+
+from .errors import DiskReplayError
+
+
+class StoreUnavailableError(DiskReplayError, OSError):
+    """A remote read or write kept failing with transient errors after every retry."""
+
+
+@dataclass
+class RetryPolicy:
+    """How transient remote failures are retried: per object, ``attempts`` tries in all, waiting
+    ``base_delay * 2**k`` (capped at ``max_delay``, with jitter) between them, and no new try once
+    ``budget_s`` seconds have passed since the first."""
+
+    attempts: int = 6
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+    budget_s: float = 30.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.max_delay, self.base_delay * 2 ** (failures - 1)) * (0.5 + 0.5 * random.random())
+
+
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests",
+    "TooManyRequestsException", "RequestLimitExceeded", "RequestThrottled", "BandwidthLimitExceeded",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+    "500", "502", "503", "504",
+})
+_TRANSIENT_TYPES = frozenset({
+    "HTTPClientError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+    "ConnectTimeoutError", "IncompleteReadError", "ResponseStreamingError", "ResponseParserError",
+    "ClientConnectionError", "ClientOSError", "ServerDisconnectedError", "ClientPayloadError",
+    "ServerTimeoutError", "FSTimeoutError", "IncompleteRead", "RemoteDisconnected", "ProtocolError",
+})
+_TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE,
+                               errno.ETIMEDOUT, errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Whether an error from a remote store is worth retrying (walks the exception's causes)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                            NotADirectoryError)):
+            return False
+        if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        if any(cls.__name__ in _TRANSIENT_TYPES for cls in type(exc).__mro__):
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _TRANSIENT_CODES or (isinstance(status, int) and (status >= 500 or status == 429)):
+                return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class ChunkStore(Protocol):
@@ -33,10 +110,11 @@ def local_path(url: str) -> str:
     return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
 
 
-def open_chunkstore(url: str, storage_options: dict | None = None) -> ChunkStore:
+def open_chunkstore(url: str, storage_options: dict | None = None, *, concurrency: int = 16) -> ChunkStore:
+    """The store for ``url``; ``concurrency`` bounds the requests in flight on a remote store."""
     if is_local(url):
         return LocalChunkStore(local_path(url))
-    return FsspecChunkStore(url, storage_options or {})
+    return FsspecChunkStore(url, storage_options or {}, concurrency=concurrency)
 
 
 class LocalChunkStore:
@@ -90,6 +168,22 @@ class LocalChunkStore:
     def exists(self, key: str) -> bool:
         return os.path.exists(self.path(key))
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist (O_CREAT|O_EXCL, fsynced). False if it did."""
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(path))
+        return True
+
     def sync_file(self, key: str) -> None:
         try:
             fd = os.open(self.path(key), os.O_RDONLY)
@@ -114,12 +208,27 @@ def fsync_dir(directory: str) -> None:
 
 
 class FsspecChunkStore:
-    """Objects under an fsspec URL. A PUT of one object is atomic on object stores."""
+    """Objects under an fsspec URL. A PUT of one object is atomic on object stores.
 
-    def __init__(self, url: str, storage_options: dict):
+    ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
+    transient failures (both may be changed on a live store).
+    """
+
+    def __init__(self, url: str, storage_options: dict, *, concurrency: int = 16,
+                 retry: RetryPolicy | None = None):
         self.url = url
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/")
+        self.concurrency = max(1, int(concurrency))
+        self.retry = retry or RetryPolicy()
+        self.retried = 0  # transient failures retried so far (for tests and benchmarks)
+        self._cat_kwargs: dict[str, Any] = {}
+        if getattr(self.fs, "async_impl", False):
+            try:
+                if "max_concurrency" in inspect.signature(self.fs._cat_file).parameters:
+                    self._cat_kwargs = {"max_concurrency": 1}  # s3fs: one GET, no HEAD first
+            except (TypeError, ValueError):
+                pass
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -128,29 +237,113 @@ class FsspecChunkStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
         if not keys:
             return []
         paths = [self.path(k) for k in keys]
-        found = self.fs.cat(paths, on_error="return")
-        out: list[bytes | None] = []
-        for p in paths:
-            value = found.get(p) if isinstance(found, dict) else found
-            if isinstance(value, FileNotFoundError) or value is None:
-                out.append(None)
-            elif isinstance(value, BaseException):
+        if getattr(self.fs, "async_impl", False):
+            found = fsspec.asyn.sync(self.fs.loop, self._get_all, keys, paths)
+        else:
+            found = [self._call(key, "read", lambda p=p: self._cat_or_none(p)) for key, p in zip(keys, paths)]
+        for value in found:
+            if isinstance(value, BaseException):
                 raise value
-            else:
-                out.append(value)
-        return out
+        return found
+
+    async def _get_all(self, keys: list[str], paths: list[str]) -> list[Any]:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(key: str, path: str) -> bytes | None:
+            async with gate:
+                return await self._call_async(key, "read", lambda: self._cat_or_none_async(path))
+
+        return await asyncio.gather(*(one(k, p) for k, p in zip(keys, paths)), return_exceptions=True)
+
+    async def _cat_or_none_async(self, path: str) -> bytes | None:
+        try:
+            return await self.fs._cat_file(path, **self._cat_kwargs)
+        except FileNotFoundError:
+            return None
+
+    def _cat_or_none(self, path: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _give_up(self, key: str, what: str, tries: int, started: float, exc: BaseException) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            errno.EIO, f"{self.url!r}: {what} of {key!r} failed after {tries} tries in "
+            f"{time.monotonic() - started:.1f} s; last error: {type(exc).__name__}: {exc}")
+
+    def _next_delay(self, failures: int, started: float) -> float | None:
+        """Seconds to wait before the next try, or None when the retry budget is spent."""
+        policy = self.retry
+        if failures >= policy.attempts:
+            return None
+        wait = policy.delay(failures)
+        if time.monotonic() + wait - started > policy.budget_s:
+            return None
+        self.retried += 1
+        return wait
+
+    def _call(self, key: str, what: str, fn: Callable[[], Any]) -> Any:
+        started, failures = time.monotonic(), 0
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                failures += 1
+                wait = self._next_delay(failures, started)
+                if wait is None:
+                    raise self._give_up(key, what, failures, started, exc) from exc
+                time.sleep(wait)
+
+    async def _call_async(self, key: str, what: str, fn: Callable[[], Any]) -> Any:
+        started, failures = time.monotonic(), 0
+        while True:
+            try:
+                return await fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                failures += 1
+                wait = self._next_delay(failures, started)
+                if wait is None:
+                    raise self._give_up(key, what, failures, started, exc) from exc
+                await asyncio.sleep(wait)
 
     def put(self, key: str, data: bytes, durable: bool = False) -> None:
-        self.fs.pipe_file(self.path(key), data)
+        self._call(key, "write", lambda: self.fs.pipe_file(self.path(key), data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist. False if it did.
+
+        A conditional PUT (``If-None-Match: *``) where the filesystem supports it (s3fs, memory);
+        elsewhere write-then-read-back, which two racing creators can both pass.
+        """
+        path = self.path(key)
+        try:
+            self._call(key, "write", lambda: self.fs.pipe_file(path, data, mode="create"))
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):
+            pass
+        if self.get(key) is not None:
+            return False
+        self.put(key, data)
+        return self.get(key) == data
 
     def delete(self, key: str) -> None:
-        try:
-            self.fs.rm_file(self.path(key))
-        except FileNotFoundError:
-            pass
+        def rm() -> None:
+            try:
+                self.fs.rm_file(self.path(key))
+            except FileNotFoundError:
+                pass
+        self._call(key, "delete", rm)
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.path(key))
+        return self._call(key, "check", lambda: self.fs.exists(self.path(key)))

@@ -41,6 +41,7 @@ class EpisodeIndex:
         self.end_fields = end_fields
         self._ends = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
         self._count = np.zeros(num_envs, dtype=np.int64)
+        self._pruned = np.zeros(num_envs, dtype=np.int64)
 
     @property
     def enabled(self) -> bool:
@@ -54,15 +55,20 @@ class EpisodeIndex:
         """Record the episode ends among steps ``first, first+1, ...`` (``rows`` of one lane)."""
         if not self.end_fields:
             return
-        flags = rows[self.end_fields[0]]
-        for name in self.end_fields[1:]:
-            flags = flags | rows[name]
+        flags = self.end_flags(rows)
         if not flags.any():
             return
         new = first + np.flatnonzero(flags)
         ends = self.ends(lane)
         keep = np.searchsorted(ends, new[0])
         self._store(lane, np.concatenate([ends[:keep], new]))
+
+    def end_flags(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """Per row, whether it ends an episode (OR of the end fields)."""
+        flags = np.asarray(rows[self.end_fields[0]], dtype=bool)
+        for name in self.end_fields[1:]:
+            flags = flags | rows[name]
+        return flags
 
     def _store(self, lane: int, ends: np.ndarray) -> None:
         if len(ends) > len(self._ends[lane]):
@@ -83,9 +89,31 @@ class EpisodeIndex:
             cut = max(int(np.searchsorted(ends, first)) - 1, 0)
             if cut > 1024 and cut * 2 > len(ends):
                 self._store(lane, ends[cut:].copy())
+                self._pruned[lane] += cut
+
+    def ends_between(self, lane: int, first: int, end: int) -> np.ndarray:
+        """End steps in ``[first, end)`` of one lane."""
+        ends = self.ends(lane)
+        return ends[np.searchsorted(ends, first):np.searchsorted(ends, end)]
+
+    def end_ordinal(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """How many episodes of the lane ended before ``step`` (for an end step: its ordinal)."""
+        out = np.zeros(step.shape, dtype=np.int64)
+        for e in np.unique(lane).tolist():
+            sel = lane == e
+            out[sel] = self._pruned[e] + np.searchsorted(self.ends(e), step[sel])
+        return out
+
+    def ended(self) -> np.ndarray:
+        """Episodes ended so far per lane (ordinals of the next ends)."""
+        return self._pruned + self._count
 
     def next_end(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         """The first end step >= ``step`` in the same lane (NO_END if the episode is open)."""
+        if len(self._count) == 1:  # one lane: no grouping
+            ends = self.ends(0)
+            pos = np.searchsorted(ends, step)
+            return np.append(ends, NO_END)[pos]
         out = np.full(step.shape, NO_END, dtype=np.int64)
         for e in np.unique(lane).tolist():
             sel = lane == e
@@ -101,13 +129,17 @@ class EpisodeIndex:
         for e in np.unique(lane).tolist():
             sel = lane == e
             ends = self.ends(e)
+            if len(ends) == 0:  # no episode ended yet in this lane: all began at step 0
+                continue
             pos = np.searchsorted(ends, step[sel]) - 1
             out[sel] = np.where(pos >= 0, ends[np.maximum(pos, 0)] + 1, 0)
         return out
 
     def table(self, lo: np.ndarray, hi: np.ndarray) -> EpisodeTable:
         """Every episode with readable steps, lane by lane in time order."""
-        parts = [self._lane_table(e, int(lo[e]), int(hi[e])) for e in range(len(lo))]
+        parts = [self._lane_table(e, lo_e, hi_e) for e, (lo_e, hi_e) in enumerate(zip(lo.tolist(), hi.tolist()))]
+        if len(parts) == 1:
+            return EpisodeTable(*parts[0])
         return EpisodeTable(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
 
     def _lane_table(self, lane: int, lo: int, hi: int) -> tuple[np.ndarray, ...]:
@@ -115,15 +147,18 @@ class EpisodeIndex:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, empty.astype(bool)
         ends = self.ends(lane)
-        inside = ends[(ends >= lo) & (ends < hi)]
-        starts = np.concatenate([[lo], inside + 1])
-        stops = np.concatenate([inside + 1, [hi]])
-        keep = stops > starts
-        true_start = self.episode_start(np.full(1, lane), np.array([lo]))[0]
-        complete = np.concatenate([[true_start == lo], np.ones(len(inside), bool)])
-        complete &= np.concatenate([np.ones(len(inside), bool), [False]])
-        starts, stops, complete = starts[keep], stops[keep], complete[keep]
-        return np.full(len(starts), lane, np.int64), starts, stops - starts, complete
+        a, b = np.searchsorted(ends, (lo, hi)).tolist()
+        n = b - a  # episodes ending inside [lo, hi); one more segment follows the last end
+        bounds = np.empty(n + 2, dtype=np.int64)
+        bounds[0], bounds[n + 1] = lo, hi
+        np.add(ends[a:b], 1, out=bounds[1:n + 1])
+        length = bounds[1:] - bounds[:-1]
+        complete = np.ones(n + 1, dtype=bool)
+        # the first episode began at lo (its start is readable) iff step lo - 1 ended an episode
+        complete[0] = lo == 0 or (a > 0 and int(ends[a - 1]) == lo - 1)
+        complete[n] = False  # not ended yet
+        keep = n + 1 if length[n] > 0 else n  # an end at hi - 1 leaves an empty last segment
+        return np.full(keep, lane, np.int64), bounds[:keep], length[:keep], complete[:keep]
 
     def window_starts(self, lo: np.ndarray, hi: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Segments of valid slice starts: (lane, first start, count) per episode with room for
@@ -134,10 +169,11 @@ class EpisodeIndex:
         return table.lane[keep], table.start[keep], count[keep]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"end_fields": list(self.end_fields), "count": self._count.copy(),
+        return {"end_fields": list(self.end_fields), "count": self._count.copy(), "pruned": self._pruned.copy(),
                 "ends": np.concatenate([self.ends(e) for e in range(len(self._count))])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pruned = np.asarray(state.get("pruned", np.zeros_like(self._count)), dtype=np.int64).copy()
         offsets = np.concatenate([[0], np.cumsum(state["count"])])
         for e in range(len(self._count)):
             self._store(e, np.asarray(state["ends"][offsets[e]:offsets[e + 1]], dtype=np.int64))

@@ -14,7 +14,8 @@ Field names produced:
   dataset's last row, ``observations[t + 1]`` belongs to another episode (or does not exist), so
   ``next_obs[t]`` is a copy of ``obs[t]``. For terminated steps this is harmless (TD targets mask
   it with ``1 - terminated``); for truncated steps the true next observation is simply not in
-  the source: drop or mask those rows if bootstrapping from them matters.
+  the source: drop or mask those rows if bootstrapping from them matters. Files written by
+  `diskreplay export` (attribute ``diskreplay_export``) get no derived field: they round-trip.
 * Minari (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order):
   ``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` ->
   ``action``, ``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` ->
@@ -53,10 +54,11 @@ from .chunkstore import is_local, local_path, open_chunkstore
 from .errors import BufferExistsError, DiskReplayError, NotABufferError
 from .sampling import Uniform
 from .schema import ALLOWED_DTYPES, RESERVED_NAMES, Field
-from .storage import COMMIT_KEY
+from .storage import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
 
 FORMATS = ("d4rl", "minari", "npz", "npy", "zarr")
-INCOMPLETE_KEY = "import-incomplete.json"
+INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
+EXPORT_ATTR = "diskreplay_export"  # HDF5 file attribute set by `diskreplay export`
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 D4RL_NAMES = {"observations": "obs", "actions": "action", "rewards": "reward", "terminals": "terminated",
@@ -78,7 +80,7 @@ class ImportFormatError(DiskReplayError, ValueError):
 def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
                    chunk_rows: int = 4096, compression: str | None = "zstd", batch_rows: int = 65536,
                    progress: bool = True, overwrite: bool = False, mode: str = "r",
-                   storage_options: dict | None = None) -> ReplayBuffer:
+                   storage_options: dict | None = None, cache_bytes: int | None = None) -> ReplayBuffer:
     """Import a dataset at ``src`` into a new dataset-mode buffer at ``dest`` and open it.
 
     Args:
@@ -92,6 +94,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         overwrite: replace an existing buffer (or an interrupted import) at ``dest``.
         mode: mode of the returned buffer ("r", or "r+" to keep adding rows).
         storage_options: fsspec options for a remote ``dest``.
+        cache_bytes: chunk cache of the returned buffer (default: the library's default).
 
     Returns:
         The imported buffer, opened with ``mode``.
@@ -110,13 +113,17 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
     with ExitStack() as stack:
         source = stack.enter_context(_open_source(fmt, src, int(batch_rows)))
         _check_destination(dest, overwrite, storage_options)
+        # write staging: the chunks of two slices per lane, not the default read cache
         row_bytes = sum(f.row_bytes for f in source.fields.values())
-        cache_bytes = max(2 * int(batch_rows) * row_bytes, 8 * 2**20)
+        staging_chunks = 2 * -(-int(batch_rows) // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
         buf = ReplayBuffer.create(dest, source.fields, None, num_envs=source.num_envs,
                                   chunk_rows=chunk_rows, compression=compression, overwrite=overwrite,
-                                  storage_options=storage_options, cache_bytes=cache_bytes)
-        real_store = _mark_incomplete(buf, {"source": src, "format": fmt, "started": time.time(),
-                                            "pid": os.getpid(), "host": socket.gethostname()})
+                                  storage_options=storage_options, commit=False,
+                                  cache_bytes=staging_chunks * int(chunk_rows) * row_bytes)
+        store = buf.storage.store
+        store.put(INCOMPLETE_KEY, json.dumps({"source": src, "format": fmt, "started": time.time(),
+                                              "pid": os.getpid(), "host": socket.gethostname()}).encode(),
+                  durable=True)
         try:
             with _progress(source.rows, f"import {fmt}", progress) as bar:
                 for lane, batch in source.batches():
@@ -126,15 +133,15 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
                     else:
                         buf.extend({k: v[:, None] for k, v in batch.items()}, env_ids=[lane])
                     bar.update(count)
-            buf.storage.store = real_store
-            buf.flush()  # writes the last chunks, then commit.json: dest becomes a buffer here
-            real_store.delete(INCOMPLETE_KEY)
+            buf.flush()  # writes the last chunks, then the first commit.json: dest becomes a buffer here
+            store.delete(INCOMPLETE_KEY)
             buf.close()
         except BaseException:
             buf.storage.close()
             _remove_failed(dest, storage_options)
             raise
-    return ReplayBuffer.open(dest, mode, storage_options=storage_options)
+    extra = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
+    return ReplayBuffer.open(dest, mode, storage_options=storage_options, **extra)
 
 
 def detect_format(src: str) -> str:
@@ -187,8 +194,7 @@ def describe_incomplete(url: str, marker: dict) -> str:
     started = marker.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
     return (f"{url!r} holds an interrupted import (from {marker.get('source')!r}, started {when}, "
-            f"pid {marker.get('pid', '?')}); it is not a usable buffer: import again with overwrite=True "
-            f"(--overwrite)")
+            f"pid {marker.get('pid', '?')}); it is not a usable buffer: import again with overwrite=True")
 
 
 # ---- destination handling --------------------------------------------------------------------
@@ -196,42 +202,17 @@ def describe_incomplete(url: str, marker: dict) -> str:
 
 def _check_destination(dest: str, overwrite: bool, storage_options: dict | None) -> None:
     marker = import_status(dest, storage_options)
-    if marker is not None and not overwrite:
+    if marker is None:
+        return
+    if not overwrite:
         raise BufferExistsError(describe_incomplete(dest, marker))
-
-
-def _mark_incomplete(buf: ReplayBuffer, info: dict) -> Any:
-    """Make ``buf`` write its commits under INCOMPLETE_KEY and drop commit.json. Returns the real store."""
-    real = buf.storage.store
-    real.put(INCOMPLETE_KEY, json.dumps(info).encode(), durable=True)
-    buf.storage.store = _redirecting_store(real, {COMMIT_KEY: INCOMPLETE_KEY.replace(".json", ".commit.json")})
-    real.delete(COMMIT_KEY)
-    return real
-
-
-def _redirecting_store(store: Any, renames: dict[str, str]) -> Any:
-    """A view of ``store`` (same class, same state) that reads and writes some keys under other names."""
-    base = type(store)
-
-    class Redirecting(base):  # type: ignore[misc, valid-type]
-        def get(self, key):
-            return base.get(self, renames.get(key, key))
-
-        def get_many(self, keys):
-            return base.get_many(self, [renames.get(k, k) for k in keys])
-
-        def put(self, key, data, durable=False):
-            base.put(self, renames.get(key, key), data, durable)
-
-        def delete(self, key):
-            base.delete(self, renames.get(key, key))
-
-        def exists(self, key):
-            return base.exists(self, renames.get(key, key))
-
-    view = object.__new__(Redirecting)
-    view.__dict__ = store.__dict__
-    return view
+    try:  # a killed import leaves its writer lock: remove it if its process is gone
+        from .lock import break_lock, lock_holder
+    except ImportError:
+        return
+    holder = lock_holder(dest, storage_options)
+    if holder is not None and holder.stale_reason():
+        break_lock(dest, storage_options)
 
 
 def _remove_failed(dest: str, storage_options: dict | None) -> None:
@@ -383,7 +364,9 @@ class D4RLSource(Source):
             if field is not None:
                 self.fields[name] = field
                 self.columns[name] = ds
-        self.derive_next = "obs" in self.columns and "next_obs" not in self.columns
+        # files written by `diskreplay export` hold exactly the buffer's fields: derive nothing
+        exported = bool(self.file.attrs.get(EXPORT_ATTR, False))
+        self.derive_next = "obs" in self.columns and "next_obs" not in self.columns and not exported
         if self.derive_next:
             self.fields["next_obs"] = self.fields["obs"]
         self.flags = [D4RL_NAMES[k] for k in D4RL_FLAGS if D4RL_NAMES[k] in self.columns]

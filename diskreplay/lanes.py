@@ -55,11 +55,17 @@ class LaneLayout:
         """Distinct chunk indices holding steps ``[first, last)`` of one lane, sorted."""
         if last <= first:
             return np.zeros(0, dtype=np.int64)
-        if self.lane_capacity is not None and last - first >= self.lane_capacity:
+        cap = self.lane_capacity
+        if cap is None:
+            return np.arange(first // self.chunk_rows, (last - 1) // self.chunk_rows + 1, dtype=np.int64)
+        if last - first >= cap:
             return np.arange(self.chunks_per_lane(), dtype=np.int64)
-        starts = np.arange(first - first % self.chunk_rows, last, self.chunk_rows, dtype=np.int64)
-        steps = np.concatenate([np.maximum(starts, first), [last - 1]])
-        return np.unique(self.slot(steps) // self.chunk_rows)
+        # the steps occupy at most two slot runs: [slot(first), ...) and, after a wrap, [0, ...)
+        a, b = first % cap // self.chunk_rows, (last - 1) % cap // self.chunk_rows
+        if first % cap <= (last - 1) % cap:
+            return np.arange(a, b + 1, dtype=np.int64)
+        return np.union1d(np.arange(0, b + 1, dtype=np.int64),
+                          np.arange(a, self.chunks_per_lane(), dtype=np.int64))
 
 
 def row_ids(lane: np.ndarray, step: np.ndarray, num_envs: int) -> np.ndarray:

@@ -53,7 +53,7 @@ class RolloutBuffer:
         """
         if self._added == self.num_steps:
             raise RuntimeError(f"rollout is full ({self.num_steps} steps); call reset() first")
-        self.buffer.add(**step)
+        self.buffer.add(env_ids=np.arange(self.num_envs), **step)  # leading env axis even when num_envs == 1
         self._added += 1
 
     @property

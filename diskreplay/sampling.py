@@ -169,7 +169,9 @@ class Prioritized:
 
     def _set_leaves(self, leaves: np.ndarray, values: np.ndarray) -> None:
         self.sum_tree.update(leaves, values)
-        self.min_tree.update(leaves, values)
+        # A zero priority (eps=0, td=0) is never drawn: it must not set the weights' p_min (it would
+        # make every weight 0), and leaves rebuilt from a saved state skip zeros anyway.
+        self.min_tree.update(leaves, np.where(values > 0, values, np.inf))
 
     def on_append(self, lane: int, first: int, end: int) -> None:
         self._pending.append((lane, first, end))

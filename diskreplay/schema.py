@@ -35,7 +35,7 @@ class Field:
         if any(s < 0 for s in shape):
             raise SchemaError(f"Field shape must be non-negative, got {shape}")
         dtype = np.dtype(self.dtype)
-        if dtype not in ALLOWED_DTYPES:
+        if dtype.newbyteorder("=") not in ALLOWED_DTYPES:  # ">f4" is float32 too (stored "<f4")
             raise SchemaError(
                 f"Field dtype must be one of {[d.name for d in ALLOWED_DTYPES]}, got {dtype}")
         object.__setattr__(self, "shape", shape)

@@ -9,10 +9,11 @@ function of its leaves and sums do not drift.
 
 Batched operations are vectorized over the batch; the only Python loops run
 over tree levels. ``update`` gathers sibling pairs through a complex128 view
-of each level and recomputes the top levels whole (a few thousand nodes are
-cheaper to recompute than to gather); ``find_prefix_sum`` resolves the top
-levels with one ``searchsorted`` over a prefix sum and descends the rest one
-level per step.
+of each level and recomputes the top levels whole (a thousand nodes are
+cheaper to recompute than to gather). ``find_prefix_sum`` sorts the
+thresholds, resolves the top levels with one ``searchsorted`` over a prefix
+sum of one level and descends the rest one level per step. Per level and per
+call, numpy overhead (~0.4 us) and, on big trees, cache misses dominate.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class SumSegmentTree(_SegmentTree):
         if bad.any():
             pos = int(np.flatnonzero(bad)[0])
             raise ValueError(
-                f"SumSegmentTree values must be finite and >= 0, got {vals[pos]!r} "
+                f"SumSegmentTree values must be finite and >= 0, got {float(vals[pos])} "
                 f"at position {pos}"
             )
         return vals + 0.0  # only -0.0 got here; store it as +0.0
@@ -259,16 +260,19 @@ class SumSegmentTree(_SegmentTree):
         Raises:
             ValueError: ``total()`` is 0, or a threshold is negative or NaN.
         """
-        t = np.array(thresholds, dtype=np.float64)
+        t = np.asarray(thresholds, dtype=np.float64)
         shape = t.shape
         t = t.reshape(-1)
         if t.size == 0:
             return np.zeros(shape, dtype=np.int64)
         if not self._tree[1] > 0:
             raise ValueError("find_prefix_sum needs total() > 0, but all leaves are 0")
-        if not np.minimum.reduce(t) >= 0:
+        order = np.argsort(t)
+        sorted_t = t[order]
+        if not (sorted_t[0] >= 0 and sorted_t[-1] == sorted_t[-1]):
             pos = int(np.flatnonzero(~(t >= 0))[0])
-            raise ValueError(f"thresholds must be >= 0, got {t[pos]!r} at position {pos}")
+            raise ValueError(f"thresholds must be >= 0, got {float(t[pos])} at position {pos}")
+        t = sorted_t
         idx = self._descend_top(t)
         for left_view in self._left_views:
             left = left_view[idx]
@@ -276,16 +280,22 @@ class SumSegmentTree(_SegmentTree):
             t -= left * right
             idx += idx
             idx += right
-        if not np.minimum.reduce(self._leaves[idx]) > 0:
+        if not np.minimum.reduce(self._levels[self._depth][idx]) > 0:
             self._fix_zero_hits(idx)
-        return idx.astype(np.int64, copy=False).reshape(shape)
+        found = np.empty(idx.size, dtype=np.int64)
+        found[order] = idx
+        return found.reshape(shape)
 
     def _descend_top(self, t: np.ndarray) -> np.ndarray:
-        """Node indices (within their level) after the top levels; subtracts from ``t``."""
+        """Node indices (within their level) after the top levels; subtracts from ``t``.
+
+        ``t`` is sorted, which lets ``searchsorted`` narrow each search from the
+        previous result (about twice as fast as on shuffled keys).
+        """
         level = self._levels[self._search_levels]
         cumsum = np.empty(level.size + 1)
         cumsum[0] = 0.0
-        np.cumsum(level, out=cumsum[1:])
+        np.add.accumulate(level, out=cumsum[1:])
         idx = np.searchsorted(cumsum[1:], t, side="right")
         np.minimum(idx, level.size - 1, out=idx)
         t -= cumsum[idx]
@@ -298,7 +308,7 @@ class SumSegmentTree(_SegmentTree):
         into a run of zero leaves that follows it; the intended leaf is then the
         last non-zero one before the run.
         """
-        for pos in np.flatnonzero(self._leaves[idx] == 0):
+        for pos in np.flatnonzero(self._levels[self._depth][idx] == 0):
             idx[pos] = self._last_nonzero_before(int(idx[pos]))
 
     def _last_nonzero_before(self, leaf: int) -> int:

@@ -15,12 +15,27 @@ overwritten, and a crash at any point leaves the last commit's visible rows inta
 Reads. `gather` maps steps to cache slots; missing chunks are fetched concurrently (a thread
 pool; fsspec's async gather for remote stores), decoded once into their slot, and every field is
 then gathered with one ``take``.
+
+Readers that have not refreshed. A reader keeps the window of the commit it last adopted
+(``open``/``refresh``), while the writer goes on. Cached chunks stay right for that window: a row
+of a step never changes, and a cached copy predates any overwrite of it. A chunk *fetched* later
+may already hold the writer's next round in a ring; but the writer commits a raised ``lower``
+before overwriting. So after a reader (ring buffers only) fetches chunks, it re-reads
+``commit.json`` (one small GET) and, if the newest commit's first visible step has passed any row
+it asked for from those chunks, it drops them, adopts that commit (as `refresh` would) and raises
+`StaleReadError` (an IndexError) naming the rows: the caller draws again from the new window.
+Rows it returns are therefore never from a half-written or newer ring round. Rows of chunks
+already in the cache need no check, nor do dataset-mode buffers (they never overwrite a row).
+
+The writer lock. A writer (`create`, `open` with ``mode="r+"``) holds ``writer.lock`` (see
+`diskreplay.lock`) from open to `close`; readers take none.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +45,20 @@ import numpy as np
 from . import zarr_layout
 from .cache import ChunkCache
 from .chunkstore import ChunkStore, LocalChunkStore, open_chunkstore
-from .errors import CorruptBufferError, NotABufferError, ReadOnlyError
+from .errors import CorruptBufferError, DiskReplayError, NotABufferError, ReadOnlyError
+from .lock import WriterLock
 from .lanes import LaneLayout
 from .schema import Schema
 from .zarr_layout import Codec
 
 COMMIT_KEY = "commit.json"
+INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
 DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+class StaleReadError(DiskReplayError, IndexError):
+    """A reader asked for rows the writer overwrote after the reader's last refresh. The reader
+    has adopted the newest commit: draw again from its window."""
 
 
 @dataclass
@@ -72,7 +94,8 @@ class Storage:
     """Chunk I/O, staging, the cache and commits for one buffer. Not thread-safe (one writer)."""
 
     def __init__(self, url: str, config: dict[str, Any], commit: Commit, *, mode: str,
-                 storage_options: dict | None, cache_bytes: int, io_threads: int):
+                 storage_options: dict | None, cache_bytes: int, io_threads: int,
+                 writer_lock: WriterLock | None = None, store: ChunkStore | None = None):
         self.url = url
         self.mode = mode
         self.storage_options = storage_options
@@ -80,10 +103,17 @@ class Storage:
         self.schema = Schema.from_json(config["fields"])
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = Codec(config["compression"], config["level"])
-        self.store: ChunkStore = open_chunkstore(url, storage_options)
+        self.store: ChunkStore = store or open_chunkstore(url, storage_options, concurrency=io_threads)
+        self.writer_lock = writer_lock
+        # released on close, or when the storage is collected / the interpreter exits unclosed
+        self._lock_finalizer = weakref.finalize(self, writer_lock.release) if writer_lock else None
         self.commit_record = commit
         self.committed = commit.committed.copy()
         self.lower = commit.lower.copy()
+        if mode != "r":
+            # After a crash between a retire commit and the next commit, ``lower`` may exceed
+            # ``committed``: the steps in between were never committed and are re-added fresh.
+            self.lower = np.minimum(self.lower, self.committed)
         self.total = commit.committed.copy()
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
@@ -91,6 +121,9 @@ class Storage:
         self.unsynced: set[str] = set()
         slots = ChunkCache.slots_for_budget(self.schema, self.layout.chunk_rows, cache_bytes,
                                             minimum=2 * self.layout.num_envs + 2)
+        if self.layout.lane_capacity is not None:  # more slots than a ring has chunks are dead weight
+            slots = min(slots, max(2 * self.layout.num_envs + 2,
+                                   self.layout.num_envs * self.layout.chunks_per_lane()))
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="diskreplay-io")
@@ -102,26 +135,40 @@ class Storage:
     def create(cls, url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None,
                chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
                cache_bytes: int, io_threads: int, extra: dict[str, Any],
-               options: dict[str, Any] | None = None) -> "Storage":
+               options: dict[str, Any] | None = None, break_lock: bool = False,
+               commit: bool = True) -> "Storage":
         zarr_layout.check_schema_compatible(schema)
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
                   "chunk_rows": chunk_rows, "compression": compression, "level": level, **(options or {})}
-        store = open_chunkstore(url, storage_options)
+        store = open_chunkstore(url, storage_options, concurrency=io_threads)
+        lock = WriterLock(url, store=store)
+        holder = lock.holder()
+        if holder is not None and not break_lock:  # refuse before destroying anything
+            lock.acquire()
         store.delete(COMMIT_KEY)
-        group = zarr_layout.open_group(url, "w", storage_options)
-        zarr_layout.create_arrays(group, schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
-        commit = Commit(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time.time(), extra)
-        store.put(COMMIT_KEY, commit.to_bytes(), durable=True)
-        return cls(url, config, commit, mode="r+", storage_options=storage_options,
-                   cache_bytes=cache_bytes, io_threads=io_threads)
+        group = zarr_layout.open_group(url, "w", storage_options)  # clears the location
+        lock.acquire(break_lock)
+        try:
+            zarr_layout.create_arrays(group, schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
+            record = Commit(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time.time(), extra)
+            if commit:
+                store.put(COMMIT_KEY, record.to_bytes(), durable=True)
+            return cls(url, config, record, mode="r+", storage_options=storage_options,
+                       cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store)
+        except BaseException:
+            lock.release()
+            raise
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int) -> "Storage":
-        store = open_chunkstore(url, storage_options)
+             io_threads: int, break_lock: bool = False) -> "Storage":
+        store = open_chunkstore(url, storage_options, concurrency=io_threads)
         blob = store.get(COMMIT_KEY)
         if blob is None:
+            if store.exists(INCOMPLETE_IMPORT_KEY):
+                raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
+                                      f"import it again with overwrite=True")
             raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
         try:
             group = zarr_layout.open_group(url, "r", storage_options)
@@ -129,8 +176,19 @@ class Storage:
             raise NotABufferError(f"{url!r} is not a diskreplay buffer ({exc})") from None
         config = zarr_layout.read_config(group, url)
         commit = Commit.from_bytes(blob, url, config["num_envs"])
-        storage = cls(url, config, commit, mode=mode, storage_options=storage_options,
-                      cache_bytes=cache_bytes, io_threads=io_threads)
+        lock = WriterLock(url, store=store).acquire(break_lock) if mode != "r" else None
+        try:
+            if lock is not None:  # the commit may have moved while we waited for the lock
+                blob = store.get(COMMIT_KEY)
+                if blob is None:
+                    raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+                commit = Commit.from_bytes(blob, url, config["num_envs"])
+            storage = cls(url, config, commit, mode=mode, storage_options=storage_options,
+                          cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         storage.group_lane_rows = group[next(iter(storage.schema))].shape[1]
         return storage
 
@@ -142,7 +200,8 @@ class Storage:
             hi = self.committed
             lo = np.maximum(self.lower, self.layout.oldest(hi))
             return np.minimum(lo, hi), hi
-        return self.layout.oldest(self.total), self.total
+        lo = np.maximum(self.lower, self.layout.oldest(self.total))
+        return np.minimum(lo, self.total), self.total
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -188,6 +247,9 @@ class Storage:
             slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
             if self._holds_data(lane, chunk_first_step):
                 self._fetch_into([(lane, chunk, slot)], must_exist=self._holds_visible(lane, chunk_first_step))
+            else:  # a recycled slot holds another chunk's rows: never write those into this chunk
+                for name in self.cache.slabs:
+                    self.cache.chunk_rows_of(name, slot)[...] = 0
         self.staging[lane] = chunk
         return slot
 
@@ -214,12 +276,58 @@ class Storage:
         self.staging[lane] = -1
         self.dirty[lane] = False
 
+    def rewind(self, total: np.ndarray) -> None:
+        """Writer, right after open: forget steps at or after ``total`` per lane (steps a parent
+        buffer never committed); they are overwritten by the next appends."""
+        self.total = np.minimum(self.total, total)
+
+    def update_rows(self, lane: int, first: int, values: dict[str, np.ndarray]) -> None:
+        """Overwrite fields of steps ``[first, first + n)`` of one lane, already added.
+
+        For fields derived after the fact (episodic returns). Chunks already written are read,
+        patched in the cache and queued to be rewritten with the next chunk writes.
+        """
+        self._require_writable()
+        count = len(next(iter(values.values())))
+        step, i = first, 0
+        while i < count:
+            piece = self.layout.piece_length(step, count - i)
+            chunk, offset = divmod(self.layout.slot(step), self.layout.chunk_rows)
+            base = self._patchable_slot(lane, chunk) * self.layout.chunk_rows + offset
+            for name, value in values.items():
+                self.cache.slabs[name][base:base + piece] = value[i:i + piece]
+            i += piece
+            step += piece
+
+    def _patchable_slot(self, lane: int, chunk: int) -> int:
+        if self.staging[lane] == chunk:
+            self.dirty[lane] = True
+            return int(self.cache.table[lane, chunk])
+        for sealed_lane, sealed_chunk, slot in self.sealed:
+            if (sealed_lane, sealed_chunk) == (lane, chunk):
+                return slot
+        slot = int(self.cache.table[lane, chunk])
+        if slot >= 0:
+            self.cache.pinned[slot] = True
+        else:
+            slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
+            self._fetch_into([(lane, chunk, slot)], must_exist=True)
+        self.sealed.append((lane, chunk, slot))
+        return slot
+
     def write_sealed(self, durable: bool) -> None:
         """Write every sealed chunk (and nothing else), after retiring the rows they overwrite."""
         self._write_chunks(self.sealed, durable)
+        self._release_sealed()
+
+    def _release_sealed(self) -> None:
+        """Unpin written sealed chunks, except a lane's current staging chunk (a ring that wraps
+        within one append re-stages a chunk it already sealed)."""
         for _, _, slot in self.sealed:
             self.cache.pinned[slot] = False
         self.sealed = []
+        lanes = np.flatnonzero(self.staging >= 0)
+        self.cache.pinned[self.cache.table[lanes, self.staging[lanes]]] = True
 
     def flush(self, durable: bool = True, extra: dict[str, Any] | None = None) -> None:
         """Write sealed chunks and every lane's partial tail chunk, then commit."""
@@ -227,9 +335,7 @@ class Storage:
         tails = [(lane, int(self.staging[lane]), int(self.cache.table[lane, self.staging[lane]]))
                  for lane in np.flatnonzero(self.dirty)]
         self._write_chunks(self.sealed + tails, durable)
-        for _, _, slot in self.sealed:
-            self.cache.pinned[slot] = False
-        self.sealed = []
+        self._release_sealed()
         self.dirty[:] = False
         if durable:
             self._sync_written()
@@ -262,9 +368,11 @@ class Storage:
             self.unsynced = set()
 
     def _retire_overwritten(self, durable: bool) -> None:
+        # Always durable: a chunk overwrite that reaches the disk before this commit would, after
+        # a power loss, show new rows under old step numbers. One small fsync per chunk write batch.
         oldest = self.layout.oldest(self.total)
         if np.any(oldest > self.lower):
-            self.commit(self.committed, np.maximum(self.lower, oldest), durable, self.commit_record.extra)
+            self.commit(self.committed, np.maximum(self.lower, oldest), True, self.commit_record.extra)
 
     def _grow_arrays(self) -> None:
         if self.layout.lane_capacity is not None:
@@ -292,12 +400,19 @@ class Storage:
 
     def refresh(self) -> bool:
         """Reader: adopt the newest commit, dropping cached chunks it rewrote. True if it changed."""
+        record = self._read_commit()
+        if record.sequence == self.commit_record.sequence:
+            return False
+        self._adopt(record)
+        return True
+
+    def _read_commit(self) -> Commit:
         blob = self.store.get(COMMIT_KEY)
         if blob is None:
             raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
-        record = Commit.from_bytes(blob, self.url, self.layout.num_envs)
-        if record.sequence == self.commit_record.sequence:
-            return False
+        return Commit.from_bytes(blob, self.url, self.layout.num_envs)
+
+    def _adopt(self, record: Commit) -> None:
         for lane in range(self.layout.num_envs):
             old = int(self.committed[lane])
             first = old - old % self.layout.chunk_rows
@@ -306,7 +421,6 @@ class Storage:
         self.committed, self.lower = record.committed.copy(), record.lower.copy()
         self.total = self.committed.copy()
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
-        return True
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None
                ) -> dict[str, np.ndarray]:
@@ -317,14 +431,14 @@ class Storage:
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
         if (slots < 0).any():
-            rows = self._gather_with_misses(lane, chunk, offset, slots)
+            rows = self._gather_with_misses(lane, chunk, offset, slots, step)
             return rows if names is None else {name: rows[name] for name in names}
         self.cache.touch(slots)
         index = slots * self.layout.chunk_rows + offset
         slabs = self.cache.slabs
         return {name: slabs[name].take(index, axis=0) for name in (names or slabs)}
 
-    def _gather_with_misses(self, lane, chunk, offset, slots) -> dict[str, np.ndarray]:
+    def _gather_with_misses(self, lane, chunk, offset, slots, step) -> dict[str, np.ndarray]:
         miss = slots < 0
         width = self.cache.table.shape[1]
         keys = np.unique(lane[miss] * width + chunk[miss])
@@ -338,8 +452,31 @@ class Storage:
             group = keys[start:start + room]
             self._load(group // width, group % width)
             todo = miss & np.isin(lane * width + chunk, group)
+            self._check_not_overwritten(lane[todo], step[todo], group // width, group % width)
             self._fill(out, todo, lane, chunk, offset)
         return out
+
+    def _check_not_overwritten(self, lane, step, loaded_lanes, loaded_chunks) -> None:
+        """Reader of a ring, after fetching chunks: raise `StaleReadError` if the writer had
+        retired any of these steps by then (see the module docstring)."""
+        if self.mode != "r" or self.layout.lane_capacity is None or not len(step):
+            return
+        record = self._read_commit()
+        if record.sequence == self.commit_record.sequence:
+            return
+        first = np.maximum(record.lower, self.layout.oldest(record.committed))
+        gone = step < first[lane]
+        if not gone.any():
+            return
+        for ln in np.unique(loaded_lanes).tolist():
+            self.cache.invalidate(ln, loaded_chunks[loaded_lanes == ln])
+        old = self.commit_record.sequence
+        self._adopt(record)
+        ids = (step[gone] * self.layout.num_envs + lane[gone])[:5].tolist()
+        raise StaleReadError(
+            f"{self.url!r}: rows {ids}{'...' if gone.sum() > 5 else ''} were overwritten by the writer "
+            f"after this reader's commit {old}; the reader now follows commit {record.sequence} "
+            f"(first readable steps per lane {first.tolist()}): sample again")
 
     def _fill(self, out, mask, lane, chunk, offset) -> None:
         if not mask.any():
@@ -393,3 +530,5 @@ class Storage:
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
+        if self._lock_finalizer is not None:
+            self._lock_finalizer()  # releases the writer lock (once)

@@ -133,6 +133,13 @@ def check_buffer_against(buf: dr.ReplayBuffer, model: Model, committed: bool = F
 
 
 @pytest.fixture
+def no_fsync(monkeypatch):
+    """Skip fsync: durability is not observable inside one process, and on a busy disk each
+    commit's fsyncs cost milliseconds. Opt in with ``pytestmark = pytest.mark.usefixtures("no_fsync")``."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+@pytest.fixture
 def memory_url():
     """A fresh memory:// URL, removed from the process-wide memory filesystem afterwards."""
     name = f"diskreplay-test-{uuid.uuid4().hex}"

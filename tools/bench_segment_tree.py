@@ -1,9 +1,13 @@
-"""Micro-benchmark of the segment trees used for prioritized sampling.
+"""Micro-benchmark of the segment trees behind prioritized sampling.
 
-Prints median microseconds per iteration of:
-  * SumSegmentTree: update of 256 random leaves + find_prefix_sum of 256 thresholds,
-    on 2**20 and 2**24 leaves (all leaves filled with random priorities first);
-  * MinSegmentTree: update of 256 random leaves + min(), on 2**20 and 2**24 leaves.
+Prints the median wall time, in microseconds per iteration, of
+  * SumSegmentTree: ``update`` of B random leaves + ``find_prefix_sum`` of B
+    random thresholds (and each half alone), on 2**20 and 2**24 leaves;
+  * MinSegmentTree: ``update`` of B random leaves + ``min()``, same sizes.
+Trees start with every leaf set to a random priority. Every iteration uses
+fresh random indices, values and thresholds (all drawn up front), so caches
+are not kept warm by repeating one batch. The 1-minute load average is printed
+because other processes on a small machine inflate the medians.
 
 Usage: python tools/bench_segment_tree.py [--reps N] [--batch B]
 """
@@ -11,6 +15,7 @@ Usage: python tools/bench_segment_tree.py [--reps N] [--batch B]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -22,10 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diskreplay.segment_tree import MinSegmentTree, SumSegmentTree  # noqa: E402
 
+SIZES_LOG2 = (20, 24)
 
-def median_us(fn: Callable[[int], None], reps: int, warmup: int = 50) -> float:
-    """Median wall time of ``fn(i)`` in microseconds over ``reps`` calls."""
-    for i in range(warmup):
+
+def median_us(fn: Callable[[int], object], reps: int, warmup: int = 50) -> float:
+    """Median wall time of ``fn(i)`` for ``i in range(reps)``, in microseconds."""
+    for i in range(min(warmup, reps)):
         fn(i)
     times = np.empty(reps, dtype=np.int64)
     for i in range(reps):
@@ -35,30 +42,33 @@ def median_us(fn: Callable[[int], None], reps: int, warmup: int = 50) -> float:
     return float(np.median(times)) / 1e3
 
 
-def bench_sum(capacity: int, batch: int, reps: int, rng: np.random.Generator) -> float:
+def bench_sum(capacity: int, batch: int, reps: int, rng: np.random.Generator) -> dict[str, float]:
+    """Medians (µs) of update, find_prefix_sum and both, on a full random tree."""
     tree = SumSegmentTree.from_state_dict({"leaves": rng.random(capacity)})
-    pool = reps
-    idx = rng.integers(0, capacity, (pool, batch))
-    vals = rng.random((pool, batch))
-    fracs = rng.random((pool, batch))
+    idx = rng.integers(0, capacity, (reps, batch))
+    vals = rng.random((reps, batch))
+    fracs = rng.random((reps, batch))
 
-    def step(i: int) -> None:
-        k = i % pool
-        tree.update(idx[k], vals[k])
-        tree.find_prefix_sum(fracs[k] * tree.total())
+    def both(i: int) -> None:
+        tree.update(idx[i], vals[i])
+        tree.find_prefix_sum(fracs[i] * tree.total())
 
-    return median_us(step, reps)
+    thresholds = fracs * tree.total()
+    return {
+        "update+find": median_us(both, reps),
+        "update": median_us(lambda i: tree.update(idx[i], vals[i]), reps),
+        "find": median_us(lambda i: tree.find_prefix_sum(thresholds[i]), reps),
+    }
 
 
 def bench_min(capacity: int, batch: int, reps: int, rng: np.random.Generator) -> float:
+    """Median (µs) of update + min() on a full random tree."""
     tree = MinSegmentTree.from_state_dict({"leaves": rng.random(capacity)})
-    pool = reps
-    idx = rng.integers(0, capacity, (pool, batch))
-    vals = rng.random((pool, batch))
+    idx = rng.integers(0, capacity, (reps, batch))
+    vals = rng.random((reps, batch))
 
     def step(i: int) -> None:
-        k = i % pool
-        tree.update(idx[k], vals[k])
+        tree.update(idx[i], vals[i])
         tree.min()
 
     return median_us(step, reps)
@@ -66,19 +76,22 @@ def bench_min(capacity: int, batch: int, reps: int, rng: np.random.Generator) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=4000)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3000, help="timed iterations per case")
+    parser.add_argument("--batch", type=int, default=256, help="indices/thresholds per call")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    for log2 in (20, 24):
-        cap = 1 << log2
-        us = bench_sum(cap, args.batch, args.reps, rng)
-        print(f"SumSegmentTree 2^{log2}: update {args.batch} + find_prefix_sum {args.batch}: "
-              f"{us:8.1f} us (median)")
-    for log2 in (20, 24):
-        cap = 1 << log2
-        us = bench_min(cap, args.batch, args.reps, rng)
-        print(f"MinSegmentTree 2^{log2}: update {args.batch} + min(): {us:8.1f} us (median)")
+    b = args.batch
+    print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f}")
+    for log2 in SIZES_LOG2:
+        res = bench_sum(1 << log2, b, args.reps, rng)
+        print(
+            f"SumSegmentTree 2^{log2}: update {b} + find_prefix_sum {b}: "
+            f"{res['update+find']:7.1f} us  (update {res['update']:.1f}, find {res['find']:.1f})"
+        )
+    for log2 in SIZES_LOG2:
+        us = bench_min(1 << log2, b, args.reps, rng)
+        print(f"MinSegmentTree 2^{log2}: update {b} + min(): {us:7.1f} us")
+    print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Nothing here knows about replay buffers. The pieces:
 * `Table` / `Target` — markdown output: absolute times with ratios against a named baseline
   column, and PASS/FAIL lines for performance targets.
 * `machine_info` — the command line, CPU, memory, Python and package versions, for quoting.
-* `run_child` — run a command in a subprocess and get its peak RSS (kernel ``ru_maxrss`` via
-  ``os.wait4``), plus its stdout; `self_peak_rss` reads ``VmHWM`` for a process measuring itself.
+* `run_child` — run a command in a subprocess; get its stdout, wall time and peak RSS (its
+  ``VmHWM``, polled); `self_peak_rss` reads ``VmHWM`` for a process measuring itself (exact).
 """
 
 from __future__ import annotations
@@ -311,6 +311,8 @@ def machine_info(packages: Iterable[str], repo: str | None = None, data_dir: str
         f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         f"- CPU: {_cpu_model()}; os.cpu_count()={os.cpu_count()}, usable by this process={usable}",
         f"- RAM: {format_bytes(ram) if ram else 'unknown'}; OS: {platform.platform()}",
+        f"- load average at start: {load_average()} (other processes compete for the CPUs when it exceeds "
+        f"the CPU count)",
         f"- Python {platform.python_version()} ({platform.python_implementation()})",
         "- packages: " + ", ".join(f"{k} {v}" for k, v in package_versions(packages).items()),
     ]
@@ -319,6 +321,14 @@ def machine_info(packages: Iterable[str], repo: str | None = None, data_dir: str
     if data_dir:
         lines.append(f"- data dir: `{data_dir}` ({filesystem_of(data_dir)})")
     return "\n".join(lines)
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for judging how busy a shared machine was."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (OSError, AttributeError):
+        return "unknown"
 
 
 def filesystem_of(path: str) -> str:
@@ -364,14 +374,22 @@ def self_rss() -> int | None:
     return _proc_status_kb("VmRSS")
 
 
-def _proc_status_kb(key: str) -> int | None:
+def _read_status_kb(path: str, key: str) -> int | None:
+    """A ``kB`` line of a /proc status file, in bytes (None if absent: the process may be a zombie)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _proc_status_kb(key: str) -> int | None:
+    got = _read_status_kb("/proc/self/status", key)
+    if got is not None:
+        return got
     try:
         import resource
         if key == "VmHWM":
@@ -386,42 +404,39 @@ class ChildResult:
     returncode: int
     stdout: str
     stderr: str
-    peak_rss: int | None  # bytes, kernel's ru_maxrss of this child (and its waited-for children)
+    peak_rss: int | None  # bytes: the child's VmHWM, polled from /proc/<pid>/status while it ran
     wall: float
 
 
 def run_child(argv: Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
-              echo_stderr: bool = True) -> ChildResult:
-    """Run ``argv`` to completion; return its output and peak RSS as the kernel counted it.
+              echo_stderr: bool = True, poll_s: float = 0.01) -> ChildResult:
+    """Run ``argv`` to completion; return its output, wall time and peak RSS.
 
-    The peak comes from ``os.wait4`` (``ru_maxrss`` of exactly this child), so it is not affected
-    by other children of this process, and covers the whole life of the child.
+    The peak is the child's ``VmHWM`` (kernel high-water mark of its resident set) read from
+    ``/proc/<pid>/status`` every ``poll_s`` until it exits, so growth in its last few milliseconds
+    can be missed: for an exact figure have the child print `self_peak_rss()` before exiting.
+    Not used: ``ru_maxrss`` from ``wait4``/``getrusage(RUSAGE_CHILDREN)``; on Linux it includes
+    the *parent's* resident set at fork/exec time (the exec'ing mm's high-water mark is kept), so
+    it reports a big benchmark parent's size, not the child's.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(list(argv), stdout=out, stderr=err, env=None if env is None else dict(env))
+        status_path = f"/proc/{proc.pid}/status"
         peak = None
+        deadline = None if timeout is None else start + timeout
         try:
-            if hasattr(os, "wait4"):
-                deadline = None if timeout is None else start + timeout
-                while True:
-                    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                    if pid:
-                        proc.returncode = os.waitstatus_to_exitcode(status)
-                        peak = usage.ru_maxrss * 1024  # KiB on Linux
-                        break
-                    if deadline is not None and time.perf_counter() > deadline:
-                        proc.kill()
-                        proc.wait()
-                        raise subprocess.TimeoutExpired(list(argv), timeout)
-                    time.sleep(0.02)
-            else:
-                proc.wait(timeout=timeout)
-        except BaseException:
+            while proc.poll() is None:
+                hwm = _read_status_kb(status_path, "VmHWM")
+                if hwm is not None:
+                    peak = hwm if peak is None else max(peak, hwm)
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise subprocess.TimeoutExpired(list(argv), timeout)
+                time.sleep(poll_s)
+        finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            raise
         wall = time.perf_counter() - start
         out.seek(0)
         err.seek(0)

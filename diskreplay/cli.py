@@ -1,0 +1,254 @@
+"""The ``diskreplay`` command: import, export, info, verify, unlock, demo, bench.
+
+User mistakes (missing files, bad options, a path that is not a buffer, ...) print one line on
+stderr, ``diskreplay: error: ...``, and exit with status 1 (2 for bad command-line usage, 130
+for Ctrl-C). Set ``DISKREPLAY_TRACEBACK=1`` to see the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+USER_ERRORS = (OSError, ValueError, KeyError, ImportError, LookupError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.showwarning = _one_line_warning
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("diskreplay: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:  # DiskReplayError subclasses these builtins too
+        if os.environ.get("DISKREPLAY_TRACEBACK"):
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"diskreplay: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"diskreplay: warning: {message}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diskreplay",
+        description="Zarr-backed RL replay buffers: import datasets, inspect, verify, export, demo, bench.",
+        epilog="Run 'diskreplay COMMAND --help' for a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("import", help="import a dataset (D4RL hdf5, Minari, npz, npy folder, zarr) into a new buffer",
+                       description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
+                                   "slices of --batch-rows rows. DEST only becomes a buffer when the import "
+                                   "finishes: an interrupted import cannot be opened (re-run with --overwrite).")
+    p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5, Minari dataset folder, .npz, folder of .npy, "
+                                              "or a diskreplay buffer / zarr group")
+    p.add_argument("dest", metavar="DEST", help="where to write the buffer (path or fsspec URL)")
+    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "zarr"), help="source format (default: detected from SRC)")
+    p.add_argument("--chunk-rows", type=_positive_int, default=4096, help="rows per stored chunk (default 4096)")
+    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd", help="chunk codec (default zstd)")
+    p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows read per slice; bounds memory (default 65536)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing buffer or interrupted import at DEST")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_cmd_import)
+
+    p = sub.add_parser("export", help="write a buffer's rows to .npz or D4RL-layout .hdf5",
+                       description="Export the committed rows of the buffer at URL, lane by lane, to DEST. "
+                                   "HDF5 uses the D4RL layout, so 'diskreplay import' reads it back.")
+    p.add_argument("url", metavar="URL", help="the buffer")
+    p.add_argument("dest", metavar="DEST", help="output file (.npz, .h5 or .hdf5)")
+    p.add_argument("--format", choices=("npz", "hdf5"), help="output format (default: from DEST's suffix)")
+    p.add_argument("--compress", action="store_true", help="deflate npz members / gzip HDF5 datasets")
+    p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows per slice (default 65536)")
+    p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_cmd_export)
+
+    p = sub.add_parser("info", help="summarize a buffer: fields, rows, episodes, chunks, size, sampler",
+                       description="Print fields (shape, dtype), rows, lanes, episodes (count, lengths, mean "
+                                   "return, from done/terminated/truncated and reward fields), chunks, bytes on "
+                                   "disk vs raw, compression ratio, sampler type and the last commit.")
+    p.add_argument("url", metavar="URL", help="the buffer")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-episodes", action="store_true", help="skip the episode scan (reads the done fields)")
+    p.set_defaults(run=_cmd_info)
+
+    p = sub.add_parser("verify", help="check every committed chunk exists and decodes (exit 1 if not)",
+                       description="Read every chunk of every field that the last commit covers and decode it. "
+                                   "Prints a report; exit status 1 when anything is missing or corrupt.")
+    p.add_argument("url", metavar="URL", help="the buffer")
+    p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("unlock", help="remove the writer lock left by a writer that was killed",
+                       description="Remove the buffer's writer lock (writer.lock) when its holder is gone: a "
+                                   "lock whose process no longer runs on this host is removed; a lock that "
+                                   "looks alive (or is on another host) needs --force.")
+    p.add_argument("url", metavar="URL", help="the buffer")
+    p.add_argument("--force", action="store_true", help="remove the lock even if its holder looks alive")
+    p.set_defaults(run=_cmd_unlock)
+
+    p = sub.add_parser("demo", help="a ten-second tour: collect CartPole, sample, resume",
+                       description="Collect CartPole-v1 experience into a buffer, sample it (uniform, "
+                                   "prioritized, DataLoader), print throughput, then close, reopen and resume.")
+    p.add_argument("dir", metavar="DIR", nargs="?", help="where to put the buffer (default: a new temp dir)")
+    p.add_argument("--steps", type=_positive_int, default=4000, help="env steps per lane to collect (default 4000)")
+    p.add_argument("--envs", type=_positive_int, default=4, help="env lanes (default 4)")
+    p.add_argument("--seconds", type=float, default=1.0, help="time per sampling measurement (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(run=_cmd_demo)
+
+    p = sub.add_parser("bench", help="run the benchmarks in the source checkout's tools/ folder",
+                       description="Run tools/bench_core.py, then the other tools/bench_*.py, as subprocesses, "
+                                   "printing their tables. Needs the source tree (a git checkout).")
+    p.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks that support it")
+    p.add_argument("--only", action="append", metavar="NAME", help="run only bench_NAME.py (repeatable)")
+    p.add_argument("--tools", metavar="DIR", help="the tools/ folder (default: next to the package)")
+    p.set_defaults(run=_cmd_bench)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from .importers import import_dataset
+
+    from .errors import BufferExistsError
+
+    try:
+        buf = import_dataset(args.src, args.dest, format=args.format, chunk_rows=args.chunk_rows,
+                             compression=None if args.compression == "none" else args.compression,
+                             batch_rows=args.batch_rows, progress=not args.no_progress, overwrite=args.overwrite)
+    except BufferExistsError as exc:
+        raise BufferExistsError(str(exc).replace("overwrite=True", "--overwrite")) from None
+    with buf:
+        fields = ", ".join(f"{n} {tuple(f.shape)} {f.dtype.name}" for n, f in buf.fields.items())
+        print(f"imported {len(buf):,} rows into {args.dest} ({buf.num_envs} lane{'s' * (buf.num_envs > 1)}): {fields}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_buffer
+
+    rows = export_buffer(args.url, args.dest, format=args.format, batch_rows=args.batch_rows,
+                         progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress)
+    print(f"exported {rows:,} rows to {args.dest}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .inspect import buffer_info, format_info
+
+    info = buffer_info(args.url, episodes=not args.no_episodes)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .importers import describe_incomplete, import_status
+
+    try:  # the full check (state objects, array metadata, lock) when the library has it
+        from .verify import verify
+    except ImportError:
+        verify = None
+    if verify is not None:
+        report = verify(args.url)
+        text = str(report)
+    else:
+        from .inspect import verify_buffer
+
+        report = verify_buffer(args.url)
+        text = report.format()
+    if not report.ok:
+        marker = import_status(args.url)
+        if marker is not None:
+            text += f"\n  problem: {describe_incomplete(args.url, marker)}"
+    print(text, file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _cmd_unlock(args: argparse.Namespace) -> int:
+    try:
+        from .lock import break_lock, lock_holder
+    except ImportError:
+        raise ValueError("this diskreplay version has no writer lock") from None
+    holder = lock_holder(args.url)
+    if holder is None:
+        print(f"{args.url}: no writer lock")
+        return 0
+    stale = holder.stale_reason()
+    if not stale and not args.force:
+        raise ValueError(f"{args.url} is locked by {holder.describe()}, which looks alive; "
+                         f"pass --force only if you know that writer is gone")
+    break_lock(args.url)
+    print(f"{args.url}: removed the writer lock held by {holder.describe()}" + (f" ({stale})" if stale else ""))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    run_demo(args.dir, steps=args.steps, num_envs=args.envs, seed=args.seed, seconds=args.seconds)
+    return 0
+
+
+def find_tools(explicit: str | None = None) -> Path:
+    """The folder holding bench_*.py: ``explicit``, $DISKREPLAY_TOOLS, the checkout, or ./tools."""
+    candidates = [explicit] if explicit else [os.environ.get("DISKREPLAY_TOOLS"),
+                                              Path(__file__).resolve().parents[1] / "tools", Path.cwd() / "tools"]
+    for candidate in candidates:
+        if candidate and any(Path(candidate).glob("bench_*.py")):
+            return Path(candidate)
+    where = explicit or "next to the installed package or in ./tools"
+    raise FileNotFoundError(f"no benchmarks found ({where}): 'diskreplay bench' runs tools/bench_*.py from a "
+                            f"source checkout; clone the repository and run it there, or pass --tools DIR")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    tools = find_tools(args.tools)
+    scripts = sorted(tools.glob("bench_*.py"), key=lambda p: (p.name != "bench_core.py", p.name))
+    if args.only:
+        wanted = {n if n.startswith("bench_") else f"bench_{n}" for n in args.only}
+        wanted = {n[:-3] if n.endswith(".py") else n for n in wanted}
+        scripts = [s for s in scripts if s.stem in wanted]
+        if not scripts:
+            raise ValueError(f"no benchmark named {sorted(wanted)} in {tools}")
+    failed = []
+    for script in scripts:
+        cmd = [sys.executable, str(script)]
+        if args.quick and "--quick" in script.read_text():
+            cmd.append("--quick")
+        print(f"\n## {script.name}  ({' '.join(cmd[1:])})", flush=True)
+        code = subprocess.call(cmd, cwd=tools.parent)
+        if code:
+            failed.append(f"{script.name} (exit {code})")
+    if failed:
+        print(f"diskreplay: error: benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

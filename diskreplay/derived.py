@@ -1,0 +1,151 @@
+"""Fields the buffer derives instead of storing them as given.
+
+- ``next_<f>`` at read time, from ``<f>`` at step t+1 of the same episode: this halves the disk
+  used by large observations (`RowView`).
+- The discounted episodic return-to-go, at write time, once each episode ends
+  (`EpisodicReturn`).
+
+For the first: Each episode's final ``next_<f>`` (the observation
+after its last step, not stored in the main arrays) is kept in a small dataset-mode store of its
+own, one row per episode end, indexed by the end's ordinal in its lane; the ``next_<f>`` of each
+lane's newest step is kept in RAM and saved with every commit.
+
+`RowView` has the read interface of `Storage` (``schema``, ``gather``), so everything that reads
+rows (sampling, slices, n-step, frame stacks, HER) works the same with or without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .episodes import EpisodeIndex
+from .returns import discount_cumsum, episodic_returns
+from .schema import Field, Schema
+from .storage import Storage
+
+
+def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
+    """``{"next_obs": "obs", ...}`` for each base field whose next twin is derived.
+
+    Raises ValueError if a base or its ``next_`` twin is missing or their specs differ.
+    """
+    out = {}
+    for base in bases:
+        twin = f"next_{base}"
+        if base not in fields or twin not in fields or fields[base] != fields[twin]:
+            raise ValueError(f"derive_next: expected fields {base!r} and {twin!r} with the same shape and "
+                             f"dtype, got {fields.get(base)} and {fields.get(twin)}")
+        out[twin] = base
+    return out
+
+
+class RowView:
+    """Gathers logical rows: stored fields from `Storage`, derived ``next_*`` fields rebuilt."""
+
+    def __init__(self, storage: Storage, episodes: EpisodeIndex, logical: Schema,
+                 derived: dict[str, str], finals: Storage | None):
+        self.storage = storage
+        self.episodes = episodes
+        self.schema = logical
+        self.derived = derived
+        self.finals = finals
+        self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
+                          for twin in derived}
+
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None
+               ) -> dict[str, np.ndarray]:
+        names = tuple(self.schema.fields) if names is None else names
+        stored = tuple(n for n in names if n not in self.derived)
+        rows = self.storage.gather(lane, step, stored) if stored else {}
+        wanted = [twin for twin in names if twin in self.derived]
+        if wanted:
+            rows.update(self._next_rows(lane, step, wanted))
+        return {n: rows[n] for n in names}
+
+    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str]) -> dict[str, np.ndarray]:
+        _, hi = self.storage.window()
+        is_end = self.episodes.next_end(lane, step) == step
+        newest = ~is_end & (step == hi[lane] - 1)
+        inside = ~is_end & ~newest
+        bases = tuple(self.derived[t] for t in twins)
+        following = self.storage.gather(lane[inside], step[inside] + 1, bases)
+        finals = self.finals.gather(lane[is_end], self.episodes.end_ordinal(lane[is_end], step[is_end]), bases)
+        out = {}
+        for twin, base in zip(twins, bases):
+            value = np.empty((len(step), *self.schema[twin].shape), self.schema[twin].dtype)
+            value[inside] = following[base]
+            value[is_end] = finals[base]
+            value[newest] = self.last_next[twin][lane[newest]]
+            out[twin] = value
+        return out
+
+    def record(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:
+        """Writer: keep what the main arrays drop from these stored rows of one lane (steps
+        ``first, first+1, ...``): each ended episode's final ``next_*`` and the newest ``next_*``."""
+        if not self.derived:
+            return
+        ends = self.episodes.ends_between(lane, first, first + len(next(iter(rows.values()))))
+        if len(ends):
+            finals = {base: rows[twin][ends - first] for twin, base in self.derived.items()}
+            self.finals.append(lane, finals, len(ends))
+        for twin in self.derived:
+            self.last_next[twin][lane] = rows[twin][-1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {twin: value.copy() for twin, value in self.last_next.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for twin in self.derived:
+            self.last_next[twin][...] = state[twin]
+
+
+class EpisodicReturn:
+    """Store each step's discounted return-to-go as the float32 field ``name``.
+
+    Until its episode ends a step holds ``default_return``; when the episode ends every one of
+    its readable steps is set to sum_i gamma^i r_{t+i} up to the end (rewards clipped to ``clip``
+    first, if given), as alf's ``record_episodic_return``. Steps already written to disk are
+    patched in place: this is the only field diskreplay ever rewrites after adding it, so a reader
+    may see a step's value go from ``default_return`` to its final return.
+    """
+
+    def __init__(self, gamma: float = 0.99, reward: str = "reward", name: str = "return",
+                 default_return: float = 0.0, clip: tuple[float, float] | None = None):
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"EpisodicReturn gamma must be in [0, 1], got {gamma!r}")
+        self.gamma, self.reward, self.name = float(gamma), reward, name
+        self.default_return, self.clip = float(default_return), clip
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gamma": self.gamma, "reward": self.reward, "name": self.name,
+                "default_return": self.default_return, "clip": list(self.clip) if self.clip else None}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> "EpisodicReturn":
+        return cls(spec["gamma"], spec["reward"], spec["name"], spec["default_return"],
+                   tuple(spec["clip"]) if spec["clip"] else None)
+
+    def field(self) -> Field:
+        return Field((), "float32")
+
+    def fill(self, storage: Storage, episodes: EpisodeIndex, lane: int, rows: dict[str, np.ndarray],
+             ends: np.ndarray) -> None:
+        """Before ``rows`` (the next steps of ``lane``) are stored: set their returns, and patch the
+        steps of the episode they finish that were stored earlier. ``ends`` flags episode ends."""
+        returns, _ = episodic_returns(rows[self.reward], ends, self.gamma, self.default_return, self.clip)
+        rows[self.name] = returns.astype(np.float32)
+        if not ends.any():
+            return
+        lo, hi = storage.window()
+        first = int(hi[lane])
+        start = max(int(episodes.episode_start(np.array([lane]), np.array([first]))[0]), int(lo[lane]))
+        if start >= first or len(returns) > (storage.layout.lane_capacity or np.inf):
+            return
+        earlier = storage.gather(np.full(first - start, lane), np.arange(start, first), (self.reward,))
+        rewards = earlier[self.reward].astype(np.float64)
+        if self.clip is not None:
+            rewards = np.clip(rewards, *self.clip)
+        tail = discount_cumsum(np.append(rewards, returns[0]), self.gamma)[:-1]
+        storage.update_rows(lane, start, {self.name: tail.astype(np.float32)})

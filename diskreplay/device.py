@@ -1,0 +1,210 @@
+"""Device prefetch: batches copied to a device through a fixed ring of page-locked host slots.
+
+``for batch in to_device(loader, "cuda", prefetch=2): ...``. Each incoming batch (a dict of
+tensors or numpy arrays with a leading batch axis) is copied into the next of ``prefetch + 2``
+host slots, allocated once at the size of the first batch (pinned on CUDA; never pinned per
+batch), then copied to the device with ``non_blocking=True`` on a side CUDA stream, and an event
+is recorded. The consumer's current stream waits on that event when the batch is handed out, and
+a slot is refilled only after the event of its previous copy has fired. ``prefetch=k`` keeps the
+next ``k`` batches copying while the consumer works on one.
+
+Without CUDA (device "cpu", or CUDA unavailable) the same code runs with pinning off and a plain
+``.to(device)``; for device "cpu" that returns the slot's own tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Slot:
+    """One host buffer per field, its capacity (rows) and the event of its last device copy."""
+
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    event: Any = None
+    copies: int = 0  # times this slot was filled (tests and diagnostics)
+
+    def fits(self, batch: Mapping[str, torch.Tensor]) -> bool:
+        if set(batch) != set(self.host):
+            return False
+        return all(self.host[k].dtype == t.dtype and self.host[k].shape[1:] == t.shape[1:]
+                   and self.host[k].shape[0] >= t.shape[0] for k, t in batch.items())
+
+
+class _HostCopier:
+    """No streams, no events: a plain ``.to(device)`` (for "cpu" the slot tensors themselves)."""
+
+    pin = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def new_event(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def copy(self, views: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in views.items()}
+
+    def hand_over(self, out: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+        return out
+
+
+class _CudaCopier:
+    """Copies on a side stream; the consumer's stream waits on the copy's event."""
+
+    def __init__(self, device: torch.device, pin: bool):
+        self.device = device
+        self.pin = pin
+        self.stream = torch.cuda.Stream(device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def copy(self, views: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+        with torch.cuda.stream(self.stream):
+            out = {k: v.to(self.device, non_blocking=True) for k, v in views.items()}
+            event.record(self.stream)
+        return out
+
+    def hand_over(self, out: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)
+        for t in out.values():
+            t.record_stream(consumer)  # the allocator must not reuse it before the consumer is done
+        return out
+
+
+class DevicePrefetcher:
+    """Iterator of batches on ``device``; see `to_device`."""
+
+    def __init__(self, iterable: Iterable[Mapping[str, Any]], device: str | torch.device = "cuda",
+                 prefetch: int = 2, pin_memory: bool | None = None, state_source: Any = None):
+        if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"device {self.device} requested but CUDA is not available")
+        pin = cuda if pin_memory is None else bool(pin_memory)
+        self.prefetch = int(prefetch)
+        self._copier = _CudaCopier(self.device, pin) if cuda else _HostCopier(self.device)
+        self._pin = pin
+        self._slots = [_Slot() for _ in range(self.prefetch + 2)]
+        self._iterable = iterable
+        self._source = state_source if state_source is not None else (
+            iterable if callable(getattr(iterable, "state_dict", None)) else None)
+        self._it: Iterator | None = None
+        self._queue: deque = deque()
+        self._staged = 0
+        self._exhausted = False
+        self._state: Any = None
+
+    @property
+    def slots(self) -> list[_Slot]:
+        """The ring (``prefetch + 2`` slots)."""
+        return self._slots
+
+    def __iter__(self) -> "DevicePrefetcher":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self._iterable)
+            self._state = self._source_state()
+            self._stage(self.prefetch + 1)
+        else:
+            self._stage(1)
+        if not self._queue:
+            raise StopIteration
+        out, event, state = self._queue.popleft()
+        self._state = state
+        return self._copier.hand_over(out, event)
+
+    def state_dict(self) -> Any:
+        """The source's state as of the last batch handed out (prefetched batches not counted).
+
+        Raises:
+            TypeError: neither the iterable nor ``state_source`` has ``state_dict``.
+        """
+        if self._source is None:
+            raise TypeError("to_device: the source has no state_dict; pass state_source=")
+        return self._source_state() if self._it is None else copy.deepcopy(self._state)
+
+    def _source_state(self) -> Any:
+        return copy.deepcopy(self._source.state_dict()) if self._source is not None else None
+
+    def _stage(self, count: int) -> None:
+        for _ in range(count):
+            if self._exhausted:
+                return
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._exhausted = True
+                return
+            self._queue.append((*self._copy(batch), self._source_state()))
+
+    def _copy(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"to_device expects dict batches, got {type(batch).__name__}")
+        arrays = {k: torch.as_tensor(v) for k, v in batch.items() if isinstance(v, (torch.Tensor, np.ndarray))}
+        others = {k: v for k, v in batch.items() if k not in arrays}
+        if any(t.dim() == 0 for t in arrays.values()):
+            raise ValueError("to_device: every array in a batch needs a leading batch axis")
+        slot = self._slots[self._staged % len(self._slots)]
+        self._staged += 1
+        if slot.event is not None:
+            self._copier.wait(slot.event)  # its previous device copy has read the slot
+        if not slot.fits(arrays):
+            slot.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for k, t in arrays.items()}
+            slot.event = self._copier.new_event()
+        views = {k: slot.host[k][:t.shape[0]] for k, t in arrays.items()}
+        for k, t in arrays.items():
+            views[k].copy_(t)
+        slot.copies += 1
+        out = self._copier.copy(views, slot.event)
+        out.update(others)
+        return out, slot.event
+
+
+def to_device(iterable: Iterable[Mapping[str, Any]], device: str | torch.device = "cuda", prefetch: int = 2,
+              pin_memory: bool | None = None, state_source: Any = None) -> DevicePrefetcher:
+    """Iterate ``iterable``'s dict batches on ``device``, ``prefetch`` batches ahead.
+
+    Args:
+        iterable: yields dicts of tensors / numpy arrays with a leading batch axis (other values
+            pass through untouched). Host slots take the shapes of the first batch; a later
+            shorter batch uses the front of a slot, a larger or differently shaped one reallocates
+            that slot (once).
+        device: target device ("cuda", "cuda:1", "cpu", ...).
+        prefetch: batches kept in flight beyond the one handed out (>= 0); the ring has
+            ``prefetch + 2`` slots.
+        pin_memory: page-lock the host slots (default: when the device is CUDA).
+        state_source: object whose ``state_dict()`` gives the position (default: ``iterable`` if it
+            has one, e.g. a StatefulDataLoader or a diskreplay dataset); `DevicePrefetcher.state_dict`
+            then returns it as of the last batch handed out, not counting prefetched ones.
+
+    Batch lifetime: on CUDA each yielded batch is a fresh device allocation, valid as long as you
+    keep it (its tensors are recorded on the consumer's stream). On other devices (e.g. "cpu") the
+    yielded tensors may be the ring slot itself: a batch stays valid while you work on it and on
+    the next one; asking for the batch after that (``prefetch + 2`` slots later) may overwrite it.
+    Clone what you keep longer.
+
+    Raises:
+        ValueError: prefetch < 0; TypeError: a non-dict batch; RuntimeError: CUDA asked for but
+        unavailable.
+    """
+    return DevicePrefetcher(iterable, device, prefetch, pin_memory, state_source)

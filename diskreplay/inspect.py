@@ -1,0 +1,330 @@
+"""Look inside a buffer without the hot path: the `info` report, `verify`, and a chunk-level row reader.
+
+Everything here reads *committed* rows straight from their chunk objects (one field at a time if
+wanted), so scanning a big buffer touches only the fields asked for and keeps memory bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import zarr_layout
+from .buffer import ReplayBuffer
+from .chunkstore import LocalChunkStore
+from .errors import CorruptBufferError, DiskReplayError, NotABufferError
+from .sampling import Uniform
+
+DONE_FIELDS = (("done",), ("terminated", "truncated"))
+
+
+def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: int = 8 * 2**20) -> ReplayBuffer:
+    """Open for inspection: read-only, any saved sampler (its state is not needed here).
+
+    Raises NotABufferError with a clear message for an interrupted import.
+    """
+    from .importers import describe_incomplete, import_status
+
+    try:
+        return ReplayBuffer.open(url, "r", sampler=Uniform(), storage_options=storage_options,
+                                 cache_bytes=cache_bytes)
+    except NotABufferError:
+        marker = import_status(url, storage_options)
+        if marker is not None:
+            raise NotABufferError(describe_incomplete(url, marker)) from None
+        raise
+
+
+# ---- chunk-level reading ---------------------------------------------------------------------
+
+
+def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarray:
+    """One whole stored chunk of one field, decoded. Raises CorruptBufferError if missing/undecodable."""
+    storage = buf.storage
+    spec = storage.schema[name]
+    key = zarr_layout.chunk_key(name, spec, lane, chunk)
+    blob = storage.store.get(key)
+    if blob is None:
+        raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
+    out = np.empty((storage.layout.chunk_rows, *spec.shape), spec.dtype)
+    try:
+        storage.codec.decode_into(blob, out)
+    except Exception as exc:
+        raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} does not decode ({exc})") from None
+    return out
+
+
+def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: int,
+              batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
+    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows."""
+    layout = buf.storage.layout
+    step = lo
+    parts: list[dict[str, np.ndarray]] = []
+    count = 0
+    while step < hi:
+        chunk, offset = divmod(int(layout.slot(step)), layout.chunk_rows)
+        piece = layout.piece_length(step, hi - step)
+        parts.append({n: read_chunk(buf, n, lane, chunk)[offset:offset + piece] for n in names})
+        count += piece
+        step += piece
+        if count >= batch_rows or step >= hi:
+            yield {n: np.concatenate([p[n] for p in parts]) for n in names}
+            parts, count = [], 0
+
+
+def readable(buf: ReplayBuffer) -> list[tuple[int, int, int]]:
+    """(lane, lo, hi) of every lane's committed readable steps."""
+    lo, hi = buf.storage.window()
+    return [(lane, int(lo[lane]), int(hi[lane])) for lane in range(buf.num_envs)]
+
+
+# ---- info ------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeStats:
+    done_fields: tuple[str, ...]
+    lengths: list[np.ndarray] = field(default_factory=list)
+    returns: list[np.ndarray] = field(default_factory=list)
+    in_progress: int = 0
+
+
+def episode_fields(buf: ReplayBuffer) -> tuple[str, ...]:
+    fields = buf.fields
+    for names in DONE_FIELDS:
+        present = tuple(n for n in names if n in fields and fields[n].shape == () and fields[n].dtype == np.bool_)
+        if present:
+            return present
+    return ()
+
+
+def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | None:
+    """Lengths and returns of every complete episode, from the done flags (and ``reward``).
+
+    An episode whose first step is no longer readable (an overwritten ring) is not counted.
+    """
+    done_names = episode_fields(buf)
+    if not done_names:
+        return None
+    reward = "reward" if "reward" in buf.fields and buf.fields["reward"].shape == () else None
+    stats = EpisodeStats(done_names)
+    names = list(done_names) + ([reward] if reward else [])
+    for lane, lo, hi in readable(buf):
+        carry_len, carry_ret, partial_first = 0, 0.0, lo > 0
+        for rows in iter_rows(buf, names, lane, lo, hi, batch_rows):
+            done = np.logical_or.reduce([rows[n] for n in done_names])
+            r = rows[reward].astype(np.float64) if reward else np.zeros(len(done))
+            ends = np.flatnonzero(done)
+            if ends.size == 0:
+                carry_len += len(done)
+                carry_ret += float(r.sum())
+                continue
+            cs = np.cumsum(r)
+            lengths = np.diff(ends, prepend=-1)
+            lengths[0] += carry_len
+            rets = np.diff(cs[ends], prepend=0.0)
+            rets[0] += carry_ret
+            if partial_first:
+                lengths, rets, partial_first = lengths[1:], rets[1:], False
+            stats.lengths.append(lengths)
+            stats.returns.append(rets)
+            carry_len = len(done) - ends[-1] - 1
+            carry_ret = float(cs[-1] - cs[ends[-1]])
+        stats.in_progress += int(carry_len > 0)
+    return stats
+
+
+def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
+    """(bytes of every object under the buffer, chunk objects per field)."""
+    store = buf.storage.store
+    chunk_files = {name: 0 for name in buf.fields}
+    total = 0
+    if isinstance(store, LocalChunkStore):
+        for dirpath, _, files in os.walk(store.root):
+            rel = os.path.relpath(dirpath, store.root).split(os.sep)
+            for f in files:
+                total += os.path.getsize(os.path.join(dirpath, f))
+                if len(rel) >= 2 and rel[1] == "c" and rel[0] in chunk_files and not f.endswith(".partial"):
+                    chunk_files[rel[0]] += 1
+        return total, chunk_files
+    sizes = store.fs.find(store.root, detail=True)
+    for path, meta in sizes.items():
+        total += int(meta.get("size") or 0)
+        rel = path[len(store.root):].strip("/").split("/")
+        if len(rel) >= 2 and rel[1] == "c" and rel[0] in chunk_files:
+            chunk_files[rel[0]] += 1
+    return total, chunk_files
+
+
+def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = True) -> dict[str, Any]:
+    """Everything `diskreplay info` reports, as plain data."""
+    buf = open_readonly(url, storage_options)
+    try:
+        storage = buf.storage
+        config = storage.config
+        layout = storage.layout
+        rows = len(buf)
+        windows = readable(buf)
+        expected_chunks = sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows)
+        on_disk, chunk_files = _disk_usage(buf)
+        raw = rows * storage.schema.row_bytes
+        record = storage.commit_record
+        sampler = ((record.extra.get("state") or {}).get("sampler") or {}).get("type", "Uniform")
+        info: dict[str, Any] = {
+            "url": buf.url,
+            "rows": rows,
+            "lanes": buf.num_envs,
+            "rows_per_lane": [hi - lo for _, lo, hi in windows],
+            "capacity": buf.capacity,
+            "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name} for n, f in buf.fields.items()},
+            "chunk_rows": layout.chunk_rows,
+            "chunks_per_field": expected_chunks,
+            "chunk_files": chunk_files,
+            "compression": config["compression"],
+            "compression_level": config.get("level"),
+            "bytes_on_disk": on_disk,
+            "bytes_raw": raw,
+            "compression_ratio": raw / on_disk if on_disk else None,
+            "sampler": sampler,
+            "commit_sequence": record.sequence,
+            "last_commit_time": record.time,
+            "episodes": None,
+        }
+        stats = episode_stats(buf) if episodes else None
+        if stats is not None:
+            lengths = np.concatenate(stats.lengths) if stats.lengths else np.zeros(0, np.int64)
+            returns = np.concatenate(stats.returns) if stats.returns else np.zeros(0)
+            has_reward = "reward" in buf.fields and buf.fields["reward"].shape == ()
+            info["episodes"] = {
+                "done_fields": list(stats.done_fields),
+                "count": int(lengths.size),
+                "in_progress": stats.in_progress,
+                "length_mean": float(lengths.mean()) if lengths.size else None,
+                "length_min": int(lengths.min()) if lengths.size else None,
+                "length_max": int(lengths.max()) if lengths.size else None,
+                "return_mean": float(returns.mean()) if lengths.size and has_reward else None,
+            }
+        return info
+    finally:
+        buf.close()
+
+
+def _mb(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,} B"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The human-readable `info` report."""
+    lines = [f"buffer      {info['url']}"]
+    cap = "dataset mode (grows)" if info["capacity"] is None else f"ring, capacity {info['capacity']:,}"
+    per_lane = info["rows_per_lane"]
+    lanes = f"{info['lanes']} lane" + ("s" if info["lanes"] > 1 else "")
+    if info["lanes"] > 1:
+        lanes += f" ({', '.join(f'{r:,}' for r in per_lane[:8])}{', ...' if len(per_lane) > 8 else ''})"
+    lines.append(f"rows        {info['rows']:,} in {lanes}; {cap}")
+    width = max(len(n) for n in info["fields"])
+    lines.append("fields")
+    for name, spec in info["fields"].items():
+        lines.append(f"  {name:<{width}}  {str(tuple(spec['shape'])):<14} {spec['dtype']}")
+    ep = info["episodes"]
+    if ep is None:
+        lines.append("episodes    - (no done / terminated / truncated field)")
+    elif ep["count"] == 0:
+        lines.append(f"episodes    0 complete, {ep['in_progress']} in progress (ends: {' | '.join(ep['done_fields'])})")
+    else:
+        text = (f"episodes    {ep['count']:,} complete, {ep['in_progress']} in progress; length mean "
+                f"{ep['length_mean']:.1f}, min {ep['length_min']:,}, max {ep['length_max']:,}")
+        if ep["return_mean"] is not None:
+            text += f"; mean return {ep['return_mean']:.3f}"
+        lines.append(text)
+    files = sum(info["chunk_files"].values())
+    lines.append(f"chunks      {info['chunks_per_field']:,} per field x {len(info['fields'])} fields "
+                 f"({info['chunk_rows']:,} rows each); {files:,} chunk objects stored")
+    comp = info["compression"] or "none"
+    if info["compression"]:
+        comp += f" level {info['compression_level']}"
+    ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
+    lines.append(f"size        {_mb(info['bytes_on_disk'])} on disk, {_mb(info['bytes_raw'])} raw "
+                 f"(ratio {ratio}, {comp})")
+    lines.append(f"sampler     {info['sampler']}")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["last_commit_time"]))
+    lines.append(f"last commit #{info['commit_sequence']} at {when}")
+    return "\n".join(lines)
+
+
+# ---- verify ----------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    rows: int = 0
+    chunks_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def format(self) -> str:
+        head = "OK" if self.ok else f"FAILED ({len(self.problems)} problem{'s' * (len(self.problems) != 1)})"
+        lines = [f"{head}: {self.url}: {self.rows:,} committed rows, {self.chunks_checked:,} chunks checked"]
+        lines += [f"  problem: {p}" for p in self.problems[:50]]
+        if len(self.problems) > 50:
+            lines.append(f"  ... and {len(self.problems) - 50} more problems")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def verify_buffer(url: str, storage_options: dict | None = None) -> VerifyReport:
+    """Check that every chunk the last commit covers exists and decodes to a full chunk.
+
+    Chunks are written whole (all-zero chunks included), so a missing chunk inside the committed
+    window is an error.
+    """
+    report = VerifyReport(url)
+    try:
+        buf = open_readonly(url, storage_options)
+    except (DiskReplayError, ValueError, KeyError) as exc:
+        report.problems.append(f"cannot open: {exc}")
+        return report
+    try:
+        storage = buf.storage
+        layout = storage.layout
+        record = storage.commit_record
+        if (record.lower > record.committed).any():
+            report.problems.append(f"commit #{record.sequence}: lower {record.lower.tolist()} is past "
+                                   f"committed {record.committed.tolist()}")
+        if layout.lane_capacity is None and int(record.committed.max(initial=0)) > storage.group_lane_rows:
+            report.problems.append(f"arrays hold {storage.group_lane_rows} rows per lane, the commit says "
+                                   f"{int(record.committed.max())}")
+        jobs = [(name, lane, int(chunk)) for lane, lo, hi in readable(buf)
+                for chunk in layout.chunks_between(lo, hi) for name in buf.fields]
+        report.rows = len(buf)
+
+        def check(job: tuple[str, int, int]) -> str | None:
+            try:
+                read_chunk(buf, *job)
+            except CorruptBufferError as exc:
+                return str(exc).split(": ", 1)[-1]
+            return None
+
+        for problem in storage.io.map(check, jobs):
+            report.chunks_checked += 1
+            if problem:
+                report.problems.append(problem)
+        if isinstance(storage.store, LocalChunkStore):
+            partial = sum(f.endswith(".partial") for _, _, files in os.walk(storage.store.root) for f in files)
+            if partial:
+                report.warnings.append(f"{partial} leftover *.partial files (interrupted writes; harmless)")
+    finally:
+        buf.close()
+    return report

@@ -1,0 +1,271 @@
+"""A real S3-compatible server for tests and benchmarks, and a fault-injecting HTTP proxy.
+
+- `MotoS3`: moto's server (``ThreadedMotoServer``) on 127.0.0.1, a free port, one bucket. Clients
+  talk to it over HTTP with s3fs/boto3 exactly as to S3; nothing is mocked in-process.
+- `FaultProxy`: a threaded HTTP/1.1 proxy on 127.0.0.1 in front of it. Rules make the next N
+  requests that match (method, path substring) fail: ``503`` (ServiceUnavailable), ``500``
+  (InternalError), ``slowdown`` (503 SlowDown), ``reset`` (TCP RST, no response). It counts
+  requests per (method, path), tracks the most GETs in flight at once and can add latency to
+  every request (the benchmarks use that to stand in for a real network). With ``cache=True`` it
+  answers repeated GETs of an object from its own copy, so moto's per-request CPU (one Python
+  process) does not cap a benchmark of many concurrent GETs; a PUT or DELETE through the proxy
+  drops the copy.
+
+Fixtures ``s3`` (one server per test session) and ``fault_proxy`` (a fresh proxy per test) are
+defined here; test modules import them (``from s3server import s3, fault_proxy``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+BUCKET = "diskreplay-test"
+CREDENTIALS = {"key": "testing", "secret": "testing"}
+
+
+class MotoS3:
+    """A moto S3 server on loopback with one bucket."""
+
+    def __init__(self, bucket: str = BUCKET):
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.bucket = bucket
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.client().create_bucket(Bucket=bucket)
+
+    def client(self, endpoint: str | None = None):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=CREDENTIALS["key"], aws_secret_access_key=CREDENTIALS["secret"])
+
+    def storage_options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {"endpoint_url": endpoint or self.endpoint, **CREDENTIALS, **extra}
+
+    def new_url(self, name: str = "buf") -> str:
+        return f"s3://{self.bucket}/{name}-{uuid.uuid4().hex[:12]}"
+
+    def keys(self, url: str) -> dict[str, bytes]:
+        """Every object under ``url`` (an s3:// prefix) with its bytes."""
+        prefix = url.split(f"s3://{self.bucket}/", 1)[1].rstrip("/") + "/"
+        client = self.client()
+        out = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                body = client.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read()
+                out[item["Key"][len(prefix):]] = body
+        return out
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+_SERVER: MotoS3 | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def moto_server() -> MotoS3:
+    """The process-wide server (started on first use, stopped at exit)."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None:
+            _SERVER = MotoS3()
+    return _SERVER
+
+
+@pytest.fixture(scope="session")
+def s3() -> MotoS3:
+    """A moto S3 server on 127.0.0.1 (shared by the whole session) with bucket `BUCKET`."""
+    return moto_server()
+
+
+# ---- the fault-injecting proxy --------------------------------------------------------------
+
+_ERRORS = {
+    "503": (503, "ServiceUnavailable", "Service is unable to handle request."),
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+}
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+
+
+class FaultProxy:
+    """An HTTP proxy to ``upstream`` (``http://host:port``) that fails requests on demand."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.0, cache: bool = False):
+        self.upstream = upstream.split("://", 1)[1]
+        self.latency_s = latency_s
+        self.cache: dict[str, tuple[int, str, list, bytes]] | None = {} if cache else None
+        self.rules: list[dict[str, Any]] = []
+        self.hits: Counter = Counter()
+        self.faults: Counter = Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                proxy._serve(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail(self, action: str, contains: str, times: int = 1, method: str | None = None) -> None:
+        """Make the next ``times`` requests whose path contains ``contains`` (and whose method is
+        ``method``, if given) fail with ``action``: "503", "500", "slowdown" or "reset"."""
+        if action not in _ERRORS and action != "reset":
+            raise ValueError(f"unknown fault {action!r}")
+        with self.lock:
+            self.rules.append({"action": action, "contains": contains, "times": times, "method": method})
+
+    def count(self, contains: str, method: str | None = None) -> int:
+        """Requests seen (failed ones included) whose path contains ``contains``."""
+        with self.lock:
+            return sum(n for (m, p), n in self.hits.items() if contains in p and method in (None, m))
+
+    def _fault_for(self, method: str, path: str) -> str | None:
+        with self.lock:
+            self.hits[(method, path)] += 1
+            for rule in self.rules:
+                if rule["times"] > 0 and rule["contains"] in path and rule["method"] in (None, method):
+                    rule["times"] -= 1
+                    self.faults[rule["action"]] += 1
+                    return rule["action"]
+        return None
+
+    def _serve(self, req: BaseHTTPRequestHandler) -> None:
+        body = _read_body(req)
+        path = req.path.split("?", 1)[0]
+        fault = self._fault_for(req.command, path)
+        if fault == "reset":
+            req.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            req.close_connection = True
+            req.connection.close()
+            return
+        if fault is not None:
+            status, code, message = _ERRORS[fault]
+            payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                       f"<Message>{message}</Message><RequestId>proxy</RequestId></Error>").encode()
+            req.send_response(status)
+            req.send_header("Content-Type", "application/xml")
+            req.send_header("Content-Length", str(len(payload)))
+            req.end_headers()
+            if req.command != "HEAD":
+                req.wfile.write(payload)
+            return
+        get = req.command == "GET"
+        cacheable = get and self.cache is not None and "Range" not in req.headers
+        if self.cache is not None and req.command in ("PUT", "DELETE", "POST"):
+            with self.lock:
+                self.cache.clear()
+        if get:
+            with self.lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.latency_s:
+                time.sleep(self.latency_s)
+            hit = self.cache.get(req.path) if cacheable else None
+            if hit is not None:
+                status, reason, response_headers, data = hit
+            else:
+                conn = http.client.HTTPConnection(self.upstream, timeout=60)
+                headers = {k: v for k, v in req.headers.items()
+                           if k.lower() not in ("connection", "proxy-connection")}
+                conn.request(req.command, req.path, body=body if body else None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                status, reason, response_headers = resp.status, resp.reason, resp.getheaders()
+                if cacheable and status == 200:
+                    with self.lock:
+                        self.cache[req.path] = (status, reason, response_headers, data)
+        finally:
+            if get:
+                with self.lock:
+                    self.in_flight -= 1
+        req.send_response(status, reason)
+        length_sent = False
+        for name, value in response_headers:
+            low = name.lower()
+            if low in _HOP_HEADERS:
+                continue
+            if low == "content-length":
+                length_sent = True
+            req.send_header(name, value)
+        if not length_sent:
+            req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(data)
+
+    def reset_stats(self) -> None:
+        with self.lock:
+            self.hits.clear()
+            self.faults.clear()
+            self.max_in_flight = 0
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _read_body(req: BaseHTTPRequestHandler) -> bytes:
+    if "chunked" in req.headers.get("Transfer-Encoding", "").lower():
+        parts = []
+        while True:  # forward the chunked stream as sent (with its framing)
+            line = req.rfile.readline()
+            parts.append(line)
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:
+                    trailer = req.rfile.readline()
+                    parts.append(trailer)
+                    if trailer in (b"\r\n", b"\n", b""):
+                        break
+                break
+            parts.append(req.rfile.read(size + 2))
+        return b"".join(parts)
+    length = int(req.headers.get("Content-Length") or 0)
+    return req.rfile.read(length) if length else b""
+
+
+@pytest.fixture
+def fault_proxy(s3):
+    """A `FaultProxy` in front of the session's moto server (storage options: ``proxy_options``)."""
+    proxy = FaultProxy(s3.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def proxy_options(s3: MotoS3, proxy: FaultProxy, **extra: Any) -> dict[str, Any]:
+    """Storage options that go through ``proxy``, with botocore's own retries off (so the
+    failures reach diskreplay's retry layer). Each proxy has its own port, hence its own s3fs
+    instance (fsspec caches instances by their options)."""
+    return s3.storage_options(proxy.endpoint, config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}}, **extra)

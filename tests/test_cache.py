@@ -1,0 +1,219 @@
+"""The chunk cache alone, and buffers whose cache is much smaller than what a batch touches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, stack_rows
+from diskreplay.cache import ChunkCache
+from diskreplay.schema import Schema
+
+pytestmark = pytest.mark.usefixtures("no_fsync")
+
+ROW_BYTES = sum(f.row_bytes for f in SMALL_FIELDS.values())
+
+
+def make_cache(slots=3, num_envs=2, chunk_rows=3, chunks_per_lane=4):
+    return ChunkCache(Schema(SMALL_FIELDS), num_envs, chunk_rows, slots, chunks_per_lane)
+
+
+def A(*values):
+    return np.array(values, dtype=np.int64)
+
+
+# ---- ChunkCache unit behaviour ------------------------------------------------------------------
+
+
+def test_layout_of_a_fresh_cache():
+    cache = make_cache()
+    assert cache.table.shape == (2, 4) and (cache.table == -1).all()
+    for name, field in SMALL_FIELDS.items():
+        assert cache.slabs[name].shape == (3 * 3, *field.shape)
+        assert cache.slabs[name].dtype == field.dtype
+    assert cache.evictable() == 3
+    assert (cache.lookup(A(0, 1), A(3, 0)) == -1).all()
+
+
+def test_assign_pins_and_maps():
+    cache = make_cache()
+    slots = cache.assign(A(0, 1), A(2, 0))
+    assert len(set(slots.tolist())) == 2
+    assert cache.table[0, 2] == slots[0] and cache.table[1, 0] == slots[1]
+    assert cache.pinned[slots].all() and cache.evictable() == 1
+    np.testing.assert_array_equal(cache.owner_lane[slots], [0, 1])
+    np.testing.assert_array_equal(cache.owner_chunk[slots], [2, 0])
+    assert cache.assign(A(), A()).size == 0
+
+
+def test_chunk_rows_of_is_a_view_of_the_slab():
+    cache = make_cache()
+    slot = int(cache.assign(A(1), A(3))[0])
+    cache.chunk_rows_of("obs", slot)[:] = 7.0
+    assert (cache.slabs["obs"][slot * 3:(slot + 1) * 3] == 7.0).all()
+    assert cache.chunk_rows_of("img", slot).shape == (3, 2, 2)
+
+
+def test_lru_eviction_order():
+    cache = make_cache(slots=3)
+    s = cache.assign(A(0, 0, 0), A(0, 1, 2))
+    cache.pinned[:] = False
+    cache.touch(s[[0]])  # chunk 0 most recent, then 2, then 1 least
+    cache.touch(s[[2]])
+    cache.touch(s[[0]])
+    new = cache.assign(A(1), A(0))
+    assert new[0] == s[1]
+    assert cache.table[0, 1] == -1 and cache.table[1, 0] == s[1]
+    assert cache.table[0, 0] == s[0] and cache.table[0, 2] == s[2]
+    cache.pinned[:] = False
+    new = cache.assign(A(1), A(1))
+    assert new[0] == s[2]  # chunk 2 is now the least recently used
+    assert cache.table[0, 2] == -1
+
+
+def test_unused_slots_are_taken_before_evicting():
+    cache = make_cache(slots=3)
+    first = cache.assign(A(0), A(0))
+    cache.pinned[:] = False
+    cache.touch(first)
+    second = cache.assign(A(0), A(1))
+    assert second[0] != first[0] and cache.table[0, 0] == first[0]
+
+
+def test_pinned_slots_are_never_evicted():
+    cache = make_cache(slots=3)
+    pinned = cache.assign(A(0, 0), A(0, 1))  # stay pinned
+    free = cache.assign(A(0), A(2))
+    cache.pinned[free] = False
+    cache.touch(free)  # the only unpinned slot is also the most recent: still the victim
+    got = cache.assign(A(1), A(3))
+    assert got[0] == free[0]
+    assert cache.table[0, 0] == pinned[0] and cache.table[0, 1] == pinned[1]
+    with pytest.raises(RuntimeError, match="free slots"):
+        cache.assign(A(1), A(0))
+    with pytest.raises(RuntimeError):
+        make_cache(slots=2).assign(A(0, 0, 0), A(0, 1, 2))
+
+
+def test_evict_and_invalidate():
+    cache = make_cache(slots=3)
+    s = cache.assign(A(0, 0, 1), A(0, 1, 1))
+    cache.pinned[s[1:]] = False
+    cache.invalidate(0, A(0, 1, 3, 99))  # chunk 0 pinned: kept; 1 dropped; 3 absent; 99 past the table
+    assert cache.table[0, 0] == s[0] and cache.table[0, 1] == -1 and cache.table[1, 1] == s[2]
+    assert cache.owner_lane[s[1]] == -1
+    cache.evict(s[[2]])
+    assert cache.table[1, 1] == -1
+    cache.evict(s[[2]])  # evicting an empty slot is harmless
+    assert cache.evictable() == 2
+
+
+def test_ensure_chunks_grows_and_keeps_entries():
+    cache = make_cache(chunks_per_lane=2)
+    s = cache.assign(A(1), A(1))
+    cache.ensure_chunks(1)
+    assert cache.table.shape == (2, 2)
+    cache.ensure_chunks(5)
+    assert cache.table.shape[1] >= 5 and cache.table[1, 1] == s[0]
+    assert (cache.table[:, 2:] == -1).all()
+
+
+def test_slots_for_budget():
+    schema = Schema(SMALL_FIELDS)
+    chunk = 4 * schema.row_bytes
+    assert ChunkCache.slots_for_budget(schema, 4, 10 * chunk, minimum=3) == 10
+    assert ChunkCache.slots_for_budget(schema, 4, 10 * chunk + chunk - 1, minimum=3) == 10
+    assert ChunkCache.slots_for_budget(schema, 4, 1, minimum=3) == 3
+    huge = ChunkCache.slots_for_budget(schema, 1, 2**40, minimum=3)
+    assert 3 <= huge <= ChunkCache.MAX_SLOTS
+
+
+def test_buffer_cache_size_is_bounded(tmp_path):
+    # a ring never needs more slots than it has chunks; tiny chunks must not make a giant table
+    ring = dr.ReplayBuffer.create(tmp_path / "r", SMALL_FIELDS, 3 * 40, num_envs=3, chunk_rows=4)
+    assert ring.storage.cache.slots <= max(2 * 3 + 2, 3 * 10)
+    ring.close()
+    data = dr.ReplayBuffer.create(tmp_path / "d", SMALL_FIELDS, None, chunk_rows=1)
+    assert data.storage.cache.slots <= ChunkCache.MAX_SLOTS
+    data.close()
+
+
+# ---- buffers with a cache far smaller than a batch's chunks -----------------------------------
+
+
+@pytest.mark.parametrize("capacity", [None, 3 * 60])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_tiny_cache_returns_correct_rows(tmp_path, capacity, compression):
+    model = Model(3, capacity)
+    buf = dr.ReplayBuffer.create(tmp_path / "b", SMALL_FIELDS, capacity, num_envs=3, chunk_rows=2,
+                                 compression=compression, cache_bytes=1, seed=0)
+    slots = buf.storage.cache.slots
+    assert slots == 2 * 3 + 2  # the minimum
+    for n in (25, 40, 7):
+        rows = model.next_rows(3 * n)
+        data = stack_rows(rows)
+        buf.extend({k: v.reshape(n, 3, *v.shape[1:]) for k, v in data.items()})
+        for j in range(3):
+            model.append(j, rows[j::3])
+    ids = buf.row_ids()
+    assert len(np.unique(ids // 3 // 2)) > slots  # one read touches far more chunks than slots
+    batch = buf.sample(256)
+    assert_rows_equal(batch, model.expected(batch["index"]), "writer sample")
+    assert_rows_equal(buf[ids], model.expected(ids), "writer rows")
+    buf.flush()
+    model.flush()
+    reader = dr.ReplayBuffer.open(tmp_path / "b", mode="r", cache_bytes=1)
+    assert reader.storage.cache.slots == slots
+    for _ in range(3):
+        batch = reader.sample(256)
+        assert_rows_equal(batch, model.expected(batch["index"]), "reader sample")
+    check_buffer_against(reader, model, committed=True)
+    reader.close()
+    buf.close()
+
+
+def test_tiny_cache_while_writing_interleaved_reads(tmp_path):
+    model = Model(2, 2 * 24)
+    buf = dr.ReplayBuffer.create(tmp_path / "b", SMALL_FIELDS, 2 * 24, num_envs=2, chunk_rows=3,
+                                 cache_bytes=1)
+    for i in range(40):
+        lanes = [i % 2] if i % 3 else None
+        rows = model.next_rows(len(lanes) if lanes else 2)
+        buf.add(env_ids=lanes, **stack_rows(rows))
+        for lane, row in zip(lanes or [0, 1], rows):
+            model.append(lane, [row])
+        batch = buf.sample(64, seed=i)
+        assert_rows_equal(batch, model.expected(batch["index"]), f"step {i}")
+        if i % 7 == 6:
+            buf.flush()
+    check_buffer_against(buf, model)
+    buf.close()
+
+
+def test_ring_wrap_restaging_a_sealed_chunk_keeps_it_pinned(tmp_path):
+    """An extend that wraps the ring re-stages the chunk it started in, which it has already sealed.
+    Writing the sealed chunks must not unpin it: other lanes' chunks would evict it from under the
+    writer's next row."""
+    model = Model(3, 48)
+    buf = dr.ReplayBuffer.create(tmp_path / "b", SMALL_FIELDS, 48, num_envs=3, chunk_rows=4,
+                                 cache_bytes=10 * 4 * ROW_BYTES)
+    assert buf.storage.cache.slots == 10  # fewer than the 12 chunks, more than twice a lane's 4
+    rows = model.next_rows(2)
+    buf.extend({k: v[:, None] for k, v in stack_rows(rows).items()}, env_ids=[0])
+    model.append(0, rows)
+    rows = model.next_rows(17)  # starts mid-chunk 0, wraps back into chunk 0
+    buf.extend({k: v[:, None] for k, v in stack_rows(rows).items()}, env_ids=[0])
+    model.append(0, rows)
+    rows = model.next_rows(32)  # lanes 1 and 2 need 8 slots: evicts whatever lane 0 left unpinned
+    buf.extend({k: v.reshape(16, 2, *v.shape[1:]) for k, v in stack_rows(rows).items()}, env_ids=[1, 2])
+    model.append(1, rows[0::2])
+    model.append(2, rows[1::2])
+    rows = model.next_rows(1)
+    buf.add(env_ids=[0], **stack_rows(rows))
+    model.append(0, rows)
+    check_buffer_against(buf, model)
+    buf.close()
+    model.flush()
+    with dr.ReplayBuffer.open(tmp_path / "b", cache_bytes=1) as ro:
+        check_buffer_against(ro, model, committed=True)

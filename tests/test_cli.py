@@ -1,0 +1,232 @@
+"""The `diskreplay` command (through subprocesses) and smoke runs of the examples."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from diskreplay import cli
+from diskreplay.importers import INCOMPLETE_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+h5py = pytest.importorskip("h5py")
+
+
+def run(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("DISKREPLAY_TRACEBACK", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "diskreplay.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, proc
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("diskreplay: error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def write_d4rl(path: Path, n: int = 103) -> None:
+    rng = np.random.default_rng(0)
+    terminals = np.zeros(n, bool)
+    timeouts = np.zeros(n, bool)
+    terminals[[9, 40, 41]] = True
+    timeouts[[19, 70]] = True
+    with h5py.File(path, "w") as f:
+        f["observations"] = rng.normal(size=(n, 3)).astype(np.float32)
+        f["actions"] = rng.normal(size=(n, 2)).astype(np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"], f["timeouts"] = terminals, timeouts
+
+
+@pytest.mark.parametrize("command", ["import", "export", "info", "verify", "unlock", "demo", "bench"])
+def test_help_for_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: diskreplay {command}") and len(out.splitlines()) > 4
+
+
+def test_module_and_entry_point_help():
+    proc = run("--help")
+    assert proc.returncode == 0 and all(c in proc.stdout for c in ("import", "export", "info", "verify", "demo", "bench"))
+    assert run("frobnicate").returncode == 2
+    exe = shutil.which("diskreplay")
+    if exe:
+        assert subprocess.run([exe, "--help"], capture_output=True, text=True).returncode == 0
+
+
+def test_import_info_verify_export(tmp_path):
+    write_d4rl(tmp_path / "d.hdf5")
+    proc = run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "buf"), "--chunk-rows", "16", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("imported 103 rows") and "next_obs (3,) float32" in proc.stdout
+    assert proc.stderr == ""
+
+    proc = run("info", str(tmp_path / "buf"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "103 in 1 lane; dataset mode" in out
+    assert "terminated  ()" in out and "obs         (3,)           float32" in out
+    # episodes end at rows 9, 19, 40, 41, 70; rows 71..102 are an unfinished episode
+    assert "episodes    5 complete, 1 in progress; length mean 14.2, min 1, max 29; mean return 14.200" in out
+    assert "7 per field x 6 fields (16 rows each); 42 chunk objects stored" in out
+    assert "sampler     Uniform" in out and "zstd level 3" in out and "last commit #" in out
+    info = json.loads(run("info", "--json", str(tmp_path / "buf")).stdout)
+    assert info["rows"] == 103 and info["episodes"]["count"] == 5 and info["bytes_on_disk"] > 0
+
+    proc = run("verify", str(tmp_path / "buf"))
+    assert proc.returncode == 0 and "OK" in proc.stdout.splitlines()[0] and "42 chunks checked" in proc.stdout
+
+    proc = run("export", str(tmp_path / "buf"), str(tmp_path / "out.hdf5"), "--no-progress")
+    assert proc.returncode == 0 and "exported 103 rows" in proc.stdout
+    assert_one_line_error(run("export", str(tmp_path / "buf"), str(tmp_path / "out.hdf5")), "already exists")
+    proc = run("import", str(tmp_path / "out.hdf5"), str(tmp_path / "back"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    a, b = dr.ReplayBuffer.open(tmp_path / "buf"), dr.ReplayBuffer.open(tmp_path / "back")
+    for k, v in a[a.row_ids()].items():
+        np.testing.assert_array_equal(v, b[b.row_ids()][k])
+
+
+def test_import_shows_progress_on_stderr(tmp_path):
+    pytest.importorskip("tqdm")
+    write_d4rl(tmp_path / "d.hdf5")
+    proc = run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "buf"))
+    assert proc.returncode == 0 and "rows/s" in proc.stderr and "import d4rl" in proc.stderr
+
+
+def test_verify_reports_missing_and_corrupt_chunks(tmp_path):
+    buf = dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((2,), "float32"), "y": dr.Field((), "int64")},
+                                 chunk_rows=8, cache_bytes=2**16)
+    buf.extend({"x": np.ones((30, 2)), "y": np.arange(30)})
+    buf.close()
+    os.remove(tmp_path / "b" / "x" / "c" / "0" / "1" / "0")
+    (tmp_path / "b" / "y" / "c" / "0" / "3").write_bytes(b"not zstd at all")
+    proc = run("verify", str(tmp_path / "b"))
+    assert proc.returncode == 1
+    assert "8 chunks checked" in proc.stderr
+    assert "chunk 'x/c/0/1/0' is missing" in proc.stderr and "chunk 'y/c/0/3' does not decode" in proc.stderr
+
+
+def test_user_errors_are_one_line(tmp_path):
+    assert_one_line_error(run("import", str(tmp_path / "nope.hdf5"), str(tmp_path / "b")), "does not exist")
+    assert_one_line_error(run("info", str(tmp_path)), "is not a diskreplay buffer")
+    assert_one_line_error(run("export", str(tmp_path / "nope"), str(tmp_path / "o.npz")), "not a diskreplay buffer")
+    assert_one_line_error(run("export", str(tmp_path / "nope"), str(tmp_path / "o.csv")), "cannot tell the export format")
+    write_d4rl(tmp_path / "d.hdf5")
+    dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")}).close()
+    assert_one_line_error(run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "b")), "--overwrite")
+    proc = run("import", "--chunk-rows", "0", str(tmp_path / "d.hdf5"), str(tmp_path / "c"))
+    assert proc.returncode == 2 and "positive integer" in proc.stderr
+
+
+def test_interrupted_import_is_reported(tmp_path):
+    buf = dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")})
+    buf.close()
+    (tmp_path / "b" / INCOMPLETE_KEY).write_text(json.dumps({"source": "big.hdf5", "started": 0, "pid": 7}))
+    os.remove(tmp_path / "b" / "commit.json")
+    assert_one_line_error(run("info", str(tmp_path / "b")), "interrupted import", "big.hdf5")
+    proc = run("verify", str(tmp_path / "b"))
+    assert proc.returncode == 1 and "interrupted import" in proc.stderr
+
+
+def test_demo_runs_and_resumes(tmp_path):
+    pytest.importorskip("torch")
+    proc = run("demo", str(tmp_path), "--steps", "150", "--envs", "2", "--seconds", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for needle in ("rows added/s", "uniform samples/s", "DataLoader rows/s", "MB on disk",
+                   "resume: closed at 300 rows", "added 74 more -> 374 rows", "diskreplay info"):
+        assert needle in out, out
+    info = json.loads(run("info", "--json", str(tmp_path / "cartpole.zarr")).stdout)
+    assert info["rows"] == 374 and info["lanes"] == 2
+    if hasattr(dr, "Prioritized"):
+        assert info["sampler"] == "Prioritized" and "prioritized" in out
+
+
+def test_bench_runs_tools_or_says_why(tmp_path):
+    assert_one_line_error(run("bench", "--tools", str(tmp_path)), "no benchmarks found")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "bench_core.py").write_text("import sys\n# supports --quick\nprint('| core |', sys.argv[1:])\n")
+    (tools / "bench_other.py").write_text("import sys\nprint('| other |', sys.argv[1:])\n")
+    (tools / "benchlib.py").write_text("raise SystemExit('not a benchmark')\n")
+    proc = run("bench", "--quick", "--tools", str(tools))
+    assert proc.returncode == 0, proc.stderr
+    assert "| core | ['--quick']" in proc.stdout and "| other | []" in proc.stdout
+    assert proc.stdout.index("bench_core.py") < proc.stdout.index("bench_other.py")
+    proc = run("bench", "--only", "other", "--tools", str(tools))
+    assert "| other |" in proc.stdout and "core" not in proc.stdout
+    (tools / "bench_broken.py").write_text("raise SystemExit(3)\n")
+    assert_one_line_error(run("bench", "--tools", str(tools)), "bench_broken.py (exit 3)")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny networks: one intra-op thread is faster, and much faster on a busy machine."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offline_bc_example(tmp_path, capsys, one_torch_thread):
+    loss = load_example("offline_bc").main(["--steps", "30", "--workdir", str(tmp_path)])
+    assert np.isfinite(loss)
+    assert "20,000 rows" in capsys.readouterr().out
+
+
+def test_online_dqn_example_survives_sigkill(tmp_path, capsys, one_torch_thread):
+    pytest.importorskip("gymnasium")
+    args = ["--workdir", str(tmp_path), "--learning-starts", "50", "--save-every", "100"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "online_dqn.py"), *args, "--steps", "100000"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().startswith("step    100")  # a checkpoint was written...
+    finally:
+        proc.send_signal(signal.SIGKILL)  # ...and the run dies without closing anything
+        proc.wait()
+    dqn = load_example("online_dqn")
+    saved = torch_load_step(tmp_path / "checkpoint.pt")
+    assert dqn.main(args + ["--steps", str(saved + 150)]) == saved + 150
+    out = capsys.readouterr().out
+    assert f"resumed at step {saved} with {saved} rows" in out
+    if importlib.util.find_spec("diskreplay.lock"):
+        assert "removing its stale lock" in out
+    assert len(dr.ReplayBuffer.open(tmp_path / "buffer")) == saved + 150
+
+
+def torch_load_step(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path)["step"])
+
+
+def test_unlock_without_lock(tmp_path):
+    pytest.importorskip("diskreplay.lock")
+    dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")}).close()
+    proc = run("unlock", str(tmp_path / "b"))
+    assert proc.returncode == 0 and "no writer lock" in proc.stdout

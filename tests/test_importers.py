@@ -1,0 +1,326 @@
+"""Importers (D4RL, Minari, npz, npy, zarr), export round trips, bounded memory, interrupted imports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+import zipfile
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from diskreplay import importers
+from diskreplay.errors import BufferExistsError, NotABufferError
+from diskreplay.export import export_buffer
+from diskreplay.importers import INCOMPLETE_KEY, ImportFormatError, detect_format, import_dataset, import_status
+
+h5py = pytest.importorskip("h5py")
+
+
+def rows_of(buf: dr.ReplayBuffer) -> dict[str, np.ndarray]:
+    return buf[buf.row_ids()]
+
+
+def write_d4rl(path, n=103, seed=0, next_obs=False, float_flags=False):
+    rng = np.random.default_rng(seed)
+    terminals = np.zeros(n, bool)
+    timeouts = np.zeros(n, bool)
+    terminals[[9, 40, 41]] = True  # episodes ending at batch boundaries too (batch_rows=10 below)
+    timeouts[[19, 70]] = True
+    data = {
+        "observations": rng.normal(size=(n, 3)).astype(np.float32),
+        "actions": rng.normal(size=(n, 2)).astype(np.float32),
+        "rewards": rng.normal(size=n).astype(np.float32),
+        "terminals": terminals.astype(np.float32) if float_flags else terminals,
+        "timeouts": timeouts,
+    }
+    with h5py.File(path, "w") as f:
+        for key, value in data.items():
+            f[key] = value
+        if next_obs:
+            data["next_observations"] = rng.normal(size=(n, 3)).astype(np.float32)
+            f["next_observations"] = data["next_observations"]
+        f["infos/qpos"] = data["qpos"] = rng.normal(size=(n, 4))
+        f["infos/goal/xy"] = data["goal_xy"] = rng.integers(0, 9, size=(n, 2)).astype(np.int32)
+        f["metadata/algorithm"] = "SAC"  # not per-step: skipped with a warning
+    return data
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped")
+@pytest.mark.parametrize("float_flags", [False, True])
+def test_d4rl_derives_next_obs_within_episodes(tmp_path, float_flags):
+    data = write_d4rl(tmp_path / "d.hdf5", float_flags=float_flags)
+    assert detect_format(str(tmp_path / "d.hdf5")) == "d4rl"
+    buf = import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=10, chunk_rows=16, progress=False)
+    assert set(buf.fields) == {"obs", "action", "reward", "terminated", "truncated", "next_obs",
+                               "info_qpos", "info_goal_xy"}
+    assert buf.fields["terminated"].dtype == np.bool_ and buf.fields["info_qpos"].dtype == np.float64
+    r = rows_of(buf)
+    obs = data["observations"]
+    np.testing.assert_array_equal(r["obs"], obs)
+    np.testing.assert_array_equal(r["action"], data["actions"])
+    np.testing.assert_array_equal(r["terminated"], data["terminals"] != 0)
+    np.testing.assert_array_equal(r["truncated"], data["timeouts"])
+    np.testing.assert_array_equal(r["info_goal_xy"], data["goal_xy"])
+    ends = (data["terminals"] != 0) | data["timeouts"]
+    ends[-1] = True
+    for t in range(len(obs)):  # inside an episode: the next row; at its end (or the last row): itself
+        np.testing.assert_array_equal(r["next_obs"][t], obs[t] if ends[t] else obs[t + 1])
+    assert not buf.storage.store.exists(INCOMPLETE_KEY)
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped")
+def test_d4rl_keeps_given_next_observations(tmp_path):
+    data = write_d4rl(tmp_path / "d.hdf5", next_obs=True)
+    buf = import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=32, progress=False)
+    np.testing.assert_array_equal(rows_of(buf)["next_obs"], data["next_observations"])
+
+
+def write_minari(root, lengths=(5, 12, 3), seed=0):
+    """Minari hdf5 layout: episode_<id> groups, observations T+1, nested dict observations."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(root / "data")
+    episodes = {}
+    with h5py.File(root / "data" / "main_data.hdf5", "w") as f:
+        for ep_id, T in zip((0, 10, 2), lengths):  # ids out of order: imported as 0, 2, 10
+            g = f.create_group(f"episode_{ep_id}")
+            ep = {
+                "pos": rng.normal(size=(T + 1, 2)).astype(np.float32),
+                "img": rng.integers(0, 255, size=(T + 1, 3, 3), dtype=np.uint8),
+                "vel": rng.normal(size=(T + 1,)),
+                "actions": rng.normal(size=(T, 2)).astype(np.float32),
+                "rewards": rng.normal(size=T),
+                "terminations": np.arange(T) == T - 1 if ep_id != 2 else np.zeros(T, bool),
+                "truncations": np.zeros(T, bool) if ep_id != 2 else np.arange(T) == T - 1,
+                "success": rng.random(T + 1) < 0.5,  # T + 1 infos: the reset's first
+                "cost": rng.normal(size=T),          # T infos
+            }
+            g["observations/pos"] = ep["pos"]
+            g["observations/cam/img"] = ep["img"]
+            g["observations/vel"] = ep["vel"]
+            for key in ("actions", "rewards", "terminations", "truncations"):
+                g[key] = ep[key]
+            g["infos/success"] = ep["success"]
+            g["infos/cost"] = ep["cost"]
+            episodes[ep_id] = ep
+    return [episodes[i] for i in (0, 2, 10)]
+
+
+def test_minari_maps_observations_exactly(tmp_path):
+    episodes = write_minari(tmp_path / "ds")
+    assert detect_format(str(tmp_path / "ds")) == "minari"
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=4, chunk_rows=8, progress=False)
+    assert set(buf.fields) == {"obs_pos", "obs_cam_img", "obs_vel", "next_obs_pos", "next_obs_cam_img",
+                               "next_obs_vel", "action", "reward", "terminated", "truncated",
+                               "info_success", "info_cost"}
+    r = rows_of(buf)
+    cat = lambda key, sl: np.concatenate([ep[key][sl] for ep in episodes])  # noqa: E731
+    for key in ("pos", "img", "vel"):
+        np.testing.assert_array_equal(r[f"obs_{key}" if key != "img" else "obs_cam_img"], cat(key, slice(None, -1)))
+        np.testing.assert_array_equal(r[f"next_obs_{key}" if key != "img" else "next_obs_cam_img"], cat(key, slice(1, None)))
+    np.testing.assert_array_equal(r["action"], cat("actions", slice(None)))
+    np.testing.assert_array_equal(r["reward"], cat("rewards", slice(None)))
+    np.testing.assert_array_equal(r["terminated"], cat("terminations", slice(None)))
+    np.testing.assert_array_equal(r["truncated"], cat("truncations", slice(None)))
+    np.testing.assert_array_equal(r["info_success"], cat("success", slice(1, None)))
+    np.testing.assert_array_equal(r["info_cost"], cat("cost", slice(None)))
+    assert len(buf) == 5 + 3 + 12
+
+
+def test_npz_and_npy_folder(tmp_path):
+    rng = np.random.default_rng(1)
+    arrays = {"obs": rng.normal(size=(50, 4)).astype(np.float32), "action": rng.integers(0, 3, 50),
+              "done": rng.random(50) < 0.1, "img": np.asfortranarray(rng.integers(0, 9, (50, 2, 3)).astype(np.uint8))}
+    np.savez(tmp_path / "plain.npz", **arrays)
+    np.savez_compressed(tmp_path / "packed.npz", **arrays)
+    os.makedirs(tmp_path / "npy")
+    for k, v in arrays.items():
+        np.save(tmp_path / "npy" / f"{k}.npy", v)
+    for src, fmt in (("plain.npz", "npz"), ("packed.npz", "npz"), ("npy", "npy")):
+        assert detect_format(str(tmp_path / src)) == fmt
+        with pytest.warns(UserWarning, match="Fortran") if fmt == "npz" else _nothing():
+            buf = import_dataset(tmp_path / src, tmp_path / f"b-{src}", batch_rows=7, progress=False)
+        r = rows_of(buf)
+        assert set(r) == set(arrays)
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(r[k], v)
+            assert r[k].dtype == v.dtype
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_bad_sources(tmp_path):
+    np.savez(tmp_path / "ragged.npz", a=np.zeros(3), b=np.zeros(4))
+    with pytest.raises(ImportFormatError, match="leading"):
+        import_dataset(tmp_path / "ragged.npz", tmp_path / "x", progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        import_dataset(tmp_path / "missing.hdf5", tmp_path / "x", progress=False)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ImportFormatError, match="cannot tell"):
+        import_dataset(tmp_path / "notes.txt", tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_rechunk_buffer_keeps_lanes_and_window(tmp_path):
+    fields = {"obs": dr.Field((3,), "float32"), "done": dr.Field((), "bool")}
+    src = dr.ReplayBuffer.create(tmp_path / "src", fields, capacity=40, num_envs=2, chunk_rows=8, compression=None,
+                                 cache_bytes=2**16)
+    rng = np.random.default_rng(2)
+    src.extend({"obs": rng.normal(size=(33, 2, 3)), "done": rng.random((33, 2)) < 0.2})
+    src.close()
+    src = dr.ReplayBuffer.open(tmp_path / "src", cache_bytes=2**16)
+    buf = import_dataset(tmp_path / "src", tmp_path / "dst", chunk_rows=5, compression="lz4", batch_rows=6,
+                         progress=False, cache_bytes=2**16)
+    assert detect_format(str(tmp_path / "src")) == "zarr"
+    assert buf.num_envs == 2 and len(buf) == len(src) == 40 and buf.capacity is None
+    assert buf.storage.config["chunk_rows"] == 5 and buf.storage.config["compression"] == "lz4"
+    lo, hi = src.storage.window()
+    for lane in range(2):
+        old = src[np.arange(lo[lane], hi[lane]) * 2 + lane]
+        new = buf[np.arange(0, hi[lane] - lo[lane]) * 2 + lane]
+        for k in fields:
+            np.testing.assert_array_equal(old[k], new[k])
+
+
+def test_plain_zarr_group(tmp_path):
+    import zarr
+
+    g = zarr.open_group(str(tmp_path / "g"), mode="w")
+    g.create_array("obs", shape=(30, 2), chunks=(7, 2), dtype="float32")[:] = np.arange(60).reshape(30, 2)
+    g.create_array("reward", shape=(30,), chunks=(7,), dtype="float64")[:] = np.arange(30)
+    buf = import_dataset(tmp_path / "g", tmp_path / "b", format="zarr", batch_rows=8, progress=False)
+    np.testing.assert_array_equal(rows_of(buf)["obs"], np.arange(60).reshape(30, 2))
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped")
+@pytest.mark.parametrize("fmt", ["hdf5", "npz"])
+def test_export_import_round_trip(tmp_path, fmt):
+    write_d4rl(tmp_path / "d.hdf5")
+    buf = import_dataset(tmp_path / "d.hdf5", tmp_path / "b", progress=False)
+    out = tmp_path / f"out.{fmt}"
+    assert export_buffer(tmp_path / "b", out, progress=False, batch_rows=9) == len(buf)
+    with pytest.raises(FileExistsError):
+        export_buffer(tmp_path / "b", out, progress=False)
+    back = import_dataset(out, tmp_path / "back", progress=False)
+    a, b = rows_of(buf), rows_of(back)
+    assert list(buf.fields) == list(back.fields) or set(buf.fields) == set(back.fields)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_export_round_trips_buffers_without_next_obs(tmp_path):
+    buf = dr.ReplayBuffer.create(tmp_path / "b", {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")})
+    buf.extend({"obs": np.arange(20).reshape(10, 2), "done": np.arange(10) % 4 == 3})
+    buf.close()
+    export_buffer(tmp_path / "b", tmp_path / "o.h5", progress=False)
+    back = import_dataset(tmp_path / "o.h5", tmp_path / "back", progress=False)
+    assert set(back.fields) == {"obs", "done"}
+    np.testing.assert_array_equal(rows_of(back)["obs"], np.arange(20).reshape(10, 2))
+
+
+def test_export_marks_lane_ends_for_d4rl(tmp_path):
+    fields = {"obs": dr.Field((1,), "float32"), "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, num_envs=2, chunk_rows=4, cache_bytes=2**12)
+    buf.extend({"obs": np.zeros((6, 2, 1)), "terminated": np.zeros((6, 2), bool), "truncated": np.zeros((6, 2), bool)})
+    buf.close()
+    export_buffer(tmp_path / "b", tmp_path / "o.h5", progress=False)
+    with h5py.File(tmp_path / "o.h5") as f:
+        assert np.flatnonzero(f["timeouts"][:]).tolist() == [5, 11]
+        assert f["observations"].shape == (12, 1)
+
+
+def test_import_memory_is_bounded(tmp_path):
+    rows, width = 60_000, 64  # 15 MB of float32 source
+    np.save(tmp_path / "obs.npy", np.random.default_rng(0).random((rows, width), dtype=np.float32))
+    np.save(tmp_path / "reward.npy", np.ones(rows, np.float32))
+    os.makedirs(tmp_path / "npy")
+    os.replace(tmp_path / "obs.npy", tmp_path / "npy" / "obs.npy")
+    os.replace(tmp_path / "reward.npy", tmp_path / "npy" / "reward.npy")
+    with zipfile.ZipFile(tmp_path / "src.npz", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.write(tmp_path / "npy" / "obs.npy", "obs.npy")
+        zf.write(tmp_path / "npy" / "reward.npy", "reward.npy")
+    source_bytes = rows * (width + 1) * 4
+    for src in ("npy", "src.npz"):
+        tracemalloc.start()
+        try:
+            buf = import_dataset(tmp_path / src, tmp_path / f"b-{src}", batch_rows=2048, chunk_rows=1024,
+                                 compression=None, progress=False, cache_bytes=2**20)
+            buf.close()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert len(dr.ReplayBuffer.open(tmp_path / f"b-{src}")) == rows
+        assert peak < source_bytes / 3, f"{src}: peak {peak / 1e6:.1f} MB for a {source_bytes / 1e6:.1f} MB source"
+
+
+def test_failing_source_leaves_no_buffer(tmp_path, monkeypatch):
+    write_d4rl(tmp_path / "d.hdf5")
+    original = importers.D4RLSource.batches
+
+    def failing(self):
+        for i, item in enumerate(original(self)):
+            if i == 3:
+                raise OSError("disk went away")
+            yield item
+
+    monkeypatch.setattr(importers.D4RLSource, "batches", failing)
+    with pytest.warns(UserWarning), pytest.raises(OSError, match="disk went away"):
+        import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=10, progress=False)
+    with pytest.raises(NotABufferError):
+        dr.ReplayBuffer.open(tmp_path / "b")
+    monkeypatch.undo()
+    with pytest.warns(UserWarning):
+        assert len(import_dataset(tmp_path / "d.hdf5", tmp_path / "b", progress=False)) == 103
+
+
+KILLED_IMPORT = textwrap.dedent("""
+    import sys, time
+    from diskreplay import importers
+    original = importers.NpyFolderSource.batches
+    def slow(self):
+        for i, item in enumerate(original(self)):
+            if i == 3:
+                print("started", flush=True)
+                time.sleep(60)
+            yield item
+    importers.NpyFolderSource.batches = slow
+    importers.import_dataset(sys.argv[1], sys.argv[2], batch_rows=100, chunk_rows=64, progress=False,
+                             overwrite=True)
+""")
+
+
+def test_killed_import_does_not_open(tmp_path):
+    os.makedirs(tmp_path / "npy")
+    np.save(tmp_path / "npy" / "obs.npy", np.arange(2000, dtype=np.float32).reshape(1000, 2))
+    dest = tmp_path / "b"
+    # an old buffer at dest: the import replaces it (overwrite=True) and is then killed
+    dr.ReplayBuffer.create(dest, {"x": dr.Field((), "int8")}).close()
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_IMPORT, str(tmp_path / "npy"), str(dest)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        assert any((dest / "obs" / "c" / "0").iterdir())  # rows were written...
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with pytest.raises(NotABufferError):  # ...but dest is not a buffer
+        dr.ReplayBuffer.open(dest)
+    marker = import_status(str(dest))
+    assert marker is not None and marker["source"] == str(tmp_path / "npy")
+    with pytest.raises(BufferExistsError, match="interrupted import"):
+        import_dataset(tmp_path / "npy", dest, progress=False)
+    buf = import_dataset(tmp_path / "npy", dest, overwrite=True, progress=False)
+    assert len(buf) == 1000 and import_status(str(dest)) is None
+    np.testing.assert_array_equal(rows_of(buf)["obs"], np.arange(2000).reshape(1000, 2))

@@ -1,0 +1,436 @@
+"""Tests of diskreplay.torch_data: sharding, exact resume, determinism, pickling, workers, live
+buffers and the main-process index sampler. Buffers are small (a few thousand rows, 64-row chunks)
+and caches a few MB, so the whole file runs in well under a minute on two cores."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as tmp_mp
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import diskreplay as dr
+from diskreplay.torch_data import (EpochOrder, IndexBatch, IndexBatchSampler, RowDataset, Shard,
+                                   chunk_pieces, dataset_state_from_loader, make_dataset,
+                                   merge_worker_states, shard_range)
+
+FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
+CACHE = 4 * 2**20
+CHUNK = 64
+
+
+def fill(buf: dr.ReplayBuffer, steps: int, start: int = 0) -> None:
+    """Add ``steps`` steps to every lane; ``act`` is the row id, ``obs`` derived from it."""
+    n = buf.num_envs
+    ids = (np.arange(start, start + steps)[:, None] * n + np.arange(n)[None, :]).astype(np.int64)
+    obs = np.stack([ids, -ids, ids % 7], axis=-1).astype(np.float32)
+    if n == 1:
+        ids, obs = ids[:, 0], obs[:, 0]
+    buf.extend({"obs": obs, "act": ids})
+    buf.flush(durable=False)
+
+
+def make_buf(path, steps: int = 1000, num_envs: int = 2, capacity: int | None = None, **kw) -> dr.ReplayBuffer:
+    buf = dr.ReplayBuffer.create(os.fspath(path), FIELDS, capacity, num_envs=num_envs, chunk_rows=CHUNK,
+                                 compression=kw.pop("compression", None), cache_bytes=CACHE, **kw)
+    fill(buf, steps)
+    return buf
+
+
+def check_rows(batch: dict) -> None:
+    idx = batch["index"].numpy()
+    np.testing.assert_array_equal(batch["act"].numpy(), idx)
+    np.testing.assert_array_equal(batch["obs"].numpy()[:, 1], -idx.astype(np.float32))
+
+
+def indices(batches) -> list[np.ndarray]:
+    return [b["index"].numpy().copy() for b in batches]
+
+
+def concat(batches) -> np.ndarray:
+    return np.concatenate(indices(batches)) if batches else np.zeros(0, np.int64)
+
+
+@pytest.fixture
+def buf(tmp_path):
+    b = make_buf(tmp_path / "buf", steps=1000)  # 2000 rows, 2 lanes x 16 chunks (last one partial)
+    yield b
+    b.close()
+
+
+def epoch_ds(buf, **kw):
+    kw.setdefault("batch_size", 50)
+    return make_dataset(buf, mode="epoch", seed=kw.pop("seed", 3), cache_bytes=CACHE, **kw)
+
+
+def sample_ds(buf, **kw):
+    kw.setdefault("batch_size", 32)
+    return make_dataset(buf, mode="sample", seed=kw.pop("seed", 5), cache_bytes=CACHE, **kw)
+
+
+# ---- epoch order --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity,steps", [(None, 1000), (2 * 300, 1000)])
+def test_chunk_pieces_cover_window_within_chunks(tmp_path, capacity, steps):
+    b = make_buf(tmp_path / "b", steps=steps, capacity=capacity)
+    lo, hi = b.storage.window()
+    lane, start, length = chunk_pieces(b.storage.layout, lo, hi)
+    layout = b.storage.layout
+    for l, s, n in zip(lane, start, length):
+        chunks = {int(c) for c in layout.chunk_and_offset(np.arange(s, s + n))[0]}
+        assert len(chunks) == 1 and n >= 1
+    got = np.sort(dr.lanes.row_ids(np.repeat(lane, length),
+                                   np.concatenate([np.arange(s, s + n) for s, n in zip(start, length)]), 2))
+    np.testing.assert_array_equal(got, np.sort(b.row_ids()))
+    b.close()
+
+
+def test_shards_get_whole_chunks(buf):
+    lo, hi = buf.storage.window()
+    owners: dict[tuple[int, int], set] = {}
+    for rank, worker in itertools.product(range(2), range(2)):
+        order = EpochOrder(buf.storage.layout, lo, hi, seed=0, epoch=0, shuffle="block", window=4,
+                           shard=Shard(rank, 2, worker, 2), pad=False, drop_last=False, batch_size=50)
+        lane, start, length = order.pieces
+        partial = [(l, s, n) for l, s, n in zip(lane, start, length) if s % CHUNK or (n != CHUNK and s + n != 1000)]
+        assert len(partial) <= 2, partial  # only the two cut points of the shard are partial chunks
+        for l, s in zip(lane, start):
+            owners.setdefault((int(l), int(s) // CHUNK), set()).add((rank, worker))
+    assert sum(len(o) > 1 for o in owners.values()) <= 3  # chunks split at the 3 inner cut points
+
+
+def test_epoch_order_is_pure_function_of_seed_epoch_rows(buf):
+    a = concat(list(epoch_ds(buf)))
+    assert np.array_equal(a, concat(list(epoch_ds(buf))))
+    assert not np.array_equal(a, concat(list(epoch_ds(buf, seed=4))))
+    ds = epoch_ds(buf)
+    list(ds)
+    second = concat(list(ds))
+    assert ds.epoch == 1 and not np.array_equal(a, second)
+    fresh = epoch_ds(buf)
+    fresh.set_epoch(1)
+    assert np.array_equal(concat(list(fresh)), second)
+    assert np.array_equal(concat(list(epoch_ds(buf, shuffle=False))), buf.row_ids())
+
+
+def test_shard_range_pad_and_drop_last():
+    for total, world, workers in [(10, 3, 1), (1001, 4, 3), (5, 8, 1)]:
+        for pad, drop in [(False, False), (True, False), (False, True)]:
+            ranges = [shard_range(total, Shard(r, world, w, workers), pad, drop)
+                      for r in range(world) for w in range(workers)]
+            per_rank = [sum(b - a for a, b in ranges[r * workers:(r + 1) * workers]) for r in range(world)]
+            if pad:
+                assert len(set(per_rank)) == 1 and sum(per_rank) - total < world
+            elif drop:
+                assert len(set(per_rank)) == 1 and total - sum(per_rank) < world
+            else:
+                assert sum(per_rank) == total and max(per_rank) - min(per_rank) <= 1
+            assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+
+
+# ---- exactly once per epoch -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", ["block", "global"])
+def test_epoch_exactly_once_2_ranks_2_workers(buf, shuffle):
+    seen, counts = [], []
+    for rank in range(2):
+        ds = epoch_ds(buf, shuffle=shuffle, rank=rank, world_size=2)
+        batches = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        for b in batches:
+            check_rows(b)
+        seen.append(concat(batches))
+        counts.append(len(batches))
+        assert len(batches) == ds.batches_per_epoch(num_workers=2)
+    union = np.concatenate(seen)
+    assert len(union) == len(buf) and np.array_equal(np.sort(union), np.sort(buf.row_ids()))
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+
+
+def test_epoch_pad_and_drop_last_like_distributed_sampler(buf):
+    world = 3
+    padded = [concat(list(epoch_ds(buf, pad=True, rank=r, world_size=world, batch_size=64))) for r in range(world)]
+    assert len({len(p) for p in padded}) == 1
+    union = np.concatenate(padded)
+    assert set(union.tolist()) == set(buf.row_ids().tolist()) and len(union) - len(buf) < world
+    dropped = [list(epoch_ds(buf, drop_last=True, rank=r, world_size=world, batch_size=64)) for r in range(world)]
+    assert len({len(d) for d in dropped}) == 1
+    assert all(len(b["index"]) == 64 for d in dropped for b in d)
+    flat = np.concatenate([concat(d) for d in dropped])
+    assert len(set(flat.tolist())) == len(flat)
+
+
+def test_block_shuffle_reads_each_chunk_once_global_does_not(tmp_path):
+    b = make_buf(tmp_path / "b", steps=2000)  # 4000 rows, 64 chunks of 64 rows x 20 bytes
+    chunk_bytes = CHUNK * 20
+    stats = {}
+    for shuffle in ("block", "global"):
+        ds = make_dataset(b, 64, "epoch", shuffle=shuffle, shuffle_window=4, cache_bytes=8 * chunk_bytes)
+        ids = concat(list(ds))
+        assert np.array_equal(np.sort(ids), np.sort(b.row_ids()))
+        stats[shuffle] = ds.io_stats()
+    assert stats["block"]["chunk_fetches"] == 64
+    assert stats["block"]["bytes_decoded"] == 64 * chunk_bytes
+    assert stats["global"]["chunk_fetches"] > 10 * 64
+    with pytest.raises(ValueError, match="shuffle_window"):
+        make_dataset(b, 64, "epoch", shuffle_window=8, cache_bytes=8 * chunk_bytes)
+    b.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world: int, port: int, url: str, out: str) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ds = make_dataset(url, 50, "epoch", seed=9, cache_bytes=CACHE)  # rank/world from the group
+        assert (ds.rank, ds.world_size) == (rank, world)
+        mine = concat(list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
+        expected = concat(list(make_dataset(url, 50, "epoch", seed=9, rank=rank, world_size=world,
+                                            cache_bytes=CACHE)))
+        assert np.array_equal(np.sort(mine), np.sort(expected))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine.tolist())
+        if rank == 0:
+            np.save(out, np.array(sorted(itertools.chain.from_iterable(gathered)), dtype=np.int64))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_epoch_exactly_once_torch_distributed_gloo(buf, tmp_path):
+    out = os.fspath(tmp_path / "union.npy")
+    tmp_mp.spawn(_gloo_rank, args=(2, _free_port(), buf.url, out), nprocs=2, join=True)
+    np.testing.assert_array_equal(np.load(out), np.sort(buf.row_ids()))
+
+
+# ---- resume -------------------------------------------------------------------------------
+
+
+def _stateful(ds, workers: int, **kw):
+    extra = {"persistent_workers": True, "multiprocessing_context": "fork"} if workers else {}
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers, **extra, **kw)
+
+
+def _two_epochs(loader) -> list[np.ndarray]:
+    return indices(list(loader)) + indices(list(loader))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_epoch_resume_equals_uninterrupted(buf, workers):
+    reference = _two_epochs(_stateful(epoch_ds(buf, batch_size=64), workers))
+    per_epoch = len(reference) // 2
+    for stop in (5, per_epoch - 1):  # mid-epoch; and where one worker has already finished
+        loader = _stateful(epoch_ds(buf, batch_size=64), workers)
+        it = iter(loader)
+        head = indices([next(it) for _ in range(stop)])
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        del it, loader
+        resumed = _stateful(epoch_ds(buf, batch_size=64), workers)
+        resumed.load_state_dict(state)
+        tail = _two_epochs(resumed)[: 2 * per_epoch - stop]
+        assert len(head) + len(tail) == len(reference)
+        for got, want in zip(head + tail, reference):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_epoch_resume_plain_dataset_state(buf):
+    reference = concat(list(epoch_ds(buf)))
+    ds = epoch_ds(buf)
+    it = iter(DataLoader(ds, batch_size=None))
+    head = [next(it) for _ in range(7)]
+    state = ds.state_dict()
+    assert state["batch"] == 7 and state["epoch"] == 0
+    fresh = epoch_ds(buf)
+    fresh.load_state_dict(state)
+    tail = list(DataLoader(fresh, batch_size=None))
+    assert np.array_equal(concat(head + tail), reference)
+    # a finished epoch, loaded in the main process, continues with the next epoch
+    fresh2 = epoch_ds(buf)
+    fresh2.load_state_dict(fresh.state_dict())
+    following = epoch_ds(buf)
+    following.set_epoch(1)
+    assert np.array_equal(concat(list(fresh2)), concat(list(following)))
+
+
+def test_epoch_mid_epoch_state_refuses_other_num_workers(buf):
+    ds = epoch_ds(buf)
+    it = iter(ds)
+    next(it)
+    worker_state = {**ds.state_dict(), "worker": 1, "num_workers": 2}  # as saved by worker 1 of 2
+    fresh = epoch_ds(buf)
+    fresh.load_state_dict(worker_state)
+    with pytest.raises(ValueError, match="same settings"):
+        list(fresh)  # iterated with num_workers=0 (in a worker the error surfaces the same way)
+    with pytest.raises(ValueError, match="middle of an epoch"):
+        merge_worker_states([{**ds.state_dict(), "worker": w, "num_workers": 2} for w in range(2)])
+    boundary = epoch_ds(buf)
+    list(boundary)  # a finished epoch: portable to any number of workers
+    moved = epoch_ds(buf)
+    moved.load_state_dict(boundary.state_dict())
+    ids = concat(list(DataLoader(moved, batch_size=None, num_workers=2, multiprocessing_context="fork")))
+    assert np.array_equal(np.sort(ids), np.sort(buf.row_ids())) and moved.state_dict()["epoch"] == 1
+
+
+def test_sample_resume_across_num_workers(buf):
+    reference = indices(itertools.islice(sample_ds(buf), 30))
+    loader = _stateful(sample_ds(buf), 2)
+    it = iter(loader)
+    head = indices([next(it) for _ in range(9)])
+    state = dataset_state_from_loader(loader.state_dict())
+    del it, loader
+    assert state["batch"] == 9
+    for workers in (0, 1):
+        ds = sample_ds(buf)
+        ds.load_state_dict(state)
+        kw = {"multiprocessing_context": "fork"} if workers else {}
+        tail = indices(itertools.islice(DataLoader(ds, batch_size=None, num_workers=workers, **kw), 21))
+        for got, want in zip(head + tail, reference):
+            np.testing.assert_array_equal(got, want)
+    single = _stateful(sample_ds(buf), 0)
+    it = iter(single)
+    [next(it) for _ in range(3)]
+    assert dataset_state_from_loader(single.state_dict())["batch"] == 3
+    # and with the same number of workers, straight from the StatefulDataLoader state
+    loader = _stateful(sample_ds(buf), 2)
+    it = iter(loader)
+    [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = _stateful(sample_ds(buf), 2)
+    resumed.load_state_dict(state)
+    tail = indices(itertools.islice(resumed, 6))
+    for got, want in zip(tail, reference[4:10]):
+        np.testing.assert_array_equal(got, want)
+
+
+# ---- sample mode ----------------------------------------------------------------------------
+
+
+def test_sample_mode_deterministic_streams(buf):
+    a = indices(itertools.islice(sample_ds(buf), 5))
+    assert all(np.array_equal(x, y) for x, y in zip(a, indices(itertools.islice(sample_ds(buf), 5))))
+    assert not np.array_equal(a[0], indices(itertools.islice(sample_ds(buf, seed=6), 1))[0])
+    r1 = indices(itertools.islice(sample_ds(buf, rank=1, world_size=2), 5))
+    assert not any(np.array_equal(x, y) for x, y in zip(a, r1))
+    for batch in itertools.islice(sample_ds(buf), 3):
+        check_rows(batch)
+        assert batch["obs"].shape == (32, 3) and batch["index"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_fork_and_spawn(buf, context):
+    reference = indices(itertools.islice(sample_ds(buf), 8))
+    loader = DataLoader(sample_ds(buf), batch_size=None, num_workers=2, multiprocessing_context=context)
+    got = list(itertools.islice(loader, 8))
+    for batch in got:
+        check_rows(batch)
+        ptrs = {t.untyped_storage().data_ptr() for t in batch.values()}
+        assert len(ptrs) == 1  # a worker packs a batch into one storage: one shared-memory transfer
+    assert all(np.array_equal(x, y) for x, y in zip(indices(got), reference))
+
+
+def test_pickle_is_small(tmp_path):
+    big = dr.ReplayBuffer.create(os.fspath(tmp_path / "big"), {"x": dr.Field((64,), "float32")}, None,
+                                 chunk_rows=256, compression=None)
+    big.extend({"x": np.random.default_rng(0).random((20000, 64), dtype=np.float32)})
+    big.flush()
+    assert sum(f.stat().st_size for f in (tmp_path / "big").rglob("*") if f.is_file()) > 5e6
+    for ds in (make_dataset(big, 256, "sample"), make_dataset(big, 256, "epoch"), RowDataset(big)):
+        assert len(pickle.dumps(ds)) < 10_000
+        if isinstance(ds, RowDataset):
+            ds[np.arange(10)]
+        else:
+            next(iter(ds))
+        assert len(pickle.dumps(ds)) < 10_000  # also after it opened the buffer itself
+    big.close()
+
+
+# ---- live buffers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_live_buffer_picks_up_new_commits(tmp_path, workers):
+    writer = make_buf(tmp_path / "live", steps=200)
+    ds = sample_ds(writer, refresh_every=1)
+    kw = {"multiprocessing_context": "fork", "prefetch_factor": 1} if workers else {}
+    it = iter(DataLoader(ds, batch_size=None, num_workers=workers, **kw))
+    first = concat([next(it) for _ in range(3)])
+    assert first.max() < 400
+    fill(writer, 2000, start=200)  # committed: rows 400.. are new
+    later = concat([next(it) for _ in range(6)])
+    assert later.max() >= 400 and (later >= 400).mean() > 0.5
+    del it
+    # epoch mode adopts new rows at set_epoch(refresh=True)
+    eds = epoch_ds(writer)
+    fill(writer, 100, start=2200)
+    assert len(concat(list(eds))) == 4400
+    eds.set_epoch(1, refresh=True)
+    assert len(concat(list(eds))) == 4600
+    writer.close()
+
+
+# ---- prioritized sampling through the main process ----------------------------------------------
+
+
+@pytest.mark.parametrize("workers,prefetch", [(0, None), (2, 2)])
+def test_index_sampler_priorities_staleness_bound(tmp_path, workers, prefetch):
+    writer = make_buf(tmp_path / "per", steps=1000, sampler=dr.Prioritized(alpha=1.0, eps=1e-9))
+    sampler = IndexBatchSampler(writer, 32, seed=1)
+    kw = {"multiprocessing_context": "fork", "prefetch_factor": prefetch} if workers else {}
+    loader = DataLoader(RowDataset(writer), sampler=sampler, batch_size=None, num_workers=workers, **kw)
+    depth = workers * (prefetch or 0)
+    it = iter(loader)
+    before = [next(it) for _ in range(3)]
+    for b in before:
+        check_rows(b)
+        assert b["weight"].shape == (32,)
+    target = 777
+    ids = writer.row_ids()
+    writer.update_priorities(ids, np.where(ids == target, 1e6, 0.0))
+    after = [next(it) for _ in range(depth + 2)]
+    for b in after:
+        check_rows(b)
+    stale = [bool((b["index"] != target).any()) for b in after]
+    assert not any(stale[depth:])  # reflected at most `depth` batches later
+    assert all(stale[:depth])  # and (here) exactly then: those were drawn before the update
+    del it
+
+
+def test_index_sampler_state_round_trip(buf):
+    sampler = IndexBatchSampler(buf, 16, seed=3, num_batches=5)
+    it = iter(sampler)
+    next(it)
+    state = pickle.loads(pickle.dumps(sampler.state_dict()))
+    rest = [b.index for b in it]
+    again = IndexBatchSampler(buf, 16, seed=99, num_batches=5)
+    again.load_state_dict(state)
+    assert len(rest) == 4 and all(np.array_equal(x, y.index) for x, y in zip(rest, again))
+    assert len(sampler) == 5 and len(list(sampler)) == 5  # a finished iteration starts over
+
+
+def test_row_dataset_refreshes_and_explains_missing_rows(tmp_path):
+    writer = make_buf(tmp_path / "rows", steps=100)
+    rows = RowDataset(writer.url, refresh_seconds=None)
+    got = rows[IndexBatch(np.array([0, 5, 199]), np.ones(3, np.float32))]
+    np.testing.assert_array_equal(got["act"].numpy(), [0, 5, 199])
+    assert got["weight"].dtype == torch.float32
+    fill(writer, 50, start=100)
+    np.testing.assert_array_equal(rows[np.array([250, 299])]["act"].numpy(), [250, 299])
+    writer.extend({"obs": np.zeros((1, 2, 3), np.float32), "act": np.zeros((1, 2), np.int64)})  # staged only
+    with pytest.raises(IndexError, match="flush the writer"):
+        rows[np.array([300])]
+    sampler = IndexBatchSampler(writer, 64, seed=0)
+    assert sampler.draw().index.max() < 300  # draws committed rows only
+    writer.close()

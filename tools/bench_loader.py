@@ -1,0 +1,223 @@
+"""DataLoader benchmark (issue #5): diskreplay datasets vs TorchRL memmap vs an in-RAM TensorDataset.
+
+Workload (as tools/bench_core.py): obs (17,) f32, action (6,) f32, reward () f32, next_obs (17,)
+f32, done () bool; 1,000,000 rows (``--quick``: 100,000), 4096-row chunks, local disk, batch 256.
+
+For num_workers 0, 1 and 2, each contestant is iterated through ``torch.utils.data.DataLoader``
+(fork workers, not persistent):
+- diskreplay sample / epoch mode, zstd and uncompressed: ``make_dataset`` + ``batch_size=None``;
+- TorchRL ``ReplayBuffer(LazyMemmapStorage)``: an IterableDataset yielding ``rb.sample()``,
+  ``batch_size=None`` (the same way);
+- ``TensorDataset`` over in-RAM tensors: ``DataLoader(batch_size=256, shuffle=True)`` (per-row
+  indexing + default collate: what most code does).
+Reported: samples/s over the timed batches (after the first), time to first batch (workers
+started, buffer opened, caches cold), RSS and USS per worker (main process for 0 workers), and
+ratios to TensorDataset and TorchRL at the same num_workers. A second table: chunk fetches and
+bytes per epoch of epoch mode, block vs global shuffle, with a cache smaller than the data.
+
+Usage: python tools/bench_loader.py [--quick] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchlib as bl  # noqa: E402
+
+import diskreplay as dr  # noqa: E402
+from diskreplay.torch_data import make_dataset  # noqa: E402
+
+BATCH = 256
+CHUNK_ROWS = 4096
+FIELDS = {
+    "obs": dr.Field((17,), "float32"),
+    "action": dr.Field((6,), "float32"),
+    "reward": dr.Field((), "float32"),
+    "next_obs": dr.Field((17,), "float32"),
+    "done": dr.Field((), "bool"),
+}
+PACKAGES = ["diskreplay", "numpy", "zarr", "torch", "torchdata", "torchrl", "tensordict"]
+TENSOR_DS, TORCHRL = "TensorDataset (RAM)", "TorchRL memmap"
+
+
+def make_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.standard_normal((n, 17), dtype=np.float32),
+            "action": rng.standard_normal((n, 6), dtype=np.float32),
+            "reward": rng.standard_normal(n, dtype=np.float32),
+            "next_obs": rng.standard_normal((n, 17), dtype=np.float32),
+            "done": rng.random(n) < 0.01}
+
+
+def write_buffer(path: str, rows: dict[str, np.ndarray], compression: str | None,
+                 chunk_rows: int = CHUNK_ROWS) -> str:
+    buf = dr.ReplayBuffer.create(path, FIELDS, None, chunk_rows=chunk_rows, compression=compression,
+                                 overwrite=True)
+    buf.extend(rows)
+    buf.close()
+    return path
+
+
+class TorchRLStream(IterableDataset):
+    """Endless ``rb.sample()`` batches as dicts of tensors (fork workers share the memmaps)."""
+
+    def __init__(self, rb: Any):
+        self.rb = rb
+
+    def __iter__(self):
+        while True:
+            td = self.rb.sample()
+            yield {k: td.get(k) for k in FIELDS}
+
+
+def make_torchrl(rows: dict[str, np.ndarray], scratch: str) -> Any:
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+    n = len(rows["reward"])
+    rb = ReplayBuffer(storage=LazyMemmapStorage(n, scratch_dir=scratch), batch_size=BATCH)
+    rb.extend(TensorDict({k: torch.from_numpy(v) for k, v in rows.items()}, batch_size=[n]))
+    return rb
+
+
+def loaders(data: dict[str, Any]) -> dict[str, Callable[[int], DataLoader]]:
+    """name -> (num_workers -> a fresh DataLoader)."""
+    def fork(w: int) -> dict[str, Any]:
+        return {"num_workers": w, "multiprocessing_context": "fork"} if w else {"num_workers": 0}
+
+    out: dict[str, Callable[[int], DataLoader]] = {}
+    for comp, url in (("zstd", data["zstd"]), ("raw", data["raw"])):
+        for mode in ("sample", "epoch"):
+            def build(w, url=url, mode=mode):
+                return DataLoader(make_dataset(url, BATCH, mode, seed=0), batch_size=None, **fork(w))
+            out[f"diskreplay {mode} {comp}"] = build
+    out[TORCHRL] = lambda w: DataLoader(TorchRLStream(data["torchrl"]), batch_size=None, **fork(w))
+    out[TENSOR_DS] = lambda w: DataLoader(data["tensors"], batch_size=BATCH, shuffle=True, **fork(w))
+    return out
+
+
+def memory_of(workers: int) -> tuple[float, float]:
+    """Mean (RSS, USS) bytes of the DataLoader workers, or of this process without workers."""
+    procs = psutil.Process().children(recursive=True) if workers else [psutil.Process()]
+    infos = [p.memory_full_info() for p in procs if p.is_running()]
+    if not infos:
+        return float("nan"), float("nan")
+    return statistics.mean(i.rss for i in infos), statistics.mean(i.uss for i in infos)
+
+
+def measure(build: Callable[[int], DataLoader], workers: int, batches: int) -> dict[str, float]:
+    start = time.perf_counter()
+    it = iter(build(workers))
+    next(it)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    rows = 0
+    for _ in range(batches):
+        batch = next(it)
+        rows += len(batch[0] if isinstance(batch, (list, tuple)) else batch["reward"])
+    elapsed = time.perf_counter() - start
+    rss, uss = memory_of(workers)
+    del it
+    return {"rate": rows / elapsed, "first": first, "rss": rss, "uss": uss}
+
+
+def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: int, repeats: int) -> str:
+    builders = loaders(data)
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    names = list(builders)
+    for r in range(repeats):
+        for w in worker_counts:
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                bl.log(f"  repeat {r + 1}/{repeats}: {name}, num_workers={w}")
+                results.setdefault((name, w), []).append(measure(builders[name], w, batches))
+    med = {key: {m: statistics.median(x[m] for x in runs) for m in runs[0]} for key, runs in results.items()}
+    lines = ["| loader | num_workers | samples/s | × TensorDataset | × TorchRL | first batch "
+             "| RSS / worker | USS / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in names:
+        for w in worker_counts:
+            m = med[(name, w)]
+            vs_ram = bl.format_ratio(m["rate"] / med[(TENSOR_DS, w)]["rate"])
+            vs_trl = bl.format_ratio(m["rate"] / med[(TORCHRL, w)]["rate"])
+            lines.append(f"| {name} | {w} | {m['rate']:,.0f} | {vs_ram} | {vs_trl} | {bl.format_seconds(m['first'])} "
+                         f"| {bl.format_bytes(m['rss'])} | {bl.format_bytes(m['uss'])} |")
+    return "\n".join(lines)
+
+
+def epoch_io_table(root: str, rows: int) -> str:
+    """Chunk fetches per epoch, block vs global shuffle, cache = 1/4 of the decoded data."""
+    chunk_rows = 1024
+    data = make_rows(rows, seed=1)
+    chunk_bytes = chunk_rows * sum(f.row_bytes for f in FIELDS.values())
+    chunks = -(-rows // chunk_rows)
+    cache = max(chunks // 4, 8) * chunk_bytes
+    lines = ["| compression | shuffle | chunk fetches / epoch | chunks | decoded MB / epoch "
+             "| stored MB / epoch | epoch time |", "|---|---|---:|---:|---:|---:|---:|"]
+    for comp in ("zstd", None):
+        path = write_buffer(os.path.join(root, f"io-{comp}"), data, comp, chunk_rows)
+        stored = sum(f.stat().st_size for f in Path(path).rglob("c/*/*") if f.is_file()) / max(chunks, 1)
+        for shuffle in ("block", "global"):
+            ds = make_dataset(path, BATCH, "epoch", shuffle=shuffle, shuffle_window=4, cache_bytes=cache)
+            start = time.perf_counter()
+            n = sum(len(b["index"]) for b in ds)
+            elapsed = time.perf_counter() - start
+            assert n == rows
+            stats = ds.io_stats()
+            lines.append(f"| {comp or 'none'} | {shuffle} | {stats['chunk_fetches']:,} | {chunks} "
+                         f"| {stats['bytes_decoded'] / 1e6:,.1f} | {stats['chunk_fetches'] * stored / 1e6:,.1f} "
+                         f"| {bl.format_seconds(elapsed)} |")
+    return (f"{rows:,} rows in {chunk_rows}-row chunks ({chunk_bytes / 1e6:.2f} MB decoded each), cache "
+            f"{cache // chunk_bytes} chunks, shuffle_window 4, num_workers=0; stored MB = fetches × mean "
+            f"stored chunk size (all fields)\n\n" + "\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small data, one repeat (~1 minute)")
+    parser.add_argument("--dir", default="/tmp/diskreplay-bench-loader")
+    parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--workers", default="0,1,2", help="comma-separated num_workers values")
+    args = parser.parse_args()
+    rows, batches, repeats = (100_000, 100, 1) if args.quick else (1_000_000, 1000, 3)
+    workers = [int(w) for w in args.workers.split(",")]
+    os.makedirs(args.dir, exist_ok=True)
+    bl.require_free_space(args.dir, 4 * rows * 165)
+    bl.log(f"writing {rows:,} rows (zstd, raw, TorchRL memmap) under {args.dir}")
+    data_rows = make_rows(rows)
+    scratch = os.path.join(args.dir, "torchrl")
+    shutil.rmtree(scratch, ignore_errors=True)
+    data = {"zstd": write_buffer(os.path.join(args.dir, "zstd"), data_rows, "zstd"),
+            "raw": write_buffer(os.path.join(args.dir, "raw"), data_rows, None),
+            "torchrl": make_torchrl(data_rows, scratch),
+            "tensors": TensorDataset(*(torch.from_numpy(v) for v in data_rows.values()))}
+    torch.set_num_threads(1)
+    bl.log("throughput")
+    table = throughput_table(data, workers, batches, repeats)
+    bl.log("epoch I/O")
+    io = epoch_io_table(args.dir, 65_536 if args.quick else 262_144)
+    report = "\n".join([
+        "# DataLoader benchmark (tools/bench_loader.py)", "",
+        bl.machine_info(PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir), "",
+        f"{rows:,} rows × 165 B, batch {BATCH}, {batches} timed batches after the first, median of {repeats}; "
+        "fork workers; data in the page cache.", "", table, "", "## Epoch mode: bytes read per epoch", "", io, ""])
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
