@@ -24,3 +24,19 @@ __all__ = [
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError",
 ]
+
+_TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
+               "merge_worker_states", "dataset_state_from_loader"}
+_DEVICE = {"to_device", "DevicePrefetcher"}
+__all__ += sorted(_TORCH_DATA | _DEVICE)
+
+
+def __getattr__(name: str):
+    """torch is imported only when its parts are first used: ``import diskreplay`` stays light."""
+    if name in _TORCH_DATA:
+        from . import torch_data
+        return getattr(torch_data, name)
+    if name in _DEVICE:
+        from . import device
+        return getattr(device, name)
+    raise AttributeError(f"module 'diskreplay' has no attribute {name!r}")

@@ -328,13 +328,19 @@ class ReplayBuffer:
         batch = self.view.gather(draw.lane, draw.step)
         if (n_step or stack or her) and not self.episode_index.enabled:
             raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+        if her is not None and n_step is not None:
+            raise ValueError("her and n_step cannot be combined: n-step rewards would ignore the relabelled goals")
         if her is not None:
             her.relabel(batch, self.view, self.episode_index, draw.lane, draw.step, lo, hi, rng)
         if n_step is not None:
             batch.update(transitions.nstep(self.view, self.episode_index, draw.lane, draw.step, hi, n_step, gamma))
         if stack is not None:
+            next_step = None
+            if n_step is not None:  # the next_ stack belongs to the last step of the n-step window
+                next_step = np.minimum(draw.step + n_step - 1, transitions.episode_last_step(
+                    self.episode_index, draw.lane, draw.step, hi))
             batch.update(transitions.frame_stack(self.view, self.episode_index, draw.lane, draw.step, lo,
-                                                 stack, tuple(stack_fields)))
+                                                 stack, tuple(stack_fields), next_step=next_step))
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
             batch["weight"] = draw.weight
@@ -386,6 +392,16 @@ class ReplayBuffer:
                 draw.weight[bad] = again.weight
         raise EmptyBufferError(f"could not draw slices of {seq_len} steps inside one episode; "
                                f"use pad=True or a shorter seq_len")
+
+    def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any):
+        """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
+
+        ``mode="sample"``: endless batches from the buffer's sampler; ``"epoch"``: every row once
+        per epoch. Options and resume semantics: `diskreplay.torch_data.make_dataset`.
+        """
+        from .torch_data import make_dataset
+
+        return make_dataset(self, batch_size, mode, **options)
 
     def update_priorities(self, index: Any, td_errors: Any) -> int:
         """Set the priorities of rows (by row id, e.g. ``batch["index"]``) from TD errors.

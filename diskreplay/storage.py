@@ -194,12 +194,16 @@ class Storage:
 
     # ---- windows ---------------------------------------------------------------------------
 
+    def committed_window(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the steps ``[lo, hi)`` of the last commit: what a reader would see."""
+        hi = self.committed.copy()
+        lo = np.maximum(self.lower, self.layout.oldest(hi))
+        return np.minimum(lo, hi), hi
+
     def window(self) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the readable steps ``[lo, hi)``: everything added (writer) or committed (reader)."""
         if self.mode == "r":
-            hi = self.committed
-            lo = np.maximum(self.lower, self.layout.oldest(hi))
-            return np.minimum(lo, hi), hi
+            return self.committed_window()
         lo = np.maximum(self.lower, self.layout.oldest(self.total))
         return np.minimum(lo, self.total), self.total
 

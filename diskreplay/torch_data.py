@@ -145,15 +145,7 @@ class _Reader:
 
 def committed_window(buf: ReplayBuffer) -> tuple[np.ndarray, np.ndarray]:
     """Per lane, the committed readable steps ``[lo, hi)`` (a writer's staged rows excluded)."""
-    storage = buf.storage
-    own = getattr(storage, "committed_window", None)
-    if own is not None:
-        return own()
-    if storage.mode == "r":
-        return storage.window()
-    hi = np.asarray(storage.committed, dtype=np.int64).copy()
-    lo = np.maximum(np.asarray(storage.lower, dtype=np.int64), storage.layout.oldest(hi))
-    return np.minimum(lo, hi), hi
+    return buf.storage.committed_window()
 
 
 def to_tensors(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -69,12 +69,15 @@ def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.n
 
 
 def frame_stack(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
-                lo: np.ndarray, frames: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+                lo: np.ndarray, frames: int, fields: tuple[str, ...],
+                next_step: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Stacks ``[B, frames, *shape]`` of each field in ``fields`` (and its ``next_`` twin).
 
     Frame i of step t is the field at step t - (frames-1) + i, never earlier than the first step
     of t's episode: at an episode start the first frame repeats. The ``next_`` stack is the
-    stack of step t shifted by one frame, ending with ``next_<field>`` at t.
+    stack of step t shifted by one frame, ending with ``next_<field>`` at t. ``next_step``
+    (a later step of the same episode per row, e.g. the last step t+k-1 of an n-step window)
+    takes the place of t for the ``next_`` stack.
     """
     if not isinstance(frames, (int, np.integer)) or frames < 1:
         raise ValueError(f"stack must be an int >= 1, got {frames!r}")
@@ -82,14 +85,21 @@ def frame_stack(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step
     back = np.arange(-(frames - 1), 1)
     steps = np.maximum(step[:, None] + back[None, :], first[:, None])
     rows = storage.gather(np.repeat(lane, frames), steps.reshape(-1), fields)
+    later = None
+    if next_step is None:
+        next_step = step
+    elif np.any(next_step != step):
+        later_steps = np.maximum(next_step[:, None] + back[None, :], first[:, None])
+        later = storage.gather(np.repeat(lane, frames), later_steps.reshape(-1), fields)
     out = {}
     for name in fields:
         stack = rows[name].reshape(len(step), frames, *rows[name].shape[1:])
         out[name] = stack
         twin = f"next_{name}"
         if twin in storage.schema.fields:
-            last = storage.gather(lane, step, (twin,))[twin]
-            out[twin] = np.concatenate([stack[:, 1:], last[:, None]], axis=1)
+            base = stack if later is None else later[name].reshape(stack.shape)
+            last = storage.gather(lane, next_step, (twin,))[twin]
+            out[twin] = np.concatenate([base[:, 1:], last[:, None]], axis=1)
     return out
 
 

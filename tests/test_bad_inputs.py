@@ -249,3 +249,48 @@ def test_bad_call_is_refused_and_changes_nothing(case: Case, templates, tmp_path
 
 def test_table_is_big_enough():
     assert len(CASES) >= 20 and len({c.id for c in CASES}) == len(CASES)
+
+
+# ---- verify() finds the same damage, without raising or writing ------------------------------
+
+VERIFY_CASES = {
+    "garbage-commit-json": r"commit.json is unreadable",
+    "commit-wrong-lanes": r"commit.json has cursors for the wrong number of lanes",
+    "garbage-group-zarr-json": r"zarr.json is not valid JSON",
+    "array-dtype-rewritten": r"done/zarr.json: data_type 'int8', the buffer records bool",
+    "array-chunks-rewritten": r"act/zarr.json: chunk shape \[1, 4\], expected \[1, 8\]",
+    "array-missing": r"img/zarr.json is missing",
+    "truncated-raw-chunk": r"chunk 'obs/c/1/2/0' does not decode to 96 bytes",
+    "truncated-zstd-chunk": r"chunk 'act/c/1/0' does not decode",
+    "deleted-chunk": r"chunk 'done/c/0/1' is missing, but commit.json says it holds rows",
+    "missing-state-object": r"state object 'state/\d+\.safetensors' referenced by commit.json is missing",
+    "open-empty-dir": r"no commit.json: not a diskreplay buffer",
+    "open-zarr-group-with-commit": r"a Zarr group but not a diskreplay buffer",
+}
+
+
+@pytest.mark.parametrize("case_id", list(VERIFY_CASES))
+def test_verify_reports_damage(case_id, templates, tmp_path):
+    import re
+
+    from diskreplay.verify import verify
+    case = next(c for c in CASES if c.id == case_id)
+    path = str(tmp_path / "buf")
+    shutil.copytree(templates[case.template], path)
+    case.prepare(path)
+    before = file_hashes(path)
+    report = verify(path)
+    assert not report.ok
+    assert any(re.search(VERIFY_CASES[case_id], p) for p in report.problems), report.problems
+    assert file_hashes(path) == before
+
+
+@pytest.mark.parametrize("template", ["ring", "raw", "per", "empty"])
+def test_verify_accepts_healthy_buffers(template, templates):
+    from diskreplay.verify import verify
+    report = verify(templates[template])
+    assert report.ok, str(report)
+    assert report.rows == (0 if template == "empty" else 20 * ENVS)
+    assert report.chunks_checked == (0 if template == "empty" else 3 * ENVS * len(FIELDS))
+    assert report.episodes == (0 if template == "empty" else len(dr.ReplayBuffer.open(templates[template]).episodes()))
+    assert report.notes == []

@@ -160,7 +160,7 @@ def _wait_for(path: str, word: str, timeout: float) -> None:
 
 def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chunk_rows: int,
                  compression: str | None, seed: int, url: str | None = None,
-                 storage_options: dict | None = None, max_delay: float = 0.25, after_start: float = 0.5,
+                 storage_options: dict | None = None, max_delay: float = 0.15, after_start: float = 0.5,
                  label: str = "") -> dict:
     url = url or str(tmp_path / "buf")
     local = "://" not in url
@@ -246,7 +246,7 @@ def test_sigkill_local(tmp_path, mode, kills, capacity, lanes, chunk_rows, compr
 
 def test_sigkill_s3(tmp_path, s3):
     stats = crash_rounds(tmp_path, 5, capacity=64, lanes=1, chunk_rows=8, compression="zstd", seed=7,
-                         url=s3.new_url("crash"), storage_options=s3.storage_options(), max_delay=0.6,
+                         url=s3.new_url("crash"), storage_options=s3.storage_options(), max_delay=0.4,
                          after_start=1.0, label="s3 ring")
     assert stats["kills"] == 5 and stats["rows_lost"] == 0
 

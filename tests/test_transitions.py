@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
+from diskreplay import transitions
 
 LANE_STRIDE = 10_000  # obs[0] = lane * LANE_STRIDE + step: every row ever added is identifiable
 
@@ -379,6 +380,40 @@ def test_frame_stack_matches_reference(new_url, params, frames):
         np.testing.assert_array_equal(batch["next_achieved_goal"][b], want[1:] + [w.rows[lane][t]["next_achieved_goal"]])
 
 
+def check_nstep_stack(w: World, batch: dict, n: int, frames: int) -> None:
+    """With n-step returns the next_ stack belongs to the last step used, t+k-1."""
+    for b, rid in enumerate(batch["index"].tolist()):
+        lane, t = w.decode(rid)
+        first, last = w.first_step(lane, t), min(t + n - 1, w.last_step(lane, t))
+        want = [w.rows[lane][max(last - frames + 1 + i, first)]["obs"] for i in range(frames)]
+        want = want[1:] + [w.rows[lane][last]["next_obs"]]
+        np.testing.assert_array_equal(batch["next_obs"][b], want, err_msg=f"row {rid}")
+
+
+@SETTINGS
+@given(params=worlds, n=st.integers(1, 4), frames=st.sampled_from([1, 3]))
+def test_frame_stack_next_step(new_url, params, n, frames):
+    w = build(params, new_url)
+    buf = w.buf
+    lo, hi = buf.storage.window()
+    ids = buf.row_ids()
+    lane, step = np.divmod(ids, w.E)[::-1]
+    next_step = np.minimum(step + n - 1, transitions.episode_last_step(buf.episode_index, lane, step, hi))
+    out = transitions.frame_stack(buf.storage, buf.episode_index, lane, step, lo, frames, ("obs",), next_step=next_step)
+    for b, rid in enumerate(ids.tolist()):
+        t, first = int(step[b]), w.first_step(int(lane[b]), int(step[b]))
+        want = [w.rows[lane[b]][max(t - frames + 1 + i, first)]["obs"] for i in range(frames)]
+        np.testing.assert_array_equal(out["obs"][b], want)
+    check_nstep_stack(w, {"index": ids, "next_obs": out["next_obs"]}, n, frames)
+
+
+def test_nstep_with_frame_stack(new_url):
+    w = make_world(new_url(), num_envs=3, lane_cap=20, chunk_rows=8, seed=2)
+    w.fill(60)
+    batch = w.buf.sample(64, n_step=3, gamma=0.9, stack=4, seed=0)
+    check_nstep_stack(w, batch, 3, 4)
+
+
 # --------------------------------------------------------------------------- #
 # HER
 # --------------------------------------------------------------------------- #
@@ -457,7 +492,7 @@ def test_identical_after_reopen(tmp_path, sampler):
         batch = w.buf.sample(16, seed=0)
         w.buf.update_priorities(batch["index"], np.arange(16) + 0.5)
     her = dr.HER(reward_fn=her_reward, strategy="future", k=4)
-    kinds = [dict(n_step=3, gamma=0.9), dict(stack=4), dict(her=her), dict(n_step=2, stack=2, her=her)]
+    kinds = [dict(n_step=3, gamma=0.9), dict(stack=4), dict(her=her), dict(n_step=2, stack=2), dict(stack=2, her=her)]
     before = [w.buf.sample(32, seed=7, **kw) for kw in kinds]
     table = w.buf.episodes()
     w.buf.close()

@@ -169,7 +169,8 @@ def epoch_io_table(root: str, rows: int) -> str:
              "| stored MB / epoch | epoch time |", "|---|---|---:|---:|---:|---:|---:|"]
     for comp in ("zstd", None):
         path = write_buffer(os.path.join(root, f"io-{comp}"), data, comp, chunk_rows)
-        stored = sum(f.stat().st_size for f in Path(path).rglob("c/*/*") if f.is_file()) / max(chunks, 1)
+        stored = sum(f.stat().st_size for f in Path(path).rglob("*")
+                     if f.is_file() and "c" in f.relative_to(path).parts) / max(chunks, 1)
         for shuffle in ("block", "global"):
             ds = make_dataset(path, BATCH, "epoch", shuffle=shuffle, shuffle_window=4, cache_bytes=cache)
             start = time.perf_counter()

@@ -140,8 +140,11 @@ def per_contestants(data, work: str, warm: int) -> tuple[dict[str, Callable[[], 
         trl_pair()
         fns[TRL] = trl_pair
     except Exception as exc:  # noqa: BLE001  (missing C++ extension: RuntimeError; anything else: say so)
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        notes[TRL] = f"n/a: {type(exc).__name__}: {msg}"
+        msg = (str(exc).splitlines() or [""])[0].replace(" See warning above.", "")
+        import torch
+        notes[TRL] = (f"n/a: {type(exc).__name__}: {msg} (torchrl's C++ segment-tree extension does not "
+                      f"load with torch {torch.__version__})" if "SegmentTree" in msg
+                      else f"n/a: {type(exc).__name__}: {msg}")
         log(f"      TorchRL unavailable: {notes[TRL]}")
 
     log(f"[1/3] PER: warm-up ({warm} untimed pairs each)")

@@ -1,0 +1,163 @@
+"""Derived fields: next_obs read from step t+1 (with final observations kept apart) and the
+episodic return-to-go stored when an episode ends."""
+
+import numpy as np
+import pytest
+import zarr
+
+import diskreplay as dr
+
+FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
+          "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
+          "truncated": dr.Field((), "bool")}
+
+
+def make_lane(rng, n):
+    """A lane's steps: next_obs[t] is obs[t+1] inside an episode and a fresh final obs at its end."""
+    term = rng.random(n) < 0.04
+    trunc = (rng.random(n) < 0.03) & ~term
+    done = term | trunc
+    obs = rng.standard_normal((n + 1, 3)).astype(np.float32)
+    next_obs = obs[1:].copy()
+    next_obs[done] = rng.standard_normal((int(done.sum()), 3)).astype(np.float32)
+    return {"obs": obs[:-1], "next_obs": next_obs, "reward": rng.standard_normal(n).astype(np.float32),
+            "terminated": term, "truncated": trunc}
+
+
+def reference_returns(reward, done, gamma, default, clip=None):
+    reward = np.clip(reward, *clip) if clip else reward
+    out = np.full(len(reward), default, dtype=np.float64)
+    g, ended = 0.0, False
+    for t in range(len(reward) - 1, -1, -1):
+        if done[t]:
+            g, ended = 0.0, True
+        g = reward[t] + gamma * g
+        if ended:
+            out[t] = g
+    return out
+
+
+def fill(buf, lanes, steps, rng):
+    """Add lanes' steps in random-sized pieces, mixing add (subsets of lanes) and extend."""
+    num_envs = len(lanes)
+    pos = np.zeros(num_envs, dtype=int)
+    while (pos < steps).any():
+        if rng.random() < 0.5:
+            env = [e for e in range(num_envs) if pos[e] < steps]
+            env = sorted(rng.choice(env, size=rng.integers(1, len(env) + 1), replace=False).tolist())
+            buf.add(env_ids=env if num_envs > 1 else None,
+                    **{k: np.stack([lanes[e][k][pos[e]] for e in env]) if num_envs > 1 else lanes[0][k][pos[0]]
+                       for k in lanes[0]})
+            pos[env] += 1
+        else:
+            n = int(min(rng.integers(1, 90), steps - pos.max()))
+            if n <= 0 or len(set(pos.tolist())) > 1:
+                continue
+            p = pos[0]
+            data = {k: np.stack([lanes[e][k][p:p + n] for e in range(num_envs)], axis=1) for k in lanes[0]}
+            buf.extend(data if num_envs > 1 else {k: v[:, 0] for k, v in data.items()})
+            pos += n
+        if rng.random() < 0.05:
+            buf.flush()
+
+
+@pytest.mark.parametrize("capacity", [None, 240])
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_next_obs_derived_and_returns_equal_reference(tmp_path, capacity, num_envs):
+    rng = np.random.default_rng(capacity or 7 + num_envs)
+    steps = 400
+    lanes = [make_lane(rng, steps) for _ in range(num_envs)]
+    spec = dr.EpisodicReturn(gamma=0.9, default_return=-1.0, clip=(-1.0, 1.0))
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=capacity and capacity * num_envs, num_envs=num_envs,
+                                 chunk_rows=16, derive_next=("obs",), episodic_return=spec, seed=0)
+    fill(buf, lanes, steps, rng)
+
+    def check(b):
+        ids = b.row_ids()
+        lane, step = ids % num_envs, ids // num_envs
+        rows = b[ids]
+        for e in range(num_envs):
+            sel = lane == e
+            src = lanes[e]
+            done = src["terminated"] | src["truncated"]
+            ret = reference_returns(src["reward"], done, 0.9, -1.0, (-1.0, 1.0))
+            np.testing.assert_array_equal(rows["obs"][sel], src["obs"][step[sel]])
+            np.testing.assert_array_equal(rows["next_obs"][sel], src["next_obs"][step[sel]])
+            np.testing.assert_allclose(rows["return"][sel], ret[step[sel]], rtol=1e-5, atol=1e-5)
+
+    check(buf)
+    batch = buf.sample(64, n_step=3, gamma=0.9)
+    assert batch["next_obs"].shape == (64, 3)
+    buf.close()
+    check(dr.ReplayBuffer.open(url, "r"))
+    again = dr.ReplayBuffer.open(url, "r+")
+    check(again)
+    again.close()
+
+
+def test_next_obs_is_not_stored_twice(tmp_path):
+    rng = np.random.default_rng(0)
+    lane = make_lane(rng, 500)
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, chunk_rows=64, derive_next=("obs",), compression=None) as buf:
+        buf.extend(lane)
+    group = zarr.open_group(url, mode="r")
+    assert "next_obs" not in group.array_keys()
+    assert sorted(group.array_keys()) == ["obs", "reward", "terminated", "truncated"]
+    finals = group["final"]["obs"]
+    ends = np.flatnonzero(lane["terminated"] | lane["truncated"])
+    np.testing.assert_array_equal(finals[0, : len(ends)], lane["next_obs"][ends])
+
+
+def test_unflushed_steps_after_reopen_are_replaced_consistently(tmp_path):
+    """A writer that adds (and ends episodes) after its last flush, then dies: the reopened
+    writer re-adds different steps; final observations must follow the new steps."""
+    rng = np.random.default_rng(3)
+    first, second = make_lane(rng, 300), make_lane(rng, 300)
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, chunk_rows=16, derive_next=("obs",))
+    buf.extend({k: v[:150] for k, v in first.items()})
+    buf.flush()
+    buf.extend({k: v[150:] for k, v in first.items()})
+    buf.view.finals.flush()  # the side store may run ahead of the main commit
+    for storage in buf._storages():  # simulate the process dying without closing
+        storage.writer_lock.release()
+    again = dr.ReplayBuffer.open(url, "r+")
+    assert len(again) == 150
+    again.extend({k: v[150:] for k, v in second.items()})
+    rows = again[again.row_ids()]
+    expected = {k: np.concatenate([first[k][:150], second[k][150:]]) for k in first}
+    if not (first["terminated"][149] or first["truncated"][149]):
+        expected["next_obs"][149] = second["obs"][150]  # a non-final step's next obs is the next step's obs
+    np.testing.assert_array_equal(rows["next_obs"], expected["next_obs"])
+    ends = np.flatnonzero(expected["terminated"] | expected["truncated"])
+    np.testing.assert_array_equal(again.view.finals.gather(np.zeros(len(ends), int), np.arange(len(ends)))["obs"],
+                                  expected["next_obs"][ends])
+    again.close()
+
+
+def test_derived_field_configuration_errors(tmp_path):
+    with pytest.raises(ValueError, match="derive_next: expected fields 'action' and 'next_action'"):
+        dr.ReplayBuffer.create(str(tmp_path / "a"), FIELDS, derive_next=("action",))
+    with pytest.raises(ValueError, match="need episode ends"):
+        dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, derive_next=("obs",), episode_end=None)
+    with pytest.raises(dr.SchemaError, match="'return' is computed by the buffer"):
+        dr.ReplayBuffer.create(str(tmp_path / "c"), {**FIELDS, "return": dr.Field((), "float32")},
+                               episodic_return=dr.EpisodicReturn())
+    with pytest.raises(dr.SchemaError, match="expected a scalar reward field 'r'"):
+        dr.ReplayBuffer.create(str(tmp_path / "d"), FIELDS, episodic_return=dr.EpisodicReturn(reward="r"))
+    with pytest.raises(ValueError, match="gamma must be in"):
+        dr.EpisodicReturn(gamma=1.5)
+
+
+def test_return_field_is_not_an_input(tmp_path):
+    buf = dr.ReplayBuffer.create(str(tmp_path / "buf"), FIELDS, episodic_return=dr.EpisodicReturn(gamma=0.5))
+    step = {"obs": np.zeros(3), "next_obs": np.zeros(3), "reward": 1.0, "terminated": False, "truncated": False}
+    with pytest.raises(dr.SchemaError, match="unknown \\['return'\\]"):
+        buf.add(**step, **{"return": 0.0})
+    buf.add(**step)
+    assert buf[0]["return"] == 0.0  # default until the episode ends
+    buf.add(**{**step, "terminated": True})
+    np.testing.assert_allclose(buf[[0, 1]]["return"], [1.5, 1.0])
+    assert "return" in buf.fields
