@@ -237,10 +237,11 @@ class ReplayBuffer:
                                           self.episode_index.end_flags(lane_rows))
             stored = {k: v for k, v in lane_rows.items() if k not in self.view.derived}
             first, end = self.storage.append(lane, stored, count)
-            kept = {k: v[count - (end - first):] for k, v in lane_rows.items()}
             self.sampler.on_append(lane, first, end)
-            self.episode_index.on_append(lane, first, kept)
-            self.view.record(lane, first, kept)
+            # all rows, also those a ring drops at once: an end just before the oldest kept step
+            # tells that the kept steps start an episode
+            self.episode_index.on_append(lane, end - count, lane_rows)
+            self.view.record(lane, end - count, lane_rows)
         for storage in self._storages():
             if storage.sealed:
                 storage.write_sealed(durable=False)
@@ -278,8 +279,16 @@ class ReplayBuffer:
     def refresh(self) -> bool:
         """Read-only buffers: pick up rows committed by the writer since open. True if any."""
         changed = self.storage.refresh()
-        if changed and self.view.finals is not None:
-            self.view.finals.refresh()
+        if changed:
+            if self.view.finals is not None:
+                self.view.finals.refresh()
+            state = _load_committed_state(self.storage)
+            if state:
+                self.sampler.load_state_dict(state["sampler"])
+                if "episodes" in state:
+                    self.episode_index.load_state_dict(state["episodes"])
+                if state.get("last_next"):
+                    self.view.load_state_dict(state["last_next"])
         return changed
 
     # ---- reading ---------------------------------------------------------------------------
@@ -371,7 +380,7 @@ class ReplayBuffer:
 
     def _slice_starts(self, rng, batch_size, seq_len, pad, lo, hi, options):
         """Starts of slices that fit in one episode (``pad``: any readable step may start one)."""
-        if isinstance(self.sampler, Uniform) and not options:
+        if isinstance(self.sampler, Uniform) and not options and not self.sampler.recent_ratio:
             if pad:
                 return self.sampler.sample(rng, batch_size, lo, hi)
             lane, first, count = self.episode_index.window_starts(lo, hi, seq_len)

@@ -217,8 +217,6 @@ def test_episode_end_fields(tmp_path):
         dr.ReplayBuffer.create(tmp_path / "bad", tt, compression=None, episode_end="obs")
 
 
-@pytest.mark.xfail(reason="buffer._append records episode ends of stored rows only: an extend longer "
-                          "than the ring loses the end just before the oldest stored step", strict=False)
 def test_extend_longer_than_ring_keeps_episode_start(tmp_path):
     buf = make(tmp_path, capacity=8)
     done = np.zeros((12, 1), bool)
@@ -243,8 +241,6 @@ def test_lane_without_any_end(tmp_path):
     assert table_rows(empty.episodes()) == [(0, 0, 5, False)]
 
 
-@pytest.mark.xfail(reason="ReplayBuffer.refresh() does not reload the episode index (nor the sampler "
-                          "state) of the new commit", strict=False)
 def test_reader_refresh_sees_new_episodes(tmp_path):
     w = make(tmp_path, capacity=None)
     fill(w, np.eye(1, 6, 2, dtype=bool).T)
