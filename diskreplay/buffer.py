@@ -220,7 +220,7 @@ class ReplayBuffer:
             ReadOnlyError: the buffer was opened with mode="r".
         """
         self.storage._require_writable()
-        count = _leading(data)
+        count = _leading(data, self._inputs)
         if self.num_envs == 1 and env_ids is None:
             rows = self._inputs.rows(data, lead=(count,))
             self._append(np.array([0]), {k: v[:, None] for k, v in rows.items()}, count)
@@ -263,7 +263,11 @@ class ReplayBuffer:
         """Write every staged row and commit: after it returns, a crash loses none of them.
 
         ``durable=True`` fsyncs data and metadata on local disk before the commit completes.
+
+        Raises:
+            ReadOnlyError: the buffer was opened with mode="r".
         """
+        self.storage._require_writable()
         state_meta, arrays = snapshot.split(self._state())
         previous = self.storage.commit_record.extra.get("state_arrays")
         key = None
@@ -459,6 +463,8 @@ class ReplayBuffer:
             IndexError: an id that is negative, not yet added, or already overwritten.
         """
         arr = np.asarray(ids)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
             raise IndexError(f"row ids must be integers, got dtype {arr.dtype}")
         flat = arr.reshape(-1).astype(np.int64)
@@ -567,13 +573,15 @@ def _lane_capacity(capacity: int | None, num_envs: int, chunk_rows: int) -> int 
     return int(capacity // num_envs)
 
 
-def _leading(data: Mapping[str, Any]) -> int:
-    for value in data.values():
-        shape = np.shape(value)
-        if not shape:
-            raise SchemaError("extend expects arrays with a leading step axis, got a scalar")
-        return int(shape[0])
-    raise SchemaError("extend got no fields")
+def _leading(data: Mapping[str, Any], schema: Schema) -> int:
+    """N, the steps in an extend: the leading size most fields with a step axis agree on."""
+    sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
+             if name in data and np.ndim(data[name]) > len(field.shape)}
+    if not sizes:
+        raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
+                          f"{ {name: np.shape(value) for name, value in data.items()} }")
+    counts = list(sizes.values())
+    return max(counts, key=counts.count)  # the odd field out is then named by the schema check
 
 
 def _prepare_location(url: str, storage_options: dict | None, overwrite: bool) -> None:

@@ -782,8 +782,6 @@ def test_read_only_refuses_writes(url):
         assert len(again) == 5
 
 
-@pytest.mark.xfail(strict=True, reason="buffer.py: ReplayBuffer.flush writes its state object "
-                   "before Storage.flush checks the mode (fix: check writability first)")
 def test_read_only_flush_writes_nothing(tmp_path):
     path = tmp_path / "b"
     buf = create(path, 8)

@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
-from diskreplay.torch_data import (EpochOrder, IndexBatch, IndexBatchSampler, RowDataset, Shard,
-                                   chunk_pieces, dataset_state_from_loader, make_dataset,
-                                   merge_worker_states, shard_range)
+from diskreplay.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
+from diskreplay.torch_data import (IndexBatch, IndexBatchSampler, RowDataset, dataset_state_from_loader,
+                                   make_dataset, merge_worker_states)
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
 CACHE = 4 * 2**20
