@@ -64,7 +64,8 @@ class ReplayBuffer:
                storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                io_threads: int = 8, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
-               episodic_return: EpisodicReturn | None = None, commit: bool = True) -> "ReplayBuffer":
+               episodic_return: EpisodicReturn | None = None, commit: bool = True,
+               memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Args:
@@ -89,6 +90,11 @@ class ReplayBuffer:
                 its episode ends (see `EpisodicReturn`); it is not passed to `add`/`extend`.
             commit: write the first commit now. ``False`` leaves the location unopenable until the
                 first `flush` (bulk imports: an interrupted one never looks like a buffer).
+            memory_map: on a local store without compression, read chunk files through memory
+                maps (the OS page cache is the cache, a cold read costs pages, not whole chunks)
+                instead of copying whole chunks into the chunk cache. ``None`` (default): map when
+                the buffer's rows do not fit in ``cache_bytes``, where mapping is faster.
+            break_lock: remove a stale writer lock (a writer that was killed) before taking it.
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
@@ -108,7 +114,8 @@ class ReplayBuffer:
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         _prepare_location(url, storage_options, overwrite)
         common = dict(num_envs=num_envs, compression=compression, level=compression_level,
-                      storage_options=storage_options, io_threads=io_threads, extra={})
+                      storage_options=storage_options, io_threads=io_threads, extra={},
+                      memory_map=memory_map, break_lock=break_lock)
         storage = Storage.create(
             url, Schema(stored), lane_capacity=lane_capacity,
             chunk_rows=min(chunk_rows, lane_capacity or chunk_rows), cache_bytes=cache_bytes,
@@ -128,27 +135,29 @@ class ReplayBuffer:
     @classmethod
     def open(cls, url: str | os.PathLike, mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             io_threads: int = 8) -> "ReplayBuffer":
+             io_threads: int = 8, memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
         draws exactly what an uninterrupted one would have. ``sampler`` is only needed for sampler
-        types the buffer cannot rebuild from its saved state.
+        types the buffer cannot rebuild from its saved state. ``memory_map`` and ``break_lock``:
+        as in `create`.
 
         Raises:
             NotABufferError: nothing (or something else) is stored at ``url``.
             CorruptBufferError: the metadata or arrays contradict each other.
+            LockedError: ``mode="r+"`` and another writer holds the buffer.
             ValueError: ``mode`` is not "r" or "r+".
         """
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         url = os.fspath(url)
-        storage = Storage.open(url, mode=mode, storage_options=storage_options,
-                               cache_bytes=cache_bytes, io_threads=io_threads)
+        options = dict(mode=mode, storage_options=storage_options, io_threads=io_threads,
+                       memory_map=memory_map, break_lock=break_lock)
+        storage = Storage.open(url, cache_bytes=cache_bytes, **options)
         finals = None
         if storage.config.get("derive_next"):
-            finals = Storage.open(_finals_url(url), mode=mode, storage_options=storage_options,
-                                  cache_bytes=FINALS_CACHE_BYTES, io_threads=io_threads)
+            finals = Storage.open(_finals_url(url), cache_bytes=FINALS_CACHE_BYTES, **options)
         state = _load_committed_state(storage)
         buf = cls(storage, sampler or sampler_from_state(state.get("sampler")), np.random.default_rng(), finals)
         if state:

@@ -24,8 +24,11 @@ before overwriting. So after a reader (ring buffers only) fetches chunks, it re-
 ``commit.json`` (one small GET) and, if the newest commit's first visible step has passed any row
 it asked for from those chunks, it drops them, adopts that commit (as `refresh` would) and raises
 `StaleReadError` (an IndexError) naming the rows: the caller draws again from the new window.
-Rows it returns are therefore never from a half-written or newer ring round. Rows of chunks
-already in the cache need no check, nor do dataset-mode buffers (they never overwrite a row).
+If only rows it did not ask for were retired, it returns the rows asked for but does not keep
+those chunks cached (their other slots may hold the next round). Every cached chunk is thus
+right for every step of the reader's window that maps to it, so cache hits need no check; nor
+do dataset-mode buffers (they never overwrite a row). Rows a reader returns are never from a
+half-written or newer ring round.
 
 The writer lock. A writer (`create`, `open` with ``mode="r+"``) holds ``writer.lock`` (see
 `diskreplay.lock`) from open to `close`; readers take none.
@@ -42,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from . import zarr_layout
+from . import mapped, zarr_layout
 from .cache import ChunkCache
 from .chunkstore import ChunkStore, LocalChunkStore, open_chunkstore
 from .errors import CorruptBufferError, DiskReplayError, NotABufferError, ReadOnlyError
@@ -95,7 +98,8 @@ class Storage:
 
     def __init__(self, url: str, config: dict[str, Any], commit: Commit, *, mode: str,
                  storage_options: dict | None, cache_bytes: int, io_threads: int,
-                 writer_lock: WriterLock | None = None, store: ChunkStore | None = None):
+                 writer_lock: WriterLock | None = None, store: ChunkStore | None = None,
+                 memory_map: bool | None = None):
         self.url = url
         self.mode = mode
         self.storage_options = storage_options
@@ -127,6 +131,13 @@ class Storage:
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="diskreplay-io")
+        self.mapped = None
+        if memory_map is None:  # map only where it is faster: when the rows do not fit the cache
+            rows = self.layout.lane_capacity or int(self.total.max(initial=0))
+            memory_map = self.layout.num_envs * rows * self.schema.row_bytes > cache_bytes
+        if memory_map and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
+            self.mapped = mapped.MappedChunks(self.store, self.schema, self.layout, cache_bytes,
+                                              self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.group_lane_rows = config.get("lane_rows_allocated", 0)
 
     # ---- creation and opening -------------------------------------------------------------
@@ -136,7 +147,7 @@ class Storage:
                chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
                cache_bytes: int, io_threads: int, extra: dict[str, Any],
                options: dict[str, Any] | None = None, break_lock: bool = False,
-               commit: bool = True) -> "Storage":
+               commit: bool = True, memory_map: bool | None = None) -> "Storage":
         zarr_layout.check_schema_compatible(schema)
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
@@ -155,14 +166,15 @@ class Storage:
             if commit:
                 store.put(COMMIT_KEY, record.to_bytes(), durable=True)
             return cls(url, config, record, mode="r+", storage_options=storage_options,
-                       cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store)
+                       cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
+                       memory_map=memory_map)
         except BaseException:
             lock.release()
             raise
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int, break_lock: bool = False) -> "Storage":
+             io_threads: int, break_lock: bool = False, memory_map: bool | None = None) -> "Storage":
         store = open_chunkstore(url, storage_options, concurrency=io_threads)
         blob = store.get(COMMIT_KEY)
         if blob is None:
@@ -184,12 +196,14 @@ class Storage:
                     raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
                 commit = Commit.from_bytes(blob, url, config["num_envs"])
             storage = cls(url, config, commit, mode=mode, storage_options=storage_options,
-                          cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store)
+                          cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
+                          memory_map=memory_map)
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
-        storage.group_lane_rows = group[next(iter(storage.schema))].shape[1]
+        # the smallest: a writer killed while resizing leaves some arrays grown, some not
+        storage.group_lane_rows = min(group[name].shape[1] for name in storage.schema)
         return storage
 
     # ---- windows ---------------------------------------------------------------------------
@@ -358,6 +372,9 @@ class Storage:
                 jobs.append(self.io.submit(self._put_chunk, key, self.cache.chunk_rows_of(name, slot), durable))
         for job in jobs:
             job.result()
+        if self.mapped is not None:
+            for lane, chunk, _ in chunks:
+                self.mapped.forget(lane, np.array([chunk]))
 
     def _put_chunk(self, key: str, rows: np.ndarray, durable: bool) -> None:
         self.store.put(key, self.codec.encode(rows), durable)
@@ -420,7 +437,10 @@ class Storage:
         for lane in range(self.layout.num_envs):
             old = int(self.committed[lane])
             first = old - old % self.layout.chunk_rows
-            self.cache.invalidate(lane, self.layout.chunks_between(first, int(record.committed[lane])))
+            rewritten = self.layout.chunks_between(first, int(record.committed[lane]))
+            self.cache.invalidate(lane, rewritten)
+            if self.mapped is not None:
+                self.mapped.forget(lane, rewritten)
         self.commit_record = record
         self.committed, self.lower = record.committed.copy(), record.lower.copy()
         self.total = self.committed.copy()
@@ -434,6 +454,8 @@ class Storage:
         """
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
+        if self.mapped is not None:
+            return self._gather_mapped(lane, step, chunk, offset, slots, names or tuple(self.schema.fields))
         if (slots < 0).any():
             rows = self._gather_with_misses(lane, chunk, offset, slots, step)
             return rows if names is None else {name: rows[name] for name in names}
@@ -441,6 +463,29 @@ class Storage:
         index = slots * self.layout.chunk_rows + offset
         slabs = self.cache.slabs
         return {name: slabs[name].take(index, axis=0) for name in (names or slabs)}
+
+    def _gather_mapped(self, lane, step, chunk, offset, slots, names) -> dict[str, np.ndarray]:
+        """Rows of chunks the writer holds in the cache (staged, or written but pinned) come from
+        the cache; all others from the memory-mapped chunk files."""
+        cached = slots >= 0
+        if cached.all():
+            index = slots * self.layout.chunk_rows + offset
+            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        filed = ~cached
+        lanes, chunks = self.mapped.ensure(lane[filed], chunk[filed])
+        if len(chunks):
+            for ln, stale in self._check_not_overwritten(lane[filed], step[filed], lanes, chunks):
+                self.mapped.forget(ln, stale)
+        if not cached.any():
+            return {name: self.mapped.take(name, lane, chunk, offset) for name in names}
+        out = {}
+        index = slots[cached] * self.layout.chunk_rows + offset[cached]
+        for name in names:
+            rows = np.empty((len(step), *self.schema[name].shape), self.schema[name].dtype)
+            rows[filed] = self.mapped.take(name, lane[filed], chunk[filed], offset[filed])
+            rows[cached] = self.cache.slabs[name].take(index, axis=0)
+            out[name] = rows
+        return out
 
     def _gather_with_misses(self, lane, chunk, offset, slots, step) -> dict[str, np.ndarray]:
         miss = slots < 0
@@ -456,22 +501,35 @@ class Storage:
             group = keys[start:start + room]
             self._load(group // width, group % width)
             todo = miss & np.isin(lane * width + chunk, group)
-            self._check_not_overwritten(lane[todo], step[todo], group // width, group % width)
+            tainted = self._check_not_overwritten(lane[todo], step[todo], group // width, group % width)
             self._fill(out, todo, lane, chunk, offset)
+            for ln, chunks in tainted:  # right for the rows asked for, not for all their slots
+                self.cache.invalidate(ln, chunks)
         return out
 
-    def _check_not_overwritten(self, lane, step, loaded_lanes, loaded_chunks) -> None:
+    def _check_not_overwritten(self, lane, step, loaded_lanes, loaded_chunks) -> list:
         """Reader of a ring, after fetching chunks: raise `StaleReadError` if the writer had
-        retired any of these steps by then (see the module docstring)."""
+        retired any of the requested steps by then (see the module docstring). Otherwise return
+        the ``(lane, chunks)`` of fetched chunks holding other retired steps of this reader's
+        window: their rows asked for are right, but they must not stay in the cache."""
         if self.mode != "r" or self.layout.lane_capacity is None or not len(step):
-            return
+            return []
         record = self._read_commit()
         if record.sequence == self.commit_record.sequence:
-            return
+            return []
         first = np.maximum(record.lower, self.layout.oldest(record.committed))
+        lo, hi = self.window()
+        tainted = []
+        for ln in np.unique(loaded_lanes).tolist():
+            retired_end = min(int(first[ln]), int(hi[ln]))
+            if retired_end > lo[ln]:
+                risky = np.intersect1d(loaded_chunks[loaded_lanes == ln],
+                                       self.layout.chunks_between(int(lo[ln]), retired_end))
+                if risky.size:
+                    tainted.append((ln, risky))
         gone = step < first[lane]
         if not gone.any():
-            return
+            return tainted
         for ln in np.unique(loaded_lanes).tolist():
             self.cache.invalidate(ln, loaded_chunks[loaded_lanes == ln])
         old = self.commit_record.sequence
@@ -534,5 +592,8 @@ class Storage:
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
         if self._lock_finalizer is not None:
             self._lock_finalizer()  # releases the writer lock (once)
