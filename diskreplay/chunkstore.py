@@ -18,6 +18,7 @@ still apply first; `RetryPolicy` bounds what diskreplay adds on top.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import inspect
 import os
@@ -169,9 +170,33 @@ class LocalChunkStore:
         return os.path.exists(self.path(key))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Create the object only if it does not exist (O_CREAT|O_EXCL, fsynced). False if it did."""
+        """Create the object only if it does not exist, complete or not at all. False if it did.
+
+        The bytes go to a fsynced temp file that is then hard-linked to the key (``link`` fails if
+        the name exists, atomically), so a process killed half-way never leaves an empty or
+        partial object behind. Where hard links are not supported, ``O_CREAT | O_EXCL``.
+        """
         path = self.path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.partial"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            return self._create_exclusive(path, data)
+        finally:
+            os.remove(tmp)
+        fsync_dir(directory)
+        return True
+
+    @staticmethod
+    def _create_exclusive(path: str, data: bytes) -> bool:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -183,6 +208,38 @@ class LocalChunkStore:
             os.close(fd)
         fsync_dir(os.path.dirname(path))
         return True
+
+    def put_in_place(self, key: str, data: bytes) -> None:
+        """Write the object's bytes over the existing file (or a new one), without truncating.
+
+        Not atomic: only for objects no commit refers to yet (a torn write is then invisible).
+        Far cheaper than `put`: no temp file, no rename, the file's pages are reused. A file is
+        cut only when the new bytes are shorter (compressed chunks, which are never mapped).
+        """
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if os.fstat(fd).st_size > len(data):  # compressed chunks vary in size; raw ones never do
+                os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
+
+    def sync_all(self) -> None:
+        """Make everything written on this store's filesystem durable: one ``syncfs`` (Linux),
+        far cheaper than an fsync per file when many files were written."""
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            if _syncfs(fd) != 0:
+                os.sync()
+        finally:
+            os.close(fd)
 
     def sync_file(self, key: str) -> None:
         try:
@@ -197,6 +254,14 @@ class LocalChunkStore:
     def sync_dirs(self, keys: Iterable[str]) -> None:
         for directory in {os.path.dirname(self.path(k)) for k in keys}:
             fsync_dir(directory)
+
+
+def _syncfs(fd: int) -> int:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs(fd)
+    except (OSError, AttributeError):
+        return -1
 
 
 def fsync_dir(directory: str) -> None:
