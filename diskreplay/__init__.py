@@ -3,8 +3,10 @@
 from .buffer import ReplayBuffer
 from .export import export_buffer
 from .importers import import_dataset
+from .chunkstore import RetryPolicy
 from .errors import (BufferExistsError, CorruptBufferError, DiskReplayError, EmptyBufferError,
-                     LockedError, NotABufferError, ReadOnlyError, SchemaError)
+                     LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,
+                     StoreUnavailableError)
 from .derived import EpisodicReturn
 from .episodes import EpisodeTable
 from .returns import discount_cumsum, episodic_returns, gae_advantages, normalize_advantages, nstep_targets
@@ -22,7 +24,8 @@ __all__ = [
     "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
-    "EmptyBufferError", "CorruptBufferError", "LockedError",
+    "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
+    "RetryPolicy",
 ]
 
 _TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",

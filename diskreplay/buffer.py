@@ -12,7 +12,8 @@ import numpy as np
 
 from . import snapshot, transitions
 from .chunkstore import is_local, local_path
-from .errors import BufferExistsError, EmptyBufferError, SchemaError
+from .errors import BufferExistsError, CorruptBufferError, EmptyBufferError, SchemaError, StaleReadError
+from .lock import check_unlocked
 from .episodes import EpisodeIndex, EpisodeTable
 from .lanes import row_ids, split_row_ids
 from .lanes import flat_to_lane_step
@@ -23,6 +24,7 @@ from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, Storage
 from .transitions import HER
 
 STATE_PREFIX = "state/"
+STALE_READ_RETRIES = 3
 FINALS_PATH = "final"
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -112,7 +114,7 @@ class ReplayBuffer:
             _check_episodic_return(episodic_return, user)
             stored[episodic_return.name] = episodic_return.field()
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
-        _prepare_location(url, storage_options, overwrite)
+        _prepare_location(url, storage_options, overwrite, break_lock)
         common = dict(num_envs=num_envs, compression=compression, level=compression_level,
                       storage_options=storage_options, io_threads=io_threads, extra={},
                       memory_map=memory_map, break_lock=break_lock)
@@ -344,6 +346,16 @@ class ReplayBuffer:
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 rows)")
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
+        for attempt in range(STALE_READ_RETRIES):
+            try:
+                return self._sample_once(rng, int(batch_size), seq_len, pad, n_step, gamma, stack,
+                                         stack_fields, her, options)
+            except StaleReadError:  # a reader behind the writer's ring: it now follows the newer commit
+                if attempt == STALE_READ_RETRIES - 1:
+                    raise
+
+    def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, options):
+        lo, hi = self.storage.window()
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
@@ -593,19 +605,21 @@ def _leading(data: Mapping[str, Any], schema: Schema) -> int:
     return max(counts, key=counts.count)  # the odd field out is then named by the schema check
 
 
-def _prepare_location(url: str, storage_options: dict | None, overwrite: bool) -> None:
+def _prepare_location(url: str, storage_options: dict | None, overwrite: bool, break_lock: bool) -> None:
     if is_local(url):
         path = local_path(url)
         if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
             if not overwrite:
                 raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
             _require_buffer_or_empty(path)
+            check_unlocked(url, storage_options, break_lock)
             shutil.rmtree(path)
         return
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if fs.exists(f"{root}/{COMMIT_KEY}") or fs.exists(f"{root}/zarr.json"):
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
+        check_unlocked(url, storage_options, break_lock)
         fs.rm(root, recursive=True)
 
 
@@ -615,17 +629,22 @@ def _require_buffer_or_empty(path: str) -> None:
 
 
 def _load_committed_state(storage: Storage) -> dict[str, Any]:
-    extra = storage.commit_record.extra
-    if "state" not in extra:
-        return {}
-    arrays = {}
-    if extra.get("state_arrays"):
-        blob = storage.store.get(extra["state_arrays"])
-        if blob is None:
-            from .errors import CorruptBufferError
-            raise CorruptBufferError(f"{storage.url!r}: state object {extra['state_arrays']!r} is missing")
-        arrays = snapshot.arrays_from_bytes(blob)
-    return snapshot.join(extra["state"], arrays)
+    """The sampler/RNG/episode state saved with the storage's commit (empty for a new buffer).
+
+    A reader may race the writer: the commit it read names a state object the writer has since
+    replaced. It then adopts the newer commit and reads that one's state.
+    """
+    for _ in range(10):
+        extra = storage.commit_record.extra
+        if "state" not in extra:
+            return {}
+        key = extra.get("state_arrays")
+        blob = storage.store.get(key) if key else b""
+        if blob is not None:
+            return snapshot.join(extra["state"], snapshot.arrays_from_bytes(blob) if key else {})
+        if storage.mode != "r" or not storage.refresh():
+            break
+    raise CorruptBufferError(f"{storage.url!r}: state object {key!r} named by the last commit is missing")
 
 
 def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:

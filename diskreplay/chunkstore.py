@@ -31,11 +31,7 @@ from typing import Any, Callable, Iterable, Protocol
 import fsspec
 import fsspec.asyn
 
-from .errors import DiskReplayError
-
-
-class StoreUnavailableError(DiskReplayError, OSError):
-    """A remote read or write kept failing with transient errors after every retry."""
+from .errors import DiskReplayError, StoreUnavailableError
 
 
 @dataclass

@@ -35,3 +35,12 @@ class CorruptBufferError(DiskReplayError, OSError):
 
 class LockedError(DiskReplayError, RuntimeError):
     """Another writer holds the buffer's write lock."""
+
+
+class StaleReadError(DiskReplayError, IndexError):
+    """A reader asked for rows the writer overwrote after the reader's last refresh. The reader
+    has adopted the newest commit: draw again from its window (`ReplayBuffer.sample` does)."""
+
+
+class StoreUnavailableError(DiskReplayError, OSError):
+    """A remote read or write kept failing with transient errors after every retry."""

@@ -3,7 +3,10 @@
 A writer (``create``, ``open(mode="r+")``) creates the lock object *only if it does not exist*
 and removes it on close; a second writer finds it and gets `LockedError` naming the holder.
 
-- Local disk: ``open(O_CREAT | O_EXCL)`` — atomic on every POSIX file system — then fsync.
+- Local disk: the record is written to a fsynced temp file, then hard-linked to ``writer.lock``
+  (``link`` fails if the name exists: an atomic create-if-absent that never exposes a half-written
+  record, even if the process is killed between the two); ``O_CREAT | O_EXCL`` where the file
+  system has no hard links.
 - Object stores: a conditional PUT (``If-None-Match: *``; S3 and moto honour it, s3fs sends it
   for ``mode="create"``). Filesystems without conditional writes fall back to write-then-read-back,
   which narrows but does not close the race between two writers starting at the same instant.

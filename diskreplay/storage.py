@@ -48,7 +48,7 @@ import numpy as np
 from . import mapped, zarr_layout
 from .cache import ChunkCache
 from .chunkstore import ChunkStore, LocalChunkStore, open_chunkstore
-from .errors import CorruptBufferError, DiskReplayError, NotABufferError, ReadOnlyError
+from .errors import CorruptBufferError, NotABufferError, ReadOnlyError, StaleReadError
 from .lock import WriterLock
 from .lanes import LaneLayout
 from .schema import Schema
@@ -59,11 +59,6 @@ INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
 DEFAULT_CACHE_BYTES = 512 * 2**20
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
-
-
-class StaleReadError(DiskReplayError, IndexError):
-    """A reader asked for rows the writer overwrote after the reader's last refresh. The reader
-    has adopted the newest commit: draw again from its window."""
 
 
 @dataclass

@@ -220,14 +220,7 @@ CASES = [
 ]
 
 
-KNOWN_BUGS = {  # fixed in buffer.py by the owner; remove the entry then
-    "flush-read-only": "ReplayBuffer.flush writes its state object before checking the mode",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_BUGS[c.id], strict=False)) if c.id in KNOWN_BUGS else c
-    for c in CASES], ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_call_is_refused_and_changes_nothing(case: Case, templates, tmp_path):
     path = str(tmp_path / "buf")
     shutil.copytree(templates[case.template], path)

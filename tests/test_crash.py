@@ -255,8 +255,9 @@ def test_sigkill_s3(tmp_path, s3):
 
 WRITER_CODE = ROWS_CODE + """
 import sys, time
-url, capacity, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-buf = dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, compression="zstd")
+url, capacity, mode, compression = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+buf = dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8,
+                             compression=None if compression == "raw" else compression)
 total = 0
 if mode == "commands":
     for line in sys.stdin:
@@ -283,8 +284,8 @@ print("done", total, flush=True)
 
 
 class Writer:
-    def __init__(self, url: str, capacity: int, mode: str = "commands"):
-        self.proc = subprocess.Popen([sys.executable, "-c", WRITER_CODE, url, str(capacity), mode],
+    def __init__(self, url: str, capacity: int, mode: str = "commands", compression: str = "zstd"):
+        self.proc = subprocess.Popen([sys.executable, "-c", WRITER_CODE, url, str(capacity), mode, compression],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def do(self, cmd: str) -> str:
@@ -298,10 +299,15 @@ class Writer:
         self.proc.wait(timeout=30)
 
 
-def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monkeypatch):
-    from diskreplay.storage import StaleReadError, Storage
+COMPRESSIONS = pytest.mark.parametrize("compression", ["zstd", "raw"])  # raw: memory-mapped reads
+
+
+@COMPRESSIONS
+def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monkeypatch, compression):
+    from diskreplay.storage import Storage
+    from diskreplay import StaleReadError
     url = str(tmp_path / "ring")
-    writer = Writer(url, capacity=32)
+    writer = Writer(url, capacity=32, compression=compression)
     assert writer.do("extend 32") == "ok 32" and writer.do("flush") == "ok 32"
     cold = dr.ReplayBuffer.open(url)  # window [0, 32), nothing cached
     warm = dr.ReplayBuffer.open(url)
@@ -316,7 +322,7 @@ def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monke
     assert_rows(cold[np.arange(8, 32)], np.arange(8, 32))
     assert_rows(warm[np.arange(8)], np.arange(8))  # cached copies predate the overwrite: still right
     # without the guard, a stale reader would silently return the writer's next round
-    monkeypatch.setattr(Storage, "_check_not_overwritten", lambda self, *a: None)
+    monkeypatch.setattr(Storage, "_check_not_overwritten", lambda self, *a: [])
     wrong = unguarded[np.arange(8)]
     np.testing.assert_array_equal(wrong["act"], np.arange(32, 40))
     monkeypatch.undo()
@@ -326,31 +332,55 @@ def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monke
     writer.close()
 
 
+@COMPRESSIONS
+def test_reader_does_not_cache_a_chunk_with_retired_slots(tmp_path, compression):
+    """The writer rewrote chunk 0 as its new tail: slots 0-3 hold steps 32-35, slots 4-7 still
+    steps 4-7. A stale reader asking for 4-7 gets them right, and must not keep the chunk: its
+    slots 0-3 would otherwise answer a later request for steps 0-3 with steps 32-35."""
+    from diskreplay import StaleReadError
+    url = str(tmp_path / "ring")
+    writer = Writer(url, capacity=32, compression=compression)
+    writer.do("extend 32")
+    writer.do("flush")
+    reader = dr.ReplayBuffer.open(url)
+    assert writer.do("extend 4") == "ok 36" and writer.do("flush") == "ok 36"
+    assert_rows(reader[np.arange(4, 8)], np.arange(4, 8))
+    with pytest.raises(StaleReadError, match=r"rows \[0, 1, 2, 3\] were overwritten"):
+        reader[np.arange(0, 4)]
+    assert_rows(reader[np.arange(4, 36)], np.arange(4, 36))
+    writer.close()
+
+
 def assert_rows(got: dict, ids) -> None:
     want = f(np.asarray(ids))
     for name in FIELDS:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def open_while_writing(url: str, **kw) -> dr.ReplayBuffer:
-    """Open read-only while a writer flushes. Known race (buffer.py): open reads commit N, the
-    writer commits N+1 and deletes state object N, open then misses it. Retry until fixed."""
+def _racing_state(call):
+    """Known race (buffer.py): open/refresh reads commit N, the writer commits N+1 and deletes
+    state object N, the reader then misses it. Retry here until buffer.py retries itself."""
     for _ in range(20):
         try:
-            return dr.ReplayBuffer.open(url, "r", **kw)
+            return call()
         except dr.CorruptBufferError as exc:
             if "state object" not in str(exc):
                 raise
-    raise AssertionError("could not open the buffer while it was being written")
+    raise AssertionError("kept missing the state object while the buffer was being written")
 
 
-def test_reader_process_against_live_writer(tmp_path):
+def open_while_writing(url: str, **kw) -> dr.ReplayBuffer:
+    return _racing_state(lambda: dr.ReplayBuffer.open(url, "r", **kw))
+
+
+@COMPRESSIONS
+def test_reader_process_against_live_writer(tmp_path, compression):
     """A free-running writer process wraps a small ring again and again while this process
     samples with a tiny cache (every batch refetches chunks) and refreshes now and then."""
-    from diskreplay.storage import StaleReadError
+    from diskreplay import StaleReadError
     url = str(tmp_path / "live")
-    writer = subprocess.Popen([sys.executable, "-c", WRITER_CODE, url, "64", "2.5"], stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_CODE, url, "64", "1.5", compression],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().startswith("flushed")
         reader = open_while_writing(url, cache_bytes=1)
@@ -359,7 +389,7 @@ def test_reader_process_against_live_writer(tmp_path):
         while writer.poll() is None:
             batches += 1
             if batches % 7 == 0:
-                refreshes += reader.refresh()
+                refreshes += _racing_state(reader.refresh)
             try:
                 batch = reader.sample(32)
             except StaleReadError:
@@ -367,7 +397,7 @@ def test_reader_process_against_live_writer(tmp_path):
                 continue
             except dr.EmptyBufferError:  # the writer retired every row of the reader's commit
                 empty += 1
-                reader.refresh()
+                _racing_state(reader.refresh)
                 continue
             assert_rows(batch, batch["index"])
             checked += len(batch["index"])
@@ -379,6 +409,6 @@ def test_reader_process_against_live_writer(tmp_path):
     finally:
         writer.kill()
         writer.wait()
-    print(f"\nlive writer + reader: {batches} batches, {checked} rows checked, {stale} stale reads refused, "
+    print(f"\nlive writer + reader ({compression}): {batches} batches, {checked} rows checked, {stale} stale reads refused, "
           f"{refreshes} refreshes picked up commits, {empty} empty windows, writer reached {final} rows")
     assert checked > 0 and refreshes > 0 and seen_max > 64

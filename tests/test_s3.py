@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay.chunkstore import RetryPolicy, StoreUnavailableError
+from diskreplay import RetryPolicy, StoreUnavailableError
 from s3server import FaultProxy, fault_proxy, proxy_options, s3  # noqa: F401  (fixtures)
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "done": dr.Field((), "bool")}

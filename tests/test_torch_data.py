@@ -169,7 +169,8 @@ def test_epoch_pad_and_drop_last_like_distributed_sampler(buf):
 
 
 def test_block_shuffle_reads_each_chunk_once_global_does_not(tmp_path):
-    b = make_buf(tmp_path / "b", steps=2000)  # 4000 rows, 64 chunks of 64 rows x 20 bytes
+    # compressed: chunks go through the cache (raw local chunks larger than the cache are mapped)
+    b = make_buf(tmp_path / "b", steps=2000, compression="zstd")  # 4000 rows, 64 chunks of 64 rows x 20 bytes
     chunk_bytes = CHUNK * 20
     stats = {}
     for shuffle in ("block", "global"):

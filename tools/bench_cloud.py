@@ -17,9 +17,9 @@ Measured (median of repeats):
    (``io_threads``);
 2. bytes fetched per sampled byte (cold sample(256): compressed bytes GETted / 256 rows' bytes);
 3. sample(256), warm: every chunk in the cache; vs the same on local disk (warm too);
-4. sequential epoch, cold: rows in order, with read-ahead (``--read-ahead`` chunks per gather, 16
-   in flight) vs one chunk at a time (one chunk per gather, 1 in flight), over ``--seq-chunks``
-   chunks.
+4. sequential epoch, cold: rows in order, with read-ahead (``--read-ahead`` chunks per gather,
+   ``--ahead-threads`` requests in flight) vs one chunk at a time (one chunk per gather, 1 request
+   in flight), over ``--seq-chunks`` chunks.
 
 Targets: warm sampling within 1.5x of local disk; cold sequential iteration with read-ahead at
 least 8x faster than one chunk at a time (judged on the latency run, where the network is what
@@ -145,7 +145,7 @@ def bench_warm_sample(readers: dict[str, dr.ReplayBuffer], batches: int, repeats
     return bl.interleaved({k: run(b) for k, b in readers.items()}, repeats, number=batches, warmup=1)
 
 
-def bench_sequential(url: str, so: dict, chunk_rows: int, chunks: int, read_ahead: int,
+def bench_sequential(url: str, so: dict, chunk_rows: int, chunks: int, read_ahead: int, ahead_threads: int,
                      repeats: int) -> dict[str, bl.Stats]:
     """Seconds per row for a cold in-order pass over ``chunks`` chunks."""
     rows = chunks * chunk_rows
@@ -161,8 +161,8 @@ def bench_sequential(url: str, so: dict, chunk_rows: int, chunks: int, read_ahea
             return secs
         return once
 
-    stats = bl.interleaved({"read-ahead": run(16, read_ahead), "one chunk at a time": run(1, 1)}, repeats,
-                           number=rows)
+    stats = bl.interleaved({"read-ahead": run(ahead_threads, read_ahead), "one chunk at a time": run(1, 1)},
+                           repeats, number=rows, warmup=1)
     return stats
 
 
@@ -174,6 +174,7 @@ def main() -> None:
     p.add_argument("--chunk-rows", type=int, default=4096)
     p.add_argument("--latency-ms", type=float, default=20.0, help="latency the proxy adds per request")
     p.add_argument("--read-ahead", type=int, default=32, help="chunks per gather in the read-ahead pass")
+    p.add_argument("--ahead-threads", type=int, default=32, help="requests in flight in the read-ahead pass")
     p.add_argument("--seq-chunks", type=int, default=None, help="chunks read by the sequential passes")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out", default=None, help="also write the report to this file")
@@ -209,7 +210,8 @@ def main() -> None:
             cold1, amp = bench_cold_sample(url, so, 1, max(2, repeats - 2))
             cold16, _ = bench_cold_sample(url, so, 16, repeats)
             log(f"[{name}] sequential epoch ({seq_chunks} chunks) ...")
-            seq = bench_sequential(url, so, args.chunk_rows, seq_chunks, args.read_ahead, max(2, repeats - 2))
+            seq = bench_sequential(url, so, args.chunk_rows, seq_chunks, args.read_ahead, args.ahead_threads,
+                                   max(2, repeats - 2))
             log(f"[{name}] warm sample(256) ...")
             remote = open_reader(url, so, 16)
             warm(remote, rows, args.chunk_rows)
@@ -233,7 +235,8 @@ def main() -> None:
         table.add("warm S3 / warm local", {c: f"{results[c]['warm'] / results[c]['local']:.2f}x" for c in col},
                   kind="text")
         mb = ROW_BYTES / 1e6
-        table.add(f"sequential epoch, cold, read-ahead ({args.read_ahead} chunks/gather, 16 in flight)",
+        table.add(f"sequential epoch, cold, read-ahead ({args.read_ahead} chunks/gather, "
+                  f"{args.ahead_threads} in flight)",
                   {c: f"{mb / results[c]['ahead']:.1f} MB/s ({1 / results[c]['ahead'] / 1e3:,.0f}k rows/s)"
                    for c in col}, kind="text")
         table.add("sequential epoch, cold, one chunk at a time",

@@ -467,6 +467,11 @@ def main() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     header = "# diskreplay core benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
         PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
+    import torch
+    header += (f"\n- torch intra-op threads: {torch.get_num_threads()} (default; TorchRL runs with it)"
+               f"\n- settings: sampling {args.repeats}x{args.batches} batches, add {args.add_repeats}x{args.adds}, "
+               f"extend x{args.extend_repeats}, memory test {args.mem_rows:,} rows / {args.mem_batches:,} batches "
+               f"(time cap {args.mem_seconds:g} s)")
     print(header + "\n", flush=True)
     started = time.perf_counter()
 
