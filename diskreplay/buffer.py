@@ -341,9 +341,6 @@ class ReplayBuffer:
         """
         if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        lo, hi = self.storage.window()
-        if (hi - lo).sum() == 0:
-            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 rows)")
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
         for attempt in range(STALE_READ_RETRIES):
@@ -356,6 +353,8 @@ class ReplayBuffer:
 
     def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, options):
         lo, hi = self.storage.window()
+        if (hi - lo).sum() == 0:  # also a reader whose newest commit retired all its rows
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
@@ -644,7 +643,7 @@ def _load_committed_state(storage: Storage) -> dict[str, Any]:
             return snapshot.join(extra["state"], snapshot.arrays_from_bytes(blob) if key else {})
         if storage.mode != "r" or not storage.refresh():
             break
-    raise CorruptBufferError(f"{storage.url!r}: state object {key!r} named by the last commit is missing")
+    raise CorruptBufferError(f"{storage.url!r}: state object {key!r} is missing (the last commit names it)")
 
 
 def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
