@@ -64,7 +64,7 @@ class ReplayBuffer:
                num_envs: int = 1, chunk_rows: int = 4096, compression: str | None = "zstd",
                compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
                storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-               io_threads: int = 8, overwrite: bool = False,
+               io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
                memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
@@ -81,7 +81,8 @@ class ReplayBuffer:
             seed: seed of the buffer's own ``numpy.random.Generator``.
             storage_options: passed to fsspec for remote URLs.
             cache_bytes: bound on decoded chunks kept in RAM (bytes).
-            io_threads: concurrent chunk reads/writes.
+            io_threads: concurrent chunk reads/writes; default: the CPU count (at most 4) on local
+                disk, 16 for remote stores (latency-bound).
             overwrite: replace an existing buffer at ``url``.
             episode_end: the bool field(s) whose OR ends an episode; ``"auto"`` takes ``done``, or
                 ``terminated`` and ``truncated``, when present; ``None`` keeps no episode index.
@@ -137,7 +138,7 @@ class ReplayBuffer:
     @classmethod
     def open(cls, url: str | os.PathLike, mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             io_threads: int = 8, memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
+             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run

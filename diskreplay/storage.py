@@ -37,6 +37,7 @@ The writer lock. A writer (`create`, `open` with ``mode="r+"``) holds ``writer.l
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,7 @@ import numpy as np
 
 from . import mapped, zarr_layout
 from .cache import ChunkCache
-from .chunkstore import ChunkStore, LocalChunkStore, open_chunkstore
+from .chunkstore import ChunkStore, LocalChunkStore, is_local, open_chunkstore
 from .errors import CorruptBufferError, NotABufferError, ReadOnlyError, StaleReadError
 from .lock import WriterLock
 from .lanes import LaneLayout
@@ -59,6 +60,12 @@ INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
 DEFAULT_CACHE_BYTES = 512 * 2**20
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
+
+
+def default_io_threads(url: str) -> int:
+    """Local disk is bound by CPU and the filesystem: threads beyond the cores only contend.
+    Object stores are bound by latency: many requests in flight."""
+    return min(4, os.cpu_count() or 1) if is_local(url) else 16
 
 
 @dataclass
@@ -94,7 +101,7 @@ class Storage:
     """Chunk I/O, staging, the cache and commits for one buffer. Not thread-safe (one writer)."""
 
     def __init__(self, url: str, config: dict[str, Any], commit: Commit, *, mode: str,
-                 storage_options: dict | None, cache_bytes: int, io_threads: int,
+                 storage_options: dict | None, cache_bytes: int, io_threads: int | None,
                  writer_lock: WriterLock | None = None, store: ChunkStore | None = None,
                  memory_map: bool | None = None):
         self.url = url
@@ -104,6 +111,7 @@ class Storage:
         self.schema = Schema.from_json(config["fields"])
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = Codec(config["compression"], config["level"])
+        io_threads = io_threads or default_io_threads(url)
         self.store: ChunkStore = store or open_chunkstore(url, storage_options, concurrency=io_threads)
         self.writer_lock = writer_lock
         # released on close, or when the storage is collected / the interpreter exits unclosed
@@ -142,14 +150,14 @@ class Storage:
     @classmethod
     def create(cls, url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None,
                chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
-               cache_bytes: int, io_threads: int, extra: dict[str, Any],
+               cache_bytes: int, io_threads: int | None, extra: dict[str, Any],
                options: dict[str, Any] | None = None, break_lock: bool = False,
                commit: bool = True, memory_map: bool | None = None) -> "Storage":
         zarr_layout.check_schema_compatible(schema)
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
                   "chunk_rows": chunk_rows, "compression": compression, "level": level, **(options or {})}
-        store = open_chunkstore(url, storage_options, concurrency=io_threads)
+        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url))
         lock = WriterLock(url, store=store)
         holder = lock.holder()
         if holder is not None and not break_lock:  # refuse before destroying anything
@@ -171,8 +179,8 @@ class Storage:
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int, break_lock: bool = False, memory_map: bool | None = None) -> "Storage":
-        store = open_chunkstore(url, storage_options, concurrency=io_threads)
+             io_threads: int | None, break_lock: bool = False, memory_map: bool | None = None) -> "Storage":
+        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url))
         blob = store.get(COMMIT_KEY)
         if blob is None:
             if store.exists(INCOMPLETE_IMPORT_KEY):

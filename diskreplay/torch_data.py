@@ -406,7 +406,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  seed: int = 0, shuffle: bool | str = "block", shuffle_window: int = 16,
                  drop_last: bool = False, pad: bool = False, rank: int | None = None,
                  world_size: int | None = None, refresh_every: int | None = None,
-                 refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int = 4,
+                 refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int | None = None,
                  storage_options: dict | None = None, sampler: Any = None,
                  sample_options: dict[str, Any] | None = None) -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
@@ -636,7 +636,7 @@ class RowDataset(tud.Dataset):
     """
 
     def __init__(self, buf: ReplayBuffer | str | os.PathLike, *, storage_options: dict | None = None,
-                 cache_bytes: int | None = None, io_threads: int = 4, refresh_seconds: float | None = 1.0):
+                 cache_bytes: int | None = None, io_threads: int | None = None, refresh_seconds: float | None = 1.0):
         if isinstance(buf, ReplayBuffer):
             url, options = buf.url, storage_options if storage_options is not None else buf.storage.storage_options
         else:
