@@ -12,14 +12,13 @@ import numpy as np
 
 from . import snapshot, transitions
 from .chunkstore import is_local, local_path
-from .errors import BufferExistsError, CorruptBufferError, EmptyBufferError, SchemaError, StaleReadError
-from .lock import check_unlocked
+from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
-from .lanes import row_ids, split_row_ids
-from .lanes import flat_to_lane_step
+from .errors import BufferExistsError, CorruptBufferError, EmptyBufferError, SchemaError, StaleReadError
+from .lanes import flat_to_lane_step, row_ids, split_row_ids
+from .lock import check_unlocked
 from .sampling import Draw, Sampler, Uniform, sampler_from_state
 from .schema import Field, Schema
-from .derived import EpisodicReturn, RowView, derived_next_fields
 from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, Storage
 from .transitions import HER
 

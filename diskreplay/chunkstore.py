@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Protocol
 import fsspec
 import fsspec.asyn
 
-from .errors import DiskReplayError, StoreUnavailableError
+from .errors import StoreUnavailableError
 
 
 @dataclass
@@ -376,7 +376,8 @@ class FsspecChunkStore:
                     raise self._give_up(key, what, failures, started, exc) from exc
                 await asyncio.sleep(wait)
 
-    def put(self, key: str, data: bytes, durable: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview, durable: bool = False) -> None:
+        data = bytes(data)  # object-store clients want bytes
         self._call(key, "write", lambda: self.fs.pipe_file(self.path(key), data))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:

@@ -167,18 +167,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .importers import describe_incomplete, import_status
 
-    try:  # the full check (state objects, array metadata, lock) when the library has it
-        from .verify import verify
-    except ImportError:
-        verify = None
-    if verify is not None:
-        report = verify(args.url)
-        text = str(report)
-    else:
-        from .inspect import verify_buffer
+    from .verify import verify
 
-        report = verify_buffer(args.url)
-        text = report.format()
+    report = verify(args.url)
+    text = str(report)
     if not report.ok:
         marker = import_status(args.url)
         if marker is not None:
@@ -188,10 +180,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
-    try:
-        from .lock import break_lock, lock_holder
-    except ImportError:
-        raise ValueError("this diskreplay version has no writer lock") from None
+    from .lock import break_lock, lock_holder
+
     holder = lock_holder(args.url)
     if holder is None:
         print(f"{args.url}: no writer lock")

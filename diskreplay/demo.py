@@ -75,24 +75,6 @@ class Collector:
         return steps * n
 
 
-def sample_stream(buf: dr.ReplayBuffer, batch_size: int) -> Any:
-    """A torch IterableDataset of minibatches: `buf.as_dataset` when the library has it."""
-    import torch
-
-    if hasattr(buf, "as_dataset"):
-        try:
-            return buf.as_dataset(batch_size=batch_size), "buf.as_dataset"
-        except TypeError:
-            pass
-
-    class SampleStream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            while True:
-                yield {k: torch.from_numpy(v) for k, v in buf.sample(batch_size).items()}
-
-    return SampleStream(), "IterableDataset over buf.sample"
-
-
 def _timed(fn: Callable[[], int], min_seconds: float) -> tuple[float, int]:
     """Run fn (returns rows handled) repeatedly for at least min_seconds: (rows/s, rows)."""
     start, rows = time.perf_counter(), 0
@@ -113,10 +95,9 @@ def run_demo(directory: str | None = None, *, steps: int = 4000, num_envs: int =
     directory = directory or tempfile.mkdtemp(prefix="diskreplay-demo-")
     path = os.path.join(directory, "cartpole.zarr")
     envs, env_name = make_envs(num_envs, seed)
-    prioritized = hasattr(dr, "Prioritized")
     out(f"diskreplay demo: {env_name}, {num_envs} env lanes, buffer at {path}")
     buf = dr.ReplayBuffer.create(path, FIELDS, capacity=100_000, num_envs=num_envs, chunk_rows=1024,
-                                 sampler=dr.Prioritized() if prioritized else None, seed=seed, overwrite=True)
+                                 sampler=dr.Prioritized(), seed=seed, overwrite=True)
     collector = Collector(envs, seed)
     results: dict[str, float] = {}
 
@@ -129,14 +110,13 @@ def run_demo(directory: str | None = None, *, steps: int = 4000, num_envs: int =
     rng = np.random.default_rng(seed)
     results["uniform samples/s (batch 256)"] = _timed(lambda: len(reader.sample(BATCH, rng=rng)["index"]), seconds)[0]
 
-    if prioritized and hasattr(buf, "update_priorities"):
-        def per_step() -> int:
-            batch = buf.sample(BATCH)
-            buf.update_priorities(batch["index"], rng.random(BATCH))
-            return BATCH
-        results["prioritized sample+update rows/s"] = _timed(per_step, seconds)[0]
+    def per_step() -> int:
+        batch = buf.sample(BATCH)
+        buf.update_priorities(batch["index"], rng.random(BATCH))
+        return BATCH
+    results["prioritized sample+update rows/s"] = _timed(per_step, seconds)[0]
 
-    dataset, how = sample_stream(reader, BATCH)
+    dataset, how = reader.as_dataset(batch_size=BATCH), "buf.as_dataset"
     import torch
 
     loader = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0))

@@ -52,6 +52,7 @@ import numpy as np
 from .buffer import ReplayBuffer
 from .chunkstore import is_local, local_path, open_chunkstore
 from .errors import BufferExistsError, DiskReplayError, NotABufferError
+from .lock import break_lock, lock_holder
 from .sampling import Uniform
 from .schema import ALLOWED_DTYPES, RESERVED_NAMES, Field
 from .storage import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
@@ -206,10 +207,6 @@ def _check_destination(dest: str, overwrite: bool, storage_options: dict | None)
         return
     if not overwrite:
         raise BufferExistsError(describe_incomplete(dest, marker))
-    try:  # a killed import leaves its writer lock: remove it if its process is gone
-        from .lock import break_lock, lock_holder
-    except ImportError:
-        return
     holder = lock_holder(dest, storage_options)
     if holder is not None and holder.stale_reason():
         break_lock(dest, storage_options)

@@ -1,4 +1,4 @@
-"""Look inside a buffer without the hot path: the `info` report, `verify`, and a chunk-level row reader.
+"""Look inside a buffer without the hot path: the `info` report and a chunk-level row reader.
 
 Everything here reads *committed* rows straight from their chunk objects (one field at a time if
 wanted), so scanning a big buffer touches only the fields asked for and keeps memory bounded.
@@ -16,7 +16,7 @@ import numpy as np
 from . import zarr_layout
 from .buffer import ReplayBuffer
 from .chunkstore import LocalChunkStore
-from .errors import CorruptBufferError, DiskReplayError, NotABufferError
+from .errors import CorruptBufferError, NotABufferError
 from .sampling import Uniform
 
 DONE_FIELDS = (("done",), ("terminated", "truncated"))
@@ -257,74 +257,3 @@ def format_info(info: dict[str, Any]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["last_commit_time"]))
     lines.append(f"last commit #{info['commit_sequence']} at {when}")
     return "\n".join(lines)
-
-
-# ---- verify ----------------------------------------------------------------------------------
-
-
-@dataclass
-class VerifyReport:
-    url: str
-    rows: int = 0
-    chunks_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def format(self) -> str:
-        head = "OK" if self.ok else f"FAILED ({len(self.problems)} problem{'s' * (len(self.problems) != 1)})"
-        lines = [f"{head}: {self.url}: {self.rows:,} committed rows, {self.chunks_checked:,} chunks checked"]
-        lines += [f"  problem: {p}" for p in self.problems[:50]]
-        if len(self.problems) > 50:
-            lines.append(f"  ... and {len(self.problems) - 50} more problems")
-        lines += [f"  warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
-
-
-def verify_buffer(url: str, storage_options: dict | None = None) -> VerifyReport:
-    """Check that every chunk the last commit covers exists and decodes to a full chunk.
-
-    Chunks are written whole (all-zero chunks included), so a missing chunk inside the committed
-    window is an error.
-    """
-    report = VerifyReport(url)
-    try:
-        buf = open_readonly(url, storage_options)
-    except (DiskReplayError, ValueError, KeyError) as exc:
-        report.problems.append(f"cannot open: {exc}")
-        return report
-    try:
-        storage = buf.storage
-        layout = storage.layout
-        record = storage.commit_record
-        if (record.lower > record.committed).any():
-            report.problems.append(f"commit #{record.sequence}: lower {record.lower.tolist()} is past "
-                                   f"committed {record.committed.tolist()}")
-        if layout.lane_capacity is None and int(record.committed.max(initial=0)) > storage.group_lane_rows:
-            report.problems.append(f"arrays hold {storage.group_lane_rows} rows per lane, the commit says "
-                                   f"{int(record.committed.max())}")
-        jobs = [(name, lane, int(chunk)) for lane, lo, hi in readable(buf)
-                for chunk in layout.chunks_between(lo, hi) for name in buf.fields]
-        report.rows = len(buf)
-
-        def check(job: tuple[str, int, int]) -> str | None:
-            try:
-                read_chunk(buf, *job)
-            except CorruptBufferError as exc:
-                return str(exc).split(": ", 1)[-1]
-            return None
-
-        for problem in storage.io.map(check, jobs):
-            report.chunks_checked += 1
-            if problem:
-                report.problems.append(problem)
-        if isinstance(storage.store, LocalChunkStore):
-            partial = sum(f.endswith(".partial") for _, _, files in os.walk(storage.store.root) for f in files)
-            if partial:
-                report.warnings.append(f"{partial} leftover *.partial files (interrupted writes; harmless)")
-    finally:
-        buf.close()
-    return report

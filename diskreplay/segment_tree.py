@@ -26,7 +26,7 @@ import numpy as np
 
 __all__ = ["SumSegmentTree", "MinSegmentTree"]
 
-_TOP_UPDATE_LEVELS = 10
+_TOP_UPDATE_LEVELS = 12
 _TOP_SEARCH_LEVELS = 10
 _ALIGN_BYTES = 64
 _NONNEG_FINITE_LIMIT = np.uint64(0x7FF0000000000000)

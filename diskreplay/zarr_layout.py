@@ -45,10 +45,12 @@ class Codec:
             return numcodecs.Zstd(level=self.level)
         return numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE)
 
-    def encode(self, chunk: np.ndarray) -> bytes:
+    def encode(self, chunk: np.ndarray) -> bytes | memoryview:
+        """The chunk's stored bytes. Raw chunks are a view of ``chunk`` itself (no copy): write
+        them out before ``chunk`` changes."""
         data = np.ascontiguousarray(chunk)
         if self.raw:
-            return data.tobytes()
+            return memoryview(data.reshape(-1).view(np.uint8))
         return bytes(self._numcodec().encode(data))
 
     def decode_into(self, blob: bytes, out: np.ndarray) -> None:

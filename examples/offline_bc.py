@@ -4,8 +4,7 @@
     python examples/offline_bc.py --dataset hopper-medium-v2.hdf5 --steps 20000
 
 The dataset (any format `diskreplay import` reads) is imported once into ``<workdir>/dataset.zarr``
-and then iterated through a torch DataLoader: `ReplayBuffer.as_dataset` when the library has it,
-else a small IterableDataset around `buf.sample`.
+and then iterated, epoch after epoch, through a torch DataLoader over `ReplayBuffer.as_dataset`.
 """
 
 from __future__ import annotations
@@ -39,20 +38,8 @@ def make_synthetic(path: str, rows: int = 20_000, obs_dim: int = 11, act_dim: in
 
 
 def minibatches(buf: dr.ReplayBuffer, batch_size: int, seed: int) -> torch.utils.data.DataLoader:
-    dataset = None
-    if hasattr(buf, "as_dataset"):
-        try:
-            dataset = buf.as_dataset(batch_size=batch_size, seed=seed)
-        except TypeError:
-            dataset = None
-    if dataset is None:
-        class SampleStream(torch.utils.data.IterableDataset):
-            def __iter__(self):
-                rng = np.random.default_rng(seed)
-                while True:
-                    batch = buf.sample(batch_size, rng=rng)
-                    yield {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
-        dataset = SampleStream()
+    """Every row once per epoch, shuffled chunk-aware, as collated batches of tensors."""
+    dataset = buf.as_dataset(batch_size=batch_size, mode="epoch", shuffle=True, seed=seed)
     return torch.utils.data.DataLoader(dataset, batch_size=None)
 
 

@@ -42,13 +42,7 @@ import diskreplay as dr  # noqa: E402
 N_ROWS = 1_000_000
 BATCH = 256
 CHUNK_ROWS = 4096
-FIELDS = {
-    "obs": dr.Field((17,), "float32"),
-    "action": dr.Field((6,), "float32"),
-    "reward": dr.Field((), "float32"),
-    "next_obs": dr.Field((17,), "float32"),
-    "done": dr.Field((), "bool"),
-}
+FIELDS = {name: dr.Field(*spec) for name, spec in bl.WORKLOAD_FIELDS.items()}
 WARM_BATCHES = 2000  # untimed batches per contestant before timing: fills caches, faults in pages
 ROW_BYTES = sum(f.row_bytes for f in FIELDS.values())  # 165
 

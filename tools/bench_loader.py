@@ -44,13 +44,7 @@ from diskreplay.torch_data import make_dataset  # noqa: E402
 
 BATCH = 256
 CHUNK_ROWS = 4096
-FIELDS = {
-    "obs": dr.Field((17,), "float32"),
-    "action": dr.Field((6,), "float32"),
-    "reward": dr.Field((), "float32"),
-    "next_obs": dr.Field((17,), "float32"),
-    "done": dr.Field((), "bool"),
-}
+FIELDS = {name: dr.Field(*spec) for name, spec in bl.WORKLOAD_FIELDS.items()}
 PACKAGES = ["diskreplay", "numpy", "zarr", "torch", "torchdata", "torchrl", "tensordict"]
 TENSOR_DS, TORCHRL = "TensorDataset (RAM)", "TorchRL memmap"
 

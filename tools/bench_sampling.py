@@ -44,13 +44,7 @@ CHUNK_ROWS = 4096
 TREE_LEAVES = 1 << 24
 SEQ_BATCH, SEQ_LEN = 64, 16
 EPISODE_LEN = 1000
-FIELDS = {
-    "obs": dr.Field((17,), "float32"),
-    "action": dr.Field((6,), "float32"),
-    "reward": dr.Field((), "float32"),
-    "next_obs": dr.Field((17,), "float32"),
-    "done": dr.Field((), "bool"),
-}
+FIELDS = {name: dr.Field(*spec) for name, spec in bl.WORKLOAD_FIELDS.items()}
 PACKAGES = ["diskreplay", "numpy", "zarr", "torch", "torchrl", "tensordict", "cpprb"]
 DR, CPPRB, TRL = "diskreplay", "cpprb", "TorchRL"
 log = bl.log

@@ -32,6 +32,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 MiB = 2**20
 GB = 10**9
 
+WORKLOAD_FIELDS = {  # issue #2's five fields: name -> (shape, dtype), 165 bytes per row
+    "obs": ((17,), "float32"),
+    "action": ((6,), "float32"),
+    "reward": ((), "float32"),
+    "next_obs": ((17,), "float32"),
+    "done": ((), "bool"),
+}
+
 # ---- timing ---------------------------------------------------------------------------------
 
 
