@@ -279,6 +279,7 @@ class ReplayBuffer:
             ReadOnlyError: the buffer was opened with mode="r".
         """
         self.storage._require_writable()
+        self.episode_index.prune(self.storage.window()[0])
         state_meta, arrays = snapshot.split(self._state())
         previous = self.storage.commit_record.extra.get("state_arrays")
         key = None

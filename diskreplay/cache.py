@@ -44,9 +44,6 @@ class ChunkCache:
             grown[:, :have] = self.table
             self.table = grown
 
-    def lookup(self, lane: np.ndarray, chunk: np.ndarray) -> np.ndarray:
-        return self.table[lane, chunk]
-
     def touch(self, slots: np.ndarray) -> None:
         self.last_used[slots] = self.clock
         self.clock += 1

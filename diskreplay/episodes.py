@@ -77,11 +77,6 @@ class EpisodeIndex:
         self._ends[lane][: len(ends)] = ends
         self._count[lane] = len(ends)
 
-    def truncate(self, lane: int, total: int) -> None:
-        """Forget ends at or after ``total`` (rows that were never committed)."""
-        ends = self.ends(lane)
-        self._count[lane] = np.searchsorted(ends, total)
-
     def prune(self, lo: np.ndarray) -> None:
         """Drop ends older than each lane's oldest readable step (keeping one before it)."""
         for lane, first in enumerate(lo.tolist()):
