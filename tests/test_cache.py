@@ -33,7 +33,7 @@ def test_layout_of_a_fresh_cache():
         assert cache.slabs[name].shape == (3 * 3, *field.shape)
         assert cache.slabs[name].dtype == field.dtype
     assert cache.evictable() == 3
-    assert (cache.lookup(A(0, 1), A(3, 0)) == -1).all()
+    assert (cache.table[A(0, 1), A(3, 0)] == -1).all()
 
 
 def test_assign_pins_and_maps():
