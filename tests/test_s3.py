@@ -186,7 +186,8 @@ def test_remote_fetches_are_concurrent_bounded_and_head_free(s3, stored):
             started = time.perf_counter()
             reader[np.arange(32, 96)]  # 8 chunks x 3 fields, all cold
             timings[threads] = time.perf_counter() - started
-            assert proxy.count("/c/", "GET") == 24
+            # one GET per chunk (plus any retry the store itself made of a slow answer under load)
+            assert proxy.count("/c/", "GET") == 24 + reader.storage.store.retried
             assert proxy.count("/c/", "HEAD") == 0  # one GET per chunk, no HEAD first
             assert proxy.max_in_flight <= threads
             if threads > 1:
