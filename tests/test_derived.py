@@ -6,6 +6,7 @@ import pytest
 import zarr
 
 import diskreplay as dr
+from reference_returns import ref_episodic
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
           "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
@@ -22,19 +23,6 @@ def make_lane(rng, n):
     next_obs[done] = rng.standard_normal((int(done.sum()), 3)).astype(np.float32)
     return {"obs": obs[:-1], "next_obs": next_obs, "reward": rng.standard_normal(n).astype(np.float32),
             "terminated": term, "truncated": trunc}
-
-
-def reference_returns(reward, done, gamma, default, clip=None):
-    reward = np.clip(reward, *clip) if clip else reward
-    out = np.full(len(reward), default, dtype=np.float64)
-    g, ended = 0.0, False
-    for t in range(len(reward) - 1, -1, -1):
-        if done[t]:
-            g, ended = 0.0, True
-        g = reward[t] + gamma * g
-        if ended:
-            out[t] = g
-    return out
 
 
 def fill(buf, lanes, steps, rng):
@@ -81,7 +69,8 @@ def test_next_obs_derived_and_returns_equal_reference(tmp_path, capacity, num_en
             sel = lane == e
             src = lanes[e]
             done = src["terminated"] | src["truncated"]
-            ret = reference_returns(src["reward"], done, 0.9, -1.0, (-1.0, 1.0))
+            ret, _ = ref_episodic(src["reward"], done, 0.9, -1.0, (-1.0, 1.0))
+            ret = np.asarray(ret)
             np.testing.assert_array_equal(rows["obs"][sel], src["obs"][step[sel]])
             np.testing.assert_array_equal(rows["next_obs"][sel], src["next_obs"][step[sel]])
             np.testing.assert_allclose(rows["return"][sel], ret[step[sel]], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
+from reference_returns import ref_discount_cumsum, ref_gae
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -25,49 +26,6 @@ def fields(done_only: bool = False) -> dict[str, dr.Field]:
         out["terminated"] = dr.Field((), "bool")
         out["truncated"] = dr.Field((), "bool")
     return out
-
-
-# --------------------------------------------------------------------------- #
-# plain-Python references
-# --------------------------------------------------------------------------- #
-def ref_discount_cumsum(x, gamma, dones):
-    """y[t] = sum of gamma^i x[t+i] up to and including the first done at or after t."""
-    out = []
-    for t in range(len(x)):
-        total, w = 0.0, 1.0
-        for s in range(t, len(x)):
-            total += w * float(x[s])
-            if dones[s]:
-                break
-            w *= gamma
-        out.append(total)
-    return out
-
-
-def ref_gae(r, v, term, trunc, last_value, last_done, gamma, lam, next_values=None):
-    """One env: lists over t. Without next_values the bootstrap is v[t+1] (last_value at the end)
-    and the step's own value at a truncation (the final observation's value is unknown)."""
-    T = len(r)
-    term = [bool(x) for x in term]
-    if last_done:
-        term[T - 1] = True
-    adv = [0.0] * T
-    for t in range(T):
-        total, w = 0.0, 1.0
-        for s in range(t, T):
-            if next_values is not None:
-                nv = float(next_values[s])
-            elif trunc[s] and not term[s]:
-                nv = float(v[s])
-            else:
-                nv = float(v[s + 1]) if s + 1 < T else float(last_value)
-            delta = float(r[s]) + (0.0 if term[s] else gamma * nv) - float(v[s])
-            total += w * delta
-            if term[s] or trunc[s]:
-                break
-            w *= gamma * lam
-        adv[t] = total
-    return adv
 
 
 # --------------------------------------------------------------------------- #
