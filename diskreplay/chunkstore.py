@@ -337,14 +337,15 @@ class FsspecChunkStore:
             errno.EIO, f"{self.url!r}: {what} of {key!r} failed after {tries} tries in "
             f"{time.monotonic() - started:.1f} s; last error: {type(exc).__name__}: {exc}")
 
-    def _next_delay(self, failures: int, started: float) -> float | None:
-        """Seconds to wait before the next try, or None when the retry budget is spent."""
+    def _retry_delay(self, key: str, what: str, failures: int, started: float, exc: Exception) -> float:
+        """Seconds to wait before trying again after ``exc``; raises it when it is not transient,
+        or `StoreUnavailableError` when the retry budget is spent."""
+        if not is_transient(exc):
+            raise exc
         policy = self.retry
-        if failures >= policy.attempts:
-            return None
         wait = policy.delay(failures)
-        if time.monotonic() + wait - started > policy.budget_s:
-            return None
+        if failures >= policy.attempts or time.monotonic() + wait - started > policy.budget_s:
+            raise self._give_up(key, what, failures, started, exc) from exc
         self.retried += 1
         return wait
 
@@ -354,13 +355,8 @@ class FsspecChunkStore:
             try:
                 return fn()
             except Exception as exc:
-                if not is_transient(exc):
-                    raise
                 failures += 1
-                wait = self._next_delay(failures, started)
-                if wait is None:
-                    raise self._give_up(key, what, failures, started, exc) from exc
-                time.sleep(wait)
+                time.sleep(self._retry_delay(key, what, failures, started, exc))
 
     async def _call_async(self, key: str, what: str, fn: Callable[[], Any]) -> Any:
         started, failures = time.monotonic(), 0
@@ -368,13 +364,8 @@ class FsspecChunkStore:
             try:
                 return await fn()
             except Exception as exc:
-                if not is_transient(exc):
-                    raise
                 failures += 1
-                wait = self._next_delay(failures, started)
-                if wait is None:
-                    raise self._give_up(key, what, failures, started, exc) from exc
-                await asyncio.sleep(wait)
+                await asyncio.sleep(self._retry_delay(key, what, failures, started, exc))
 
     def put(self, key: str, data: bytes | memoryview, durable: bool = False) -> None:
         data = bytes(data)  # object-store clients want bytes
