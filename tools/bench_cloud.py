@@ -254,13 +254,7 @@ def main() -> None:
                       f"{seq_gain:.1f}x (loopback: {results['loopback']['one'] / results['loopback']['ahead']:.1f}x)",
                       seq_gain >= 8),
         ]
-        body = table.render() + "\n\n" + bl.render_targets(targets)
-        body += (f"\n\nTotal benchmark time: {time.perf_counter() - started:.0f} s; "
-                 f"load average at the end: {bl.load_average()}.\n")
-        print(body, flush=True)
-        if args.out:
-            Path(args.out).write_text(header + "\n\n" + body)
-            log(f"report written to {args.out}")
+        bl.publish_report(header, table.render() + "\n\n" + bl.render_targets(targets), args.out, started)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)

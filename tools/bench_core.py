@@ -493,13 +493,7 @@ def main() -> None:
             log(f"[4/4] memory test failed: {exc}")
             mem = {"error": str(exc)}
 
-    body = build_report(args, sample, add, extend, mem, args.adds)
-    body += (f"\n\nTotal benchmark time: {time.perf_counter() - started:.0f} s; "
-             f"load average at the end: {bl.load_average()}.\n")
-    print(body, flush=True)
-    if args.out:
-        Path(args.out).write_text(header + "\n\n" + body)
-        log(f"report written to {args.out}")
+    bl.publish_report(header, build_report(args, sample, add, extend, mem, args.adds), args.out, started)
 
 
 if __name__ == "__main__":

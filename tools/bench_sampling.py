@@ -317,13 +317,8 @@ def main() -> None:
     ]
     body = "\n\n".join([t1.render(), t2.render(), t3.render(), "## Targets (issue #3)",
                         bl.render_targets(targets), "\n".join(notes_md)])
-    body += f"\n\nTotal benchmark time: {time.perf_counter() - started:.0f} s. Command: `{bl.command_line()}`\n"
-    for t in targets:
-        body += f"\n{t.verdict}: {t.description}"
-    print(body, flush=True)
-    if args.out:
-        Path(args.out).write_text(header + "\n\n" + body + "\n")
-        log(f"report written to {args.out}")
+    body += "\n\n" + "\n".join(f"{t.verdict}: {t.description}" for t in targets)
+    bl.publish_report(header, body, args.out, started)
 
 
 if __name__ == "__main__":

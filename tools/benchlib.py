@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 MiB = 2**20
@@ -457,3 +458,14 @@ def run_child(argv: Sequence[str], *, timeout: float | None = None, env: Mapping
 def log(message: str) -> None:
     """Progress on stderr (stdout carries the report)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def publish_report(header: str, body: str, out: str | None, started: float) -> None:
+    """Print a benchmark's report (with its run time and the load at the end) and write
+    ``header`` + report to ``out`` when given."""
+    body += (f"\n\nTotal benchmark time: {time.perf_counter() - started:.0f} s; "
+             f"load average at the end: {load_average()}.\n")
+    print(body, flush=True)
+    if out:
+        Path(out).write_text(header + "\n\n" + body)
+        log(f"report written to {out}")
