@@ -46,7 +46,7 @@ def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarra
     """One whole stored chunk of one field, decoded. Raises CorruptBufferError if missing/undecodable."""
     storage = buf.storage
     spec = storage.schema[name]
-    key = zarr_layout.chunk_key(name, spec, lane, chunk)
+    key = storage.chunk_key(name, lane, chunk)
     blob = storage.store.get(key)
     if blob is None:
         raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
@@ -141,23 +141,19 @@ def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | 
 def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
     """(bytes of every object under the buffer, chunk objects per field)."""
     store = buf.storage.store
-    chunk_files = {name: 0 for name in buf.fields}
-    total = 0
     if isinstance(store, LocalChunkStore):
-        for dirpath, _, files in os.walk(store.root):
-            rel = os.path.relpath(dirpath, store.root).split(os.sep)
-            for f in files:
-                total += os.path.getsize(os.path.join(dirpath, f))
-                if len(rel) >= 2 and rel[1] == "c" and rel[0] in chunk_files and not f.endswith(".partial"):
-                    chunk_files[rel[0]] += 1
-        return total, chunk_files
-    sizes = store.fs.find(store.root, detail=True)
-    for path, meta in sizes.items():
-        total += int(meta.get("size") or 0)
-        rel = path[len(store.root):].strip("/").split("/")
-        if len(rel) >= 2 and rel[1] == "c" and rel[0] in chunk_files:
-            chunk_files[rel[0]] += 1
-    return total, chunk_files
+        sizes = {os.path.relpath(os.path.join(d, f), store.root).replace(os.sep, "/"):
+                 os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(store.root) for f in files}
+    else:
+        sizes = {path[len(store.root):].strip("/"): int(meta.get("size") or 0)
+                 for path, meta in store.fs.find(store.root, detail=True).items()}
+    chunk_files = {name: 0 for name in buf.fields}
+    prefix = "c" + buf.storage.key_separator
+    for key in sizes:
+        field, _, rest = key.partition("/")
+        if field in chunk_files and rest.startswith(prefix) and not rest.endswith(".partial"):
+            chunk_files[field] += 1
+    return sum(sizes.values()), chunk_files
 
 
 def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = True) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import ctypes
 import math
 import mmap
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -32,7 +33,6 @@ from .chunkstore import LocalChunkStore
 from .errors import CorruptBufferError
 from .lanes import LaneLayout
 from .schema import Field, Schema
-from .zarr_layout import chunk_key
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -101,9 +101,10 @@ class _Region:
 class MappedChunks:
     """Every field of a local raw store as one mapped array; see the module docstring."""
 
-    def __init__(self, store: LocalChunkStore, schema: Schema, layout: LaneLayout, cache_bytes: int,
-                 chunks_per_lane: int = 0):
-        self.store, self.schema, self.layout = store, schema, layout
+    def __init__(self, store: LocalChunkStore, chunk_key: Callable[[str, int, int], str], schema: Schema,
+                 layout: LaneLayout, cache_bytes: int, chunks_per_lane: int = 0):
+        """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``."""
+        self.store, self.chunk_key, self.schema, self.layout = store, chunk_key, schema, layout
         self.page_budget = max(cache_bytes // mmap.PAGESIZE, 1)
         self.pages_touched = 0
         self.pages_mapped = 0
@@ -128,7 +129,7 @@ class MappedChunks:
         lanes, chunks = np.divmod(keys, self.chunks)
         for ln, ch in zip(lanes.tolist(), chunks.tolist()):
             for name, region in self.regions.items():
-                key = chunk_key(name, self.schema[name], ln, ch)
+                key = self.chunk_key(name, ln, ch)
                 try:
                     region.map_file(ln * self.chunks + ch, self.store.path(key))
                 except FileNotFoundError:

@@ -111,8 +111,9 @@ class Storage:
         self.schema = Schema.from_json(config["fields"])
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = Codec(config["compression"], config["level"])
-        io_threads = io_threads or default_io_threads(url)
-        self.store: ChunkStore = store or open_chunkstore(url, storage_options, concurrency=io_threads)
+        self.key_separator = config["chunk_key_separator"]
+        self.io_threads = io_threads or default_io_threads(url)
+        self.store: ChunkStore = store or open_chunkstore(url, storage_options, concurrency=self.io_threads)
         self.writer_lock = writer_lock
         # released on close, or when the storage is collected / the interpreter exits unclosed
         self._lock_finalizer = weakref.finalize(self, writer_lock.release) if writer_lock else None
@@ -135,13 +136,13 @@ class Storage:
                                    self.layout.num_envs * self.layout.chunks_per_lane()))
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
-        self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="diskreplay-io")
+        self.io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="diskreplay-io")
         self.mapped = None
         if memory_map is None:  # map only where it is faster: when the rows do not fit the cache
             rows = self.layout.lane_capacity or int(self.total.max(initial=0))
             memory_map = self.layout.num_envs * rows * self.schema.row_bytes > cache_bytes
         if memory_map and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
-            self.mapped = mapped.MappedChunks(self.store, self.schema, self.layout, cache_bytes,
+            self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout, cache_bytes,
                                               self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.group_lane_rows = config.get("lane_rows_allocated", 0)
 
@@ -156,7 +157,8 @@ class Storage:
         zarr_layout.check_schema_compatible(schema)
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
-                  "chunk_rows": chunk_rows, "compression": compression, "level": level, **(options or {})}
+                  "chunk_rows": chunk_rows, "compression": compression, "level": level,
+                  "chunk_key_separator": zarr_layout.CHUNK_KEY_SEPARATOR, **(options or {})}
         store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url))
         lock = WriterLock(url, store=store)
         holder = lock.holder()
@@ -211,6 +213,9 @@ class Storage:
         storage.group_lane_rows = min(group[name].shape[1] for name in storage.schema)
         return storage
 
+    def chunk_key(self, name: str, lane: int, chunk: int) -> str:
+        return zarr_layout.chunk_key(name, self.schema[name], lane, chunk, self.key_separator)
+
     # ---- windows ---------------------------------------------------------------------------
 
     def committed_window(self) -> tuple[np.ndarray, np.ndarray]:
@@ -239,9 +244,15 @@ class Storage:
         cap = self.layout.lane_capacity
         skip = count - cap if cap is not None and count > cap else 0
         step, i = start + skip, skip
+        whole: list[tuple[int, int]] = []  # (chunk, first row in ``rows``) written straight from ``rows``
         while i < count:
             piece = self.layout.piece_length(step, count - i)
             chunk, offset = divmod(self.layout.slot(step), self.layout.chunk_rows)
+            if piece == self.layout.chunk_rows and self._unstaged(lane, chunk):
+                whole.append((chunk, i))
+                i += piece
+                step += piece
+                continue
             slot = self._staging_slot(lane, chunk, step - offset)
             base = slot * self.layout.chunk_rows + offset
             for name, slab in self.cache.slabs.items():
@@ -255,7 +266,31 @@ class Storage:
             if len(self.sealed) * 2 > self.cache.slots:
                 self.write_sealed(durable=False)
         self.total[lane] = start + count
+        self._write_whole(lane, rows, whole)
         return start + skip, start + count
+
+    def _unstaged(self, lane: int, chunk: int) -> bool:
+        """Whether a whole chunk can be written straight from the caller's rows: no staged or
+        sealed copy of it waits in the cache (a cached clean copy is dropped)."""
+        self.cache.ensure_chunks(chunk + 1)
+        slot = int(self.cache.table[lane, chunk])
+        if slot >= 0 and self.cache.pinned[slot]:
+            return False
+        if slot >= 0:
+            self.cache.evict(np.array([slot]))
+        return True
+
+    def _write_whole(self, lane: int, rows: dict[str, np.ndarray], whole: list[tuple[int, int]]) -> None:
+        """Write whole chunks from ``rows`` without staging them: one copy fewer for bulk extends.
+        Done before `append` returns, as the caller may reuse its arrays."""
+        if not whole:
+            return
+        self._retire_overwritten(durable=False)
+        n = self.layout.chunk_rows
+        self._put_chunks([(self.chunk_key(name, lane, chunk), rows[name][i:i + n], self._never_committed(lane, chunk))
+                          for chunk, i in whole for name in self.schema.fields], durable=False)
+        if self.mapped is not None:
+            self.mapped.forget(lane, np.array([chunk for chunk, _ in whole]))
 
     def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
         if self.staging[lane] == chunk:
@@ -370,15 +405,9 @@ class Storage:
         if not chunks:
             return
         self._retire_overwritten(durable)
-        jobs = []
-        for lane, chunk, slot in chunks:
-            fresh = self._never_committed(lane, chunk)
-            for name, field in self.schema.items():
-                key = zarr_layout.chunk_key(name, field, lane, chunk)
-                jobs.append(self.io.submit(self._put_chunk, key, self.cache.chunk_rows_of(name, slot),
-                                           durable, fresh))
-        for job in jobs:
-            job.result()
+        self._put_chunks([(self.chunk_key(name, lane, chunk), self.cache.chunk_rows_of(name, slot),
+                           self._never_committed(lane, chunk))
+                          for lane, chunk, slot in chunks for name in self.schema.fields], durable)
         if self.mapped is not None:
             for lane, chunk, _ in chunks:
                 self.mapped.forget(lane, np.array([chunk]))
@@ -386,6 +415,17 @@ class Storage:
     def _never_committed(self, lane: int, chunk: int) -> bool:
         """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
         return int(self.committed[lane]) <= chunk * self.layout.chunk_rows
+
+    def _put_chunks(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
+        """Write ``(key, rows, fresh)`` chunks on the I/O threads, a few long jobs rather than
+        one per chunk (queueing a job costs about as much as writing a small chunk)."""
+        batches = [work[k::self.io_threads] for k in range(min(self.io_threads, len(work)))]
+        for job in [self.io.submit(self._put_batch, batch, durable) for batch in batches]:
+            job.result()
+
+    def _put_batch(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
+        for key, rows, fresh in work:
+            self._put_chunk(key, rows, durable, fresh)
 
     def _put_chunk(self, key: str, rows: np.ndarray, durable: bool, fresh: bool) -> None:
         """Write one chunk object. A chunk no commit ever covered is written in place (local
@@ -581,8 +621,8 @@ class Storage:
 
     def _fetch_into(self, targets: list[tuple[int, int, int]], must_exist: bool) -> None:
         """Read chunks into their slots; a missing chunk is an error if ``must_exist`` else zeros."""
-        work = [(zarr_layout.chunk_key(name, field, lane, chunk), self.cache.chunk_rows_of(name, slot))
-                for lane, chunk, slot in targets for name, field in self.schema.items()]
+        work = [(self.chunk_key(name, lane, chunk), self.cache.chunk_rows_of(name, slot))
+                for lane, chunk, slot in targets for name in self.schema.fields]
         if isinstance(self.store, LocalChunkStore) and self.codec.raw:
             found = [self._read_raw(key, rows) for key, rows in work]  # memcpy-bound: threads only add overhead
         else:

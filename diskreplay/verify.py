@@ -95,7 +95,7 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     if lane_rows is not None and layout.lane_capacity is None and int(hi.max(initial=0)) > lane_rows:
         report.problem(f"arrays hold {lane_rows} steps per lane, but {COMMIT_KEY} commits "
                        f"{int(hi.max())}")
-    _check_chunks(store, schema, layout, codec, lo, hi, report)
+    _check_chunks(store, schema, layout, codec, config["chunk_key_separator"], lo, hi, report)
     _check_state(store, commit, report)
     _notes(store, report)
     if report.ok:
@@ -135,6 +135,7 @@ def _read_config(store: Any, report: VerifyReport) -> dict | None:
     if missing:
         report.problem(f"zarr.json: the diskreplay config lacks {missing}")
         return None
+    config.setdefault("chunk_key_separator", "/")  # buffers from before the "." keys
     return config
 
 
@@ -171,8 +172,9 @@ def _check_arrays(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, 
         if grid.get("name") != "regular" or chunks != expected:
             report.problem(f"{key}: chunk shape {list(chunks)}, expected {list(expected)}")
         encoding = meta.get("chunk_key_encoding", {})
-        if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
-            report.problem(f"{key}: chunk key encoding {encoding}, expected default with '/'")
+        separator = config["chunk_key_separator"]
+        if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != separator:
+            report.problem(f"{key}: chunk key encoding {encoding}, expected default with {separator!r}")
         codecs = meta.get("codecs", [])
         try:
             got = Codec.from_zarr_codecs(name, codecs)
@@ -187,13 +189,13 @@ def _check_arrays(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, 
     return min(lane_rows) if lane_rows else None
 
 
-def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, lo: np.ndarray,
-                  hi: np.ndarray, report: VerifyReport) -> None:
+def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, separator: str,
+                  lo: np.ndarray, hi: np.ndarray, report: VerifyReport) -> None:
     work = [(lane, int(c)) for lane in range(layout.num_envs)
             for c in layout.chunks_between(int(lo[lane]), int(hi[lane]))]
     fields = list(schema.items())
     buffers = {name: np.empty((layout.chunk_rows, *f.shape), f.dtype) for name, f in fields}
-    keys = [(chunk_key(name, f, lane, c), name) for lane, c in work for name, f in fields]
+    keys = [(chunk_key(name, f, lane, c, separator), name) for lane, c in work for name, f in fields]
     for start in range(0, len(keys), BATCH_CHUNKS):
         batch = keys[start:start + BATCH_CHUNKS]
         blobs = store.get_many([k for k, _ in batch])

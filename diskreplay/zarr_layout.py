@@ -22,6 +22,10 @@ from .schema import Field, Schema
 
 FORMAT = "diskreplay/1"
 COMPRESSIONS = (None, "zstd", "lz4")
+CHUNK_KEY_SEPARATOR = "."
+"""New buffers name chunks ``<field>/c.<lane>.<chunk>.0``: one directory per field. With zarr's
+default "/" every chunk file sits in a directory of its own, and creating those directories costs
+more than writing the chunks. Buffers made with "/" still open and work."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,9 @@ class Codec:
         raise CorruptBufferError(f"array {field_name!r}: unsupported zarr codecs {names}")
 
 
-def chunk_key(field_name: str, field: Field, lane: int, chunk: int) -> str:
-    """The store key of one chunk, in zarr v3's default "/"-separated encoding."""
-    return f"{field_name}/c/{lane}/{chunk}" + "/0" * len(field.shape)
+def chunk_key(field_name: str, field: Field, lane: int, chunk: int, separator: str) -> str:
+    """The store key of one chunk, in zarr v3's default chunk key encoding with ``separator``."""
+    return f"{field_name}/c{separator}{lane}{separator}{chunk}" + f"{separator}0" * len(field.shape)
 
 
 def open_group(url: str, mode: str, storage_options: dict | None) -> zarr.Group:
@@ -102,6 +106,7 @@ def create_arrays(group: zarr.Group, schema: Schema, num_envs: int, lane_rows: i
             chunks=(1, chunk_rows, *field.shape),
             dtype=field.dtype,
             compressors=codec.zarr_compressors(),
+            chunk_key_encoding={"name": "default", "separator": attrs["chunk_key_separator"]},
             fill_value=0,
         )
     group.attrs.update({"diskreplay": {"format": FORMAT, **attrs}})
@@ -113,6 +118,7 @@ def read_config(group: zarr.Group, url: str) -> dict[str, Any]:
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise NotABufferError(f"{url!r} is a zarr group but not a diskreplay buffer (no {FORMAT} attributes)")
     schema = Schema.from_json(config["fields"])
+    config.setdefault("chunk_key_separator", "/")  # buffers from before the "." keys
     for name, field in schema.items():
         try:
             arr = group[name]
@@ -127,6 +133,11 @@ def read_config(group: zarr.Group, url: str) -> dict[str, Any]:
             raise CorruptBufferError(
                 f"{url!r}: array {name!r} has chunks {tuple(meta.chunk_grid.chunk_shape)}, "
                 f"expected {expected_chunks}")
+        encoding = meta.chunk_key_encoding.to_dict()
+        expected_encoding = {"name": "default", "configuration": {"separator": config["chunk_key_separator"]}}
+        if encoding != expected_encoding:
+            raise CorruptBufferError(
+                f"{url!r}: array {name!r} has chunk key encoding {encoding}, expected {expected_encoding}")
         codecs = [c.to_dict() for c in meta.codecs]
         if Codec.from_zarr_codecs(name, codecs) != Codec(config["compression"], config["level"]):
             raise CorruptBufferError(f"{url!r}: array {name!r} codecs {codecs} differ from the buffer's")

@@ -114,12 +114,12 @@ def test_verify_reports_missing_and_corrupt_chunks(tmp_path):
                                  chunk_rows=8, cache_bytes=2**16)
     buf.extend({"x": np.ones((30, 2)), "y": np.arange(30)})
     buf.close()
-    os.remove(tmp_path / "b" / "x" / "c" / "0" / "1" / "0")
-    (tmp_path / "b" / "y" / "c" / "0" / "3").write_bytes(b"not zstd at all")
+    os.remove(tmp_path / "b" / "x" / "c.0.1.0")
+    (tmp_path / "b" / "y" / "c.0.3").write_bytes(b"not zstd at all")
     proc = run("verify", str(tmp_path / "b"))
     assert proc.returncode == 1
     assert "8 chunks checked" in proc.stderr
-    assert "chunk 'x/c/0/1/0' is missing" in proc.stderr and "chunk 'y/c/0/3' does not decode" in proc.stderr
+    assert "chunk 'x/c.0.1.0' is missing" in proc.stderr and "chunk 'y/c.0.3' does not decode" in proc.stderr
 
 
 def test_user_errors_are_one_line(tmp_path):

@@ -311,7 +311,7 @@ def test_killed_import_does_not_open(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
-        assert any((dest / "obs" / "c" / "0").iterdir())  # rows were written...
+        assert any((dest / "obs").glob("c.0.*"))  # rows were written...
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -106,11 +106,11 @@ def test_missing_or_short_chunk_file_is_an_error_not_a_crash(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=256, chunk_rows=32, compression=None) as buf:
         buf.extend(rows(0, 256))
-    os.remove(os.path.join(url, "obs", "c", "0", "2", "0"))
-    with open(os.path.join(url, "flag", "c", "0", "5"), "r+b") as f:
+    os.remove(os.path.join(url, "obs", "c.0.2.0"))
+    with open(os.path.join(url, "flag", "c.0.5"), "r+b") as f:
         f.truncate(10)
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c/0/2/0' is missing"):
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.2.0' is missing"):
         reader[[70]]
     with pytest.raises(dr.CorruptBufferError, match=r"has 10 bytes, expected 32"):
         reader[[5 * 32 + 1]]

@@ -62,8 +62,8 @@ def test_s3_behaves_like_local_disk(s3, tmp_path, capacity, num_envs, compressio
     np.testing.assert_array_equal(a["obs"], b["obs"])
     # the same chunk objects, byte for byte (state objects differ only by their sequence number)
     stored = s3.keys(urls["s3"])
-    local_chunks = {k: v for k, v in _local_files(urls["local"]).items() if "/c/" in k}
-    assert local_chunks == {k: v for k, v in stored.items() if "/c/" in k}
+    local_chunks = {k: v for k, v in _local_files(urls["local"]).items() if "/c." in k}
+    assert local_chunks == {k: v for k, v in stored.items() if "/c." in k}
     assert "writer.lock" not in stored
 
 
@@ -113,7 +113,7 @@ def stored(s3):
 
 
 def chunk_of(step: int, capacity: int = 128, chunk_rows: int = 8) -> str:
-    return f"obs/c/0/{(step % capacity) // chunk_rows}/0"
+    return f"obs/c.0.{(step % capacity) // chunk_rows}.0"
 
 
 @pytest.mark.parametrize("fault,times", [("503", 2), ("500", 3), ("slowdown", 2), ("reset", 2)])
@@ -133,7 +133,7 @@ def test_transient_write_failures_are_retried(s3, fault_proxy):
     url = s3.new_url()
     buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8, storage_options=so)
     fault_proxy.fail("503", "commit.json", times=2, method="PUT")
-    fault_proxy.fail("reset", "obs/c/0/1/0", times=1, method="PUT")
+    fault_proxy.fail("reset", "obs/c.0.1.0", times=1, method="PUT")
     buf.extend(rows(0, 12))
     buf.flush()
     assert fault_proxy.faults["503"] == 2 and fault_proxy.faults["reset"] == 1
@@ -165,14 +165,14 @@ def test_missing_chunk_is_an_error_not_zeros(s3):
     buf.extend(rows(0, 30))
     buf.close()
     prefix = url.split(f"s3://{s3.bucket}/")[1]
-    s3.client().delete_object(Bucket=s3.bucket, Key=f"{prefix}/act/c/0/2")
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"{prefix}/act/c.0.2")
     reader = dr.ReplayBuffer.open(url, "r", storage_options=so)
     check_rows(reader[np.arange(0, 16)], np.arange(0, 16))
-    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'act/c/0/2' is missing, but the last commit says"):
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'act/c.0.2' is missing, but the last commit says"):
         reader[[17]]
     from diskreplay.verify import verify
     report = verify(url, so)
-    assert not report.ok and any("act/c/0/2" in p for p in report.problems)
+    assert not report.ok and any("act/c.0.2" in p for p in report.problems)
 
 
 def test_remote_fetches_are_concurrent_bounded_and_head_free(s3, stored):
@@ -187,8 +187,8 @@ def test_remote_fetches_are_concurrent_bounded_and_head_free(s3, stored):
             reader[np.arange(32, 96)]  # 8 chunks x 3 fields, all cold
             timings[threads] = time.perf_counter() - started
             # one GET per chunk (plus any retry the store itself made of a slow answer under load)
-            assert proxy.count("/c/", "GET") == 24 + reader.storage.store.retried
-            assert proxy.count("/c/", "HEAD") == 0  # one GET per chunk, no HEAD first
+            assert proxy.count("/c.", "GET") == 24 + reader.storage.store.retried
+            assert proxy.count("/c.", "HEAD") == 0  # one GET per chunk, no HEAD first
             assert proxy.max_in_flight <= threads
             if threads > 1:
                 assert proxy.max_in_flight > 1
