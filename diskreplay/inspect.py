@@ -13,7 +13,6 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import zarr_layout
 from .buffer import ReplayBuffer
 from .chunkstore import LocalChunkStore
 from .errors import CorruptBufferError, NotABufferError

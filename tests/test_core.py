@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
+from diskreplay import zarr_layout
 from diskreplay.chunkstore import open_chunkstore
+from diskreplay.verify import verify
 from conftest import (SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot,
                       stack_rows)
 
@@ -210,6 +212,31 @@ def test_small_adds_and_one_extend_store_identical_bytes(tmp_path, capacity, chu
         buf.close()
     files = [_data_files(tmp_path / name) for name in "abc"]
     assert files[0] == files[1] == files[2]
+
+
+@pytest.mark.parametrize("memory_map", [False, True])
+def test_whole_chunks_of_an_extend_skip_staging(tmp_path, memory_map):
+    """A ring's second round written by an extend: its whole chunks go straight from the caller's
+    arrays to the files, cached and mapped copies of the first round are dropped, and the caller
+    may reuse its arrays as soon as extend returns."""
+    model = Model(1, 12)
+    buf = create(tmp_path / "b", 12, chunk_rows=4, memory_map=memory_map)
+    do_extend(buf, model, 12)
+    buf.flush()
+    model.flush()
+    check_buffer_against(buf, model)  # every first-round chunk now cached (or mapped)
+    rows = model.next_rows(10)  # steps 12..21: chunks 0 and 1 whole, chunk 2 half
+    data = stack_rows(rows)
+    buf.extend(data)
+    model.append(0, rows)
+    assert (buf.storage.cache.table[0, :2] < 0).all() and buf.storage.cache.table[0, 2] >= 0
+    for values in data.values():
+        values[...] = 0
+    check_buffer_against(buf, model)
+    buf.close()
+    model.flush()
+    with dr.ReplayBuffer.open(tmp_path / "b", "r") as reader:
+        check_buffer_against(reader, model, committed=True)
 
 
 def _data_files(path):
@@ -551,6 +578,29 @@ def test_plain_zarr_reader_sees_committed_rows_ring(url, compression):
     assert len(ids) == 30
     for name in SMALL_FIELDS:
         np.testing.assert_array_equal(group[name][...][ids % 3, ids // 3 % 10], model.expected(ids)[name])
+
+
+def test_buffers_with_slash_chunk_keys_still_open(tmp_path, monkeypatch):
+    """Buffers made before the "." chunk keys name chunks "obs/c/0/1/0": they open, grow, map and verify."""
+    path = tmp_path / "old"
+    model = Model(1, 12)
+    monkeypatch.setattr(zarr_layout, "CHUNK_KEY_SEPARATOR", "/")
+    with create(path, 12, chunk_rows=4) as buf:
+        do_extend(buf, model, 6)
+    model.flush()
+    monkeypatch.undo()
+    assert (path / "obs" / "c" / "0" / "1" / "0").is_file() and not (path / "obs" / "c.0.0.0").exists()
+    with dr.ReplayBuffer.open(path, "r+") as buf:
+        do_extend(buf, model, 9)
+    model.flush()
+    assert (path / "obs" / "c" / "0" / "2" / "0").is_file()
+    for memory_map in (False, True):
+        with dr.ReplayBuffer.open(path, "r", memory_map=memory_map) as reader:
+            check_buffer_against(reader, model, committed=True)
+    assert verify(path).ok
+    ids = model.readable_ids()
+    np.testing.assert_array_equal(zarr.open_group(path, mode="r")["obs"][...][0, ids % 12],
+                                  model.expected(ids)["obs"])
 
 
 def test_plain_zarr_reader_dataset_mode(url):
