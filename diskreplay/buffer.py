@@ -312,7 +312,8 @@ class ReplayBuffer:
     def sample(self, batch_size: int, *, seed: int | None = None, rng: np.random.Generator | None = None,
                seq_len: int | None = None, pad: bool = False, n_step: int | None = None,
                gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
-               her: HER | None = None, **options: Any) -> dict[str, np.ndarray]:
+               her: HER | None = None, out: dict[str, np.ndarray] | None = None, **options: Any
+               ) -> dict[str, np.ndarray]:
         """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
 
         Rows come from the buffer's sampler (uniform with replacement by default) over every row
@@ -336,30 +337,40 @@ class ReplayBuffer:
         ``[batch_size, k, *shape]``, repeating the episode's first frame before its start.
         ``her=dr.HER(...)`` relabels goals from the same episode (see `HER`).
 
+        ``out={name: array}``: preallocated C-contiguous arrays ``[batch_size, *shape]`` for some
+        of the fields (and ``"index"``, ``"weight"``), e.g. views of a pinned host buffer: rows are
+        gathered straight into them, and they are the arrays returned under those names. Plain
+        transitions only (not with seq_len, n_step, stack or her).
+
         Raises:
-            ValueError: batch_size <= 0.
+            ValueError: batch_size <= 0; ``out`` with a name, dtype or shape that does not fit, or
+                combined with seq_len/n_step/stack/her.
             EmptyBufferError: the buffer holds no rows.
         """
         if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if out is not None:
+            if seq_len is not None or n_step is not None or stack is not None or her is not None:
+                raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
+            self._check_out_names(out)
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
         for attempt in range(STALE_READ_RETRIES):
             try:
                 return self._sample_once(rng, int(batch_size), seq_len, pad, n_step, gamma, stack,
-                                         stack_fields, her, options)
+                                         stack_fields, her, out, options)
             except StaleReadError:  # a reader behind the writer's ring: it now follows the newer commit
                 if attempt == STALE_READ_RETRIES - 1:
                     raise
 
-    def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, options):
+    def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, out, options):
         lo, hi = self.storage.window()
         if (hi - lo).sum() == 0:  # also a reader whose newest commit retired all its rows
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
-        batch = self.view.gather(draw.lane, draw.step)
+        batch = self.view.gather(draw.lane, draw.step, out=out)
         if (n_step or stack or her) and not self.episode_index.enabled:
             raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
         if her is not None and n_step is not None:
@@ -379,7 +390,7 @@ class ReplayBuffer:
         if draw.weight is not None:
             batch["weight"] = draw.weight
         batch.update(draw.extra)
-        return batch
+        return _placed(batch, out)
 
     def _sample_slices(self, rng: np.random.Generator, batch_size: int, seq_len: int, pad: bool,
                        lo: np.ndarray, hi: np.ndarray, options: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -478,11 +489,22 @@ class ReplayBuffer:
         return rows
 
     def __getitem__(self, ids: Any) -> dict[str, np.ndarray]:
-        """Rows by row id (an int or a 1-D int array): ``{field: array}``.
+        """Rows by row id (an int or an int array): ``{field: array [*ids.shape, *shape]}``.
 
         Raises:
             IndexError: an id that is negative, not yet added, or already overwritten.
         """
+        return self.rows(ids)
+
+    def rows(self, ids: Any, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """``buf[ids]``, optionally gathered straight into ``out`` (1-D ``ids``; as in `sample`).
+
+        Raises:
+            IndexError: an id that is negative, not yet added, or already overwritten.
+            ValueError: ``out`` with a name, dtype or shape that does not fit.
+        """
+        if out is not None:
+            self._check_out_names(out)
         arr = np.asarray(ids)
         if arr.size == 0:
             arr = arr.astype(np.int64)
@@ -496,8 +518,16 @@ class ReplayBuffer:
             first = int(flat[bad][0])
             raise IndexError(f"row id {first} is not in the buffer (readable ids per lane: steps "
                              f"{lo.tolist()} to {(hi - 1).tolist()}, id = step * {self.num_envs} + lane)")
-        rows = self.view.gather(lane, step)
+        rows = self.view.gather(lane, step, out=out)
+        if arr.ndim == 1:
+            return rows
         return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
+
+    def _check_out_names(self, out: Mapping[str, np.ndarray]) -> None:
+        unknown = sorted(set(out) - set(self.fields) - {"index", "weight"})
+        if unknown:
+            raise ValueError(f"out: unknown names {unknown}; expected fields {sorted(self.fields)} "
+                             f"or 'index', 'weight'")
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
@@ -578,6 +608,20 @@ class ReplayBuffer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _placed(batch: dict[str, np.ndarray], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """Copy the batch's non-field arrays (index, weight) into their ``out`` arrays, if given."""
+    for name, given in (out or {}).items():
+        value = batch.get(name)
+        if value is None or value is given:
+            continue
+        if given.shape != value.shape or given.dtype != value.dtype:
+            raise ValueError(f"out[{name!r}]: expected a {value.dtype} array shaped {value.shape}, "
+                             f"got {given.dtype} shaped {given.shape}")
+        given[...] = value
+        batch[name] = given
+    return batch
 
 
 def _lane_capacity(capacity: int | None, num_envs: int, chunk_rows: int) -> int | None:

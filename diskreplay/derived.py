@@ -23,7 +23,7 @@ import numpy as np
 from .episodes import EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
 from .schema import Field, Schema
-from .storage import Storage
+from .storage import Storage, output_rows
 
 
 def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
@@ -54,17 +54,19 @@ class RowView:
         self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
                           for twin in derived}
 
-    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None
-               ) -> dict[str, np.ndarray]:
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
+               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Rows of the logical fields ``names`` (all by default); ``out`` as in `Storage.gather`."""
         names = tuple(self.schema.fields) if names is None else names
         stored = tuple(n for n in names if n not in self.derived)
-        rows = self.storage.gather(lane, step, stored) if stored else {}
+        rows = self.storage.gather(lane, step, stored, out) if stored else {}
         wanted = [twin for twin in names if twin in self.derived]
         if wanted:
-            rows.update(self._next_rows(lane, step, wanted))
+            rows.update(self._next_rows(lane, step, wanted, out or {}))
         return {n: rows[n] for n in names}
 
-    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str]) -> dict[str, np.ndarray]:
+    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str],
+                   out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         _, hi = self.storage.window()
         is_end = self.episodes.next_end(lane, step) == step
         newest = ~is_end & (step == hi[lane] - 1)
@@ -72,14 +74,14 @@ class RowView:
         bases = tuple(self.derived[t] for t in twins)
         following = self.storage.gather(lane[inside], step[inside] + 1, bases)
         finals = self.finals.gather(lane[is_end], self.episodes.end_ordinal(lane[is_end], step[is_end]), bases)
-        out = {}
+        rows = {}
         for twin, base in zip(twins, bases):
-            value = np.empty((len(step), *self.schema[twin].shape), self.schema[twin].dtype)
+            value = output_rows(twin, self.schema[twin], len(step), out.get(twin))
             value[inside] = following[base]
             value[is_end] = finals[base]
             value[newest] = self.last_next[twin][lane[newest]]
-            out[twin] = value
-        return out
+            rows[twin] = value
+        return rows
 
     def record(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:
         """Writer: keep what the main arrays drop from these stored rows of one lane (steps

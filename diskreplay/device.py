@@ -1,9 +1,11 @@
 """Device prefetch: batches copied to a device through a fixed ring of page-locked host slots.
 
 ``for batch in to_device(loader, "cuda", prefetch=2): ...``. Each incoming batch (a dict of
-tensors or numpy arrays with a leading batch axis) is copied into the next of ``prefetch + 2``
-host slots, allocated once at the size of the first batch (pinned on CUDA; never pinned per
-batch), then copied to the device with ``non_blocking=True`` on a side CUDA stream, and an event
+tensors or numpy arrays with a leading batch axis) lands in the next of ``prefetch + 2`` host
+slots, allocated once at the size of the first batch (pinned on CUDA; never pinned per batch).
+A source with ``iter_into`` (a diskreplay dataset iterated in this process) gathers its rows
+straight into the slot; batches from anything else (a DataLoader, whose workers hand batches over
+in shared memory) are copied into it. Each slot is then copied to the device with ``non_blocking=True`` on a side CUDA stream, and an event
 is recorded. The consumer's current stream waits on that event when the batch is handed out, and
 a slot is refilled only after the event of its previous copy has fired. ``prefetch=k`` keeps the
 next ``k`` batches copying while the consumer works on one.
@@ -29,7 +31,12 @@ class _Slot:
 
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     event: Any = None
-    copies: int = 0  # times this slot was filled (tests and diagnostics)
+    copies: int = 0  # times a batch was copied into this slot (tests and diagnostics)
+    gathers: int = 0  # times a source gathered a batch straight into it
+
+    def arrays(self) -> dict[str, np.ndarray] | None:
+        """The slot's memory as numpy arrays, for a source to gather into (None before allocation)."""
+        return {k: t.numpy() for k, t in self.host.items()} if self.host else None
 
     def fits(self, batch: Mapping[str, torch.Tensor]) -> bool:
         if set(batch) != set(self.host):
@@ -104,6 +111,7 @@ class DevicePrefetcher:
         self._pin = pin
         self._slots = [_Slot() for _ in range(self.prefetch + 2)]
         self._iterable = iterable
+        self._filling: _Slot | None = None  # the slot the batch being produced goes to
         self._source = state_source if state_source is not None else (
             iterable if callable(getattr(iterable, "state_dict", None)) else None)
         self._it: Iterator | None = None
@@ -122,7 +130,8 @@ class DevicePrefetcher:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
-            self._it = iter(self._iterable)
+            gathers_into = getattr(self._iterable, "iter_into", None)
+            self._it = gathers_into(self._destination) if callable(gathers_into) else iter(self._iterable)
             self._state = self._source_state()
             self._stage(self.prefetch + 1)
         else:
@@ -150,31 +159,41 @@ class DevicePrefetcher:
         for _ in range(count):
             if self._exhausted:
                 return
+            slot = self._slots[self._staged % len(self._slots)]
+            if slot.event is not None:
+                self._copier.wait(slot.event)  # its previous device copy has read the slot
+            self._filling = slot
             try:
                 batch = next(self._it)
             except StopIteration:
                 self._exhausted = True
                 return
-            self._queue.append((*self._copy(batch), self._source_state()))
+            self._staged += 1
+            self._queue.append((*self._fill(slot, batch), self._source_state()))
 
-    def _copy(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    def _destination(self) -> dict[str, np.ndarray] | None:
+        """For sources with ``iter_into``: the host slot the next batch should be gathered into."""
+        return self._filling.arrays()
+
+    def _fill(self, slot: _Slot, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Put the batch in ``slot`` (arrays already gathered there stay), start its device copy."""
         if not isinstance(batch, Mapping):
             raise TypeError(f"to_device expects dict batches, got {type(batch).__name__}")
         arrays = {k: torch.as_tensor(v) for k, v in batch.items() if isinstance(v, (torch.Tensor, np.ndarray))}
         others = {k: v for k, v in batch.items() if k not in arrays}
         if any(t.dim() == 0 for t in arrays.values()):
             raise ValueError("to_device: every array in a batch needs a leading batch axis")
-        slot = self._slots[self._staged % len(self._slots)]
-        self._staged += 1
-        if slot.event is not None:
-            self._copier.wait(slot.event)  # its previous device copy has read the slot
-        if not slot.fits(arrays):
-            slot.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for k, t in arrays.items()}
-            slot.event = self._copier.new_event()
+        if not slot.fits(arrays):  # the first batch sizes the whole ring; a misfit later resizes one slot
+            for fresh in [s for s in self._slots if not s.host] if not slot.host else [slot]:
+                fresh.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for k, t in arrays.items()}
+                fresh.event = self._copier.new_event()
         views = {k: slot.host[k][:t.shape[0]] for k, t in arrays.items()}
+        gathered = all(views[k].data_ptr() == t.data_ptr() for k, t in arrays.items())
         for k, t in arrays.items():
-            views[k].copy_(t)
-        slot.copies += 1
+            if views[k].data_ptr() != t.data_ptr():
+                views[k].copy_(t)
+        slot.gathers += gathered
+        slot.copies += not gathered
         out = self._copier.copy(views, slot.event)
         out.update(others)
         return out, slot.event
@@ -188,7 +207,8 @@ def to_device(iterable: Iterable[Mapping[str, Any]], device: str | torch.device 
         iterable: yields dicts of tensors / numpy arrays with a leading batch axis (other values
             pass through untouched). Host slots take the shapes of the first batch; a later
             shorter batch uses the front of a slot, a larger or differently shaped one reallocates
-            that slot (once).
+            that slot (once). A diskreplay dataset passed directly (not through a DataLoader)
+            gathers its batches into the slots (``iter_into``): no copy on the host.
         device: target device ("cuda", "cuda:1", "cpu", ...).
         prefetch: batches kept in flight beyond the one handed out (>= 0); the ring has
             ``prefetch + 2`` slots.

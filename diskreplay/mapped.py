@@ -140,11 +140,15 @@ class MappedChunks:
         self.pages_mapped += len(keys) * self.pages_per_chunk
         return lanes, chunks
 
-    def take(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """Rows of mapped chunks (`ensure` them first), copied out."""
+    def take(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of mapped chunks (`ensure` them first), copied out (into ``out`` if given)."""
         region = self.regions[name]
         self._count(name, len(offset))
-        return region.rows.take((lane * self.chunks + chunk) * region.stride + offset, axis=0)
+        index = (lane * self.chunks + chunk) * region.stride + offset
+        if out is None:
+            return region.rows.take(index, axis=0)
+        return np.take(region.rows, index, axis=0, out=out, mode="clip")  # "raise" would buffer
 
     def _count(self, name: str, rows: int) -> None:
         if self.pages_mapped <= self.page_budget:

@@ -52,7 +52,7 @@ from .chunkstore import ChunkStore, LocalChunkStore, is_local, open_chunkstore
 from .errors import CorruptBufferError, NotABufferError, ReadOnlyError, StaleReadError
 from .lock import WriterLock
 from .lanes import LaneLayout
-from .schema import Schema
+from .schema import Field, Schema
 from .zarr_layout import Codec
 
 COMMIT_KEY = "commit.json"
@@ -95,6 +95,26 @@ class Commit:
         if commit.committed.shape != (num_envs,) or commit.lower.shape != (num_envs,):
             raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} has cursors for the wrong number of lanes")
         return commit
+
+
+def output_rows(name: str, field: Field, count: int, given: np.ndarray | None) -> np.ndarray:
+    """Where ``count`` rows of a field are gathered: ``given`` (checked) or a new array.
+
+    Raises:
+        ValueError: ``given`` is not a C-contiguous array of the field's dtype shaped ``(count, *shape)``.
+    """
+    if given is None:
+        return np.empty((count, *field.shape), field.dtype)
+    if given.shape != (count, *field.shape) or given.dtype != field.dtype or not given.flags.c_contiguous:
+        raise ValueError(f"out[{name!r}]: expected a C-contiguous {field.dtype} array shaped "
+                         f"{(count, *field.shape)}, got {given.dtype} shaped {given.shape}")
+    return given
+
+
+def _take_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """``source[index]`` written into ``out``. With ``out=``, numpy's default ``mode="raise"``
+    gathers into a temporary first; our indices are always in range, so "clip" changes nothing."""
+    np.take(source, index, axis=0, out=out, mode="clip")
 
 
 class Storage:
@@ -506,55 +526,66 @@ class Storage:
         self.total = self.committed.copy()
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
 
-    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None
-               ) -> dict[str, np.ndarray]:
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
+               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Rows at (lane, step) of every field (or of ``names``): arrays with leading axis ``len(step)``.
 
-        The caller guarantees the steps lie inside `window`.
+        ``out`` may hold, for some of those fields, C-contiguous arrays of exactly that shape and
+        the field's dtype: their rows are gathered straight into them (no extra copy), and they
+        are what is returned for those fields. The caller guarantees the steps lie inside `window`.
         """
+        names = names or tuple(self.schema.fields)
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
-        if self.mapped is not None:
-            return self._gather_mapped(lane, step, chunk, offset, slots, names or tuple(self.schema.fields))
-        if (slots < 0).any():
-            rows = self._gather_with_misses(lane, chunk, offset, slots, step)
-            return rows if names is None else {name: rows[name] for name in names}
-        self.cache.touch(slots)
-        index = slots * self.layout.chunk_rows + offset
-        slabs = self.cache.slabs
-        return {name: slabs[name].take(index, axis=0) for name in (names or slabs)}
+        cached = self.mapped is None and (slots >= 0).all()
+        if cached:
+            self.cache.touch(slots)
+            index = slots * self.layout.chunk_rows + offset
+            if out is None:  # the hot path
+                return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        out = self._outputs(names, len(step), out or {})
+        if cached:
+            for name, rows in out.items():
+                _take_into(self.cache.slabs[name], index, rows)
+        elif self.mapped is not None:
+            self._gather_mapped(lane, step, chunk, offset, slots, out)
+        else:
+            self._gather_with_misses(lane, chunk, offset, slots, step, out)
+        return out
 
-    def _gather_mapped(self, lane, step, chunk, offset, slots, names) -> dict[str, np.ndarray]:
+    def _outputs(self, names: tuple[str, ...], count: int, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: output_rows(name, self.schema[name], count, given.get(name)) for name in names}
+
+    def _gather_mapped(self, lane, step, chunk, offset, slots, out) -> None:
         """Rows of chunks the writer holds in the cache (staged, or written but pinned) come from
         the cache; all others from the memory-mapped chunk files."""
         cached = slots >= 0
         if cached.all():
             index = slots * self.layout.chunk_rows + offset
-            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+            for name, rows in out.items():
+                _take_into(self.cache.slabs[name], index, rows)
+            return
         filed = ~cached
         lanes, chunks = self.mapped.ensure(lane[filed], chunk[filed])
         if len(chunks):
             for ln, stale in self._check_not_overwritten(lane[filed], step[filed], lanes, chunks):
                 self.mapped.forget(ln, stale)
         if not cached.any():
-            return {name: self.mapped.take(name, lane, chunk, offset) for name in names}
-        out = {}
+            for name, rows in out.items():
+                self.mapped.take(name, lane, chunk, offset, out=rows)
+            return
         index = slots[cached] * self.layout.chunk_rows + offset[cached]
-        for name in names:
-            rows = np.empty((len(step), *self.schema[name].shape), self.schema[name].dtype)
+        for name, rows in out.items():
             rows[filed] = self.mapped.take(name, lane[filed], chunk[filed], offset[filed])
             rows[cached] = self.cache.slabs[name].take(index, axis=0)
-            out[name] = rows
-        return out
 
-    def _gather_with_misses(self, lane, chunk, offset, slots, step) -> dict[str, np.ndarray]:
+    def _gather_with_misses(self, lane, chunk, offset, slots, step, out) -> None:
         miss = slots < 0
         width = self.cache.table.shape[1]
         keys = np.unique(lane[miss] * width + chunk[miss])
         room = self.cache.evictable()
         if room == 0:
             raise RuntimeError("chunk cache has no free slot: raise cache_bytes")
-        out = {name: np.empty((len(lane), *f.shape), f.dtype) for name, f in self.schema.items()}
         todo = ~miss
         self._fill(out, todo, lane, chunk, offset)
         for start in range(0, len(keys), room):
@@ -565,7 +596,6 @@ class Storage:
             self._fill(out, todo, lane, chunk, offset)
             for ln, chunks in tainted:  # right for the rows asked for, not for all their slots
                 self.cache.invalidate(ln, chunks)
-        return out
 
     def _check_not_overwritten(self, lane, step, loaded_lanes, loaded_chunks) -> list:
         """Reader of a ring, after fetching chunks: raise `StaleReadError` if the writer had
@@ -606,8 +636,8 @@ class Storage:
         slots = self.cache.table[lane[mask], chunk[mask]]
         self.cache.touch(slots)
         index = slots * self.layout.chunk_rows + offset[mask]
-        for name, slab in self.cache.slabs.items():
-            out[name][mask] = slab.take(index, axis=0)
+        for name, rows in out.items():
+            rows[mask] = self.cache.slabs[name].take(index, axis=0)
 
     def _load(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
         slots = self.cache.assign(lanes, chunks)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -192,10 +192,25 @@ class _BufferDataset(tud.IterableDataset):
         n = self._reader.chunk_fetches
         return {"chunk_fetches": n, "bytes_decoded": n * self._reader.chunk_bytes()}
 
-    def _gather(self, buf: ReplayBuffer, lane: np.ndarray, step: np.ndarray) -> dict[str, torch.Tensor]:
+    def iter_into(self, destination: Callable[[], dict[str, np.ndarray] | None]
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+        """Iterate in this process, gathering each batch into the arrays ``destination()``
+        returns just before it (``[>= B, *shape]`` per name; None: new arrays): how `to_device`
+        fills its pinned host slots without a copy. The yielded tensors share their memory."""
+        return self._iterate(destination)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self._iterate(_nowhere)
+
+    def _gather(self, buf: ReplayBuffer, lane: np.ndarray, step: np.ndarray,
+                into: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
         ids = row_ids(lane, step, buf.num_envs)
-        rows = buf[ids]
+        out = _out(buf, into, len(ids))
+        rows = buf.rows(ids, out=out and {k: v for k, v in out.items() if k != "index"})
         rows["index"] = ids
+        if out and "index" in out:
+            rows["index"] = out["index"]
+            rows["index"][...] = ids
         return _emit(rows)
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
@@ -255,17 +270,19 @@ class SampleDataset(_BufferDataset):
                          f"loaded into worker {shard.worker}/{shard.num_workers}: merge the workers' "
                          f"states with merge_worker_states / dataset_state_from_loader first")
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _iterate(self, destination: Callable[[], dict[str, np.ndarray] | None]) -> Iterator[dict[str, torch.Tensor]]:
         shard = current_shard(self.rank, self.world_size)
         try:
             start = self._start(shard)
         except ValueError as exc:
             return _raising(exc)  # raised on first next(): a worker then reports it cleanly
         self._shard, self._batch = shard, start
-        return self._generate(shard, start)
+        return self._generate(shard, start, destination)
 
-    def _generate(self, shard: Shard, b: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, shard: Shard, b: int, destination: Callable[[], dict[str, np.ndarray] | None]
+                  ) -> Iterator[dict[str, torch.Tensor]]:
         buf = self._reader.get()
+        plain = all(self.sample_options.get(k) is None for k in ("seq_len", "n_step", "stack", "her"))
         last_refresh, since = time.monotonic(), 0
         while True:
             since += 1
@@ -273,7 +290,8 @@ class SampleDataset(_BufferDataset):
                 buf.refresh()
                 last_refresh, since = time.monotonic(), 0
             rng = np.random.default_rng([self.seed, self.rank, b])
-            batch = buf.sample(self.batch_size, rng=rng, **self.sample_options)
+            out = _out(buf, destination(), self.batch_size) if plain else None
+            batch = buf.sample(self.batch_size, rng=rng, out=out, **self.sample_options)
             b += shard.num_workers
             self._batch = b
             yield _emit(batch)
@@ -376,7 +394,7 @@ class EpochDataset(_BufferDataset):
             self._epoch, self._batch, self._done = self._epoch + 1, 0, False
         self._shard, self._resuming = shard, False
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _iterate(self, destination: Callable[[], dict[str, np.ndarray] | None]) -> Iterator[dict[str, torch.Tensor]]:
         shard = current_shard(self.rank, self.world_size)
         try:
             self._adopt(shard)
@@ -385,16 +403,29 @@ class EpochDataset(_BufferDataset):
         order = self.order(self._epoch, shard)
         if self._batch >= order.num_batches:
             self._done = True
-        return self._generate(order, self._batch)
+        return self._generate(order, self._batch, destination)
 
-    def _generate(self, order: EpochOrder, first: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, order: EpochOrder, first: int, destination: Callable[[], dict[str, np.ndarray] | None]
+                  ) -> Iterator[dict[str, torch.Tensor]]:
         if first >= order.num_batches:
             return
         buf = self._reader.get()
         for k, (lane, step) in enumerate(order.batches(first), start=first):
-            batch = self._gather(buf, lane, step)
+            batch = self._gather(buf, lane, step, destination())
             self._batch, self._done = k + 1, k + 1 == order.num_batches
             yield batch
+
+
+def _out(buf: ReplayBuffer, into: dict[str, np.ndarray] | None, rows: int) -> dict[str, np.ndarray] | None:
+    """The first ``rows`` of the destination arrays a batch can be gathered into."""
+    if into is None:
+        return None
+    return {k: v[:rows] for k, v in into.items() if k in buf.fields or k in ("index", "weight")}
+
+
+def _nowhere() -> None:
+    """The destination of batches iterated plainly: new arrays."""
+    return None
 
 
 def _raising(exc: Exception) -> Iterator[Any]:

@@ -726,6 +726,50 @@ def test_schema_error_is_a_value_error(live_buffer):
     unchanged()
 
 
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_sample_and_rows_gather_into_given_arrays(tmp_path, sampler):
+    """``out=`` arrays receive exactly the rows a plain call returns, and are the arrays returned."""
+    kw = {"sampler": dr.Prioritized(alpha=0.6)} if sampler == "prioritized" else {}
+    buf = create(tmp_path / "b", 40, chunk_rows=4, cache_bytes=1, **kw)  # a tiny cache: misses too
+    buf.extend(stack_rows(Model(1, 40).next_rows(37)))
+    if sampler == "prioritized":
+        buf.update_priorities(np.arange(37), np.linspace(0.1, 3.0, 37))
+    want = buf.sample(16, seed=4)
+    out = {name: np.full((16, *f.shape), 7, f.dtype) for name, f in SMALL_FIELDS.items()}
+    out["index"] = np.zeros(16, np.int64)
+    if sampler == "prioritized":
+        out["weight"] = np.zeros(16, np.float32)
+    got = buf.sample(16, seed=4, out=out)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert all(got[name] is out[name] for name in out)
+    rows = {name: np.empty((3, *f.shape), f.dtype) for name, f in SMALL_FIELDS.items() if name != "obs"}
+    got = buf.rows([5, 30, 2], out=rows)
+    assert got["act"] is rows["act"]
+    for name, value in buf[[5, 30, 2]].items():
+        np.testing.assert_array_equal(got[name], value)
+    buf.close()
+
+
+def test_sample_into_bad_arrays_is_refused(tmp_path):
+    buf = create(tmp_path / "b", 40, chunk_rows=4, episode_end="done")
+    buf.extend(stack_rows(Model(1, 40).next_rows(20)))
+    obs = SMALL_FIELDS["obs"]
+    cases = [
+        ({"obs": np.empty((8, *obs.shape), np.float64)}, {},
+         rf"out\['obs'\]: expected a C-contiguous {obs.dtype} array shaped \(8, {obs.shape[0]},?\), got float64"),
+        ({"obs": np.empty((9, *obs.shape), obs.dtype)}, {}, r"out\['obs'\]: expected .* shaped \(8,"),
+        ({"nope": np.empty(8)}, {}, r"out: unknown names \['nope'\]"),
+        ({"index": np.empty(8, np.int32)}, {}, r"out\['index'\]: expected a int64 array shaped \(8,\), got int32"),
+        ({"obs": np.empty((8, *obs.shape), obs.dtype)}, {"n_step": 2}, "plain transitions only"),
+    ]
+    for out, options, match in cases:
+        with pytest.raises(ValueError, match=match):
+            buf.sample(8, seed=0, out=out, **options)
+    buf.close()
+
+
 @pytest.fixture
 def multi_env(tmp_path):
     path = tmp_path / "m"

@@ -3,6 +3,7 @@ state lag. The ring logic runs on CPU; CUDA tests are marked ``cuda`` and skippe
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -191,4 +192,59 @@ def test_resume_through_prefetcher_with_stateful_loader(tmp_path):
     tail = [b["index"].clone() for b, _ in zip(to_device(resumed, "cpu", prefetch=2), range(7))]
     for got, want in zip(head + tail, reference):
         assert torch.equal(got, want)
+    buf.close()
+
+
+# ---- sources that gather straight into the slots ------------------------------------------------
+
+GATHER_FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int16"), "done": dr.Field((), "bool")}
+
+
+def _episodes_buffer(path, compression, derive_next=()):
+    rng = np.random.default_rng(7)
+    fields = {**GATHER_FIELDS, "next_obs": dr.Field((3,), "float32")}
+    buf = dr.ReplayBuffer.create(os.fspath(path), fields, None, chunk_rows=32, compression=compression,
+                                 cache_bytes=2**20, derive_next=derive_next)
+    obs = rng.standard_normal((301, 3)).astype(np.float32)
+    data = {"obs": obs[:-1], "act": rng.integers(-50, 50, 300).astype(np.int16), "done": rng.random(300) < 0.05}
+    data["next_obs"] = obs[1:]
+    buf.extend(data)
+    buf.flush()
+    return buf
+
+
+@pytest.mark.parametrize("mode", ["sample", "epoch"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("reads", ["cached", "mapped", "zstd-misses", "derived-next"])
+def test_dataset_gathers_straight_into_the_slots(tmp_path, mode, prefetch, reads):
+    """A diskreplay dataset handed to to_device directly fills the ring's slots itself: after the
+    first batch (which sizes the ring) no host copy is made, the yielded CPU tensors are the slots,
+    and the batches equal a plain iteration of the same dataset."""
+    buf = _episodes_buffer(tmp_path / "b", "zstd" if reads == "zstd-misses" else None,
+                           derive_next=("obs",) if reads == "derived-next" else ())
+    cache = {"cached": 2**20, "mapped": 4096, "zstd-misses": 4096, "derived-next": 2**20}[reads]
+
+    def dataset():
+        return make_dataset(buf, 24, mode, seed=3, cache_bytes=cache, shuffle_window=2)
+    count = 13  # epoch mode: 300 rows = 12 batches of 24 and a short one of 12
+    want = [{k: v.clone() for k, v in b.items()} for b in itertools.islice(dataset(), count)]
+    pre = to_device(dataset(), "cpu", prefetch=prefetch)
+    got = [{k: v.clone() for k, v in b.items()} for b in itertools.islice(pre, count)]
+    assert [sorted(b) for b in got] == [sorted(b) for b in want]
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=0, atol=0)
+    pulled = count + (prefetch if mode == "sample" else 0)  # epoch mode ends after `count`
+    assert sum(s.copies for s in pre.slots) == 1 and sum(s.gathers for s in pre.slots) == pulled - 1
+    if reads == "mapped":
+        assert pre._iterable._reader.get().storage.mapped is not None
+    buf.close()
+
+
+def test_dataset_batches_are_the_slot_memory(tmp_path):
+    buf = _episodes_buffer(tmp_path / "b", None)
+    pre = to_device(make_dataset(buf, 16, "sample", seed=1, cache_bytes=2**20), "cpu", prefetch=1)
+    for k, batch in zip(range(8), pre):
+        slot = pre.slots[k % len(pre.slots)]
+        assert all(batch[name].data_ptr() == slot.host[name].data_ptr() for name in batch)
     buf.close()
