@@ -90,7 +90,8 @@ class _CudaCopier:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
         for t in out.values():
-            t.record_stream(consumer)  # the allocator must not reuse it before the consumer is done
+            if isinstance(t, torch.Tensor):  # other values of a batch pass through untouched
+                t.record_stream(consumer)  # the allocator must not reuse it before the consumer is done
         return out
 
 

@@ -8,10 +8,12 @@ many chunks it touches, and a cold read costs the pages of the rows read, not wh
 OS page cache is the cache.
 
 Resident pages of mapped files count towards a process's RSS. While the mapped files fit in
-``cache_bytes`` nothing is done; beyond that, once the rows read since the last trim could have
-made ``cache_bytes`` of pages resident (a read fault maps up to 16 neighbouring pages), the
-page-table entries are dropped (``MADV_DONTNEED``: the data stays in the OS page cache and the
-next access is a minor fault).
+``cache_bytes`` nothing is done; beyond that, once the process's resident file pages have grown by
+``cache_bytes`` since the last trim, the page-table entries are dropped (``MADV_DONTNEED``: the data
+stays in the OS page cache and the next access is a minor fault). The growth is read from
+``/proc/self/statm`` (about 1.5 µs): one read fault may map far more than the page it needs (16
+neighbouring pages, or a whole large folio of the page cache on recent kernels), so counting rows
+read is no bound. Without ``/proc``, it is estimated from the rows read.
 
 A chunk file rewritten by the writer is a new file (atomic rename): the old mapping keeps the old
 bytes, so rewritten chunks are *forgotten* and mapped again on their next read. Reading an
@@ -46,7 +48,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 FAULT_AROUND = 16
-"""Pages a read fault on a mapped file may make resident (Linux's default fault-around: 64 KiB)."""
+"""Pages a read fault on a mapped file makes resident at least (Linux's default fault-around: 64 KiB);
+for the estimate where ``/proc/self/statm`` is missing."""
 
 DATASET_CHUNKS = 1 << 12
 """Chunks per lane reserved at first in dataset mode (the reservation doubles as lanes grow)."""
@@ -61,6 +64,13 @@ def _check(result: int | None, what: str) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return result
+
+
+def _open_statm() -> int | None:
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
 
 
 class _Region:
@@ -108,6 +118,8 @@ class MappedChunks:
         self.page_budget = max(cache_bytes // mmap.PAGESIZE, 1)
         self.pages_touched = 0
         self.pages_mapped = 0
+        self.statm = _open_statm()
+        self.resident_after_trim = self._resident()
         self.pages_per_chunk = sum(-(-f.row_bytes * layout.chunk_rows // mmap.PAGESIZE) for f in schema.fields.values())
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
         self.mapped = np.zeros((layout.num_envs, self.chunks), dtype=bool)
@@ -151,13 +163,23 @@ class MappedChunks:
         return np.take(region.rows, index, axis=0, out=out, mode="clip")  # "raise" would buffer
 
     def _count(self, name: str, rows: int) -> None:
-        if self.pages_mapped <= self.page_budget:
-            return
         self.pages_touched += rows * self.pages_per_row[name]
-        if self.pages_touched > self.page_budget:
-            for region in self.regions.values():
-                region.trim()
-            self.pages_touched = 0
+
+    def bound_resident(self) -> None:
+        """After a read: drop the maps' page-table entries if resident file pages grew by more
+        than the budget since the last trim (see the module docstring)."""
+        if self.pages_mapped <= self.page_budget or self._resident() - self.resident_after_trim <= self.page_budget:
+            return
+        for region in self.regions.values():
+            region.trim()
+        self.pages_touched = 0
+        self.resident_after_trim = self._resident()
+
+    def _resident(self) -> int:
+        """Resident file-backed pages of this process (``statm``'s shared), else the estimate."""
+        if self.statm is None:
+            return self.pages_touched
+        return int(os.pread(self.statm, 128, 0).split()[2])
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again before the next read."""
@@ -166,14 +188,20 @@ class MappedChunks:
 
     def _grow(self, chunks_needed: int) -> None:
         """Dataset mode: a wider reservation; chunks are mapped again as they are read."""
-        self.close()
+        self._unmap()
         self.chunks = max(2 * self.chunks, chunks_needed)
         self.mapped = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)
         self.pages_mapped = 0
         self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
                         for name, f in self.schema.items()}
 
-    def close(self) -> None:
+    def _unmap(self) -> None:
         for region in self.regions.values():
             region.close()
         self.regions = {}
+
+    def close(self) -> None:
+        self._unmap()
+        if self.statm is not None:
+            os.close(self.statm)
+            self.statm = None

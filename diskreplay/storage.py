@@ -573,11 +573,12 @@ class Storage:
         if not cached.any():
             for name, rows in out.items():
                 self.mapped.take(name, lane, chunk, offset, out=rows)
-            return
-        index = slots[cached] * self.layout.chunk_rows + offset[cached]
-        for name, rows in out.items():
-            rows[filed] = self.mapped.take(name, lane[filed], chunk[filed], offset[filed])
-            rows[cached] = self.cache.slabs[name].take(index, axis=0)
+        else:
+            index = slots[cached] * self.layout.chunk_rows + offset[cached]
+            for name, rows in out.items():
+                rows[filed] = self.mapped.take(name, lane[filed], chunk[filed], offset[filed])
+                rows[cached] = self.cache.slabs[name].take(index, axis=0)
+        self.mapped.bound_resident()
 
     def _gather_with_misses(self, lane, chunk, offset, slots, step, out) -> None:
         miss = slots < 0

@@ -248,3 +248,22 @@ def test_dataset_batches_are_the_slot_memory(tmp_path):
         slot = pre.slots[k % len(pre.slots)]
         assert all(batch[name].data_ptr() == slot.host[name].data_ptr() for name in batch)
     buf.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_dataset_gathers_into_pinned_slots(tmp_path):
+    buf = _episodes_buffer(tmp_path / "b", None)
+
+    def dataset():
+        return make_dataset(buf, 64, "epoch", seed=5, cache_bytes=2**20)
+    want = list(dataset())  # 300 rows: 4 batches of 64 and one of 44
+    pre = to_device(dataset(), "cuda", prefetch=2)
+    got = [{k: v.cpu() for k, v in b.items() if v.is_cuda} for b in pre]
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=0, atol=0)
+    assert all(t.is_pinned() for s in pre.slots for t in s.host.values())
+    assert sum(s.copies for s in pre.slots) == 1 and sum(s.gathers for s in pre.slots) == 4
+    buf.close()
