@@ -2,7 +2,9 @@
 
 Writes. Rows are copied into the chunk they belong to, which sits pinned in the chunk cache
 (its *staging* slot). A chunk that fills up is *sealed* and written whole, once; `flush` also
-writes each lane's partial tail chunk. No zarr-python call is made per row or per chunk.
+writes each lane's partial tail chunk. The whole chunks an append covers skip staging: they are
+written straight from the caller's arrays before `append` returns. No zarr-python call is made per
+row or per chunk.
 
 Commit protocol. Chunk objects are written first; then one small JSON object, ``commit.json``,
 is replaced atomically (temp + fsync + rename locally, one PUT on object stores). It holds, per

@@ -88,6 +88,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=2000)
     p.add_argument("--matmuls", type=int, default=4, help="GPU work per training step (0: none)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_device: skipped, no CUDA device here")
+        return
     obs_shape = tuple(int(x) for x in args.obs.split("x"))
     path = os.path.join(tempfile.mkdtemp(), "buf")
     buf = build(path, args.rows, obs_shape)
