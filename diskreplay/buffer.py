@@ -24,6 +24,8 @@ from .transitions import HER
 
 STATE_PREFIX = "state/"
 STALE_READ_RETRIES = 3
+BATCH_EXTRAS = ("index", "weight")
+"""Arrays a batch holds besides the fields, which ``out=`` may also provide."""
 FINALS_PATH = "final"
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -524,10 +526,10 @@ class ReplayBuffer:
         return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
 
     def _check_out_names(self, out: Mapping[str, np.ndarray]) -> None:
-        unknown = sorted(set(out) - set(self.fields) - {"index", "weight"})
+        unknown = sorted(set(out) - set(self.fields) - set(BATCH_EXTRAS))
         if unknown:
             raise ValueError(f"out: unknown names {unknown}; expected fields {sorted(self.fields)} "
-                             f"or 'index', 'weight'")
+                             f"or {', '.join(map(repr, BATCH_EXTRAS))}")
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""

@@ -144,17 +144,22 @@ class LocalChunkStore:
 
     def put(self, key: str, data: bytes, durable: bool = False) -> None:
         path = self.path(key)
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        tmp = self._write_beside(path, data, durable)
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(os.path.dirname(path))
+
+    @staticmethod
+    def _write_beside(path: str, data: bytes, durable: bool) -> str:
+        """Write ``data`` to a new temp file next to ``path`` (fsynced if ``durable``); its name."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.partial"
         with open(tmp, "wb") as f:
             f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(directory)
+        return tmp
 
     def delete(self, key: str) -> None:
         try:
@@ -173,13 +178,7 @@ class LocalChunkStore:
         partial object behind. Where hard links are not supported, ``O_CREAT | O_EXCL``.
         """
         path = self.path(key)
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex}.partial"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = self._write_beside(path, data, durable=True)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -188,7 +187,7 @@ class LocalChunkStore:
             return self._create_exclusive(path, data)
         finally:
             os.remove(tmp)
-        fsync_dir(directory)
+        fsync_dir(os.path.dirname(path))
         return True
 
     @staticmethod

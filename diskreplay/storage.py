@@ -545,7 +545,8 @@ class Storage:
             index = slots * self.layout.chunk_rows + offset
             if out is None:  # the hot path
                 return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
-        out = self._outputs(names, len(step), out or {})
+        given = out or {}
+        out = {name: output_rows(name, self.schema[name], len(step), given.get(name)) for name in names}
         if cached:
             for name, rows in out.items():
                 _take_into(self.cache.slabs[name], index, rows)
@@ -554,9 +555,6 @@ class Storage:
         else:
             self._gather_with_misses(lane, chunk, offset, slots, step, out)
         return out
-
-    def _outputs(self, names: tuple[str, ...], count: int, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {name: output_rows(name, self.schema[name], count, given.get(name)) for name in names}
 
     def _gather_mapped(self, lane, step, chunk, offset, slots, out) -> None:
         """Rows of chunks the writer holds in the cache (staged, or written but pinned) come from

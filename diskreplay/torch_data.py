@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from .buffer import ReplayBuffer
+from .buffer import BATCH_EXTRAS, ReplayBuffer
 from .epoch_order import SHUFFLES, EpochOrder, Shard
 from .errors import EmptyBufferError
 from .lanes import LaneLayout, row_ids, split_row_ids
@@ -420,7 +420,7 @@ def _out(buf: ReplayBuffer, into: dict[str, np.ndarray] | None, rows: int) -> di
     """The first ``rows`` of the destination arrays a batch can be gathered into."""
     if into is None:
         return None
-    return {k: v[:rows] for k, v in into.items() if k in buf.fields or k in ("index", "weight")}
+    return {k: v[:rows] for k, v in into.items() if k in buf.fields or k in BATCH_EXTRAS}
 
 
 def _nowhere() -> None:
