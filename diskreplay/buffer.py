@@ -3,32 +3,35 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import time
 from typing import Any, Mapping
 
 import fsspec
 import numpy as np
 
-from . import snapshot, transitions
-from .chunkstore import is_local, local_path
+from . import snapshot, transitions, zarr_layout
+from .chunkstore import RetryPolicy, is_local, local_path
+from .commit import COMMIT_KEY, Commit
 from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
-from .errors import BufferExistsError, CorruptBufferError, EmptyBufferError, SchemaError, StaleReadError
+from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, SchemaError,
+                     StaleReadError)
 from .lanes import flat_to_lane_step, row_ids, split_row_ids
 from .lock import check_unlocked
-from .sampling import Draw, Sampler, Uniform, sampler_from_state
+from .sampling import Draw, Sampler, Uniform, check_sampler_state, load_sampler_state, sampler_from_state
 from .schema import Field, Schema
-from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, Storage
+from .storage import DEFAULT_CACHE_BYTES, Storage, cache_slots
 from .transitions import HER
 
-STATE_PREFIX = "state/"
-STALE_READ_RETRIES = 3
 BATCH_EXTRAS = ("index", "weight")
 """Arrays a batch holds besides the fields, which ``out=`` may also provide."""
-FINALS_PATH = "final"
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
+STATE_ATTEMPTS = 10
+STALE_READ_PAUSE_S = 0.002
 
 
 class ReplayBuffer:
@@ -41,21 +44,24 @@ class ReplayBuffer:
     """
 
     def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
-                 finals: Storage | None = None):
+                 finals: Storage | None = None, retry: RetryPolicy | None = None):
         self.storage = storage
         self.sampler = sampler
         self.rng = rng
+        self.retry = retry or RetryPolicy()
         config = storage.config
-        self.episode_index = EpisodeIndex(storage.layout.num_envs, tuple(config.get("episode_end", ())))
-        derived = {f"next_{base}": base for base in config.get("derive_next", ())}
+        self.episode_index = EpisodeIndex(storage.layout.num_envs, tuple(config.get("episode_end") or ()))
+        derived = {f"next_{base}": base for base in config.get("derive_next") or ()}
         logical = dict(storage.schema.fields)
         logical.update({twin: storage.schema[base] for twin, base in derived.items()})
-        self.view = RowView(storage, self.episode_index, Schema(logical), derived, finals)
         spec = config.get("episodic_return")
         self.episodic_return = EpisodicReturn.from_json(spec) if spec else None
+        self.view = RowView(storage, self.episode_index, Schema(logical), derived, finals, self.episodic_return)
         self._inputs = Schema({name: field for name, field in logical.items()
                                if not spec or name != spec["name"]})
         sampler.attach(storage.layout)
+        self._cut: set[int] = set()
+        self._garbage: list[str] = []  # state objects no commit refers to, deleted at the next flush
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -68,20 +74,26 @@ class ReplayBuffer:
                io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
-               memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
+               memory_map: bool | None = None, break_lock: bool = False,
+               retry: RetryPolicy | None = None) -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
+
+        Every argument is checked before anything at ``url`` is touched: a bad one raises and
+        leaves an existing buffer there as it was, also with ``overwrite=True``.
 
         Args:
             fields: name -> `Field` (per-step shape and dtype).
             capacity: total rows kept (a ring over all lanes: ``capacity // num_envs`` per lane, must
                 divide evenly); ``None`` grows without bound (dataset mode).
-            num_envs: number of env lanes; each is its own time-ordered stream.
+            num_envs: number of env lanes (at most 65,536); each is its own time-ordered stream.
             chunk_rows: steps per stored chunk (the unit of I/O and caching).
-            compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks).
+            compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks). Every chunk also
+                carries a CRC32C checksum (zarr's ``crc32c`` codec).
             sampler: how `sample` picks rows; `Uniform` by default.
             seed: seed of the buffer's own ``numpy.random.Generator``.
             storage_options: passed to fsspec for remote URLs.
-            cache_bytes: bound on decoded chunks kept in RAM (bytes).
+            cache_bytes: bound on chunks kept in RAM (bytes); a writer needs at least
+                ``(2 * num_envs + 2)`` chunks for staging.
             io_threads: concurrent chunk reads/writes; default: the CPU count (at most 4) on local
                 disk, 16 for remote stores (latency-bound).
             overwrite: replace an existing buffer at ``url``.
@@ -98,12 +110,17 @@ class ReplayBuffer:
                 maps (the OS page cache is the cache, a cold read costs pages, not whole chunks)
                 instead of copying whole chunks into the chunk cache. ``None`` (default): map when
                 the buffer's rows do not fit in ``cache_bytes``, where mapping is faster.
-            break_lock: remove a stale writer lock (a writer that was killed) before taking it.
+            break_lock: remove any writer lock (also a live writer's) before taking it.
+            retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
+                per operation, and bounds how long `sample` keeps retrying stale reads.
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
-            ValueError: a non-positive capacity, chunk_rows or num_envs, or capacity not divisible
-                by num_envs; SchemaError for bad fields.
+            LockedError: ``overwrite`` and a live writer holds the buffer at ``url``.
+            ValueError: a non-positive or too large capacity, chunk_rows or num_envs, capacity not
+                divisible by num_envs, an unknown compression or level, a ``cache_bytes`` too small
+                for staging; SchemaError for bad fields (also a name a side store uses: ``state``,
+                and ``final`` with ``derive_next``).
         """
         url = os.fspath(url)
         user = Schema(fields)
@@ -115,23 +132,25 @@ class ReplayBuffer:
         if episodic_return is not None:
             _check_episodic_return(episodic_return, user)
             stored[episodic_return.name] = episodic_return.field()
+        zarr_layout.check_schema_compatible(Schema(stored), tuple(derived.values()))
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
-        _prepare_location(url, storage_options, overwrite, break_lock)
-        common = dict(num_envs=num_envs, compression=compression, level=compression_level,
-                      storage_options=storage_options, io_threads=io_threads, extra={},
-                      memory_map=memory_map, break_lock=break_lock)
-        storage = Storage.create(
-            url, Schema(stored), lane_capacity=lane_capacity,
-            chunk_rows=min(chunk_rows, lane_capacity or chunk_rows), cache_bytes=cache_bytes,
-            options={"episode_end": list(end_fields), "derive_next": list(derived.values()),
-                     "episodic_return": episodic_return.to_json() if episodic_return else None},
-            commit=commit, **common)
-        finals = None
+        chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
+        rng = np.random.default_rng(seed)
+        common = dict(num_envs=num_envs, compression=compression, level=compression_level)
+        options = {"episode_end": list(end_fields), "derive_next": list(derived.values()),
+                   "episodic_return": episodic_return.to_json() if episodic_return else None}
+        plans = [Storage.plan(url, Schema(stored), lane_capacity=lane_capacity, chunk_rows=chunk_rows,
+                              cache_bytes=cache_bytes, options=options, **common)]
         if derived:
-            finals = Storage.create(_finals_url(url), Schema({base: user[base] for base in derived.values()}),
-                                    lane_capacity=None, chunk_rows=FINALS_CHUNK_ROWS,
-                                    cache_bytes=FINALS_CACHE_BYTES, **common)
-        buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals)
+            finals = Schema({base: user[base] for base in derived.values()})
+            plans.append(Storage.plan(_finals_url(url), finals, lane_capacity=None, chunk_rows=FINALS_CHUNK_ROWS,
+                                      cache_bytes=_finals_cache(finals, num_envs), options={}, **common))
+        _check_open_options(io_threads, memory_map, retry, storage_options)
+        _prepare_location(url, storage_options, overwrite, break_lock)
+        opened = [Storage.create(plan, storage_options=storage_options, io_threads=io_threads, extra={},
+                                 memory_map=memory_map, break_lock=break_lock, retry=retry,
+                                 commit=commit or plan is not plans[0]) for plan in plans]
+        buf = cls(opened[0], sampler or Uniform(), rng, opened[1] if derived else None, retry)
         if commit:
             buf.flush()
         return buf
@@ -139,35 +158,59 @@ class ReplayBuffer:
     @classmethod
     def open(cls, url: str | os.PathLike, mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False) -> "ReplayBuffer":
+             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
+             retry: RetryPolicy | None = None, continue_episodes: bool = False) -> "ReplayBuffer":
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
         draws exactly what an uninterrupted one would have. ``sampler`` is only needed for sampler
-        types the buffer cannot rebuild from its saved state. ``memory_map`` and ``break_lock``:
-        as in `create`.
+        types the buffer cannot rebuild from its saved state. ``memory_map``, ``break_lock`` and
+        ``retry``: as in `create`.
+
+        Resuming after a crash: a writer lock left by a process that no longer runs on this host
+        is taken over (with a warning). With ``mode="r+"``, the episode each lane had open is
+        closed as truncated when that lane's next rows arrive: the episode index ends it (slices,
+        n-step returns, ``derive_next`` and episodic returns stop there) and a ``truncated`` end
+        field, if the buffer has one, is set on its last step; a ``done``-only buffer keeps its
+        ``done`` values. The new episode never merges with the one the crash or the restart cut.
+        ``continue_episodes=True`` keeps them open instead, for a writer that resumes the very
+        env streams it was writing (their env state restored).
 
         Raises:
-            NotABufferError: nothing (or something else) is stored at ``url``.
-            CorruptBufferError: the metadata or arrays contradict each other.
-            LockedError: ``mode="r+"`` and another writer holds the buffer.
+            NotABufferError: nothing (or something else, e.g. a plain file) is stored at ``url``.
+            CorruptBufferError: the metadata, the commit record or the state object is damaged
+                or contradicts the arrays (the message names the object and the field).
+            LockedError: ``mode="r+"`` and another writer (alive, or on another host) holds the buffer.
             ValueError: ``mode`` is not "r" or "r+".
         """
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         url = os.fspath(url)
+        _check_open_options(io_threads, memory_map, retry, storage_options)
         options = dict(mode=mode, storage_options=storage_options, io_threads=io_threads,
-                       memory_map=memory_map, break_lock=break_lock)
+                       memory_map=memory_map, break_lock=break_lock, retry=retry)
         storage = Storage.open(url, cache_bytes=cache_bytes, **options)
         finals = None
-        if storage.config.get("derive_next"):
-            finals = Storage.open(_finals_url(url), cache_bytes=FINALS_CACHE_BYTES, **options)
-        state = _load_committed_state(storage)
-        buf = cls(storage, sampler or sampler_from_state(state.get("sampler")), np.random.default_rng(), finals)
-        if state:
-            buf._load_state(state)
+        try:
+            record, state = _committed_state(storage, newest=False)
+            if not record.same_as(storage.commit_record):  # a reader that raced the writer
+                storage.adopt(record)
+            bases = storage.config["derive_next"]
+            if bases:
+                finals_schema = Schema({base: storage.schema[base] for base in bases})
+                finals = Storage.open(_finals_url(url), cache_bytes=_finals_cache(finals_schema, storage.layout.num_envs),
+                                      **options)
+            buf = cls(storage, sampler or _sampler_for(storage, state), np.random.default_rng(), finals, retry)
+            buf._apply_state(buf._parse_state(state, record), with_rng=True)
+        except BaseException:
+            for opened in (storage, finals):
+                if opened is not None:
+                    opened.close()
+            raise
         if finals is not None and mode == "r+":
             finals.rewind(buf.episode_index.ended())
+        if mode == "r+" and not continue_episodes:
+            buf._cut = set(range(buf.num_envs))
         return buf
 
     # ---- properties ------------------------------------------------------------------------
@@ -194,13 +237,24 @@ class ReplayBuffer:
     def mode(self) -> str:
         return self.storage.mode
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __len__(self) -> int:
+        self._require_open()
         lo, hi = self.storage.window()
         return int((hi - lo).sum())
 
     def __repr__(self) -> str:
+        if self._closed:
+            return f"ReplayBuffer({self.url!r}, closed)"
         return (f"ReplayBuffer({self.url!r}, rows={len(self)}, capacity={self.capacity}, "
                 f"num_envs={self.num_envs}, mode={self.mode!r})")
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
 
     # ---- writing ---------------------------------------------------------------------------
 
@@ -208,13 +262,16 @@ class ReplayBuffer:
         """Add one step: every field given as a keyword, shaped ``field.shape``.
 
         With ``num_envs > 1`` each value has a leading env axis: ``(num_envs, *field.shape)``, or
-        ``(len(env_ids), *field.shape)`` when ``env_ids`` names a subset of lanes.
+        ``(len(env_ids), *field.shape)`` when ``env_ids`` names a subset of lanes. All or nothing:
+        if it raises (bad input, a full disk, an unreachable store), the buffer is as before the
+        call (in a ring, the oldest rows it would have overwritten may be retired).
 
         Raises:
-            SchemaError: missing/unknown field, wrong shape, unsafe dtype, bad env_ids.
-            ReadOnlyError: the buffer was opened with mode="r".
+            SchemaError: missing/unknown field, wrong shape, unsafe or lossy dtype, bad env_ids.
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
-        self.storage._require_writable()
+        self._require_writer()
         if self.num_envs == 1 and env_ids is None:
             rows = self._inputs.rows(step, lead=())
             self._append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
@@ -226,13 +283,18 @@ class ReplayBuffer:
     def extend(self, data: Mapping[str, Any], env_ids: Any = None) -> None:
         """Add N steps at once. Each field is shaped ``(N, *field.shape)``; with several lanes,
         ``(N, num_envs or len(env_ids), *field.shape)`` (time-major). In a ring, an extend longer
-        than the capacity keeps its last rows.
+        than the capacity keeps its last rows. All or nothing, as `add`.
 
         Raises:
-            SchemaError: missing/unknown field, wrong shape, unsafe dtype, mismatched leading axes.
-            ReadOnlyError: the buffer was opened with mode="r".
+            SchemaError: not a mapping, missing/unknown field, wrong shape, unsafe or lossy dtype,
+                mismatched leading axes.
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
-        self.storage._require_writable()
+        self._require_writer()
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"extend expects a mapping of field name to array (fields {list(self._inputs.fields)}), "
+                              f"got {type(data).__name__}")
         count = _leading(data, self._inputs)
         if self.num_envs == 1 and env_ids is None:
             rows = self._inputs.rows(data, lead=(count,))
@@ -243,21 +305,66 @@ class ReplayBuffer:
         self._append(lanes, rows, count)
 
     def _append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
-        for j, lane in enumerate(lanes.tolist()):
-            lane_rows = {k: v[:, j] for k, v in rows.items()}
-            if self.episodic_return is not None:
-                self.episodic_return.fill(self.storage, self.episode_index, lane, lane_rows,
-                                          self.episode_index.end_flags(lane_rows))
-            stored = {k: v for k, v in lane_rows.items() if k not in self.view.derived}
-            first, end = self.storage.append(lane, stored, count)
+        """Store ``count`` steps of each lane, all or nothing: a failure undoes every lane."""
+        finals = self.view.finals
+        done: list[tuple[int, int, int, dict[str, np.ndarray]]] = []  # (lane, start, finals start, newest next_*)
+        stored: list[tuple[int, int, int]] = []
+        try:
+            for j, lane in enumerate(lanes.tolist()):
+                lane_rows = {k: v[:, j] for k, v in rows.items()}
+                if lane in self._cut:
+                    self._close_cut_episode(lane)
+                done.append((lane, int(self.storage.total[lane]), int(finals.total[lane]) if finals else 0,
+                             {twin: value[lane].copy() for twin, value in self.view.last_next.items()}))
+                if self.episodic_return is not None:
+                    self.episodic_return.fill(self.storage, self.episode_index, lane, lane_rows,
+                                              self.episode_index.end_flags(lane_rows))
+                first, end = self.storage.append(lane, {k: v for k, v in lane_rows.items()
+                                                        if k not in self.view.derived}, count)
+                stored.append((lane, first, end))
+                # all rows, also those a ring drops at once: an end just before the oldest kept step
+                # tells that the kept steps start an episode
+                self.episode_index.on_append(lane, end - count, lane_rows)
+                self.view.record(lane, end - count, lane_rows)
+            for storage in self._storages():
+                if storage.sealed:
+                    storage.write_sealed(durable=False)
+        except BaseException:
+            for lane, start, finals_start, newest in reversed(done):
+                self.storage.unappend(lane, start, start + count)
+                if finals is not None and finals.total[lane] > finals_start:
+                    finals.unappend(lane, finals_start, int(finals.total[lane]))
+                self.episode_index.rewind(lane, start)
+                for twin, value in newest.items():
+                    self.view.last_next[twin][lane] = value
+            raise
+        for lane, first, end in stored:
             self.sampler.on_append(lane, first, end)
-            # all rows, also those a ring drops at once: an end just before the oldest kept step
-            # tells that the kept steps start an episode
-            self.episode_index.on_append(lane, end - count, lane_rows)
-            self.view.record(lane, end - count, lane_rows)
-        for storage in self._storages():
-            if storage.sealed:
-                storage.write_sealed(durable=False)
+
+    def _close_cut_episode(self, lane: int) -> None:
+        """First rows of ``lane`` since this writer opened the buffer: end the episode the last
+        writer left open, as truncated (episode index, a ``truncated`` flag, final next_* and
+        returns). All or nothing."""
+        self._cut.discard(lane)
+        last = int(self.storage.total[lane]) - 1
+        ends = self.episode_index.ends(lane)
+        if last < 0 or (len(ends) and ends[-1] == last) or not self.episode_index.enabled:
+            return
+        self._cut.add(lane)  # until every step below succeeded
+        readable = last >= int(self.storage.window()[0][lane])
+        if readable and self.episodic_return is not None:
+            self.episodic_return.close(self.storage, self.episode_index, lane, last)
+        flag = readable and "truncated" in self.episode_index.end_fields
+        if flag:
+            self.storage.update_rows(lane, last, {"truncated": np.ones(1, bool)})
+        try:
+            self.view.record_final(lane)
+        except BaseException:
+            if flag:  # the slot is pinned by the update above: no I/O, cannot fail
+                self.storage.update_rows(lane, last, {"truncated": np.zeros(1, bool)})
+            raise
+        self.episode_index.add_end(lane, last)
+        self._cut.discard(lane)
 
     def _env_ids(self, env_ids: Any) -> np.ndarray:
         if env_ids is None:
@@ -272,42 +379,72 @@ class ReplayBuffer:
             raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
         return ids.astype(np.int64)
 
+    def _require_writer(self) -> None:
+        self._require_open()
+        self.storage._require_writable()
+
     def flush(self, durable: bool = True) -> None:
         """Write every staged row and commit: after it returns, a crash loses none of them.
 
-        ``durable=True`` fsyncs data and metadata on local disk before the commit completes.
+        ``durable=True`` fsyncs data and metadata on local disk before the commit completes. If
+        it raises, nothing new is committed and the rows stay staged: flush again.
 
         Raises:
-            ReadOnlyError: the buffer was opened with mode="r".
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            LockedError: another writer took this buffer's lock (this one stops writing).
+            OSError / StoreUnavailableError: writing failed.
         """
-        self.storage._require_writable()
+        self._require_writer()
         self.episode_index.prune(self.storage.window()[0])
         state_meta, arrays = snapshot.split(self._state())
-        previous = self.storage.commit_record.extra.get("state_arrays")
-        key = None
-        if arrays:
-            key = f"{STATE_PREFIX}{self.storage.commit_record.sequence + 1:012d}.safetensors"
-            self.storage.store.put(key, snapshot.arrays_to_bytes(arrays), durable)
-        if self.view.finals is not None:
-            self.view.finals.flush(durable)
-        self.storage.flush(durable, {"state": state_meta, "state_arrays": key})
+        previous = self.storage.commit_record.state_arrays
+        key = self.storage.put_state(snapshot.arrays_to_bytes(arrays), durable) if arrays else None
+        try:
+            if self.view.finals is not None:
+                self.view.finals.flush(durable)
+            self.storage.flush(durable, {"state": state_meta, "state_arrays": key})
+        except BaseException:
+            if key is not None:
+                self._garbage.append(key)  # a commit may still name it if the failure hid a success
+            raise
         if previous and previous != key:
-            self.storage.store.delete(previous)
+            self._garbage.append(previous)
+        self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Delete state objects no commit refers to; a failure is retried at the next flush."""
+        current = self.storage.commit_record.state_arrays
+        keep = []
+        for key in self._garbage:
+            try:
+                if key != current:
+                    self.storage.delete_state(key)
+            except OSError:
+                keep.append(key)
+        self._garbage = keep
 
     def refresh(self) -> bool:
-        """Read-only buffers: pick up rows committed by the writer since open. True if any."""
-        changed = self.storage.refresh()
-        if changed:
-            if self.view.finals is not None:
-                self.view.finals.refresh()
-            state = _load_committed_state(self.storage)
-            if state:
-                self.sampler.load_state_dict(state["sampler"])
-                if "episodes" in state:
-                    self.episode_index.load_state_dict(state["episodes"])
-                if state.get("last_next"):
-                    self.view.load_state_dict(state["last_next"])
-        return changed
+        """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,
+        episode index, derived-field state, sampler state), all together or not at all.
+        Returns True if there was a newer commit. A writer has nothing to adopt (False).
+
+        Raises:
+            CorruptBufferError: the newest commit or its state object is damaged (nothing changed).
+            ClosedError: the buffer was closed.
+        """
+        self._require_open()
+        if self.mode != "r":
+            return False
+        record, state = _committed_state(self.storage, newest=True)
+        if record.same_as(self.storage.commit_record):
+            return False
+        finals_record = self.view.finals.read_commit() if self.view.finals is not None else None
+        parsed = self._parse_state(state, record)
+        self.storage.adopt(record)
+        if finals_record is not None:
+            self.view.finals.adopt(finals_record)
+        self._apply_state(parsed, with_rng=False)
+        return True
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -344,26 +481,42 @@ class ReplayBuffer:
         gathered straight into them, and they are the arrays returned under those names. Plain
         transitions only (not with seq_len, n_step, stack or her).
 
+        A reader whose rows the writer overwrote meanwhile (a ring) adopts the newest commit and
+        draws again, until it succeeds or ``retry.budget_s`` seconds have passed.
+
         Raises:
-            ValueError: batch_size <= 0; ``out`` with a name, dtype or shape that does not fit, or
-                combined with seq_len/n_step/stack/her.
+            ValueError: batch_size <= 0 or a batch larger than this machine's memory; ``out`` with
+                a name, dtype or shape that does not fit, or combined with seq_len/n_step/stack/her.
             EmptyBufferError: the buffer holds no rows.
+            StaleReadError: the writer kept overwriting the rows drawn for ``retry.budget_s`` s.
+            ClosedError: the buffer was closed.
         """
-        if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self._require_open()
+        _check_batch_size(batch_size, self.view.schema.row_bytes)
         if out is not None:
             if seq_len is not None or n_step is not None or stack is not None or her is not None:
                 raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
             self._check_out_names(out)
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
-        for attempt in range(STALE_READ_RETRIES):
+        deadline = None
+        while True:
             try:
                 return self._sample_once(rng, int(batch_size), seq_len, pad, n_step, gamma, stack,
                                          stack_fields, her, out, options)
-            except StaleReadError:  # a reader behind the writer's ring: it now follows the newer commit
-                if attempt == STALE_READ_RETRIES - 1:
+            except StaleReadError:  # a reader behind the writer of a ring
+                deadline = deadline if deadline is not None else time.monotonic() + self.retry.budget_s
+                if time.monotonic() > deadline:
                     raise
+                self._catch_up(deadline)
+
+    def _catch_up(self, deadline: float) -> None:
+        """Reader behind its writer: adopt the newest commit; if that retired every row (the
+        writer is mid-way round its ring), wait for rows until ``deadline``."""
+        self.refresh()
+        while len(self) == 0 and time.monotonic() < deadline:
+            time.sleep(STALE_READ_PAUSE_S)
+            self.refresh()
 
     def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, out, options):
         lo, hi = self.storage.window()
@@ -371,6 +524,7 @@ class ReplayBuffer:
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
+        _check_beta(options)
         draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
         batch = self.view.gather(draw.lane, draw.step, out=out)
         if (n_step or stack or her) and not self.episode_index.enabled:
@@ -400,6 +554,7 @@ class ReplayBuffer:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         if not self.episode_index.enabled:
             raise ValueError("seq_len needs episode ends: create the buffer with episode_end= naming a bool field")
+        _check_batch_size(batch_size * seq_len, self.view.schema.row_bytes, "batch_size * seq_len")
         draw = self._slice_starts(rng, batch_size, seq_len, pad, lo, hi, options)
         steps = draw.step[:, None] + np.arange(seq_len)
         last = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
@@ -427,6 +582,7 @@ class ReplayBuffer:
                                        f"use pad=True or a shorter seq_len")
             segment, step = flat_to_lane_step(rng.integers(0, int(count.sum()), batch_size), first, first + count)
             return Draw(lane[segment], step)
+        _check_beta(options)
         draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
         for _ in range(256):
             end = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
@@ -448,6 +604,7 @@ class ReplayBuffer:
         """
         from .torch_data import make_dataset
 
+        self._require_open()
         return make_dataset(self, batch_size, mode, **options)
 
     def update_priorities(self, index: Any, td_errors: Any) -> int:
@@ -458,9 +615,11 @@ class ReplayBuffer:
 
         Raises:
             TypeError: the buffer's sampler has no priorities.
-            ValueError: NaN/inf TD errors, or not one TD error per index.
-            IndexError: a negative id.
+            ValueError: NaN/inf TD errors, priorities so large that their sum could overflow, or
+                not one TD error per index.
+            IndexError: a negative id. ClosedError: the buffer was closed.
         """
+        self._require_open()
         update = getattr(self.sampler, "update_priorities", None)
         if update is None:
             raise TypeError(f"update_priorities needs a prioritized sampler; this buffer uses "
@@ -475,6 +634,7 @@ class ReplayBuffer:
     def episodes(self) -> EpisodeTable:
         """Every episode with readable rows: lane, start step, length, complete (ended and its
         first step not overwritten). Rows of an episode are row ids ``(start + i) * num_envs + lane``."""
+        self._require_open()
         if not self.episode_index.enabled:
             raise ValueError("this buffer keeps no episode index (created with episode_end=None)")
         return self.episode_index.table(*self.storage.window())
@@ -486,7 +646,7 @@ class ReplayBuffer:
             raise IndexError(f"episode {k} out of range: the buffer lists {len(table)} episodes")
         lane, start, length = int(table.lane[k]), int(table.start[k]), int(table.length[k])
         steps = np.arange(start, start + length)
-        rows = self.view.gather(np.full(length, lane), steps)
+        rows = self._gather_or_refresh(np.full(length, lane), steps, None)
         rows["index"] = row_ids(lane, steps, self.num_envs)
         return rows
 
@@ -502,9 +662,13 @@ class ReplayBuffer:
         """``buf[ids]``, optionally gathered straight into ``out`` (1-D ``ids``; as in `sample`).
 
         Raises:
-            IndexError: an id that is negative, not yet added, or already overwritten.
+            IndexError: an id that is negative, not yet added, or already overwritten
+                (`StaleReadError` if the writer overwrote it after this reader's commit: the
+                reader has then adopted the newest commit).
             ValueError: ``out`` with a name, dtype or shape that does not fit.
+            ClosedError: the buffer was closed.
         """
+        self._require_open()
         if out is not None:
             self._check_out_names(out)
         arr = np.asarray(ids)
@@ -520,10 +684,18 @@ class ReplayBuffer:
             first = int(flat[bad][0])
             raise IndexError(f"row id {first} is not in the buffer (readable ids per lane: steps "
                              f"{lo.tolist()} to {(hi - 1).tolist()}, id = step * {self.num_envs} + lane)")
-        rows = self.view.gather(lane, step, out=out)
+        rows = self._gather_or_refresh(lane, step, out)
         if arr.ndim == 1:
             return rows
         return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
+
+    def _gather_or_refresh(self, lane: np.ndarray, step: np.ndarray,
+                           out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        try:
+            return self.view.gather(lane, step, out=out)
+        except StaleReadError:
+            self.refresh()  # the reader follows the newest commit, all of its state at once
+            raise
 
     def _check_out_names(self, out: Mapping[str, np.ndarray]) -> None:
         unknown = sorted(set(out) - set(self.fields) - set(BATCH_EXTRAS))
@@ -533,6 +705,7 @@ class ReplayBuffer:
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
+        self._require_open()
         lo, hi = self.storage.window()
         return np.concatenate([row_ids(lane, np.arange(lo[lane], hi[lane]), self.num_envs)
                                for lane in range(self.num_envs)])
@@ -543,29 +716,63 @@ class ReplayBuffer:
         return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
                 "episodes": self.episode_index.state_dict(), "last_next": self.view.state_dict()}
 
-    def _load_state(self, state: Mapping[str, Any]) -> None:
-        self.rng.bit_generator.state = state["rng"]
-        self.sampler.load_state_dict(state["sampler"])
-        if "episodes" in state:
-            self.episode_index.load_state_dict(state["episodes"])
+    def _parse_state(self, state: Mapping[str, Any], record: Commit | None = None) -> dict[str, Any]:
+        """``state`` checked against this buffer (every part, before any is used).
+
+        Raises CorruptBufferError naming the part and what is wrong (``ValueError`` for a state
+        given by the caller, ``record=None``)."""
+        if not state:
+            return {}
+        total = self.storage.total if record is None else record.committed
+        try:
+            if not isinstance(state, Mapping):
+                raise ValueError(f"expected a mapping, got {type(state).__name__}")
+            for part in ("rng", "sampler", "episodes"):
+                if part not in state:
+                    raise ValueError(f"{part!r} is missing")
+            scratch = np.random.default_rng()
+            scratch.bit_generator.state = state["rng"]
+            check_sampler_state(self.sampler, state["sampler"], self.storage.layout, total)
+            self.episode_index.check_state(state["episodes"], total)
+            self.view.check_state(state.get("last_next") or {})
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            if record is None:
+                raise ValueError(f"state for {self.url!r} does not fit this buffer: {exc}") from None
+            raise CorruptBufferError(f"{self.url!r}: the state object {record.state_arrays!r} of commit "
+                                     f"{record.sequence}: {exc}") from None
+        return dict(state)
+
+    def _apply_state(self, state: Mapping[str, Any], with_rng: bool) -> None:
+        """Load a state checked by `_parse_state` (nothing here can fail on its content)."""
+        if not state:
+            return
+        if with_rng:
+            self.rng.bit_generator.state = state["rng"]
+        load_sampler_state(self.sampler, state["sampler"])
+        self.episode_index.load_state_dict(state["episodes"])
         if state.get("last_next"):
             self.view.load_state_dict(state["last_next"])
 
     def state_dict(self) -> dict[str, Any]:
         """The small in-RAM state: cursors per lane, the generator and the sampler's state."""
+        self._require_open()
         return {**self._state(), "total": self.storage.total.copy()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore generator and sampler state saved by `state_dict` from this same buffer.
 
         Raises:
-            ValueError: the state's cursors differ from the buffer's (rows were added or lost since).
+            ValueError: the state's cursors differ from the buffer's (rows were added or lost
+                since), or any part of it does not fit this buffer (nothing is loaded then).
         """
+        self._require_open()
+        if not isinstance(state, Mapping) or "total" not in state:
+            raise ValueError("state: expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
         total = np.asarray(state["total"])
-        if not np.array_equal(total, self.storage.total):
+        if total.shape != self.storage.total.shape or not np.array_equal(total, self.storage.total):
             raise ValueError(f"state is for a buffer with {total.tolist()} steps per lane; this buffer "
                              f"has {self.storage.total.tolist()}")
-        self._load_state(state)
+        self._apply_state(self._parse_state({k: v for k, v in state.items() if k != "total"}), with_rng=True)
 
     def save_snapshot(self, directory: str | os.PathLike) -> None:
         """Write `state_dict` to ``directory``: ``state.safetensors`` (arrays) + ``state.json``."""
@@ -580,27 +787,37 @@ class ReplayBuffer:
     @classmethod
     def load_snapshot(cls, directory: str | os.PathLike, mode: str = "r+", *, url: str | None = None,
                       **open_options: Any) -> "ReplayBuffer":
-        """Open the buffer a snapshot was taken of (or ``url``) and restore the snapshot's state."""
-        directory = os.fspath(directory)
-        with open(os.path.join(directory, "state.json")) as f:
-            saved = json.load(f)
-        with open(os.path.join(directory, "state.safetensors"), "rb") as f:
-            arrays = snapshot.arrays_from_bytes(f.read())
-        buf = cls.open(url or saved["url"], mode, **open_options)
-        buf.load_state_dict(snapshot.join(saved["state"], arrays))
+        """Open the buffer a snapshot was taken of (or ``url``) and restore the snapshot's state.
+
+        Raises:
+            CorruptBufferError: the snapshot's files are unreadable or do not fit (naming the file).
+            ValueError: the snapshot is of another state of the buffer (see `load_state_dict`).
+        """
+        state, saved_url = snapshot.load_directory(os.fspath(directory))
+        buf = cls.open(url or saved_url, mode, **open_options)
+        try:
+            buf.load_state_dict(state)
+        except BaseException:
+            buf._closed = True  # nothing was written: release without flushing
+            for storage in buf._storages():
+                storage.close()
+            raise
         return buf
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush (writers) and release threads. Idempotent."""
+        """Flush (writers) and release threads, maps and the writer lock. Idempotent. If the
+        final flush fails, everything is released all the same and the error is raised."""
         if self._closed:
             return
-        if self.mode != "r":
-            self.flush()
-        for storage in self._storages():
-            storage.close()
-        self._closed = True
+        try:
+            if self.mode != "r":
+                self.flush()
+        finally:
+            self._closed = True
+            for storage in self._storages():
+                storage.close()
 
     def _storages(self) -> list[Storage]:
         return [self.storage] + ([self.view.finals] if self.view.finals is not None else [])
@@ -626,18 +843,62 @@ def _placed(batch: dict[str, np.ndarray], out: Mapping[str, np.ndarray] | None) 
     return batch
 
 
+def _check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") -> None:
+    """Raise ValueError for a batch size that is not a positive int or whose rows could not fit
+    in this machine's memory (before anything is allocated)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"{name} must be a positive int, got {batch_size!r}")
+    need = int(batch_size) * (row_bytes + 8)
+    memory = _physical_memory()
+    if need > memory:
+        raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "
+                         f"row), more than this machine's {memory:,} bytes of memory")
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _check_beta(options: Mapping[str, Any]) -> None:
+    beta = options.get("beta")
+    if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating))
+                             or not math.isfinite(beta) or beta < 0):
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+
+
+def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any) -> None:
+    if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
+                                   or not 1 <= io_threads <= 256):
+        raise ValueError(f"io_threads must be None or an int in [1, 256], got {io_threads!r}")
+    if memory_map not in (None, True, False):
+        raise ValueError(f"memory_map must be None, True or False, got {memory_map!r}")
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ValueError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+
+
 def _lane_capacity(capacity: int | None, num_envs: int, chunk_rows: int) -> int | None:
-    if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
-        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
-    if not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or not 1 <= num_envs <= zarr_layout.MAX_LANES:
+        raise ValueError(f"num_envs must be an int in [1, {zarr_layout.MAX_LANES}], got {num_envs!r}")
+    if (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))
+            or not 1 <= chunk_rows <= zarr_layout.MAX_CHUNK_ROWS):
+        raise ValueError(f"chunk_rows must be an int in [1, {zarr_layout.MAX_CHUNK_ROWS}], got {chunk_rows!r}")
     if capacity is None:
         return None
-    if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
     if capacity % num_envs:
         raise ValueError(f"capacity must be a multiple of num_envs={num_envs}, got {capacity}")
-    return int(capacity // num_envs)
+    lane_capacity = int(capacity // num_envs)
+    chunks = num_envs * -(-lane_capacity // min(chunk_rows, lane_capacity))
+    if lane_capacity > zarr_layout.MAX_STEPS or chunks > zarr_layout.MAX_CHUNKS:
+        raise ValueError(f"capacity={capacity:,} with chunk_rows={chunk_rows} needs {chunks:,} chunks; at most "
+                         f"{zarr_layout.MAX_CHUNKS:,} are kept: raise chunk_rows")
+    return lane_capacity
 
 
 def _leading(data: Mapping[str, Any], schema: Schema) -> int:
@@ -662,7 +923,7 @@ def _prepare_location(url: str, storage_options: dict | None, overwrite: bool, b
             shutil.rmtree(path)
         return
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if fs.exists(f"{root}/{COMMIT_KEY}") or fs.exists(f"{root}/zarr.json"):
+    if fs.exists(f"{root}/{COMMIT_KEY}") or fs.exists(f"{root}/{zarr_layout.GROUP_KEY}"):
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
         check_unlocked(url, storage_options, break_lock)
@@ -670,27 +931,44 @@ def _prepare_location(url: str, storage_options: dict | None, overwrite: bool, b
 
 
 def _require_buffer_or_empty(path: str) -> None:
-    if not os.path.exists(os.path.join(path, COMMIT_KEY)) and not os.path.exists(os.path.join(path, "zarr.json")):
+    if not os.path.isdir(path) or (not os.path.exists(os.path.join(path, COMMIT_KEY))
+                                   and not os.path.exists(os.path.join(path, zarr_layout.GROUP_KEY))):
         raise BufferExistsError(f"{path!r} exists and is not a diskreplay buffer; refusing to delete it")
 
 
-def _load_committed_state(storage: Storage) -> dict[str, Any]:
-    """The sampler/RNG/episode state saved with the storage's commit (empty for a new buffer).
+def _committed_state(storage: Storage, newest: bool) -> tuple[Commit, dict[str, Any]]:
+    """A commit and the state saved with it (empty for a new buffer): the storage's own commit,
+    or (``newest``) the store's newest.
 
     A reader may race the writer: the commit it read names a state object the writer has since
-    replaced. It then adopts the newer commit and reads that one's state.
+    replaced. It then reads the newer commit and that one's state.
+
+    Raises CorruptBufferError: the state object is missing or unreadable (naming it).
     """
-    for _ in range(10):
-        extra = storage.commit_record.extra
-        if "state" not in extra:
-            return {}
-        key = extra.get("state_arrays")
-        blob = storage.store.get(key) if key else b""
+    record = storage.read_commit() if newest else storage.commit_record
+    for attempt in range(STATE_ATTEMPTS):
+        if attempt:
+            record = storage.read_commit()
+        key = record.state_arrays
+        if "state" not in record.extra:
+            return record, {}
+        blob = storage.get_state(key) if key else b""
         if blob is not None:
-            return snapshot.join(extra["state"], snapshot.arrays_from_bytes(blob) if key else {})
-        if storage.mode != "r" or not storage.refresh():
+            try:
+                arrays = snapshot.arrays_from_bytes(blob) if key else {}
+                return record, snapshot.join(record.extra["state"], arrays)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptBufferError(f"{storage.url!r}: state object {key!r} does not load ({exc})") from None
+        if storage.mode != "r":
             break
     raise CorruptBufferError(f"{storage.url!r}: state object {key!r} is missing (the last commit names it)")
+
+
+def _sampler_for(storage: Storage, state: Mapping[str, Any]) -> Sampler:
+    try:
+        return sampler_from_state(state.get("sampler"))
+    except (KeyError, TypeError) as exc:
+        raise CorruptBufferError(f"{storage.url!r}: the saved sampler settings are unreadable ({exc})") from None
 
 
 def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -709,7 +987,12 @@ def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | Non
 
 def _finals_url(url: str) -> str:
     """Where a buffer with ``derive_next`` keeps each episode's final next observation."""
-    return f"{url.rstrip('/')}/{FINALS_PATH}"
+    return f"{url.rstrip('/')}/{zarr_layout.FINALS_DIR}"
+
+
+def _finals_cache(schema: Schema, num_envs: int) -> int:
+    """The side store's chunk cache: its default, or what staging needs if that is more."""
+    return max(FINALS_CACHE_BYTES, (2 * num_envs + 2) * FINALS_CHUNK_ROWS * schema.row_bytes)
 
 
 def _check_episodic_return(spec: EpisodicReturn, user: Schema) -> None:

@@ -89,6 +89,14 @@ class ChunkCache:
         slots = slots[(slots >= 0)]
         self.evict(slots[~self.pinned[slots]])
 
+    def drop(self, lane: int, chunks: np.ndarray) -> None:
+        """Forget these chunks of a lane, pinned (staged or sealed) ones included."""
+        chunks = chunks[chunks < self.table.shape[1]]
+        slots = self.table[lane, chunks]
+        slots = slots[slots >= 0]
+        self.pinned[slots] = False
+        self.evict(slots)
+
     def chunk_rows_of(self, name: str, slot: int) -> np.ndarray:
         """The slab rows of one slot for one field (a view: writes go straight into the cache)."""
         start = slot * self.chunk_rows

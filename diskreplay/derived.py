@@ -3,7 +3,9 @@
 - ``next_<f>`` at read time, from ``<f>`` at step t+1 of the same episode: this halves the disk
   used by large observations (`RowView`).
 - The discounted episodic return-to-go, at write time, once each episode ends
-  (`EpisodicReturn`).
+  (`EpisodicReturn`). A step's stored return counts only once its episode's end is committed:
+  until then every read gives ``default_return`` (`RowView` masks it), so a crash between the
+  write of patched chunks and the commit never shows returns made of uncommitted rewards.
 
 For the first: Each episode's final ``next_<f>`` (the observation
 after its last step, not stored in the main arrays) is kept in a small dataset-mode store of its
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .episodes import EpisodeIndex
+from .episodes import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
 from .schema import Field, Schema
 from .storage import Storage, output_rows
@@ -45,12 +47,13 @@ class RowView:
     """Gathers logical rows: stored fields from `Storage`, derived ``next_*`` fields rebuilt."""
 
     def __init__(self, storage: Storage, episodes: EpisodeIndex, logical: Schema,
-                 derived: dict[str, str], finals: Storage | None):
+                 derived: dict[str, str], finals: Storage | None, returns: "EpisodicReturn | None" = None):
         self.storage = storage
         self.episodes = episodes
         self.schema = logical
         self.derived = derived
         self.finals = finals
+        self.returns = returns
         self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
                           for twin in derived}
 
@@ -63,6 +66,8 @@ class RowView:
         wanted = [twin for twin in names if twin in self.derived]
         if wanted:
             rows.update(self._next_rows(lane, step, wanted, out or {}))
+        if self.returns is not None and self.returns.name in rows:
+            self.returns.mask(rows[self.returns.name], self.episodes, lane, step)
         return {n: rows[n] for n in names}
 
     def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str],
@@ -95,8 +100,25 @@ class RowView:
         for twin in self.derived:
             self.last_next[twin][lane] = rows[twin][-1]
 
+    def record_final(self, lane: int) -> None:
+        """Writer: the lane's newest step was made an episode end (a cut episode closed): its
+        ``next_*`` kept in RAM becomes that episode's final. All or nothing."""
+        if self.derived:
+            self.finals.append(lane, {base: self.last_next[twin][lane][None] for twin, base in self.derived.items()}, 1)
+
     def state_dict(self) -> dict[str, Any]:
         return {twin: value.copy() for twin, value in self.last_next.items()}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError unless ``state`` (from `state_dict`) fits these fields."""
+        if not isinstance(state, dict):
+            raise ValueError(f"'last_next': expected a mapping, got {type(state).__name__}")
+        for twin, value in state.items():
+            want = self.last_next.get(twin)
+            if want is None or not isinstance(value, np.ndarray) or value.shape != want.shape or value.dtype != want.dtype:
+                raise ValueError(f"'last_next.{twin}': expected {want.dtype if want is not None else 'no such field'} "
+                                 f"shaped {want.shape if want is not None else ()}, got {getattr(value, 'dtype', type(value).__name__)} "
+                                 f"shaped {getattr(value, 'shape', None)}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for twin in self.derived:
@@ -138,16 +160,32 @@ class EpisodicReturn:
         steps of the episode they finish that were stored earlier. ``ends`` flags episode ends."""
         returns, _ = episodic_returns(rows[self.reward], ends, self.gamma, self.default_return, self.clip)
         rows[self.name] = returns.astype(np.float32)
-        if not ends.any():
+        if not ends.any() or len(returns) > (storage.layout.lane_capacity or np.inf):
             return
-        lo, hi = storage.window()
-        first = int(hi[lane])
-        start = max(int(episodes.episode_start(np.array([lane]), np.array([first]))[0]), int(lo[lane]))
-        if start >= first or len(returns) > (storage.layout.lane_capacity or np.inf):
+        self._patch(storage, episodes, lane, int(storage.window()[1][lane]), float(returns[0]))
+
+    def close(self, storage: Storage, episodes: EpisodeIndex, lane: int, last: int) -> None:
+        """The lane's episode is ended at its stored step ``last``: patch its returns."""
+        self._patch(storage, episodes, lane, last + 1, 0.0)
+
+    def _patch(self, storage: Storage, episodes: EpisodeIndex, lane: int, end: int, after: float) -> None:
+        """Set the returns of the stored steps ``[start, end)`` of the episode that step ``end``
+        would continue (no end recorded at ``end - 1`` yet) to their discounted rewards followed
+        by ``after`` (the return at ``end``)."""
+        lo = int(storage.window()[0][lane])
+        start = max(int(episodes.episode_start(np.array([lane]), np.array([end]))[0]), lo)
+        if start >= end:
             return
-        earlier = storage.gather(np.full(first - start, lane), np.arange(start, first), (self.reward,))
+        earlier = storage.gather(np.full(end - start, lane), np.arange(start, end), (self.reward,))
         rewards = earlier[self.reward].astype(np.float64)
         if self.clip is not None:
             rewards = np.clip(rewards, *self.clip)
-        tail = discount_cumsum(np.append(rewards, returns[0]), self.gamma)[:-1]
+        tail = discount_cumsum(np.append(rewards, after), self.gamma)[:-1]
         storage.update_rows(lane, start, {self.name: tail.astype(np.float32)})
+
+    def mask(self, values: np.ndarray, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray) -> None:
+        """Set ``default_return`` where the step's episode has not ended (in the index read with
+        the rows): a stored value there may come from rewards no commit holds yet."""
+        open_ = episodes.next_end(lane, step) == NO_END
+        if open_.any():
+            values[open_] = self.default_return

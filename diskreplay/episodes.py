@@ -63,6 +63,14 @@ class EpisodeIndex:
         keep = np.searchsorted(ends, new[0])
         self._store(lane, np.concatenate([ends[:keep], new]))
 
+    def add_end(self, lane: int, step: int) -> None:
+        """Record an episode end at ``step`` (after every recorded end of the lane)."""
+        self._store(lane, np.append(self.ends(lane), np.int64(step)))
+
+    def rewind(self, lane: int, step: int) -> None:
+        """Forget the lane's ends at or after ``step`` (steps a failed call had added)."""
+        self._count[lane] = np.searchsorted(self.ends(lane), step)
+
     def end_flags(self, rows: dict[str, np.ndarray]) -> np.ndarray:
         """Per row, whether it ends an episode (OR of the end fields)."""
         flags = np.asarray(rows[self.end_fields[0]], dtype=bool)
@@ -166,6 +174,29 @@ class EpisodeIndex:
     def state_dict(self) -> dict[str, Any]:
         return {"end_fields": list(self.end_fields), "count": self._count.copy(), "pruned": self._pruned.copy(),
                 "ends": np.concatenate([self.ends(e) for e in range(len(self._count))])}
+
+    def check_state(self, state: Any, total: np.ndarray) -> None:
+        """Raise ValueError unless ``state`` (from `state_dict`) is an index of these end fields
+        whose ends, per lane, are strictly increasing steps below ``total``."""
+        if not isinstance(state, dict):
+            raise ValueError(f"'episodes': expected a mapping, got {type(state).__name__}")
+        if list(state.get("end_fields", [])) != list(self.end_fields):
+            raise ValueError(f"'episodes.end_fields': expected {list(self.end_fields)}, got {state.get('end_fields')!r}")
+        lanes = len(self._count)
+        count, ends = np.asarray(state.get("count")), np.asarray(state.get("ends"))
+        pruned = np.asarray(state.get("pruned", np.zeros(lanes, np.int64)))
+        for name, value in (("count", count), ("pruned", pruned)):
+            if value.shape != (lanes,) or value.dtype.kind not in "iu" or (value < 0).any():
+                raise ValueError(f"'episodes.{name}': expected {lanes} ints >= 0, got {value.dtype} shaped {value.shape}")
+        if ends.ndim != 1 or ends.dtype.kind not in "iu" or len(ends) != int(count.sum()):
+            raise ValueError(f"'episodes.ends': expected {int(count.sum())} ints (the counts' sum), got "
+                             f"{ends.dtype} shaped {ends.shape}")
+        offsets = np.concatenate([[0], np.cumsum(count)])
+        for lane in range(lanes):
+            own = ends[offsets[lane]:offsets[lane + 1]]
+            if len(own) and (own[0] < 0 or own[-1] >= total[lane] or (np.diff(own) <= 0).any()):
+                raise ValueError(f"'episodes.ends' of lane {lane}: expected increasing steps in "
+                                 f"[0, {int(total[lane])}), got {own[:5].tolist()}...")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pruned = np.asarray(state.get("pruned", np.zeros_like(self._count)), dtype=np.int64).copy()

@@ -34,7 +34,11 @@ class CorruptBufferError(DiskReplayError, OSError):
 
 
 class LockedError(DiskReplayError, RuntimeError):
-    """Another writer holds the buffer's write lock."""
+    """Another writer holds the buffer's write lock (or took it from this writer)."""
+
+
+class ClosedError(DiskReplayError, ValueError):
+    """The buffer (or dataset) was closed: open it again to use it."""
 
 
 class StaleReadError(DiskReplayError, IndexError):

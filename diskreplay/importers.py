@@ -26,6 +26,16 @@ Field names produced:
 * Zarr: a diskreplay buffer keeps its fields and env lanes (rows re-chunked and re-compressed,
   only the readable window of a ring); a plain Zarr group gives one field per array.
 
+Refused sources (`ImportFormatError`, raised before ``dest`` is touched):
+
+* HDF5 data outside the file: external links (anywhere in a D4RL file, anywhere under a Minari
+  episode), soft links under a Minari episode (they may lead through one), datasets with external
+  storage and virtual datasets. Nothing outside the source file is opened or read.
+* ``.npy`` data (a file or an ``.npz`` member) shorter than its header claims (``prod(shape) *
+  itemsize`` bytes), so no header can make the import allocate or read more than the data held;
+  object arrays; a Fortran-ordered ``.npz`` member of more than `FORTRAN_WHOLE_BYTES` (its rows
+  are not contiguous: it could only be read whole; save it C-ordered). Smaller ones are read whole.
+
 Interrupted imports. Rows are written straight into ``dest``, but ``dest`` only becomes a buffer
 at the very end: until then its commit record is written under `INCOMPLETE_KEY` instead of
 ``commit.json``, so `ReplayBuffer.open` of a killed import raises `NotABufferError`. An import
@@ -61,6 +71,7 @@ FORMATS = ("d4rl", "minari", "npz", "npy", "zarr")
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
 EXPORT_ATTR = "diskreplay_export"  # HDF5 file attribute set by `diskreplay export`
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+FORTRAN_WHOLE_BYTES = 16 * 2**20  # a Fortran-ordered .npz member up to this size is read whole, larger refused
 
 D4RL_NAMES = {"observations": "obs", "actions": "action", "rewards": "reward", "terminals": "terminated",
               "timeouts": "truncated", "next_observations": "next_obs"}
@@ -323,18 +334,56 @@ def _minari_file(path: str) -> str | None:
     return None
 
 
+def _hdf5_datasets(h5py: Any, root: Any, where: str, follows_soft: bool) -> dict[str, Any]:
+    """Every dataset under ``root`` (by path relative to it), refusing data from outside the file.
+
+    Walks hard links only, so no other file is opened; raises ImportFormatError for an external
+    link, a soft link when the importer ``follows_soft`` (by-name access may lead through an
+    external link), or a dataset whose data lives in other files (external storage, virtual).
+    """
+    datasets: dict[str, Any] = {}
+    groups = [root]
+
+    def collect(path: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            datasets[path] = obj
+        elif isinstance(obj, h5py.Group):
+            groups.append(obj)
+
+    root.visititems(collect)  # hard links only
+    for group in groups:
+        for name in group:
+            _refuse_link(h5py, group, name, where, follows_soft)
+    for ds in datasets.values():
+        if ds.external is not None:
+            files = sorted({os.fsdecode(entry[0]) for entry in ds.external})
+            raise ImportFormatError(f"{where}: dataset {ds.name!r} keeps its data in external file(s) "
+                                    f"{files}; expected its data inside the file (external storage is not read)")
+        if ds.is_virtual:
+            files = sorted({vds.file_name for vds in ds.virtual_sources()})
+            raise ImportFormatError(f"{where}: dataset {ds.name!r} is a virtual dataset mapping {files}; "
+                                    f"expected its data inside the file (virtual datasets are not read)")
+    return datasets
+
+
+def _refuse_link(h5py: Any, group: Any, name: str, where: str, follows_soft: bool) -> None:
+    """Raise ImportFormatError if ``group[name]`` is a link the importer must not follow (not resolved here)."""
+    link = group.get(name, getlink=True)
+    path = f"{group.name.rstrip('/')}/{name}"
+    if isinstance(link, h5py.ExternalLink):
+        raise ImportFormatError(f"{where}: link {path!r} is an external link to {link.filename!r} "
+                                f"({link.path!r}); expected data inside the file (other files are not read)")
+    if follows_soft and isinstance(link, h5py.SoftLink):
+        raise ImportFormatError(f"{where}: link {path!r} is a soft link to {link.path!r}; expected the "
+                                f"episode's data stored under it directly (soft links are not followed)")
+
+
 class D4RLSource(Source):
     def __init__(self, src: str, batch_rows: int):
         h5py = _h5py()
         self.batch_rows = batch_rows
         self.file = h5py.File(local_path(src), "r")
-        datasets: dict[str, Any] = {}
-
-        def collect(path: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                datasets[path] = obj
-
-        self.file.visititems(collect)
+        datasets = _hdf5_datasets(h5py, self.file, repr(src), follows_soft=False)
         lengths = [d.shape[0] for d in datasets.values() if d.ndim >= 1]
         if not lengths:
             raise ImportFormatError(f"{src!r}: no datasets with a step axis found")
@@ -414,6 +463,9 @@ class MinariSource(Source):
                 keyed.append((int(match.group(1)), key))
         if not keyed:
             raise ImportFormatError(f"{src!r}: no episode_<id> groups in {file!r}")
+        for _, key in keyed:  # by name, h5py follows every link: check them all before the first access
+            _refuse_link(h5py, self.file, key, repr(src), follows_soft=True)
+            _hdf5_datasets(h5py, self.file[key], repr(src), follows_soft=True)
         self.episodes = [self.file[k] for _, k in sorted(keyed)]
         self.rows = 0
         for ep in self.episodes:
@@ -511,26 +563,45 @@ class _Pending:
             yield 0, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def _npy_header(fileobj: Any, size: int, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype of a ``.npy`` stream of ``size`` bytes, read from its header.
+
+    Raises ImportFormatError for object arrays, scalars, and a header claiming more data than the
+    stream holds (nothing is allocated on a header's word).
+    """
+    fmt = np.lib.format
+    version = fmt.read_magic(fileobj)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(fileobj)
+    else:
+        shape, fortran, dtype = fmt.read_array_header_2_0(fileobj)
+    if dtype.hasobject:
+        raise ImportFormatError(f"{where}: object arrays cannot be imported")
+    if not shape:
+        raise ImportFormatError(f"{where}: a scalar, expected an array with a step axis")
+    claimed, held = math.prod(shape) * dtype.itemsize, size - fileobj.tell()
+    if claimed > held:
+        raise ImportFormatError(f"{where}: the header claims shape {tuple(shape)} of {dtype} ({claimed} bytes) "
+                                f"but only {held} bytes of data follow; expected a complete .npy array")
+    return tuple(shape), fortran, dtype
+
+
 class _NpyStream:
     """Row slices of one ``.npy`` stream read front to back (works inside a compressed zip)."""
 
-    def __init__(self, fileobj: Any, where: str):
-        fmt = np.lib.format
-        version = fmt.read_magic(fileobj)
-        if version == (1, 0):
-            shape, fortran, dtype = fmt.read_array_header_1_0(fileobj)
-        else:
-            shape, fortran, dtype = fmt.read_array_header_2_0(fileobj)
-        if dtype.hasobject:
-            raise ImportFormatError(f"{where}: object arrays cannot be imported")
-        if not shape:
-            raise ImportFormatError(f"{where}: a scalar, expected an array with a step axis")
-        self.file, self.shape, self.dtype = fileobj, tuple(shape), dtype
+    def __init__(self, fileobj: Any, size: int, where: str):
+        shape, fortran, dtype = _npy_header(fileobj, size, where)
+        self.file, self.shape, self.dtype, self.where = fileobj, shape, dtype, where
         self.row_bytes = math.prod(shape[1:]) * dtype.itemsize
         self.whole = None
-        if fortran and len(shape) > 1:  # rows are not contiguous: no streaming
+        if fortran and len(shape) > 1:  # rows are not contiguous: no streaming, only small ones read whole
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > FORTRAN_WHOLE_BYTES:
+                raise ImportFormatError(f"{where}: Fortran-ordered array of shape {shape} ({nbytes} bytes) "
+                                        f"could only be read whole; expected C order above "
+                                        f"{FORTRAN_WHOLE_BYTES} bytes: save it as np.ascontiguousarray(array)")
             warnings.warn(f"{where}: Fortran-ordered, read whole into memory", stacklevel=3)
-            data = np.frombuffer(fileobj.read(), dtype=dtype)
+            data = np.frombuffer(fileobj.read(nbytes), dtype=dtype)
             self.whole = data.reshape(tuple(reversed(shape))).transpose()
         self.pos = 0
 
@@ -541,7 +612,7 @@ class _NpyStream:
             blob = self.file.read(rows * self.row_bytes)
             got = len(blob) // max(self.row_bytes, 1)
             if got != min(rows, self.shape[0] - self.pos):
-                raise ImportFormatError(f"truncated .npy data ({got} of {rows} rows read)")
+                raise ImportFormatError(f"{self.where}: truncated data ({got} of {rows} rows read)")
             out = np.frombuffer(blob, dtype=self.dtype).reshape((got, *self.shape[1:]))
         self.pos += len(out)
         return out
@@ -579,7 +650,8 @@ class NpzSource(_ColumnsSource):
             if not member.endswith(".npy"):
                 continue
             name = member[:-4]
-            stream = _NpyStream(self.zip.open(member), f"{src!r}: {member}")
+            size = self.zip.getinfo(member).file_size
+            stream = _NpyStream(self.zip.open(member), size, f"{src!r}: {member}")
             self.streams[field_name(name)] = stream
             columns[name] = (stream.shape, stream.dtype)
         self._setup(src, columns)
@@ -601,10 +673,10 @@ class NpyFolderSource(_ColumnsSource):
         self.arrays = {}
         for entry in sorted(os.listdir(path)):
             if entry.endswith(".npy"):
-                arr = np.load(os.path.join(path, entry), mmap_mode="r", allow_pickle=False)
-                if arr.ndim == 0:
-                    raise ImportFormatError(f"{src!r}: {entry} is a scalar, expected a step axis")
-                self.arrays[entry[:-4]] = arr
+                file = os.path.join(path, entry)
+                with open(file, "rb") as f:
+                    _npy_header(f, os.fstat(f.fileno()).st_size, f"{src!r}: {entry}")
+                self.arrays[entry[:-4]] = np.load(file, mmap_mode="r", allow_pickle=False)
         self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
         self.arrays = {field_name(k): a for k, a in self.arrays.items()}
 

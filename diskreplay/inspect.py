@@ -59,9 +59,10 @@ def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarra
 
 def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: int,
               batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
-    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows."""
+    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows
+    (episodic returns of episodes not ended in the commit read as their default, as in `sample`)."""
     layout = buf.storage.layout
-    step = lo
+    step = first = lo
     parts: list[dict[str, np.ndarray]] = []
     count = 0
     while step < hi:
@@ -71,8 +72,13 @@ def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: i
         count += piece
         step += piece
         if count >= batch_rows or step >= hi:
-            yield {n: np.concatenate([p[n] for p in parts]) for n in names}
-            parts, count = [], 0
+            rows = {n: np.concatenate([p[n] for p in parts]) for n in names}
+            returns = buf.episodic_return
+            if returns is not None and returns.name in rows:
+                steps = np.arange(first, step)
+                returns.mask(rows[returns.name], buf.episode_index, np.full(len(steps), lane), steps)
+            yield rows
+            parts, count, first = [], 0, step
 
 
 def readable(buf: ReplayBuffer) -> list[tuple[int, int, int]]:

@@ -13,26 +13,42 @@ and removes it on close; a second writer finds it and gets `LockedError` naming 
 
 The lock records ``pid``, ``host``, the process start time (Linux), ``time`` and a random
 ``token``; release deletes the object only while it still holds our token, so a writer whose lock
-was broken does not delete its successor's. A writer killed without closing leaves its lock
-behind. On local disk a lock whose pid no longer runs on this host (or was reused by another
-process) is reported as stale; breaking it is explicit: ``ReplayBuffer.open(url, "r+",
-break_lock=True)``, `break_lock` here, or ``diskreplay unlock URL``. Readers never take the lock.
+was broken does not delete its successor's, and a writer checks that the lock still holds its
+token before every commit (`WriterLock.verify`): one whose lock was broken stops writing.
+
+A writer killed without closing leaves its lock behind. A lock whose holder is known to be gone
+(a pid that no longer runs on this host, or was reused by another process) is *stale*: the next
+writer takes it over with a warning. Takeovers on one host are serialized by a host-local file
+lock, so two processes resuming at once cannot both take it. A holder on another host, or one
+that looks alive, is never taken over silently: breaking it is explicit, with
+``ReplayBuffer.open(url, "r+", break_lock=True)``, `break_lock` here, or ``diskreplay unlock URL``.
+Readers never take the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
-from .chunkstore import ChunkStore, open_chunkstore
+from .chunkstore import ChunkStore, is_local, local_path, open_chunkstore
 from .errors import LockedError
 
 LOCK_KEY = "writer.lock"
+MAX_LOCK_BYTES = 4096
+
+
+def _is_int(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value < hi
 
 
 @dataclass
@@ -48,16 +64,19 @@ class LockInfo:
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "LockInfo":
+        """The record in a lock object. Anything unreadable or out of range (a lock object is
+        never trusted) makes an unknown holder, which is never called stale."""
         try:
             data = json.loads(blob)
             if not isinstance(data, dict):
                 raise ValueError("not an object")
-        except ValueError:
+        except (ValueError, RecursionError):
             return cls(None, "?", None, "", None, blob)
-        pid = data.get("pid")
-        return cls(pid if isinstance(pid, int) else None, str(data.get("host", "?")),
-                   data.get("time") if isinstance(data.get("time"), (int, float)) else None,
-                   str(data.get("token", "")), data.get("start_ticks"), blob)
+        pid, stamp, ticks = data.get("pid"), data.get("time"), data.get("start_ticks")
+        return cls(pid if _is_int(pid, 1, 2**31) else None, str(data.get("host", "?"))[:255],
+                   float(stamp) if _is_int(stamp, 0, 2**40) or (isinstance(stamp, float) and 0 <= stamp < 2**40)
+                   else None,
+                   str(data.get("token", ""))[:64], ticks if _is_int(ticks, -2**62, 2**62) else None, blob)
 
     def stale_reason(self) -> str | None:
         """Why the holder is known to be gone (same host only), or None if it may be alive."""
@@ -94,20 +113,52 @@ class WriterLock:
                            "url": self.url}).encode()
 
     def acquire(self, break_lock: bool = False) -> "WriterLock":
-        """Take the lock, or raise `LockedError`. ``break_lock``: remove any existing lock first."""
+        """Take the lock, or raise `LockedError`. A stale lock (its holder is gone, see the module
+        docstring) is taken over with a warning; ``break_lock``: remove any existing lock first."""
         if break_lock:
             self.store.delete(LOCK_KEY)
-        if self.store.put_if_absent(LOCK_KEY, self._payload()):
-            self.held = True
+        if self._create():
             return self
         holder = self.holder()
-        if holder is not None and holder.token == self.token:  # our PUT landed; its reply was lost
-            self.held = True
-            return self
+        if holder is not None and holder.stale_reason():
+            return self._take_over(holder)
         raise LockedError(locked_message(self.url, holder))
 
+    def _create(self) -> bool:
+        if self.store.put_if_absent(LOCK_KEY, self._payload()):
+            self.held = True
+        else:  # our PUT may have landed with its reply lost
+            holder = self.holder()
+            self.held = holder is not None and holder.token == self.token
+        return self.held
+
+    def _take_over(self, stale: "LockInfo") -> "WriterLock":
+        with _takeover_guard(self.url):
+            holder = self.holder()
+            if holder is not None and (holder.raw != stale.raw or not holder.stale_reason()):
+                raise LockedError(locked_message(self.url, holder))  # someone else resumed first
+            self.store.delete(LOCK_KEY)
+            if not self._create():
+                raise LockedError(locked_message(self.url, self.holder()))
+        warnings.warn(f"{self.url!r}: took over the writer lock left by {stale.describe()} "
+                      f"({stale.stale_reason()}); its committed rows are kept, its unflushed rows are lost",
+                      stacklevel=4)
+        return self
+
+    def verify(self) -> None:
+        """Raise `LockedError` unless this writer still holds the lock (the lock object still
+        holds its token): a writer whose lock was broken must not write over its successor."""
+        holder = self.holder() if self.held else None
+        if holder is not None and holder.token == self.token:
+            return
+        self.held = False
+        lost = "it was removed" if holder is None else f"it is now held by {holder.describe()}"
+        raise LockedError(f"{self.url!r}: this writer no longer holds the writer lock {LOCK_KEY!r} ({lost}); "
+                          f"it stopped writing so as not to overwrite another writer's rows. Open the buffer "
+                          f"again to write")
+
     def holder(self) -> LockInfo | None:
-        blob = self.store.get(LOCK_KEY)
+        blob = self.store.get(LOCK_KEY, limit=MAX_LOCK_BYTES)
         return None if blob is None else LockInfo.from_bytes(blob)
 
     def release(self) -> None:
@@ -155,15 +206,30 @@ def break_lock(url: str, storage_options: dict | None = None) -> LockInfo | None
 
 
 def check_unlocked(url: str, storage_options: dict | None = None, break_lock: bool = False) -> None:
-    """Raise `LockedError` if a writer holds ``url`` (before replacing a buffer); ``break_lock``
-    removes the lock instead."""
+    """Raise `LockedError` if a live writer holds ``url`` (before replacing a buffer). A stale
+    lock is no obstacle; ``break_lock`` removes any lock."""
     lock = WriterLock(url, storage_options)
     holder = lock.holder()
-    if holder is None:
+    if holder is None or holder.stale_reason():
         return
     if not break_lock:
         raise LockedError(locked_message(url, holder))
     lock.store.delete(LOCK_KEY)
+
+
+@contextlib.contextmanager
+def _takeover_guard(url: str) -> Iterator[None]:
+    """An exclusive lock, on this host, on taking over ``url``'s writer lock."""
+    name = os.path.realpath(local_path(url)) if is_local(url) else url
+    folder = os.path.join(tempfile.gettempdir(), "diskreplay-takeover")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(name.encode()).hexdigest()[:32] + ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

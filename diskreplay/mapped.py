@@ -76,13 +76,14 @@ def _open_statm() -> int | None:
 class _Region:
     """One field's reservation: slot ``s`` (a lane's chunk) starts at row ``s * stride``."""
 
-    def __init__(self, field: Field, chunk_rows: int, slots: int):
+    def __init__(self, field: Field, chunk_rows: int, slots: int, trailer: int):
         page = mmap.PAGESIZE
         self.field = field
         self.row_bytes = field.row_bytes
         unit = page // math.gcd(self.row_bytes, page)  # rows whose bytes fill whole pages
         self.stride = -(-chunk_rows // unit) * unit
         self.file_bytes = chunk_rows * self.row_bytes
+        self.trailer = trailer
         self.size = slots * self.stride * self.row_bytes
         self.base = _check(_libc.mmap(None, self.size, _PROT_NONE,
                                       _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0), "reserve")
@@ -93,8 +94,9 @@ class _Region:
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                raise CorruptBufferError(f"chunk file {path!r} has {size} bytes, expected {self.file_bytes}")
+            if size != self.file_bytes + self.trailer:
+                raise CorruptBufferError(f"chunk file {path!r} has {size} bytes, expected "
+                                         f"{self.file_bytes + self.trailer}")
             address = self.base + slot * self.stride * self.row_bytes
             _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), path)
         finally:
@@ -112,8 +114,10 @@ class MappedChunks:
     """Every field of a local raw store as one mapped array; see the module docstring."""
 
     def __init__(self, store: LocalChunkStore, chunk_key: Callable[[str, int, int], str], schema: Schema,
-                 layout: LaneLayout, cache_bytes: int, chunks_per_lane: int = 0):
-        """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``."""
+                 layout: LaneLayout, cache_bytes: int, chunks_per_lane: int = 0, trailer: int = 0):
+        """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``trailer``: bytes
+        after the values in each file (a checksum, not mapped)."""
+        self.trailer = trailer
         self.store, self.chunk_key, self.schema, self.layout = store, chunk_key, schema, layout
         self.page_budget = max(cache_bytes // mmap.PAGESIZE, 1)
         self.pages_touched = 0
@@ -123,7 +127,7 @@ class MappedChunks:
         self.pages_per_chunk = sum(-(-f.row_bytes * layout.chunk_rows // mmap.PAGESIZE) for f in schema.fields.values())
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
         self.mapped = np.zeros((layout.num_envs, self.chunks), dtype=bool)
-        self.regions = {name: _Region(f, layout.chunk_rows, layout.num_envs * self.chunks)
+        self.regions = {name: _Region(f, layout.chunk_rows, layout.num_envs * self.chunks, trailer)
                         for name, f in schema.items()}
         self.pages_per_row = {name: -(-f.row_bytes // mmap.PAGESIZE) + FAULT_AROUND for name, f in schema.items()}
 
@@ -192,7 +196,7 @@ class MappedChunks:
         self.chunks = max(2 * self.chunks, chunks_needed)
         self.mapped = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)
         self.pages_mapped = 0
-        self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
+        self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks, self.trailer)
                         for name, f in self.schema.items()}
 
     def _unmap(self) -> None:

@@ -86,6 +86,10 @@ class Uniform:
     def from_state_dict(cls, state: dict[str, Any]) -> "Uniform":
         return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
 
+    @staticmethod
+    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
+        pass
+
 
 def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
     pos = rng.integers(0, int((hi - lo).sum()), size=n)
@@ -236,8 +240,14 @@ class Prioritized:
         live = (step >= lo[lane]) & (step < hi[lane])
         priority = np.abs(td[live]) + self.eps
         if priority.size:
+            leaves = priority ** self.alpha
+            limit = np.finfo(np.float64).max / self.sum_tree.capacity
+            if not (leaves <= limit).all():
+                bad = int(np.flatnonzero(~(leaves <= limit))[0])
+                raise ValueError(f"update_priorities: TD error {td[live][bad]} gives priority {leaves[bad]}, above "
+                                 f"{limit:.3g}, where the sum over {self.sum_tree.capacity} rows could overflow")
             self.max_priority = max(self.max_priority, float(priority.max()))
-            self._set_leaves(self._leaf(lane[live], step[live]), priority ** self.alpha)
+            self._set_leaves(self._leaf(lane[live], step[live]), leaves)
         return int(live.sum())
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,6 +269,28 @@ class Prioritized:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "Prioritized":
         return cls(state["alpha"], state["beta"], state["eps"], state["initial_priority"], state["stratified"])
+
+    @staticmethod
+    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
+        """Raise ValueError unless ``state`` is a `state_dict` of this layout: leaves for every
+        lane's slots, finite and >= 0, and a finite max priority > 0."""
+        stride = state["stride"]
+        if layout.lane_capacity is not None:
+            expected_stride = stride == layout.lane_capacity
+        else:
+            expected_stride = (_is_int(stride) and (1 << 16) <= stride <= 2 * max(int(total.max(initial=0)), 1 << 16)
+                               and stride & (stride - 1) == 0)
+        if not _is_int(stride) or not expected_stride:
+            raise ValueError(f"'sampler.stride': expected {layout.lane_capacity or 'a power of two >= 65536 that fits the rows'}"
+                             f", got {stride!r}")
+        leaves = state["leaves"]
+        if (not isinstance(leaves, np.ndarray) or leaves.dtype != np.float64 or leaves.shape != (layout.num_envs * stride,)
+                or not (np.isfinite(leaves) & (leaves >= 0)).all()):
+            raise ValueError(f"'sampler.leaves': expected {layout.num_envs * stride} finite float64 values >= 0, got "
+                             f"{getattr(leaves, 'dtype', type(leaves).__name__)} shaped {getattr(leaves, 'shape', None)}")
+        peak = state["max_priority"]
+        if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (math.isfinite(peak) and peak > 0):
+            raise ValueError(f"'sampler.max_priority': expected a finite number > 0, got {peak!r}")
 
 
 class WithoutReplacement:
@@ -319,6 +351,20 @@ class WithoutReplacement:
         return {"type": "WithoutReplacement", "epoch": self.epoch, "cursor": self.cursor,
                 "epoch_seed": self.epoch_seed, "epoch_lo": self.epoch_lo.copy(), "epoch_hi": self.epoch_hi.copy()}
 
+    @staticmethod
+    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
+        """Raise ValueError unless ``state`` is a `state_dict` whose epoch covers readable steps."""
+        for name in ("epoch", "cursor", "epoch_seed"):
+            if not _is_int(state[name]) or not -1 <= state[name] < 2**63:
+                raise ValueError(f"'sampler.{name}': expected an int, got {state[name]!r}")
+        lo, hi = np.asarray(state["epoch_lo"]), np.asarray(state["epoch_hi"])
+        if (lo.shape != (layout.num_envs,) or hi.shape != lo.shape or lo.dtype.kind not in "iu"
+                or hi.dtype.kind not in "iu" or (lo < 0).any() or (hi < lo).any() or (hi > total).any()):
+            raise ValueError(f"'sampler.epoch_lo/epoch_hi': expected {layout.num_envs} steps per lane with "
+                             f"0 <= lo <= hi <= {total.tolist()}, got {lo.tolist()} and {hi.tolist()}")
+        if not 0 <= state["cursor"] <= int((hi - lo).sum()):
+            raise ValueError(f"'sampler.cursor': expected an int in [0, {int((hi - lo).sum())}], got {state['cursor']}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.epoch_seed = int(state["epoch_seed"])
@@ -329,6 +375,31 @@ class WithoutReplacement:
 
 SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform, "Prioritized": Prioritized,
                                   "WithoutReplacement": WithoutReplacement}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_sampler_state(sampler: Sampler, state: Any, layout: LaneLayout, total: np.ndarray) -> None:
+    """Raise ValueError (naming the field) unless ``state`` can be loaded into ``sampler``. A
+    saved state of another sampler type is no error: it is not loaded (see `load_sampler_state`)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"'sampler': expected a mapping, got {type(state).__name__}")
+    check = getattr(type(sampler), "check_state", None)
+    if check is not None and state.get("type") == type(sampler).__name__:
+        try:
+            check(state, layout, np.asarray(total))
+        except KeyError as exc:
+            raise ValueError(f"'sampler': {exc} is missing") from None
+
+
+def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> None:
+    """Load a saved sampler state into ``sampler``, unless it was saved by another of the built-in
+    sampler types (a reader may sample with another sampler than the writer's)."""
+    saved = state.get("type")
+    if saved == type(sampler).__name__ or saved not in SAMPLER_TYPES:
+        sampler.load_state_dict(state)
 
 
 def sampler_from_state(state: dict[str, Any] | None) -> Sampler:

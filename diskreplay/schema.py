@@ -6,12 +6,16 @@ checks the whole batch before anything is written: that is what keeps bad input 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
 from .errors import SchemaError
+
+MAX_ROW_BYTES = 1 << 30
+"""The most one step of one field may hold (1 GiB)."""
 
 ALLOWED_DTYPES = tuple(
     np.dtype(d)
@@ -38,6 +42,10 @@ class Field:
         if dtype.newbyteorder("=") not in ALLOWED_DTYPES:  # ">f4" is float32 too (stored "<f4")
             raise SchemaError(
                 f"Field dtype must be one of {[d.name for d in ALLOWED_DTYPES]}, got {dtype}")
+        size = math.prod(shape) * dtype.itemsize
+        if size > MAX_ROW_BYTES:
+            raise SchemaError(f"Field shape {shape} of {dtype} holds {size:,} bytes per step; at most "
+                              f"{MAX_ROW_BYTES:,} (1 GiB) fit one step of one field")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype)
 
@@ -105,6 +113,9 @@ class Schema:
         (same kind: an int64 array may be stored as int32 if every value fits; floats may narrow
         float64 -> float32; nothing may go float -> int or to bool from non-bool).
         """
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"expected a mapping of field name to array (fields {list(self.fields)}), "
+                              f"got {type(data).__name__}")
         missing = [n for n in self.fields if n not in data]
         unknown = [n for n in data if n not in self.fields]
         if missing or unknown:
@@ -146,9 +157,19 @@ def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
         raise SchemaError(
             f"field {name!r}: values in [{lo}, {hi}] do not fit the stored dtype {dtype.name} "
             f"(range [{info.min}, {info.max}])")
-    if src == "f" and dst == "f":
-        return value.astype(dtype)
-    if src in "iub" and dst == "f":
-        return value.astype(dtype)
+    if src in "iubf" and dst == "f":
+        return _narrowed(name, value, dtype)
     raise SchemaError(
         f"field {name!r}: expected dtype {dtype.name} (or one that casts to it safely), got {value.dtype.name}")
+
+
+def _narrowed(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``value`` cast to a narrower float type; a finite value that would become infinite is refused."""
+    out = value.astype(dtype)
+    if value.size and not np.isfinite(out).all():
+        lost = np.isfinite(value) & ~np.isfinite(out) if value.dtype.kind == "f" else ~np.isfinite(out)
+        if lost.any():
+            bad = value[lost].reshape(-1)[0]
+            raise SchemaError(f"field {name!r}: value {bad} overflows the stored dtype {dtype.name} "
+                              f"(largest finite value {np.finfo(dtype).max})")
+    return out

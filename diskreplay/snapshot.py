@@ -7,13 +7,18 @@ the JSON part; `join` reverses it.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from .errors import CorruptBufferError
+
 ARRAY_MARK = "__array__"
+MAX_SNAPSHOT_JSON = 16 << 20
 
 
 def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, np.ndarray]]:
@@ -35,8 +40,11 @@ def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, np.ndarray]]:
 
 
 def join(meta: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """Raises KeyError for a marker naming no array."""
     if isinstance(meta, dict):
         if set(meta) == {ARRAY_MARK}:
+            if not isinstance(meta[ARRAY_MARK], str) or meta[ARRAY_MARK] not in arrays:
+                raise KeyError(f"the state names array {meta[ARRAY_MARK]!r}, which its array file lacks")
             return arrays[meta[ARRAY_MARK]]
         return {k: join(v, arrays) for k, v in meta.items()}
     if isinstance(meta, list):
@@ -49,4 +57,31 @@ def arrays_to_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def arrays_from_bytes(blob: bytes) -> dict[str, np.ndarray]:
-    return st_load(blob)
+    """Raises ValueError for bytes that are not a safetensors file."""
+    try:
+        return st_load(blob)
+    except Exception as exc:  # safetensors raises its own error type (and others) for damaged headers
+        raise ValueError(f"not a safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def load_directory(directory: str) -> tuple[dict[str, Any], str]:
+    """The state and buffer URL saved by `ReplayBuffer.save_snapshot` in ``directory``.
+
+    Raises FileNotFoundError (no snapshot there) or CorruptBufferError naming the damaged file."""
+    meta_path, arrays_path = os.path.join(directory, "state.json"), os.path.join(directory, "state.safetensors")
+    with open(meta_path, "rb") as f:
+        raw = f.read(MAX_SNAPSHOT_JSON + 1)
+    try:
+        if len(raw) > MAX_SNAPSHOT_JSON:
+            raise ValueError(f"larger than {MAX_SNAPSHOT_JSON} bytes")
+        saved = json.loads(raw)
+        if not isinstance(saved, dict) or not isinstance(saved.get("url"), str) or not isinstance(saved.get("state"), dict):
+            raise ValueError("expected an object with 'url' (a string) and 'state' (an object)")
+    except (ValueError, RecursionError) as exc:
+        raise CorruptBufferError(f"snapshot file {meta_path!r} is unreadable ({exc})") from None
+    with open(arrays_path, "rb") as f:
+        blob = f.read()
+    try:
+        return join(saved["state"], arrays_from_bytes(blob)), saved["url"]
+    except (ValueError, KeyError) as exc:
+        raise CorruptBufferError(f"snapshot file {arrays_path!r} is unreadable ({exc})") from None

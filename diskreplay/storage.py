@@ -6,39 +6,42 @@ writes each lane's partial tail chunk. The whole chunks an append covers skip st
 written straight from the caller's arrays before `append` returns. No zarr-python call is made per
 row or per chunk.
 
-Commit protocol. Chunk objects are written first; then one small JSON object, ``commit.json``,
-is replaced atomically (temp + fsync + rename locally, one PUT on object stores). It holds, per
-lane, ``committed`` (steps visible to readers) and ``lower`` (first visible step). Readers and a
-reopening writer see exactly the steps ``[max(lower, committed - capacity), committed)`` of the last
-commit. In a full ring, writing a chunk destroys the oldest rows of its slots, so before any such
-write the writer first commits a raised ``lower``: a reader never reads a row that is being
-overwritten, and a crash at any point leaves the last commit's visible rows intact.
+Failed writes. An `append` that fails (a full disk, an unreachable store) is undone before it
+raises (`unappend`): the lane's cursor, staging and cache are as before the call, so nothing of it
+is ever committed and a retry gets the same row ids. In a ring, the oldest rows the failed call
+would have overwritten are retired (their slots may already hold its rows). A failed `flush`
+leaves the rows staged; the next one writes them again.
+
+Commit protocol. Chunk objects are written first; then one small JSON object, ``commit.json``
+(`diskreplay.commit`), is replaced atomically. It holds, per lane, ``committed`` (steps visible to
+readers) and ``lower`` (first visible step). Readers and a reopening writer see exactly the steps
+``[max(lower, committed - capacity), committed)`` of the last commit. In a full ring, writing a
+chunk destroys the oldest rows of its slots, so before any such write the writer first commits a
+raised ``lower``: a reader never reads a row that is being overwritten, and a crash at any point
+leaves the last commit's visible rows intact. Before every commit, state object and batch of
+chunk writes the writer checks that it still holds the writer lock (`diskreplay.lock`).
 
 Reads. `gather` maps steps to cache slots; missing chunks are fetched concurrently (a thread
-pool; fsspec's async gather for remote stores), decoded once into their slot, and every field is
-then gathered with one ``take``.
+pool; fsspec's async gather for remote stores), decoded (and checksummed) once into their slot,
+and every field is then gathered with one ``take``.
 
-Readers that have not refreshed. A reader keeps the window of the commit it last adopted
-(``open``/``refresh``), while the writer goes on. Cached chunks stay right for that window: a row
-of a step never changes, and a cached copy predates any overwrite of it. A chunk *fetched* later
-may already hold the writer's next round in a ring; but the writer commits a raised ``lower``
-before overwriting. So after a reader (ring buffers only) fetches chunks, it re-reads
-``commit.json`` (one small GET) and, if the newest commit's first visible step has passed any row
-it asked for from those chunks, it drops them, adopts that commit (as `refresh` would) and raises
-`StaleReadError` (an IndexError) naming the rows: the caller draws again from the new window.
-If only rows it did not ask for were retired, it returns the rows asked for but does not keep
-those chunks cached (their other slots may hold the next round). Every cached chunk is thus
-right for every step of the reader's window that maps to it, so cache hits need no check; nor
-do dataset-mode buffers (they never overwrite a row). Rows a reader returns are never from a
-half-written or newer ring round.
-
-The writer lock. A writer (`create`, `open` with ``mode="r+"``) holds ``writer.lock`` (see
-`diskreplay.lock`) from open to `close`; readers take none.
+Readers that have not refreshed. A reader keeps the window of the commit it last adopted,
+while the writer goes on. Cached chunks stay right for that window: a row of a step never
+changes, and a cached copy predates any overwrite of it. A chunk *fetched* later may already hold
+the writer's next round in a ring; but the writer commits a raised ``lower`` before overwriting.
+So after a reader (ring buffers only) fetches chunks, it re-reads ``commit.json`` (one small GET)
+and, if the newest commit's first visible step has passed any row it asked for from those
+chunks, it drops them and raises `StaleReadError` naming the rows: the buffer then adopts the
+newest commit with all its in-RAM state (`ReplayBuffer.refresh`) and the caller draws again. If
+only rows it did not ask for were retired, it returns the rows asked for but does not keep those
+chunks cached (their other slots may hold the next round). Every cached chunk is thus right for
+every step of the reader's window that maps to it, so cache hits need no check; nor do
+dataset-mode buffers (they never overwrite a row).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import time
 import weakref
@@ -50,14 +53,15 @@ import numpy as np
 
 from . import mapped, zarr_layout
 from .cache import ChunkCache
-from .chunkstore import ChunkStore, LocalChunkStore, is_local, open_chunkstore
-from .errors import CorruptBufferError, NotABufferError, ReadOnlyError, StaleReadError
-from .lock import WriterLock
+from .chunkstore import ChunkStore, LocalChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
+from .commit import COMMIT_KEY, Commit, is_state_key, state_key
+from .errors import (ClosedError, CorruptBufferError, LockedError, NotABufferError, ReadOnlyError,
+                     StaleReadError)
 from .lanes import LaneLayout
+from .lock import WriterLock
 from .schema import Field, Schema
 from .zarr_layout import Codec
 
-COMMIT_KEY = "commit.json"
 INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
 DEFAULT_CACHE_BYTES = 512 * 2**20
 SYNC_FILES_ONE_BY_ONE = 32
@@ -68,35 +72,6 @@ def default_io_threads(url: str) -> int:
     """Local disk is bound by CPU and the filesystem: threads beyond the cores only contend.
     Object stores are bound by latency: many requests in flight."""
     return min(4, os.cpu_count() or 1) if is_local(url) else 16
-
-
-@dataclass
-class Commit:
-    """The durable cursor record: which steps of each lane are visible."""
-
-    sequence: int
-    committed: np.ndarray
-    lower: np.ndarray
-    time: float
-    extra: dict[str, Any]
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({
-            "sequence": self.sequence, "time": self.time,
-            "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": self.extra,
-        }).encode()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> "Commit":
-        try:
-            data = json.loads(blob)
-            commit = cls(int(data["sequence"]), np.asarray(data["committed"], dtype=np.int64),
-                         np.asarray(data["lower"], dtype=np.int64), float(data["time"]), data["extra"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} is unreadable ({exc})") from None
-        if commit.committed.shape != (num_envs,) or commit.lower.shape != (num_envs,):
-            raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} has cursors for the wrong number of lanes")
-        return commit
 
 
 def output_rows(name: str, field: Field, count: int, given: np.ndarray | None) -> np.ndarray:
@@ -119,43 +94,67 @@ def _take_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     np.take(source, index, axis=0, out=out, mode="clip")
 
 
+def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool) -> int:
+    """Chunk slots that fit ``cache_bytes``. A writer stages a chunk per lane and seals as many
+    again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least one.
+
+    Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
+    """
+    chunk_bytes = layout.chunk_rows * schema.row_bytes
+    if not isinstance(cache_bytes, (int, np.integer)) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    need = 2 * layout.num_envs + 2 if writer else 1
+    if writer and need * chunk_bytes > cache_bytes:
+        raise ValueError(f"cache_bytes={cache_bytes:,} is too small for a writer: staging needs {need} chunks "
+                         f"(2 per env lane + 2) of {chunk_bytes:,} bytes = {need * chunk_bytes:,} bytes; raise "
+                         f"cache_bytes or lower chunk_rows")
+    slots = max(need, min(cache_bytes // chunk_bytes, ChunkCache.MAX_SLOTS))
+    if layout.lane_capacity is not None:  # more slots than a ring has chunks are dead weight
+        slots = min(slots, max(need, layout.num_envs * layout.chunks_per_lane()))
+    return int(slots)
+
+
+@dataclass(frozen=True)
+class NewStorage:
+    """A buffer to be created: its location, metadata documents (``{key: bytes}``) and cache."""
+
+    url: str
+    documents: dict[str, bytes]
+    cache_bytes: int
+
+
 class Storage:
     """Chunk I/O, staging, the cache and commits for one buffer. Not thread-safe (one writer)."""
 
-    def __init__(self, url: str, config: dict[str, Any], commit: Commit, *, mode: str,
-                 storage_options: dict | None, cache_bytes: int, io_threads: int | None,
-                 writer_lock: WriterLock | None = None, store: ChunkStore | None = None,
-                 memory_map: bool | None = None):
+    def __init__(self, url: str, config: dict[str, Any], arrays: dict[str, dict], commit: Commit, *,
+                 mode: str, storage_options: dict | None, cache_bytes: int, io_threads: int | None,
+                 store: ChunkStore, writer_lock: WriterLock | None = None, memory_map: bool | None = None):
         self.url = url
         self.mode = mode
         self.storage_options = storage_options
         self.config = config
+        self.arrays = arrays
         self.schema = Schema.from_json(config["fields"])
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
-        self.codec = Codec(config["compression"], config["level"])
+        self.codec = zarr_layout.buffer_codec(config, arrays)
         self.key_separator = config["chunk_key_separator"]
+        self.group_lane_rows = zarr_layout.lane_rows(arrays)
         self.io_threads = io_threads or default_io_threads(url)
-        self.store: ChunkStore = store or open_chunkstore(url, storage_options, concurrency=self.io_threads)
+        self.store = store
         self.writer_lock = writer_lock
         # released on close, or when the storage is collected / the interpreter exits unclosed
         self._lock_finalizer = weakref.finalize(self, writer_lock.release) if writer_lock else None
+        self.closed = False
+        self.lost_lock: str | None = None
         self.commit_record = commit
         self.committed = commit.committed.copy()
         self.lower = commit.lower.copy()
-        if mode != "r":
-            # After a crash between a retire commit and the next commit, ``lower`` may exceed
-            # ``committed``: the steps in between were never committed and are re-added fresh.
-            self.lower = np.minimum(self.lower, self.committed)
         self.total = commit.committed.copy()
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
         self.sealed: list[tuple[int, int, int]] = []
         self.unsynced: set[str] = set()
-        slots = ChunkCache.slots_for_budget(self.schema, self.layout.chunk_rows, cache_bytes,
-                                            minimum=2 * self.layout.num_envs + 2)
-        if self.layout.lane_capacity is not None:  # more slots than a ring has chunks are dead weight
-            slots = min(slots, max(2 * self.layout.num_envs + 2,
-                                   self.layout.num_envs * self.layout.chunks_per_lane()))
+        slots = cache_slots(self.schema, self.layout, cache_bytes, writer=mode != "r")
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="diskreplay-io")
@@ -165,37 +164,47 @@ class Storage:
             memory_map = self.layout.num_envs * rows * self.schema.row_bytes > cache_bytes
         if memory_map and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
             self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout, cache_bytes,
-                                              self.layout.chunks_per_lane(int(self.total.max(initial=0))))
-        self.group_lane_rows = config.get("lane_rows_allocated", 0)
+                                              self.layout.chunks_per_lane(int(self.total.max(initial=0))),
+                                              trailer=self.codec.trailer)
 
     # ---- creation and opening -------------------------------------------------------------
 
-    @classmethod
-    def create(cls, url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None,
-               chunk_rows: int, compression: str | None, level: int, storage_options: dict | None,
-               cache_bytes: int, io_threads: int | None, extra: dict[str, Any],
-               options: dict[str, Any] | None = None, break_lock: bool = False,
-               commit: bool = True, memory_map: bool | None = None) -> "Storage":
-        zarr_layout.check_schema_compatible(schema)
+    @staticmethod
+    def plan(url: str, schema: Schema, *, num_envs: int, lane_capacity: int | None, chunk_rows: int,
+             compression: str | None, level: int, cache_bytes: int, options: dict[str, Any]) -> "NewStorage":
+        """A new buffer's metadata, built and checked before anything is written.
+
+        Raises ValueError / SchemaError for a bad codec, level, schema or ``cache_bytes``."""
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
                   "chunk_rows": chunk_rows, "compression": compression, "level": level,
-                  "chunk_key_separator": zarr_layout.CHUNK_KEY_SEPARATOR, **(options or {})}
-        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url))
-        lock = WriterLock(url, store=store)
-        holder = lock.holder()
-        if holder is not None and not break_lock:  # refuse before destroying anything
-            lock.acquire()
-        store.delete(COMMIT_KEY)
-        group = zarr_layout.open_group(url, "w", storage_options)  # clears the location
-        lock.acquire(break_lock)
+                  "chunk_key_separator": zarr_layout.CHUNK_KEY_SEPARATOR, **options}
+        documents = zarr_layout.metadata_documents(schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
+        zarr_layout.read_layout(documents.get, url)  # what open will check, checked now
+        cache_slots(schema, LaneLayout(num_envs, lane_capacity, chunk_rows), cache_bytes, writer=True)
+        return NewStorage(url, documents, cache_bytes)
+
+    @classmethod
+    def create(cls, plan: "NewStorage", *, storage_options: dict | None, io_threads: int | None,
+               extra: dict[str, Any], break_lock: bool = False, commit: bool = True,
+               memory_map: bool | None = None, retry: RetryPolicy | None = None) -> "Storage":
+        """Write a planned buffer's metadata (the location already cleared) and open it for
+        writing. ``commit=False`` writes no commit record yet (the location is not a buffer
+        until the first flush)."""
+        url = plan.url
+        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url), retry=retry)
+        config, arrays = zarr_layout.read_layout(plan.documents.get, url)
+        lock = WriterLock(url, store=store).acquire(break_lock)
         try:
-            zarr_layout.create_arrays(group, schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
-            record = Commit(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time.time(), extra)
+            store.delete(COMMIT_KEY)
+            for key, blob in sorted(plan.documents.items(), key=lambda kv: kv[0] == zarr_layout.GROUP_KEY):
+                store.put(key, blob, durable=True)  # the arrays, then the group
+            record = Commit(0, np.zeros(config["num_envs"], np.int64), np.zeros(config["num_envs"], np.int64),
+                            time.time(), extra)
             if commit:
                 store.put(COMMIT_KEY, record.to_bytes(), durable=True)
-            return cls(url, config, record, mode="r+", storage_options=storage_options,
-                       cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
+            return cls(url, config, arrays, record, mode="r+", storage_options=storage_options,
+                       cache_bytes=plan.cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
                        memory_map=memory_map)
         except BaseException:
             lock.release()
@@ -203,37 +212,41 @@ class Storage:
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int | None, break_lock: bool = False, memory_map: bool | None = None) -> "Storage":
-        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url))
-        blob = store.get(COMMIT_KEY)
+             io_threads: int | None, break_lock: bool = False, memory_map: bool | None = None,
+             retry: RetryPolicy | None = None) -> "Storage":
+        if is_local(url) and os.path.isfile(local_path(url)):
+            raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
+        store = open_chunkstore(url, storage_options, concurrency=io_threads or default_io_threads(url), retry=retry)
+        read_small = functools.partial(store.get, limit=zarr_layout.MAX_METADATA_BYTES + 1)
+        blob = read_small(COMMIT_KEY)
         if blob is None:
             if store.exists(INCOMPLETE_IMPORT_KEY):
                 raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
                                       f"import it again with overwrite=True")
             raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
-        try:
-            group = zarr_layout.open_group(url, "r", storage_options)
-        except Exception as exc:  # zarr raises several types for "no group here"
-            raise NotABufferError(f"{url!r} is not a diskreplay buffer ({exc})") from None
-        config = zarr_layout.read_config(group, url)
-        commit = Commit.from_bytes(blob, url, config["num_envs"])
+        config, arrays = zarr_layout.read_layout(read_small, url)
+
+        def parse(blob: bytes) -> Commit:
+            record = Commit.from_bytes(blob, url, config["num_envs"], config["chunk_rows"])
+            if config["lane_capacity"] is None:
+                record.check_covered(url, zarr_layout.lane_rows(arrays))
+            return record
+
+        commit = parse(blob)
         lock = WriterLock(url, store=store).acquire(break_lock) if mode != "r" else None
         try:
             if lock is not None:  # the commit may have moved while we waited for the lock
-                blob = store.get(COMMIT_KEY)
+                blob = read_small(COMMIT_KEY)
                 if blob is None:
                     raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
-                commit = Commit.from_bytes(blob, url, config["num_envs"])
-            storage = cls(url, config, commit, mode=mode, storage_options=storage_options,
-                          cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
-                          memory_map=memory_map)
+                commit = parse(blob)
+            return cls(url, config, arrays, commit, mode=mode, storage_options=storage_options,
+                       cache_bytes=cache_bytes, io_threads=io_threads, writer_lock=lock, store=store,
+                       memory_map=memory_map)
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
-        # the smallest: a writer killed while resizing leaves some arrays grown, some not
-        storage.group_lane_rows = min(group[name].shape[1] for name in storage.schema)
-        return storage
 
     def chunk_key(self, name: str, lane: int, chunk: int) -> str:
         return zarr_layout.chunk_key(name, self.schema[name], lane, chunk, self.key_separator)
@@ -259,10 +272,17 @@ class Storage:
         """Stage ``count`` steps for one lane. Returns the steps actually stored ``[first, end)``.
 
         In a ring, only the last ``lane_capacity`` of them are stored (the others would be
-        overwritten at once).
+        overwritten at once). All or nothing: if it raises, the lane is as before (`unappend`).
         """
         self._require_writable()
         start = int(self.total[lane])
+        try:
+            return self._append(lane, rows, count, start)
+        except BaseException:
+            self.unappend(lane, start, start + count)
+            raise
+
+    def _append(self, lane: int, rows: dict[str, np.ndarray], count: int, start: int) -> tuple[int, int]:
         cap = self.layout.lane_capacity
         skip = count - cap if cap is not None and count > cap else 0
         step, i = start + skip, skip
@@ -290,6 +310,32 @@ class Storage:
         self.total[lane] = start + count
         self._write_whole(lane, rows, whole)
         return start + skip, start + count
+
+    def unappend(self, lane: int, start: int, attempted_end: int) -> None:
+        """Forget steps ``[start, attempted_end)`` of a lane that a failed call staged or wrote
+        (never committed): the lane's cursor, staging and cache are as before that call.
+
+        In a ring, the rows whose slots the call reached are retired (``lower``), as their bytes
+        may already be gone. Chunk files written beyond the cursor stay, unseen, until rewritten.
+        """
+        layout = self.layout
+        self.total[lane] = start
+        if layout.lane_capacity is not None:
+            self.lower[lane] = min(max(int(self.lower[lane]), int(layout.oldest(attempted_end))), start)
+        touched = layout.chunks_between(start, attempted_end)
+        keep = -1  # the chunk holding the steps just before ``start``, still valid
+        if layout.slot(start) % layout.chunk_rows and layout.oldest(attempted_end) < start:
+            keep = int(layout.slot(start) // layout.chunk_rows)
+        self.sealed = [(ln, c, s) for ln, c, s in self.sealed if ln != lane or c not in touched]
+        self.cache.drop(lane, touched[touched != keep])
+        if self.mapped is not None:
+            self.mapped.forget(lane, touched)
+        slot = int(self.cache.table[lane, keep]) if 0 <= keep < self.cache.table.shape[1] else -1
+        if slot >= 0:  # staged again: its rows before ``start`` are written with the next chunks
+            self.staging[lane], self.dirty[lane] = keep, True
+            self.cache.pinned[slot] = True
+        else:
+            self.staging[lane], self.dirty[lane] = -1, False
 
     def _unstaged(self, lane: int, chunk: int) -> bool:
         """Whether a whole chunk can be written straight from the caller's rows: no staged or
@@ -323,14 +369,24 @@ class Storage:
         slot = int(self.cache.table[lane, chunk])
         if slot >= 0:
             self.cache.pinned[slot] = True
-        else:
+        elif self._holds_data(lane, chunk_first_step):
+            slot = self._load_pinned(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+        else:  # a recycled slot holds another chunk's rows: never write those into this chunk
             slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
-            if self._holds_data(lane, chunk_first_step):
-                self._fetch_into([(lane, chunk, slot)], must_exist=self._holds_visible(lane, chunk_first_step))
-            else:  # a recycled slot holds another chunk's rows: never write those into this chunk
-                for name in self.cache.slabs:
-                    self.cache.chunk_rows_of(name, slot)[...] = 0
+            for name in self.cache.slabs:
+                self.cache.chunk_rows_of(name, slot)[...] = 0
         self.staging[lane] = chunk
+        return slot
+
+    def _load_pinned(self, lane: int, chunk: int, must_exist: bool) -> int:
+        """A slot holding the stored chunk, pinned; on a failed read the slot is freed again."""
+        slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
+        try:
+            self._fetch_into([(lane, chunk, slot)], must_exist=must_exist)
+        except BaseException:
+            self.cache.pinned[slot] = False
+            self.cache.evict(np.array([slot]))
+            raise
         return slot
 
     def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
@@ -364,20 +420,23 @@ class Storage:
     def update_rows(self, lane: int, first: int, values: dict[str, np.ndarray]) -> None:
         """Overwrite fields of steps ``[first, first + n)`` of one lane, already added.
 
-        For fields derived after the fact (episodic returns). Chunks already written are read,
-        patched in the cache and queued to be rewritten with the next chunk writes.
+        For fields derived after the fact (episodic returns, an episode closed at reopen). Chunks
+        already written are read first (all of them, before any value changes: a failed read
+        changes nothing), patched in the cache and queued to be rewritten with the next chunk writes.
         """
         self._require_writable()
         count = len(next(iter(values.values())))
+        pieces = []
         step, i = first, 0
         while i < count:
             piece = self.layout.piece_length(step, count - i)
             chunk, offset = divmod(self.layout.slot(step), self.layout.chunk_rows)
-            base = self._patchable_slot(lane, chunk) * self.layout.chunk_rows + offset
-            for name, value in values.items():
-                self.cache.slabs[name][base:base + piece] = value[i:i + piece]
+            pieces.append((self._patchable_slot(lane, chunk) * self.layout.chunk_rows + offset, i, piece))
             i += piece
             step += piece
+        for base, i, piece in pieces:
+            for name, value in values.items():
+                self.cache.slabs[name][base:base + piece] = value[i:i + piece]
 
     def _patchable_slot(self, lane: int, chunk: int) -> int:
         if self.staging[lane] == chunk:
@@ -390,8 +449,7 @@ class Storage:
         if slot >= 0:
             self.cache.pinned[slot] = True
         else:
-            slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
-            self._fetch_into([(lane, chunk, slot)], must_exist=True)
+            slot = self._load_pinned(lane, chunk, must_exist=True)
         self.sealed.append((lane, chunk, slot))
         return slot
 
@@ -410,7 +468,8 @@ class Storage:
         self.cache.pinned[self.cache.table[lanes, self.staging[lanes]]] = True
 
     def flush(self, durable: bool = True, extra: dict[str, Any] | None = None) -> None:
-        """Write sealed chunks and every lane's partial tail chunk, then commit."""
+        """Write sealed chunks and every lane's partial tail chunk, then commit. If it raises,
+        the rows stay staged and nothing new is committed."""
         self._require_writable()
         tails = [(lane, int(self.staging[lane]), int(self.cache.table[lane, self.staging[lane]]))
                  for lane in np.flatnonzero(self.dirty)]
@@ -420,8 +479,7 @@ class Storage:
         if durable:
             self._sync_written()
         self._grow_arrays()
-        self.commit(self.total.copy(), np.maximum(self.lower, self.layout.oldest(self.total)),
-                    durable, extra)
+        self.commit(self.total.copy(), np.maximum(self.lower, self.layout.oldest(self.total)), durable, extra)
 
     def _write_chunks(self, chunks: list[tuple[int, int, int]], durable: bool) -> None:
         if not chunks:
@@ -441,8 +499,12 @@ class Storage:
     def _put_chunks(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
         """Write ``(key, rows, fresh)`` chunks on the I/O threads, a few long jobs rather than
         one per chunk (queueing a job costs about as much as writing a small chunk)."""
+        self._check_lock()
         batches = [work[k::self.io_threads] for k in range(min(self.io_threads, len(work)))]
-        for job in [self.io.submit(self._put_batch, batch, durable) for batch in batches]:
+        jobs = [self.io.submit(self._put_batch, batch, durable) for batch in batches]
+        for job in jobs:  # every job ends before this returns or raises: none writes on behind a failure
+            job.exception()
+        for job in jobs:
             job.result()
 
     def _put_batch(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
@@ -478,46 +540,85 @@ class Storage:
             self.commit(self.committed, np.maximum(self.lower, oldest), True, self.commit_record.extra)
 
     def _grow_arrays(self) -> None:
-        if self.layout.lane_capacity is not None:
-            return
+        """Dataset mode: grow every array's step axis to the rows added (metadata only)."""
         rows = int(self.total.max(initial=0))
-        if rows > self.group_lane_rows:
-            group = zarr_layout.open_group(self.url, "r+", self.storage_options)
-            zarr_layout.resize_lanes(group, self.schema, self.layout.num_envs, rows)
-            self.group_lane_rows = rows
+        if self.layout.lane_capacity is not None or rows <= self.group_lane_rows:
+            return
+        self._check_lock()
+        for name, meta in self.arrays.items():
+            self.store.put(zarr_layout.array_key(name), zarr_layout.resized_document(meta, rows), durable=True)
+            meta["shape"][1] = rows
+        self.group_lane_rows = rows
 
     def commit(self, committed: np.ndarray, lower: np.ndarray, durable: bool,
                extra: dict[str, Any] | None) -> None:
-        record = Commit(self.commit_record.sequence + 1, committed.copy(), lower.copy(), time.time(),
-                        self.commit_record.extra if extra is None else extra)
+        """Replace ``commit.json``. ``lower`` is recorded at most ``committed`` (a retire commit
+        may raise it past the rows committed so far); this writer keeps its own, higher, bound."""
+        self._check_lock()
+        record = Commit(self.commit_record.sequence + 1, committed.copy(), np.minimum(lower, committed),
+                        time.time(), self.commit_record.extra if extra is None else extra)
         self.store.put(COMMIT_KEY, record.to_bytes(), durable)
         self.commit_record = record
         self.committed = record.committed.copy()
-        self.lower = record.lower.copy()
+        self.lower = np.maximum(self.lower, lower)
+
+    def _check_lock(self) -> None:
+        """Refuse to write unless this writer still holds the lock (it may have been broken and
+        taken by another writer, which this one must not overwrite)."""
+        self._require_writable()
+        try:
+            self.writer_lock.verify()
+        except LockedError as exc:
+            self.lost_lock = str(exc)  # stop for good: every later write is refused without asking the store
+            raise
 
     def _require_writable(self) -> None:
+        if self.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        if self.lost_lock is not None:
+            raise LockedError(self.lost_lock)
         if self.mode == "r":
             raise ReadOnlyError(f"buffer {self.url!r} was opened read-only (mode='r'); open it with mode='r+' to write")
 
+    # ---- state objects ---------------------------------------------------------------------
+
+    def put_state(self, blob: bytes, durable: bool) -> str:
+        """Write a state object for the next commit; returns its key (new, never reused)."""
+        key = state_key(self.commit_record.sequence + 1)
+        self._check_lock()
+        self.store.put(key, blob, durable)
+        return key
+
+    def get_state(self, key: str) -> bytes | None:
+        if not is_state_key(key):  # the record was validated; this guards other callers
+            raise CorruptBufferError(f"{self.url!r}: {key!r} is not a state object name")
+        return self.store.get(key)
+
+    def delete_state(self, key: str) -> None:
+        """Remove a state object no commit refers to any more (only names of the naming rule)."""
+        if is_state_key(key):
+            self._check_lock()
+            self.store.delete(key)
+
     # ---- reads -----------------------------------------------------------------------------
 
-    def refresh(self) -> bool:
-        """Reader: adopt the newest commit, dropping cached chunks it rewrote. True if it changed."""
-        record = self._read_commit()
-        if record.sequence == self.commit_record.sequence:
-            return False
-        self._adopt(record)
-        return True
-
-    def _read_commit(self) -> Commit:
-        blob = self.store.get(COMMIT_KEY)
+    def read_commit(self) -> Commit:
+        """The newest commit record in the store (validated)."""
+        read_small = functools.partial(self.store.get, limit=zarr_layout.MAX_METADATA_BYTES + 1)
+        blob = read_small(COMMIT_KEY)
         if blob is None:
             raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
-        return Commit.from_bytes(blob, self.url, self.layout.num_envs)
+        record = Commit.from_bytes(blob, self.url, self.layout.num_envs, self.layout.chunk_rows)
+        if self.layout.lane_capacity is None and int(record.committed.max(initial=0)) > self.group_lane_rows:
+            _, arrays = zarr_layout.read_layout(read_small, self.url)  # the writer grew them since
+            record.check_covered(self.url, zarr_layout.lane_rows(arrays))
+            self.arrays, self.group_lane_rows = arrays, zarr_layout.lane_rows(arrays)
+        return record
 
-    def _adopt(self, record: Commit) -> None:
+    def adopt(self, record: Commit) -> None:
+        """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
         for lane in range(self.layout.num_envs):
-            old = int(self.committed[lane])
+            old = min(int(self.committed[lane]), int(record.committed[lane]))
             first = old - old % self.layout.chunk_rows
             rewritten = self.layout.chunks_between(first, int(record.committed[lane]))
             self.cache.invalidate(lane, rewritten)
@@ -535,7 +636,14 @@ class Storage:
         ``out`` may hold, for some of those fields, C-contiguous arrays of exactly that shape and
         the field's dtype: their rows are gathered straight into them (no extra copy), and they
         are what is returned for those fields. The caller guarantees the steps lie inside `window`.
+
+        Raises:
+            StaleReadError: a ring reader's rows were overwritten since its commit (see the
+                module docstring); nothing was adopted.
+            CorruptBufferError: a chunk the commit covers is missing, short or fails its checksum.
         """
+        if self.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         names = names or tuple(self.schema.fields)
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
@@ -568,7 +676,13 @@ class Storage:
         filed = ~cached
         lanes, chunks = self.mapped.ensure(lane[filed], chunk[filed])
         if len(chunks):
-            for ln, stale in self._check_not_overwritten(lane[filed], step[filed], lanes, chunks):
+            try:
+                tainted = self._check_not_overwritten(lane[filed], step[filed], lanes, chunks)
+            except StaleReadError:
+                for ln in np.unique(lanes).tolist():
+                    self.mapped.forget(ln, chunks[lanes == ln])
+                raise
+            for ln, stale in tainted:
                 self.mapped.forget(ln, stale)
         if not cached.any():
             for name, rows in out.items():
@@ -605,8 +719,8 @@ class Storage:
         window: their rows asked for are right, but they must not stay in the cache."""
         if self.mode != "r" or self.layout.lane_capacity is None or not len(step):
             return []
-        record = self._read_commit()
-        if record.sequence == self.commit_record.sequence:
+        record = self.read_commit()
+        if record.same_as(self.commit_record):
             return []
         first = np.maximum(record.lower, self.layout.oldest(record.committed))
         lo, hi = self.window()
@@ -623,13 +737,11 @@ class Storage:
             return tainted
         for ln in np.unique(loaded_lanes).tolist():
             self.cache.invalidate(ln, loaded_chunks[loaded_lanes == ln])
-        old = self.commit_record.sequence
-        self._adopt(record)
         ids = (step[gone] * self.layout.num_envs + lane[gone])[:5].tolist()
         raise StaleReadError(
             f"{self.url!r}: rows {ids}{'...' if gone.sum() > 5 else ''} were overwritten by the writer "
-            f"after this reader's commit {old}; the reader now follows commit {record.sequence} "
-            f"(first readable steps per lane {first.tolist()}): sample again")
+            f"after this reader's commit {self.commit_record.sequence}; the newest is commit "
+            f"{record.sequence} (first readable steps per lane {first.tolist()}): refresh and sample again")
 
     def _fill(self, out, mask, lane, chunk, offset) -> None:
         if not mask.any():
@@ -667,10 +779,18 @@ class Storage:
                 rows[...] = 0
 
     def _read_raw(self, key: str, rows: np.ndarray) -> bool:
-        got = self.store.read_into(key, memoryview(rows.reshape(-1).view(np.uint8)))
-        if got is not None and got != rows.nbytes:
-            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} has {got} bytes, expected {rows.nbytes}")
-        return got is not None
+        """Read a raw chunk file straight into ``rows`` (no copy), its checksum beside it."""
+        values = memoryview(rows.reshape(-1).view(np.uint8))
+        trailer = bytearray(self.codec.trailer + 1)  # one byte more: a longer file is found too
+        got = self.store.read_into(key, [values, memoryview(trailer)])
+        if got is None:
+            return False
+        if got != rows.nbytes + self.codec.trailer:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} has {got} bytes, expected "
+                                     f"{rows.nbytes + self.codec.trailer}")
+        if self.codec.checksum and zarr_layout.checksum(values) != bytes(trailer[:-1]):
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} fails its checksum (the file is damaged)")
+        return True
 
     def _decode(self, key: str, blob: bytes | None, rows: np.ndarray) -> bool:
         if blob is None:
@@ -682,9 +802,13 @@ class Storage:
         return True
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.io.shutdown(wait=True)
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
         if self._lock_finalizer is not None:
             self._lock_finalizer()  # releases the writer lock (once)
+

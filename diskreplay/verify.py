@@ -6,9 +6,10 @@ buffer and never writes):
 - ``commit.json`` exists and parses, with cursors for every lane and ``lower <= committed``;
 - the Zarr group is a diskreplay buffer, and each field's array metadata (``zarr.json``: data
   type, shape, chunk shape, codecs, byte order) matches the buffer's recorded config;
-- every chunk that holds a committed, visible row exists and decodes to exactly one chunk's bytes
-  (diskreplay writes every chunk it fills, whatever its values, so a missing one is an error,
-  never "all fill value");
+- every chunk that holds a committed, visible row exists, passes its CRC32C checksum (buffers
+  made before checksums have none) and decodes to exactly one chunk's bytes (diskreplay writes
+  every chunk it fills, whatever its values, so a missing one is an error, never "all fill
+  value");
 - the state object the commit references (sampler, generator, episode index) exists and loads;
 - the buffer opens read-only and, if it keeps an episode index, lists its episodes.
 
@@ -18,20 +19,20 @@ behind, orphaned temporary files (``*.partial``) of a writer killed mid-write.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import snapshot
+from . import snapshot, zarr_layout
 from .chunkstore import LocalChunkStore, open_chunkstore
+from .commit import COMMIT_KEY, Commit
+from .errors import CorruptBufferError, NotABufferError
 from .lanes import LaneLayout
 from .lock import LOCK_KEY, LockInfo
 from .schema import Schema
-from .storage import COMMIT_KEY, Commit
-from .zarr_layout import FORMAT, Codec, chunk_key
+from .zarr_layout import Codec, chunk_key
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 
@@ -69,32 +70,22 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     if commit_blob is None:
         report.problem(f"no {COMMIT_KEY}: not a diskreplay buffer (or its creation never finished)")
         return report
-    config = _read_config(store, report)
-    if config is None:
+    layout_and_codec = _check_metadata(store, url, report)
+    if layout_and_codec is None:
         return report
+    config, arrays, codec = layout_and_codec
+    schema = Schema.from_json(config["fields"])
+    layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
     try:
-        schema = Schema.from_json(config["fields"])
-        layout = LaneLayout(int(config["num_envs"]), config["lane_capacity"], int(config["chunk_rows"]))
-        codec = Codec(config["compression"], int(config["level"]))
-    except Exception as exc:
-        report.problem(f"group zarr.json: the diskreplay config is invalid ({exc})")
-        return report
-    try:
-        commit = Commit.from_bytes(commit_blob, url, layout.num_envs)
-    except Exception as exc:
+        commit = Commit.from_bytes(commit_blob, url, layout.num_envs, layout.chunk_rows)
+        if layout.lane_capacity is None:
+            commit.check_covered(url, zarr_layout.lane_rows(arrays))
+    except CorruptBufferError as exc:
         report.problem(str(exc))
-        return report
-    if (commit.lower < 0).any() or (commit.committed < 0).any():
-        report.problem(f"{COMMIT_KEY}: negative cursors (committed {commit.committed.tolist()}, "
-                       f"lower {commit.lower.tolist()})")
         return report
     hi = commit.committed
     lo = np.minimum(np.maximum(commit.lower, layout.oldest(hi)), hi)
     report.rows = int((hi - lo).sum())
-    lane_rows = _check_arrays(store, schema, layout, codec, config, report)
-    if lane_rows is not None and layout.lane_capacity is None and int(hi.max(initial=0)) > lane_rows:
-        report.problem(f"arrays hold {lane_rows} steps per lane, but {COMMIT_KEY} commits "
-                       f"{int(hi.max())}")
     _check_chunks(store, schema, layout, codec, config["chunk_key_separator"], lo, hi, report)
     _check_state(store, commit, report)
     _notes(store, report)
@@ -103,90 +94,44 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     return report
 
 
-def _read_json(store: Any, key: str, report: VerifyReport) -> dict | None:
-    blob = store.get(key)
-    if blob is None:
-        report.problem(f"{key} is missing")
+def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, dict, Codec] | None:
+    """The config, array metadata and codec, every problem of the metadata reported (None if any)."""
+    try:
+        group = zarr_layout.read_json(store.get, zarr_layout.GROUP_KEY, url)
+        if group is None:
+            report.problem(f"{zarr_layout.GROUP_KEY} is missing")
+            return None
+        config = zarr_layout.parse_config(group, url)
+    except (CorruptBufferError, NotABufferError) as exc:
+        report.problem(_without_url(exc, url))
+        return None
+    arrays = {}
+    for name, field in Schema.from_json(config["fields"]).items():
+        key = zarr_layout.array_key(name)
+        try:
+            meta = zarr_layout.read_json(store.get, key, url)
+        except CorruptBufferError as exc:
+            report.problem(_without_url(exc, url))
+            continue
+        if meta is None:
+            report.problem(f"{key} is missing")
+            continue
+        problems = zarr_layout.array_problems(name, field, meta, config)
+        for problem in problems:
+            report.problem(problem)
+        if not problems:
+            arrays[name] = meta
+    if not report.ok:
         return None
     try:
-        data = json.loads(blob)
-    except ValueError as exc:
-        report.problem(f"{key} is not valid JSON ({exc})")
+        return config, arrays, zarr_layout.buffer_codec(config, arrays)
+    except CorruptBufferError as exc:
+        report.problem(str(exc))
         return None
-    if not isinstance(data, dict):
-        report.problem(f"{key} is not a JSON object")
-        return None
-    return data
 
 
-def _read_config(store: Any, report: VerifyReport) -> dict | None:
-    group = _read_json(store, "zarr.json", report)
-    if group is None:
-        return None
-    if group.get("zarr_format") != 3 or group.get("node_type") != "group":
-        report.problem("zarr.json: not a Zarr v3 group")
-        return None
-    config = group.get("attributes", {}).get("diskreplay")
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        report.problem(f"zarr.json: a Zarr group but not a diskreplay buffer (no {FORMAT} attributes)")
-        return None
-    missing = [k for k in ("fields", "num_envs", "lane_capacity", "chunk_rows", "compression", "level")
-               if k not in config]
-    if missing:
-        report.problem(f"zarr.json: the diskreplay config lacks {missing}")
-        return None
-    config.setdefault("chunk_key_separator", "/")  # buffers from before the "." keys
-    return config
-
-
-def _check_arrays(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, config: dict,
-                  report: VerifyReport) -> int | None:
-    """Each field's array metadata against the config; returns the smallest step-axis length."""
-    lane_rows: list[int] = []
-    for name, f in schema.items():
-        key = f"{name}/zarr.json"
-        meta = _read_json(store, key, report)
-        if meta is None:
-            continue
-        if meta.get("node_type") != "array":
-            report.problem(f"{key}: not an array")
-            continue
-        try:
-            stored = np.dtype(meta["data_type"])
-        except (KeyError, TypeError):
-            report.problem(f"{key}: data_type {meta.get('data_type')!r} is not a plain numeric type")
-            continue
-        if stored != f.dtype.newbyteorder("="):
-            report.problem(f"{key}: data_type {meta['data_type']!r}, the buffer records {f.dtype.name} "
-                           f"for field {name!r}")
-        shape = tuple(meta.get("shape", ()))
-        if len(shape) != 2 + len(f.shape) or shape[0] != layout.num_envs or tuple(shape[2:]) != f.shape:
-            report.problem(f"{key}: shape {list(shape)}, expected {[layout.num_envs, 'steps', *f.shape]}")
-        else:
-            lane_rows.append(int(shape[1]))
-            if layout.lane_capacity is not None and shape[1] != layout.lane_capacity:
-                report.problem(f"{key}: {shape[1]} steps per lane, the ring holds {layout.lane_capacity}")
-        grid = meta.get("chunk_grid", {})
-        chunks = tuple(grid.get("configuration", {}).get("chunk_shape", ()))
-        expected = (1, layout.chunk_rows, *f.shape)
-        if grid.get("name") != "regular" or chunks != expected:
-            report.problem(f"{key}: chunk shape {list(chunks)}, expected {list(expected)}")
-        encoding = meta.get("chunk_key_encoding", {})
-        separator = config["chunk_key_separator"]
-        if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != separator:
-            report.problem(f"{key}: chunk key encoding {encoding}, expected default with {separator!r}")
-        codecs = meta.get("codecs", [])
-        try:
-            got = Codec.from_zarr_codecs(name, codecs)
-            if got != codec:
-                report.problem(f"{key}: codecs {[c.get('name') for c in codecs]} differ from the buffer's "
-                               f"({config['compression']!r})")
-            endian = codecs[0].get("configuration", {}).get("endian", "little")
-            if f.dtype.itemsize > 1 and endian != "little":
-                report.problem(f"{key}: {endian}-endian chunks, diskreplay writes little-endian")
-        except Exception as exc:
-            report.problem(f"{key}: {exc}")
-    return min(lane_rows) if lane_rows else None
+def _without_url(exc: Exception, url: str) -> str:
+    return str(exc).removeprefix(f"{url!r}: ")
 
 
 def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, separator: str,
@@ -211,7 +156,7 @@ def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, 
 
 
 def _check_state(store: Any, commit: Commit, report: VerifyReport) -> None:
-    key = commit.extra.get("state_arrays") if isinstance(commit.extra, dict) else None
+    key = commit.state_arrays
     if not key:
         return
     blob = store.get(key)

@@ -1,90 +1,173 @@
-"""Everything diskreplay knows about Zarr, in one place.
+"""Everything diskreplay knows about Zarr, in one place: the on-disk metadata and chunk bytes.
 
 A buffer is a Zarr v3 group with one array per field, shaped ``(num_envs, lane_rows, *field.shape)``
 and chunked ``(1, chunk_rows, *field.shape)``: one chunk holds ``chunk_rows`` consecutive steps of
-one env lane. diskreplay writes and reads those chunks itself (`Codec`, `chunk_key`) so that the
-hot path makes no zarr-python calls; zarr-python is used only to create the group and arrays, to
-resize them in dataset mode, and by any other tool that reads the buffer.
+one env lane. diskreplay writes and reads the chunks itself (`Codec`, `chunk_key`) and reads and
+writes the metadata documents (``zarr.json``) through its own byte store, with its retries; no
+zarr-python call is made at run time. zarr-python is used only to produce the metadata documents
+at create (`metadata_documents`), so that they are exactly what zarr writes, and by any other
+tool that reads the buffer.
+
+Everything read from a store is validated here before use (`read_layout`, `array_problems`):
+numbers are bounded, names and codecs checked against the buffer's own config, so a damaged or
+crafted document is a `CorruptBufferError` naming the object and the field, never a wrong read
+or an allocation sized by the file.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import google_crc32c
 import numcodecs
 import numpy as np
 import zarr
 import zarr.codecs
+import zarr.storage
 
 from .errors import CorruptBufferError, NotABufferError, SchemaError
 from .schema import Field, Schema
 
 FORMAT = "diskreplay/1"
+GROUP_KEY = "zarr.json"
 COMPRESSIONS = (None, "zstd", "lz4")
 CHUNK_KEY_SEPARATOR = "."
 """New buffers name chunks ``<field>/c.<lane>.<chunk>.0``: one directory per field. With zarr's
 default "/" every chunk file sits in a directory of its own, and creating those directories costs
 more than writing the chunks. Buffers made with "/" still open and work."""
+CHECKSUM_BYTES = 4
+
+MAX_LANES = 1 << 16
+MAX_STEPS = 1 << 46
+"""Bounds on lanes and on the steps a lane may ever count: a row id ``step * num_envs + lane``
+stays below 2**62."""
+MAX_CHUNK_ROWS = 1 << 24
+MAX_CHUNKS = 1 << 26
+"""Chunks a buffer may have over all lanes: the chunk table (8 bytes per chunk) stays below 512 MiB."""
+MAX_METADATA_BYTES = 16 << 20
+"""The largest metadata document (``zarr.json``, ``commit.json``) diskreplay reads."""
+STATE_DIR = "state"
+FINALS_DIR = "final"
+
+
+def side_stores(derive_next: bool) -> tuple[str, ...]:
+    """Names inside a buffer's location that belong to diskreplay, not to a field's array."""
+    return (STATE_DIR, FINALS_DIR) if derive_next else (STATE_DIR,)
 
 
 @dataclass(frozen=True)
 class Codec:
-    """Turns one chunk's ndarray into the exact bytes zarr would store, and back."""
+    """Turns one chunk's ndarray into the exact bytes zarr would store, and back.
+
+    ``checksum``: a CRC32C of the encoded bytes follows them (zarr's ``crc32c`` codec), so torn,
+    zeroed or garbage chunks are found on every whole-chunk read and by `verify`. Raw chunks
+    with a checksum are still memory-mappable: the values come first.
+    """
 
     compression: str | None
     level: int = 3
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)) or not 0 <= self.level <= 22:
+            raise ValueError(f"compression_level must be an int in [0, 22], got {self.level!r}")
 
     @property
     def raw(self) -> bool:
-        """True when a chunk's bytes are its raw little-endian C-order values (memory-mappable)."""
+        """True when a chunk's bytes start with its raw little-endian C-order values (memory-mappable)."""
         return self.compression is None
 
-    def _numcodec(self):
+    @property
+    def trailer(self) -> int:
+        """Bytes after the values in a raw chunk (its checksum)."""
+        return CHECKSUM_BYTES if self.checksum else 0
+
+    def _numcodec(self) -> Any:
         if self.compression == "zstd":
             return numcodecs.Zstd(level=self.level)
         return numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE)
 
-    def encode(self, chunk: np.ndarray) -> bytes | memoryview:
-        """The chunk's stored bytes. Raw chunks are a view of ``chunk`` itself (no copy): write
-        them out before ``chunk`` changes."""
+    def encode(self, chunk: np.ndarray) -> tuple[bytes | memoryview, ...]:
+        """The chunk's stored bytes, in parts to be written one after the other. Raw values are a
+        view of ``chunk`` itself (no copy): write them out before ``chunk`` changes."""
         data = np.ascontiguousarray(chunk)
-        if self.raw:
-            return memoryview(data.reshape(-1).view(np.uint8))
-        return bytes(self._numcodec().encode(data))
+        body: bytes | memoryview = (memoryview(data.reshape(-1).view(np.uint8)) if self.raw
+                                    else bytes(self._numcodec().encode(data)))
+        return (body, checksum(body)) if self.checksum else (body,)
 
     def decode_into(self, blob: bytes, out: np.ndarray) -> None:
-        """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk)."""
+        """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
+
+        Raises ValueError if the checksum does not match or the bytes do not decode to ``out``'s size.
+        """
+        body = memoryview(blob)
+        if self.checksum:
+            body = self.verified_body(body)
         flat = out.reshape(-1).view(np.uint8)
-        if self.raw:
-            src = np.frombuffer(blob, dtype=np.uint8)
-        else:
-            src = np.frombuffer(self._numcodec().decode(blob), dtype=np.uint8)
+        src = np.frombuffer(body if self.raw else self._numcodec().decode(body), dtype=np.uint8)
         if src.size != flat.size:
             raise ValueError(f"decoded chunk has {src.size} bytes, expected {flat.size}")
         flat[:] = src
 
-    def zarr_compressors(self) -> Any:
-        if self.compression is None:
-            return None
+    @staticmethod
+    def verified_body(blob: memoryview) -> memoryview:
+        """``blob`` without its trailing checksum, which must match. Raises ValueError."""
+        if len(blob) < CHECKSUM_BYTES:
+            raise ValueError(f"{len(blob)} bytes: too short to hold a checksum")
+        body, stored = blob[:-CHECKSUM_BYTES], bytes(blob[-CHECKSUM_BYTES:])
+        if checksum(body) != stored:
+            raise ValueError(f"checksum mismatch (stored {stored.hex()}, computed {checksum(body).hex()})")
+        return body
+
+    def zarr_compressors(self) -> list[Any]:
+        codecs: list[Any] = []
         if self.compression == "zstd":
-            return zarr.codecs.ZstdCodec(level=self.level)
-        return zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle")
+            codecs.append(zarr.codecs.ZstdCodec(level=self.level))
+        elif self.compression == "lz4":
+            codecs.append(zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle"))
+        if self.checksum:
+            codecs.append(zarr.codecs.Crc32cCodec())
+        return codecs
 
     @classmethod
-    def from_zarr_codecs(cls, field_name: str, codecs: list[dict[str, Any]]) -> "Codec":
-        names = [c["name"] for c in codecs]
-        if names == ["bytes"]:
-            return cls(None)
-        if names == ["bytes", "zstd"] and not codecs[1].get("configuration", {}).get("checksum"):
-            return cls("zstd", codecs[1]["configuration"]["level"])
-        if names == ["bytes", "blosc"] and codecs[1]["configuration"].get("cname") == "lz4":
-            return cls("lz4", codecs[1]["configuration"]["clevel"])
-        raise CorruptBufferError(f"array {field_name!r}: unsupported zarr codecs {names}")
+    def from_zarr_codecs(cls, codecs: Any, dtype: np.dtype) -> "Codec":
+        """The codec of an array's ``codecs`` metadata. Raises ValueError for anything else."""
+        if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
+            raise ValueError(f"codecs: expected a list of objects, got {codecs!r}")
+        names = [c.get("name") for c in codecs]
+        if not names or names[0] != "bytes":
+            raise ValueError(f"unsupported zarr codecs {names}")
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+        if dtype.itemsize > 1 and endian != "little":
+            raise ValueError(f"{endian}-endian chunks, diskreplay writes little-endian")
+        checksum_ = names[-1] == "crc32c"
+        middle = codecs[1:len(codecs) - checksum_]
+        if not middle:
+            return cls(None, checksum=checksum_)
+        config = middle[0].get("configuration") or {}
+        if len(middle) == 1 and middle[0]["name"] == "zstd" and not config.get("checksum"):
+            return cls("zstd", _level(config.get("level")), checksum_)
+        if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") == "lz4":
+            return cls("lz4", _level(config.get("clevel")), checksum_)
+        raise ValueError(f"unsupported zarr codecs {names}")
+
+
+def checksum(data: bytes | memoryview) -> bytes:
+    """CRC32C of ``data`` as zarr's ``crc32c`` codec stores it (4 bytes, little-endian)."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    view.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return int(google_crc32c.value(view)).to_bytes(4, "little")
+
+
+def _level(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"compression level: expected an int, got {value!r}")
+    return value
 
 
 def chunk_key(field_name: str, field: Field, lane: int, chunk: int, separator: str) -> str:
@@ -92,67 +175,231 @@ def chunk_key(field_name: str, field: Field, lane: int, chunk: int, separator: s
     return f"{field_name}/c{separator}{lane}{separator}{chunk}" + f"{separator}0" * len(field.shape)
 
 
-def open_group(url: str, mode: str, storage_options: dict | None) -> zarr.Group:
-    return zarr.open_group(url, mode=mode, storage_options=storage_options or None)
+def array_key(name: str) -> str:
+    return f"{name}/{GROUP_KEY}"
 
 
-def create_arrays(group: zarr.Group, schema: Schema, num_envs: int, lane_rows: int,
-                  chunk_rows: int, codec: Codec, attrs: dict[str, Any]) -> None:
-    """Create one array per field and record ``attrs`` (static buffer config) on the group."""
+# ---- writing metadata ------------------------------------------------------------------------
+
+
+def metadata_documents(schema: Schema, num_envs: int, lane_rows: int, chunk_rows: int, codec: Codec,
+                       config: dict[str, Any]) -> dict[str, bytes]:
+    """``{key: bytes}`` of the group's and every array's ``zarr.json``, as zarr writes them."""
+    memory = zarr.storage.MemoryStore()
+    group = zarr.open_group(store=memory, mode="w")
     for name, field in schema.items():
-        group.create_array(
-            name,
-            shape=(num_envs, lane_rows, *field.shape),
-            chunks=(1, chunk_rows, *field.shape),
-            dtype=field.dtype,
-            compressors=codec.zarr_compressors(),
-            chunk_key_encoding={"name": "default", "separator": attrs["chunk_key_separator"]},
-            fill_value=0,
-        )
-    group.attrs.update({"diskreplay": {"format": FORMAT, **attrs}})
+        group.create_array(name, shape=(num_envs, lane_rows, *field.shape), chunks=(1, chunk_rows, *field.shape),
+                           dtype=field.dtype, compressors=codec.zarr_compressors(),
+                           chunk_key_encoding={"name": "default", "separator": config["chunk_key_separator"]},
+                           fill_value=0)
+    group.attrs.update({"diskreplay": {"format": FORMAT, **config}})
+    return {key: value.to_bytes() for key, value in memory._store_dict.items()}
 
 
-def read_config(group: zarr.Group, url: str) -> dict[str, Any]:
-    """The static config saved at create, checked against the arrays actually in the group."""
-    config = group.attrs.get("diskreplay")
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise NotABufferError(f"{url!r} is a zarr group but not a diskreplay buffer (no {FORMAT} attributes)")
-    schema = Schema.from_json(config["fields"])
-    config.setdefault("chunk_key_separator", "/")  # buffers from before the "." keys
-    for name, field in schema.items():
-        try:
-            arr = group[name]
-        except KeyError:
-            raise CorruptBufferError(f"{url!r}: array for field {name!r} is missing") from None
-        meta = arr.metadata
-        if np.dtype(arr.dtype) != field.dtype.newbyteorder("=") and np.dtype(arr.dtype) != field.dtype:
-            raise CorruptBufferError(
-                f"{url!r}: array {name!r} has dtype {arr.dtype}, the buffer records {field.dtype}")
-        expected_chunks = (1, config["chunk_rows"], *field.shape)
-        if tuple(meta.chunk_grid.chunk_shape) != expected_chunks:
-            raise CorruptBufferError(
-                f"{url!r}: array {name!r} has chunks {tuple(meta.chunk_grid.chunk_shape)}, "
-                f"expected {expected_chunks}")
-        encoding = meta.chunk_key_encoding.to_dict()
-        expected_encoding = {"name": "default", "configuration": {"separator": config["chunk_key_separator"]}}
-        if encoding != expected_encoding:
-            raise CorruptBufferError(
-                f"{url!r}: array {name!r} has chunk key encoding {encoding}, expected {expected_encoding}")
-        codecs = [c.to_dict() for c in meta.codecs]
-        if Codec.from_zarr_codecs(name, codecs) != Codec(config["compression"], config["level"]):
-            raise CorruptBufferError(f"{url!r}: array {name!r} codecs {codecs} differ from the buffer's")
-    return config
+def resized_document(meta: dict[str, Any], lane_rows: int) -> bytes:
+    """An array's ``zarr.json`` with its step axis grown to ``lane_rows`` (metadata only)."""
+    shape = list(meta["shape"])
+    shape[1] = lane_rows
+    return json.dumps({**meta, "shape": shape}, indent=2).encode()
 
 
-def resize_lanes(group: zarr.Group, schema: Schema, num_envs: int, lane_rows: int) -> None:
-    """Grow every array's step axis to ``lane_rows`` (dataset mode). Only metadata is rewritten."""
-    for name, field in schema.items():
-        arr = group[name]
-        if arr.shape[1] != lane_rows:
-            arr.resize((num_envs, lane_rows, *field.shape))
-
-
-def check_schema_compatible(schema: Schema) -> None:
+def check_schema_compatible(schema: Schema, derive_next: tuple[str, ...] = ()) -> None:
+    """Raises SchemaError for fields that cannot be stored or whose name a side store uses."""
     for name, field in schema.items():
         if field.row_bytes == 0:
             raise SchemaError(f"field {name!r}: zero-sized fields cannot be stored, got shape {field.shape}")
+        if name in side_stores(bool(derive_next)):
+            why = "with derive_next, each episode's final observation" if name == FINALS_DIR else "saved state objects"
+            raise SchemaError(f"field name {name!r} is taken: {why} are kept under {name}/ in the buffer; "
+                              f"rename the field")
+
+
+# ---- reading metadata ------------------------------------------------------------------------
+
+
+def read_json(get: Callable[[str], bytes | None], key: str, url: str) -> dict[str, Any] | None:
+    """A JSON object stored at ``key`` (None if missing). Raises CorruptBufferError if it is
+    larger than `MAX_METADATA_BYTES`, not JSON or not an object."""
+    blob = get(key)
+    if blob is None:
+        return None
+    if len(blob) > MAX_METADATA_BYTES:
+        raise CorruptBufferError(f"{url!r}: {key} has {len(blob)} bytes, expected at most {MAX_METADATA_BYTES}")
+    try:
+        data = json.loads(blob)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptBufferError(f"{url!r}: {key} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CorruptBufferError(f"{url!r}: {key} is not a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_layout(get: Callable[[str], bytes | None], url: str) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The buffer's validated config and each field's array metadata, read with ``get(key)``.
+
+    Raises:
+        NotABufferError: no group metadata, or a group that is not a diskreplay buffer.
+        CorruptBufferError: a document that is unreadable or contradicts the buffer's config,
+            naming the document and the field.
+    """
+    group = read_json(get, GROUP_KEY, url)
+    if group is None:
+        raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {GROUP_KEY})")
+    config = parse_config(group, url)
+    schema = Schema.from_json(config["fields"])
+    arrays = {}
+    for name, field in schema.items():
+        meta = read_json(get, array_key(name), url)
+        if meta is None:
+            raise CorruptBufferError(f"{url!r}: array for field {name!r} is missing ({array_key(name)})")
+        problems = array_problems(name, field, meta, config)
+        if problems:
+            raise CorruptBufferError(f"{url!r}: {problems[0]}")
+        arrays[name] = meta
+    return config, arrays
+
+
+def lane_rows(arrays: dict[str, dict]) -> int:
+    """Steps per lane every array holds (the smallest: a writer killed while growing them leaves
+    some grown, some not)."""
+    return min(int(meta["shape"][1]) for meta in arrays.values())
+
+
+def parse_config(group: dict[str, Any], url: str) -> dict[str, Any]:
+    """The diskreplay config in a group's ``zarr.json``, every value checked.
+
+    Raises NotABufferError (not a diskreplay group) or CorruptBufferError naming the field.
+    """
+    if group.get("zarr_format") != 3 or group.get("node_type") != "group":
+        raise NotABufferError(f"{url!r} is not a diskreplay buffer ({GROUP_KEY} is not a Zarr v3 group)")
+    attrs = group.get("attributes")
+    config = attrs.get("diskreplay") if isinstance(attrs, dict) else None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise NotABufferError(f"{url!r} is a zarr group but not a diskreplay buffer (no {FORMAT} attributes)")
+    check = _ConfigCheck(config, url)
+    try:
+        schema = Schema.from_json(check.get("fields", dict))
+    except (SchemaError, KeyError, TypeError, ValueError) as exc:
+        raise check.bad("fields", f"a valid field table ({exc})") from None
+    out = dict(config)
+    out["fields"] = schema.to_json()
+    out["num_envs"] = check.integer("num_envs", 1, MAX_LANES)
+    out["lane_capacity"] = check.integer("lane_capacity", 1, MAX_STEPS, optional=True)
+    out["chunk_rows"] = check.integer("chunk_rows", 1, min(MAX_CHUNK_ROWS, out["lane_capacity"] or MAX_CHUNK_ROWS))
+    if out["lane_capacity"] and out["num_envs"] * -(-out["lane_capacity"] // out["chunk_rows"]) > MAX_CHUNKS:
+        raise check.bad("chunk_rows", f"at most {MAX_CHUNKS} chunks over all lanes")
+    out["chunk_key_separator"] = check.choice("chunk_key_separator", ("/", "."), default="/")
+    out["compression"] = check.choice("compression", COMPRESSIONS)
+    out["level"] = check.integer("level", 0, 22)
+    out["episode_end"] = check.names("episode_end", schema, lambda f: f.shape == () and f.dtype == np.bool_)
+    out["derive_next"] = check.names("derive_next", schema, lambda f: True)
+    out["episodic_return"] = _episodic_return_spec(check, schema)
+    if (out["derive_next"] or out["episodic_return"]) and not out["episode_end"]:
+        raise check.bad("episode_end", "end fields when derive_next or episodic_return is set")
+    return out
+
+
+class _ConfigCheck:
+    """Typed reads of the config's values; every failure names the field."""
+
+    def __init__(self, config: dict[str, Any], url: str):
+        self.config, self.url = config, url
+
+    def bad(self, key: str, expected: str) -> CorruptBufferError:
+        return CorruptBufferError(f"{self.url!r}: {GROUP_KEY} field diskreplay.{key}: expected {expected}, "
+                                  f"got {self.config.get(key, '<missing>')!r:.200}")
+
+    def get(self, key: str, kind: type) -> Any:
+        value = self.config.get(key)
+        if not isinstance(value, kind):
+            raise self.bad(key, kind.__name__)
+        return value
+
+    def integer(self, key: str, lo: int, hi: int, optional: bool = False) -> int | None:
+        value = self.config.get(key)
+        if optional and value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.bad(key, f"an int in [{lo}, {hi}]" + (" or null" if optional else ""))
+        return value
+
+    def choice(self, key: str, options: tuple, default: Any = ...) -> Any:
+        value = self.config.get(key, default)
+        if value not in options:
+            raise self.bad(key, f"one of {list(options)}")
+        return value
+
+    def names(self, key: str, schema: Schema, ok: Callable[[Field], bool]) -> list[str]:
+        value = self.config.get(key) or []
+        if (not isinstance(value, list) or not all(isinstance(n, str) and n in schema.fields and ok(schema[n])
+                                                   for n in value) or len(set(value)) != len(value)):
+            raise self.bad(key, "a list of distinct names of suitable fields")
+        return value
+
+
+def _episodic_return_spec(check: _ConfigCheck, schema: Schema) -> dict[str, Any] | None:
+    spec = check.config.get("episodic_return")
+    if spec is None:
+        return None
+    expected = "null or {gamma in [0, 1], scalar reward field, float32 return field, finite default_return, clip}"
+    try:
+        gamma, default, clip = float(spec["gamma"]), float(spec["default_return"]), spec["clip"]
+        ok = (0.0 <= gamma <= 1.0 and math.isfinite(default)
+              and schema[spec["reward"]].shape == () and schema[spec["name"]] == Field((), "float32")
+              and (clip is None or (isinstance(clip, list) and len(clip) == 2
+                                    and all(isinstance(c, (int, float)) and math.isfinite(c) for c in clip))))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise check.bad("episodic_return", expected)
+    return spec
+
+
+def array_problems(name: str, field: Field, meta: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Everything wrong with one field's array metadata against the buffer's config (empty: fine)."""
+    key = array_key(name)
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return [f"{key}: not a Zarr v3 array"]
+    problems = []
+    try:
+        stored = np.dtype(meta.get("data_type"))
+    except (TypeError, ValueError):
+        stored = None
+    if stored != field.dtype.newbyteorder("="):
+        problems.append(f"{key}: data_type {meta.get('data_type')!r}, the buffer records {field.dtype.name} "
+                        f"for field {name!r}")
+    shape = meta.get("shape")
+    lanes, cap = config["num_envs"], config["lane_capacity"]
+    if (not isinstance(shape, list) or len(shape) != 2 + len(field.shape) or shape[0] != lanes
+            or shape[2:] != list(field.shape) or not isinstance(shape[1], int) or isinstance(shape[1], bool)
+            or not 0 <= shape[1] <= MAX_STEPS):
+        problems.append(f"{key}: shape {shape!r:.200}, expected {[lanes, cap if cap else 'steps', *field.shape]}")
+    elif cap is not None and shape[1] != cap:
+        problems.append(f"{key}: {shape[1]} steps per lane, the ring holds {cap}")
+    grid = meta.get("chunk_grid")
+    chunks = (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
+    expected = [1, config["chunk_rows"], *field.shape]
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks != expected:
+        problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected}")
+    encoding = meta.get("chunk_key_encoding")
+    separator = config["chunk_key_separator"]
+    if (not isinstance(encoding, dict) or encoding.get("name") != "default"
+            or (encoding.get("configuration") or {}).get("separator", "/") != separator):
+        problems.append(f"{key}: chunk key encoding {encoding!r:.200}, expected default with {separator!r}")
+    try:
+        codec = Codec.from_zarr_codecs(meta.get("codecs"), field.dtype)
+        if (codec.compression, codec.level) != (config["compression"], config["level"]):
+            problems.append(f"{key}: codecs {[c.get('name') for c in meta['codecs']]} differ from the buffer's "
+                            f"(compression {config['compression']!r}, level {config['level']})")
+    except ValueError as exc:
+        problems.append(f"{key}: {exc}")
+    return problems
+
+
+def buffer_codec(config: dict[str, Any], arrays: dict[str, dict]) -> Codec:
+    """The codec of a buffer's chunks. Buffers from before checksums have none: every array of
+    one buffer is written with the same codec, so arrays that disagree are corrupt."""
+    codecs = {Codec.from_zarr_codecs(meta["codecs"], np.dtype(meta["data_type"])) for meta in arrays.values()}
+    if len(codecs) != 1:
+        raise CorruptBufferError(f"arrays disagree on their codecs: {sorted(map(str, codecs))}")
+    return codecs.pop()

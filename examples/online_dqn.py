@@ -5,7 +5,8 @@
 State lives in ``--workdir``: ``buffer/`` (a diskreplay ring buffer) and ``checkpoint.pt`` (networks,
 optimizer, step counter). A checkpoint first flushes the buffer (a durable commit), then atomically
 replaces checkpoint.pt. On restart the buffer is reopened with ``mode="r+"`` (its rows, sampler and
-generator state come back) and training continues from the checkpoint's step.
+generator state come back; the writer lock a killed run left is taken over, with a warning; the
+episode the kill cut is closed as truncated) and training continues from the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -29,21 +30,6 @@ def qnet() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
 
 
-def open_to_resume(path: str) -> dr.ReplayBuffer:
-    """Reopen for writing; a run killed without closing leaves its writer lock, which we remove
-    only when its process is gone (a live run keeps it: two writers must never share a buffer)."""
-    try:
-        return dr.ReplayBuffer.open(path, mode="r+")
-    except dr.LockedError:
-        from diskreplay.lock import break_lock, lock_holder
-        holder = lock_holder(path)
-        if holder is not None and not holder.stale_reason():
-            raise
-        print(f"the previous run was killed: removing its stale lock ({holder and holder.stale_reason()})")
-        break_lock(path)
-        return dr.ReplayBuffer.open(path, mode="r+")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/online_dqn", help="buffer + checkpoint folder")
@@ -62,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.Adam(q.parameters(), lr=5e-4)
     step, returns = 0, []
     if os.path.exists(os.path.join(buffer_path, "commit.json")):
-        buf = open_to_resume(buffer_path)
+        buf = dr.ReplayBuffer.open(buffer_path, mode="r+")
         if os.path.exists(ckpt_path):
             ckpt = torch.load(ckpt_path)
             q.load_state_dict(ckpt["q"]), target.load_state_dict(ckpt["target"])

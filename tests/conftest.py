@@ -6,6 +6,8 @@ count per lane. Everything a `ReplayBuffer` returns is compared against it.
 
 from __future__ import annotations
 
+import gc
+
 import os
 import uuid
 
@@ -34,6 +36,11 @@ def row_values(counter: int) -> dict[str, np.ndarray]:
         "done": np.bool_(c % 3 == 0),
         "img": np.full((2, 2), c % 251, dtype=np.uint8) + np.eye(2, dtype=np.uint8),
     }
+
+
+def min_cache(fields=SMALL_FIELDS, num_envs: int = 1, chunk_rows: int = 4) -> int:
+    """The smallest ``cache_bytes`` a writer accepts: its staging, ``2 * num_envs + 2`` chunks."""
+    return (2 * num_envs + 2) * chunk_rows * sum(f.row_bytes for f in fields.values())
 
 
 def stack_rows(rows: list[dict[str, np.ndarray]], fields=SMALL_FIELDS) -> dict[str, np.ndarray]:
@@ -145,6 +152,7 @@ def memory_url():
     name = f"diskreplay-test-{uuid.uuid4().hex}"
     url = f"memory://{name}"
     yield url
+    gc.collect()  # unclosed buffers release their locks now, not mid-way through rm
     fs = fsspec.filesystem("memory")
     if fs.exists(f"/{name}"):
         fs.rm(f"/{name}", recursive=True)

@@ -4,7 +4,9 @@
   talk to it over HTTP with s3fs/boto3 exactly as to S3; nothing is mocked in-process.
 - `FaultProxy`: a threaded HTTP/1.1 proxy on 127.0.0.1 in front of it. Rules make the next N
   requests that match (method, path substring) fail: ``503`` (ServiceUnavailable), ``500``
-  (InternalError), ``slowdown`` (503 SlowDown), ``reset`` (TCP RST, no response). It counts
+  (InternalError), ``slowdown`` (503 SlowDown), ``reset`` (TCP RST, no response), ``blackhole``
+  (the request is read and never answered: the connection is held open until the client closes
+  it, counted in ``holds`` and ``abandoned``, or the proxy closes). It counts
   requests per (method, path), tracks the most GETs in flight at once and can add latency to
   every request (the benchmarks use that to stand in for a real network). With ``cache=True`` it
   answers repeated GETs of an object from its own copy, so moto's per-request CPU (one Python
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import select
 import socket
 import struct
 import threading
@@ -116,7 +119,12 @@ class FaultProxy:
         self.faults: Counter = Counter()
         self.in_flight = 0
         self.max_in_flight = 0
-        self.lock = threading.Lock()
+        self.holds = 0  # blackholed requests held so far
+        self.abandoned = 0  # held connections the client closed
+        self.holding = 0  # held right now
+        self.max_holding = 0
+        self.closing = threading.Event()
+        self.lock = threading.Condition()  # guards the counters; notified when a hold starts or ends
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -139,8 +147,9 @@ class FaultProxy:
 
     def fail(self, action: str, contains: str, times: int = 1, method: str | None = None) -> None:
         """Make the next ``times`` requests whose path contains ``contains`` (and whose method is
-        ``method``, if given) fail with ``action``: "503", "500", "slowdown" or "reset"."""
-        if action not in _ERRORS and action != "reset":
+        ``method``, if given) fail with ``action``: "503", "500", "slowdown", "reset" or
+        "blackhole" (never answered)."""
+        if action not in _ERRORS and action not in ("reset", "blackhole"):
             raise ValueError(f"unknown fault {action!r}")
         with self.lock:
             self.rules.append({"action": action, "contains": contains, "times": times, "method": method})
@@ -149,6 +158,12 @@ class FaultProxy:
         """Requests seen (failed ones included) whose path contains ``contains``."""
         with self.lock:
             return sum(n for (m, p), n in self.hits.items() if contains in p and method in (None, m))
+
+    def wait_until(self, condition: Any, timeout_s: float = 30.0) -> bool:
+        """Wait until ``condition()`` (called under the lock) holds, for at most ``timeout_s``
+        seconds (a safety bound, not a measurement); whether it holds."""
+        with self.lock:
+            return self.lock.wait_for(condition, timeout_s)
 
     def _fault_for(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -164,6 +179,9 @@ class FaultProxy:
         body = _read_body(req)
         path = req.path.split("?", 1)[0]
         fault = self._fault_for(req.command, path)
+        if fault == "blackhole":
+            self._hold(req)
+            return
         if fault == "reset":
             req.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             req.close_connection = True
@@ -226,15 +244,48 @@ class FaultProxy:
         if req.command != "HEAD":
             req.wfile.write(data)
 
+    def _hold(self, req: BaseHTTPRequestHandler) -> None:
+        """Never answer: keep the connection open until the client closes it (``abandoned``) or
+        the proxy closes. Whatever else the client sends is read and dropped."""
+        with self.lock:
+            self.holds += 1
+            self.holding += 1
+            self.max_holding = max(self.max_holding, self.holding)
+            self.lock.notify_all()
+        closed_by_client = False
+        try:
+            while not closed_by_client and not self.closing.is_set():
+                if select.select([req.connection], [], [], 0.05)[0]:
+                    closed_by_client = not _recv_or_empty(req.connection)
+        finally:
+            with self.lock:
+                self.holding -= 1
+                self.abandoned += closed_by_client
+                self.lock.notify_all()
+            req.close_connection = True
+
     def reset_stats(self) -> None:
         with self.lock:
             self.hits.clear()
             self.faults.clear()
             self.max_in_flight = 0
+            self.holds = self.abandoned = 0
+            self.max_holding = self.holding
 
     def close(self) -> None:
+        """Stop serving; held connections are closed too (the handlers notice within 50 ms)."""
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
+        self.wait_until(lambda: self.holding == 0, 5.0)
+
+
+def _recv_or_empty(sock: socket.socket) -> bytes:
+    """Bytes the peer sent (b"" once it closed or reset the connection)."""
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
 
 
 def _read_body(req: BaseHTTPRequestHandler) -> bytes:

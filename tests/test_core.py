@@ -19,7 +19,7 @@ from diskreplay import zarr_layout
 from diskreplay.chunkstore import open_chunkstore
 from diskreplay.verify import verify
 from conftest import (SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot,
-                      stack_rows)
+                      min_cache, stack_rows)
 
 SPEC_FIELDS = {
     "obs": dr.Field((17,), "float32"),
@@ -163,7 +163,8 @@ def test_round_trip_every_dtype_and_shape(url, compression):
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_ring_adds_wrap_around(tmp_path, capacity, chunk_rows, compression):
     model = Model(1, capacity)
-    buf = create(tmp_path / "b", capacity, chunk_rows=chunk_rows, compression=compression, cache_bytes=1)
+    buf = create(tmp_path / "b", capacity, chunk_rows=chunk_rows, compression=compression,
+                 cache_bytes=min_cache(chunk_rows=min(chunk_rows, capacity)))
     for i in range(3 * capacity + 2):
         do_add(buf, model)
         check_buffer_against(buf, model)
@@ -200,12 +201,13 @@ def test_small_adds_and_one_extend_store_identical_bytes(tmp_path, capacity, chu
     extends in odd pieces leave byte-identical chunk files and zarr metadata."""
     model = Model(1, capacity)
     rows = model.next_rows(n)
-    a = create(tmp_path / "a", capacity, chunk_rows=chunk_rows, compression=compression, cache_bytes=1)
+    tiny = min_cache(chunk_rows=min(chunk_rows, capacity or chunk_rows))
+    a = create(tmp_path / "a", capacity, chunk_rows=chunk_rows, compression=compression, cache_bytes=tiny)
     for row in rows:
         a.add(**row)
     b = create(tmp_path / "b", capacity, chunk_rows=chunk_rows, compression=compression)
     b.extend(stack_rows(rows))
-    c = create(tmp_path / "c", capacity, chunk_rows=chunk_rows, compression=compression, cache_bytes=1)
+    c = create(tmp_path / "c", capacity, chunk_rows=chunk_rows, compression=compression, cache_bytes=tiny)
     for start in range(0, n, 5):
         c.extend(stack_rows(rows[start:start + 5]))
     for buf in (a, b, c):
@@ -287,8 +289,9 @@ def scenarios(draw):
         capacity=None if lane_cap is None else lane_cap * num_envs,
         chunk_rows=chunk_rows,
         compression=draw(st.sampled_from([None, "zstd"])),
-        # a cache of 1 to 14 chunk slots (the buffer keeps at least 2 * num_envs + 2)
-        cache_bytes=draw(st.integers(1, 14)) * min(chunk_rows, lane_cap or chunk_rows) * row_bytes,
+        # a writer's cache: its staging (2 * num_envs + 2 chunk slots) and up to 10 slots more
+        cache_bytes=draw(st.integers(2 * num_envs + 2, 2 * num_envs + 12)) * min(chunk_rows, lane_cap or chunk_rows)
+        * row_bytes,
     )
     env_ids = st.none()
     if num_envs > 1:
@@ -730,7 +733,7 @@ def test_schema_error_is_a_value_error(live_buffer):
 def test_sample_and_rows_gather_into_given_arrays(tmp_path, sampler):
     """``out=`` arrays receive exactly the rows a plain call returns, and are the arrays returned."""
     kw = {"sampler": dr.Prioritized(alpha=0.6)} if sampler == "prioritized" else {}
-    buf = create(tmp_path / "b", 40, chunk_rows=4, cache_bytes=1, **kw)  # a tiny cache: misses too
+    buf = create(tmp_path / "b", 40, chunk_rows=4, cache_bytes=min_cache(), **kw)  # a tiny cache: misses too
     buf.extend(stack_rows(Model(1, 40).next_rows(37)))
     if sampler == "prioritized":
         buf.update_priorities(np.arange(37), np.linspace(0.1, 3.0, 37))

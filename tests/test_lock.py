@@ -50,7 +50,7 @@ def test_second_writer_is_refused_and_readers_are_not(tmp_path):
     url = str(tmp_path / "b")
     writer = make(url)
     for attempt in (lambda: dr.ReplayBuffer.open(url, "r+"),
-                    lambda: Storage.open(url, mode="r+", storage_options=None, cache_bytes=1, io_threads=1)):
+                    lambda: Storage.open(url, mode="r+", storage_options=None, cache_bytes=1 << 20, io_threads=1)):
         with pytest.raises(dr.LockedError, match=r"already open for writing by this process on host") as err:
             attempt()
         assert "break_lock=True" in str(err.value) and f"diskreplay unlock {url}" in str(err.value)
@@ -77,7 +77,7 @@ def test_lock_file_records_the_holder(tmp_path):
     assert drlock.lock_holder(url) is None
 
 
-def test_killed_writer_leaves_a_stale_lock_that_is_reported_and_can_be_broken(tmp_path):
+def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_path):
     url = str(tmp_path / "b")
     make(url).close()
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
@@ -93,22 +93,25 @@ def test_killed_writer_leaves_a_stale_lock_that_is_reported_and_can_be_broken(tm
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with pytest.raises(dr.LockedError, match=rf"the lock is stale: process {proc.pid} is no longer running "
-                                             r"on this host.*break_lock=True"):
-        dr.ReplayBuffer.open(url, "r+")
-    removed = drlock.break_lock(url)
-    assert removed is not None and removed.pid == proc.pid
-    buf = dr.ReplayBuffer.open(url, "r+")
+    assert drlock.lock_holder(url).stale_reason() == f"process {proc.pid} is no longer running on this host"
+    with pytest.warns(UserWarning, match=rf"took over the writer lock left by pid {proc.pid} .*no longer running "
+                                         r"on this host.*unflushed rows are lost"):
+        buf = dr.ReplayBuffer.open(url, "r+")
     assert len(buf) == 20
     buf.close()
+    assert drlock.lock_holder(url) is None
 
 
 def test_storage_break_lock_takes_over(tmp_path):
     url = str(tmp_path / "b")
     first = make(url)
-    second = Storage.open(url, mode="r+", storage_options=None, cache_bytes=1, io_threads=1, break_lock=True)
+    second = Storage.open(url, mode="r+", storage_options=None, cache_bytes=1 << 20, io_threads=1,
+                          break_lock=True)
     assert drlock.lock_holder(url).token == second.writer_lock.token
-    first.close()  # the broken writer must not delete its successor's lock
+    with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock 'writer.lock' \(it is now "
+                                             r"held by this process .*it stopped writing"):
+        first.close()  # the broken writer must neither commit nor delete its successor's lock
+    assert first.closed
     assert drlock.lock_holder(url).token == second.writer_lock.token
     second.close()
     assert drlock.lock_holder(url) is None
@@ -134,13 +137,16 @@ def test_create_overwrite_does_not_destroy_a_locked_buffer(tmp_path):
     buf.close()
 
 
-def test_reused_pid_is_stale(tmp_path):
+def test_reused_pid_is_stale_and_taken_over(tmp_path):
     url = str(tmp_path / "b")
     make(url).close()
     fake = {"pid": os.getpid(), "host": socket.gethostname(), "time": 1.0e9, "token": "x", "start_ticks": -5}
     open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
-    with pytest.raises(dr.LockedError, match=rf"stale: pid {os.getpid()} now belongs to another process"):
-        dr.ReplayBuffer.open(url, "r+")
+    assert drlock.lock_holder(url).stale_reason() == f"pid {os.getpid()} now belongs to another process (the holder exited)"
+    with pytest.warns(UserWarning, match=rf"took over the writer lock left by this process .* now belongs to another"):
+        buf = dr.ReplayBuffer.open(url, "r+")
+    assert drlock.lock_holder(url).token == buf.storage.writer_lock.token
+    buf.close()
 
 
 def test_lock_of_another_host_is_not_called_stale(tmp_path):

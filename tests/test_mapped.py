@@ -112,6 +112,6 @@ def test_missing_or_short_chunk_file_is_an_error_not_a_crash(tmp_path):
     reader = dr.ReplayBuffer.open(url, memory_map=True)
     with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.2.0' is missing"):
         reader[[70]]
-    with pytest.raises(dr.CorruptBufferError, match=r"has 10 bytes, expected 32"):
+    with pytest.raises(dr.CorruptBufferError, match=r"has 10 bytes, expected 36"):
         reader[[5 * 32 + 1]]
     check(reader, np.arange(0, 64))  # other chunks still read

@@ -8,6 +8,8 @@ end by termination, truncation or both.
 
 from __future__ import annotations
 
+import gc
+
 import os
 
 import numpy as np
@@ -203,6 +205,7 @@ def new_url():
         return f"memory://{name}"
 
     yield factory
+    gc.collect()  # unclosed buffers release their locks now, not mid-way through rm
     fs = fsspec.filesystem("memory")
     for name in names:
         if fs.exists(f"/{name}"):

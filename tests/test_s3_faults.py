@@ -1,0 +1,241 @@
+"""`FsspecChunkStore` against a real (moto) S3 server through the fault-injecting proxy: hung
+requests are cancelled at the retry deadline, transient failures are retried, `clear` stays
+under its root; and `RetryPolicy` refuses bad values.
+
+No test here measures time: each asserts what the client and the proxy did (requests seen,
+held, abandoned) and what the error says. Calls that could hang run on a thread joined for
+`SAFETY_S` seconds, so a regression fails instead of hanging pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import fsspec.asyn
+import pytest
+
+from diskreplay import RetryPolicy, StoreUnavailableError
+from diskreplay.chunkstore import FsspecChunkStore, LocalChunkStore
+from s3server import fault_proxy, proxy_options, s3  # noqa: F401  (fixtures)
+
+SAFETY_S = 120.0  # a regression guard, far above any budget here; never asserted on
+BUDGET_S = 1.5
+KEY, OTHER, NEW = "obs/c.0.1.0", "obs/c.0.0.0", "obs/c.0.2.0"
+LOCK = "writer.lock"
+DATA, OTHER_DATA = b"\x00chunk\xff" * 200, b"other chunk"
+SEEDED = {KEY: DATA, OTHER: OTHER_DATA}
+
+
+@dataclass
+class Op:
+    """One store operation: its HTTP method, the key it targets (None: the bucket, for `clear`'s
+    bulk delete), how errors name it, the call, what it returns and the objects after it."""
+
+    method: str
+    key: str | None
+    what: str
+    call: Callable[[FsspecChunkStore], Any]
+    result: Any
+    after: dict[str, bytes]
+
+
+OPS = {
+    "put": Op("PUT", NEW, f"write of '{NEW}'", lambda st: st.put(NEW, DATA), None, {**SEEDED, NEW: DATA}),
+    "get": Op("GET", KEY, f"read of '{KEY}'", lambda st: st.get(KEY), DATA, SEEDED),
+    "get_many": Op("GET", KEY, f"read of '{KEY}'", lambda st: st.get_many([OTHER, KEY, "absent"]),
+                   [OTHER_DATA, DATA, None], SEEDED),
+    "put_if_absent": Op("PUT", LOCK, f"conditional write of '{LOCK}'",
+                        lambda st: st.put_if_absent(LOCK, DATA), True, {**SEEDED, LOCK: DATA}),
+    "exists": Op("HEAD", KEY, f"existence check of '{KEY}'", lambda st: st.exists(KEY), True, SEEDED),
+    "delete": Op("DELETE", KEY, f"delete of '{KEY}'", lambda st: st.delete(KEY), None, {OTHER: OTHER_DATA}),
+    "clear": Op("POST", None, "clear of every object under", lambda st: st.clear(), None, {}),
+}
+
+
+def seeded_store(s3, proxy, **policy: Any) -> FsspecChunkStore:
+    """A store on a fresh prefix through ``proxy``, holding `SEEDED` (written through it, which
+    also opens the client's session before any fault). s3fs's own retry loop is off, so every
+    retry counted in ``store.retried`` is diskreplay's (botocore's are off in proxy_options)."""
+    store = FsspecChunkStore(s3.new_url("faults"), proxy_options(s3, proxy), retry=RetryPolicy(**policy))
+    store.fs.retries = 1
+    for key, data in SEEDED.items():
+        store.put(key, data)
+    proxy.reset_stats()
+    store.retried = 0
+    return store
+
+
+def target(s3, store: FsspecChunkStore, op: Op) -> str:
+    """The request path substring that ``op`` sends to (path-style addressing: /bucket/key)."""
+    return f"/{s3.bucket}" if op.key is None else f"/{store.root}/{op.key}"
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """``fn()``'s result and exception, run on a thread joined for at most `SAFETY_S` seconds."""
+    box: list[tuple[Any, BaseException | None]] = []
+
+    def run() -> None:
+        try:
+            box.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+            box.append((None, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(SAFETY_S)
+    assert box, f"the call was still blocked after {SAFETY_S} s: the retry deadline was not enforced"
+    return box[0]
+
+
+def tasks_left(store: FsspecChunkStore) -> list[asyncio.Task]:
+    """The tasks still pending on the store's event loop (none once an operation has returned:
+    a request left running after the deadline shows up here)."""
+    async def pending() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    return fsspec.asyn.sync(store.fs.loop, pending)
+
+
+# ---- hung requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_blackholed_request_is_cancelled_at_the_deadline(s3, fault_proxy, name):
+    op = OPS[name]
+    store = seeded_store(s3, fault_proxy, budget_s=BUDGET_S)
+    path = target(s3, store, op)
+    fault_proxy.fail("blackhole", path, times=10**6, method=op.method)
+    _, error = outcome(lambda: op.call(store))
+    assert isinstance(error, StoreUnavailableError), repr(error)
+    message = str(error)
+    assert re.search(rf"{re.escape(repr(store.url))}: {re.escape(op.what)}.* failed after 1 try in [\d.]+ s "
+                     rf"\(the retry deadline of {BUDGET_S:g} s was reached\); last error: TimeoutError: "
+                     r"no answer within [\d.]+ s: the request was cancelled", message), message
+    # the proxy held the one request until the client gave up on it and closed the connection
+    assert fault_proxy.count(path, op.method) == 1 and fault_proxy.holds == 1
+    assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == 1, SAFETY_S), fault_proxy.abandoned
+    assert tasks_left(store) == []  # nothing of the operation still runs in the background
+    assert store.retried == 0
+    assert s3.keys(store.url) == SEEDED  # the held request never reached the server
+
+
+def test_get_many_keeps_its_bound_while_requests_hang(s3, fault_proxy):
+    keys = [f"obs/c.0.{i}.0" for i in range(5)]
+    store = seeded_store(s3, fault_proxy, budget_s=1.0)
+    store.concurrency = 2
+    fault_proxy.fail("blackhole", f"/{store.root}/obs/", times=10**6, method="GET")
+    _, error = outcome(lambda: store.get_many(keys))
+    assert isinstance(error, StoreUnavailableError), repr(error)
+    assert re.search(r"read of 'obs/c\.0\.\d\.0' failed after 1 try .*retry deadline of 1 s was reached",
+                     str(error)), str(error)
+    # every key got its one GET (no HEAD), never more than `concurrency` held at once
+    assert [fault_proxy.count(f"/{store.root}/{k}", "GET") for k in keys] == [1] * len(keys)
+    assert fault_proxy.count("/", "HEAD") == 0
+    assert fault_proxy.holds == len(keys) and fault_proxy.max_holding == 2
+    assert tasks_left(store) == []
+    assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == len(keys), SAFETY_S)
+
+
+def test_proxy_close_releases_held_connections(s3, fault_proxy):
+    store = seeded_store(s3, fault_proxy, budget_s=60.0)
+    fault_proxy.fail("blackhole", f"/{store.root}/{KEY}", method="GET")
+    box: list[BaseException] = []
+    thread = threading.Thread(target=lambda: box.append(outcome(lambda: store.get(KEY))[1]), daemon=True)
+    thread.start()
+    assert fault_proxy.wait_until(lambda: fault_proxy.holding == 1, SAFETY_S)
+    fault_proxy.close()  # closes the held connection: the client sees it dropped, not a hang
+    thread.join(SAFETY_S)
+    assert fault_proxy.holding == 0 and fault_proxy.abandoned == 0
+    assert box and isinstance(box[0], StoreUnavailableError), box  # and then no proxy to retry on
+
+
+# ---- transient failures ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["503", "reset"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_transient_failures_are_retried_then_succeed(s3, fault_proxy, name, fault):
+    op = OPS[name]
+    store = seeded_store(s3, fault_proxy)
+    path = target(s3, store, op)
+    fault_proxy.fail(fault, path, times=2, method=op.method)
+    result, error = outcome(lambda: op.call(store))
+    assert error is None, repr(error)
+    assert result == op.result
+    assert fault_proxy.faults[fault] == 2
+    assert fault_proxy.count(path, op.method) == 3  # exactly the two failures, then one success
+    # diskreplay's layer retried them; a reset of an idempotent request (all but clear's POST) may
+    # first be re-sent once by aiohttp itself, which retries a dropped connection once
+    assert (store.retried == 2) if fault == "503" or op.method == "POST" else (1 <= store.retried <= 2)
+    assert s3.keys(store.url) == op.after
+
+
+# ---- clear ----------------------------------------------------------------------------------
+
+
+def test_clear_removes_everything_under_the_root_and_nothing_else(s3):
+    so = s3.storage_options()
+    url = s3.new_url("clear")
+    stores = {u: FsspecChunkStore(u, so) for u in (url, url + "-sibling", s3.new_url("other"))}
+    for store in stores.values():
+        for key in ("commit.json", "obs/c.0.0", "obs/deep/c.1.2", "writer.lock"):
+            store.put(key, key.encode())
+    stores[url].clear()
+    assert s3.keys(url) == {}
+    for other in list(stores)[1:]:  # a sibling sharing the name as a prefix, and another prefix
+        assert sorted(s3.keys(other)) == ["commit.json", "obs/c.0.0", "obs/deep/c.1.2", "writer.lock"]
+    stores[url].clear()  # nothing left: not an error
+    assert stores[url].get("commit.json") is None and not stores[url].exists("obs/c.0.0")
+
+
+def test_clear_on_local_and_memory_stores(tmp_path, memory_url):
+    local = LocalChunkStore(str(tmp_path / "b"))
+    beside = LocalChunkStore(str(tmp_path / "b-sibling"))
+    memory = FsspecChunkStore(memory_url, {})
+    memory_beside = FsspecChunkStore(memory_url + "-sibling", {})
+    try:
+        for store in (local, beside, memory, memory_beside):
+            store.put("obs/c.0.0", b"x")
+            store.put("commit.json", b"y")
+        for store, other in ((local, beside), (memory, memory_beside)):
+            store.clear()
+            assert store.get_many(["obs/c.0.0", "commit.json"]) == [None, None]
+            assert other.get_many(["obs/c.0.0", "commit.json"]) == [b"x", b"y"]
+            store.clear()  # a missing root is not an error
+        assert not (tmp_path / "b").exists()
+    finally:
+        memory_beside.clear()
+
+
+# ---- RetryPolicy ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("attempts", 0, "an int >= 1"),
+    ("attempts", 2.0, "an int >= 1"),
+    ("attempts", True, "an int >= 1"),
+    ("base_delay", -0.1, "a finite number of seconds >= 0"),
+    ("max_delay", float("inf"), "a finite number of seconds >= 0"),
+    ("max_delay", "1", "a finite number of seconds >= 0"),
+    ("budget_s", 0, "a finite number of seconds > 0"),
+    ("budget_s", float("nan"), "a finite number of seconds > 0"),
+    ("budget_s", None, "a finite number of seconds > 0"),
+])
+def test_retry_policy_refuses_bad_values(field, value, expected):
+    message = f"RetryPolicy.{field} must be {expected}, got {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RetryPolicy(**{field: value})
+    policy = RetryPolicy()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        setattr(policy, field, value)  # a live store's policy is checked too
+    assert policy == RetryPolicy()
+
+
+def test_retry_policy_accepts_edge_values():
+    policy = RetryPolicy(attempts=1, base_delay=0, max_delay=0.0, budget_s=0.001)
+    assert (policy.attempts, policy.base_delay, policy.max_delay, policy.budget_s) == (1, 0, 0.0, 0.001)
+    assert policy.delay(3) == 0
