@@ -4,7 +4,7 @@ from .buffer import ReplayBuffer
 from .export import export_buffer
 from .importers import import_dataset
 from .chunkstore import RetryPolicy
-from .errors import (BufferExistsError, CorruptBufferError, DiskReplayError, EmptyBufferError,
+from .errors import (BufferExistsError, ClosedError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,
                      StoreUnavailableError)
 from .derived import EpisodicReturn
@@ -25,6 +25,7 @@ __all__ = [
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
+    "ClosedError",
     "RetryPolicy",
 ]
 

@@ -17,16 +17,17 @@ from .chunkstore import RetryPolicy, is_local, local_path
 from .commit import COMMIT_KEY, Commit
 from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
-from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, SchemaError,
-                     StaleReadError)
+from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, NotABufferError,
+                     SchemaError, StaleReadError)
 from .lanes import flat_to_lane_step, row_ids, split_row_ids
 from .lock import check_unlocked
-from .sampling import Draw, Sampler, Uniform, check_sampler_state, load_sampler_state, sampler_from_state
+from .sampling import (SAMPLER_TYPES, Draw, Sampler, Uniform, check_sampler_state, load_sampler_state,
+                       sampler_from_state)
 from .schema import Field, Schema
-from .storage import DEFAULT_CACHE_BYTES, Storage, cache_slots
+from .storage import DEFAULT_CACHE_BYTES, Storage, output_rows
 from .transitions import HER
 
-BATCH_EXTRAS = ("index", "weight")
+BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
 """Arrays a batch holds besides the fields, which ``out=`` may also provide."""
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -145,11 +146,12 @@ class ReplayBuffer:
             finals = Schema({base: user[base] for base in derived.values()})
             plans.append(Storage.plan(_finals_url(url), finals, lane_capacity=None, chunk_rows=FINALS_CHUNK_ROWS,
                                       cache_bytes=_finals_cache(finals, num_envs), options={}, **common))
-        _check_open_options(io_threads, memory_map, retry, storage_options)
+        _check_open_options(io_threads, memory_map, retry, storage_options, sampler)
         _prepare_location(url, storage_options, overwrite, break_lock)
+        # the side store first: once the main commit exists, a reader finds everything it needs
         opened = [Storage.create(plan, storage_options=storage_options, io_threads=io_threads, extra={},
                                  memory_map=memory_map, break_lock=break_lock, retry=retry,
-                                 commit=commit or plan is not plans[0]) for plan in plans]
+                                 commit=commit or plan is not plans[0]) for plan in reversed(plans)][::-1]
         buf = cls(opened[0], sampler or Uniform(), rng, opened[1] if derived else None, retry)
         if commit:
             buf.flush()
@@ -186,7 +188,7 @@ class ReplayBuffer:
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         url = os.fspath(url)
-        _check_open_options(io_threads, memory_map, retry, storage_options)
+        _check_open_options(io_threads, memory_map, retry, storage_options, sampler)
         options = dict(mode=mode, storage_options=storage_options, io_threads=io_threads,
                        memory_map=memory_map, break_lock=break_lock, retry=retry)
         storage = Storage.open(url, cache_bytes=cache_bytes, **options)
@@ -198,10 +200,9 @@ class ReplayBuffer:
             bases = storage.config["derive_next"]
             if bases:
                 finals_schema = Schema({base: storage.schema[base] for base in bases})
-                finals = Storage.open(_finals_url(url), cache_bytes=_finals_cache(finals_schema, storage.layout.num_envs),
-                                      **options)
+                finals = _open_finals(url, finals_schema, storage.layout.num_envs, options)
             buf = cls(storage, sampler or _sampler_for(storage, state), np.random.default_rng(), finals, retry)
-            buf._apply_state(buf._parse_state(state, record), with_rng=True)
+            buf._apply_state(buf._parse_state(state, record.committed, _state_origin(url, record)), with_rng=True)
         except BaseException:
             for opened in (storage, finals):
                 if opened is not None:
@@ -314,11 +315,11 @@ class ReplayBuffer:
                 lane_rows = {k: v[:, j] for k, v in rows.items()}
                 if lane in self._cut:
                     self._close_cut_episode(lane)
-                done.append((lane, int(self.storage.total[lane]), int(finals.total[lane]) if finals else 0,
-                             {twin: value[lane].copy() for twin, value in self.view.last_next.items()}))
-                if self.episodic_return is not None:
+                if self.episodic_return is not None:  # may patch stored returns: masked until committed
                     self.episodic_return.fill(self.storage, self.episode_index, lane, lane_rows,
                                               self.episode_index.end_flags(lane_rows))
+                done.append((lane, int(self.storage.total[lane]), int(finals.total[lane]) if finals else 0,
+                             {twin: value[lane].copy() for twin, value in self.view.last_next.items()}))
                 first, end = self.storage.append(lane, {k: v for k, v in lane_rows.items()
                                                         if k not in self.view.derived}, count)
                 stored.append((lane, first, end))
@@ -345,25 +346,22 @@ class ReplayBuffer:
         """First rows of ``lane`` since this writer opened the buffer: end the episode the last
         writer left open, as truncated (episode index, a ``truncated`` flag, final next_* and
         returns). All or nothing."""
-        self._cut.discard(lane)
         last = int(self.storage.total[lane]) - 1
         ends = self.episode_index.ends(lane)
-        if last < 0 or (len(ends) and ends[-1] == last) or not self.episode_index.enabled:
-            return
-        self._cut.add(lane)  # until every step below succeeded
-        readable = last >= int(self.storage.window()[0][lane])
-        if readable and self.episodic_return is not None:
-            self.episodic_return.close(self.storage, self.episode_index, lane, last)
-        flag = readable and "truncated" in self.episode_index.end_fields
-        if flag:
-            self.storage.update_rows(lane, last, {"truncated": np.ones(1, bool)})
-        try:
-            self.view.record_final(lane)
-        except BaseException:
-            if flag:  # the slot is pinned by the update above: no I/O, cannot fail
-                self.storage.update_rows(lane, last, {"truncated": np.zeros(1, bool)})
-            raise
-        self.episode_index.add_end(lane, last)
+        if last >= 0 and not (len(ends) and ends[-1] == last) and self.episode_index.enabled:
+            readable = last >= int(self.storage.window()[0][lane])
+            if readable and self.episodic_return is not None:
+                self.episodic_return.close(self.storage, self.episode_index, lane, last)
+            flag = readable and "truncated" in self.episode_index.end_fields
+            if flag:
+                self.storage.update_rows(lane, last, {"truncated": np.ones(1, bool)})
+            try:
+                self.view.record_final(lane)
+            except BaseException:
+                if flag:  # the slot is pinned by the update above: no I/O, cannot fail
+                    self.storage.update_rows(lane, last, {"truncated": np.zeros(1, bool)})
+                raise
+            self.episode_index.add_end(lane, last)
         self._cut.discard(lane)
 
     def _env_ids(self, env_ids: Any) -> np.ndarray:
@@ -439,12 +437,23 @@ class ReplayBuffer:
         if record.same_as(self.storage.commit_record):
             return False
         finals_record = self.view.finals.read_commit() if self.view.finals is not None else None
-        parsed = self._parse_state(state, record)
+        parsed = self._parse_state(state, record.committed, _state_origin(self.url, record))
+        committed, last_ends = self.storage.committed.copy(), self.episode_index.last_ends()
         self.storage.adopt(record)
         if finals_record is not None:
             self.view.finals.adopt(finals_record)
         self._apply_state(parsed, with_rng=False)
+        if self.episodic_return is not None:
+            self._forget_patched_returns(committed, last_ends)
         return True
+
+    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
+        """After adopting a commit: the writer patched the returns of the steps of every episode
+        that ended since (from just after the lane's previous end): cached copies are stale."""
+        newest = self.episode_index.last_ends()
+        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
+            if newest[lane] > last:
+                self.storage.forget_cached(lane, last + 1, hi)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -496,7 +505,7 @@ class ReplayBuffer:
         if out is not None:
             if seq_len is not None or n_step is not None or stack is not None or her is not None:
                 raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
-            self._check_out_names(out)
+            self._check_out(out, int(batch_size))
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
         deadline = None
@@ -669,13 +678,15 @@ class ReplayBuffer:
             ClosedError: the buffer was closed.
         """
         self._require_open()
-        if out is not None:
-            self._check_out_names(out)
         arr = np.asarray(ids)
+        if out is not None:
+            self._check_out(out, arr.size)
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
             raise IndexError(f"row ids must be integers, got dtype {arr.dtype}")
+        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+            raise IndexError(f"row id {int(arr.max())} is not in the buffer (larger than any row id)")
         flat = arr.reshape(-1).astype(np.int64)
         lane, step = split_row_ids(flat, self.num_envs)
         lo, hi = self.storage.window()
@@ -697,11 +708,15 @@ class ReplayBuffer:
             self.refresh()  # the reader follows the newest commit, all of its state at once
             raise
 
-    def _check_out_names(self, out: Mapping[str, np.ndarray]) -> None:
-        unknown = sorted(set(out) - set(self.fields) - set(BATCH_EXTRAS))
+    def _check_out(self, out: Mapping[str, np.ndarray], count: int) -> None:
+        """Raise ValueError unless every ``out`` array fits ``count`` rows (before anything is drawn)."""
+        fields = {**self.fields, **BATCH_EXTRAS}
+        unknown = sorted(set(out) - set(fields))
         if unknown:
             raise ValueError(f"out: unknown names {unknown}; expected fields {sorted(self.fields)} "
                              f"or {', '.join(map(repr, BATCH_EXTRAS))}")
+        for name, given in out.items():
+            output_rows(name, fields[name], count, given)
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
@@ -716,30 +731,28 @@ class ReplayBuffer:
         return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
                 "episodes": self.episode_index.state_dict(), "last_next": self.view.state_dict()}
 
-    def _parse_state(self, state: Mapping[str, Any], record: Commit | None = None) -> dict[str, Any]:
-        """``state`` checked against this buffer (every part, before any is used).
+    def _parse_state(self, state: Mapping[str, Any], total: np.ndarray, origin: str | None) -> dict[str, Any]:
+        """``state`` checked against this buffer holding ``total`` steps per lane (every part,
+        before any is used).
 
-        Raises CorruptBufferError naming the part and what is wrong (``ValueError`` for a state
-        given by the caller, ``record=None``)."""
+        Raises CorruptBufferError naming ``origin`` (the file it was read from), the part and what
+        is wrong; ``ValueError`` for a state the caller gave (``origin=None``)."""
         if not state:
             return {}
-        total = self.storage.total if record is None else record.committed
         try:
             if not isinstance(state, Mapping):
                 raise ValueError(f"expected a mapping, got {type(state).__name__}")
             for part in ("rng", "sampler", "episodes"):
                 if part not in state:
                     raise ValueError(f"{part!r} is missing")
-            scratch = np.random.default_rng()
-            scratch.bit_generator.state = state["rng"]
+            _check_rng_state(state["rng"])
             check_sampler_state(self.sampler, state["sampler"], self.storage.layout, total)
             self.episode_index.check_state(state["episodes"], total)
             self.view.check_state(state.get("last_next") or {})
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
-            if record is None:
+            if origin is None:
                 raise ValueError(f"state for {self.url!r} does not fit this buffer: {exc}") from None
-            raise CorruptBufferError(f"{self.url!r}: the state object {record.state_arrays!r} of commit "
-                                     f"{record.sequence}: {exc}") from None
+            raise CorruptBufferError(f"{origin}: {exc}") from None
         return dict(state)
 
     def _apply_state(self, state: Mapping[str, Any], with_rng: bool) -> None:
@@ -766,19 +779,24 @@ class ReplayBuffer:
                 since), or any part of it does not fit this buffer (nothing is loaded then).
         """
         self._require_open()
+        self._load_state(state, origin=None)
+
+    def _load_state(self, state: Mapping[str, Any], origin: str | None) -> None:
         if not isinstance(state, Mapping) or "total" not in state:
             raise ValueError("state: expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
         total = np.asarray(state["total"])
         if total.shape != self.storage.total.shape or not np.array_equal(total, self.storage.total):
             raise ValueError(f"state is for a buffer with {total.tolist()} steps per lane; this buffer "
                              f"has {self.storage.total.tolist()}")
-        self._apply_state(self._parse_state({k: v for k, v in state.items() if k != "total"}), with_rng=True)
+        parts = {k: v for k, v in state.items() if k != "total"}
+        self._apply_state(self._parse_state(parts, self.storage.total, origin), with_rng=True)
 
     def save_snapshot(self, directory: str | os.PathLike) -> None:
         """Write `state_dict` to ``directory``: ``state.safetensors`` (arrays) + ``state.json``."""
+        state = self.state_dict()  # raises ClosedError before anything is written
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
-        meta, arrays = snapshot.split(self.state_dict())
+        meta, arrays = snapshot.split(state)
         with open(os.path.join(directory, "state.safetensors"), "wb") as f:
             f.write(snapshot.arrays_to_bytes(arrays))
         with open(os.path.join(directory, "state.json"), "w") as f:
@@ -793,10 +811,11 @@ class ReplayBuffer:
             CorruptBufferError: the snapshot's files are unreadable or do not fit (naming the file).
             ValueError: the snapshot is of another state of the buffer (see `load_state_dict`).
         """
-        state, saved_url = snapshot.load_directory(os.fspath(directory))
+        directory = os.fspath(directory)
+        state, saved_url = snapshot.load_directory(directory)
         buf = cls.open(url or saved_url, mode, **open_options)
         try:
-            buf.load_state_dict(state)
+            buf._load_state(state, origin=f"snapshot {directory!r} (state.json, state.safetensors)")
         except BaseException:
             buf._closed = True  # nothing was written: release without flushing
             for storage in buf._storages():
@@ -827,6 +846,14 @@ class ReplayBuffer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_rng_state(state: Any) -> None:
+    """Raise ValueError naming 'rng' unless ``state`` can be loaded into a generator."""
+    try:
+        np.random.default_rng().bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ValueError(f"'rng': not a generator state ({type(exc).__name__}: {exc})") from None
 
 
 def _placed(batch: dict[str, np.ndarray], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -869,7 +896,12 @@ def _check_beta(options: Mapping[str, Any]) -> None:
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
 
 
-def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any) -> None:
+SAMPLER_METHODS = ("attach", "on_append", "sample", "state_dict", "load_state_dict")
+
+
+def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any,
+                        sampler: Any = None) -> None:
+    """Raise ValueError naming the first option of `create`/`open` that is not usable."""
     if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
                                    or not 1 <= io_threads <= 256):
         raise ValueError(f"io_threads must be None or an int in [1, 256], got {io_threads!r}")
@@ -879,6 +911,10 @@ def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_op
         raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise ValueError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+    missing = [m for m in SAMPLER_METHODS if not callable(getattr(sampler, m, None))]
+    if sampler is not None and missing:
+        raise ValueError(f"sampler must be a dr.Sampler (dr.Uniform(), dr.Prioritized(), ...), got "
+                         f"{type(sampler).__name__} without {missing}")
 
 
 def _lane_capacity(capacity: int | None, num_envs: int, chunk_rows: int) -> int | None:
@@ -964,11 +1000,24 @@ def _committed_state(storage: Storage, newest: bool) -> tuple[Commit, dict[str, 
     raise CorruptBufferError(f"{storage.url!r}: state object {key!r} is missing (the last commit names it)")
 
 
+def _state_origin(url: str, record: Commit) -> str:
+    """How errors name the state saved with a commit."""
+    return f"{url!r}: the state object {record.state_arrays!r} of commit {record.sequence}"
+
+
 def _sampler_for(storage: Storage, state: Mapping[str, Any]) -> Sampler:
+    """The sampler a buffer was saved with (raises CorruptBufferError for unreadable settings)."""
+    saved = state.get("sampler")
+    if isinstance(saved, dict) and saved.get("type") not in SAMPLER_TYPES:
+        return sampler_from_state(saved)  # ValueError: a sampler type of the user's, pass sampler=
     try:
-        return sampler_from_state(state.get("sampler"))
-    except (KeyError, TypeError) as exc:
-        raise CorruptBufferError(f"{storage.url!r}: the saved sampler settings are unreadable ({exc})") from None
+        if saved is not None and not isinstance(saved, dict):
+            raise TypeError(f"expected an object, got {type(saved).__name__}")
+        return sampler_from_state(saved)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptBufferError(f"{storage.url!r}: {COMMIT_KEY} field 'extra.state.sampler' (commit "
+                                 f"{storage.commit_record.sequence}): the saved sampler settings are unreadable "
+                                 f"({exc})") from None
 
 
 def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -988,6 +1037,15 @@ def _episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | Non
 def _finals_url(url: str) -> str:
     """Where a buffer with ``derive_next`` keeps each episode's final next observation."""
     return f"{url.rstrip('/')}/{zarr_layout.FINALS_DIR}"
+
+
+def _open_finals(url: str, schema: Schema, num_envs: int, options: dict[str, Any]) -> Storage:
+    try:
+        return Storage.open(_finals_url(url), cache_bytes=_finals_cache(schema, num_envs), **options)
+    except (NotABufferError, CorruptBufferError) as exc:
+        raise CorruptBufferError(f"{url!r}: the side store {zarr_layout.FINALS_DIR}/ of derive_next, which "
+                                 f"holds each episode's final {', '.join(schema.fields)}, is missing or damaged "
+                                 f"({exc})") from None
 
 
 def _finals_cache(schema: Schema, num_envs: int) -> int:

@@ -174,7 +174,7 @@ class LocalChunkStore:
                 if limit is None:
                     return f.read()
                 return f.read(min(limit, os.fstat(f.fileno()).st_size))  # read(n) would allocate n
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such file (a folder is none)
             return None
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
@@ -189,6 +189,8 @@ class LocalChunkStore:
             return None
         try:
             return os.readv(fd, out)
+        except IsADirectoryError:
+            return None
         finally:
             os.close(fd)
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CorruptBufferError
-from .zarr_layout import MAX_CHUNKS, MAX_METADATA_BYTES, MAX_STEPS, STATE_DIR
+from .zarr_layout import MAX_METADATA_BYTES, MAX_STEPS, STATE_DIR
 
 COMMIT_KEY = "commit.json"
 STATE_KEY = re.compile(rf"{STATE_DIR}/(\d{{12}})(-[0-9a-f]{{16}})?\.safetensors")
@@ -61,13 +61,14 @@ class Commit:
         return self.sequence == other.sequence and self.time == other.time
 
     def check_covered(self, url: str, lane_rows: int) -> None:
-        """Dataset mode: raise CorruptBufferError if a lane commits more steps than the arrays hold."""
+        """Dataset mode: raise CorruptBufferError if a lane commits more steps than the arrays hold
+        (the arrays' sizes are checked against `MAX_CHUNKS` with the rest of their metadata)."""
         if int(self.committed.max(initial=0)) > lane_rows:
             raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} field 'committed': {int(self.committed.max())} steps "
                                      f"in a lane, but the arrays hold {lane_rows}")
 
     @classmethod
-    def from_bytes(cls, blob: bytes, url: str, num_envs: int, chunk_rows: int) -> "Commit":
+    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> "Commit":
         """Parse and validate a record. Raises CorruptBufferError naming the field."""
         where = f"{url!r}: {COMMIT_KEY}"
         if len(blob) > MAX_METADATA_BYTES:
@@ -83,9 +84,6 @@ class Commit:
         if (lower > committed).any():
             raise CorruptBufferError(f"{where} field 'lower': expected lower <= committed per lane, got "
                                      f"lower {lower.tolist()} and committed {committed.tolist()}")
-        if num_envs * -(-int(committed.max(initial=0)) // chunk_rows) > MAX_CHUNKS:
-            raise CorruptBufferError(f"{where} field 'committed': {committed.tolist()} would need more than "
-                                     f"{MAX_CHUNKS} chunks")
         sequence, stamp, extra = data.get("sequence"), data.get("time"), data.get("extra")
         if isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 <= sequence < 2**62:
             raise CorruptBufferError(f"{where} field 'sequence': expected an int >= 0, got {sequence!r:.100}")

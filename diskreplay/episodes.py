@@ -107,6 +107,10 @@ class EpisodeIndex:
             out[sel] = self._pruned[e] + np.searchsorted(self.ends(e), step[sel])
         return out
 
+    def last_ends(self) -> np.ndarray:
+        """Per lane, the newest end step (-1 where none is recorded)."""
+        return np.array([int(self.ends(lane)[-1]) if self._count[lane] else -1 for lane in range(len(self._count))])
+
     def ended(self) -> np.ndarray:
         """Episodes ended so far per lane (ordinals of the next ends)."""
         return self._pruned + self._count

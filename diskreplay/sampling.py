@@ -193,20 +193,23 @@ class Prioritized:
 
     def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
                beta: float | None = None) -> Draw:
+        """Rows drawn in proportion to their priorities, among the readable steps ``[lo, hi)``
+        only (a reader's commit may have retired rows whose slots still hold priorities)."""
         self._apply_pending()
-        total = self.sum_tree.total()
+        leaves = _LeafRanges.readable(self, lo, hi)
+        total = leaves.mass()
         if self.stratified:
             thresholds = (np.arange(batch_size) + rng.random(batch_size)) * (total / batch_size)
         else:
             thresholds = rng.random(batch_size) * total
-        leaf = self.sum_tree.find_prefix_sum(thresholds)
-        for _ in range(64):
+        leaf = leaves.find(thresholds)
+        for _ in range(64):  # rounding may land a draw just outside a range: draw it again
             lane, slot = np.divmod(leaf, self.stride)
             step = self._step_of_slot(lane, slot, hi)
             outside = (step < lo[lane]) | (step >= hi[lane])
             if not outside.any():
-                return Draw(lane, step, self._weights(leaf, beta))
-            leaf[outside] = self.sum_tree.find_prefix_sum(rng.random(int(outside.sum())) * total)
+                return Draw(lane, step, self._weights(leaf, beta, leaves.min()))
+            leaf[outside] = leaves.find(rng.random(int(outside.sum())) * total)
         raise RuntimeError("prioritized sampler keeps drawing rows outside the readable window; "
                            "its state does not match the buffer's commit")
 
@@ -217,10 +220,10 @@ class Prioritized:
         last = hi[lane] - 1
         return last - (last - slot) % cap
 
-    def _weights(self, leaf: np.ndarray, beta: float | None) -> np.ndarray:
+    def _weights(self, leaf: np.ndarray, beta: float | None, p_min: float) -> np.ndarray:
         beta = self.beta if beta is None else beta
         p = self.sum_tree[leaf]
-        return ((p / self.min_tree.min()) ** -beta).astype(np.float32)
+        return ((p / p_min) ** -beta).astype(np.float32)
 
     def update_priorities(self, lane: np.ndarray, step: np.ndarray, td_errors: np.ndarray,
                           lo: np.ndarray, hi: np.ndarray) -> int:
@@ -291,6 +294,51 @@ class Prioritized:
         peak = state["max_priority"]
         if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (math.isfinite(peak) and peak > 0):
             raise ValueError(f"'sampler.max_priority': expected a finite number > 0, got {peak!r}")
+
+
+@dataclass
+class _LeafRanges:
+    """The leaves of a prioritized sampler's readable rows: all of them, or, where some slots
+    still hold priorities of rows a commit retired, ranges ``[start, end)`` of leaves (at most two
+    per lane), each with the priority mass before it and inside it."""
+
+    sampler: Prioritized
+    start: np.ndarray | None = None
+    end: np.ndarray | None = None
+    before: np.ndarray | None = None
+    inside: np.ndarray | None = None
+
+    @classmethod
+    def readable(cls, sampler: Prioritized, lo: np.ndarray, hi: np.ndarray) -> "_LeafRanges":
+        cap = sampler.layout.lane_capacity
+        if cap is None or (hi - lo == np.minimum(hi, cap)).all():
+            return cls(sampler)
+        spans = []
+        for lane, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            first, last, base = a % cap, (b - 1) % cap + 1, lane * sampler.stride
+            if b > a:
+                spans += [(base + first, base + last)] if first < last else [(base + first, base + cap),
+                                                                             (base, base + last)]
+        tree = sampler.sum_tree
+        return cls(sampler, np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64),
+                   np.array([tree.sum(0, a) for a, _ in spans]), np.array([tree.sum(a, b) for a, b in spans]))
+
+    def mass(self) -> float:
+        return self.sampler.sum_tree.total() if self.start is None else float(self.inside.sum())
+
+    def find(self, thresholds: np.ndarray) -> np.ndarray:
+        """The leaf of each threshold in ``[0, mass())``."""
+        if self.start is None:
+            return self.sampler.sum_tree.find_prefix_sum(thresholds)
+        cumulative = np.cumsum(self.inside)
+        where = np.minimum(np.searchsorted(cumulative, thresholds, side="right"), len(cumulative) - 1)
+        offset = thresholds - (cumulative[where] - self.inside[where])
+        return self.sampler.sum_tree.find_prefix_sum(self.before[where] + offset)
+
+    def min(self) -> float:
+        if self.start is None:
+            return self.sampler.min_tree.min()
+        return min(self.sampler.min_tree.min(int(a), int(b)) for a, b in zip(self.start, self.end))
 
 
 class WithoutReplacement:

@@ -7,6 +7,7 @@ checks the whole batch before anything is written: that is what keeps bad input 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -35,7 +36,10 @@ class Field:
     dtype: np.dtype | str
 
     def __post_init__(self) -> None:
-        shape = tuple(int(s) for s in self.shape)
+        try:
+            shape = tuple(operator.index(s) for s in self.shape)
+        except TypeError:
+            raise SchemaError(f"Field shape must be a tuple of ints, got {self.shape!r}") from None
         if any(s < 0 for s in shape):
             raise SchemaError(f"Field shape must be non-negative, got {shape}")
         dtype = np.dtype(self.dtype)
@@ -66,6 +70,8 @@ class Schema:
     """An ordered mapping of field names to `Field`s, and the gatekeeper of incoming rows."""
 
     def __init__(self, fields: Mapping[str, Field]):
+        if not isinstance(fields, Mapping):
+            raise SchemaError(f"fields: expected a mapping of name to dr.Field, got {type(fields).__name__}")
         if not fields:
             raise SchemaError("a buffer needs at least one field, got none")
         for name, field in fields.items():
@@ -165,7 +171,8 @@ def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _narrowed(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``value`` cast to a narrower float type; a finite value that would become infinite is refused."""
-    out = value.astype(dtype)
+    with np.errstate(over="ignore"):  # an overflow is refused below, with the field's name
+        out = value.astype(dtype)
     if value.size and not np.isfinite(out).all():
         lost = np.isfinite(value) & ~np.isfinite(out) if value.dtype.kind == "f" else ~np.isfinite(out)
         if lost.any():

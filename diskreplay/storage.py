@@ -136,7 +136,7 @@ class Storage:
         self.arrays = arrays
         self.schema = Schema.from_json(config["fields"])
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
-        self.codec = zarr_layout.buffer_codec(config, arrays)
+        self.codec = zarr_layout.buffer_codec(arrays, url)
         self.key_separator = config["chunk_key_separator"]
         self.group_lane_rows = zarr_layout.lane_rows(arrays)
         self.io_threads = io_threads or default_io_threads(url)
@@ -227,7 +227,7 @@ class Storage:
         config, arrays = zarr_layout.read_layout(read_small, url)
 
         def parse(blob: bytes) -> Commit:
-            record = Commit.from_bytes(blob, url, config["num_envs"], config["chunk_rows"])
+            record = Commit.from_bytes(blob, url, config["num_envs"])
             if config["lane_capacity"] is None:
                 record.check_covered(url, zarr_layout.lane_rows(arrays))
             return record
@@ -608,7 +608,7 @@ class Storage:
         blob = read_small(COMMIT_KEY)
         if blob is None:
             raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
-        record = Commit.from_bytes(blob, self.url, self.layout.num_envs, self.layout.chunk_rows)
+        record = Commit.from_bytes(blob, self.url, self.layout.num_envs)
         if self.layout.lane_capacity is None and int(record.committed.max(initial=0)) > self.group_lane_rows:
             _, arrays = zarr_layout.read_layout(read_small, self.url)  # the writer grew them since
             record.check_covered(self.url, zarr_layout.lane_rows(arrays))
@@ -628,6 +628,14 @@ class Storage:
         self.committed, self.lower = record.committed.copy(), record.lower.copy()
         self.total = self.committed.copy()
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
+
+    def forget_cached(self, lane: int, first: int, end: int) -> None:
+        """Reader: cached or mapped copies of steps ``[first, end)`` are out of date (a field of
+        them was patched after they were committed: episodic returns)."""
+        chunks = self.layout.chunks_between(first, end)
+        self.cache.invalidate(lane, chunks)
+        if self.mapped is not None:
+            self.mapped.forget(lane, chunks)
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:

@@ -77,7 +77,7 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     schema = Schema.from_json(config["fields"])
     layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
     try:
-        commit = Commit.from_bytes(commit_blob, url, layout.num_envs, layout.chunk_rows)
+        commit = Commit.from_bytes(commit_blob, url, layout.num_envs)
         if layout.lane_capacity is None:
             commit.check_covered(url, zarr_layout.lane_rows(arrays))
     except CorruptBufferError as exc:
@@ -124,9 +124,9 @@ def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, d
     if not report.ok:
         return None
     try:
-        return config, arrays, zarr_layout.buffer_codec(config, arrays)
+        return config, arrays, zarr_layout.buffer_codec(arrays, url)
     except CorruptBufferError as exc:
-        report.problem(str(exc))
+        report.problem(_without_url(exc, url))
         return None
 
 

@@ -154,6 +154,8 @@ class Codec:
             return cls("zstd", _level(config.get("level")), checksum_)
         if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") == "lz4":
             return cls("lz4", _level(config.get("clevel")), checksum_)
+        if len(middle) == 1 and middle[0]["name"] == "zstd":
+            raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec diskreplay writes")
         raise ValueError(f"unsupported zarr codecs {names}")
 
 
@@ -185,15 +187,15 @@ def array_key(name: str) -> str:
 def metadata_documents(schema: Schema, num_envs: int, lane_rows: int, chunk_rows: int, codec: Codec,
                        config: dict[str, Any]) -> dict[str, bytes]:
     """``{key: bytes}`` of the group's and every array's ``zarr.json``, as zarr writes them."""
-    memory = zarr.storage.MemoryStore()
-    group = zarr.open_group(store=memory, mode="w")
+    documents: dict[str, Any] = {}
+    group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=documents), mode="w")
     for name, field in schema.items():
         group.create_array(name, shape=(num_envs, lane_rows, *field.shape), chunks=(1, chunk_rows, *field.shape),
                            dtype=field.dtype, compressors=codec.zarr_compressors(),
                            chunk_key_encoding={"name": "default", "separator": config["chunk_key_separator"]},
                            fill_value=0)
     group.attrs.update({"diskreplay": {"format": FORMAT, **config}})
-    return {key: value.to_bytes() for key, value in memory._store_dict.items()}
+    return {key: value.to_bytes() for key, value in documents.items()}
 
 
 def resized_document(meta: dict[str, Any], lane_rows: int) -> bytes:
@@ -287,7 +289,8 @@ def parse_config(group: dict[str, Any], url: str) -> dict[str, Any]:
     out["lane_capacity"] = check.integer("lane_capacity", 1, MAX_STEPS, optional=True)
     out["chunk_rows"] = check.integer("chunk_rows", 1, min(MAX_CHUNK_ROWS, out["lane_capacity"] or MAX_CHUNK_ROWS))
     if out["lane_capacity"] and out["num_envs"] * -(-out["lane_capacity"] // out["chunk_rows"]) > MAX_CHUNKS:
-        raise check.bad("chunk_rows", f"at most {MAX_CHUNKS} chunks over all lanes")
+        raise check.bad("lane_capacity", f"at most {MAX_CHUNKS} chunks of chunk_rows={out['chunk_rows']} over "
+                                         f"{out['num_envs']} lanes")
     out["chunk_key_separator"] = check.choice("chunk_key_separator", ("/", "."), default="/")
     out["compression"] = check.choice("compression", COMPRESSIONS)
     out["level"] = check.integer("level", 0, 22)
@@ -376,10 +379,14 @@ def array_problems(name: str, field: Field, meta: dict[str, Any], config: dict[s
         problems.append(f"{key}: shape {shape!r:.200}, expected {[lanes, cap if cap else 'steps', *field.shape]}")
     elif cap is not None and shape[1] != cap:
         problems.append(f"{key}: {shape[1]} steps per lane, the ring holds {cap}")
+    elif lanes * -(-shape[1] // config["chunk_rows"]) > MAX_CHUNKS:
+        problems.append(f"{key}: {shape[1]} steps per lane need more than {MAX_CHUNKS} chunks")
     grid = meta.get("chunk_grid")
     chunks = (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
     expected = [1, config["chunk_rows"], *field.shape]
-    if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks != expected:
+    if not isinstance(grid, dict) or grid.get("name") != "regular":
+        problems.append(f"{key}: chunk grid {grid!r:.200}, expected a 'regular' grid")
+    elif chunks != expected:
         problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected}")
     encoding = meta.get("chunk_key_encoding")
     separator = config["chunk_key_separator"]
@@ -388,7 +395,7 @@ def array_problems(name: str, field: Field, meta: dict[str, Any], config: dict[s
         problems.append(f"{key}: chunk key encoding {encoding!r:.200}, expected default with {separator!r}")
     try:
         codec = Codec.from_zarr_codecs(meta.get("codecs"), field.dtype)
-        if (codec.compression, codec.level) != (config["compression"], config["level"]):
+        if codec.compression != config["compression"] or (codec.compression and codec.level != config["level"]):
             problems.append(f"{key}: codecs {[c.get('name') for c in meta['codecs']]} differ from the buffer's "
                             f"(compression {config['compression']!r}, level {config['level']})")
     except ValueError as exc:
@@ -396,10 +403,15 @@ def array_problems(name: str, field: Field, meta: dict[str, Any], config: dict[s
     return problems
 
 
-def buffer_codec(config: dict[str, Any], arrays: dict[str, dict]) -> Codec:
-    """The codec of a buffer's chunks. Buffers from before checksums have none: every array of
-    one buffer is written with the same codec, so arrays that disagree are corrupt."""
-    codecs = {Codec.from_zarr_codecs(meta["codecs"], np.dtype(meta["data_type"])) for meta in arrays.values()}
-    if len(codecs) != 1:
-        raise CorruptBufferError(f"arrays disagree on their codecs: {sorted(map(str, codecs))}")
-    return codecs.pop()
+def buffer_codec(arrays: dict[str, dict], url: str) -> Codec:
+    """The codec of a buffer's chunks (checked by `array_problems`). Buffers from before checksums
+    have none; every array of one buffer is written with the same codec, so arrays that disagree
+    are corrupt (raises CorruptBufferError naming them)."""
+    codecs = {name: Codec.from_zarr_codecs(meta["codecs"], np.dtype(meta["data_type"])) for name, meta in arrays.items()}
+    first, codec = next(iter(codecs.items()))
+    for name, other in codecs.items():
+        if other.checksum != codec.checksum:
+            with_, without = (first, name) if codec.checksum else (name, first)
+            raise CorruptBufferError(f"{url!r}: {array_key(with_)} has a crc32c checksum codec and "
+                                     f"{array_key(without)} has none; every array of a buffer has the same codecs")
+    return codec

@@ -764,7 +764,7 @@ def test_sample_into_bad_arrays_is_refused(tmp_path):
          rf"out\['obs'\]: expected a C-contiguous {obs.dtype} array shaped \(8, {obs.shape[0]},?\), got float64"),
         ({"obs": np.empty((9, *obs.shape), obs.dtype)}, {}, r"out\['obs'\]: expected .* shaped \(8,"),
         ({"nope": np.empty(8)}, {}, r"out: unknown names \['nope'\]"),
-        ({"index": np.empty(8, np.int32)}, {}, r"out\['index'\]: expected a int64 array shaped \(8,\), got int32"),
+        ({"index": np.empty(8, np.int32)}, {}, r"out\['index'\]: expected a C-contiguous int64 array shaped \(8,\), got int32"),
         ({"obs": np.empty((8, *obs.shape), obs.dtype)}, {"n_step": 2}, "plain transitions only"),
     ]
     for out, options, match in cases:

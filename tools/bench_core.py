@@ -214,6 +214,16 @@ def zstd_encode_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
         return min(bl.timed(lambda: list(pool.map(codec.encode, chunks)))[0] for _ in range(repeats))
 
 
+def checksum_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
+    """What the chunks' CRC32C costs an extend of ``data`` (uncompressed): one checksum per chunk
+    of every field, on one thread (the I/O threads compute them in parallel with the writes)."""
+    from diskreplay.zarr_layout import checksum
+
+    chunks = [memoryview(np.ascontiguousarray(v[i:i + CHUNK_ROWS])).cast("B")
+              for v in data.values() for i in range(0, len(v), CHUNK_ROWS)]
+    return min(bl.timed(lambda: [checksum(c) for c in chunks])[0] for _ in range(repeats))
+
+
 def bench_extend(data, work: str, repeats: int) -> dict[str, bl.Stats]:
     td = as_tensordict(data)
 
@@ -346,7 +356,7 @@ def child_sample(path: str, batches: int, cache_mib: int, seconds: float) -> Non
 # ---- report ---------------------------------------------------------------------------------
 
 
-def build_report(args, sample, add, extend, compress_s, mem, adds: int) -> str:
+def build_report(args, sample, add, extend, compress_s, checksum_s, mem, adds: int) -> str:
     table = bl.Table(COLUMNS)
     table.add("uniform sample(256), per batch", {c: sample[c].median for c in COLUMNS}, baseline=NUMPY)
     table.add("single-step add, per add", {c: add[c].median for c in add}, baseline=CPPRB)
@@ -358,6 +368,7 @@ def build_report(args, sample, add, extend, compress_s, mem, adds: int) -> str:
     table.add("… of which flush", {c: extend[c].phases["flush"].median for c in (DR_RAW, DR_ZSTD)}, unit="s")
     table.add("then making it durable (fsync)", {c: extend[c].phases["sync"].median for c in (DR_RAW, DR_ZSTD)},
               unit="s")
+    table.add("CRC32C of every chunk written (in the extend above, one thread)", {DR_RAW: checksum_s}, unit="s")
     if mem and "error" in mem:
         table.add("big-buffer memory test", {DR_RAW_R: "failed, see notes"}, kind="text")
     elif mem:
@@ -500,6 +511,7 @@ def main() -> None:
     extend = bench_extend(data, work, args.extend_repeats)
     summary(extend, "s")
     compress_s = zstd_encode_seconds(data)
+    checksum_s = checksum_seconds(data)
     del data
     shutil.rmtree(work, ignore_errors=True)
     mem = None
@@ -510,7 +522,7 @@ def main() -> None:
             log(f"[4/4] memory test failed: {exc}")
             mem = {"error": str(exc)}
 
-    bl.publish_report(header, build_report(args, sample, add, extend, compress_s, mem, args.adds), args.out, started)
+    bl.publish_report(header, build_report(args, sample, add, extend, compress_s, checksum_s, mem, args.adds), args.out, started)
 
 
 if __name__ == "__main__":
