@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from typing import Any, Mapping
 
-import fsspec
 import numpy as np
 
 from . import snapshot, transitions, zarr_layout
-from .chunkstore import RetryPolicy, is_local, local_path
+from .chunkstore import RetryPolicy, is_local, local_path, open_chunkstore
 from .commit import COMMIT_KEY, Commit
 from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
@@ -147,7 +145,7 @@ class ReplayBuffer:
             plans.append(Storage.plan(_finals_url(url), finals, lane_capacity=None, chunk_rows=FINALS_CHUNK_ROWS,
                                       cache_bytes=_finals_cache(finals, num_envs), options={}, **common))
         _check_open_options(io_threads, memory_map, retry, storage_options, sampler)
-        _prepare_location(url, storage_options, overwrite, break_lock)
+        _prepare_location(url, storage_options, overwrite, break_lock, retry)
         # the side store first: once the main commit exists, a reader finds everything it needs
         opened = [Storage.create(plan, storage_options=storage_options, io_threads=io_threads, extra={},
                                  memory_map=memory_map, break_lock=break_lock, retry=retry,
@@ -491,12 +489,13 @@ class ReplayBuffer:
         transitions only (not with seq_len, n_step, stack or her).
 
         A reader whose rows the writer overwrote meanwhile (a ring) adopts the newest commit and
-        draws again, until it succeeds or ``retry.budget_s`` seconds have passed.
+        draws again, until it succeeds or ``retry.budget_s`` seconds have passed; so does a reader
+        whose commit retired every row (its writer is mid-way round the ring), waiting for rows.
 
         Raises:
             ValueError: batch_size <= 0 or a batch larger than this machine's memory; ``out`` with
                 a name, dtype or shape that does not fit, or combined with seq_len/n_step/stack/her.
-            EmptyBufferError: the buffer holds no rows.
+            EmptyBufferError: the buffer holds no rows (a reader: none for ``retry.budget_s`` s).
             StaleReadError: the writer kept overwriting the rows drawn for ``retry.budget_s`` s.
             ClosedError: the buffer was closed.
         """
@@ -513,11 +512,17 @@ class ReplayBuffer:
             try:
                 return self._sample_once(rng, int(batch_size), seq_len, pad, n_step, gamma, stack,
                                          stack_fields, her, out, options)
-            except StaleReadError:  # a reader behind the writer of a ring
+            except (StaleReadError, EmptyBufferError) as exc:
+                if isinstance(exc, EmptyBufferError) and not self._behind_writer():
+                    raise
                 deadline = deadline if deadline is not None else time.monotonic() + self.retry.budget_s
                 if time.monotonic() > deadline:
                     raise
                 self._catch_up(deadline)
+
+    def _behind_writer(self) -> bool:
+        """A reader whose commit holds rows, every one retired by a writer going round its ring."""
+        return self.mode == "r" and bool(self.storage.committed.any()) and len(self) == 0
 
     def _catch_up(self, deadline: float) -> None:
         """Reader behind its writer: adopt the newest commit; if that retired every row (the
@@ -948,22 +953,25 @@ def _leading(data: Mapping[str, Any], schema: Schema) -> int:
     return max(counts, key=counts.count)  # the odd field out is then named by the schema check
 
 
-def _prepare_location(url: str, storage_options: dict | None, overwrite: bool, break_lock: bool) -> None:
+def _prepare_location(url: str, storage_options: dict | None, overwrite: bool, break_lock: bool,
+                      retry: RetryPolicy | None) -> None:
+    """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
+    delete what is not a buffer, or one a live writer holds), then remove it (retried remotely)."""
+    store = open_chunkstore(url, storage_options, retry=retry)
     if is_local(url):
         path = local_path(url)
-        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-            if not overwrite:
-                raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
-            _require_buffer_or_empty(path)
-            check_unlocked(url, storage_options, break_lock)
-            shutil.rmtree(path)
-        return
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if fs.exists(f"{root}/{COMMIT_KEY}") or fs.exists(f"{root}/{zarr_layout.GROUP_KEY}"):
+        if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
+            return
+        if not overwrite:
+            raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
+        _require_buffer_or_empty(path)
+    elif store.exists(COMMIT_KEY) or store.exists(zarr_layout.GROUP_KEY):
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
-        check_unlocked(url, storage_options, break_lock)
-        fs.rm(root, recursive=True)
+    else:
+        return
+    check_unlocked(url, storage_options, break_lock)
+    store.clear()
 
 
 def _require_buffer_or_empty(path: str) -> None:

@@ -533,11 +533,14 @@ class Storage:
         self.unsynced = set()
 
     def _retire_overwritten(self, durable: bool) -> None:
-        # Always durable: a chunk overwrite that reaches the disk before this commit would, after
-        # a power loss, show new rows under old step numbers. One small fsync per chunk write batch.
-        oldest = self.layout.oldest(self.total)
-        if np.any(oldest > self.lower):
-            self.commit(self.committed, np.maximum(self.lower, oldest), True, self.commit_record.extra)
+        """Before chunk writes: commit the raised lower bound of the rows they may overwrite, if
+        the last commit still shows any of them (the writer's own bound may be higher already:
+        a failed call retires rows in RAM only). Always durable: a chunk overwrite that reaches
+        the disk before this commit would, after a power loss, show new rows under old step
+        numbers. One small fsync per chunk write batch."""
+        target = np.maximum(self.lower, self.layout.oldest(self.total))
+        if np.any(np.minimum(target, self.committed) > self.commit_record.lower):
+            self.commit(self.committed, target, True, self.commit_record.extra)
 
     def _grow_arrays(self) -> None:
         """Dataset mode: grow every array's step axis to the rows added (metadata only)."""
