@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -305,7 +306,7 @@ class ReplayBuffer:
 
     def _append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
         """Store ``count`` steps of each lane, all or nothing: a failure undoes every lane."""
-        finals = self.view.finals
+        finals, derived = self.view.finals, self.view.derived
         done: list[tuple[int, int, int, dict[str, np.ndarray]]] = []  # (lane, start, finals start, newest next_*)
         stored: list[tuple[int, int, int]] = []
         try:
@@ -317,9 +318,10 @@ class ReplayBuffer:
                     self.episodic_return.fill(self.storage, self.episode_index, lane, lane_rows,
                                               self.episode_index.end_flags(lane_rows))
                 done.append((lane, int(self.storage.total[lane]), int(finals.total[lane]) if finals else 0,
-                             {twin: value[lane].copy() for twin, value in self.view.last_next.items()}))
-                first, end = self.storage.append(lane, {k: v for k, v in lane_rows.items()
-                                                        if k not in self.view.derived}, count)
+                              {twin: value[lane].copy() for twin, value in self.view.last_next.items()}
+                              if derived else {}))
+                first, end = self.storage.append(lane, {k: v for k, v in lane_rows.items() if k not in derived}
+                                                 if derived else lane_rows, count)
                 stored.append((lane, first, end))
                 # all rows, also those a ring drops at once: an end just before the oldest kept step
                 # tells that the kept steps start an episode
@@ -887,6 +889,7 @@ def _check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size")
                          f"row), more than this machine's {memory:,} bytes of memory")
 
 
+@functools.cache
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

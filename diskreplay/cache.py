@@ -32,10 +32,6 @@ class ChunkCache:
     # big budget) the cache costs more than it saves.
     MAX_SLOTS = 1 << 16
 
-    @staticmethod
-    def slots_for_budget(schema: Schema, chunk_rows: int, cache_bytes: int, minimum: int) -> int:
-        return max(minimum, min(cache_bytes // (chunk_rows * schema.row_bytes), ChunkCache.MAX_SLOTS))
-
     def ensure_chunks(self, chunks_per_lane: int) -> None:
         """Grow the table (dataset mode) so chunk indices below ``chunks_per_lane`` are valid."""
         have = self.table.shape[1]

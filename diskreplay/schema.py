@@ -56,7 +56,7 @@ class Field:
     @property
     def row_bytes(self) -> int:
         """Bytes one step of this field takes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype.str}
@@ -82,6 +82,8 @@ class Schema:
             if not isinstance(field, Field):
                 raise SchemaError(f"field {name!r}: expected a dr.Field, got {type(field).__name__}")
         self.fields: dict[str, Field] = dict(fields)
+        self.row_bytes = sum(f.row_bytes for f in self.fields.values())
+        """Bytes one step of all fields takes."""
 
     def __iter__(self):
         return iter(self.fields)
@@ -94,11 +96,6 @@ class Schema:
 
     def items(self):
         return self.fields.items()
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes one step of all fields takes."""
-        return sum(f.row_bytes for f in self.fields.values())
 
     def to_json(self) -> dict[str, Any]:
         return {name: f.to_json() for name, f in self.fields.items()}
@@ -119,7 +116,7 @@ class Schema:
         (same kind: an int64 array may be stored as int32 if every value fits; floats may narrow
         float64 -> float32; nothing may go float -> int or to bool from non-bool).
         """
-        if not isinstance(data, Mapping):
+        if not isinstance(data, (dict, Mapping)):  # dict first: add(**step) passes one, checked fast
             raise SchemaError(f"expected a mapping of field name to array (fields {list(self.fields)}), "
                               f"got {type(data).__name__}")
         missing = [n for n in self.fields if n not in data]

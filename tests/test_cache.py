@@ -8,7 +8,9 @@ import pytest
 import diskreplay as dr
 from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
 from diskreplay.cache import ChunkCache
+from diskreplay.lanes import LaneLayout
 from diskreplay.schema import Schema
+from diskreplay.storage import cache_slots
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 
@@ -122,11 +124,15 @@ def test_ensure_chunks_grows_and_keeps_entries():
 def test_slots_for_budget():
     schema = Schema(SMALL_FIELDS)
     chunk = 4 * schema.row_bytes
-    assert ChunkCache.slots_for_budget(schema, 4, 10 * chunk, minimum=3) == 10
-    assert ChunkCache.slots_for_budget(schema, 4, 10 * chunk + chunk - 1, minimum=3) == 10
-    assert ChunkCache.slots_for_budget(schema, 4, 1, minimum=3) == 3
-    huge = ChunkCache.slots_for_budget(schema, 1, 2**40, minimum=3)
-    assert 3 <= huge <= ChunkCache.MAX_SLOTS
+    one_lane = LaneLayout(1, None, 4)
+    assert cache_slots(schema, one_lane, 10 * chunk, writer=True) == 10
+    assert cache_slots(schema, one_lane, 10 * chunk + chunk - 1, writer=True) == 10
+    assert cache_slots(schema, one_lane, 1, writer=False) == 1  # a reader keeps one chunk at least
+    with pytest.raises(ValueError, match=rf"cache_bytes=1 is too small for a writer: staging needs 4 chunks "
+                                         rf"\(2 per env lane \+ 2\) of {chunk} bytes"):
+        cache_slots(schema, one_lane, 1, writer=True)
+    huge = cache_slots(schema, LaneLayout(1, None, 1), 2**40, writer=True)
+    assert 4 <= huge <= ChunkCache.MAX_SLOTS
 
 
 def test_buffer_cache_size_is_bounded(tmp_path):

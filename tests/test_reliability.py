@@ -187,7 +187,7 @@ def test_resume_after_sigkill_closes_the_cut_episodes(tmp_path, continue_episode
     url = str(tmp_path / "b")
     run_and_kill(RESUME_WRITER, url, _source_of(FIELDS, steps))
     with pytest.warns(UserWarning, match=r"took over the writer lock left by pid \d+ .*no longer running"):
-        buf = dr.ReplayBuffer.open(url, "r+", continue_episodes=continue_episodes)
+        buf = dr.ReplayBuffer.open(url, "r+", **({"continue_episodes": True} if continue_episodes else {}))
     assert buf.state_dict()["total"].tolist() == [23, 17]  # the unflushed steps are gone
     for lane in (0, 1):  # a new episode starts in each lane
         buf.extend({k: v[:, None] for k, v in steps(1000, 6, end_every=6).items()}, env_ids=[lane])
