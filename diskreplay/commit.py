@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CorruptBufferError
-from .zarr_layout import MAX_METADATA_BYTES, MAX_STEPS, STATE_DIR
+from .zarr_layout import MAX_STEPS, STATE_DIR, json_object
 
 COMMIT_KEY = "commit.json"
 STATE_KEY = re.compile(rf"{STATE_DIR}/(\d{{12}})(-[0-9a-f]{{16}})?\.safetensors")
@@ -71,14 +71,7 @@ class Commit:
     def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> "Commit":
         """Parse and validate a record. Raises CorruptBufferError naming the field."""
         where = f"{url!r}: {COMMIT_KEY}"
-        if len(blob) > MAX_METADATA_BYTES:
-            raise CorruptBufferError(f"{where} has {len(blob)} bytes, expected at most {MAX_METADATA_BYTES}")
-        try:
-            data = json.loads(blob)
-        except (ValueError, RecursionError) as exc:
-            raise CorruptBufferError(f"{where} is unreadable ({exc})") from None
-        if not isinstance(data, dict):
-            raise CorruptBufferError(f"{where} is unreadable (not a JSON object)")
+        data = json_object(blob, COMMIT_KEY, url)
         committed = _cursors(data, "committed", where, num_envs)
         lower = _cursors(data, "lower", where, num_envs)
         if (lower > committed).any():

@@ -220,11 +220,14 @@ def check_schema_compatible(schema: Schema, derive_next: tuple[str, ...] = ()) -
 
 
 def read_json(get: Callable[[str], bytes | None], key: str, url: str) -> dict[str, Any] | None:
-    """A JSON object stored at ``key`` (None if missing). Raises CorruptBufferError if it is
-    larger than `MAX_METADATA_BYTES`, not JSON or not an object."""
+    """The JSON object stored at ``key`` (None if missing); see `json_object`."""
     blob = get(key)
-    if blob is None:
-        return None
+    return None if blob is None else json_object(blob, key, url)
+
+
+def json_object(blob: bytes, key: str, url: str) -> dict[str, Any]:
+    """``blob``, the metadata object ``key``, parsed. Raises CorruptBufferError if it is larger
+    than `MAX_METADATA_BYTES`, not JSON or not a JSON object."""
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptBufferError(f"{url!r}: {key} has {len(blob)} bytes, expected at most {MAX_METADATA_BYTES}")
     try:

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -306,6 +306,28 @@ def _read_body(req: BaseHTTPRequestHandler) -> bytes:
         return b"".join(parts)
     length = int(req.headers.get("Content-Length") or 0)
     return req.rfile.read(length) if length else b""
+
+
+SAFETY_S = 120.0
+"""How long `outcome` waits for a call that could hang: a regression guard, never asserted on."""
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """``fn()``'s result and exception, run on a thread joined for at most `SAFETY_S` seconds (a
+    call that does not return by then fails the test instead of hanging it)."""
+    box: list[tuple[Any, BaseException | None]] = []
+
+    def run() -> None:
+        try:
+            box.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+            box.append((None, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(SAFETY_S)
+    assert box, f"the call was still blocked after {SAFETY_S} s: the retry deadline was not enforced"
+    return box[0]
 
 
 @pytest.fixture

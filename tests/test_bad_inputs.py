@@ -450,7 +450,7 @@ CASES = [
          prepare=lambda p: (plain_zarr_group(p), write(os.path.join(p, "commit.json"), b"{}"))),
     # damaged metadata and chunks
     Case("garbage-commit-json", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.CorruptBufferError,
-         r"commit.json is unreadable", prepare=lambda p: write(os.path.join(p, "commit.json"), b"\x00{not json")),
+         r"commit.json is not valid JSON", prepare=lambda p: write(os.path.join(p, "commit.json"), b"\x00{not json")),
     Case("commit-wrong-lanes", lambda p: dr.ReplayBuffer.open(p), dr.CorruptBufferError,
          r"commit.json field 'committed': expected 2 ints in \[0, \d+\] \(one per lane\), got \[1\]",
          prepare=lambda p: edit_json(os.path.join(p, "commit.json"), lambda d: d.update(committed=[1], lower=[0]))),
@@ -555,13 +555,13 @@ CASES += [
          prepare=edit_commit(committed=[21, 20])),
     Case("commit-too-large", open_rw, dr.CorruptBufferError,
          r"commit\.json has \d+ bytes, expected at most 16777216", prepare=oversize_key("commit.json")),
-    Case("commit-empty-file", open_ro, dr.CorruptBufferError, r"commit\.json is unreadable",
+    Case("commit-empty-file", open_ro, dr.CorruptBufferError, r"commit\.json is not valid JSON",
          prepare=write_key("commit.json", b"")),
-    Case("commit-truncated", open_rw, dr.CorruptBufferError, r"commit\.json is unreadable",
+    Case("commit-truncated", open_rw, dr.CorruptBufferError, r"commit\.json is not valid JSON",
          prepare=truncate_key("commit.json", 40)),
-    Case("commit-not-an-object", open_ro, dr.CorruptBufferError, r"commit\.json is unreadable \(not a JSON object\)",
+    Case("commit-not-an-object", open_ro, dr.CorruptBufferError, r"commit\.json is not a JSON object, got list",
          prepare=write_key("commit.json", b"[20, 20]")),
-    Case("commit-deeply-nested", open_ro, dr.CorruptBufferError, r"commit\.json is unreadable",
+    Case("commit-deeply-nested", open_ro, dr.CorruptBufferError, r"commit\.json is not valid JSON",
          prepare=write_key("commit.json", b"[" * 100_000 + b"]" * 100_000)),
     Case("commit-is-a-directory", open_ro, dr.NotABufferError, r"is not a diskreplay buffer \(no commit\.json\)",
          prepare=replace_by_dir("commit.json")),
@@ -1137,7 +1137,7 @@ def test_table_has_at_least_120_kinds():
 # ---- verify() finds the same damage, without raising or writing ------------------------------
 
 VERIFY_CASES = {
-    "garbage-commit-json": r"commit.json is unreadable",
+    "garbage-commit-json": r"commit.json is not valid JSON",
     "commit-wrong-lanes": r"commit.json field 'committed': expected 2 ints",
     "garbage-group-zarr-json": r"zarr.json is not valid JSON",
     "array-dtype-rewritten": r"done/zarr.json: data_type 'int8', the buffer records bool",
@@ -1161,7 +1161,7 @@ VERIFY_CASES = {
     "commit-state-arrays-parent-path": COMMIT + r"'extra\.state_arrays': .*'\.\./\.\./victim\.safetensors'",
     "commit-state-arrays-absolute": COMMIT + r"'extra\.state_arrays': .*'/etc/passwd'",
     "commit-dataset-beyond-arrays": COMMIT + r"'committed': 21 steps in a lane, but the arrays hold 20",
-    "commit-not-an-object": r"commit\.json is unreadable \(not a JSON object\)",
+    "commit-not-an-object": r"commit\.json is not a JSON object, got list",
     "commit-too-large": r"commit\.json has \d+ bytes, expected at most 16777216",
     "commit-is-a-directory": r"no commit\.json: not a diskreplay buffer",
     # group config

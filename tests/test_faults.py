@@ -51,9 +51,8 @@ import pytest
 import diskreplay as dr
 from diskreplay.chunkstore import LocalChunkStore, open_chunkstore
 from diskreplay.verify import verify
-from s3server import FaultProxy, proxy_options, s3  # noqa: F401  (fixture)
+from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3  # noqa: F401  (fixture)
 
-SAFETY_S = 120.0  # a regression guard for calls that could hang; never asserted on
 CHUNK = 8
 LANE_CAP = 48  # ring: 6 chunks per lane
 PAGE = 4096
@@ -746,23 +745,6 @@ def s3_buffer(s3, proxy, opened: list, mode: str, lanes: int = 1,
     buf.flush()
     buf.extend(steps(S3_PREFILL, S3_STAGED, lanes, s3_rows))
     return buf, s3.storage_options()
-
-
-def outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    """``fn()``'s result and exception, run on a thread joined for at most `SAFETY_S` seconds."""
-    box: list[tuple[Any, BaseException | None]] = []
-
-    def run() -> None:
-        try:
-            box.append((fn(), None))
-        except BaseException as exc:  # noqa: BLE001  (handed to the test)
-            box.append((None, exc))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    assert box, f"the call was still blocked after {SAFETY_S} s: the retry deadline was not enforced"
-    return box[0]
 
 
 def give_up(url: str, what: str, tries: int, reason: str, last: str) -> str:

@@ -20,9 +20,8 @@ import pytest
 
 from diskreplay import RetryPolicy, StoreUnavailableError
 from diskreplay.chunkstore import FsspecChunkStore, LocalChunkStore
-from s3server import fault_proxy, proxy_options, s3  # noqa: F401  (fixtures)
+from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3  # noqa: F401  (fixtures)
 
-SAFETY_S = 120.0  # a regression guard, far above any budget here; never asserted on
 BUDGET_S = 1.5
 KEY, OTHER, NEW = "obs/c.0.1.0", "obs/c.0.0.0", "obs/c.0.2.0"
 LOCK = "writer.lock"
@@ -72,23 +71,6 @@ def seeded_store(s3, proxy, **policy: Any) -> FsspecChunkStore:
 def target(s3, store: FsspecChunkStore, op: Op) -> str:
     """The request path substring that ``op`` sends to (path-style addressing: /bucket/key)."""
     return f"/{s3.bucket}" if op.key is None else f"/{store.root}/{op.key}"
-
-
-def outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    """``fn()``'s result and exception, run on a thread joined for at most `SAFETY_S` seconds."""
-    box: list[tuple[Any, BaseException | None]] = []
-
-    def run() -> None:
-        try:
-            box.append((fn(), None))
-        except BaseException as exc:  # noqa: BLE001  (handed to the test)
-            box.append((None, exc))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    assert box, f"the call was still blocked after {SAFETY_S} s: the retry deadline was not enforced"
-    return box[0]
 
 
 def tasks_left(store: FsspecChunkStore) -> list[asyncio.Task]:
