@@ -106,7 +106,7 @@ def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, d
         report.problem(_without_url(exc, url))
         return None
     arrays = {}
-    for name, field in Schema.from_json(config["fields"]).items():
+    for name, spec in Schema.from_json(config["fields"]).items():
         key = zarr_layout.array_key(name)
         try:
             meta = zarr_layout.read_json(store.get, key, url)
@@ -116,7 +116,7 @@ def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, d
         if meta is None:
             report.problem(f"{key} is missing")
             continue
-        problems = zarr_layout.array_problems(name, field, meta, config)
+        problems = zarr_layout.array_problems(name, spec, meta, config)
         for problem in problems:
             report.problem(problem)
         if not problems:

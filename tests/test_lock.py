@@ -143,7 +143,7 @@ def test_reused_pid_is_stale_and_taken_over(tmp_path):
     fake = {"pid": os.getpid(), "host": socket.gethostname(), "time": 1.0e9, "token": "x", "start_ticks": -5}
     open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
     assert drlock.lock_holder(url).stale_reason() == f"pid {os.getpid()} now belongs to another process (the holder exited)"
-    with pytest.warns(UserWarning, match=rf"took over the writer lock left by this process .* now belongs to another"):
+    with pytest.warns(UserWarning, match=r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
     assert drlock.lock_holder(url).token == buf.storage.writer_lock.token
     buf.close()
