@@ -86,10 +86,6 @@ class Uniform:
     def from_state_dict(cls, state: dict[str, Any]) -> "Uniform":
         return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
 
-    @staticmethod
-    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
-        pass
-
 
 def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
     pos = rng.integers(0, int((hi - lo).sum()), size=n)

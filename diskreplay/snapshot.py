@@ -70,7 +70,7 @@ def load_directory(directory: str) -> tuple[dict[str, Any], str]:
     Raises FileNotFoundError (no snapshot there) or CorruptBufferError naming the damaged file."""
     meta_path, arrays_path = os.path.join(directory, "state.json"), os.path.join(directory, "state.safetensors")
     with open(meta_path, "rb") as f:
-        raw = f.read(MAX_SNAPSHOT_JSON + 1)
+        raw = f.read(min(MAX_SNAPSHOT_JSON + 1, os.fstat(f.fileno()).st_size))  # read(n) would allocate n
     try:
         if len(raw) > MAX_SNAPSHOT_JSON:
             raise ValueError(f"larger than {MAX_SNAPSHOT_JSON} bytes")

@@ -370,7 +370,7 @@ class Storage:
         if slot >= 0:
             self.cache.pinned[slot] = True
         elif self._holds_data(lane, chunk_first_step):
-            slot = self._load_pinned(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+            slot = self._load_one(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
         else:  # a recycled slot holds another chunk's rows: never write those into this chunk
             slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
             for name in self.cache.slabs:
@@ -378,16 +378,9 @@ class Storage:
         self.staging[lane] = chunk
         return slot
 
-    def _load_pinned(self, lane: int, chunk: int, must_exist: bool) -> int:
-        """A slot holding the stored chunk, pinned; on a failed read the slot is freed again."""
-        slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
-        try:
-            self._fetch_into([(lane, chunk, slot)], must_exist=must_exist)
-        except BaseException:
-            self.cache.pinned[slot] = False
-            self.cache.evict(np.array([slot]))
-            raise
-        return slot
+    def _load_one(self, lane: int, chunk: int, must_exist: bool) -> int:
+        """A slot holding one stored chunk, pinned (see `_load_pinned`)."""
+        return int(self._load_pinned(np.array([lane]), np.array([chunk]), must_exist)[0])
 
     def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
         """Whether the chunk starting at this step already has stored rows (to keep on rewrite)."""
@@ -449,7 +442,7 @@ class Storage:
         if slot >= 0:
             self.cache.pinned[slot] = True
         else:
-            slot = self._load_pinned(lane, chunk, must_exist=True)
+            slot = self._load_one(lane, chunk, must_exist=True)
         self.sealed.append((lane, chunk, slot))
         return slot
 
@@ -622,19 +615,15 @@ class Storage:
         """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
         for lane in range(self.layout.num_envs):
             old = min(int(self.committed[lane]), int(record.committed[lane]))
-            first = old - old % self.layout.chunk_rows
-            rewritten = self.layout.chunks_between(first, int(record.committed[lane]))
-            self.cache.invalidate(lane, rewritten)
-            if self.mapped is not None:
-                self.mapped.forget(lane, rewritten)
+            self.forget_cached(lane, old - old % self.layout.chunk_rows, int(record.committed[lane]))
         self.commit_record = record
         self.committed, self.lower = record.committed.copy(), record.lower.copy()
         self.total = self.committed.copy()
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
 
     def forget_cached(self, lane: int, first: int, end: int) -> None:
-        """Reader: cached or mapped copies of steps ``[first, end)`` are out of date (a field of
-        them was patched after they were committed: episodic returns)."""
+        """Reader: cached or mapped copies of steps ``[first, end)`` are out of date (rewritten by
+        the writer, or a field of them patched after they were committed: episodic returns)."""
         chunks = self.layout.chunks_between(first, end)
         self.cache.invalidate(lane, chunks)
         if self.mapped is not None:
@@ -764,14 +753,18 @@ class Storage:
             rows[mask] = self.cache.slabs[name].take(index, axis=0)
 
     def _load(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        self.cache.pinned[self._load_pinned(lanes, chunks, must_exist=True)] = False
+
+    def _load_pinned(self, lanes: np.ndarray, chunks: np.ndarray, must_exist: bool) -> np.ndarray:
+        """Slots holding these stored chunks, pinned; on a failed read the slots are freed again."""
         slots = self.cache.assign(lanes, chunks)
         try:
-            self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist=True)
+            self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist=must_exist)
         except BaseException:
+            self.cache.pinned[slots] = False
             self.cache.evict(slots)
             raise
-        finally:
-            self.cache.pinned[slots] = False
+        return slots
 
     def _fetch_into(self, targets: list[tuple[int, int, int]], must_exist: bool) -> None:
         """Read chunks into their slots; a missing chunk is an error if ``must_exist`` else zeros."""

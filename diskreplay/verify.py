@@ -105,23 +105,10 @@ def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, d
     except (CorruptBufferError, NotABufferError) as exc:
         report.problem(_without_url(exc, url))
         return None
-    arrays = {}
-    for name, spec in Schema.from_json(config["fields"]).items():
-        key = zarr_layout.array_key(name)
-        try:
-            meta = zarr_layout.read_json(store.get, key, url)
-        except CorruptBufferError as exc:
-            report.problem(_without_url(exc, url))
-            continue
-        if meta is None:
-            report.problem(f"{key} is missing")
-            continue
-        problems = zarr_layout.array_problems(name, spec, meta, config)
-        for problem in problems:
-            report.problem(problem)
-        if not problems:
-            arrays[name] = meta
-    if not report.ok:
+    arrays, problems = zarr_layout.read_arrays(store.get, url, config)
+    for problem in problems:
+        report.problem(problem)
+    if problems:
         return None
     try:
         return config, arrays, zarr_layout.buffer_codec(arrays, url)

@@ -251,17 +251,28 @@ def read_layout(get: Callable[[str], bytes | None], url: str) -> tuple[dict[str,
     if group is None:
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {GROUP_KEY})")
     config = parse_config(group, url)
-    schema = Schema.from_json(config["fields"])
-    arrays = {}
-    for name, field in schema.items():
-        meta = read_json(get, array_key(name), url)
-        if meta is None:
-            raise CorruptBufferError(f"{url!r}: array for field {name!r} is missing ({array_key(name)})")
-        problems = array_problems(name, field, meta, config)
-        if problems:
-            raise CorruptBufferError(f"{url!r}: {problems[0]}")
-        arrays[name] = meta
+    arrays, problems = read_arrays(get, url, config)
+    if problems:
+        raise CorruptBufferError(f"{url!r}: {problems[0]}")
     return config, arrays
+
+
+def read_arrays(get: Callable[[str], bytes | None], url: str,
+                config: dict[str, Any]) -> tuple[dict[str, dict], list[str]]:
+    """Each field's array metadata that fits ``config``, and every problem found in the others."""
+    arrays, problems = {}, []
+    for name, field in Schema.from_json(config["fields"]).items():
+        try:
+            meta = read_json(get, array_key(name), url)
+        except CorruptBufferError as exc:
+            problems.append(str(exc).removeprefix(f"{url!r}: "))
+            continue
+        found = ([f"array for field {name!r} is missing ({array_key(name)})"] if meta is None
+                 else array_problems(name, field, meta, config))
+        problems += found
+        if not found:
+            arrays[name] = meta
+    return arrays, problems
 
 
 def lane_rows(arrays: dict[str, dict]) -> int:

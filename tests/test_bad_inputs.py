@@ -1142,7 +1142,7 @@ VERIFY_CASES = {
     "garbage-group-zarr-json": r"zarr.json is not valid JSON",
     "array-dtype-rewritten": r"done/zarr.json: data_type 'int8', the buffer records bool",
     "array-chunks-rewritten": r"act/zarr.json: chunk shape \[1, 4\], expected \[1, 8\]",
-    "array-missing": r"img/zarr.json is missing",
+    "array-missing": r"array for field 'img' is missing \(img/zarr\.json\)",
     "truncated-raw-chunk": r"chunk 'obs/c.1.2.0' does not decode to 96 bytes",
     "truncated-zstd-chunk": r"chunk 'act/c.1.0' does not decode",
     "deleted-chunk": r"chunk 'done/c.0.1' is missing, but commit.json says it holds rows",
