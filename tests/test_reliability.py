@@ -32,9 +32,10 @@ def steps(first: int, n: int, end_every: int = 0) -> dict[str, np.ndarray]:
 
 
 def run_and_kill(code: str, *args: str) -> None:
-    """Run a writer in a subprocess until it prints "ready", then SIGKILL it."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """Run a writer in a subprocess until it prints "ready", then SIGKILL it (it waits on its
+    stdin, a pipe kept open, so it cannot exit by itself and release its lock first)."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.strip() == "ready", proc.stderr.read()
