@@ -23,7 +23,7 @@ from .lock import check_unlocked
 from .sampling import (SAMPLER_TYPES, Draw, Sampler, Uniform, check_sampler_state, load_sampler_state,
                        sampler_from_state)
 from .schema import Field, Schema
-from .storage import DEFAULT_CACHE_BYTES, Storage, output_rows
+from .storage import DEFAULT_CACHE_BYTES, Storage, default_chunk_rows, output_rows
 from .transitions import HER
 
 BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
@@ -68,13 +68,13 @@ class ReplayBuffer:
 
     @classmethod
     def create(cls, url: str | os.PathLike, fields: Mapping[str, Field], capacity: int | None = None, *,
-               num_envs: int = 1, chunk_rows: int = 4096, compression: str | None = "zstd",
+               num_envs: int = 1, chunk_rows: int | None = None, compression: str | None = "zstd",
                compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
                storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
-               memory_map: bool | None = None, break_lock: bool = False,
+               memory_map: bool = True, break_lock: bool = False,
                retry: RetryPolicy | None = None) -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
@@ -86,7 +86,9 @@ class ReplayBuffer:
             capacity: total rows kept (a ring over all lanes: ``capacity // num_envs`` per lane, must
                 divide evenly); ``None`` grows without bound (dataset mode).
             num_envs: number of env lanes (at most 65,536); each is its own time-ordered stream.
-            chunk_rows: steps per stored chunk (the unit of I/O and caching).
+            chunk_rows: steps per stored chunk (the unit of I/O and caching). ``None`` (default):
+                4,096, doubled while a ring would need more than 16,384 chunk files (every chunk
+                of a big raw buffer then stays memory-mapped; see `default_chunk_rows`).
             compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks). Every chunk also
                 carries a CRC32C checksum (zarr's ``crc32c`` codec).
             sampler: how `sample` picks rows; `Uniform` by default.
@@ -108,8 +110,7 @@ class ReplayBuffer:
                 first `flush` (bulk imports: an interrupted one never looks like a buffer).
             memory_map: on a local store without compression, read chunk files through memory
                 maps (the OS page cache is the cache, a cold read costs pages, not whole chunks)
-                instead of copying whole chunks into the chunk cache. ``None`` (default): map when
-                the buffer's rows do not fit in ``cache_bytes``, where mapping is faster.
+                instead of copying whole chunks into the chunk cache.
             break_lock: remove any writer lock (also a live writer's) before taking it.
             retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
                 per operation, and bounds how long `sample` keeps retrying stale reads.
@@ -133,6 +134,8 @@ class ReplayBuffer:
             _check_episodic_return(episodic_return, user)
             stored[episodic_return.name] = episodic_return.field()
         zarr_layout.check_schema_compatible(Schema(stored), tuple(derived.values()))
+        if chunk_rows is None:
+            chunk_rows = default_chunk_rows(Schema(stored), num_envs, capacity, cache_bytes)
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
         rng = np.random.default_rng(seed)
@@ -159,7 +162,7 @@ class ReplayBuffer:
     @classmethod
     def open(cls, url: str | os.PathLike, mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
+             io_threads: int | None = None, memory_map: bool = True, break_lock: bool = False,
              retry: RetryPolicy | None = None, continue_episodes: bool = False) -> "ReplayBuffer":
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
@@ -536,7 +539,7 @@ class ReplayBuffer:
 
     def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, out, options):
         lo, hi = self.storage.window()
-        if (hi - lo).sum() == 0:  # also a reader whose newest commit retired all its rows
+        if (hi <= lo).all():  # also a reader whose newest commit retired all its rows
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
@@ -913,8 +916,8 @@ def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_op
     if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
                                    or not 1 <= io_threads <= 256):
         raise ValueError(f"io_threads must be None or an int in [1, 256], got {io_threads!r}")
-    if memory_map not in (None, True, False):
-        raise ValueError(f"memory_map must be None, True or False, got {memory_map!r}")
+    if not isinstance(memory_map, bool):
+        raise ValueError(f"memory_map must be True or False, got {memory_map!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
     if storage_options is not None and not isinstance(storage_options, Mapping):

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "or a diskreplay buffer / zarr group")
     p.add_argument("dest", metavar="DEST", help="where to write the buffer (path or fsspec URL)")
     p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "zarr"), help="source format (default: detected from SRC)")
-    p.add_argument("--chunk-rows", type=_positive_int, default=4096, help="rows per stored chunk (default 4096)")
+    p.add_argument("--chunk-rows", type=_positive_int, default=None,
+                   help="rows per stored chunk (default 4096, longer for datasets of over 16,384 chunk files)")
     p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd", help="chunk codec (default zstd)")
     p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows read per slice; bounds memory (default 65536)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing buffer or interrupted import at DEST")

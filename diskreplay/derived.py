@@ -60,6 +60,8 @@ class RowView:
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Rows of the logical fields ``names`` (all by default); ``out`` as in `Storage.gather`."""
+        if not self.derived and self.returns is None:
+            return self.storage.gather(lane, step, names, out)
         names = tuple(self.schema.fields) if names is None else names
         stored = tuple(n for n in names if n not in self.derived)
         rows = self.storage.gather(lane, step, stored, out) if stored else {}

@@ -64,8 +64,8 @@ from .chunkstore import is_local, local_path, open_chunkstore
 from .errors import BufferExistsError, DiskReplayError, NotABufferError
 from .lock import break_lock, lock_holder
 from .sampling import Uniform
-from .schema import ALLOWED_DTYPES, RESERVED_NAMES, Field
-from .storage import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
+from .schema import ALLOWED_DTYPES, RESERVED_NAMES, Field, Schema
+from .storage import COMMIT_KEY, DEFAULT_CACHE_BYTES, INCOMPLETE_IMPORT_KEY, default_chunk_rows
 
 FORMATS = ("d4rl", "minari", "npz", "npy", "zarr")
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
@@ -90,7 +90,7 @@ class ImportFormatError(DiskReplayError, ValueError):
 
 
 def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
-                   chunk_rows: int = 4096, compression: str | None = "zstd", batch_rows: int = 65536,
+                   chunk_rows: int | None = None, compression: str | None = "zstd", batch_rows: int = 65536,
                    progress: bool = True, overwrite: bool = False, mode: str = "r",
                    storage_options: dict | None = None, cache_bytes: int | None = None) -> ReplayBuffer:
     """Import a dataset at ``src`` into a new dataset-mode buffer at ``dest`` and open it.
@@ -100,7 +100,8 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
             ``.npz`` file, a folder of ``.npy`` files, or a diskreplay buffer / Zarr group.
         dest: where the buffer is written (a local path or an fsspec URL).
         format: one of `FORMATS`; ``None`` detects it from ``src``.
-        chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`).
+        chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
+            ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
         batch_rows: rows read from the source (and written) per slice: bounds memory.
         progress: show a tqdm progress bar (rows, rows/s) on stderr when tqdm is installed.
         overwrite: replace an existing buffer (or an interrupted import) at ``dest``.
@@ -127,6 +128,9 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         _check_destination(dest, overwrite, storage_options)
         # write staging: the chunks of two slices per lane, not the default read cache
         row_bytes = sum(f.row_bytes for f in source.fields.values())
+        if chunk_rows is None:
+            chunk_rows = default_chunk_rows(Schema(source.fields), source.num_envs, max(source.rows, 1),
+                                            DEFAULT_CACHE_BYTES)
         staging_chunks = 2 * -(-int(batch_rows) // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
         buf = ReplayBuffer.create(dest, source.fields, None, num_envs=source.num_envs,
                                   chunk_rows=chunk_rows, compression=compression, overwrite=overwrite,

@@ -69,7 +69,7 @@ class LaneLayout:
 
 
 def row_ids(lane: np.ndarray, step: np.ndarray, num_envs: int) -> np.ndarray:
-    return step * num_envs + lane
+    return step if num_envs == 1 else step * num_envs + lane
 
 
 def split_row_ids(ids: np.ndarray, num_envs: int) -> tuple[np.ndarray, np.ndarray]:

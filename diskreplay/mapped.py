@@ -4,16 +4,19 @@ On a local store without compression a chunk file is exactly its rows' bytes. Fo
 range of virtual memory is reserved (no memory is committed) with room for every chunk of every
 lane, and each chunk file is mapped at its place in that range (``MAP_FIXED``) the first time a
 read needs it. A field then looks like one big array: a batch is one ``take`` per field, however
-many chunks it touches, and a cold read costs the pages of the rows read, not whole chunks. The
-OS page cache is the cache.
+many chunks it touches, and a cold read costs the pages of the rows read, not whole chunks.
 
-Resident pages of mapped files count towards a process's RSS. While the mapped files fit in
-``cache_bytes`` nothing is done; beyond that, once the process's resident file pages have grown by
-``cache_bytes`` since the last trim, the page-table entries are dropped (``MADV_DONTNEED``: the data
-stays in the OS page cache and the next access is a minor fault). The growth is read from
-``/proc/self/statm`` (about 1.5 µs): one read fault may map far more than the page it needs (16
-neighbouring pages, or a whole large folio of the page cache on recent kernels), so counting rows
-read is no bound. Without ``/proc``, it is estimated from the rows read.
+The OS page cache is the cache. Resident pages of these read-only maps count towards the
+process's RSS as file-backed pages (``RssFile``), not private memory: they are shared with every
+other process reading the files and the kernel reclaims them under memory pressure. So they are
+left alone: dropping them would only turn every later read into a page fault.
+
+Each mapped file is one kernel memory map (and may split its reservation in two), and Linux
+allows a process ``vm.max_map_count`` of them (65,530 by default). `map_budget` gives a buffer a
+share of what is left; when a read would pass it (or the kernel refuses a map), every map is
+dropped at once (one ``mmap`` per field) and chunks are mapped again as they are read; a batch
+touching more chunks than the budget is read through the chunk cache instead. Buffers created
+with the default ``chunk_rows`` stay inside the budget (see `diskreplay.storage.default_chunk_rows`).
 
 A chunk file rewritten by the writer is a new file (atomic rename): the old mapping keeps the old
 bytes, so rewritten chunks are *forgotten* and mapped again on their next read. Reading an
@@ -24,6 +27,7 @@ unmapped page of the reservation would crash the process, so `take` is only call
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -38,18 +42,17 @@ from .schema import Field, Schema
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MADV_DONTNEED = 4
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
-FAULT_AROUND = 16
-"""Pages a read fault on a mapped file makes resident at least (Linux's default fault-around: 64 KiB);
-for the estimate where ``/proc/self/statm`` is missing."""
+DEFAULT_MAX_MAP_COUNT = 65530
+"""Linux's default ``vm.max_map_count``: memory maps one process may hold."""
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 DATASET_CHUNKS = 1 << 12
 """Chunks per lane reserved at first in dataset mode (the reservation doubles as lanes grow)."""
@@ -59,6 +62,19 @@ def supported() -> bool:
     return os.name == "posix" and hasattr(os, "O_RDONLY") and mmap.PAGESIZE > 0
 
 
+def map_budget(fields: int) -> int:
+    """Chunks one buffer may keep mapped: half the maps this process has left, a mapped chunk
+    costing one per field (two while its neighbours are not mapped: it splits the reservation)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            in_use = sum(1 for _ in f)
+    except (OSError, ValueError):
+        limit, in_use = DEFAULT_MAX_MAP_COUNT, 0
+    return max((limit - in_use) // 2 // fields, 1)
+
+
 def _check(result: int | None, what: str) -> int:
     if result is None or result == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -66,44 +82,33 @@ def _check(result: int | None, what: str) -> int:
     return result
 
 
-def _open_statm() -> int | None:
-    try:
-        return os.open("/proc/self/statm", os.O_RDONLY)
-    except OSError:
-        return None
-
-
 class _Region:
     """One field's reservation: slot ``s`` (a lane's chunk) starts at row ``s * stride``."""
 
-    def __init__(self, field: Field, chunk_rows: int, slots: int, trailer: int):
+    def __init__(self, field: Field, chunk_rows: int, slots: int):
         page = mmap.PAGESIZE
         self.field = field
         self.row_bytes = field.row_bytes
         unit = page // math.gcd(self.row_bytes, page)  # rows whose bytes fill whole pages
         self.stride = -(-chunk_rows // unit) * unit
         self.file_bytes = chunk_rows * self.row_bytes
-        self.trailer = trailer
         self.size = slots * self.stride * self.row_bytes
-        self.base = _check(_libc.mmap(None, self.size, _PROT_NONE,
-                                      _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0), "reserve")
+        self.base = self._reserve(None)
         raw = (ctypes.c_char * self.size).from_address(self.base)
         self.rows = np.frombuffer(raw, dtype=field.dtype).reshape(slots * self.stride, *field.shape)
 
-    def map_file(self, slot: int, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes + self.trailer:
-                raise CorruptBufferError(f"chunk file {path!r} has {size} bytes, expected "
-                                         f"{self.file_bytes + self.trailer}")
-            address = self.base + slot * self.stride * self.row_bytes
-            _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), path)
-        finally:
-            os.close(fd)
+    def _reserve(self, address: int | None) -> int:
+        fixed = _MAP_FIXED if address is not None else 0
+        return _check(_libc.mmap(address, self.size, _PROT_NONE,
+                                 _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | fixed, -1, 0), "reserve")
 
-    def trim(self) -> None:
-        _libc.madvise(self.base, self.size, _MADV_DONTNEED)
+    def map_file(self, slot: int, fd: int) -> None:
+        address = self.base + slot * self.stride * self.row_bytes
+        _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), "map a chunk file")
+
+    def unmap_files(self) -> None:
+        """Every file map replaced by the bare reservation again (one map)."""
+        self._reserve(self.base)
 
     def close(self) -> None:
         self.rows = None
@@ -114,90 +119,130 @@ class MappedChunks:
     """Every field of a local raw store as one mapped array; see the module docstring."""
 
     def __init__(self, store: LocalChunkStore, chunk_key: Callable[[str, int, int], str], schema: Schema,
-                 layout: LaneLayout, cache_bytes: int, chunks_per_lane: int = 0, trailer: int = 0):
+                 layout: LaneLayout, chunks_per_lane: int = 0, trailer: int = 0):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``trailer``: bytes
         after the values in each file (a checksum, not mapped)."""
         self.trailer = trailer
         self.store, self.chunk_key, self.schema, self.layout = store, chunk_key, schema, layout
-        self.page_budget = max(cache_bytes // mmap.PAGESIZE, 1)
-        self.pages_touched = 0
-        self.pages_mapped = 0
-        self.statm = _open_statm()
-        self.resident_after_trim = self._resident()
-        self.pages_per_chunk = sum(-(-f.row_bytes * layout.chunk_rows // mmap.PAGESIZE) for f in schema.fields.values())
+        self.budget = map_budget(len(schema.fields))
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
-        self.mapped = np.zeros((layout.num_envs, self.chunks), dtype=bool)
-        self.regions = {name: _Region(f, layout.chunk_rows, layout.num_envs * self.chunks, trailer)
-                        for name, f in schema.items()}
-        self.pages_per_row = {name: -(-f.row_bytes // mmap.PAGESIZE) + FAULT_AROUND for name, f in schema.items()}
+        self.regions: dict[str, _Region] = {}
+        self._reserve()
 
-    def ensure(self, lane: np.ndarray, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Map every chunk not mapped yet; returns the (lanes, chunks) it had to map.
+    def _reserve(self) -> None:
+        self.mapped = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)  # maps the current file
+        self.held = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)  # maps some file
+        self.maps = 0  # chunks held
+        self.unmapped = self.mapped.size  # chunks not mapped to their current file
+        self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
+                        for name, f in self.schema.items()}
+
+    def ensure(self, lane: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Map the chunks of these (lane, slot)s not mapped yet; returns the (lanes, chunks) it
+        had to map, or None when they are more than the map budget allows at once (nothing is
+        mapped then).
 
         Raises CorruptBufferError if a chunk file is missing or has the wrong size.
         """
-        if len(chunk) and int(chunk.max()) >= self.chunks:
+        ring = self.layout.lane_capacity is not None
+        if ring and not self.unmapped:
+            return _NONE, _NONE
+        chunk = slot // self.layout.chunk_rows
+        if not ring and len(chunk) and int(chunk.max()) >= self.chunks:
             self._grow(int(chunk.max()) + 1)
-        missing = ~self.mapped[lane, chunk]
-        if not missing.any():
-            return lane[:0], chunk[:0]
+        here = self.mapped[0].take(chunk) if self.layout.num_envs == 1 else self.mapped[lane, chunk]
+        if here.all():
+            return _NONE, _NONE
+        missing = ~here
         keys = np.unique(lane[missing] * self.chunks + chunk[missing])
         lanes, chunks = np.divmod(keys, self.chunks)
-        for ln, ch in zip(lanes.tolist(), chunks.tolist()):
-            for name, region in self.regions.items():
-                key = self.chunk_key(name, ln, ch)
-                try:
-                    region.map_file(ln * self.chunks + ch, self.store.path(key))
-                except FileNotFoundError:
-                    raise CorruptBufferError(
-                        f"{self.store.root!r}: chunk {key!r} is missing, but the last commit says it holds rows"
-                    ) from None
-            self.mapped[ln, ch] = True
-        self.pages_mapped += len(keys) * self.pages_per_chunk
-        return lanes, chunks
+        if self.maps + int((~self.held[lanes, chunks]).sum()) <= self.budget and self._map_all(lanes, chunks):
+            return lanes, chunks
+        keys = np.unique(lane * self.chunks + chunk)  # start afresh with this batch's chunks
+        self.unmap_all()
+        lanes, chunks = np.divmod(keys, self.chunks)
+        if len(keys) <= self.budget and self._map_all(lanes, chunks):
+            return lanes, chunks
+        self.unmap_all()
+        return None
 
-    def take(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
-             out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of mapped chunks (`ensure` them first), copied out (into ``out`` if given)."""
-        region = self.regions[name]
-        self._count(name, len(offset))
-        index = (lane * self.chunks + chunk) * region.stride + offset
-        if out is None:
-            return region.rows.take(index, axis=0)
-        return np.take(region.rows, index, axis=0, out=out, mode="clip")  # "raise" would buffer
+    def _map_all(self, lanes: np.ndarray, chunks: np.ndarray) -> bool:
+        """Map these chunks; False if the process ran out of maps (``ENOMEM``) on the way."""
+        try:
+            for ln, ch in zip(lanes.tolist(), chunks.tolist()):
+                self._map(ln, ch)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            return False
+        return True
 
-    def _count(self, name: str, rows: int) -> None:
-        self.pages_touched += rows * self.pages_per_row[name]
+    def _map(self, lane: int, chunk: int) -> None:
+        for name, region in self.regions.items():
+            key = self.chunk_key(name, lane, chunk)
+            try:
+                fd = os.open(self.store.path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptBufferError(
+                    f"{self.store.root!r}: chunk {key!r} is missing, but the last commit says it holds rows"
+                ) from None
+            try:
+                size = os.fstat(fd).st_size
+                if size != region.file_bytes + self.trailer:
+                    raise CorruptBufferError(f"{self.store.root!r}: chunk {key!r} has {size} bytes, "
+                                             f"expected {region.file_bytes + self.trailer}")
+                region.map_file(lane * self.chunks + chunk, fd)
+            finally:
+                os.close(fd)
+        self.maps += not self.held[lane, chunk]
+        self.unmapped -= not self.mapped[lane, chunk]
+        self.held[lane, chunk] = self.mapped[lane, chunk] = True
 
-    def bound_resident(self) -> None:
-        """After a read: drop the maps' page-table entries if resident file pages grew by more
-        than the budget since the last trim (see the module docstring)."""
-        if self.pages_mapped <= self.page_budget or self._resident() - self.resident_after_trim <= self.page_budget:
-            return
-        for region in self.regions.values():
-            region.trim()
-        self.pages_touched = 0
-        self.resident_after_trim = self._resident()
+    def gather(self, lane: np.ndarray, slot: np.ndarray, names: tuple[str, ...],
+               out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows at (lane, slot) of mapped chunks (`ensure` them first), copied out: into
+        ``out[name]`` where given (C-contiguous, right shape and dtype)."""
+        positions: dict[int, np.ndarray] = {}
+        rows = {}
+        for name in names:
+            region = self.regions[name]
+            at = positions.get(region.stride)
+            if at is None:
+                at = positions[region.stride] = self._positions(region.stride, lane, slot)
+            given = out.get(name)
+            if given is None:
+                rows[name] = region.rows.take(at, axis=0)
+            else:  # mode "raise" (the default) would gather into a temporary first
+                rows[name] = np.take(region.rows, at, axis=0, out=given, mode="clip")
+        return rows
 
-    def _resident(self) -> int:
-        """Resident file-backed pages of this process (``statm``'s shared), else the estimate."""
-        if self.statm is None:
-            return self.pages_touched
-        return int(os.pread(self.statm, 128, 0).split()[2])
+    def _positions(self, stride: int, lane: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """Rows of a region with this chunk stride holding (lane, slot)."""
+        if stride == self.layout.chunk_rows:
+            return slot if self.layout.num_envs == 1 else lane * (self.chunks * stride) + slot
+        chunk, offset = np.divmod(slot, self.layout.chunk_rows)
+        return (lane * self.chunks + chunk) * stride + offset
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again before the next read."""
-        chunks = chunks[chunks < self.chunks]
+        chunks = np.unique(chunks[chunks < self.chunks])
+        self.unmapped += int(self.mapped[lane, chunks].sum())
         self.mapped[lane, chunks] = False
+
+    def unmap_all(self) -> None:
+        """Drop every map (the map budget is spent); chunks are mapped again as they are read."""
+        for region in self.regions.values():
+            region.unmap_files()
+        self.mapped[...] = False
+        self.held[...] = False
+        self.maps = 0
+        self.unmapped = self.mapped.size
 
     def _grow(self, chunks_needed: int) -> None:
         """Dataset mode: a wider reservation; chunks are mapped again as they are read."""
         self._unmap()
         self.chunks = max(2 * self.chunks, chunks_needed)
-        self.mapped = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)
-        self.pages_mapped = 0
-        self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks, self.trailer)
-                        for name, f in self.schema.items()}
+        self._reserve()
 
     def _unmap(self) -> None:
         for region in self.regions.values():
@@ -206,6 +251,3 @@ class MappedChunks:
 
     def close(self) -> None:
         self._unmap()
-        if self.statm is not None:
-            os.close(self.statm)
-            self.statm = None

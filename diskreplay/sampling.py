@@ -88,9 +88,11 @@ class Uniform:
 
 
 def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
+    if len(lo) == 1:
+        step = rng.integers(int(lo[0]), int(hi[0]), size=n)
+        return Draw(np.zeros_like(step), step)
     pos = rng.integers(0, int((hi - lo).sum()), size=n)
-    lane, step = flat_to_lane_step(pos, lo, hi)
-    return Draw(lane, step)
+    return Draw(*flat_to_lane_step(pos, lo, hi))
 
 
 def _recent(lo: np.ndarray, hi: np.ndarray, rows: int) -> np.ndarray:

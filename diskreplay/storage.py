@@ -94,6 +94,28 @@ def _take_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     np.take(source, index, axis=0, out=out, mode="clip")
 
 
+DEFAULT_CHUNK_ROWS = 4096
+CHUNK_FILES_MAPPED = 1 << 14
+"""Chunk files (chunks x fields) past which `default_chunk_rows` lengthens chunks: a quarter of
+Linux's default ``vm.max_map_count``, so every chunk of a big buffer can stay memory-mapped."""
+
+
+def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cache_bytes: int) -> int:
+    """Steps per chunk for a buffer of ``capacity`` rows over ``num_envs`` lanes (None: unknown):
+    `DEFAULT_CHUNK_ROWS`, doubled while there would be more than `CHUNK_FILES_MAPPED` chunk
+    files and a writer's staging (``2 * num_envs + 2`` chunks) still fits ``cache_bytes``.
+    Arguments that are not positive ints give `DEFAULT_CHUNK_ROWS` (`create` rejects them)."""
+    rows = DEFAULT_CHUNK_ROWS
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+               for v in (num_envs, capacity, cache_bytes)):
+        return rows
+    lane_rows, staging_chunks = int(capacity) // int(num_envs), 2 * int(num_envs) + 2
+    while (num_envs * -(-lane_rows // rows) * len(schema.fields) > CHUNK_FILES_MAPPED and rows < lane_rows
+           and staging_chunks * 2 * rows * schema.row_bytes <= cache_bytes):
+        rows *= 2
+    return rows
+
+
 def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool) -> int:
     """Chunk slots that fit ``cache_bytes``. A writer stages a chunk per lane and seals as many
     again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least one.
@@ -128,13 +150,14 @@ class Storage:
 
     def __init__(self, url: str, config: dict[str, Any], arrays: dict[str, dict], commit: Commit, *,
                  mode: str, storage_options: dict | None, cache_bytes: int, io_threads: int | None,
-                 store: ChunkStore, writer_lock: WriterLock | None = None, memory_map: bool | None = None):
+                 store: ChunkStore, writer_lock: WriterLock | None = None, memory_map: bool = True):
         self.url = url
         self.mode = mode
         self.storage_options = storage_options
         self.config = config
         self.arrays = arrays
         self.schema = Schema.from_json(config["fields"])
+        self.field_names = tuple(self.schema.fields)
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = zarr_layout.buffer_codec(arrays, url)
         self.key_separator = config["chunk_key_separator"]
@@ -150,6 +173,7 @@ class Storage:
         self.committed = commit.committed.copy()
         self.lower = commit.lower.copy()
         self.total = commit.committed.copy()
+        self.reader_window: tuple[np.ndarray, np.ndarray] | None = None
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
         self.sealed: list[tuple[int, int, int]] = []
@@ -159,11 +183,8 @@ class Storage:
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="diskreplay-io")
         self.mapped = None
-        if memory_map is None:  # map only where it is faster: when the rows do not fit the cache
-            rows = self.layout.lane_capacity or int(self.total.max(initial=0))
-            memory_map = self.layout.num_envs * rows * self.schema.row_bytes > cache_bytes
-        if memory_map and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
-            self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout, cache_bytes,
+        if memory_map is not False and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
+            self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout,
                                               self.layout.chunks_per_lane(int(self.total.max(initial=0))),
                                               trailer=self.codec.trailer)
 
@@ -187,7 +208,7 @@ class Storage:
     @classmethod
     def create(cls, plan: "NewStorage", *, storage_options: dict | None, io_threads: int | None,
                extra: dict[str, Any], break_lock: bool = False, commit: bool = True,
-               memory_map: bool | None = None, retry: RetryPolicy | None = None) -> "Storage":
+               memory_map: bool = True, retry: RetryPolicy | None = None) -> "Storage":
         """Write a planned buffer's metadata (the location already cleared) and open it for
         writing. ``commit=False`` writes no commit record yet (the location is not a buffer
         until the first flush)."""
@@ -212,7 +233,7 @@ class Storage:
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int | None, break_lock: bool = False, memory_map: bool | None = None,
+             io_threads: int | None, break_lock: bool = False, memory_map: bool = True,
              retry: RetryPolicy | None = None) -> "Storage":
         if is_local(url) and os.path.isfile(local_path(url)):
             raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
@@ -261,8 +282,10 @@ class Storage:
 
     def window(self) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the readable steps ``[lo, hi)``: everything added (writer) or committed (reader)."""
-        if self.mode == "r":
-            return self.committed_window()
+        if self.mode == "r":  # a reader's window moves only when it adopts a commit
+            if self.reader_window is None:
+                self.reader_window = self.committed_window()
+            return self.reader_window
         lo = np.maximum(self.lower, self.layout.oldest(self.total))
         return np.minimum(lo, self.total), self.total
 
@@ -453,12 +476,15 @@ class Storage:
 
     def _release_sealed(self) -> None:
         """Unpin written sealed chunks, except a lane's current staging chunk (a ring that wraps
-        within one append re-stages a chunk it already sealed)."""
-        for _, _, slot in self.sealed:
-            self.cache.pinned[slot] = False
+        within one append re-stages a chunk it already sealed). With memory maps, the maps serve
+        written chunks: the cache then holds only the chunks not written yet."""
+        written = np.array([slot for _, _, slot in self.sealed], dtype=np.int64)
+        self.cache.pinned[written] = False
         self.sealed = []
         lanes = np.flatnonzero(self.staging >= 0)
         self.cache.pinned[self.cache.table[lanes, self.staging[lanes]]] = True
+        if self.mapped is not None:
+            self.cache.evict(written[~self.cache.pinned[written]])
 
     def flush(self, durable: bool = True, extra: dict[str, Any] | None = None) -> None:
         """Write sealed chunks and every lane's partial tail chunk, then commit. If it raises,
@@ -619,6 +645,7 @@ class Storage:
         self.commit_record = record
         self.committed, self.lower = record.committed.copy(), record.lower.copy()
         self.total = self.committed.copy()
+        self.reader_window = None
         self.cache.ensure_chunks(self.layout.chunks_per_lane(int(self.total.max(initial=0))))
 
     def forget_cached(self, lane: int, first: int, end: int) -> None:
@@ -644,55 +671,75 @@ class Storage:
         """
         if self.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
-        names = names or tuple(self.schema.fields)
+        names = names or self.field_names
+        if self.mapped is not None:
+            return self._gather_mapped(lane, step, names, out or {})
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[lane, chunk]
-        cached = self.mapped is None and (slots >= 0).all()
+        cached = (slots >= 0).all()
         if cached:
             self.cache.touch(slots)
             index = slots * self.layout.chunk_rows + offset
             if out is None:  # the hot path
                 return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
-        given = out or {}
-        out = {name: output_rows(name, self.schema[name], len(step), given.get(name)) for name in names}
+        out = self._outputs(names, len(step), out or {})
         if cached:
             for name, rows in out.items():
                 _take_into(self.cache.slabs[name], index, rows)
-        elif self.mapped is not None:
-            self._gather_mapped(lane, step, chunk, offset, slots, out)
         else:
             self._gather_with_misses(lane, chunk, offset, slots, step, out)
         return out
 
-    def _gather_mapped(self, lane, step, chunk, offset, slots, out) -> None:
-        """Rows of chunks the writer holds in the cache (staged, or written but pinned) come from
-        the cache; all others from the memory-mapped chunk files."""
-        cached = slots >= 0
-        if cached.all():
-            index = slots * self.layout.chunk_rows + offset
-            for name, rows in out.items():
-                _take_into(self.cache.slabs[name], index, rows)
-            return
-        filed = ~cached
-        lanes, chunks = self.mapped.ensure(lane[filed], chunk[filed])
+    def _outputs(self, names: tuple[str, ...], count: int, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: output_rows(name, self.schema[name], count, given.get(name)) for name in names}
+
+    def _gather_mapped(self, lane, step, names, out) -> dict[str, np.ndarray]:
+        """Rows from the memory-mapped chunk files, except a writer's chunks held in the cache
+        (staged, or not yet written): those come from the cache."""
+        slot = self.layout.slot(step)
+        if self.mode != "r":
+            slots = self.cache.table[lane, slot // self.layout.chunk_rows]
+            if (slots >= 0).any():
+                return self._gather_mixed(lane, step, slot, slots, self._outputs(names, len(step), out))
+        if not self._map(lane, step, slot):  # more chunks than may be mapped at once
+            return self._gather_unmapped(lane, step, self._outputs(names, len(step), out))
+        if out:
+            out = self._outputs(names, len(step), out)
+        return self.mapped.gather(lane, slot, names, out)
+
+    def _map(self, lane: np.ndarray, step: np.ndarray, slot: np.ndarray) -> bool:
+        """Map the chunks of these steps; False if they are more than may be mapped at once."""
+        newly = self.mapped.ensure(lane, slot)
+        if newly is None:
+            return False
+        lanes, chunks = newly
         if len(chunks):
             try:
-                tainted = self._check_not_overwritten(lane[filed], step[filed], lanes, chunks)
+                tainted = self._check_not_overwritten(lane, step, lanes, chunks)
             except StaleReadError:
                 for ln in np.unique(lanes).tolist():
                     self.mapped.forget(ln, chunks[lanes == ln])
                 raise
             for ln, stale in tainted:
                 self.mapped.forget(ln, stale)
-        if not cached.any():
-            for name, rows in out.items():
-                self.mapped.take(name, lane, chunk, offset, out=rows)
-        else:
-            index = slots[cached] * self.layout.chunk_rows + offset[cached]
-            for name, rows in out.items():
-                rows[filed] = self.mapped.take(name, lane[filed], chunk[filed], offset[filed])
-                rows[cached] = self.cache.slabs[name].take(index, axis=0)
-        self.mapped.bound_resident()
+        return True
+
+    def _gather_mixed(self, lane, step, slot, slots, out) -> dict[str, np.ndarray]:
+        cached = slots >= 0
+        filed = ~cached
+        if filed.any() and not self._map(lane[filed], step[filed], slot[filed]):
+            return self._gather_unmapped(lane, step, out)
+        mapped = self.mapped.gather(lane[filed], slot[filed], tuple(out), {})
+        index = slots[cached] * self.layout.chunk_rows + slot[cached] % self.layout.chunk_rows
+        for name, rows in out.items():
+            rows[filed] = mapped[name]
+            rows[cached] = self.cache.slabs[name].take(index, axis=0)
+        return out
+
+    def _gather_unmapped(self, lane, step, out) -> dict[str, np.ndarray]:
+        chunk, offset = self.layout.chunk_and_offset(step)
+        self._gather_with_misses(lane, chunk, offset, self.cache.table[lane, chunk], step, out)
+        return out
 
     def _gather_with_misses(self, lane, chunk, offset, slots, step, out) -> None:
         miss = slots < 0

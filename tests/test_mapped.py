@@ -1,12 +1,13 @@
 """Memory-mapped reads of raw local chunk files (`diskreplay.mapped`)."""
 
+import errno
 import os
 
 import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay import mapped
+from diskreplay import mapped, storage
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "flag": dr.Field((), "bool"), "img": dr.Field((2, 5), "uint8")}
 
@@ -24,16 +25,17 @@ def check(buf, ids):
         np.testing.assert_array_equal(got[name], want[name][ids])
 
 
-def test_mapping_is_chosen_only_where_it_is_faster(tmp_path):
+def test_local_raw_buffers_are_mapped_unless_asked_not_to(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=4096, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 4096))
-    assert dr.ReplayBuffer.open(url).storage.mapped is None  # fits the default cache
-    assert dr.ReplayBuffer.open(url, cache_bytes=1024).storage.mapped is not None
-    assert dr.ReplayBuffer.open(url, memory_map=True).storage.mapped is not None
+    assert dr.ReplayBuffer.open(url).storage.mapped is not None
+    assert dr.ReplayBuffer.open(url, memory_map=False).storage.mapped is None
     zstd = str(tmp_path / "z")
     dr.ReplayBuffer.create(zstd, FIELDS, capacity=64, compression="zstd").close()
     assert dr.ReplayBuffer.open(zstd, memory_map=True).storage.mapped is None
+    with pytest.raises(ValueError, match="memory_map must be True or False, got None"):
+        dr.ReplayBuffer.open(url, memory_map=None)
 
 
 @pytest.mark.parametrize("capacity", [None, 1000])
@@ -84,22 +86,38 @@ def test_dataset_mode_grows_past_the_reservation(tmp_path, monkeypatch):
     assert reader.storage.mapped.chunks >= 25
 
 
-def test_tight_budget_trims_and_stays_correct(tmp_path):
+def maps_of_this_process():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     url = str(tmp_path / "b")
-    with dr.ReplayBuffer.create(url, FIELDS, capacity=6000, chunk_rows=64, compression=None) as buf:
-        buf.extend(rows(0, 6000))
-    reader = dr.ReplayBuffer.open(url, memory_map=True, cache_bytes=8192)
-    trims = []
-    region = next(iter(reader.storage.mapped.regions.values()))
-    original = type(region).trim
-    type(region).trim = lambda self: (trims.append(1), original(self))
-    try:
-        for seed in range(30):
-            batch = reader.sample(256, seed=seed)
-            np.testing.assert_array_equal(batch["img"], rows(0, 6000)["img"][batch["index"]])
-    finally:
-        type(region).trim = original
-    assert trims  # the budget was exceeded and page-table entries dropped
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
+        buf.extend(rows(0, 6400))  # 100 chunks of 3 fields
+    reader = dr.ReplayBuffer.open(url)
+    chunks = reader.storage.mapped
+    chunks.budget = 40
+    unmap_all, drops = chunks.unmap_all, []
+    chunks.unmap_all = lambda: (drops.append(chunks.maps), unmap_all())
+    before = maps_of_this_process()
+    for seed in range(20):
+        batch = reader.sample(16, seed=seed)  # 16 rows touch at most 16 chunks: mapped
+        np.testing.assert_array_equal(batch["img"], rows(0, 6400)["img"][batch["index"]])
+        assert chunks.maps <= 40
+    assert drops and max(drops) <= 40  # the budget was reached, and every map dropped then
+    assert maps_of_this_process() - before <= 2 * 3 * 40 + 3  # each chunk: its file's map + a split
+    batch = reader.sample(256, seed=99)  # touches more chunks than the budget: read through the cache
+    np.testing.assert_array_equal(batch["obs"], rows(0, 6400)["obs"][batch["index"]])
+    assert (reader.storage.cache.table >= 0).sum() > 40
+
+
+def test_map_budget_is_a_share_of_the_maps_left():
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    left = limit - maps_of_this_process()
+    assert abs(mapped.map_budget(5) - left // 2 // 5) <= 1  # a map per chunk per field
+    assert abs(mapped.map_budget(1) - left // 2) <= 1
 
 
 def test_missing_or_short_chunk_file_is_an_error_not_a_crash(tmp_path):
@@ -112,6 +130,49 @@ def test_missing_or_short_chunk_file_is_an_error_not_a_crash(tmp_path):
     reader = dr.ReplayBuffer.open(url, memory_map=True)
     with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.2.0' is missing"):
         reader[[70]]
-    with pytest.raises(dr.CorruptBufferError, match=r"has 10 bytes, expected 36"):
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'flag/c.0.5' has 10 bytes, expected 36"):
         reader[[5 * 32 + 1]]
     check(reader, np.arange(0, 64))  # other chunks still read
+
+
+def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
+        buf.extend(rows(0, 6400))
+    reader = dr.ReplayBuffer.open(url)
+    calls = []
+    map_file = mapped._Region.map_file
+
+    def refuse_the_tenth(region, slot, fd):
+        calls.append(slot)
+        if len(calls) == 10:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        map_file(region, slot, fd)
+    monkeypatch.setattr(mapped._Region, "map_file", refuse_the_tenth)
+    drops = []
+    unmap_all = reader.storage.mapped.unmap_all
+    monkeypatch.setattr(reader.storage.mapped, "unmap_all", lambda: (drops.append(1), unmap_all()))
+    batch = reader.sample(64, seed=3)
+    np.testing.assert_array_equal(batch["obs"], rows(0, 6400)["obs"][batch["index"]])
+    assert drops == [1] and reader.storage.mapped.maps == len(np.unique(batch["index"] // 64))
+
+
+@pytest.mark.parametrize("capacity, num_envs, cache_bytes, expected", [
+    (1_000_000, 1, 512 << 20, 4096),  # 245 chunks x 5 fields
+    (50_000_000, 1, 512 << 20, 16384),  # 12,208 chunks at 4,096 rows: 15,260 files at 16,384
+    (200_000_000, 1, 512 << 20, 65536),
+    (200_000_000, 1, 40 << 20, 32768),  # a writer's staging (4 chunks) must fit the cache
+    (50_000_000, 10, 512 << 20, 16384),
+    (None, 1, 512 << 20, 4096),  # dataset mode: the size is unknown
+])
+def test_default_chunk_rows_keep_big_buffers_mappable(capacity, num_envs, cache_bytes, expected):
+    schema = dr.schema.Schema({"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"),
+                               "reward": dr.Field((), "float32"), "next_obs": dr.Field((17,), "float32"),
+                               "done": dr.Field((), "bool")})
+    assert storage.default_chunk_rows(schema, num_envs, capacity, cache_bytes) == expected
+
+
+def test_create_picks_the_default_chunk_rows(tmp_path):
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=40_000_000, compression=None)
+    assert buf.storage.layout.chunk_rows == 8192  # 4,883 chunks x 3 fields
+    assert dr.ReplayBuffer.create(str(tmp_path / "c"), FIELDS, capacity=100).storage.layout.chunk_rows == 100
