@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from .lock import check_unlocked
 from .sampling import (SAMPLER_TYPES, Draw, Sampler, Uniform, check_sampler_state, load_sampler_state,
                        sampler_from_state)
 from .schema import Field, Schema
-from .storage import DEFAULT_CACHE_BYTES, Storage, default_chunk_rows, output_rows
+from .storage import DEFAULT_CACHE_BYTES, Storage, default_chunk_rows, output_rows, physical_memory
 from .transitions import HER
 
 BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
@@ -74,7 +73,7 @@ class ReplayBuffer:
                io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
-               memory_map: bool = True, break_lock: bool = False,
+               memory_map: bool | None = None, break_lock: bool = False,
                retry: RetryPolicy | None = None) -> "ReplayBuffer":
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
@@ -110,7 +109,9 @@ class ReplayBuffer:
                 first `flush` (bulk imports: an interrupted one never looks like a buffer).
             memory_map: on a local store without compression, read chunk files through memory
                 maps (the OS page cache is the cache, a cold read costs pages, not whole chunks)
-                instead of copying whole chunks into the chunk cache.
+                instead of copying whole chunks into the chunk cache. ``None`` (default): map when
+                the buffer's rows do not fit in ``cache_bytes``; rows that fit are read faster from
+                the cache (huge pages), which the first read fills with every chunk at once.
             break_lock: remove any writer lock (also a live writer's) before taking it.
             retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
                 per operation, and bounds how long `sample` keeps retrying stale reads.
@@ -162,7 +163,7 @@ class ReplayBuffer:
     @classmethod
     def open(cls, url: str | os.PathLike, mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: dict | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             io_threads: int | None = None, memory_map: bool = True, break_lock: bool = False,
+             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
              retry: RetryPolicy | None = None, continue_episodes: bool = False) -> "ReplayBuffer":
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
@@ -886,18 +887,10 @@ def _check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"{name} must be a positive int, got {batch_size!r}")
     need = int(batch_size) * (row_bytes + 8)
-    memory = _physical_memory()
+    memory = physical_memory()
     if need > memory:
         raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "
                          f"row), more than this machine's {memory:,} bytes of memory")
-
-
-@functools.cache
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
 
 
 def _check_beta(options: Mapping[str, Any]) -> None:
@@ -916,8 +909,8 @@ def _check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_op
     if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
                                    or not 1 <= io_threads <= 256):
         raise ValueError(f"io_threads must be None or an int in [1, 256], got {io_threads!r}")
-    if not isinstance(memory_map, bool):
-        raise ValueError(f"memory_map must be True or False, got {memory_map!r}")
+    if memory_map not in (None, True, False):
+        raise ValueError(f"memory_map must be None, True or False, got {memory_map!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
     if storage_options is not None and not isinstance(storage_options, Mapping):

@@ -65,12 +65,20 @@ class ChunkCache:
             age = np.where(self.pinned, np.iinfo(np.int64).max, self.last_used)
             victims = np.argpartition(age, n - 1)[:n] if n < self.slots else np.arange(n)
         self.evict(victims)
-        self.table[lanes, chunks] = victims
-        self.owner_lane[victims] = lanes
-        self.owner_chunk[victims] = chunks
-        self.pinned[victims] = True
-        self.last_used[victims] = self.clock
-        return victims
+        return self.place(lanes, chunks, victims)
+
+    def place(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Give each (lane, chunk) the slot named (the caller chose free ones); returns them, pinned."""
+        self.table[lanes, chunks] = slots
+        self.owner_lane[slots] = lanes
+        self.owner_chunk[slots] = chunks
+        self.pinned[slots] = True
+        self.last_used[slots] = self.clock
+        return slots
+
+    def free(self, slots: np.ndarray) -> bool:
+        """None of these slots holds a chunk or is pinned."""
+        return bool(((self.owner_lane[slots] < 0) & ~self.pinned[slots]).all())
 
     def evict(self, slots: np.ndarray) -> None:
         held = slots[self.owner_lane[slots] >= 0]

@@ -48,6 +48,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_READ = 22
 
 DEFAULT_MAX_MAP_COUNT = 65530
 """Linux's default ``vm.max_map_count``: memory maps one process may hold."""
@@ -105,6 +107,10 @@ class _Region:
     def map_file(self, slot: int, fd: int) -> None:
         address = self.base + slot * self.stride * self.row_bytes
         _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), "map a chunk file")
+
+    def populate(self, slot: int) -> None:
+        """Read a mapped slot's pages into the page tables now (errors ignored: it only saves faults)."""
+        _libc.madvise(self.base + slot * self.stride * self.row_bytes, self.file_bytes, _MADV_POPULATE_READ)
 
     def unmap_files(self) -> None:
         """Every file map replaced by the bare reservation again (one map)."""
@@ -197,6 +203,35 @@ class MappedChunks:
         self.maps += not self.held[lane, chunk]
         self.unmapped -= not self.mapped[lane, chunk]
         self.held[lane, chunk] = self.mapped[lane, chunk] = True
+
+    def warm(self, lanes: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map these chunks (as many as the budget allows) with every page of them read and
+        in the page tables: the OS reads all files at once (``POSIX_FADV_WILLNEED``, in the
+        background), then each map is populated (``MADV_POPULATE_READ``, Linux >= 5.14; on older
+        kernels pages are faulted in as read). A damaged chunk is skipped (its read reports it).
+        Returns the chunks it mapped."""
+        if len(chunks) and int(chunks.max()) >= self.chunks:
+            self._grow(int(chunks.max()) + 1)
+        keep = ~self.mapped[lanes, chunks]
+        room = max(self.budget - self.maps, 0)
+        lanes, chunks = lanes[keep][:room], chunks[keep][:room]
+        self.store.prefetch([self.chunk_key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
+                             for name in self.schema.fields])
+        done = np.zeros(len(chunks), dtype=bool)
+        for i, (ln, ch) in enumerate(zip(lanes.tolist(), chunks.tolist())):
+            try:
+                self._map(ln, ch)
+            except CorruptBufferError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                self.unmap_all()
+                return _NONE, _NONE
+            done[i] = True
+            for region in self.regions.values():
+                region.populate(ln * self.chunks + ch)
+        return lanes[done], chunks[done]
 
     def gather(self, lane: np.ndarray, slot: np.ndarray, names: tuple[str, ...],
                out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

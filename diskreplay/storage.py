@@ -68,6 +68,15 @@ SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
 
 
+@functools.cache
+def physical_memory() -> int:
+    """Bytes of RAM of this machine (2**40 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
 def default_io_threads(url: str) -> int:
     """Local disk is bound by CPU and the filesystem: threads beyond the cores only contend.
     Object stores are bound by latency: many requests in flight."""
@@ -150,7 +159,7 @@ class Storage:
 
     def __init__(self, url: str, config: dict[str, Any], arrays: dict[str, dict], commit: Commit, *,
                  mode: str, storage_options: dict | None, cache_bytes: int, io_threads: int | None,
-                 store: ChunkStore, writer_lock: WriterLock | None = None, memory_map: bool = True):
+                 store: ChunkStore, writer_lock: WriterLock | None = None, memory_map: bool | None = None):
         self.url = url
         self.mode = mode
         self.storage_options = storage_options
@@ -183,10 +192,15 @@ class Storage:
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))))
         self.io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="diskreplay-io")
         self.mapped = None
-        if memory_map is not False and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
+        if memory_map is None:  # map only where it is faster: when the rows do not fit the cache
+            memory_map = self._stored_bytes() > cache_bytes
+        if memory_map and self.codec.raw and isinstance(self.store, LocalChunkStore) and mapped.supported():
             self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout,
                                               self.layout.chunks_per_lane(int(self.total.max(initial=0))),
                                               trailer=self.codec.trailer)
+        self.warm = isinstance(store, LocalChunkStore)  # on the first read: see `_warm`
+        self.resident_span: int | None = None  # set while a reader's cache holds its window in lane-major order
+        self.home_width: int | None = None  # dataset mode: see `_home_width`
 
     # ---- creation and opening -------------------------------------------------------------
 
@@ -208,7 +222,7 @@ class Storage:
     @classmethod
     def create(cls, plan: "NewStorage", *, storage_options: dict | None, io_threads: int | None,
                extra: dict[str, Any], break_lock: bool = False, commit: bool = True,
-               memory_map: bool = True, retry: RetryPolicy | None = None) -> "Storage":
+               memory_map: bool | None = None, retry: RetryPolicy | None = None) -> "Storage":
         """Write a planned buffer's metadata (the location already cleared) and open it for
         writing. ``commit=False`` writes no commit record yet (the location is not a buffer
         until the first flush)."""
@@ -233,7 +247,7 @@ class Storage:
 
     @classmethod
     def open(cls, url: str, *, mode: str, storage_options: dict | None, cache_bytes: int,
-             io_threads: int | None, break_lock: bool = False, memory_map: bool = True,
+             io_threads: int | None, break_lock: bool = False, memory_map: bool | None = None,
              retry: RetryPolicy | None = None) -> "Storage":
         if is_local(url) and os.path.isfile(local_path(url)):
             raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
@@ -268,6 +282,11 @@ class Storage:
             if lock is not None:
                 lock.release()
             raise
+
+    def _stored_bytes(self) -> int:
+        """Bytes of the rows this buffer holds (a ring: when full)."""
+        rows = self.layout.lane_capacity or int(self.total.max(initial=0))
+        return self.layout.num_envs * rows * self.schema.row_bytes
 
     def chunk_key(self, name: str, lane: int, chunk: int) -> str:
         return zarr_layout.chunk_key(name, self.schema[name], lane, chunk, self.key_separator)
@@ -655,6 +674,8 @@ class Storage:
         self.cache.invalidate(lane, chunks)
         if self.mapped is not None:
             self.mapped.forget(lane, chunks)
+        self.resident_span = None
+        self.warm = self.mode == "r" and isinstance(self.store, LocalChunkStore)  # fill again at the next read
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -672,6 +693,10 @@ class Storage:
         if self.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         names = names or self.field_names
+        if self.warm:
+            self._warm()
+        if self.resident_span is not None:
+            return self._gather_resident(lane, step, names, out)
         if self.mapped is not None:
             return self._gather_mapped(lane, step, names, out or {})
         chunk, offset = self.layout.chunk_and_offset(step)
@@ -690,6 +715,18 @@ class Storage:
             self._gather_with_misses(lane, chunk, offset, slots, step, out)
         return out
 
+    def _gather_resident(self, lane, step, names, out) -> dict[str, np.ndarray]:
+        """A reader whose cache holds its whole window, chunk ``(lane, c)`` in slot
+        ``lane * width + c``: slab rows follow from the steps alone."""
+        slot = self.layout.slot(step)
+        index = slot if self.layout.num_envs == 1 else lane * self.resident_span + slot
+        if out is None:
+            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        out = self._outputs(names, len(step), out)
+        for name, rows in out.items():
+            _take_into(self.cache.slabs[name], index, rows)
+        return out
+
     def _outputs(self, names: tuple[str, ...], count: int, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: output_rows(name, self.schema[name], count, given.get(name)) for name in names}
 
@@ -706,6 +743,64 @@ class Storage:
         if out:
             out = self._outputs(names, len(step), out)
         return self.mapped.gather(lane, slot, names, out)
+
+    def _warm(self) -> None:
+        """First read from local disk: bring the whole window close, so that later reads never
+        wait for the disk (remote stores fetch what reads need). Rows that fit the cache are loaded into it, every chunk at once (a local store
+        first asks the OS to read all the files: many requests in flight); rows that do not, but
+        fit in half this machine's RAM, are mapped with their pages read (`MappedChunks.warm`).
+        Bigger buffers are read as they are sampled. Best effort: a damaged chunk is reported
+        by the read that needs it."""
+        self.warm = False
+        lo, hi = self.window()
+        spans = [self.layout.chunks_between(int(lo[ln]), int(hi[ln])) for ln in range(self.layout.num_envs)]
+        lanes = np.concatenate([np.full(len(c), ln, dtype=np.int64) for ln, c in enumerate(spans)])
+        chunks = np.concatenate(spans)
+        if self.mapped is not None:
+            if self._stored_bytes() <= physical_memory() // 2:
+                self._drop_if_moved(*self.mapped.warm(lanes, chunks))
+            return
+        width = self._home_width(self.layout.chunks_per_lane(int(hi.max(initial=0))))
+        home = lanes * width + chunks  # a reader's chunks in lane-major order: found without the table
+        at = self.cache.table[lanes, chunks]
+        missing = at < 0
+        if self.mode == "r" and len(home) and home.max() < self.cache.slots:
+            in_place = (at == home).all() or ((at[~missing] == home[~missing]).all() and self.cache.free(home[missing]))
+        else:
+            in_place = False
+        staging = 0 if self.mode == "r" else 2 * self.layout.num_envs + 2
+        if not in_place and len(chunks[missing]) > self.cache.evictable() - staging:
+            return
+        lanes, chunks, home = lanes[missing], chunks[missing], home[missing]
+        self.store.prefetch([self.chunk_key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
+                             for name in self.schema.fields])
+        try:
+            self._load(lanes, chunks, home if in_place else None)
+        except CorruptBufferError:
+            return
+        if not self._drop_if_moved(lanes, chunks) and in_place:
+            self.resident_span = width * self.layout.chunk_rows
+
+    def _home_width(self, needed: int) -> int:
+        """Slots per lane of a reader's lane-major cache: the ring's chunks; in dataset mode
+        room to grow (a power of two, while the cache has the slots), kept while it suffices."""
+        if self.layout.lane_capacity is None and (self.home_width or 0) < needed:
+            roomy = 1 << (needed - 1).bit_length()
+            self.home_width = roomy if self.layout.num_envs * roomy <= self.cache.slots else needed
+        return self.home_width or needed
+
+    def _drop_if_moved(self, lanes: np.ndarray, chunks: np.ndarray) -> bool:
+        """A ring reader that loaded or mapped chunks ahead of any read: if the writer committed
+        meanwhile, they may hold newer rows; forget them (reads check what they load)."""
+        if self.mode != "r" or self.layout.lane_capacity is None or not len(chunks):
+            return False
+        if self.read_commit().same_as(self.commit_record):
+            return False
+        for ln in np.unique(lanes).tolist():
+            self.cache.invalidate(ln, chunks[lanes == ln])
+            if self.mapped is not None:
+                self.mapped.forget(ln, chunks[lanes == ln])
+        return True
 
     def _map(self, lane: np.ndarray, step: np.ndarray, slot: np.ndarray) -> bool:
         """Map the chunks of these steps; False if they are more than may be mapped at once."""
@@ -799,12 +894,14 @@ class Storage:
         for name, rows in out.items():
             rows[mask] = self.cache.slabs[name].take(index, axis=0)
 
-    def _load(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
-        self.cache.pinned[self._load_pinned(lanes, chunks, must_exist=True)] = False
+    def _load(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray | None = None) -> None:
+        self.cache.pinned[self._load_pinned(lanes, chunks, must_exist=True, slots=slots)] = False
 
-    def _load_pinned(self, lanes: np.ndarray, chunks: np.ndarray, must_exist: bool) -> np.ndarray:
-        """Slots holding these stored chunks, pinned; on a failed read the slots are freed again."""
-        slots = self.cache.assign(lanes, chunks)
+    def _load_pinned(self, lanes: np.ndarray, chunks: np.ndarray, must_exist: bool,
+                     slots: np.ndarray | None = None) -> np.ndarray:
+        """Slots holding these stored chunks (in ``slots``, free ones, if given; else the least
+        recently used), pinned; on a failed read the slots are freed again."""
+        slots = self.cache.assign(lanes, chunks) if slots is None else self.cache.place(lanes, chunks, slots)
         try:
             self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist=must_exist)
         except BaseException:

@@ -25,17 +25,29 @@ def check(buf, ids):
         np.testing.assert_array_equal(got[name], want[name][ids])
 
 
-def test_local_raw_buffers_are_mapped_unless_asked_not_to(tmp_path):
+def test_mapping_is_chosen_only_where_it_is_faster(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=4096, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 4096))
-    assert dr.ReplayBuffer.open(url).storage.mapped is not None
-    assert dr.ReplayBuffer.open(url, memory_map=False).storage.mapped is None
+    assert dr.ReplayBuffer.open(url).storage.mapped is None  # fits the default cache
+    assert dr.ReplayBuffer.open(url, cache_bytes=1024).storage.mapped is not None
+    assert dr.ReplayBuffer.open(url, memory_map=True).storage.mapped is not None
     zstd = str(tmp_path / "z")
     dr.ReplayBuffer.create(zstd, FIELDS, capacity=64, compression="zstd").close()
     assert dr.ReplayBuffer.open(zstd, memory_map=True).storage.mapped is None
-    with pytest.raises(ValueError, match="memory_map must be True or False, got None"):
-        dr.ReplayBuffer.open(url, memory_map=None)
+
+
+def test_first_read_of_rows_that_fit_the_cache_loads_every_chunk(tmp_path):
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=4000, chunk_rows=64, compression="zstd") as buf:
+        buf.extend(rows(0, 4000))
+    reader = dr.ReplayBuffer.open(url)
+    check(reader, np.array([7]))
+    assert (reader.storage.cache.table >= 0).sum() == 63  # every chunk, read once
+    check(reader, reader.row_ids())
+    small = dr.ReplayBuffer.open(url, cache_bytes=16 * 64 * 23)  # 16 of the 63 chunks: loaded as read
+    check(small, np.array([7]))
+    assert (small.storage.cache.table >= 0).sum() == 1
 
 
 @pytest.mark.parametrize("capacity", [None, 1000])
@@ -95,7 +107,8 @@ def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))  # 100 chunks of 3 fields
-    reader = dr.ReplayBuffer.open(url)
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    reader.storage.warm = False  # no first-read fill: chunks are mapped as read
     chunks = reader.storage.mapped
     chunks.budget = 40
     unmap_all, drops = chunks.unmap_all, []
@@ -139,7 +152,8 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))
-    reader = dr.ReplayBuffer.open(url)
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    reader.storage.warm = False
     calls = []
     map_file = mapped._Region.map_file
 
@@ -176,3 +190,52 @@ def test_create_picks_the_default_chunk_rows(tmp_path):
     buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=40_000_000, compression=None)
     assert buf.storage.layout.chunk_rows == 8192  # 4,883 chunks x 3 fields
     assert dr.ReplayBuffer.create(str(tmp_path / "c"), FIELDS, capacity=100).storage.layout.chunk_rows == 100
+
+
+def test_first_read_maps_every_chunk_of_a_buffer_that_fits_in_memory(tmp_path):
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=1000, chunk_rows=64, compression=None) as buf:
+        buf.extend(rows(0, 1000))
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    assert reader.storage.mapped.maps == 0
+    check(reader, np.array([5]))
+    assert reader.storage.mapped.maps == 16 and not reader.storage.mapped.unmapped  # every chunk
+    check(reader, reader.row_ids())
+
+
+def test_a_ring_reader_whose_writer_moved_on_before_its_first_read_reads_its_own_rows(tmp_path):
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, FIELDS, capacity=256, chunk_rows=32, compression=None)
+    writer.extend(rows(0, 256))
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    writer.extend(rows(256, 100))  # rewrites chunks 0-3 of the ring
+    writer.flush()
+    batch = reader.sample(200, seed=0)  # stale rows are found, the reader adopts the newest commit
+    np.testing.assert_array_equal(batch["obs"], rows(0, 356)["obs"][batch["index"]])
+    assert reader.storage.commit_record.sequence == writer.storage.commit_record.sequence
+
+
+@pytest.mark.parametrize("capacity", [600, None])
+def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_path, capacity):
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, num_envs=3, chunk_rows=32, compression="lz4")
+    data = rows(0, 3 * 700)
+    lane_major = {k: v.reshape(700, 3, *v.shape[1:]) for k, v in data.items()}
+    writer.extend({k: v[:400] for k, v in lane_major.items()})
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url)
+    ids = reader.row_ids()
+    got = reader[ids]
+    width = 7 if capacity else 16  # a ring's 7 chunks per lane; 13 in dataset mode, room for 16
+    assert reader.storage.resident_span == width * 32
+    np.testing.assert_array_equal(got["img"], data["img"][ids])
+    end = 700 if capacity else 500  # the ring wraps; the dataset grows within its room
+    writer.extend({k: v[400:end] for k, v in lane_major.items()})
+    writer.flush()
+    assert reader.refresh() and reader.storage.resident_span is None
+    ids = reader.row_ids()
+    batch = reader.sample(500, seed=1)
+    np.testing.assert_array_equal(reader[ids]["obs"], data["obs"][ids])
+    np.testing.assert_array_equal(batch["flag"], data["flag"][batch["index"]])
+    assert reader.storage.resident_span == width * 32

@@ -10,7 +10,11 @@ Nothing here knows about replay buffers. The pieces:
   column, and PASS/FAIL lines for performance targets.
 * `machine_info` — the command line, CPU, memory, Python and package versions, for quoting.
 * `run_child` — run a command in a subprocess; get its stdout, wall time and peak RSS (its
-  ``VmHWM``, polled); `self_peak_rss` reads ``VmHWM`` for a process measuring itself (exact).
+  ``VmHWM``, polled); `self_peak_rss` reads ``VmHWM`` for a process measuring itself (exact);
+  `self_status` reads private (``RssAnon``) and file-backed (``RssFile``) memory separately.
+* `read_files` / `evict_page_cache` / `resident_bytes` — put a directory's files in the OS page
+  cache, drop them from it (fsync + ``POSIX_FADV_DONTNEED``), and check how much of them it holds
+  (``mincore``), for warm and cold timings.
 """
 
 from __future__ import annotations
@@ -355,6 +359,27 @@ def filesystem_of(path: str) -> str:
     return f"{best[0]} {best[1]} mounted at {best[2]}"
 
 
+def read_ahead_kb(path: str) -> int | None:
+    """The read-ahead (KiB) of the block device holding ``path``; a page fault on a file mapping
+    reads about this much around the faulting page. None where it cannot be found."""
+    path = os.path.realpath(path)
+    best = ("", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt = line.split()[:2]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt)
+        block = os.path.realpath(f"/sys/class/block/{os.path.basename(os.path.realpath(best[0]))}")
+        for queue in (os.path.join(block, "queue"), os.path.join(os.path.dirname(block), "queue")):
+            if os.path.exists(os.path.join(queue, "read_ahead_kb")):
+                with open(os.path.join(queue, "read_ahead_kb")) as f:
+                    return int(f.read())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 # ---- disk and memory ------------------------------------------------------------------------
 
 
@@ -406,6 +431,98 @@ def _proc_status_kb(key: str) -> int | None:
     except ImportError:
         pass
     return None
+
+
+def self_status(keys: Iterable[str] = ("RssAnon", "RssFile", "RssShmem", "VmRSS", "VmHWM")) -> dict[str, int | None]:
+    """``kB`` lines of /proc/self/status, in bytes. ``RssAnon`` is private memory; ``RssFile``
+    file-backed pages mapped by the process (the page cache: shared and reclaimable)."""
+    return {key: _read_status_kb("/proc/self/status", key) for key in keys}
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes: what can be allocated without swapping."""
+    return _read_status_kb("/proc/meminfo", "MemAvailable")
+
+
+# ---- page cache -----------------------------------------------------------------------------
+
+
+def files_under(path: str) -> list[str]:
+    """Every regular file under ``path`` (or ``path`` itself if it is a file), sorted."""
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for root, _, names in os.walk(path):
+        out += [os.path.join(root, n) for n in names if os.path.isfile(os.path.join(root, n))]
+    return sorted(out)
+
+
+def read_files(path: str) -> tuple[int, float]:
+    """Read every file under ``path`` once (puts it in the page cache, as far as RAM allows).
+    Returns (bytes read, seconds)."""
+    view = memoryview(bytearray(8 * MiB))
+    total = 0
+    start = time.perf_counter()
+    for name in files_under(path):
+        with open(name, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total, time.perf_counter() - start
+
+
+def evict_page_cache(path: str) -> int:
+    """Drop every file under ``path`` from the OS page cache; returns the number of files.
+
+    Each file is fsynced first (``POSIX_FADV_DONTNEED`` skips dirty pages), then advised
+    ``DONTNEED``. Pages some process still maps (an open memmap) stay: unmap before evicting,
+    and check with `resident_bytes`.
+    """
+    files = files_under(path)
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
+
+
+_RESIDENT_BIT = bytes(b & 1 for b in range(256))
+
+
+def resident_bytes(path: str) -> tuple[int, int]:
+    """(bytes in the page cache, total bytes) of the files under ``path``, from mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for name in files_under(path):
+        size = os.path.getsize(name)
+        if size == 0:
+            continue
+        total += size
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {name} failed")
+            try:
+                vec = ctypes.create_string_buffer(-(-size // page))
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {name} failed")
+                resident += min(size, vec.raw.translate(_RESIDENT_BIT).count(1) * page)
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident, total
 
 
 @dataclass
