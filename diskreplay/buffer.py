@@ -17,7 +17,7 @@ from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, NotABufferError,
                      SchemaError, StaleReadError)
-from .lanes import flat_to_lane_step, row_ids, split_row_ids
+from .lanes import flat_to_lane_step, is_empty, row_ids, split_row_ids
 from .lock import check_unlocked
 from .sampling import (SAMPLER_TYPES, Draw, Sampler, Uniform, check_sampler_state, load_sampler_state,
                        sampler_from_state)
@@ -540,7 +540,7 @@ class ReplayBuffer:
 
     def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, out, options):
         lo, hi = self.storage.window()
-        if (hi <= lo).all():  # also a reader whose newest commit retired all its rows
+        if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
@@ -565,8 +565,9 @@ class ReplayBuffer:
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
             batch["weight"] = draw.weight
-        batch.update(draw.extra)
-        return _placed(batch, out)
+        if draw.extra:
+            batch.update(draw.extra)
+        return batch if out is None else _placed(batch, out)
 
     def _sample_slices(self, rng: np.random.Generator, batch_size: int, seq_len: int, pad: bool,
                        lo: np.ndarray, hi: np.ndarray, options: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -68,6 +68,11 @@ class LaneLayout:
                           np.arange(a, self.chunks_per_lane(), dtype=np.int64))
 
 
+def is_empty(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """No lane's window ``[lo, hi)`` holds a step."""
+    return bool(hi[0] <= lo[0]) if len(lo) == 1 else not (hi > lo).any()
+
+
 def row_ids(lane: np.ndarray, step: np.ndarray, num_envs: int) -> np.ndarray:
     return step if num_envs == 1 else step * num_envs + lane
 

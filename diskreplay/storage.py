@@ -700,7 +700,7 @@ class Storage:
         if self.mapped is not None:
             return self._gather_mapped(lane, step, names, out or {})
         chunk, offset = self.layout.chunk_and_offset(step)
-        slots = self.cache.table[lane, chunk]
+        slots = self.cache.table[0].take(chunk) if self.layout.num_envs == 1 else self.cache.table[lane, chunk]
         cached = (slots >= 0).all()
         if cached:
             self.cache.touch(slots)

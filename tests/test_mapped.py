@@ -1,6 +1,8 @@
 """Memory-mapped reads of raw local chunk files (`diskreplay.mapped`)."""
 
+import ctypes
 import errno
+import mmap
 import os
 
 import numpy as np
@@ -239,3 +241,51 @@ def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_p
     np.testing.assert_array_equal(reader[ids]["obs"], data["obs"][ids])
     np.testing.assert_array_equal(batch["flag"], data["flag"][batch["index"]])
     assert reader.storage.resident_span == width * 32
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def chunk_files(url):
+    return sorted(os.path.join(root, n) for root, _, names in os.walk(url) for n in names if n.startswith("c."))
+
+
+def cached_pages(path):
+    """(pages of the file in the OS page cache, pages of the file), from mincore(2)."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = -(-size // mmap.PAGESIZE)
+        vector = ctypes.create_string_buffer(pages)
+        assert _libc.mincore(address, size, vector) == 0
+        _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vector.raw), pages
+
+
+def evict(url):
+    os.sync()
+    for path in chunk_files(url):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("memory_map", [None, True])
+def test_the_first_read_of_an_evicted_buffer_brings_every_chunk_file_into_the_page_cache(tmp_path, memory_map):
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=64 * 40, chunk_rows=64, compression=None) as buf:
+        buf.extend(rows(0, 64 * 40))
+    evict(url)
+    files = chunk_files(url)
+    assert len(files) == 3 * 40 and sum(cached_pages(f)[0] for f in files) < len(files)
+    reader = dr.ReplayBuffer.open(url, memory_map=memory_map)
+    check(reader, np.array([3]))  # one row of one chunk
+    assert [cached_pages(f)[0] for f in files] == [cached_pages(f)[1] for f in files]
+    check(reader, reader.row_ids())
