@@ -49,7 +49,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_READ = 22
+_MADV_RANDOM, _MADV_WILLNEED, _MADV_POPULATE_READ = 1, 3, 22
 
 DEFAULT_MAX_MAP_COUNT = 65530
 """Linux's default ``vm.max_map_count``: memory maps one process may hold."""
@@ -104,9 +104,21 @@ class _Region:
         return _check(_libc.mmap(address, self.size, _PROT_NONE,
                                  _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | fixed, -1, 0), "reserve")
 
-    def map_file(self, slot: int, fd: int) -> None:
+    def map_file(self, slot: int, fd: int, random: bool) -> None:
+        """Map a chunk file at its slot; ``random``: a page fault reads that page only (no
+        read-ahead around it: `prefetch` asks for the pages a read needs)."""
         address = self.base + slot * self.stride * self.row_bytes
         _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), "map a chunk file")
+        if random:
+            _libc.madvise(address, self.file_bytes, _MADV_RANDOM)
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Ask the OS to read the pages of these rows, all at once (``MADV_WILLNEED`` returns at
+        once: the reads are in flight together, where page faults would wait for one at a time)."""
+        first = rows * self.row_bytes
+        pages = np.unique(np.concatenate([first, first + self.row_bytes - 1]) // mmap.PAGESIZE)
+        for page in (self.base + pages * mmap.PAGESIZE).tolist():
+            _libc.madvise(page, mmap.PAGESIZE, _MADV_WILLNEED)
 
     def populate(self, slot: int) -> None:
         """Read a mapped slot's pages into the page tables now (errors ignored: it only saves faults)."""
@@ -131,6 +143,7 @@ class MappedChunks:
         self.trailer = trailer
         self.store, self.chunk_key, self.schema, self.layout = store, chunk_key, schema, layout
         self.budget = map_budget(len(schema.fields))
+        self.random_reads = False  # see `read_randomly`
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
         self.regions: dict[str, _Region] = {}
         self._reserve()
@@ -197,7 +210,7 @@ class MappedChunks:
                 if size != region.file_bytes + self.trailer:
                     raise CorruptBufferError(f"{self.store.root!r}: chunk {key!r} has {size} bytes, "
                                              f"expected {region.file_bytes + self.trailer}")
-                region.map_file(lane * self.chunks + chunk, fd)
+                region.map_file(lane * self.chunks + chunk, fd, self.random_reads)
             finally:
                 os.close(fd)
         self.maps += not self.held[lane, chunk]
@@ -233,17 +246,27 @@ class MappedChunks:
                 region.populate(ln * self.chunks + ch)
         return lanes[done], chunks[done]
 
+    def read_randomly(self) -> None:
+        """For files much larger than the page cache: from now on a page fault reads its page
+        only, and `gather` asks for all the pages of a batch at once first."""
+        if not self.random_reads:
+            self.random_reads = True
+            self.unmap_all()  # mapped again, with the advice, as they are read
+
     def gather(self, lane: np.ndarray, slot: np.ndarray, names: tuple[str, ...],
                out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows at (lane, slot) of mapped chunks (`ensure` them first), copied out: into
         ``out[name]`` where given (C-contiguous, right shape and dtype)."""
         positions: dict[int, np.ndarray] = {}
+        for stride in {self.regions[name].stride for name in names}:
+            positions[stride] = self._positions(stride, lane, slot)
+        if self.random_reads:
+            for name in names:
+                self.regions[name].prefetch(positions[self.regions[name].stride])
         rows = {}
         for name in names:
             region = self.regions[name]
-            at = positions.get(region.stride)
-            if at is None:
-                at = positions[region.stride] = self._positions(region.stride, lane, slot)
+            at = positions[region.stride]
             given = out.get(name)
             if given is None:
                 rows[name] = region.rows.take(at, axis=0)

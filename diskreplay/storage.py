@@ -746,30 +746,35 @@ class Storage:
 
     def _warm(self) -> None:
         """First read from local disk: bring the whole window close, so that later reads never
-        wait for the disk (remote stores fetch what reads need). Rows that fit the cache are loaded into it, every chunk at once (a local store
-        first asks the OS to read all the files: many requests in flight); rows that do not, but
-        fit in half this machine's RAM, are mapped with their pages read (`MappedChunks.warm`).
-        Bigger buffers are read as they are sampled. Best effort: a damaged chunk is reported
-        by the read that needs it."""
+        wait for the disk (remote stores fetch what reads need). Rows that fit the cache are
+        loaded into it (`_fill_cache`); rows that do not, but fit in half this machine's RAM, are
+        mapped with their pages read (`MappedChunks.warm`); bigger ones are read page by page as
+        sampled, each batch's pages asked for at once (`MappedChunks.read_randomly`).
+        Best effort: a damaged chunk is reported by the read that needs it."""
         self.warm = False
         lo, hi = self.window()
         spans = [self.layout.chunks_between(int(lo[ln]), int(hi[ln])) for ln in range(self.layout.num_envs)]
         lanes = np.concatenate([np.full(len(c), ln, dtype=np.int64) for ln, c in enumerate(spans)])
         chunks = np.concatenate(spans)
-        if self.mapped is not None:
-            if self._stored_bytes() <= physical_memory() // 2:
-                self._drop_if_moved(*self.mapped.warm(lanes, chunks))
-            return
-        width = self._home_width(self.layout.chunks_per_lane(int(hi.max(initial=0))))
-        home = lanes * width + chunks  # a reader's chunks in lane-major order: found without the table
+        if self.mapped is None:
+            self._fill_cache(lanes, chunks, self.layout.chunks_per_lane(int(hi.max(initial=0))))
+        elif self._stored_bytes() <= physical_memory() // 2:
+            self._drop_if_moved(*self.mapped.warm(lanes, chunks))
+        else:
+            self.mapped.read_randomly()
+
+    def _fill_cache(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
+        """Load every chunk not cached, all files asked of the OS at once (many requests in
+        flight), if they fit. A reader puts chunk ``(lane, c)`` in slot ``lane * width + c``:
+        then its reads find rows from their steps alone (`_gather_resident`)."""
+        width = self._home_width(chunks_per_lane)
+        home = lanes * width + chunks
         at = self.cache.table[lanes, chunks]
         missing = at < 0
-        if self.mode == "r" and len(home) and home.max() < self.cache.slots:
-            in_place = (at == home).all() or ((at[~missing] == home[~missing]).all() and self.cache.free(home[missing]))
-        else:
-            in_place = False
+        in_place = (self.mode == "r" and len(home) > 0 and home.max() < self.cache.slots
+                    and (at[~missing] == home[~missing]).all() and self.cache.free(home[missing]))
         staging = 0 if self.mode == "r" else 2 * self.layout.num_envs + 2
-        if not in_place and len(chunks[missing]) > self.cache.evictable() - staging:
+        if not in_place and missing.sum() > self.cache.evictable() - staging:
             return
         lanes, chunks, home = lanes[missing], chunks[missing], home[missing]
         self.store.prefetch([self.chunk_key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())

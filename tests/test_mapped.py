@@ -159,11 +159,11 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     calls = []
     map_file = mapped._Region.map_file
 
-    def refuse_the_tenth(region, slot, fd):
+    def refuse_the_tenth(region, slot, fd, random):
         calls.append(slot)
         if len(calls) == 10:
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
-        map_file(region, slot, fd)
+        map_file(region, slot, fd, random)
     monkeypatch.setattr(mapped._Region, "map_file", refuse_the_tenth)
     drops = []
     unmap_all = reader.storage.mapped.unmap_all
@@ -289,3 +289,21 @@ def test_the_first_read_of_an_evicted_buffer_brings_every_chunk_file_into_the_pa
     check(reader, np.array([3]))  # one row of one chunk
     assert [cached_pages(f)[0] for f in files] == [cached_pages(f)[1] for f in files]
     check(reader, reader.row_ids())
+
+
+def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkeypatch):
+    url = str(tmp_path / "b")
+    n = 4096 * 10  # chunk files of 12, 1 and 10 pages
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=n, chunk_rows=4096, compression=None) as buf:
+        buf.extend(rows(0, n))
+    monkeypatch.setattr(storage, "physical_memory", lambda: 1 << 16)  # "RAM" of 64 KiB
+    evict(url)
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    advised = []
+    prefetch = mapped._Region.prefetch
+    monkeypatch.setattr(mapped._Region, "prefetch", lambda region, at: (advised.append(len(at)), prefetch(region, at)))
+    batch = reader.sample(8, seed=0)
+    np.testing.assert_array_equal(batch["img"], rows(0, n)["img"][batch["index"]])
+    assert advised == [8, 8, 8]  # each field's pages asked for before the batch is read
+    cached = sum(cached_pages(f)[0] for f in chunk_files(url))
+    assert 0 < cached <= 3 * 8 * 2  # the pages of 8 rows (a row may straddle two), not whole files
