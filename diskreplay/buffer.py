@@ -544,10 +544,22 @@ class ReplayBuffer:
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
-        _check_beta(options)
-        draw = self.sampler.sample(rng, int(batch_size), lo, hi, **options)
+        if options:
+            _check_beta(options)
+        draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
         batch = self.view.gather(draw.lane, draw.step, out=out)
-        if (n_step or stack or her) and not self.episode_index.enabled:
+        if n_step is not None or stack is not None or her is not None:
+            self._transform(batch, draw, rng, lo, hi, n_step, gamma, stack, stack_fields, her)
+        batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
+        if draw.weight is not None:
+            batch["weight"] = draw.weight
+        if draw.extra:
+            batch.update(draw.extra)
+        return batch if out is None else _placed(batch, out)
+
+    def _transform(self, batch, draw, rng, lo, hi, n_step, gamma, stack, stack_fields, her) -> None:
+        """Relabel goals (HER), n-step returns, frame stacks: in place, in that order."""
+        if not self.episode_index.enabled:
             raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
         if her is not None and n_step is not None:
             raise ValueError("her and n_step cannot be combined: n-step rewards would ignore the relabelled goals")
@@ -562,12 +574,6 @@ class ReplayBuffer:
                     self.episode_index, draw.lane, draw.step, hi))
             batch.update(transitions.frame_stack(self.view, self.episode_index, draw.lane, draw.step, lo,
                                                  stack, tuple(stack_fields), next_step=next_step))
-        batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
-        if draw.weight is not None:
-            batch["weight"] = draw.weight
-        if draw.extra:
-            batch.update(draw.extra)
-        return batch if out is None else _placed(batch, out)
 
     def _sample_slices(self, rng: np.random.Generator, batch_size: int, seq_len: int, pad: bool,
                        lo: np.ndarray, hi: np.ndarray, options: dict[str, Any]) -> dict[str, np.ndarray]:

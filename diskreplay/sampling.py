@@ -90,7 +90,7 @@ class Uniform:
 def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
     if len(lo) == 1:
         step = rng.integers(int(lo[0]), int(hi[0]), size=n)
-        return Draw(np.zeros(n, dtype=step.dtype), step)
+        return Draw(np.zeros(n, dtype=np.int64), step)
     pos = rng.integers(0, int((hi - lo).sum()), size=n)
     return Draw(*flat_to_lane_step(pos, lo, hi))
 
