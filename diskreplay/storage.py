@@ -198,7 +198,7 @@ class Storage:
             self.mapped = mapped.MappedChunks(self.store, self.chunk_key, self.schema, self.layout,
                                               self.layout.chunks_per_lane(int(self.total.max(initial=0))),
                                               trailer=self.codec.trailer)
-        self.warm = isinstance(store, LocalChunkStore)  # on the first read: see `_warm`
+        self.warm_pending = isinstance(store, LocalChunkStore)  # on the first read: see `_warm`
         self.resident_span: int | None = None  # set while a reader's cache holds its window in lane-major order
         self.home_width: int | None = None  # dataset mode: see `_home_width`
 
@@ -675,7 +675,7 @@ class Storage:
         if self.mapped is not None:
             self.mapped.forget(lane, chunks)
         self.resident_span = None
-        self.warm = self.mode == "r" and isinstance(self.store, LocalChunkStore)  # fill again at the next read
+        self.warm_pending = self.mode == "r" and isinstance(self.store, LocalChunkStore)  # fill again at the next read
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -693,7 +693,7 @@ class Storage:
         if self.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         names = names or self.field_names
-        if self.warm:
+        if self.warm_pending:
             self._warm()
         if self.resident_span is not None:
             return self._gather_resident(lane, step, names, out)
@@ -751,7 +751,7 @@ class Storage:
         mapped with their pages read (`MappedChunks.warm`); bigger ones are read page by page as
         sampled, each batch's pages asked for at once (`MappedChunks.read_randomly`).
         Best effort: a damaged chunk is reported by the read that needs it."""
-        self.warm = False
+        self.warm_pending = False
         lo, hi = self.window()
         spans = [self.layout.chunks_between(int(lo[ln]), int(hi[ln])) for ln in range(self.layout.num_envs)]
         lanes = np.concatenate([np.full(len(c), ln, dtype=np.int64) for ln, c in enumerate(spans)])

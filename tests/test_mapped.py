@@ -110,7 +110,7 @@ def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))  # 100 chunks of 3 fields
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.warm = False  # no first-read fill: chunks are mapped as read
+    reader.storage.warm_pending = False  # no first-read fill: chunks are mapped as read
     chunks = reader.storage.mapped
     chunks.budget = 40
     unmap_all, drops = chunks.unmap_all, []
@@ -155,7 +155,7 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.warm = False
+    reader.storage.warm_pending = False
     calls = []
     map_file = mapped._Region.map_file
 
