@@ -3,8 +3,10 @@
 On a local store without compression a chunk file is exactly its rows' bytes. For each field one
 range of virtual memory is reserved (no memory is committed) with room for every chunk of every
 lane, and each chunk file is mapped at its place in that range (``MAP_FIXED``) the first time a
-read needs it. A field then looks like one big array: a batch is one ``take`` per field, however
-many chunks it touches, and a cold read costs the pages of the rows read, not whole chunks.
+read needs it (or all at once: `MappedChunks.warm`). A field then looks like one big array: a
+batch is one ``take`` per field, however many chunks it touches, and a cold read costs the pages
+of the rows read, not whole chunks. For files much larger than the page cache, faults read their
+page only and each batch asks for all its pages at once (`MappedChunks.read_randomly`).
 
 The OS page cache is the cache. Resident pages of these read-only maps count towards the
 process's RSS as file-backed pages (``RssFile``), not private memory: they are shared with every
