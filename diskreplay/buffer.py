@@ -134,16 +134,17 @@ class ReplayBuffer:
         if episodic_return is not None:
             _check_episodic_return(episodic_return, user)
             stored[episodic_return.name] = episodic_return.field()
-        zarr_layout.check_schema_compatible(Schema(stored), tuple(derived.values()))
+        stored_schema = Schema(stored)
+        zarr_layout.check_schema_compatible(stored_schema, tuple(derived.values()))
         if chunk_rows is None:
-            chunk_rows = default_chunk_rows(Schema(stored), num_envs, capacity, cache_bytes)
+            chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes)
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
         rng = np.random.default_rng(seed)
         common = dict(num_envs=num_envs, compression=compression, level=compression_level)
         options = {"episode_end": list(end_fields), "derive_next": list(derived.values()),
                    "episodic_return": episodic_return.to_json() if episodic_return else None}
-        plans = [Storage.plan(url, Schema(stored), lane_capacity=lane_capacity, chunk_rows=chunk_rows,
+        plans = [Storage.plan(url, stored_schema, lane_capacity=lane_capacity, chunk_rows=chunk_rows,
                               cache_bytes=cache_bytes, options=options, **common)]
         if derived:
             finals = Schema({base: user[base] for base in derived.values()})

@@ -795,17 +795,15 @@ class Storage:
         return self.home_width or needed
 
     def _drop_if_moved(self, lanes: np.ndarray, chunks: np.ndarray) -> bool:
-        """A ring reader that loaded or mapped chunks ahead of any read: if the writer committed
-        meanwhile, they may hold newer rows; forget them (reads check what they load)."""
-        if self.mode != "r" or self.layout.lane_capacity is None or not len(chunks):
-            return False
-        if self.read_commit().same_as(self.commit_record):
-            return False
-        for ln in np.unique(lanes).tolist():
-            self.cache.invalidate(ln, chunks[lanes == ln])
+        """A ring reader that loaded or mapped chunks ahead of any read: forget those holding
+        steps of its window the writer retired meanwhile (`_check_not_overwritten`). Returns
+        whether it forgot any."""
+        tainted = self._check_not_overwritten(lanes[:0], lanes[:0], lanes, chunks)
+        for ln, stale in tainted:
+            self.cache.invalidate(ln, stale)
             if self.mapped is not None:
-                self.mapped.forget(ln, chunks[lanes == ln])
-        return True
+                self.mapped.forget(ln, stale)
+        return bool(tainted)
 
     def _map(self, lane: np.ndarray, step: np.ndarray, slot: np.ndarray) -> bool:
         """Map the chunks of these steps; False if they are more than may be mapped at once."""
@@ -864,7 +862,7 @@ class Storage:
         retired any of the requested steps by then (see the module docstring). Otherwise return
         the ``(lane, chunks)`` of fetched chunks holding other retired steps of this reader's
         window: their rows asked for are right, but they must not stay in the cache."""
-        if self.mode != "r" or self.layout.lane_capacity is None or not len(step):
+        if self.mode != "r" or self.layout.lane_capacity is None or not len(loaded_chunks):
             return []
         record = self.read_commit()
         if record.same_as(self.commit_record):

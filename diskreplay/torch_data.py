@@ -36,7 +36,7 @@ import torch.utils.data as tud
 from .buffer import BATCH_EXTRAS, ReplayBuffer
 from .epoch_order import SHUFFLES, EpochOrder, Shard
 from .errors import EmptyBufferError
-from .lanes import LaneLayout, row_ids, split_row_ids
+from .lanes import LaneLayout, is_empty, row_ids, split_row_ids
 from .sampling import Uniform
 from .storage import DEFAULT_CACHE_BYTES
 
@@ -642,7 +642,7 @@ class IndexBatchSampler(tud.Sampler):
         """One batch of row ids from the committed rows. Raises EmptyBufferError if there are none."""
         lo, hi = committed_window(self.buf)
         lo = np.minimum(lo + self.guard_rows, hi)
-        if (hi - lo).sum() == 0:
+        if is_empty(lo, hi):
             raise EmptyBufferError(f"{self.buf.url!r} has no committed rows to sample (flush the writer)")
         draw = self.buf.sampler.sample(self.rng, self.batch_size, lo, hi, **self.sample_options)
         self.drawn += 1
