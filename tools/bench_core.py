@@ -88,13 +88,6 @@ def torchrl_buffer(capacity: int, scratch_dir: str):
                                   batch_size=BATCH)
 
 
-def as_tensordict(data: dict[str, np.ndarray]):
-    import torch
-    from tensordict import TensorDict
-    n = len(next(iter(data.values())))
-    return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[n])
-
-
 def fresh_dir(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     return path
@@ -122,7 +115,7 @@ def bench_sample(data, work: str, repeats: int, number: int) -> dict[str, bl.Sta
         samplers[name] = lambda b=buf: b.sample(BATCH)
         samplers[name + " (reader)"] = lambda b=reader: b.sample(BATCH)
     trl = torchrl_buffer(N_ROWS, fresh_dir(os.path.join(work, "sample_torchrl")))
-    trl.extend(as_tensordict(data))
+    trl.extend(bl.as_tensordict(data))
     samplers[TRL] = trl.sample
     cb = cpprb_buffer(N_ROWS)
     cb.add(**data)
@@ -156,7 +149,7 @@ def bench_sample(data, work: str, repeats: int, number: int) -> dict[str, bl.Sta
 def bench_add(data, work: str, repeats: int, adds: int) -> dict[str, bl.Stats]:
     pool = 1024  # per-step inputs prepared up front, in each library's native form
     rows = [{k: v[i] for k, v in data.items()} for i in range(pool)]
-    td = as_tensordict({k: v[:pool] for k, v in data.items()})
+    td = bl.as_tensordict({k: v[:pool] for k, v in data.items()})
     td_rows = [td[i] for i in range(pool)]
 
     def dr_case(comp):
@@ -227,7 +220,7 @@ def checksum_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
 
 
 def bench_extend(data, work: str, repeats: int) -> dict[str, bl.Stats]:
-    td = as_tensordict(data)
+    td = bl.as_tensordict(data)
 
     def dr_case(comp):
         def run():
@@ -501,10 +494,7 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     # working set of sections 1-3: ~4 diskreplay copies + TorchRL memmap of 1M rows
     bl.require_free_space(args.dir, 6 * N_ROWS * ROW_BYTES)
-    import logging
-
-    import torchrl.data  # noqa: F401  (import first: torchrl sets its logger's level on import)
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    bl.import_torchrl()
     header = "# diskreplay core benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
         PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
     import torch

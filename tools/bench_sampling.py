@@ -21,6 +21,7 @@ Usage: python tools/bench_sampling.py [--quick] [--dir /tmp/diskreplay-bench] [-
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -227,10 +228,7 @@ def main() -> None:
     work = os.path.join(args.dir, "sampling")
     os.makedirs(work, exist_ok=True)
     bl.require_free_space(args.dir, 4 * N_ROWS * 165)
-    import logging
-
-    import torchrl.data  # noqa: F401  (torchrl sets its logger's level on import)
-    logging.getLogger("torchrl").setLevel(logging.ERROR)
+    bl.import_torchrl(logging.ERROR)
     header = "# diskreplay sampling benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
         PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
     print(header + "\n", flush=True)

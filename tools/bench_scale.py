@@ -135,13 +135,6 @@ class Rows:
 # ---- stores -----------------------------------------------------------------------------------
 
 
-def as_tensordict(data: dict[str, np.ndarray]):
-    import torch
-    from tensordict import TensorDict
-    n = len(next(iter(data.values())))
-    return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[n])
-
-
 def build_dr(path: str, rows: int, data: Rows, sampler: dr.Sampler | None = None) -> None:
     buf = dr.ReplayBuffer.create(path, FIELDS, capacity=rows, compression=None,
                                  sampler=sampler, seed=0)
@@ -158,7 +151,7 @@ def build_trl(path: str, rows: int, data: Rows) -> None:
     storage = LazyMemmapStorage(rows, scratch_dir=path)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=BATCH)
     for block in data.blocks(rows):
-        rb.extend(as_tensordict(block))
+        rb.extend(bl.as_tensordict(block))
     storage.dumps(path)  # zero-copy (same directory): TorchRL's storage_metadata.json beside the memmaps
     del rb, storage
     gc.collect()
@@ -503,11 +496,8 @@ def measure_memory(pair: list[Store], cfg: argparse.Namespace, res: Results) -> 
 def child_memory(kind: str, path: str, rows: int, batches: int) -> None:
     """Subprocess: open a reader, sample ``batches``, print /proc/self/status figures as JSON."""
     if kind == "torchrl":
-        import logging
-
         import torch
-        import torchrl.data  # noqa: F401  (sets its logger's level on import)
-        logging.getLogger("torchrl").setLevel(logging.WARNING)
+        bl.import_torchrl()
         torch.set_num_threads(1)
         imported = bl.self_status()
         rb = open_trl(path, rows)
@@ -757,11 +747,8 @@ def main() -> None:
         kind, path, rows, batches = args.child_memory
         return child_memory(kind, path, int(rows), int(batches))
     os.makedirs(args.dir, exist_ok=True)
-    import logging
-
     import torch
-    import torchrl.data  # noqa: F401  (import first: torchrl sets its logger's level on import)
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    bl.import_torchrl()
     torch.set_num_threads(1)
     header = "# diskreplay scale benchmark" + (" (--quick)" if args.quick else "") + "\n\n" + bl.machine_info(
         PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)

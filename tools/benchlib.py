@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import logging
 import math
 import os
 import platform
@@ -570,6 +571,22 @@ def run_child(argv: Sequence[str], *, timeout: float | None = None, env: Mapping
     if echo_stderr and result.stderr.strip():
         sys.stderr.write(result.stderr if result.stderr.endswith("\n") else result.stderr + "\n")
     return result
+
+
+def import_torchrl(level: int = logging.WARNING) -> None:
+    """Import torchrl, then quiet its logger to ``level`` (torchrl sets the level on import)."""
+    import torchrl.data  # noqa: F401
+
+    logging.getLogger("torchrl").setLevel(level)
+
+
+def as_tensordict(data: Mapping[str, Any]):
+    """Columns of equal length as a TensorDict sharing their memory (TorchRL's input)."""
+    import torch
+    from tensordict import TensorDict
+
+    n = len(next(iter(data.values())))
+    return TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=[n])
 
 
 def log(message: str) -> None:
