@@ -86,10 +86,14 @@ class ReplayBuffer:
                 divide evenly); ``None`` grows without bound (dataset mode).
             num_envs: number of env lanes (at most 65,536); each is its own time-ordered stream.
             chunk_rows: steps per stored chunk (the unit of I/O and caching). ``None`` (default):
-                4,096, doubled while a ring would need more than 16,384 chunk files (every chunk
-                of a big raw buffer then stays memory-mapped; see `default_chunk_rows`).
+                sized by bytes, about 1 MiB per chunk of all fields (4,096 rows of small
+                observations, 128 of 84x84 frames); a raw ring that would need more than 16,384
+                chunk files gets longer chunks, so that every chunk stays memory-mapped (see
+                `default_chunk_rows`).
             compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks). Every chunk also
-                carries a CRC32C checksum (zarr's ``crc32c`` codec).
+                carries a CRC32C checksum (zarr's ``crc32c`` codec). Compressed fields with rows
+                of 1 KiB or more (images) are Zarr shards of inner chunks of about 8 KiB, each
+                compressed alone, so that a sampled row is read and decoded alone.
             sampler: how `sample` picks rows; `Uniform` by default.
             seed: seed of the buffer's own ``numpy.random.Generator``.
             storage_options: passed to fsspec for remote URLs.
@@ -137,7 +141,7 @@ class ReplayBuffer:
         stored_schema = Schema(stored)
         zarr_layout.check_schema_compatible(stored_schema, tuple(derived.values()))
         if chunk_rows is None:
-            chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes)
+            chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None)
         lane_capacity = _lane_capacity(capacity, num_envs, chunk_rows)
         chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
         rng = np.random.default_rng(seed)
@@ -548,7 +552,7 @@ class ReplayBuffer:
         if options:
             _check_beta(options)
         draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
-        batch = self.view.gather(draw.lane, draw.step, out=out)
+        batch = self.view.gather(draw.lane, draw.step, self._unstacked(stack, stack_fields), out=out)
         if n_step is not None or stack is not None or her is not None:
             self._transform(batch, draw, rng, lo, hi, n_step, gamma, stack, stack_fields, her)
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
@@ -557,6 +561,19 @@ class ReplayBuffer:
         if draw.extra:
             batch.update(draw.extra)
         return batch if out is None else _placed(batch, out)
+
+    def _unstacked(self, stack: int | None, stack_fields: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The fields a batch gathers before its frame stacks replace the stacked ones (None: all).
+
+        Raises ValueError naming a stack field the buffer does not have."""
+        if stack is None:
+            return None
+        fields = self.view.schema.fields
+        for name in stack_fields:
+            if name not in fields:
+                raise ValueError(f"stack_fields: {name!r} is not a field; the buffer has {list(fields)}")
+        stacked = {*stack_fields, *(f"next_{name}" for name in stack_fields)}
+        return tuple(name for name in fields if name not in stacked)
 
     def _transform(self, batch, draw, rng, lo, hi, n_step, gamma, stack, stack_fields, her) -> None:
         """Relabel goals (HER), n-step returns, frame stacks: in place, in that order."""
@@ -567,7 +584,9 @@ class ReplayBuffer:
         if her is not None:
             her.relabel(batch, self.view, self.episode_index, draw.lane, draw.step, lo, hi, rng)
         if n_step is not None:
-            batch.update(transitions.nstep(self.view, self.episode_index, draw.lane, draw.step, hi, n_step, gamma))
+            stacked = tuple(f"next_{name}" for name in stack_fields) if stack is not None else ()
+            batch.update(transitions.nstep(self.view, self.episode_index, draw.lane, draw.step, hi, n_step, gamma,
+                                           left_out=stacked))
         if stack is not None:
             next_step = None
             if n_step is not None:  # the next_ stack belongs to the last step of the n-step window

@@ -6,6 +6,9 @@ batch of steps therefore maps to slab rows with one table lookup and one multipl
 field is gathered with a single ``take`` however many chunks the batch touches.
 
 Slots are recycled least-recently-used. Pinned slots (chunks being written) are never evicted.
+
+Fields read row by row (``row_fields``: sharded images) have room in the first ``full_slots``
+slots only; a ``partial`` slot holds the other fields of its chunk only.
 """
 
 from __future__ import annotations
@@ -16,16 +19,20 @@ from .schema import Schema
 
 
 class ChunkCache:
-    def __init__(self, schema: Schema, num_envs: int, chunk_rows: int, slots: int, chunks_per_lane: int):
+    def __init__(self, schema: Schema, num_envs: int, chunk_rows: int, slots: int, chunks_per_lane: int,
+                 full_slots: int | None = None, row_fields: tuple[str, ...] = ()):
         self.chunk_rows = chunk_rows
         self.slots = slots
-        self.slabs = {name: np.zeros((slots * chunk_rows, *f.shape), dtype=f.dtype)
+        self.full_slots = slots if full_slots is None else full_slots
+        self.slabs = {name: np.zeros(((self.full_slots if name in row_fields else slots) * chunk_rows, *f.shape),
+                                     dtype=f.dtype)
                       for name, f in schema.items()}
         self.table = np.full((num_envs, max(chunks_per_lane, 1)), -1, dtype=np.int64)
         self.owner_lane = np.full(slots, -1, dtype=np.int64)
         self.owner_chunk = np.full(slots, -1, dtype=np.int64)
         self.last_used = np.zeros(slots, dtype=np.int64)
         self.pinned = np.zeros(slots, dtype=bool)
+        self.partial = np.arange(slots) >= self.full_slots
         self.clock = 1
 
     # Bookkeeping and LRU choice cost O(slots) per miss; past this many slots (tiny chunks and a
@@ -44,11 +51,13 @@ class ChunkCache:
         self.last_used[slots] = self.clock
         self.clock += 1
 
-    def evictable(self) -> int:
-        return int(self.slots - self.pinned.sum())
+    def evictable(self, whole: bool = True) -> int:
+        """Unpinned slots with room for every field (``whole``) or for the others."""
+        return int((self.full_slots if whole else self.slots) - self.pinned[:self.full_slots if whole else None].sum())
 
-    def assign(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
-        """Give each (lane, chunk) a slot, evicting the least recently used unpinned chunks.
+    def assign(self, lanes: np.ndarray, chunks: np.ndarray, whole: bool = True) -> np.ndarray:
+        """Give each (lane, chunk) a slot, evicting the least recently used unpinned chunks;
+        unless ``whole``, a slot without room for the row fields (those first).
 
         The returned slots are pinned; the caller fills them and unpins. Raises RuntimeError if
         there are fewer evictable slots than chunks asked for.
@@ -56,14 +65,15 @@ class ChunkCache:
         n = len(lanes)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        if n > self.evictable():
-            raise RuntimeError(f"chunk cache has {self.evictable()} free slots, {n} needed")
-        empty = np.flatnonzero((self.owner_lane < 0) & ~self.pinned)
+        if n > self.evictable(whole):
+            raise RuntimeError(f"chunk cache has {self.evictable(whole)} free slots, {n} needed")
+        eligible = self.full_slots if whole else self.slots
+        empty = np.flatnonzero((self.owner_lane[:eligible] < 0) & ~self.pinned[:eligible])
         if len(empty) >= n:  # unused slots first: no LRU scan
-            victims = empty[:n]
+            victims = empty[:n] if whole else empty[::-1][:n]
         else:
-            age = np.where(self.pinned, np.iinfo(np.int64).max, self.last_used)
-            victims = np.argpartition(age, n - 1)[:n] if n < self.slots else np.arange(n)
+            age = np.where(self.pinned[:eligible], np.iinfo(np.int64).max, self.last_used[:eligible])
+            victims = np.argpartition(age, n - 1)[:n] if n < eligible else np.arange(n)
         self.evict(victims)
         return self.place(lanes, chunks, victims)
 
@@ -73,6 +83,7 @@ class ChunkCache:
         self.owner_lane[slots] = lanes
         self.owner_chunk[slots] = chunks
         self.pinned[slots] = True
+        self.partial[slots] = slots >= self.full_slots
         self.last_used[slots] = self.clock
         return slots
 

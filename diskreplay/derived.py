@@ -25,7 +25,7 @@ import numpy as np
 from .episodes import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
 from .schema import Field, Schema
-from .storage import Storage, output_rows
+from .storage import Storage
 
 
 def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
@@ -63,31 +63,50 @@ class RowView:
         if not self.derived and self.returns is None:
             return self.storage.gather(lane, step, names, out)
         names = tuple(self.schema.fields) if names is None else names
-        stored = tuple(n for n in names if n not in self.derived)
-        rows = self.storage.gather(lane, step, stored, out) if stored else {}
         wanted = [twin for twin in names if twin in self.derived]
+        joint = () if out else tuple(self.derived[t] for t in wanted if self.derived[t] in names)
+        stored = tuple(n for n in names if n not in self.derived and n not in joint)
+        rows = self.storage.gather(lane, step, stored, out) if stored else {}
         if wanted:
-            rows.update(self._next_rows(lane, step, wanted, out or {}))
+            rows.update(self._next_rows(lane, step, wanted, out or {}, joint))
         if self.returns is not None and self.returns.name in rows:
             self.returns.mask(rows[self.returns.name], self.episodes, lane, step)
         return {n: rows[n] for n in names}
 
-    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str],
-                   out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def next_is_following(self, lane: np.ndarray, step: np.ndarray, twin: str) -> np.ndarray:
+        """Where ``twin`` (a ``next_<f>`` field) at these steps is ``<f>`` at the following step:
+        derived, and the step neither ends its episode nor is its lane's newest."""
+        if twin not in self.derived:
+            return np.zeros(len(step), dtype=bool)
+        _, hi = self.storage.window()
+        return (self.episodes.next_end(lane, step) != step) & (step != hi[lane] - 1)
+
+    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str], out: dict[str, np.ndarray],
+                   joint: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        """One gather of the base fields at the following steps, straight into the outputs; the
+        rows whose next value is kept apart (episode ends, each lane's newest) are then replaced.
+        The ``joint`` bases are gathered at the steps themselves too, in the same call (each
+        stored row read once; the two halves are views of one array): they are returned as well."""
         _, hi = self.storage.window()
         is_end = self.episodes.next_end(lane, step) == step
         newest = ~is_end & (step == hi[lane] - 1)
         inside = ~is_end & ~newest
         bases = tuple(self.derived[t] for t in twins)
-        following = self.storage.gather(lane[inside], step[inside] + 1, bases)
+        following = np.where(inside, step + 1, step)
+        if joint:
+            size = len(step)
+            both = self.storage.gather(np.concatenate([lane, lane]), np.concatenate([step, following]), bases)
+            rows = {base: value[size:] for base, value in both.items()}
+        else:
+            given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
+            rows = self.storage.gather(lane, following, bases, given)
         finals = self.finals.gather(lane[is_end], self.episodes.end_ordinal(lane[is_end], step[is_end]), bases)
-        rows = {}
         for twin, base in zip(twins, bases):
-            value = output_rows(twin, self.schema[twin], len(step), out.get(twin))
-            value[inside] = following[base]
+            value = rows.pop(base)
             value[is_end] = finals[base]
             value[newest] = self.last_next[twin][lane[newest]]
             rows[twin] = value
+        rows.update({base: both[base][:size] for base in joint})
         return rows
 
     def record(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:

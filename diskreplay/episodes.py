@@ -132,6 +132,9 @@ class EpisodeIndex:
 
     def episode_start(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         """The first step of the episode holding ``step`` (may be overwritten in a ring)."""
+        if len(self._count) == 1:  # one lane: no grouping
+            ends = self.ends(0)
+            return np.append(-1, ends)[np.searchsorted(ends, step)] + 1
         out = np.zeros(step.shape, dtype=np.int64)
         for e in np.unique(lane).tolist():
             sel = lane == e

@@ -130,7 +130,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         row_bytes = sum(f.row_bytes for f in source.fields.values())
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(Schema(source.fields), source.num_envs, max(source.rows, 1),
-                                            DEFAULT_CACHE_BYTES)
+                                            DEFAULT_CACHE_BYTES, compression is None)
         staging_chunks = 2 * -(-int(batch_rows) // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
         buf = ReplayBuffer.create(dest, source.fields, None, num_envs=source.num_envs,
                                   chunk_rows=chunk_rows, compression=compression, overwrite=overwrite,

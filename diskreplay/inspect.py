@@ -51,7 +51,7 @@ def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarra
         raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
     out = np.empty((storage.layout.chunk_rows, *spec.shape), spec.dtype)
     try:
-        storage.codec.decode_into(blob, out)
+        storage.codecs[name].decode_into(blob, out)
     except Exception as exc:
         raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} does not decode ({exc})") from None
     return out

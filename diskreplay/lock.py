@@ -82,7 +82,7 @@ class LockInfo:
         """Why the holder is known to be gone (same host only), or None if it may be alive."""
         if self.pid is None or self.host != socket.gethostname():
             return None
-        if not _pid_alive(self.pid):
+        if not pid_alive(self.pid):
             return f"process {self.pid} is no longer running on this host"
         ticks = _start_ticks(self.pid)
         if self.start_ticks is not None and ticks is not None and ticks != self.start_ticks:
@@ -232,7 +232,9 @@ def _takeover_guard(url: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (a zombie does not; one we may not
+    signal does)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

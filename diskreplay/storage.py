@@ -104,19 +104,27 @@ def _take_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
 
 
 DEFAULT_CHUNK_ROWS = 4096
+CHUNK_BYTES = 1 << 20
+"""Bytes of one chunk (all fields of its rows) that `default_chunk_rows` aims at: whole-chunk
+reads, decodes and writes stay around a millisecond, so rows of 84x84 frames get 128-row chunks
+where small rows get `DEFAULT_CHUNK_ROWS`."""
 CHUNK_FILES_MAPPED = 1 << 14
-"""Chunk files (chunks x fields) past which `default_chunk_rows` lengthens chunks: a quarter of
-Linux's default ``vm.max_map_count``, so every chunk of a big buffer can stay memory-mapped."""
+"""Chunk files (chunks x fields) past which `default_chunk_rows` lengthens the chunks of raw
+buffers: a quarter of Linux's default ``vm.max_map_count``, so every chunk can stay memory-mapped."""
 
 
-def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cache_bytes: int) -> int:
-    """Steps per chunk for a buffer of ``capacity`` rows over ``num_envs`` lanes (None: unknown):
-    `DEFAULT_CHUNK_ROWS`, doubled while there would be more than `CHUNK_FILES_MAPPED` chunk
-    files and a writer's staging (``2 * num_envs + 2`` chunks) still fits ``cache_bytes``.
-    Arguments that are not positive ints give `DEFAULT_CHUNK_ROWS` (`create` rejects them)."""
-    rows = DEFAULT_CHUNK_ROWS
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
-               for v in (num_envs, capacity, cache_bytes)):
+def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cache_bytes: int,
+                       mappable: bool = True) -> int:
+    """Steps per chunk for a buffer of ``capacity`` rows over ``num_envs`` lanes (None: unknown).
+
+    The largest power of two up to `DEFAULT_CHUNK_ROWS` whose chunk holds at most `CHUNK_BYTES`
+    (at least one row). For a ``mappable`` (raw) buffer, then doubled while there would be more
+    than `CHUNK_FILES_MAPPED` chunk files and a writer's staging (``2 * num_envs + 2`` chunks)
+    still fits ``cache_bytes``. Arguments that are not positive ints leave out the doubling
+    (`create` rejects them)."""
+    rows = min(DEFAULT_CHUNK_ROWS, 1 << max(CHUNK_BYTES // max(schema.row_bytes, 1), 1).bit_length() - 1)
+    if not mappable or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+                               for v in (num_envs, capacity, cache_bytes)):
         return rows
     lane_rows, staging_chunks = int(capacity) // int(num_envs), 2 * int(num_envs) + 2
     while (num_envs * -(-lane_rows // rows) * len(schema.fields) > CHUNK_FILES_MAPPED and rows < lane_rows
@@ -125,9 +133,12 @@ def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cach
     return rows
 
 
-def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool) -> int:
-    """Chunk slots that fit ``cache_bytes``. A writer stages a chunk per lane and seals as many
-    again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least one.
+def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool,
+                row_fields: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Chunk slots that fit ``cache_bytes``: ``(slots, full_slots)``. A writer stages a chunk per
+    lane and seals as many again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least
+    one. With ``row_fields`` (read row by row) only the first ``full_slots`` (the staging) have
+    room for them; the other slots, sized by the remaining fields, cache those.
 
     Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
     """
@@ -140,9 +151,15 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
                          f"(2 per env lane + 2) of {chunk_bytes:,} bytes = {need * chunk_bytes:,} bytes; raise "
                          f"cache_bytes or lower chunk_rows")
     slots = max(need, min(cache_bytes // chunk_bytes, ChunkCache.MAX_SLOTS))
-    if layout.lane_capacity is not None:  # more slots than a ring has chunks are dead weight
-        slots = min(slots, max(need, layout.num_envs * layout.chunks_per_lane()))
-    return int(slots)
+    ring_chunks = layout.num_envs * layout.chunks_per_lane() if layout.lane_capacity is not None else None
+    full = need if writer else 0
+    if row_fields:
+        small_bytes = layout.chunk_rows * sum(f.row_bytes for n, f in schema.items() if n not in row_fields)
+        slots = full + max(cache_bytes - full * chunk_bytes, 0) // max(small_bytes, 1)
+        slots = max(need, min(slots, ChunkCache.MAX_SLOTS))
+    if ring_chunks is not None:  # more slots than a ring has chunks are dead weight
+        slots = min(slots, max(need, ring_chunks))
+    return int(slots), int(full if row_fields else slots)
 
 
 @dataclass(frozen=True)
@@ -169,6 +186,7 @@ class Storage:
         self.field_names = tuple(self.schema.fields)
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = zarr_layout.buffer_codec(arrays, url)
+        self.codecs = {name: zarr_layout.field_codec(self.codec, config, field) for name, field in self.schema.items()}
         self.key_separator = config["chunk_key_separator"]
         self.group_lane_rows = zarr_layout.lane_rows(arrays)
         self.io_threads = io_threads or default_io_threads(url)
@@ -187,9 +205,14 @@ class Storage:
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
         self.sealed: list[tuple[int, int, int]] = []
         self.unsynced: set[str] = set()
-        slots = cache_slots(self.schema, self.layout, cache_bytes, writer=mode != "r")
+        # read row by row on a miss (`_read_rows`), unless every field fits the cache
+        self.row_fields = ({name: codec for name, codec in self.codecs.items() if codec.inner_rows is not None}
+                           if isinstance(store, LocalChunkStore) and self._stored_bytes() > cache_bytes else {})
+        self.cached_fields = tuple(name for name in self.field_names if name not in self.row_fields)
+        slots, full_slots = cache_slots(self.schema, self.layout, cache_bytes, mode != "r", tuple(self.row_fields))
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
-                                self.layout.chunks_per_lane(int(self.total.max(initial=0))))
+                                self.layout.chunks_per_lane(int(self.total.max(initial=0))), full_slots,
+                                tuple(self.row_fields))
         self.io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="diskreplay-io")
         self.mapped = None
         if memory_map is None:  # map only where it is faster: when the rows do not fit the cache
@@ -213,7 +236,7 @@ class Storage:
         codec = Codec(compression, level)
         config = {"fields": schema.to_json(), "num_envs": num_envs, "lane_capacity": lane_capacity,
                   "chunk_rows": chunk_rows, "compression": compression, "level": level,
-                  "chunk_key_separator": zarr_layout.CHUNK_KEY_SEPARATOR, **options}
+                  "chunk_key_separator": zarr_layout.CHUNK_KEY_SEPARATOR, "row_access": True, **options}
         documents = zarr_layout.metadata_documents(schema, num_envs, lane_capacity or 0, chunk_rows, codec, config)
         zarr_layout.read_layout(documents.get, url)  # what open will check, checked now
         cache_slots(schema, LaneLayout(num_envs, lane_capacity, chunk_rows), cache_bytes, writer=True)
@@ -347,7 +370,7 @@ class Storage:
             if offset + piece == self.layout.chunk_rows or self.layout.slot(step) == 0:
                 self._seal(lane)
             self.total[lane] = step
-            if len(self.sealed) * 2 > self.cache.slots:
+            if len(self.sealed) * 2 > self.cache.full_slots:
                 self.write_sealed(durable=False)
         self.total[lane] = start + count
         self._write_whole(lane, rows, whole)
@@ -372,7 +395,7 @@ class Storage:
         self.cache.drop(lane, touched[touched != keep])
         if self.mapped is not None:
             self.mapped.forget(lane, touched)
-        slot = int(self.cache.table[lane, keep]) if 0 <= keep < self.cache.table.shape[1] else -1
+        slot = self._complete_slot(lane, keep) if keep >= 0 else -1
         if slot >= 0:  # staged again: its rows before ``start`` are written with the next chunks
             self.staging[lane], self.dirty[lane] = keep, True
             self.cache.pinned[slot] = True
@@ -397,7 +420,8 @@ class Storage:
             return
         self._retire_overwritten(durable=False)
         n = self.layout.chunk_rows
-        self._put_chunks([(self.chunk_key(name, lane, chunk), rows[name][i:i + n], self._never_committed(lane, chunk))
+        self._put_chunks([(self.chunk_key(name, lane, chunk), self.codecs[name], rows[name][i:i + n],
+                           self._never_committed(lane, chunk))
                           for chunk, i in whole for name in self.schema.fields], durable=False)
         if self.mapped is not None:
             self.mapped.forget(lane, np.array([chunk for chunk, _ in whole]))
@@ -408,7 +432,7 @@ class Storage:
         if self.staging[lane] >= 0:
             self._seal(lane)
         self.cache.ensure_chunks(chunk + 1)
-        slot = int(self.cache.table[lane, chunk])
+        slot = self._complete_slot(lane, chunk)
         if slot >= 0:
             self.cache.pinned[slot] = True
         elif self._holds_data(lane, chunk_first_step):
@@ -480,12 +504,21 @@ class Storage:
         for sealed_lane, sealed_chunk, slot in self.sealed:
             if (sealed_lane, sealed_chunk) == (lane, chunk):
                 return slot
-        slot = int(self.cache.table[lane, chunk])
+        slot = self._complete_slot(lane, chunk)
         if slot >= 0:
             self.cache.pinned[slot] = True
         else:
             slot = self._load_one(lane, chunk, must_exist=True)
         self.sealed.append((lane, chunk, slot))
+        return slot
+
+    def _complete_slot(self, lane: int, chunk: int) -> int:
+        """The slot caching every field of this chunk, or -1 (a slot holding some fields only is
+        dropped: the chunk is about to be rewritten from the cache)."""
+        slot = int(self.cache.table[lane, chunk]) if chunk < self.cache.table.shape[1] else -1
+        if slot >= 0 and self.cache.partial[slot]:
+            self.cache.evict(np.array([slot]))
+            return -1
         return slot
 
     def write_sealed(self, durable: bool) -> None:
@@ -523,7 +556,7 @@ class Storage:
         if not chunks:
             return
         self._retire_overwritten(durable)
-        self._put_chunks([(self.chunk_key(name, lane, chunk), self.cache.chunk_rows_of(name, slot),
+        self._put_chunks([(self.chunk_key(name, lane, chunk), self.codecs[name], self.cache.chunk_rows_of(name, slot),
                            self._never_committed(lane, chunk))
                           for lane, chunk, slot in chunks for name in self.schema.fields], durable)
         if self.mapped is not None:
@@ -534,8 +567,8 @@ class Storage:
         """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
         return int(self.committed[lane]) <= chunk * self.layout.chunk_rows
 
-    def _put_chunks(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
-        """Write ``(key, rows, fresh)`` chunks on the I/O threads, a few long jobs rather than
+    def _put_chunks(self, work: list[tuple[str, Codec, np.ndarray, bool]], durable: bool) -> None:
+        """Write ``(key, codec, rows, fresh)`` chunks on the I/O threads, a few long jobs rather than
         one per chunk (queueing a job costs about as much as writing a small chunk)."""
         self._check_lock()
         batches = [work[k::self.io_threads] for k in range(min(self.io_threads, len(work)))]
@@ -545,14 +578,13 @@ class Storage:
         for job in jobs:
             job.result()
 
-    def _put_batch(self, work: list[tuple[str, np.ndarray, bool]], durable: bool) -> None:
-        for key, rows, fresh in work:
-            self._put_chunk(key, rows, durable, fresh)
+    def _put_batch(self, work: list[tuple[str, Codec, np.ndarray, bool]], durable: bool) -> None:
+        for key, codec, rows, fresh in work:
+            self._put_chunk(key, codec.encode(rows), durable, fresh)
 
-    def _put_chunk(self, key: str, rows: np.ndarray, durable: bool, fresh: bool) -> None:
+    def _put_chunk(self, key: str, data: tuple[bytes | memoryview, ...], durable: bool, fresh: bool) -> None:
         """Write one chunk object. A chunk no commit ever covered is written in place (local
         disk: no temp file or rename); a torn write of it is invisible to every commit."""
-        data = self.codec.encode(rows)
         if fresh and isinstance(self.store, LocalChunkStore):
             self.store.put_in_place(key, data)
             self.unsynced.add(key)
@@ -699,6 +731,12 @@ class Storage:
             return self._gather_resident(lane, step, names, out)
         if self.mapped is not None:
             return self._gather_mapped(lane, step, names, out or {})
+        if self.row_fields and not self.row_fields.keys().isdisjoint(names):
+            return self._gather_by_rows(lane, step, names, out or {})
+        return self._gather_cached(lane, step, names, out)
+
+    def _gather_cached(self, lane, step, names, out) -> dict[str, np.ndarray]:
+        """Rows through the chunk cache, missing chunks loaded into it (`_gather_with_misses`)."""
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.table[0].take(chunk) if self.layout.num_envs == 1 else self.cache.table[lane, chunk]
         cached = (slots >= 0).all()
@@ -714,6 +752,64 @@ class Storage:
         else:
             self._gather_with_misses(lane, chunk, offset, slots, step, out)
         return out
+
+    def _gather_by_rows(self, lane, step, names, out) -> dict[str, np.ndarray]:
+        """Sharded fields row by row (`_read_rows`), the others through the cache."""
+        others = tuple(name for name in names if name not in self.row_fields)
+        rows = self._gather_cached(lane, step, others, out) if others else {}
+        for name in names:
+            if name in self.row_fields:
+                rows[name] = self._read_rows(name, lane, step, out.get(name))
+        return {name: rows[name] for name in names}
+
+    def _read_rows(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
+        """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
+        among them), else each distinct inner chunk read and decoded once, not cached."""
+        rows = output_rows(name, self.schema[name], len(step), given)
+        chunk, offset = self.layout.chunk_and_offset(step)
+        width = self.cache.table.shape[1]
+        slots = np.where(chunk < width, self.cache.table[lane, np.minimum(chunk, width - 1)], -1)
+        cached = slots >= 0
+        cached[cached] = ~self.cache.partial[slots[cached]]
+        if cached.any():
+            rows[cached] = self.cache.slabs[name].take(slots[cached] * self.layout.chunk_rows + offset[cached], axis=0)
+        read = np.flatnonzero(~cached)
+        if not len(read):
+            return rows
+        inner_rows = self.row_fields[name].inner_rows
+        per_chunk = self.layout.chunk_rows // inner_rows
+        block = (lane[read] * (chunk.max() + 1) + chunk[read]) * per_chunk + offset[read] // inner_rows
+        unique, where = np.unique(block, return_inverse=True)
+        first = np.zeros(len(unique), dtype=np.int64)
+        first[where] = read
+        # single-row inner chunks decode straight into the output; else into blocks, then picked
+        blocks = (rows[:, None] if inner_rows == 1 else
+                  np.empty((len(unique), inner_rows, *self.schema[name].shape), self.schema[name].dtype))
+        for i, (ln, ch, at) in enumerate(zip(lane[first].tolist(), chunk[first].tolist(), first.tolist())):
+            inner, out = int(offset[at]) // inner_rows, blocks[at] if inner_rows == 1 else blocks[i]
+            self._read_inner(name, ln, ch, inner, out)  # threads were slower: much of this holds the GIL
+        if inner_rows > 1:
+            rows[read] = blocks[where, offset[read] % inner_rows]
+        elif len(unique) < len(read):  # the same row asked for more than once
+            rows[read] = rows[first[where]]
+        self._check_not_overwritten(lane[read], step[read], lane[read], chunk[read])
+        return rows
+
+    def _read_inner(self, name: str, lane: int, chunk: int, inner: int, out: np.ndarray) -> None:
+        """Decode one inner chunk of a sharded chunk file into ``out``. Raises CorruptBufferError."""
+        codec, key = self.row_fields[name], self.chunk_key(name, lane, chunk)
+        limit = 2 * out.nbytes + 1024  # what any codec needs for incompressible rows, and more
+        try:
+            blob = self.store.read_indexed(key, codec.index_bytes(self.layout.chunk_rows),
+                                           lambda index: codec.inner_span(index, inner, limit))
+            if blob is None:
+                raise CorruptBufferError(f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
+            if len(blob):
+                codec.decode_inner(blob, out)
+            else:
+                out[...] = 0
+        except ValueError as exc:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
 
     def _gather_resident(self, lane, step, names, out) -> dict[str, np.ndarray]:
         """A reader whose cache holds its whole window, chunk ``(lane, c)`` in slot
@@ -770,8 +866,11 @@ class Storage:
         width = self._home_width(chunks_per_lane)
         home = lanes * width + chunks
         at = self.cache.table[lanes, chunks]
+        partial = np.flatnonzero(at >= 0)[self.cache.partial[at[at >= 0]]]
+        self.cache.evict(at[partial])
+        at[partial] = -1
         missing = at < 0
-        in_place = (self.mode == "r" and len(home) > 0 and home.max() < self.cache.slots
+        in_place = (self.mode == "r" and len(home) > 0 and home.max() < self.cache.full_slots
                     and (at[~missing] == home[~missing]).all() and self.cache.free(home[missing]))
         staging = 0 if self.mode == "r" else 2 * self.layout.num_envs + 2
         if not in_place and missing.sum() > self.cache.evictable() - staging:
@@ -791,7 +890,7 @@ class Storage:
         room to grow (a power of two, while the cache has the slots), kept while it suffices."""
         if self.layout.lane_capacity is None and (self.home_width or 0) < needed:
             roomy = 1 << (needed - 1).bit_length()
-            self.home_width = roomy if self.layout.num_envs * roomy <= self.cache.slots else needed
+            self.home_width = roomy if self.layout.num_envs * roomy <= self.cache.full_slots else needed
         return self.home_width or needed
 
     def _drop_if_moved(self, lanes: np.ndarray, chunks: np.ndarray) -> bool:
@@ -843,14 +942,14 @@ class Storage:
         miss = slots < 0
         width = self.cache.table.shape[1]
         keys = np.unique(lane[miss] * width + chunk[miss])
-        room = self.cache.evictable()
+        room = self.cache.evictable(whole=False)
         if room == 0:
             raise RuntimeError("chunk cache has no free slot: raise cache_bytes")
         todo = ~miss
         self._fill(out, todo, lane, chunk, offset)
         for start in range(0, len(keys), room):
             group = keys[start:start + room]
-            self._load(group // width, group % width)
+            self._load(group // width, group % width, whole=False)
             todo = miss & np.isin(lane * width + chunk, group)
             tainted = self._check_not_overwritten(lane[todo], step[todo], group // width, group % width)
             self._fill(out, todo, lane, chunk, offset)
@@ -897,32 +996,38 @@ class Storage:
         for name, rows in out.items():
             rows[mask] = self.cache.slabs[name].take(index, axis=0)
 
-    def _load(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray | None = None) -> None:
-        self.cache.pinned[self._load_pinned(lanes, chunks, must_exist=True, slots=slots)] = False
+    def _load(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray | None = None,
+              whole: bool = True) -> None:
+        """Load these chunks into the cache; unless ``whole``, only the fields not read row by row."""
+        self.cache.pinned[self._load_pinned(lanes, chunks, must_exist=True, slots=slots, whole=whole)] = False
 
     def _load_pinned(self, lanes: np.ndarray, chunks: np.ndarray, must_exist: bool,
-                     slots: np.ndarray | None = None) -> np.ndarray:
+                     slots: np.ndarray | None = None, whole: bool = True) -> np.ndarray:
         """Slots holding these stored chunks (in ``slots``, free ones, if given; else the least
         recently used), pinned; on a failed read the slots are freed again."""
-        slots = self.cache.assign(lanes, chunks) if slots is None else self.cache.place(lanes, chunks, slots)
+        slots = self.cache.assign(lanes, chunks, whole) if slots is None else self.cache.place(lanes, chunks, slots)
+        names = self.field_names if whole else self.cached_fields
         try:
-            self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist=must_exist)
+            self._fetch_into(list(zip(lanes.tolist(), chunks.tolist(), slots.tolist())), must_exist, names)
         except BaseException:
             self.cache.pinned[slots] = False
             self.cache.evict(slots)
             raise
+        self.cache.partial[slots] |= len(names) < len(self.field_names)
         return slots
 
-    def _fetch_into(self, targets: list[tuple[int, int, int]], must_exist: bool) -> None:
-        """Read chunks into their slots; a missing chunk is an error if ``must_exist`` else zeros."""
-        work = [(self.chunk_key(name, lane, chunk), self.cache.chunk_rows_of(name, slot))
-                for lane, chunk, slot in targets for name in self.schema.fields]
+    def _fetch_into(self, targets: list[tuple[int, int, int]], must_exist: bool,
+                    names: tuple[str, ...] | None = None) -> None:
+        """Read chunks (the fields ``names``, default all) into their slots; a missing chunk is
+        an error if ``must_exist`` else zeros."""
+        work = [(self.chunk_key(name, lane, chunk), self.codecs[name], self.cache.chunk_rows_of(name, slot))
+                for lane, chunk, slot in targets for name in names or self.field_names]
         if isinstance(self.store, LocalChunkStore) and self.codec.raw:
-            found = [self._read_raw(key, rows) for key, rows in work]  # memcpy-bound: threads only add overhead
+            found = [self._read_raw(key, rows) for key, _, rows in work]  # memcpy-bound: threads only add overhead
         else:
-            blobs = self.store.get_many([key for key, _ in work])
-            found = list(self.io.map(lambda kb: self._decode(kb[0][0], kb[1], kb[0][1]), zip(work, blobs)))
-        for (key, rows), ok in zip(work, found):
+            blobs = self.store.get_many([key for key, _, _ in work])
+            found = list(self.io.map(lambda kb: self._decode(*kb[0], kb[1]), zip(work, blobs)))
+        for (key, _, rows), ok in zip(work, found):
             if not ok:
                 if must_exist:
                     raise CorruptBufferError(
@@ -943,11 +1048,11 @@ class Storage:
             raise CorruptBufferError(f"{self.url!r}: chunk {key!r} fails its checksum (the file is damaged)")
         return True
 
-    def _decode(self, key: str, blob: bytes | None, rows: np.ndarray) -> bool:
+    def _decode(self, key: str, codec: Codec, rows: np.ndarray, blob: bytes | None) -> bool:
         if blob is None:
             return False
         try:
-            self.codec.decode_into(blob, rows)
+            codec.decode_into(blob, rows)
         except Exception as exc:
             raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
         return True

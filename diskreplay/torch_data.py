@@ -15,6 +15,14 @@ read-only itself, lazily, on first use (fsspec/zarr event loops and IO threads d
 fork). ``memory://`` buffers work with ``num_workers=0`` or fork workers only (the memory
 filesystem is per process). Datasets read *committed* rows only: flush the writer.
 
+Fork workers gather each batch straight into a slot of the dataset's shared-memory ring
+(`diskreplay.shared_ring.WorkerRing`, mapped by `make_dataset` before any worker starts) and
+yield only a `SlotBatch` handle; the DataLoader's process unpickles it into tensors viewing the
+slot, which is reused once they all died. Shared memory: up to ``32 * 8`` slots of one batch each
+(virtual, ``MAP_NORESERVE``); touched, about ``num_workers * (prefetch_factor + 2)`` slots. Other
+workers (spawn, no free slot, a batch bigger than a slot) send tensors through torch's shared
+memory as before; the values are the same either way.
+
 Resume. ``state_dict()`` is plain data (a few ints). It follows torchdata's
 ``StatefulDataLoader`` protocol: each worker's dataset copy saves and restores its own position.
 With ``num_workers=0`` call ``ds.state_dict()`` / ``ds.load_state_dict()`` directly (or wrap in
@@ -33,14 +41,14 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from .batch_rng import BatchRngs
 from .buffer import BATCH_EXTRAS, ReplayBuffer
 from .epoch_order import SHUFFLES, EpochOrder, Shard
 from .errors import EmptyBufferError
 from .lanes import LaneLayout, is_empty, row_ids, split_row_ids
 from .sampling import Uniform
+from .shared_ring import SlotBatch, WorkerRing
 from .storage import DEFAULT_CACHE_BYTES
-
-
 
 # ---- where this copy runs ------------------------------------------------------------------
 
@@ -114,9 +122,9 @@ class _Reader:
         storage = buf.storage
         fetch = storage._fetch_into
 
-        def counting_fetch(targets, must_exist):
+        def counting_fetch(targets, must_exist, names=None):
             self.chunk_fetches += len(targets)
-            return fetch(targets, must_exist)
+            return fetch(targets, must_exist, names)
 
         storage._fetch_into = counting_fetch  # instance-level wrapper: counts, changes nothing
         return buf
@@ -163,6 +171,62 @@ def _emit(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return packed_tensors(batch) if tud.get_worker_info() is not None else to_tensors(batch)
 
 
+class _Sink:
+    """Where this process's batches go: ``destination()`` gives the arrays the next batch is
+    gathered into (None: new arrays), ``emit(batch)`` what is yielded for it, ``close()`` gives
+    back what an unfinished batch held."""
+
+    def __init__(self, destination: Callable[[], dict[str, np.ndarray] | None],
+                 emit: Callable[[Mapping[str, np.ndarray]], Any]):
+        self.destination = destination
+        self.emit = emit
+
+    def close(self) -> None:
+        pass
+
+
+class _RingSink(_Sink):
+    """A fork worker's sink: batches are gathered into (or copied to) a slot of the dataset's
+    `WorkerRing` and yielded as `SlotBatch` handles; with no free slot or no fit, as packed tensors."""
+
+    def __init__(self, ring: WorkerRing, worker: int):
+        self.ring, self.worker = ring, worker
+        self._slot: int | None = None  # claimed for the batch being gathered
+
+    def destination(self) -> dict[str, np.ndarray] | None:
+        if self._slot is None:
+            self._slot = self.ring.claim(self.worker)
+        return None if self._slot is None else self.ring.arrays(self._slot)
+
+    def emit(self, batch: Mapping[str, np.ndarray]) -> SlotBatch | dict[str, torch.Tensor]:
+        if self._slot is None:  # not gathered into a slot (e.g. n-step batches): copied into one
+            self._slot = self.ring.claim(self.worker)
+        slot, self._slot = self._slot, None
+        handle = None if slot is None else self.ring.hand_over(slot, batch)
+        if handle is not None:
+            return handle
+        if slot is not None:
+            self.ring.release(slot)
+        self.ring.count_fallback(self.worker)
+        return packed_tensors(batch)
+
+    def close(self) -> None:
+        if self._slot is not None:
+            self.ring.release(self._slot)
+            self._slot = None
+
+
+def _sink(ring: WorkerRing | None) -> _Sink:
+    """The sink of a plain iteration in this process: zero-copy tensors in the main process; in a
+    DataLoader worker, ring slots when the ring is usable, else packed tensors."""
+    info = tud.get_worker_info()
+    if info is None:
+        return _Sink(_nowhere, to_tensors)
+    if ring is not None and ring.usable_in(info.id):
+        return _RingSink(ring, info.id)
+    return _Sink(_nowhere, packed_tensors)
+
+
 # ---- the datasets ---------------------------------------------------------------------------
 
 
@@ -172,7 +236,7 @@ class _BufferDataset(tud.IterableDataset):
     mode = ""
 
     def __init__(self, reader: _Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
-                 world_size: int):
+                 world_size: int, ring: WorkerRing | None = None):
         self._reader = reader
         self.layout = layout
         self.batch_size = batch_size
@@ -180,6 +244,17 @@ class _BufferDataset(tud.IterableDataset):
         self.rank, self.world_size = rank, world_size
         self._shard = Shard(rank, world_size)  # shard of the saved/current position
         self._batch = 0
+        self._ring = ring
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only)."""
+        return {**self.__dict__, "_ring": None}
+
+    @property
+    def worker_ring(self) -> WorkerRing | None:
+        """The shared-memory slots fork workers hand batches over in (None: not used); see
+        `diskreplay.shared_ring`. ``worker_ring.stats()`` counts hand-overs and fallbacks."""
+        return self._ring
 
     @property
     def url(self) -> str:
@@ -197,21 +272,24 @@ class _BufferDataset(tud.IterableDataset):
         """Iterate in this process, gathering each batch into the arrays ``destination()``
         returns just before it (``[>= B, *shape]`` per name; None: new arrays): how `to_device`
         fills its pinned host slots without a copy. The yielded tensors share their memory."""
-        return self._iterate(destination)
+        return self._iterate(_Sink(destination, to_tensors))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self._iterate(_nowhere)
+        """Batches as dicts of tensors; in a fork DataLoader worker, `SlotBatch` handles that
+        become such dicts when the DataLoader's process receives them."""
+        return self._iterate(_sink(self._ring))
 
-    def _gather(self, buf: ReplayBuffer, lane: np.ndarray, step: np.ndarray,
-                into: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _gather(buf: ReplayBuffer, names: frozenset[str], lane: np.ndarray, step: np.ndarray,
+                into: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         ids = row_ids(lane, step, buf.num_envs)
-        out = _out(buf, into, len(ids))
+        out = _out(names, into, len(ids))
         rows = buf.rows(ids, out=out and {k: v for k, v in out.items() if k != "index"})
         rows["index"] = ids
         if out and "index" in out:
             rows["index"] = out["index"]
             rows["index"][...] = ids
-        return _emit(rows)
+        return rows
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         if state.get("mode") != self.mode:
@@ -240,8 +318,8 @@ class SampleDataset(_BufferDataset):
 
     def __init__(self, reader: _Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, refresh_every: int | None, refresh_seconds: float | None,
-                 sample_options: dict[str, Any] | None = None):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size)
+                 sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
         self.refresh_every = refresh_every
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
@@ -270,36 +348,41 @@ class SampleDataset(_BufferDataset):
                          f"loaded into worker {shard.worker}/{shard.num_workers}: merge the workers' "
                          f"states with merge_worker_states / dataset_state_from_loader first")
 
-    def _iterate(self, destination: Callable[[], dict[str, np.ndarray] | None]) -> Iterator[dict[str, torch.Tensor]]:
+    def _iterate(self, sink: _Sink) -> Iterator[Any]:
         shard = current_shard(self.rank, self.world_size)
         try:
             start = self._start(shard)
         except ValueError as exc:
             return _raising(exc)  # raised on first next(): a worker then reports it cleanly
         self._shard, self._batch = shard, start
-        return self._generate(shard, start, destination)
+        return self._generate(shard, start, sink)
 
-    def _generate(self, shard: Shard, b: int, destination: Callable[[], dict[str, np.ndarray] | None]
-                  ) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, shard: Shard, b: int, sink: _Sink) -> Iterator[Any]:
         buf = self._reader.get()
         plain = all(self.sample_options.get(k) is None for k in ("seq_len", "n_step", "stack", "her"))
+        names, size, options = _out_names(buf), self.batch_size, self.sample_options
+        rngs = BatchRngs(self.seed, self.rank, shard.num_workers)
+        every, seconds = self.refresh_every, self.refresh_seconds
         last_refresh, since = time.monotonic(), 0
-        while True:
-            since += 1
-            if self._refresh_due(since, last_refresh) or len(buf) == 0:
-                buf.refresh()
-                last_refresh, since = time.monotonic(), 0
-            rng = np.random.default_rng([self.seed, self.rank, b])
-            out = _out(buf, destination(), self.batch_size) if plain else None
-            batch = buf.sample(self.batch_size, rng=rng, out=out, **self.sample_options)
-            b += shard.num_workers
-            self._batch = b
-            yield _emit(batch)
-
-    def _refresh_due(self, since: int, last: float) -> bool:
-        if self.refresh_every is not None and since >= self.refresh_every:
-            return True
-        return self.refresh_seconds is not None and time.monotonic() - last >= self.refresh_seconds
+        try:
+            while True:
+                since += 1
+                if (every is not None and since >= every) or (
+                        seconds is not None and time.monotonic() - last_refresh >= seconds):
+                    buf.refresh()
+                    last_refresh, since = time.monotonic(), 0
+                out = _out(names, sink.destination(), size) if plain else None
+                try:
+                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
+                except EmptyBufferError:  # nothing committed when this reader opened or refreshed
+                    buf.refresh()
+                    last_refresh, since = time.monotonic(), 0
+                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
+                b += shard.num_workers
+                self._batch = b
+                yield sink.emit(batch)
+        finally:
+            sink.close()
 
 
 class EpochDataset(_BufferDataset):
@@ -323,8 +406,8 @@ class EpochDataset(_BufferDataset):
 
     def __init__(self, reader: _Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
-                 pad: bool, drop_last: bool):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size)
+                 pad: bool, drop_last: bool, ring: WorkerRing | None = None):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
@@ -394,7 +477,7 @@ class EpochDataset(_BufferDataset):
             self._epoch, self._batch, self._done = self._epoch + 1, 0, False
         self._shard, self._resuming = shard, False
 
-    def _iterate(self, destination: Callable[[], dict[str, np.ndarray] | None]) -> Iterator[dict[str, torch.Tensor]]:
+    def _iterate(self, sink: _Sink) -> Iterator[Any]:
         shard = current_shard(self.rank, self.world_size)
         try:
             self._adopt(shard)
@@ -403,24 +486,32 @@ class EpochDataset(_BufferDataset):
         order = self.order(self._epoch, shard)
         if self._batch >= order.num_batches:
             self._done = True
-        return self._generate(order, self._batch, destination)
+        return self._generate(order, self._batch, sink)
 
-    def _generate(self, order: EpochOrder, first: int, destination: Callable[[], dict[str, np.ndarray] | None]
-                  ) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, order: EpochOrder, first: int, sink: _Sink) -> Iterator[Any]:
         if first >= order.num_batches:
             return
         buf = self._reader.get()
-        for k, (lane, step) in enumerate(order.batches(first), start=first):
-            batch = self._gather(buf, lane, step, destination())
-            self._batch, self._done = k + 1, k + 1 == order.num_batches
-            yield batch
+        names, last = _out_names(buf), order.num_batches
+        try:
+            for k, (lane, step) in enumerate(order.batches(first), start=first):
+                batch = self._gather(buf, names, lane, step, sink.destination())
+                self._batch, self._done = k + 1, k + 1 == last
+                yield sink.emit(batch)
+        finally:
+            sink.close()
 
 
-def _out(buf: ReplayBuffer, into: dict[str, np.ndarray] | None, rows: int) -> dict[str, np.ndarray] | None:
-    """The first ``rows`` of the destination arrays a batch can be gathered into."""
+def _out_names(buf: ReplayBuffer) -> frozenset[str]:
+    """The names a batch of ``buf`` can be gathered into (its fields and the batch extras)."""
+    return frozenset(buf.fields) | frozenset(BATCH_EXTRAS)
+
+
+def _out(names: frozenset[str], into: dict[str, np.ndarray] | None, rows: int) -> dict[str, np.ndarray] | None:
+    """The first ``rows`` of the destination arrays (of ``names``) a batch can be gathered into."""
     if into is None:
         return None
-    return {k: v[:rows] for k, v in into.items() if k in buf.fields or k in BATCH_EXTRAS}
+    return {k: v[:rows] for k, v in into.items() if k in names}
 
 
 def _nowhere() -> None:
@@ -439,7 +530,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  world_size: int | None = None, refresh_every: int | None = None,
                  refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int | None = None,
                  storage_options: dict | None = None, sampler: Any = None,
-                 sample_options: dict[str, Any] | None = None) -> SampleDataset | EpochDataset:
+                 sample_options: dict[str, Any] | None = None, worker_ring: bool = True
+                 ) -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
     batch_size=None, ...)``).
 
@@ -467,6 +559,14 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         sampler: sample mode: a sampler for the readers (pickled to each worker: keep it small);
             default, the one saved with the buffer.
         sample_options: sample mode: keyword options for ``buf.sample`` (e.g. ``{"beta": 0.5}``).
+        worker_ring: fork DataLoader workers gather batches into shared-memory slots made here and
+            hand over slot numbers (`diskreplay.shared_ring`), instead of torch sending every
+            tensor through a new shared-memory segment. Virtual size ``32 workers * 8 slots *
+            slot bytes`` (slot: one batch of every field, index and weight, + ``max(4 KiB, 16 B *
+            batch_size)``, in whole pages); only slots in use are touched: about
+            ``num_workers * (prefetch_factor + 2)`` of them. Batches reach the loop as dicts of
+            tensors either way (use ``batch_size=None`` and the default ``collate_fn``; a custom
+            collate_fn sees a worker's `SlotBatch`: pass ``worker_ring=False``).
 
     Raises:
         ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, rank or world size; epoch
@@ -484,10 +584,11 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     try:
         options = storage_options if storage_options is not None else buf.storage.storage_options
         layout, lo, hi = buf.storage.layout, *committed_window(buf)
+        ring = _worker_ring(buf, int(batch_size)) if worker_ring else None
         if mode == "sample":
             reader = _Reader(buf.url, options, cache_bytes, io_threads, sampler)
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
-                                 refresh_every, refresh_seconds, sample_options)
+                                 refresh_every, refresh_seconds, sample_options, ring)
         shuffle = _shuffle_name(shuffle)
         if not isinstance(shuffle_window, (int, np.integer)) or shuffle_window < 1:
             raise ValueError(f"shuffle_window must be a positive int, got {shuffle_window!r}")
@@ -495,10 +596,17 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = _Reader(buf.url, options, cache_bytes, io_threads, "uniform")
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
-                            shuffle, int(shuffle_window), bool(pad), bool(drop_last))
+                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring)
     finally:
         if opened:
             buf.close()
+
+
+def _worker_ring(buf: ReplayBuffer, batch_size: int) -> WorkerRing | None:
+    """Slots for batches of ``batch_size`` rows of every field, index and weight (None: the
+    mapping could not be made; workers then send tensors as torch does)."""
+    arrays = {name: (np.dtype(f.dtype), tuple(f.shape)) for name, f in {**buf.fields, **BATCH_EXTRAS}.items()}
+    return WorkerRing.for_batches(arrays, batch_size)
 
 
 def _as_buffer(buf: Any, storage_options: dict | None) -> tuple[ReplayBuffer, bool]:

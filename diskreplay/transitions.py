@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from .derived import RowView
 from .episodes import EpisodeIndex
 from .schema import Schema
 from .storage import Storage
@@ -36,13 +37,13 @@ def termination_field(schema: Schema) -> str:
 
 
 def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
-          hi: np.ndarray, n: int, gamma: float) -> dict[str, np.ndarray]:
+          hi: np.ndarray, n: int, gamma: float, left_out: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """n-step targets for transitions starting at (lane, step).
 
     Uses k = min(n, steps left in the episode, steps left in the lane) steps. Returns
-    ``reward`` (float32 sum of gamma^i r[t+i], i < k), every ``next_*`` field taken at step t+k-1,
-    and ``discount`` = gamma^k * (1 - terminated[t+k-1]): a time-limit truncation bootstraps,
-    a termination does not.
+    ``reward`` (float32 sum of gamma^i r[t+i], i < k), every ``next_*`` field but those in
+    ``left_out`` taken at step t+k-1, and ``discount`` = gamma^k * (1 - terminated[t+k-1]): a
+    time-limit truncation bootstraps, a termination does not.
     """
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n_step must be an int >= 1, got {n!r}")
@@ -50,7 +51,7 @@ def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.n
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
     schema = storage.schema
     term = termination_field(schema)
-    next_fields = tuple(name for name in schema.fields if name.startswith("next_"))
+    next_fields = tuple(name for name in schema.fields if name.startswith("next_") and name not in left_out)
     last = episode_last_step(episodes, lane, step, hi)
     k = np.minimum(n, last - step + 1)
     offsets = np.minimum(np.arange(n)[None, :], (k - 1)[:, None])
@@ -68,7 +69,7 @@ def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.n
     return out
 
 
-def frame_stack(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
+def frame_stack(view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
                 lo: np.ndarray, frames: int, fields: tuple[str, ...],
                 next_step: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Stacks ``[B, frames, *shape]`` of each field in ``fields`` (and its ``next_`` twin).
@@ -78,29 +79,52 @@ def frame_stack(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step
     stack of step t shifted by one frame, ending with ``next_<field>`` at t. ``next_step``
     (a later step of the same episode per row, e.g. the last step t+k-1 of an n-step window)
     takes the place of t for the ``next_`` stack.
+
+    Without ``next_step``, a field and its twin are two views of one ``[B, frames + 1, *shape]``
+    array (``[:, :-1]`` and ``[:, 1:]``): the frames they share are gathered and stored once.
     """
     if not isinstance(frames, (int, np.integer)) or frames < 1:
         raise ValueError(f"stack must be an int >= 1, got {frames!r}")
     first = episode_first_step(episodes, lane, step, lo)
     back = np.arange(-(frames - 1), 1)
     steps = np.maximum(step[:, None] + back[None, :], first[:, None])
-    rows = storage.gather(np.repeat(lane, frames), steps.reshape(-1), fields)
-    later = None
-    if next_step is None:
-        next_step = step
-    elif np.any(next_step != step):
-        later_steps = np.maximum(next_step[:, None] + back[None, :], first[:, None])
-        later = storage.gather(np.repeat(lane, frames), later_steps.reshape(-1), fields)
+    if next_step is None or np.array_equal(next_step, step):
+        out = {}
+        for name in fields:
+            out.update(_shared_stacks(view, lane, step, steps, name))
+        return out
+    rows = view.gather(np.repeat(lane, frames), steps.reshape(-1), fields)
+    later_steps = np.maximum(next_step[:, None] + back[None, :], first[:, None])
+    later = view.gather(np.repeat(lane, frames), later_steps.reshape(-1), fields)
     out = {}
     for name in fields:
-        stack = rows[name].reshape(len(step), frames, *rows[name].shape[1:])
-        out[name] = stack
+        out[name] = rows[name].reshape(len(step), frames, *rows[name].shape[1:])
         twin = f"next_{name}"
-        if twin in storage.schema.fields:
-            base = stack if later is None else later[name].reshape(stack.shape)
-            last = storage.gather(lane, next_step, (twin,))[twin]
+        if twin in view.schema.fields:
+            base = later[name].reshape(out[name].shape)
+            last = view.gather(lane, next_step, (twin,))[twin]
             out[twin] = np.concatenate([base[:, 1:], last[:, None]], axis=1)
     return out
+
+
+def _shared_stacks(view: RowView, lane: np.ndarray, step: np.ndarray, steps: np.ndarray,
+                   name: str) -> dict[str, np.ndarray]:
+    """The stack of ``name`` at ``steps`` ``[B, frames]`` and, if the twin ``next_<name>``
+    exists, its stack: both views of one gathered window. Where the twin is ``name`` at the
+    following step (`RowView.next_is_following`) that frame comes with the same gather."""
+    twin = f"next_{name}"
+    size, frames = steps.shape
+    if twin not in view.schema.fields:
+        rows = view.gather(np.repeat(lane, frames), steps.reshape(-1), (name,))[name]
+        return {name: rows.reshape(size, frames, *rows.shape[1:])}
+    follows = view.next_is_following(lane, step, twin)
+    window_steps = np.concatenate([steps, np.where(follows, step + 1, step)[:, None]], axis=1)
+    rows = view.gather(np.repeat(lane, frames + 1), window_steps.reshape(-1), (name,))[name]
+    window = rows.reshape(size, frames + 1, *rows.shape[1:])
+    rest = np.flatnonzero(~follows)
+    if len(rest):
+        window[rest, frames] = view.gather(lane[rest], step[rest], (twin,))[twin]
+    return {name: window[:, :frames], twin: window[:, 1:]}
 
 
 @dataclass

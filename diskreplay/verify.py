@@ -86,7 +86,8 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     hi = commit.committed
     lo = np.minimum(np.maximum(commit.lower, layout.oldest(hi)), hi)
     report.rows = int((hi - lo).sum())
-    _check_chunks(store, schema, layout, codec, config["chunk_key_separator"], lo, hi, report)
+    _check_chunks(store, schema, layout, {name: zarr_layout.field_codec(codec, config, field) for name, field in schema.items()},
+                  config["chunk_key_separator"], lo, hi, report)
     _check_state(store, commit, report)
     _notes(store, report)
     if report.ok:
@@ -121,7 +122,7 @@ def _without_url(exc: Exception, url: str) -> str:
     return str(exc).removeprefix(f"{url!r}: ")
 
 
-def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, separator: str,
+def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codecs: dict[str, Codec], separator: str,
                   lo: np.ndarray, hi: np.ndarray, report: VerifyReport) -> None:
     work = [(lane, int(c)) for lane in range(layout.num_envs)
             for c in layout.chunks_between(int(lo[lane]), int(hi[lane]))]
@@ -137,7 +138,7 @@ def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codec: Codec, 
                 report.problem(f"chunk {key!r} is missing, but {COMMIT_KEY} says it holds rows")
                 continue
             try:
-                codec.decode_into(blob, buffers[name])
+                codecs[name].decode_into(blob, buffers[name])
             except Exception as exc:
                 report.problem(f"chunk {key!r} does not decode to {buffers[name].nbytes} bytes ({exc})")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ import numpy as np
 import zarr
 import zarr.codecs
 import zarr.storage
+import zstandard
 
 from .errors import CorruptBufferError, NotABufferError, SchemaError
 from .schema import Field, Schema
@@ -39,6 +41,13 @@ CHUNK_KEY_SEPARATOR = "."
 default "/" every chunk file sits in a directory of its own, and creating those directories costs
 more than writing the chunks. Buffers made with "/" still open and work."""
 CHECKSUM_BYTES = 4
+ROW_ACCESS_BYTES = 1 << 10
+INNER_CHUNK_BYTES = 1 << 13
+"""Compressed fields whose rows take at least `ROW_ACCESS_BYTES` (images) are stored as Zarr
+shards: each chunk file holds inner chunks of about `INNER_CHUNK_BYTES` (one 84x84 frame),
+compressed one by one behind an index, so a sampled row costs one small read and decode, not
+the decode of its whole chunk (`Codec.inner_rows`)."""
+EMPTY_INNER = (1 << 64) - 1
 
 MAX_LANES = 1 << 16
 MAX_STEPS = 1 << 46
@@ -58,6 +67,15 @@ def side_stores(derive_next: bool) -> tuple[str, ...]:
     return (STATE_DIR, FINALS_DIR) if derive_next else (STATE_DIR,)
 
 
+def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
+    """Rows per inner chunk of a field with rows of ``row_bytes`` (None: chunks are not sharded):
+    a power of two near `INNER_CHUNK_BYTES` dividing ``chunk_rows``, for compressed fields of a
+    ``row_access`` buffer whose rows take at least `ROW_ACCESS_BYTES`."""
+    if compression is None or not row_access or row_bytes < ROW_ACCESS_BYTES:
+        return None
+    return math.gcd(1 << (max(INNER_CHUNK_BYTES // row_bytes, 1).bit_length() - 1), chunk_rows)
+
+
 @dataclass(frozen=True)
 class Codec:
     """Turns one chunk's ndarray into the exact bytes zarr would store, and back.
@@ -65,17 +83,25 @@ class Codec:
     ``checksum``: a CRC32C of the encoded bytes follows them (zarr's ``crc32c`` codec), so torn,
     zeroed or garbage chunks are found on every whole-chunk read and by `verify`. Raw chunks
     with a checksum are still memory-mappable: the values come first.
+
+    ``inner_rows``: the chunk is a Zarr shard (``sharding_indexed``, index first) of inner
+    chunks of that many rows, each compressed and checksummed on its own; the index holds one
+    little-endian ``(offset, nbytes)`` uint64 pair per inner chunk, then its CRC32C. One inner
+    chunk is read with `index_bytes`, `inner_span` and `decode_inner`.
     """
 
     compression: str | None
     level: int = 3
     checksum: bool = True
+    inner_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
         if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)) or not 0 <= self.level <= 22:
             raise ValueError(f"compression_level must be an int in [0, 22], got {self.level!r}")
+        if self.inner_rows is not None and (self.compression is None or not self.checksum):
+            raise ValueError("sharded chunks are written compressed and checksummed")
 
     @property
     def raw(self) -> bool:
@@ -87,35 +113,96 @@ class Codec:
         """Bytes after the values in a raw chunk (its checksum)."""
         return CHECKSUM_BYTES if self.checksum else 0
 
-    def _numcodec(self) -> Any:
+    def _compress(self, data: np.ndarray) -> bytes:
         if self.compression == "zstd":
-            return numcodecs.Zstd(level=self.level)
-        return numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE)
+            return _ZSTD.compressor(self.level).compress(memoryview(data.reshape(-1).view(np.uint8)))
+        return bytes(numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE).encode(data))
+
+    def _decompress(self, body: bytes | memoryview, nbytes: int) -> bytes | memoryview:
+        """``body`` decompressed, which must give ``nbytes`` bytes: checked before a zstd frame's
+        header can size an allocation. Raises ValueError."""
+        if self.compression == "zstd":
+            size = zstandard.frame_content_size(body)
+            if size not in (nbytes, zstandard.CONTENTSIZE_UNKNOWN):
+                raise ValueError(f"zstd frame of {size} bytes, expected {nbytes}")
+            return _ZSTD.decompressor.decompress(body, max_output_size=nbytes)
+        return numcodecs.Blosc().decode(body)
 
     def encode(self, chunk: np.ndarray) -> tuple[bytes | memoryview, ...]:
         """The chunk's stored bytes, in parts to be written one after the other. Raw values are a
         view of ``chunk`` itself (no copy): write them out before ``chunk`` changes."""
         data = np.ascontiguousarray(chunk)
-        body: bytes | memoryview = (memoryview(data.reshape(-1).view(np.uint8)) if self.raw
-                                    else bytes(self._numcodec().encode(data)))
+        if self.inner_rows is not None:
+            return self._encode_shard(data)
+        body: bytes | memoryview = memoryview(data.reshape(-1).view(np.uint8)) if self.raw else self._compress(data)
         return (body, checksum(body)) if self.checksum else (body,)
+
+    def _encode_shard(self, data: np.ndarray) -> tuple[bytes, ...]:
+        rows = self.inner_rows
+        bodies = [self._compress(data[i:i + rows]) for i in range(0, len(data), rows)]
+        sizes = np.array([len(b) + CHECKSUM_BYTES for b in bodies], dtype="<u8")
+        index = np.empty((len(bodies), 2), dtype="<u8")
+        index[:, 1] = sizes
+        index[:, 0] = self.index_bytes(len(data)) + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        head = index.tobytes()
+        return (head, checksum(head), *(part for b in bodies for part in (b, checksum(b))))
+
+    def index_bytes(self, chunk_rows: int) -> int:
+        """Bytes of a shard's index (with its checksum) for a chunk of ``chunk_rows`` rows."""
+        return 16 * (chunk_rows // self.inner_rows) + CHECKSUM_BYTES
+
+    def inner_span(self, index: bytes, inner: int, limit: int) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of inner chunk ``inner`` from a shard's index (None: stored empty).
+        Raises ValueError if the index fails its checksum or the span is not inside the shard
+        or longer than ``limit`` bytes."""
+        entry = self.verified_body(index)[16 * inner:16 * inner + 16]
+        offset, nbytes = int.from_bytes(entry[:8], "little"), int.from_bytes(entry[8:], "little")
+        if offset == nbytes == EMPTY_INNER:
+            return None
+        if offset < len(index) or not CHECKSUM_BYTES < nbytes <= limit:
+            raise ValueError(f"inner chunk {inner}: span ({offset}, {nbytes}) outside the shard's data")
+        return offset, nbytes
+
+    def decode_inner(self, blob: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
+        flat = out.reshape(-1).view(np.uint8)
+        src = np.frombuffer(self._decompress(self.verified_body(blob), flat.size), dtype=np.uint8)
+        if src.size != flat.size:
+            raise ValueError(f"decoded inner chunk has {src.size} bytes, expected {flat.size}")
+        flat[:] = src
 
     def decode_into(self, blob: bytes, out: np.ndarray) -> None:
         """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
 
         Raises ValueError if the checksum does not match or the bytes do not decode to ``out``'s size.
         """
+        if self.inner_rows is not None:
+            return self._decode_shard(memoryview(blob), out)
         body = memoryview(blob)
         if self.checksum:
             body = self.verified_body(body)
         flat = out.reshape(-1).view(np.uint8)
-        src = np.frombuffer(body if self.raw else self._numcodec().decode(body), dtype=np.uint8)
+        src = np.frombuffer(body if self.raw else self._decompress(body, flat.size), dtype=np.uint8)
         if src.size != flat.size:
             raise ValueError(f"decoded chunk has {src.size} bytes, expected {flat.size}")
         flat[:] = src
 
+    def _decode_shard(self, blob: memoryview, out: np.ndarray) -> None:
+        head = self.index_bytes(len(out))
+        if len(blob) < head:
+            raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
+        rows = self.inner_rows
+        for inner in range(len(out) // rows):
+            span = self.inner_span(blob[:head], inner, len(blob))
+            if span is None:
+                out[inner * rows:(inner + 1) * rows] = 0
+            elif span[0] + span[1] > len(blob):
+                raise ValueError(f"inner chunk {inner}: span {span} past the shard's {len(blob)} bytes")
+            else:
+                self.decode_inner(blob[span[0]:span[0] + span[1]], out[inner * rows:(inner + 1) * rows])
+
     @staticmethod
-    def verified_body(blob: memoryview) -> memoryview:
+    def verified_body(blob: bytes | memoryview) -> bytes | memoryview:
         """``blob`` without its trailing checksum, which must match. Raises ValueError."""
         if len(blob) < CHECKSUM_BYTES:
             raise ValueError(f"{len(blob)} bytes: too short to hold a checksum")
@@ -124,15 +211,20 @@ class Codec:
             raise ValueError(f"checksum mismatch (stored {stored.hex()}, computed {checksum(body).hex()})")
         return body
 
-    def zarr_compressors(self) -> list[Any]:
-        codecs: list[Any] = []
+    def zarr_codecs(self, field: Field) -> dict[str, Any]:
+        """``create_array`` arguments (``compressors``, ``serializer``) that make zarr describe these chunks."""
+        compressors: list[Any] = []
         if self.compression == "zstd":
-            codecs.append(zarr.codecs.ZstdCodec(level=self.level))
+            compressors.append(zarr.codecs.ZstdCodec(level=self.level))
         elif self.compression == "lz4":
-            codecs.append(zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle"))
+            compressors.append(zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle"))
         if self.checksum:
-            codecs.append(zarr.codecs.Crc32cCodec())
-        return codecs
+            compressors.append(zarr.codecs.Crc32cCodec())
+        if self.inner_rows is None:
+            return {"compressors": compressors}
+        inner = zarr.codecs.ShardingCodec(chunk_shape=(1, self.inner_rows, *field.shape), index_location="start",
+                                          codecs=[zarr.codecs.BytesCodec(), *compressors])
+        return {"compressors": None, "serializer": inner}
 
     @classmethod
     def from_zarr_codecs(cls, codecs: Any, dtype: np.dtype) -> "Codec":
@@ -140,6 +232,8 @@ class Codec:
         if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
             raise ValueError(f"codecs: expected a list of objects, got {codecs!r}")
         names = [c.get("name") for c in codecs]
+        if names == ["sharding_indexed"]:
+            return cls._from_sharding(codecs[0].get("configuration"), dtype)
         if not names or names[0] != "bytes":
             raise ValueError(f"unsupported zarr codecs {names}")
         endian = (codecs[0].get("configuration") or {}).get("endian", "little")
@@ -158,12 +252,44 @@ class Codec:
             raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec diskreplay writes")
         raise ValueError(f"unsupported zarr codecs {names}")
 
+    @classmethod
+    def _from_sharding(cls, config: Any, dtype: np.dtype) -> "Codec":
+        config = config if isinstance(config, dict) else {}
+        shape, index = config.get("chunk_shape"), config.get("index_codecs")
+        index_names = [c.get("name") if isinstance(c, dict) else None for c in index or []]
+        if (not isinstance(shape, list) or len(shape) < 2 or not all(type(v) is int and v >= 1 for v in shape)
+                or config.get("index_location") != "start" or index_names != ["bytes", "crc32c"]
+                or (index[0].get("configuration") or {}).get("endian", "little") != "little"):
+            raise ValueError(f"sharding_indexed configuration {config!r:.300} is not one diskreplay writes "
+                             f"(index first, little-endian, with a crc32c)")
+        inner = cls.from_zarr_codecs(config.get("codecs"), dtype)
+        if inner.inner_rows is not None or inner.compression is None or not inner.checksum:
+            raise ValueError("sharding_indexed: inner chunks must be compressed and checksummed, not sharded again")
+        return cls(inner.compression, inner.level, True, shape[1])
+
+
+class _Zstd(threading.local):
+    """This thread's zstd contexts, kept: making one costs more than coding a frame."""
+
+    def __init__(self) -> None:
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        if level not in self.compressors:
+            self.compressors[level] = zstandard.ZstdCompressor(level=level)
+        return self.compressors[level]
+
+
+_ZSTD = _Zstd()
+
 
 def checksum(data: bytes | memoryview) -> bytes:
     """CRC32C of ``data`` as zarr's ``crc32c`` codec stores it (4 bytes, little-endian)."""
-    view = np.frombuffer(data, dtype=np.uint8)
-    view.flags.writeable = False  # google_crc32c takes read-only buffers only
-    return int(google_crc32c.value(view)).to_bytes(4, "little")
+    if not isinstance(data, bytes):
+        data = np.frombuffer(data, dtype=np.uint8)
+        data.flags.writeable = False  # google_crc32c takes bytes and read-only buffers only
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
 
 
 def _level(value: Any) -> int:
@@ -191,11 +317,18 @@ def metadata_documents(schema: Schema, num_envs: int, lane_rows: int, chunk_rows
     group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=documents), mode="w")
     for name, field in schema.items():
         group.create_array(name, shape=(num_envs, lane_rows, *field.shape), chunks=(1, chunk_rows, *field.shape),
-                           dtype=field.dtype, compressors=codec.zarr_compressors(),
+                           dtype=field.dtype, **field_codec(codec, config, field).zarr_codecs(field),
                            chunk_key_encoding={"name": "default", "separator": config["chunk_key_separator"]},
                            fill_value=0)
     group.attrs.update({"diskreplay": {"format": FORMAT, **config}})
     return {key: value.to_bytes() for key, value in documents.items()}
+
+
+def field_codec(codec: Codec, config: dict[str, Any], field: Field) -> Codec:
+    """The codec of one field's chunks in a buffer whose chunks use ``codec``: sharded when the
+    buffer has ``row_access`` and the field's rows are big (`inner_rows_for`)."""
+    inner = inner_rows_for(codec.compression, config.get("row_access", False), field.row_bytes, config["chunk_rows"])
+    return Codec(codec.compression, codec.level, codec.checksum, inner)
 
 
 def resized_document(meta: dict[str, Any], lane_rows: int) -> bytes:
@@ -308,6 +441,7 @@ def parse_config(group: dict[str, Any], url: str) -> dict[str, Any]:
     out["chunk_key_separator"] = check.choice("chunk_key_separator", ("/", "."), default="/")
     out["compression"] = check.choice("compression", COMPRESSIONS)
     out["level"] = check.integer("level", 0, 22)
+    out["row_access"] = check.choice("row_access", (False, True), default=False)
     out["episode_end"] = check.names("episode_end", schema, lambda f: f.shape == () and f.dtype == np.bool_)
     out["derive_next"] = check.names("derive_next", schema, lambda f: True)
     out["episodic_return"] = _episodic_return_spec(check, schema)
@@ -412,6 +546,13 @@ def array_problems(name: str, field: Field, meta: dict[str, Any], config: dict[s
         if codec.compression != config["compression"] or (codec.compression and codec.level != config["level"]):
             problems.append(f"{key}: codecs {[c.get('name') for c in meta['codecs']]} differ from the buffer's "
                             f"(compression {config['compression']!r}, level {config['level']})")
+        elif codec.inner_rows != field_codec(codec, config, field).inner_rows:
+            problems.append(f"{key}: inner chunks of {codec.inner_rows} rows, expected "
+                            f"{field_codec(codec, config, field).inner_rows} (rows of {field.row_bytes} bytes)")
+        elif codec.inner_rows is not None:
+            inner = list(meta["codecs"][0]["configuration"]["chunk_shape"])
+            if inner != [1, codec.inner_rows, *field.shape]:
+                problems.append(f"{key}: inner chunk shape {inner!r:.200}, expected {[1, codec.inner_rows, *field.shape]}")
     except ValueError as exc:
         problems.append(f"{key}: {exc}")
     return problems
@@ -428,4 +569,4 @@ def buffer_codec(arrays: dict[str, dict], url: str) -> Codec:
             with_, without = (first, name) if codec.checksum else (name, first)
             raise CorruptBufferError(f"{url!r}: {array_key(with_)} has a crc32c checksum codec and "
                                      f"{array_key(without)} has none; every array of a buffer has the same codecs")
-    return codec
+    return Codec(codec.compression, codec.level, codec.checksum)

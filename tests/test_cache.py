@@ -9,7 +9,7 @@ import diskreplay as dr
 from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
 from diskreplay.cache import ChunkCache
 from diskreplay.lanes import LaneLayout
-from diskreplay.schema import Schema
+from diskreplay.schema import Field, Schema
 from diskreplay.storage import cache_slots
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
@@ -125,14 +125,30 @@ def test_slots_for_budget():
     schema = Schema(SMALL_FIELDS)
     chunk = 4 * schema.row_bytes
     one_lane = LaneLayout(1, None, 4)
-    assert cache_slots(schema, one_lane, 10 * chunk, writer=True) == 10
-    assert cache_slots(schema, one_lane, 10 * chunk + chunk - 1, writer=True) == 10
-    assert cache_slots(schema, one_lane, 1, writer=False) == 1  # a reader keeps one chunk at least
+    assert cache_slots(schema, one_lane, 10 * chunk, writer=True) == (10, 10)
+    assert cache_slots(schema, one_lane, 10 * chunk + chunk - 1, writer=True) == (10, 10)
+    assert cache_slots(schema, one_lane, 1, writer=False) == (1, 1)  # a reader keeps one chunk at least
     with pytest.raises(ValueError, match=rf"cache_bytes=1 is too small for a writer: staging needs 4 chunks "
                                          rf"\(2 per env lane \+ 2\) of {chunk} bytes"):
         cache_slots(schema, one_lane, 1, writer=True)
-    huge = cache_slots(schema, LaneLayout(1, None, 1), 2**40, writer=True)
+    huge, _ = cache_slots(schema, LaneLayout(1, None, 1), 2**40, writer=True)
     assert 4 <= huge <= ChunkCache.MAX_SLOTS
+
+
+def test_row_fields_have_room_in_the_staging_slots_only():
+    """Frames read row by row: the budget beyond a writer's staging caches the small fields."""
+    schema = Schema({"obs": Field((84, 84), "uint8"), "reward": Field((), "float32")})
+    layout = LaneLayout(2, None, 128)
+    staging = 6 * 128 * schema.row_bytes
+    assert cache_slots(schema, layout, staging + 100 * 128 * 4, writer=True, row_fields=("obs",)) == (106, 6)
+    assert cache_slots(schema, layout, 1 << 20, writer=False, row_fields=("obs",)) == (2048, 0)
+    cache = ChunkCache(schema, 2, 128, 106, 8, full_slots=6, row_fields=("obs",))
+    assert cache.slabs["obs"].shape == (6 * 128, 84, 84) and cache.slabs["reward"].shape == (106 * 128,)
+    partial = cache.assign(np.array([0, 1]), np.array([0, 0]), whole=False)
+    whole = cache.assign(np.array([0]), np.array([1]))
+    assert partial.tolist() == [105, 104] and cache.partial[partial].all()
+    assert whole.tolist() == [0] and not cache.partial[whole].any()
+    assert cache.evictable(whole=True) == 5 and cache.evictable(whole=False) == 103
 
 
 def test_buffer_cache_size_is_bounded(tmp_path):

@@ -175,3 +175,29 @@ def test_episode_index_is_pruned_and_derived_rows_stay_right(tmp_path):
         np.testing.assert_array_equal(rows["next_obs"], lane["next_obs"][ids])
         table = b.episodes()
         assert table.start[0] == ids[0] and table.length.sum() == len(ids)
+
+
+@pytest.mark.parametrize("capacity", [None, 240])
+@pytest.mark.parametrize("kwargs", [dict(stack=4), dict(stack=3, n_step=2, gamma=0.9), dict(stack=1)])
+def test_frame_stacks_of_a_derived_next_equal_those_of_a_stored_one(tmp_path, capacity, kwargs):
+    """Stacks cross episode ends (final observations), the newest step (its next_obs in RAM)
+    and, in the ring, the wrap; the stacks of obs and next_obs share their frames."""
+    rng = np.random.default_rng(5)
+    lanes = [make_lane(rng, 400) for _ in range(2)]
+    bufs = []
+    for name, derive in (("derived", ("obs",)), ("stored", ())):
+        buf = dr.ReplayBuffer.create(str(tmp_path / name), FIELDS, capacity=capacity and 2 * capacity, num_envs=2,
+                                     chunk_rows=16, derive_next=derive, episode_end=("terminated", "truncated"),
+                                     seed=3)
+        fill(buf, lanes, 400, np.random.default_rng(9))
+        bufs.append(buf)
+    for seed in range(3):
+        derived, stored = (b.sample(128, seed=seed, **kwargs) for b in bufs)
+        assert derived.keys() == stored.keys()
+        for key in stored:
+            np.testing.assert_array_equal(derived[key], stored[key], err_msg=key)
+    if "n_step" not in kwargs and kwargs["stack"] > 1:
+        assert np.shares_memory(derived["obs"], derived["next_obs"])
+        np.testing.assert_array_equal(derived["obs"][:, 1:], derived["next_obs"][:, :-1])
+    with pytest.raises(ValueError, match=r"stack_fields: 'pixels' is not a field; the buffer has \['obs', "):
+        bufs[0].sample(4, stack=2, stack_fields=("pixels",))

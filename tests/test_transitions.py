@@ -402,7 +402,7 @@ def test_frame_stack_next_step(new_url, params, n, frames):
     ids = buf.row_ids()
     lane, step = np.divmod(ids, w.E)[::-1]
     next_step = np.minimum(step + n - 1, transitions.episode_last_step(buf.episode_index, lane, step, hi))
-    out = transitions.frame_stack(buf.storage, buf.episode_index, lane, step, lo, frames, ("obs",), next_step=next_step)
+    out = transitions.frame_stack(buf.view, buf.episode_index, lane, step, lo, frames, ("obs",), next_step=next_step)
     for b, rid in enumerate(ids.tolist()):
         t, first = int(step[b]), w.first_step(int(lane[b]), int(step[b]))
         want = [w.rows[lane[b]][max(t - frames + 1 + i, first)]["obs"] for i in range(frames)]

@@ -1,4 +1,4 @@
-"""DataLoader benchmark (issue #5): diskreplay datasets vs TorchRL memmap vs an in-RAM TensorDataset.
+"""DataLoader benchmark (issues #5, #13): diskreplay datasets vs TorchRL memmap vs an in-RAM TensorDataset.
 
 Workload (as tools/bench_core.py): obs (17,) f32, action (6,) f32, reward () f32, next_obs (17,)
 f32, done () bool; 1,000,000 rows (``--quick``: 100,000), 4096-row chunks, local disk, batch 256.
@@ -10,10 +10,18 @@ For num_workers 0, 1 and 2, each contestant is iterated through ``torch.utils.da
   ``batch_size=None`` (the same way);
 - ``TensorDataset`` over in-RAM tensors: ``DataLoader(batch_size=256, shuffle=True)`` (per-row
   indexing + default collate: what most code does).
+- "DataLoader floor": an IterableDataset yielding a constant 256-byte item: the most batches per
+  second the DataLoader itself passes at that num_workers (its per-item IPC), whatever the data.
 Reported: samples/s over the timed batches (after the first), time to first batch (workers
 started, buffer opened, caches cold), RSS and USS per worker (main process for 0 workers), and
-ratios to TensorDataset and TorchRL at the same num_workers. A second table: chunk fetches and
-bytes per epoch of epoch mode, block vs global shuffle, with a cache smaller than the data.
+ratios to TensorDataset and TorchRL at the same num_workers. Then the in-process cost of one
+dataset batch (``next()`` on ``iter(make_dataset(...))``) against ``buf.sample(256)`` on the same
+buffer, and PASS/FAIL lines for the issue #13 targets (ratios within this run):
+- every diskreplay loader with num_workers=2 at >= 0.8x its num_workers=0 samples/s;
+- every diskreplay loader at >= 2x TorchRL at each num_workers;
+- a sample-mode dataset batch in-process at <= 1.3x ``buf.sample(256)``.
+A last table: chunk fetches and bytes per epoch of epoch mode, block vs global shuffle, with a
+cache smaller than the data.
 
 Usage: python tools/bench_loader.py [--quick] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
 """
@@ -46,7 +54,7 @@ BATCH = 256
 CHUNK_ROWS = 4096
 FIELDS = {name: dr.Field(*spec) for name, spec in bl.WORKLOAD_FIELDS.items()}
 PACKAGES = ["diskreplay", "numpy", "zarr", "torch", "torchdata", "torchrl", "tensordict"]
-TENSOR_DS, TORCHRL = "TensorDataset (RAM)", "TorchRL memmap"
+TENSOR_DS, TORCHRL, FLOOR = "TensorDataset (RAM)", "TorchRL memmap", "DataLoader floor (no data)"
 
 
 def make_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -65,6 +73,15 @@ def write_buffer(path: str, rows: dict[str, np.ndarray], compression: str | None
     buf.extend(rows)
     buf.close()
     return path
+
+
+class FloorStream(IterableDataset):
+    """The DataLoader's own cost per item: ``{"reward": 256 bytes}`` (passed through untouched)."""
+
+    def __iter__(self):
+        item = {"reward": bytes(BATCH)}
+        while True:
+            yield item
 
 
 class TorchRLStream(IterableDataset):
@@ -101,6 +118,7 @@ def loaders(data: dict[str, Any]) -> dict[str, Callable[[int], DataLoader]]:
             out[f"diskreplay {mode} {comp}"] = build
     out[TORCHRL] = lambda w: DataLoader(TorchRLStream(data["torchrl"]), batch_size=None, **fork(w))
     out[TENSOR_DS] = lambda w: DataLoader(data["tensors"], batch_size=BATCH, shuffle=True, **fork(w))
+    out[FLOOR] = lambda w: DataLoader(FloorStream(), batch_size=None, **fork(w))
     return out
 
 
@@ -129,7 +147,8 @@ def measure(build: Callable[[int], DataLoader], workers: int, batches: int) -> d
     return {"rate": rows / elapsed, "first": first, "rss": rss, "uss": uss}
 
 
-def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: int, repeats: int) -> str:
+def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: int, repeats: int
+                     ) -> tuple[str, dict[tuple[str, int], dict[str, float]]]:
     builders = loaders(data)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     names = list(builders)
@@ -149,7 +168,66 @@ def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: in
             vs_trl = bl.format_ratio(m["rate"] / med[(TORCHRL, w)]["rate"])
             lines.append(f"| {name} | {w} | {m['rate']:,.0f} | {vs_ram} | {vs_trl} | {bl.format_seconds(m['first'])} "
                          f"| {bl.format_bytes(m['rss'])} | {bl.format_bytes(m['uss'])} |")
-    return "\n".join(lines)
+    return "\n".join(lines), med
+
+
+def throughput_checks(med: dict[tuple[str, int], dict[str, float]], worker_counts: list[int]) -> list[str]:
+    """PASS/FAIL lines: num_workers=2 vs 0 (>= 0.8x) and vs TorchRL (>= 2x) for each diskreplay loader."""
+    lines = []
+    for name in sorted({n for n, _ in med if n.startswith("diskreplay")}):
+        if 0 in worker_counts and 2 in worker_counts:
+            ratio = med[(name, 2)]["rate"] / med[(name, 0)]["rate"]
+            lines.append(f"{'PASS' if ratio >= 0.8 else 'FAIL'} {name}: num_workers=2 {med[(name, 2)]['rate']:,.0f} "
+                         f"samples/s = {ratio:.2f}x num_workers=0 {med[(name, 0)]['rate']:,.0f} (target >= 0.80x)")
+        for w in worker_counts:
+            ratio = med[(name, w)]["rate"] / med[(TORCHRL, w)]["rate"]
+            lines.append(f"{'PASS' if ratio >= 2 else 'FAIL'} {name}: num_workers={w} {ratio:.2f}x TorchRL "
+                         f"({med[(name, w)]['rate']:,.0f} vs {med[(TORCHRL, w)]['rate']:,.0f} samples/s; target >= 2x)")
+    return lines
+
+
+def inprocess_table(data: dict[str, Any], batches: int, repeats: int) -> tuple[str, list[str]]:
+    """Microseconds per batch in this process: ``buf.sample(256)`` vs a dataset's ``next()``
+    (sample and epoch mode), interleaved, median over ``repeats`` runs of ``batches`` batches."""
+    lines = ["| buffer | buf.sample(256) | sample-mode dataset batch | ratio | epoch-mode dataset batch | ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    checks = []
+    for comp in ("zstd", "raw"):
+        buf = dr.ReplayBuffer.open(data[comp], "r")
+        contestants = {"sample()": lambda buf=buf: buf.sample(BATCH),
+                       "sample": _endless(lambda url=data[comp]: make_dataset(url, BATCH, "sample", seed=0)),
+                       "epoch": _endless(lambda url=data[comp]: make_dataset(url, BATCH, "epoch", seed=0))}
+        for step in contestants.values():
+            step()  # warm: readers opened, chunks cached
+        times: dict[str, list[float]] = {k: [] for k in contestants}
+        for _ in range(repeats):
+            for name, step in contestants.items():
+                start = time.perf_counter()
+                for _ in range(batches):
+                    step()
+                times[name].append((time.perf_counter() - start) / batches * 1e6)
+        us = {k: statistics.median(v) for k, v in times.items()}
+        buf.close()
+        ratio, ratio_epoch = us["sample"] / us["sample()"], us["epoch"] / us["sample()"]
+        lines.append(f"| {comp} | {us['sample()']:.0f} µs | {us['sample']:.0f} µs | {ratio:.2f}× "
+                     f"| {us['epoch']:.0f} µs | {ratio_epoch:.2f}× |")
+        checks.append(f"{'PASS' if ratio <= 1.3 else 'FAIL'} in-process {comp}: sample-mode dataset batch "
+                      f"{us['sample']:.0f} µs = {ratio:.2f}x buf.sample(256) {us['sample()']:.0f} µs (target <= 1.30x)")
+    return "\n".join(lines), checks
+
+
+def _endless(make: Callable[[], Any]) -> Callable[[], Any]:
+    """A step function: the next batch of a dataset, starting its next epoch when one ends."""
+    ds = make()
+    state = {"it": iter(ds)}
+
+    def step() -> Any:
+        try:
+            return next(state["it"])
+        except StopIteration:
+            state["it"] = iter(ds)
+            return next(state["it"])
+    return step
 
 
 def epoch_io_table(root: str, rows: int) -> str:
@@ -164,7 +242,7 @@ def epoch_io_table(root: str, rows: int) -> str:
     for comp in ("zstd", None):
         path = write_buffer(os.path.join(root, f"io-{comp}"), data, comp, chunk_rows)
         stored = sum(f.stat().st_size for f in Path(path).rglob("*")
-                     if f.is_file() and "c" in f.relative_to(path).parts) / max(chunks, 1)
+                     if f.is_file() and (f.name.startswith("c.") or "c" in f.relative_to(path).parts)) / max(chunks, 1)
         for shuffle in ("block", "global"):
             ds = make_dataset(path, BATCH, "epoch", shuffle=shuffle, shuffle_window=4, cache_bytes=cache)
             start = time.perf_counter()
@@ -201,14 +279,21 @@ def main() -> None:
             "tensors": TensorDataset(*(torch.from_numpy(v) for v in data_rows.values()))}
     torch.set_num_threads(1)
     bl.log("throughput")
-    table = throughput_table(data, workers, batches, repeats)
+    table, med = throughput_table(data, workers, batches, repeats)
+    bl.log("in-process batch cost")
+    inproc, inproc_checks = inprocess_table(data, 100 if args.quick else 500, 15 if args.quick else 31)
+    checks = throughput_checks(med, workers) + inproc_checks
     bl.log("epoch I/O")
     io = epoch_io_table(args.dir, 65_536 if args.quick else 262_144)
     report = "\n".join([
         "# DataLoader benchmark (tools/bench_loader.py)", "",
         bl.machine_info(PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir), "",
         f"{rows:,} rows × 165 B, batch {BATCH}, {batches} timed batches after the first, median of {repeats}; "
-        "fork workers; data in the page cache.", "", table, "", "## Epoch mode: bytes read per epoch", "", io, ""])
+        "fork workers; data in the page cache.", "", table, "",
+        "## In-process batch cost (num_workers=0, no DataLoader)", "",
+        f"Median µs per batch of interleaved runs; dataset batch = ``next()`` on ``iter(make_dataset(url, {BATCH}, mode))``.",
+        "", inproc, "", "## Targets (issue #13)", "", "```", *checks, "```", "",
+        "## Epoch mode: bytes read per epoch", "", io, ""])
     print(report)
     if args.out:
         Path(args.out).write_text(report)

@@ -458,6 +458,12 @@ def files_under(path: str) -> list[str]:
     return sorted(out)
 
 
+def allocated_bytes(path: str) -> int:
+    """Bytes the files under ``path`` take on disk, as ``du`` counts them (allocated blocks:
+    sparse holes not counted)."""
+    return sum(os.stat(name).st_blocks * 512 for name in files_under(path))
+
+
 def read_files(path: str) -> tuple[int, float]:
     """Read every file under ``path`` once (puts it in the page cache, as far as RAM allows).
     Returns (bytes read, seconds)."""

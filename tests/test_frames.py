@@ -1,0 +1,220 @@
+"""Image observations: chunks sized by bytes, compressed frames stored as Zarr shards and read
+row by row, frame stacks that share their frames."""
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+import zstandard
+
+import diskreplay as dr
+from diskreplay.chunkstore import LocalChunkStore
+from diskreplay.verify import verify
+
+FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
+          "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
+INNER = 8  # frames of 1 KiB: inner chunks of 8 KiB
+
+
+def frames(first: int, count: int, lanes: int = 1) -> np.ndarray:
+    """Frames that compress (flat with sparse noise) and say which step and lane they are."""
+    rng = np.random.default_rng(first)
+    out = np.full((count, lanes, 32, 32), 40, np.uint8)
+    noise = rng.random(out.shape) < 0.05
+    out[noise] = rng.integers(0, 256, int(noise.sum()), dtype=np.uint8)
+    steps = np.arange(first, first + count)
+    out[:, :, 0, :4] = ((steps[:, None] >> np.array([0, 8, 16, 24])) & 255).astype(np.uint8)[:, None, :]
+    out[:, :, 1, 0] = np.arange(lanes, dtype=np.uint8)
+    return out
+
+
+def rows(first: int, count: int, lanes: int) -> dict[str, np.ndarray]:
+    obs = frames(first, count + 1, lanes)
+    done = ((np.arange(first, first + count) % 37) == 36)[:, None].repeat(lanes, 1)
+    action = np.arange(first, first + count)[:, None].repeat(lanes, 1)
+    return {"obs": obs[:-1], "next_obs": obs[1:], "action": action, "reward": (action % 7).astype(np.float32),
+            "done": done}
+
+
+def fill(buf: dr.ReplayBuffer, count: int, lanes: int, start: int = 0) -> None:
+    for first in range(start, start + count, 250):
+        piece = rows(first, min(250, start + count - first), lanes)
+        buf.extend(piece if lanes > 1 else {name: value[:, 0] for name, value in piece.items()})
+
+
+def make(url: str, compression: str | None, capacity: int | None = 2000, lanes: int = 2, **kwargs) -> dr.ReplayBuffer:
+    return dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, num_envs=lanes, chunk_rows=64,
+                                  compression=compression, derive_next=("obs",), episode_end="done", seed=0, **kwargs)
+
+
+def test_default_chunks_follow_bytes(tmp_path):
+    pixels = {"obs": dr.Field((84, 84), "uint8"), "action": dr.Field((), "int64")}
+    small = {"obs": dr.Field((17,), "float32"), "reward": dr.Field((), "float32")}
+    assert dr.ReplayBuffer.create(str(tmp_path / "a"), pixels, capacity=100_000).storage.layout.chunk_rows == 128
+    assert dr.ReplayBuffer.create(str(tmp_path / "b"), small, capacity=100_000).storage.layout.chunk_rows == 4096
+    # raw rings of many chunk files get longer chunks, so that all of them can stay mapped
+    raw = dr.ReplayBuffer.create(str(tmp_path / "c"), pixels, capacity=3_000_000, compression=None)
+    assert raw.storage.layout.chunk_rows == 512
+
+
+def test_compressed_frames_are_zarr_shards_of_inner_chunks(tmp_path):
+    url = str(tmp_path / "b")
+    with make(url, "zstd", capacity=None) as buf:
+        fill(buf, 300, 2)
+    meta = zarr.open_array(url + "/obs", mode="r").metadata.to_dict()
+    sharding = meta["codecs"][0]
+    assert sharding["name"] == "sharding_indexed"
+    assert list(sharding["configuration"]["chunk_shape"]) == [1, INNER, 32, 32]
+    assert [c["name"] for c in sharding["configuration"]["codecs"]] == ["bytes", "zstd", "crc32c"]
+    assert [c["name"] for c in zarr.open_array(url + "/action", mode="r").metadata.to_dict()["codecs"]] == \
+        ["bytes", "zstd", "crc32c"]  # small rows: whole chunks
+    stored = zarr.open_array(url + "/obs", mode="r")[:, :300]  # plain zarr-python reads the shards
+    written = np.concatenate([rows(first, min(250, 300 - first), 2)["obs"] for first in range(0, 300, 250)])
+    np.testing.assert_array_equal(stored, written.transpose(1, 0, 2, 3))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.parametrize("capacity", [None, 2000])
+def test_frames_read_row_by_row_equal_raw_ones(tmp_path, compression, capacity):
+    """A cache far smaller than the frames: each sampled frame is one inner chunk read; batches,
+    stacks and n-step windows equal those of a raw buffer holding the same steps."""
+    raw = make(str(tmp_path / "raw"), None, capacity)
+    packed = make(str(tmp_path / "z"), compression, capacity, cache_bytes=1 << 20)  # the writer too, once a ring
+    for buf in (raw, packed):
+        fill(buf, 2600, 2)  # the ring wraps
+        buf.flush()
+    reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
+    assert set(reader.storage.row_fields) == {"obs"} and set(packed.storage.row_fields) == ({"obs"} if capacity else set())
+    for kwargs in (dict(), dict(stack=4), dict(n_step=3, gamma=0.9, stack=2)):
+        want = raw.sample(200, seed=3, **kwargs)
+        for buf in (packed, reader):
+            got = buf.sample(200, seed=3, **kwargs)
+            assert got.keys() == want.keys()
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key} {kwargs}")
+    ids = raw.row_ids()
+    np.testing.assert_array_equal(reader[ids]["obs"], raw[ids]["obs"])
+
+
+def count_reads(monkeypatch) -> dict[str, int]:
+    counts = {"inner": 0, "whole obs": 0}
+    read_indexed, get = LocalChunkStore.read_indexed, LocalChunkStore.get
+
+    def counted_read_indexed(self, key, *args):
+        counts["inner"] += 1
+        return read_indexed(self, key, *args)
+
+    def counted_get(self, key, limit=None):
+        counts["whole obs"] += key.startswith("obs/") and not self.root.endswith("final")  # not the final obs kept apart
+        return get(self, key, limit)
+    monkeypatch.setattr(LocalChunkStore, "read_indexed", counted_read_indexed)
+    monkeypatch.setattr(LocalChunkStore, "get", counted_get)
+    return counts
+
+
+def test_a_sampled_frame_costs_one_inner_chunk_not_its_whole_chunk(tmp_path, monkeypatch):
+    with make(str(tmp_path / "z"), "zstd") as buf:
+        fill(buf, 2000, 2)
+    reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
+    counts = count_reads(monkeypatch)
+    batch = reader.sample(256, seed=1)
+    lane, step = batch["index"] % 2, batch["index"] // 2
+    drawn = {(ln, t % 1000 // INNER) for ln, t in zip(lane.tolist(), step.tolist())}
+    following = {(ln, (t + 1) % 1000 // INNER) for ln, t in zip(lane.tolist(), step.tolist())}
+    assert counts["whole obs"] == 0
+    assert len(drawn) <= counts["inner"] <= len(drawn | following)  # obs and the next obs it derives: once
+    counts["inner"] = 0
+    stacked = reader.sample(32, stack=4, seed=2)
+    assert 0 < counts["inner"] <= 32 * 5 and counts["whole obs"] == 0
+    assert np.shares_memory(stacked["obs"], stacked["next_obs"])
+
+
+def damage(path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("index", "does not decode .*checksum mismatch"),
+    ("span", "does not decode .*outside the shard's data"),
+    ("frame", "does not decode .*checksum mismatch"),
+    ("truncated", "does not decode .*too short to hold an index"),
+])
+def test_a_damaged_shard_is_reported_naming_its_chunk(tmp_path, where, message):
+    url = str(tmp_path / "z")
+    with make(url, "zstd", lanes=1) as buf:
+        fill(buf, 2000, 1)
+    path = f"{url}/obs/c.0.3.0.0"
+    index = 16 * (64 // INNER) + 4
+    if where == "index":
+        damage(path, 5, b"\xff")
+    elif where == "span":  # a consistent index (checksum fixed) whose first span is enormous
+        blob = bytearray(open(path, "rb").read())
+        entries = np.frombuffer(bytes(blob[:index - 4]), "<u8").copy().reshape(-1, 2)
+        entries[:, 1] = 1 << 40
+        blob[:index - 4] = entries.tobytes()
+        blob[index - 4:index] = dr.zarr_layout.checksum(bytes(blob[:index - 4]))
+        open(path, "wb").write(bytes(blob))
+    elif where == "frame":
+        damage(path, index + 3, b"\x00\x01\x02")
+    else:
+        open(path, "wb").write(b"\0" * 10)
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    ids = np.array([3 * 64])  # the first row of chunk 3
+    with pytest.raises(dr.CorruptBufferError, match=rf"chunk 'obs/c.0.3.0.0' {message}"):
+        reader.rows(ids)
+    assert not verify(url).ok
+
+
+def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
+    codec = dr.zarr_layout.Codec("zstd", 3, True, 1)
+    out = np.empty((1, 32, 32), np.uint8)
+    huge = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))  # says 1 MiB where 1 KiB belongs
+    with pytest.raises(ValueError, match="zstd frame of 1048576 bytes, expected 1024"):
+        codec.decode_inner(huge + dr.zarr_layout.checksum(huge), out)
+
+
+def test_a_ring_reader_reading_frames_the_writer_replaced_gets_stale_read_error(tmp_path):
+    url = str(tmp_path / "z")
+    writer = make(url, "zstd", capacity=1000, lanes=1)
+    fill(writer, 1000, 1)
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    old = reader.row_ids()[:64]
+    fill(writer, 300, 1, start=1000)
+    writer.flush()
+    with pytest.raises(dr.StaleReadError, match="overwritten by the writer"):
+        reader.rows(old)
+    batch = reader.sample(64, seed=0)
+    np.testing.assert_array_equal(batch["obs"][:, 0, :4], batch["index"][:, None] >> np.array([0, 8, 16, 24]) & 255)
+
+
+def test_single_frame_inner_chunks_decode_into_the_batch(tmp_path):
+    """Frames of 9 KiB: one per inner chunk, decoded straight into the output, repeats copied."""
+    fields = {"obs": dr.Field((96, 96), "uint8"), "done": dr.Field((), "bool")}
+    url = str(tmp_path / "z")
+    obs = np.random.default_rng(0).integers(0, 4, (300, 96, 96), dtype=np.uint8)
+    with dr.ReplayBuffer.create(url, fields, capacity=None, chunk_rows=64, compression="zstd") as buf:
+        buf.extend({"obs": obs, "done": np.zeros(300, bool)})
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    assert reader.storage.row_fields["obs"].inner_rows == 1
+    ids = np.array([5, 299, 5, 64, 0, 299, 128])
+    np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["configuration"].update(chunk_shape=[2, 8, 32, 32]), r"inner chunk shape \[2, 8, 32, 32\], expected \[1, 8, 32, 32\]"),
+    (lambda c: c["configuration"].update(chunk_shape=[1, 4, 32, 32]), "inner chunks of 4 rows, expected 8"),
+    (lambda c: c["configuration"].update(index_location="end"), "is not one diskreplay writes"),
+])
+def test_a_shard_layout_diskreplay_does_not_write_is_refused(tmp_path, change, message):
+    url = str(tmp_path / "z")
+    make(url, "zstd", capacity=None).close()
+    path = f"{url}/obs/zarr.json"
+    meta = json.loads(open(path).read())
+    change(meta["codecs"][0])
+    open(path, "w").write(json.dumps(meta))
+    with pytest.raises(dr.CorruptBufferError, match=message):
+        dr.ReplayBuffer.open(url, "r")
