@@ -126,7 +126,9 @@ class Codec:
             if size not in (nbytes, zstandard.CONTENTSIZE_UNKNOWN):
                 raise ValueError(f"zstd frame of {size} bytes, expected {nbytes}")
             return _ZSTD.decompressor.decompress(body, max_output_size=nbytes)
-        return numcodecs.Blosc().decode(body)
+        out = np.empty(nbytes, np.uint8)  # blosc refuses a header that claims more
+        numcodecs.Blosc().decode(body, out)
+        return out
 
     def encode(self, chunk: np.ndarray) -> tuple[bytes | memoryview, ...]:
         """The chunk's stored bytes, in parts to be written one after the other. Raw values are a
@@ -155,11 +157,15 @@ class Codec:
         """``(offset, nbytes)`` of inner chunk ``inner`` from a shard's index (None: stored empty).
         Raises ValueError if the index fails its checksum or the span is not inside the shard
         or longer than ``limit`` bytes."""
-        entry = self.verified_body(index)[16 * inner:16 * inner + 16]
+        return self._span(self.verified_body(index), inner, len(index), limit)
+
+    @staticmethod
+    def _span(entries: bytes | memoryview, inner: int, index_bytes: int, limit: int) -> tuple[int, int] | None:
+        entry = entries[16 * inner:16 * inner + 16]
         offset, nbytes = int.from_bytes(entry[:8], "little"), int.from_bytes(entry[8:], "little")
         if offset == nbytes == EMPTY_INNER:
             return None
-        if offset < len(index) or not CHECKSUM_BYTES < nbytes <= limit:
+        if offset < index_bytes or not CHECKSUM_BYTES < nbytes <= limit:
             raise ValueError(f"inner chunk {inner}: span ({offset}, {nbytes}) outside the shard's data")
         return offset, nbytes
 
@@ -191,9 +197,9 @@ class Codec:
         head = self.index_bytes(len(out))
         if len(blob) < head:
             raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
-        rows = self.inner_rows
+        rows, entries = self.inner_rows, self.verified_body(blob[:head])
         for inner in range(len(out) // rows):
-            span = self.inner_span(blob[:head], inner, len(blob))
+            span = self._span(entries, inner, head, len(blob))
             if span is None:
                 out[inner * rows:(inner + 1) * rows] = 0
             elif span[0] + span[1] > len(blob):
