@@ -184,6 +184,8 @@ def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = 
             "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name} for n, f in buf.fields.items()},
             "chunk_rows": layout.chunk_rows,
             "chunks_per_field": expected_chunks,
+            "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
+                                 if codec.inner_rows is not None},
             "chunk_files": chunk_files,
             "compression": config["compression"],
             "compression_level": config.get("level"),
@@ -248,6 +250,9 @@ def format_info(info: dict[str, Any]) -> str:
     files = sum(info["chunk_files"].values())
     lines.append(f"chunks      {info['chunks_per_field']:,} per field x {len(info['fields'])} fields "
                  f"({info['chunk_rows']:,} rows each); {files:,} chunk objects stored")
+    if info["inner_chunk_rows"]:
+        inner = ", ".join(f"{name} {rows:,} row{'s' * (rows != 1)}" for name, rows in info["inner_chunk_rows"].items())
+        lines.append(f"            Zarr shards read row by row, inner chunks: {inner}")
     comp = info["compression"] or "none"
     if info["compression"]:
         comp += f" level {info['compression_level']}"

@@ -10,6 +10,7 @@ import zstandard
 
 import diskreplay as dr
 from diskreplay.chunkstore import LocalChunkStore
+from diskreplay.inspect import buffer_info, format_info
 from diskreplay.verify import verify
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
@@ -69,6 +70,7 @@ def test_compressed_frames_are_zarr_shards_of_inner_chunks(tmp_path):
     assert [c["name"] for c in sharding["configuration"]["codecs"]] == ["bytes", "zstd", "crc32c"]
     assert [c["name"] for c in zarr.open_array(url + "/action", mode="r").metadata.to_dict()["codecs"]] == \
         ["bytes", "zstd", "crc32c"]  # small rows: whole chunks
+    assert "Zarr shards read row by row, inner chunks: obs 8 rows" in format_info(buffer_info(url))
     stored = zarr.open_array(url + "/obs", mode="r")[:, :300]  # plain zarr-python reads the shards
     written = np.concatenate([rows(first, min(250, 300 - first), 2)["obs"] for first in range(0, 300, 250)])
     np.testing.assert_array_equal(stored, written.transpose(1, 0, 2, 3))
