@@ -78,8 +78,15 @@ class RowView:
         derived, and the step neither ends its episode nor is its lane's newest."""
         if twin not in self.derived:
             return np.zeros(len(step), dtype=bool)
+        is_end, newest = self._kept_apart(lane, step)
+        return ~is_end & ~newest
+
+    def _kept_apart(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Steps whose next values are not the following step's: episode ends (their final
+        values) and each lane's newest step that is not an end (its value in RAM)."""
         _, hi = self.storage.window()
-        return (self.episodes.next_end(lane, step) != step) & (step != hi[lane] - 1)
+        is_end = self.episodes.next_end(lane, step) == step
+        return is_end, ~is_end & (step == hi[lane] - 1)
 
     def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str], out: dict[str, np.ndarray],
                    joint: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
@@ -87,26 +94,24 @@ class RowView:
         rows whose next value is kept apart (episode ends, each lane's newest) are then replaced.
         The ``joint`` bases are gathered at the steps themselves too, in the same call (each
         stored row read once; the two halves are views of one array): they are returned as well."""
-        _, hi = self.storage.window()
-        is_end = self.episodes.next_end(lane, step) == step
-        newest = ~is_end & (step == hi[lane] - 1)
-        inside = ~is_end & ~newest
+        is_end, newest = self._kept_apart(lane, step)
         bases = tuple(self.derived[t] for t in twins)
-        following = np.where(inside, step + 1, step)
+        following = np.where(is_end | newest, step, step + 1)
         if joint:
             size = len(step)
             both = self.storage.gather(np.concatenate([lane, lane]), np.concatenate([step, following]), bases)
             rows = {base: value[size:] for base, value in both.items()}
+            own = {base: both[base][:size] for base in joint}
         else:
             given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
-            rows = self.storage.gather(lane, following, bases, given)
+            rows, own = self.storage.gather(lane, following, bases, given), {}
         finals = self.finals.gather(lane[is_end], self.episodes.end_ordinal(lane[is_end], step[is_end]), bases)
         for twin, base in zip(twins, bases):
             value = rows.pop(base)
             value[is_end] = finals[base]
             value[newest] = self.last_next[twin][lane[newest]]
             rows[twin] = value
-        rows.update({base: both[base][:size] for base in joint})
+        rows.update(own)
         return rows
 
     def record(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:

@@ -186,7 +186,7 @@ class Storage:
         self.field_names = tuple(self.schema.fields)
         self.layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
         self.codec = zarr_layout.buffer_codec(arrays, url)
-        self.codecs = {name: zarr_layout.field_codec(self.codec, config, field) for name, field in self.schema.items()}
+        self.codecs = zarr_layout.field_codecs(self.codec, config, self.schema)
         self.key_separator = config["chunk_key_separator"]
         self.group_lane_rows = zarr_layout.lane_rows(arrays)
         self.io_threads = io_threads or default_io_threads(url)
@@ -866,9 +866,6 @@ class Storage:
         width = self._home_width(chunks_per_lane)
         home = lanes * width + chunks
         at = self.cache.table[lanes, chunks]
-        partial = np.flatnonzero(at >= 0)[self.cache.partial[at[at >= 0]]]
-        self.cache.evict(at[partial])
-        at[partial] = -1
         missing = at < 0
         in_place = (self.mode == "r" and len(home) > 0 and home.max() < self.cache.full_slots
                     and (at[~missing] == home[~missing]).all() and self.cache.free(home[missing]))

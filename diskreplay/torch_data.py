@@ -220,11 +220,9 @@ def _sink(ring: WorkerRing | None) -> _Sink:
     """The sink of a plain iteration in this process: zero-copy tensors in the main process; in a
     DataLoader worker, ring slots when the ring is usable, else packed tensors."""
     info = tud.get_worker_info()
-    if info is None:
-        return _Sink(_nowhere, to_tensors)
-    if ring is not None and ring.usable_in(info.id):
+    if info is not None and ring is not None and ring.usable_in(info.id):
         return _RingSink(ring, info.id)
-    return _Sink(_nowhere, packed_tensors)
+    return _Sink(_nowhere, _emit)
 
 
 # ---- the datasets ---------------------------------------------------------------------------

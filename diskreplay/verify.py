@@ -86,7 +86,7 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     hi = commit.committed
     lo = np.minimum(np.maximum(commit.lower, layout.oldest(hi)), hi)
     report.rows = int((hi - lo).sum())
-    _check_chunks(store, schema, layout, {name: zarr_layout.field_codec(codec, config, field) for name, field in schema.items()},
+    _check_chunks(store, schema, layout, zarr_layout.field_codecs(codec, config, schema),
                   config["chunk_key_separator"], lo, hi, report)
     _check_state(store, commit, report)
     _notes(store, report)

@@ -337,6 +337,11 @@ def field_codec(codec: Codec, config: dict[str, Any], field: Field) -> Codec:
     return Codec(codec.compression, codec.level, codec.checksum, inner)
 
 
+def field_codecs(codec: Codec, config: dict[str, Any], schema: Schema) -> dict[str, Codec]:
+    """`field_codec` of every field."""
+    return {name: field_codec(codec, config, field) for name, field in schema.items()}
+
+
 def resized_document(meta: dict[str, Any], lane_rows: int) -> bytes:
     """An array's ``zarr.json`` with its step axis grown to ``lane_rows`` (metadata only)."""
     shape = list(meta["shape"])

@@ -185,11 +185,10 @@ def main() -> None:
     total_chunks = -(-rows // args.chunk_rows)
     seq_chunks = min(total_chunks, args.seq_chunks or (24 if q else 64))
 
-    header = "# diskreplay cloud benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
-        PACKAGES, repo=str(ROOT))
-    header += (f"\n- workload: {rows:,} rows x {ROW_BYTES} B, chunks of {args.chunk_rows} rows (zstd), "
-               f"{total_chunks} chunks per field; moto {bl.package_versions(['moto'])['moto']} in a child "
-               f"process on 127.0.0.1; latency run: +{args.latency_ms:g} ms per request via a proxy")
+    header = bl.report_header("diskreplay cloud benchmark", q, PACKAGES, details=[
+        f"workload: {rows:,} rows x {ROW_BYTES} B, chunks of {args.chunk_rows} rows (zstd), "
+        f"{total_chunks} chunks per field; moto {bl.package_versions(['moto'])['moto']} in a child "
+        f"process on 127.0.0.1; latency run: +{args.latency_ms:g} ms per request via a proxy"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
     proc, endpoints = start_server(args.latency_ms / 1000)

@@ -495,13 +495,12 @@ def main() -> None:
     # working set of sections 1-3: ~4 diskreplay copies + TorchRL memmap of 1M rows
     bl.require_free_space(args.dir, 6 * N_ROWS * ROW_BYTES)
     bl.import_torchrl()
-    header = "# diskreplay core benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
-        PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
     import torch
-    header += (f"\n- torch intra-op threads: {torch.get_num_threads()} (default; TorchRL runs with it)"
-               f"\n- settings: sampling {args.repeats}x{args.batches} batches, add {args.add_repeats}x{args.adds}, "
-               f"extend x{args.extend_repeats}, memory test {args.mem_rows:,} rows / {args.mem_batches:,} batches "
-               f"(time cap {args.mem_seconds:g} s)")
+    header = bl.report_header("diskreplay core benchmark", q, PACKAGES, args.dir, [
+        f"torch intra-op threads: {torch.get_num_threads()} (default; TorchRL runs with it)",
+        f"settings: sampling {args.repeats}x{args.batches} batches, add {args.add_repeats}x{args.adds}, "
+        f"extend x{args.extend_repeats}, memory test {args.mem_rows:,} rows / {args.mem_batches:,} batches "
+        f"(time cap {args.mem_seconds:g} s)"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
 

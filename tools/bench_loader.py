@@ -286,8 +286,7 @@ def main() -> None:
     bl.log("epoch I/O")
     io = epoch_io_table(args.dir, 65_536 if args.quick else 262_144)
     report = "\n".join([
-        "# DataLoader benchmark (tools/bench_loader.py)", "",
-        bl.machine_info(PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir), "",
+        bl.report_header("DataLoader benchmark (tools/bench_loader.py)", False, PACKAGES, args.dir), "",
         f"{rows:,} rows × 165 B, batch {BATCH}, {batches} timed batches after the first, median of {repeats}; "
         "fork workers; data in the page cache.", "", table, "",
         "## In-process batch cost (num_workers=0, no DataLoader)", "",

@@ -739,12 +739,11 @@ def main() -> None:
 
     bl.import_torchrl()
     import torch
-    header = "# diskreplay pixel benchmark (issue #13)" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
-        PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
-    header += (f"\n- torch intra-op threads: {torch.get_num_threads()}; MemAvailable at start {bl.format_bytes(avail)}; "
-               f"free disk {bl.format_bytes(free)}"
-               f"\n- settings: {n:,} transitions, sampling {args.repeats}x{args.batches} batches (warm-up {args.warm}), "
-               f"extend x{args.extend_repeats}, {args.adds:,} adds, memory child {args.mem_batches} batches")
+    header = bl.report_header("diskreplay pixel benchmark (issue #13)", q, PACKAGES, args.dir, [
+        f"torch intra-op threads: {torch.get_num_threads()}; MemAvailable at start {bl.format_bytes(avail)}; "
+        f"free disk {bl.format_bytes(free)}",
+        f"settings: {n:,} transitions, sampling {args.repeats}x{args.batches} batches (warm-up {args.warm}), "
+        f"extend x{args.extend_repeats}, {args.adds:,} adds, memory child {args.mem_batches} batches"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
 

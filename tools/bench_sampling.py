@@ -229,8 +229,7 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     bl.require_free_space(args.dir, 4 * N_ROWS * 165)
     bl.import_torchrl(logging.ERROR)
-    header = "# diskreplay sampling benchmark" + (" (--quick)" if q else "") + "\n\n" + bl.machine_info(
-        PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
+    header = bl.report_header("diskreplay sampling benchmark", q, PACKAGES, args.dir)
     print(header + "\n", flush=True)
     started = time.perf_counter()
     data = make_data(N_ROWS, seed=0)

@@ -750,12 +750,11 @@ def main() -> None:
     import torch
     bl.import_torchrl()
     torch.set_num_threads(1)
-    header = "# diskreplay scale benchmark" + (" (--quick)" if args.quick else "") + "\n\n" + bl.machine_info(
-        PACKAGES, repo=str(Path(__file__).resolve().parents[1]), data_dir=args.dir)
-    header += (f"\n- sizes {', '.join(map(label, args.sizes))}; cold at {', '.join(map(label, sorted(args.cold_sizes)))}; "
-               f"PER at {', '.join(map(label, args.per_sizes)) or 'none'}; reader memory at {label(args.memory_size)}"
-               f"\n- torch intra-op threads: {torch.get_num_threads()}; diskreplay default cache_bytes "
-               f"{bl.format_bytes(CACHE_BYTES)}; read-ahead of the data dir's disk: {bl.read_ahead_kb(args.dir)} KiB")
+    header = bl.report_header("diskreplay scale benchmark", args.quick, PACKAGES, args.dir, [
+        f"sizes {', '.join(map(label, args.sizes))}; cold at {', '.join(map(label, sorted(args.cold_sizes)))}; "
+        f"PER at {', '.join(map(label, args.per_sizes)) or 'none'}; reader memory at {label(args.memory_size)}",
+        f"torch intra-op threads: {torch.get_num_threads()}; diskreplay default cache_bytes "
+        f"{bl.format_bytes(CACHE_BYTES)}; read-ahead of the data dir's disk: {bl.read_ahead_kb(args.dir)} KiB"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
     stores, res = Stores(args.dir, Rows()), Results()

@@ -313,6 +313,15 @@ def _git_describe(path: str) -> str:
         return "unknown"
 
 
+def report_header(title: str, quick: bool, packages: Iterable[str], data_dir: str | None = None,
+                  details: Iterable[str] = ()) -> str:
+    """A report's top: ``# title`` (marked ``(--quick)``), `machine_info` of this checkout, then a
+    ``- detail`` line each."""
+    head = f"# {title}{' (--quick)' if quick else ''}\n\n"
+    return head + machine_info(packages, repo=str(Path(__file__).resolve().parents[1]), data_dir=data_dir) + "".join(
+        f"\n- {line}" for line in details)
+
+
 def machine_info(packages: Iterable[str], repo: str | None = None, data_dir: str | None = None) -> str:
     """Markdown lines: command, date, CPU, RAM, OS, Python, package versions, git commit."""
     try:
