@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
@@ -44,6 +46,13 @@ class ReplayBuffer:
 
     def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
                  finals: Storage | None = None, retry: RetryPolicy | None = None):
+        """Internal: use `create` (a new buffer) or `open` (an existing one).
+
+        Raises TypeError when called as ``ReplayBuffer(url, fields, capacity)``."""
+        if not isinstance(storage, Storage):
+            raise TypeError(f"ReplayBuffer({type(storage).__name__}, ...) is not how a buffer is made: use "
+                            f"dr.ReplayBuffer.create(url, fields, capacity) for a new one, or "
+                            f"dr.ReplayBuffer.open(url, mode) for an existing one")
         self.storage = storage
         self.sampler = sampler
         self.rng = rng
@@ -226,6 +235,7 @@ class ReplayBuffer:
 
     @property
     def url(self) -> str:
+        """Where the buffer lives: a local path or an fsspec URL (``s3://...``)."""
         return self.storage.url
 
     @property
@@ -235,22 +245,27 @@ class ReplayBuffer:
 
     @property
     def capacity(self) -> int | None:
+        """Rows the ring holds at most, over all lanes (None: a dataset that grows)."""
         cap = self.storage.layout.lane_capacity
         return None if cap is None else cap * self.num_envs
 
     @property
     def num_envs(self) -> int:
+        """Env lanes: each has its own time axis (row id = ``step * num_envs + lane``)."""
         return self.storage.layout.num_envs
 
     @property
     def mode(self) -> str:
+        """``"r"`` (a reader: committed rows), ``"r+"`` or ``"w"`` (the writer)."""
         return self.storage.mode
 
     @property
     def closed(self) -> bool:
+        """Whether `close` was called."""
         return self._closed
 
     def __len__(self) -> int:
+        """Readable rows over all lanes: a writer's staged ones too, a reader's committed ones."""
         self._require_open()
         lo, hi = self.storage.window()
         return int((hi - lo).sum())
@@ -469,15 +484,16 @@ class ReplayBuffer:
     def sample(self, batch_size: int, *, seed: int | None = None, rng: np.random.Generator | None = None,
                seq_len: int | None = None, pad: bool = False, n_step: int | None = None,
                gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
-               her: HER | None = None, out: dict[str, np.ndarray] | None = None, **options: Any
-               ) -> dict[str, np.ndarray]:
+               her: HER | None = None, out: dict[str, np.ndarray] | None = None, beta: float | None = None,
+               recent_rows: int | None = None, **options: Any) -> dict[str, np.ndarray]:
         """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
 
         Rows come from the buffer's sampler (uniform with replacement by default) over every row
         added so far, staged or committed (read-only buffers: committed rows). Random choices
         use ``rng``, else a generator seeded with ``seed``, else the buffer's own generator.
-        Prioritized samplers add ``"weight"`` (float32 importance weights) and take ``beta=``.
-        ``recent_rows=c`` (Uniform) draws from the newest ``c`` rows only (ERE).
+        Prioritized samplers add ``"weight"`` (float32 importance weights) and take ``beta=``
+        (default: the sampler's). ``recent_rows=c`` (Uniform) draws from the newest ``c`` rows
+        only (ERE). Other keyword ``options`` go to a sampler of your own.
 
         Trajectory slices: ``seq_len=L`` returns arrays ``[batch_size, L, *shape]`` of consecutive
         steps of one lane inside one episode, ``"index"`` ``[batch_size, L]`` and ``"start"`` (row
@@ -518,6 +534,7 @@ class ReplayBuffer:
             self._check_out(out, int(batch_size))
         if rng is None:
             rng = self.rng if seed is None else np.random.default_rng(seed)
+        options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
         deadline = None
         while True:
             try:
@@ -546,11 +563,12 @@ class ReplayBuffer:
     def _sample_once(self, rng, batch_size, seq_len, pad, n_step, gamma, stack, stack_fields, her, out, options):
         lo, hi = self.storage.window()
         if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
-            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows)")
+            hint = "" if self.mode != "r" else "; a writer's rows become readable when it calls flush()"
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.url!r} holds 0 readable rows{hint})")
         if seq_len is not None:
             return self._sample_slices(rng, int(batch_size), seq_len, pad, lo, hi, options)
         if options:
-            _check_beta(options)
+            _check_options(self.sampler, options)
         draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
         batch = self.view.gather(draw.lane, draw.step, self._unstacked(stack, stack_fields), out=out)
         if n_step is not None or stack is not None or her is not None:
@@ -629,7 +647,7 @@ class ReplayBuffer:
                                        f"use pad=True or a shorter seq_len")
             segment, step = flat_to_lane_step(rng.integers(0, int(count.sum()), batch_size), first, first + count)
             return Draw(lane[segment], step)
-        _check_beta(options)
+        _check_options(self.sampler, options)
         draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
         for _ in range(256):
             end = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
@@ -755,6 +773,35 @@ class ReplayBuffer:
                              f"or {', '.join(map(repr, BATCH_EXTRAS))}")
         for name, given in out.items():
             output_rows(name, fields[name], count, given)
+
+    def latest(self, n: int) -> dict[str, np.ndarray]:
+        """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:
+        ``{field: array [n, *shape], "index": [n] int64 row ids}``. With several lanes, the
+        rows of the ``n`` highest row ids (the newest steps, lanes side by side).
+
+        Raises ValueError for ``n`` that is not an int >= 0; ClosedError."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self._require_open()
+        lo, hi = self.storage.window()
+        ids = np.sort(np.concatenate([row_ids(lane, np.arange(max(int(lo[lane]), int(hi[lane]) - n), hi[lane]),
+                                              self.num_envs) for lane in range(self.num_envs)]))
+        ids = ids[max(len(ids) - n, 0):]  # each lane's newest n hold the n highest ids
+        return {**self.rows(ids), "index": ids}
+
+    def clear(self) -> None:
+        """Forget every row: afterwards the buffer holds none, for this writer at once and for
+        readers at the next `flush`. Row ids go on counting (an id never names two rows); each
+        lane's open episode ends, cut, and the next row starts a new one. The old rows' bytes
+        stay on disk until new rows overwrite them (a ring) or the buffer is deleted.
+
+        Raises ReadOnlyError (a reader), ClosedError, LockedError."""
+        self._require_writer()
+        for lane in range(self.num_envs):
+            if self.episode_index.enabled and int(self.storage.total[lane]):
+                self._close_cut_episode(lane)
+        self.storage.lower = self.storage.total.copy()
+        self.episode_index.prune(self.storage.window()[0])
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
@@ -918,6 +965,25 @@ def _check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size")
     if need > memory:
         raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "
                          f"row), more than this machine's {memory:,} bytes of memory")
+
+
+def _check_options(sampler: Sampler, options: Mapping[str, Any]) -> None:
+    """Raise ValueError for a sampling option the sampler does not take, or a bad ``beta``."""
+    taken = _sampling_options(type(sampler))
+    unknown = [] if taken is None else sorted(set(options) - set(taken))
+    if unknown:
+        raise ValueError(f"{type(sampler).__name__} takes no sampling option {', '.join(map(repr, unknown))} "
+                         f"(its options: {', '.join(taken) or 'none'})")
+    _check_beta(options)
+
+
+@functools.lru_cache(maxsize=None)
+def _sampling_options(sampler_type: type) -> tuple[str, ...] | None:
+    """The keyword options a sampler class's ``sample`` takes (None: any, it has ``**options``)."""
+    params = list(inspect.signature(sampler_type.sample).parameters.values())[5:]  # self, rng, size, lo, hi
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params)
 
 
 def _check_beta(options: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ import asyncio
 import ctypes
 import errno
 import inspect
+import logging
 import math
 import os
 import random
@@ -38,6 +39,10 @@ import fsspec
 import fsspec.asyn
 
 from .errors import StoreUnavailableError
+
+log = logging.getLogger(__name__)
+SLOW_CALL_S = 5.0
+"""A store call taking this many seconds or more (retries included) is logged at INFO."""
 
 
 @dataclass
@@ -134,6 +139,79 @@ class ChunkStore(Protocol):
 
     def get(self, key: str, limit: int | None = None) -> bytes | None: ...
     def get_many(self, keys: list[str]) -> list[bytes | None]: ...
+    def put(self, key: str, data: Data, durable: bool = False) -> None: ...
+    def delete(self, key: str) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def clear(self) -> None: ...
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
+
+
+def open_chunkstore(url: str, storage_options: dict | None = None, *, concurrency: int = 16,
+                    retry: RetryPolicy | None = None) -> ChunkStore:
+    """The store for ``url``; ``concurrency`` bounds the requests in flight on a remote store,
+    ``retry`` how its transient failures are retried (local files are not retried)."""
+    if is_local(url):
+        return LocalChunkStore(local_path(url))
+    return FsspecChunkStore(url, storage_options or {}, concurrency=concurrency, retry=retry)
+
+
+class LocalChunkStore:
+    """Files under a directory. Writes are atomic (temp file in the same directory + rename)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.url = root
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes (at most ``limit`` of them), or None if it does not exist."""
+        try:
+            with open(self.path(key), "rb") as f:
+                if limit is None:
+                    return f.read()
+                return f.read(min(limit, os.fstat(f.fileno()).st_size))  # read(n) would allocate n
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such file (a folder is none)
+            return None
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Ask the OS to start reading these files into its page cache (in the background, all at
+        once: many requests in flight); missing files are skipped."""
+        for key in keys:
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def read_into(self, key: str, out: list[memoryview]) -> int | None:
+        """Read the object into the buffers ``out``, one after the other; returns the bytes read
+        (fewer than they hold if the object is shorter), or None if it does not exist."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return os.readv(fd, out)
+        except IsADirectoryError:
+            return None
+        finally:
+            os.close(fd)
+
     def put(self, key: str, data: Data, durable: bool = False) -> None: ...
     def delete(self, key: str) -> None: ...
     def exists(self, key: str) -> bool: ...
@@ -545,10 +623,13 @@ class FsspecChunkStore:
         started, failures = time.monotonic(), 0
         while True:
             try:
-                return fn()
+                result = fn()
             except Exception as exc:
                 failures += 1
                 time.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
 
     async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         """``await fn()`` retried as `_retry_delay` decides; a try still running at the deadline
@@ -557,10 +638,19 @@ class FsspecChunkStore:
         deadline = started + self.retry.budget_s
         while True:
             try:
-                return await _cancel_at(fn, deadline)
+                result = await _cancel_at(fn, deadline)
             except Exception as exc:
                 failures += 1
                 await asyncio.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
+
+    def _log_if_slow(self, what: str, started: float, failures: int) -> None:
+        seconds = time.monotonic() - started
+        if seconds >= SLOW_CALL_S:
+            log.info("%r: %s took %.1f s (%d %s)", self.url, what, seconds, failures + 1,
+                     "try" if failures == 0 else "tries")
 
     def _retry_delay(self, what: str, failures: int, started: float, exc: Exception) -> float:
         """Seconds to wait before trying again after ``exc`` (the ``failures``-th failure of an
@@ -577,6 +667,8 @@ class FsspecChunkStore:
             raise self._give_up(what, failures, started,
                                 f"the retry deadline of {policy.budget_s:g} s was reached", exc) from exc
         self.retried += 1
+        log.info("%r: %s failed (%s: %s); try %d of %d in %.2f s", self.url, what, type(exc).__name__, exc,
+                 failures + 1, policy.attempts, wait)
         return wait
 
     def _give_up(self, what: str, tries: int, started: float, reason: str,

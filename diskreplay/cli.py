@@ -1,15 +1,24 @@
 """The ``diskreplay`` command: import, export, info, verify, unlock, demo, bench.
 
-User mistakes (missing files, bad options, a path that is not a buffer, ...) print one line on
-stderr, ``diskreplay: error: ...``, and exit with status 1 (2 for bad command-line usage, 130
-for Ctrl-C). Set ``DISKREPLAY_TRACEBACK=1`` to see the full traceback instead.
+User mistakes (missing files, bad options, a path that is not a buffer, a missing optional
+package, ...) print one line on stderr, ``diskreplay: error: ...``, and exit with status 1 (2 for
+bad command-line usage, 130 for Ctrl-C). Set ``DISKREPLAY_TRACEBACK=1`` to see the full traceback
+instead. When stdout is a pipe its reader closed early (``diskreplay info URL | head -1``), the
+command stops quietly with status 1.
+
+Field names in files: ``import`` and ``export`` share one convention, D4RL's (``observations``,
+``actions``, ``rewards``, ``terminals``, ``timeouts``, ``next_observations``, ``infos/<key>``),
+mapped to and from the buffer's ``obs``, ``action``, ``reward``, ``terminated``, ``truncated``,
+``next_obs``, ``info_<key>`` in ``.hdf5`` and ``.npz`` files alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,14 +26,24 @@ from pathlib import Path
 from typing import Sequence
 
 USER_ERRORS = (OSError, ValueError, KeyError, ImportError, LookupError)
+BENCH_EXTRA = ("cpprb", "torchrl", "tensordict", "psutil")  # the "bench" extra, by import name
+NAMING = ("Field names: .hdf5 and .npz files alike use D4RL's names (observations, actions, rewards, terminals, "
+          "timeouts, next_observations, infos/KEY), which map to and from the buffer's (obs, action, reward, "
+          "terminated, truncated, next_obs, info_KEY); other names are kept.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warning
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 1
     except KeyboardInterrupt:
         print("diskreplay: interrupted", file=sys.stderr)
         return 130
@@ -34,6 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"diskreplay: error: {message}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout is gone: point stdout at devnull so that the flush at exit cannot fail
+    (what Python's documentation of SIGPIPE recommends)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -47,14 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'diskreplay COMMAND --help' for a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("import", help="import a dataset (D4RL hdf5, Minari, npz, npy folder, zarr) into a new buffer",
+    p = sub.add_parser("import", help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, zarr) into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
                                    "slices of --batch-rows rows. DEST only becomes a buffer when the import "
-                                   "finishes: an interrupted import cannot be opened (re-run with --overwrite).")
-    p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5, Minari dataset folder, .npz, folder of .npy, "
-                                              "or a diskreplay buffer / zarr group")
+                                   "finishes: an interrupted import cannot be opened (re-run with --overwrite). "
+                                   + NAMING)
+    p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5 or .npz, Minari dataset folder, .npz, folder of "
+                                              ".npy, or a diskreplay buffer / zarr group")
     p.add_argument("dest", metavar="DEST", help="where to write the buffer (path or fsspec URL)")
-    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "zarr"), help="source format (default: detected from SRC)")
+    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "zarr"),
+                   help="source format (default: detected from SRC; .npz is 'npz'). 'd4rl' reads .hdf5 or .npz "
+                        "and derives next_obs when next_observations is missing; 'npz' derives nothing")
     p.add_argument("--chunk-rows", type=_positive_int, default=None,
                    help="rows per stored chunk (default 4096, longer for datasets of over 16,384 chunk files)")
     p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd", help="chunk codec (default zstd)")
@@ -63,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_import)
 
-    p = sub.add_parser("export", help="write a buffer's rows to .npz or D4RL-layout .hdf5",
-                       description="Export the committed rows of the buffer at URL, lane by lane, to DEST. "
-                                   "HDF5 uses the D4RL layout, so 'diskreplay import' reads it back.")
+    p = sub.add_parser("export", help="write a buffer's rows to D4RL-layout .npz or .hdf5",
+                       description="Export the committed rows of the buffer at URL, lane by lane, to DEST, "
+                                   "one array per field; 'diskreplay import DEST' reads either format back "
+                                   "with the same field names and values. " + NAMING)
     p.add_argument("url", metavar="URL", help="the buffer")
     p.add_argument("dest", metavar="DEST", help="output file (.npz, .h5 or .hdf5)")
     p.add_argument("--format", choices=("npz", "hdf5"), help="output format (default: from DEST's suffix)")
@@ -101,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a ten-second tour: collect CartPole, sample, resume",
                        description="Collect CartPole-v1 experience into a buffer, sample it (uniform, "
                                    "prioritized, DataLoader), print throughput, then close, reopen and resume.")
-    p.add_argument("dir", metavar="DIR", nargs="?", help="where to put the buffer (default: a new temp dir)")
+    p.add_argument("dir", metavar="DIR", nargs="?",
+                   help="where to put the buffer, kept (default: a temp dir, removed at the end)")
     p.add_argument("--steps", type=_positive_int, default=4000, help="env steps per lane to collect (default 4000)")
     p.add_argument("--envs", type=_positive_int, default=4, help="env lanes (default 4)")
     p.add_argument("--seconds", type=float, default=1.0, help="time per sampling measurement (default 1.0)")
@@ -110,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run the benchmarks in the source checkout's tools/ folder",
                        description="Run tools/bench_core.py, then the other tools/bench_*.py, as subprocesses, "
-                                   "printing their tables. Needs the source tree (a git checkout).")
+                                   "printing their tables. Needs the source tree (a git checkout) and the "
+                                   "'bench' extra: pip install -e \".[bench]\".")
     p.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks that support it")
     p.add_argument("--only", action="append", metavar="NAME", help="run only bench_NAME.py (repeatable)")
     p.add_argument("--tools", metavar="DIR", help="the tools/ folder (default: next to the package)")
@@ -217,6 +250,14 @@ def find_tools(explicit: str | None = None) -> Path:
                             f"source checkout; clone the repository and run it there, or pass --tools DIR")
 
 
+def missing_modules(files: Sequence[Path], modules: Sequence[str]) -> list[str]:
+    """Those of ``modules`` that a line of ``files`` imports (``import m``, ``from m...``) and that
+    cannot be found."""
+    text = "\n".join(f.read_text() for f in files)
+    return [m for m in modules if re.search(rf"^\s*(?:import|from)\s+{re.escape(m)}\b", text, re.M)
+            and importlib.util.find_spec(m) is None]
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     tools = find_tools(args.tools)
     scripts = sorted(tools.glob("bench_*.py"), key=lambda p: (p.name != "bench_core.py", p.name))
@@ -226,6 +267,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         scripts = [s for s in scripts if s.stem in wanted]
         if not scripts:
             raise ValueError(f"no benchmark named {sorted(wanted)} in {tools}")
+    helpers = [p for p in tools.glob("*.py") if not p.name.startswith("bench_")]
+    missing = missing_modules([*scripts, *helpers], BENCH_EXTRA)
+    if missing:
+        raise ImportError(f"the benchmarks need the 'bench' extra (missing: {', '.join(missing)}): "
+                          f"pip install -e \".[bench]\"")
     failed = []
     for script in scripts:
         cmd = [sys.executable, str(script)]

@@ -3,7 +3,8 @@
 Steps: create a ring buffer with 4 env lanes; collect experience from gymnasium's CartPole-v1
 with a random policy (a tiny synthetic env stands in when gymnasium is not installed); sample
 it uniformly, with priorities (when `dr.Prioritized` exists) and through a torch DataLoader;
-close it, reopen it with ``mode="r+"`` and keep collecting where it stopped.
+close it, reopen it with ``mode="r+"`` and keep collecting where it stopped. Without a directory
+the buffer goes to a temp dir that is removed at the end.
 """
 
 from __future__ import annotations
@@ -91,8 +92,19 @@ def _disk_mb(path: str) -> float:
 
 def run_demo(directory: str | None = None, *, steps: int = 4000, num_envs: int = 4, seed: int = 0,
              seconds: float = 1.0, out: Callable[[str], None] = print) -> dict[str, float]:
-    """Run the tour in ``directory`` (a fresh temp dir by default). Returns the measured numbers."""
-    directory = directory or tempfile.mkdtemp(prefix="diskreplay-demo-")
+    """Run the tour with its buffer in ``directory`` (kept), or in a temp dir removed at the end.
+
+    ``steps``: env steps per lane; ``seconds``: time per throughput measurement. Returns the
+    measured numbers (rows/s, MB on disk) and ``"rows"``, the buffer's final row count.
+    """
+    if directory is not None:
+        return _tour(directory, steps, num_envs, seed, seconds, out, kept=True)
+    with tempfile.TemporaryDirectory(prefix="diskreplay-demo-") as tmp:
+        return _tour(tmp, steps, num_envs, seed, seconds, out, kept=False)
+
+
+def _tour(directory: str, steps: int, num_envs: int, seed: int, seconds: float, out: Callable[[str], None],
+          kept: bool) -> dict[str, float]:
     path = os.path.join(directory, "cartpole.zarr")
     envs, env_name = make_envs(num_envs, seed)
     out(f"diskreplay demo: {env_name}, {num_envs} env lanes, buffer at {path}")
@@ -142,6 +154,9 @@ def run_demo(directory: str | None = None, *, steps: int = 4000, num_envs: int =
         f"ReplayBuffer.open(path, mode='r+'), added {rows_after - rows_before:,} more -> {rows_after:,} rows.")
     out("        The sampler, its priorities and the random generator are restored from the last commit;")
     out("        unflushed rows are the only thing a crash can lose (buf.flush() commits).")
-    out(f"inspect it:  diskreplay info {path}   |   diskreplay verify {path}")
+    if kept:
+        out(f"inspect it:  diskreplay info {path}   |   diskreplay verify {path}")
+    else:
+        out("the buffer is in a temp dir, removed as the demo ends: run 'diskreplay demo DIR' to keep it and inspect it")
     results["rows"] = rows_after
     return results

@@ -105,11 +105,15 @@ class RowView:
         else:
             given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
             rows, own = self.storage.gather(lane, following, bases, given), {}
-        finals = self.finals.gather(lane[is_end], self.episodes.end_ordinal(lane[is_end], step[is_end]), bases)
+        ends = np.flatnonzero(is_end)
+        finals = self.finals.gather(lane[ends], self.episodes.end_ordinal(lane[ends], step[ends]), bases) if len(ends) else {}
+        newest = np.flatnonzero(newest)
         for twin, base in zip(twins, bases):
             value = rows.pop(base)
-            value[is_end] = finals[base]
-            value[newest] = self.last_next[twin][lane[newest]]
+            if len(ends):
+                value[ends] = finals[base]
+            if len(newest):
+                value[newest] = self.last_next[twin][lane[newest]]
             rows[twin] = value
         rows.update(own)
         return rows
@@ -169,15 +173,18 @@ class EpisodicReturn:
         self.default_return, self.clip = float(default_return), clip
 
     def to_json(self) -> dict[str, Any]:
+        """These settings as JSON-ready data (stored in the buffer's config)."""
         return {"gamma": self.gamma, "reward": self.reward, "name": self.name,
                 "default_return": self.default_return, "clip": list(self.clip) if self.clip else None}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> "EpisodicReturn":
+        """The settings `to_json` gave."""
         return cls(spec["gamma"], spec["reward"], spec["name"], spec["default_return"],
                    tuple(spec["clip"]) if spec["clip"] else None)
 
     def field(self) -> Field:
+        """The stored field of returns: one float32 per row."""
         return Field((), "float32")
 
     def fill(self, storage: Storage, episodes: EpisodeIndex, lane: int, rows: dict[str, np.ndarray],

@@ -127,6 +127,7 @@ class DevicePrefetcher:
         return self._slots
 
     def __iter__(self) -> "DevicePrefetcher":
+        """Itself: batches come from `__next__`, already on the device."""
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:

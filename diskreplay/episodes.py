@@ -31,6 +31,7 @@ class EpisodeTable:
     complete: np.ndarray
 
     def __len__(self) -> int:
+        """Episodes in the table."""
         return len(self.lane)
 
 

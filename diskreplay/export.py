@@ -1,20 +1,23 @@
-"""Export a buffer's committed rows to ``.npz`` or D4RL-layout HDF5 (which `import_dataset` reads back).
+"""Export a buffer's committed rows to ``.npz`` or HDF5, in the D4RL layout that `import_dataset` reads back.
 
 Rows are written lane by lane, each lane in time order, streamed in slices (bounded memory).
 
-HDF5 names follow D4RL: ``obs`` -> ``observations``, ``action`` -> ``actions``, ``reward`` ->
-``rewards``, ``terminated`` -> ``terminals``, ``truncated`` -> ``timeouts``, ``next_obs`` ->
-``next_observations``, ``info_<k>`` -> ``infos/<k>``; other fields keep their names. With several
-env lanes, a lane's last row is written with ``timeouts`` set (when a ``truncated`` field exists)
-so that D4RL readers do not join the end of one lane to the start of the next.
-``.npz`` files hold one array per field, named after it.
+Both formats hold the same arrays under the same names (`d4rl_name`): D4RL's, ``obs`` ->
+``observations``, ``action`` -> ``actions``, ``reward`` -> ``rewards``, ``terminated`` ->
+``terminals``, ``truncated`` -> ``timeouts``, ``next_obs`` -> ``next_observations``, ``info_<k>``
+-> ``infos/<k>`` (an HDF5 group; an ``.npz`` member ``infos/<k>.npy``); other fields keep their
+names. `import_dataset` maps these names back for either format, so exporting then importing
+gives the buffer's field names and values. With several env lanes, a lane's last row is written
+with ``timeouts`` set (when a ``truncated`` field exists) so that D4RL readers do not join the
+end of one lane to the start of the next. Both files are marked as written here (HDF5 attribute,
+zip comment ``diskreplay_export``), so importing them derives no ``next_obs``.
 """
 
 from __future__ import annotations
 
 import os
 import zipfile
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -22,12 +25,14 @@ from .importers import D4RL_NAMES, EXPORT_ATTR, _progress
 from .inspect import iter_rows, open_readonly, readable
 
 EXPORT_FORMATS = ("npz", "hdf5")
-HDF5_NAMES = {field: d4rl for d4rl, field in D4RL_NAMES.items()}
+EXPORT_NAMES = {field: d4rl for d4rl, field in D4RL_NAMES.items()}
+DONE_FIELDS = ("terminated", "truncated", "done")
 
 
-def hdf5_name(field: str) -> str:
-    if field in HDF5_NAMES:
-        return HDF5_NAMES[field]
+def d4rl_name(field: str) -> str:
+    """The name field ``field`` is exported under, in either format (the inverse of `d4rl_field_name`)."""
+    if field in EXPORT_NAMES:
+        return EXPORT_NAMES[field]
     if field.startswith("info_"):
         return "infos/" + field[len("info_"):]
     return field
@@ -38,13 +43,19 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
                   compress: bool = False, storage_options: dict | None = None) -> int:
     """Write the committed rows of the buffer at ``url`` to the file ``dest``. Returns the row count.
 
+    Either format holds one array per field, ``[rows, *shape]``, named by `d4rl_name` (D4RL's
+    names: ``observations``, ``actions``, ...; see the module docstring); `import_dataset` reads
+    both back under the buffer's field names.
+
     Args:
         format: ``"npz"`` or ``"hdf5"``; ``None`` picks from dest's suffix (.npz, .h5 / .hdf5).
+        batch_rows: rows read per slice (bounds memory).
+        progress: show a tqdm progress bar on stderr (total: rows) when tqdm is installed.
         compress: deflate the npz members / gzip the HDF5 datasets.
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
-        ValueError: unknown format, or two fields mapping to one HDF5 name.
+        ValueError: unknown format, or two fields mapping to one exported name.
     """
     url, dest = os.fspath(url), os.fspath(dest)
     fmt = format or _format_from_suffix(dest)
@@ -55,7 +66,8 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     buf = open_readonly(url, storage_options)
     tmp = f"{dest}.partial"
     try:
-        with _progress(len(buf) * (len(buf.fields) if fmt == "npz" else 1), f"export {fmt}", progress) as bar:
+        _check_names(buf.fields)
+        with _progress(len(buf), f"export {fmt}", progress) as bar:
             if fmt == "npz":
                 _write_npz(buf, tmp, batch_rows, compress, bar)
             else:
@@ -79,54 +91,65 @@ def _format_from_suffix(dest: str) -> str:
                      f"format= one of {EXPORT_FORMATS}")
 
 
+def _check_names(fields: Sequence[str]) -> None:
+    names = [d4rl_name(field) for field in fields]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise ValueError(f"fields {[f for f in fields if d4rl_name(f) in clashes]} map to the same exported "
+                         f"names {clashes}: rename them first")
+
+
+def _slices(buf: Any, names: list[str], batch_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    """Row slices of the fields ``names``, lane by lane in time order. With several lanes, a lane's
+    last row gets ``truncated`` set unless a done field already ends an episode there."""
+    mark = buf.num_envs > 1 and "truncated" in names
+    read = names + [k for k in DONE_FIELDS if mark and k in buf.fields and k not in names]
+    for lane, lo, hi in readable(buf):
+        step = lo
+        for part in iter_rows(buf, read, lane, lo, hi, batch_rows):
+            step += len(part[read[0]])
+            if mark and step == hi and not any(bool(part[k][-1]) for k in DONE_FIELDS if k in part):
+                part["truncated"][-1] = True
+            yield {k: part[k] for k in names}
+
+
 def _write_npz(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) -> None:
-    rows = len(buf)
+    """One ``.npy`` member per field, written field after field: the bar advances by rows / fields."""
+    rows, written, shown = len(buf), 0, 0
     method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
     with zipfile.ZipFile(path, "w", compression=method, allowZip64=True) as zf:
         for name, spec in buf.fields.items():
             header = {"descr": np.lib.format.dtype_to_descr(spec.dtype), "fortran_order": False,
                       "shape": (rows, *spec.shape)}
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+            with zf.open(f"{d4rl_name(name)}.npy", "w", force_zip64=True) as member:
                 try:
                     np.lib.format.write_array_header_1_0(member, header)
                 except ValueError:  # header too long for format 1.0
                     np.lib.format.write_array_header_2_0(member, header)
-                for lane, lo, hi in readable(buf):
-                    for part in iter_rows(buf, [name], lane, lo, hi, batch_rows):
-                        member.write(np.ascontiguousarray(part[name]).tobytes())
-                        bar.update(len(part[name]))
+                for part in _slices(buf, [name], batch_rows):
+                    member.write(np.ascontiguousarray(part[name]).tobytes())
+                    written += len(part[name])
+                    bar.update(written // len(buf.fields) - shown)
+                    shown = written // len(buf.fields)
+        zf.comment = EXPORT_ATTR.encode()
 
 
 def _write_hdf5(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) -> None:
     from .importers import _h5py
 
     h5py = _h5py()
-    names = {field: hdf5_name(field) for field in buf.fields}
-    clashes = {v for v in names.values() if list(names.values()).count(v) > 1}
-    if clashes:
-        raise ValueError(f"fields map to the same HDF5 dataset names {sorted(clashes)}: rename them first")
     rows = len(buf)
-    mark_lane_ends = buf.num_envs > 1 and "truncated" in buf.fields
     with h5py.File(path, "w") as f:
         datasets = {}
         for field, spec in buf.fields.items():
             chunks = (max(1, min(rows, max(1, 2**20 // max(spec.row_bytes, 1)))), *spec.shape) if rows else None
-            datasets[field] = f.create_dataset(names[field], shape=(rows, *spec.shape), dtype=spec.dtype,
+            datasets[field] = f.create_dataset(d4rl_name(field), shape=(rows, *spec.shape), dtype=spec.dtype,
                                                chunks=chunks, compression="gzip" if compress else None)
         at = 0
-        for lane, lo, hi in readable(buf):
-            step = lo
-            for part in iter_rows(buf, list(buf.fields), lane, lo, hi, batch_rows):
-                n = len(next(iter(part.values())))
-                step += n
-                if mark_lane_ends and step == hi and not _is_done(part, -1):
-                    part["truncated"][-1] = True
-                for field, values in part.items():
-                    datasets[field][at:at + n] = values
-                at += n
-                bar.update(n)
+        for part in _slices(buf, list(buf.fields), batch_rows):
+            n = len(next(iter(part.values())))
+            for field, values in part.items():
+                datasets[field][at:at + n] = values
+            at += n
+            bar.update(n)
         f.attrs[EXPORT_ATTR] = True
-
-
-def _is_done(part: dict[str, np.ndarray], i: int) -> bool:
-    return any(bool(part[k][i]) for k in ("terminated", "truncated", "done") if k in part)

@@ -3,28 +3,32 @@
 `import_dataset` streams the source in slices of ``batch_rows`` rows, so a source larger than
 RAM imports with bounded memory (about two slices plus the buffer's write staging).
 
-Field names produced:
+Field names produced (one mapping, `d4rl_field_name`, for every format that names columns):
 
-* D4RL HDF5 (``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts``, optional
-  ``next_observations``, ``infos/*``): ``obs``, ``action``, ``reward``, ``terminated``,
-  ``truncated``, ``next_obs``, ``info_<key>``; any other dataset with one entry per step keeps
-  its (sanitized) name, ``group/key`` becoming ``group_key``. ``terminals`` and ``timeouts`` are
-  stored as bool. When ``next_observations`` is missing, ``next_obs[t] = observations[t + 1]``
-  inside an episode; at an episode's last step (``terminals`` or ``timeouts`` set) and at the
-  dataset's last row, ``observations[t + 1]`` belongs to another episode (or does not exist), so
-  ``next_obs[t]`` is a copy of ``obs[t]``. For terminated steps this is harmless (TD targets mask
-  it with ``1 - terminated``); for truncated steps the true next observation is simply not in
-  the source: drop or mask those rows if bootstrapping from them matters. Files written by
-  `diskreplay export` (attribute ``diskreplay_export``) get no derived field: they round-trip.
+* D4RL layout (``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts``, optional
+  ``next_observations``, ``infos/*``), as HDF5 datasets or ``.npz`` members: ``obs``, ``action``,
+  ``reward``, ``terminated``, ``truncated``, ``next_obs``, ``info_<key>``; any other column with
+  one entry per step keeps its (sanitized) name, ``group/key`` becoming ``group_key``.
+  ``terminals`` and ``timeouts`` are stored as bool. Format ``"d4rl"`` (an HDF5 file, or an
+  ``.npz`` given ``format="d4rl"``) also derives ``next_obs`` when ``next_observations`` is
+  missing: ``next_obs[t] = observations[t + 1]`` inside an episode; at an episode's last step
+  (``terminals`` or ``timeouts`` set) and at the dataset's last row, ``observations[t + 1]``
+  belongs to another episode (or does not exist), so ``next_obs[t]`` is a copy of ``obs[t]``. For
+  terminated steps this is harmless (TD targets mask it with ``1 - terminated``); for truncated
+  steps the true next observation is simply not in the source: drop or mask those rows if
+  bootstrapping from them matters. Files written by `diskreplay export` (HDF5 attribute or zip
+  comment ``diskreplay_export``) get no derived field: they round-trip.
 * Minari (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order):
   ``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` ->
   ``action``, ``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` ->
   ``truncated``, ``infos/<key>`` -> ``info_<key>``. Dict (nested) spaces are flattened:
   ``obs_<key>``, ``next_obs_<key>``, ``action_<key>``, ``obs_<key>_<subkey>``. Infos with T + 1
   entries (the reset's info first) keep their last T, so each row holds its step's info.
-* ``.npz`` file / folder of ``.npy`` files: one field per array, named after it.
+* ``.npz`` file (format ``"npz"``), folder of ``.npy`` files, plain Zarr group: one field per
+  array, named by the D4RL mapping above (``observations`` -> ``obs``, ``terminals`` -> bool
+  ``terminated``, ``infos/<key>`` -> ``info_<key>``, other names sanitized); no field is derived.
 * Zarr: a diskreplay buffer keeps its fields and env lanes (rows re-chunked and re-compressed,
-  only the readable window of a ring); a plain Zarr group gives one field per array.
+  only the readable window of a ring).
 
 Refused sources (`ImportFormatError`, raised before ``dest`` is touched):
 
@@ -76,6 +80,7 @@ FORTRAN_WHOLE_BYTES = 16 * 2**20  # a Fortran-ordered .npz member up to this siz
 D4RL_NAMES = {"observations": "obs", "actions": "action", "rewards": "reward", "terminals": "terminated",
               "timeouts": "truncated", "next_observations": "next_obs"}
 D4RL_FLAGS = ("terminals", "timeouts")
+END_FIELDS = tuple(D4RL_NAMES[k] for k in D4RL_FLAGS)
 MINARI_NAMES = {"actions": "action", "rewards": "reward", "terminations": "terminated",
                 "truncations": "truncated"}
 
@@ -96,10 +101,12 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
     """Import a dataset at ``src`` into a new dataset-mode buffer at ``dest`` and open it.
 
     Args:
-        src: a D4RL-style ``.hdf5`` file, a Minari dataset folder (or its ``main_data.hdf5``), an
-            ``.npz`` file, a folder of ``.npy`` files, or a diskreplay buffer / Zarr group.
+        src: a D4RL-layout ``.hdf5`` (or ``.npz``) file, a Minari dataset folder (or its
+            ``main_data.hdf5``), an ``.npz`` file, a folder of ``.npy`` files, or a diskreplay
+            buffer / Zarr group. Columns are named by `d4rl_field_name` (see the module docstring).
         dest: where the buffer is written (a local path or an fsspec URL).
-        format: one of `FORMATS`; ``None`` detects it from ``src``.
+        format: one of `FORMATS`; ``None`` detects it from ``src`` (an ``.npz`` file is
+            ``"npz"``; pass ``"d4rl"`` to also derive a missing ``next_obs``).
         chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
             ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
         batch_rows: rows read from the source (and written) per slice: bounds memory.
@@ -120,6 +127,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
     src, dest = os.fspath(src), os.fspath(dest)
     if not isinstance(batch_rows, (int, np.integer)) or batch_rows < 1:
         raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    _require_source(src)
     fmt = format or detect_format(src)
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
@@ -167,9 +175,8 @@ def detect_format(src: str) -> str:
     """
     if not is_local(src):
         return "zarr"
+    _require_source(src)
     path = local_path(src)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"source {src!r} does not exist")
     if os.path.isdir(path):
         if _minari_file(path):
             return "minari"
@@ -190,6 +197,11 @@ def detect_format(src: str) -> str:
     raise ImportFormatError(f"cannot tell the format of {src!r}: expected .hdf5/.h5 (D4RL or Minari), "
                             f".npz, a folder of .npy files, a Minari folder or a Zarr store; "
                             f"pass format= one of {FORMATS}")
+
+
+def _require_source(src: str) -> None:
+    if is_local(src) and not os.path.exists(local_path(src)):
+        raise FileNotFoundError(f"source {src!r} does not exist")
 
 
 def import_status(url: str, storage_options: dict | None = None) -> dict | None:
@@ -293,6 +305,8 @@ class Source:
 
 def _open_source(fmt: str, src: str, batch_rows: int) -> Source:
     if fmt == "d4rl":
+        if zipfile.is_zipfile(local_path(src)):
+            return NpzSource(src, batch_rows, d4rl=True)
         return D4RLSource(src, batch_rows)
     if fmt == "minari":
         return MinariSource(src, batch_rows)
@@ -309,6 +323,57 @@ def field_name(path: str) -> str:
     if name[0].isdigit():
         name = f"f_{name}"
     return f"{name}_" if name in RESERVED_NAMES else name
+
+
+def d4rl_field_name(column: str) -> str:
+    """The field a column named ``column`` (HDF5 path, ``.npz`` member or ``.npy`` file name,
+    without suffix) is imported as: D4RL names mapped (``observations`` -> ``obs``, ``actions``
+    -> ``action``, ``rewards`` -> ``reward``, ``terminals`` -> ``terminated``, ``timeouts`` ->
+    ``truncated``, ``next_observations`` -> ``next_obs``, ``infos/<key>`` -> ``info_<key>``),
+    any other name made a valid field name by `field_name`."""
+    if column in D4RL_NAMES:
+        return D4RL_NAMES[column]
+    if column.startswith("infos/"):
+        return "info_" + field_name(column[len("infos/"):])
+    return field_name(column)
+
+
+def _as_bool_flags(batch: Batch, fields: dict[str, Field]) -> Batch:
+    """``batch`` with the values of bool fields that the source stores otherwise (D4RL
+    ``terminals`` / ``timeouts`` are often float) made bool: nonzero is True."""
+    for name, values in batch.items():
+        if fields[name].dtype == np.bool_ and values.dtype != np.bool_:
+            batch[name] = values != 0
+    return batch
+
+
+def _with_next_obs(slices: Iterator[Batch]) -> Iterator[Batch]:
+    """Slices in row order, each given ``next_obs``: the next row's ``obs`` inside an episode, the
+    row's own ``obs`` at an episode's last step (an `END_FIELDS` flag set) and at the last row."""
+    held: Batch | None = None
+    for batch in slices:
+        if held is not None:
+            yield _next_obs_filled(held, batch["obs"][:1])
+        held = batch
+    if held is not None:
+        yield _next_obs_filled(held, None)
+
+
+def _next_obs_filled(batch: Batch, following: np.ndarray | None) -> Batch:
+    obs = batch["obs"]
+    nxt = np.concatenate([obs[1:], obs[-1:] if following is None else following])
+    ends = np.zeros(len(obs), bool)
+    for flag in END_FIELDS:
+        if flag in batch:
+            ends |= batch[flag].astype(bool)
+    ends[-1] |= following is None
+    nxt[ends] = obs[ends]
+    return {**batch, "next_obs": nxt}
+
+
+def _derives_next_obs(fields: dict[str, Field], exported: bool) -> bool:
+    """D4RL layout: ``next_obs`` is derived from ``obs`` unless given, or written by `diskreplay export`."""
+    return "obs" in fields and "next_obs" not in fields and not exported
 
 
 def _field_for(name: str, shape: tuple[int, ...], dtype: np.dtype, where: str) -> Field | None:
@@ -329,6 +394,14 @@ def _h5py() -> Any:
     except ImportError:
         raise ImportError("reading HDF5 (D4RL, Minari) needs h5py: pip install h5py") from None
     return h5py
+
+
+def _open_hdf5(h5py: Any, path: str, src: str, expected: str) -> Any:
+    """``h5py.File(path, "r")``; ImportFormatError naming ``expected`` if it is not HDF5."""
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise ImportFormatError(f"{src!r} is not an HDF5 file ({exc}); expected {expected}") from None
 
 
 def _minari_file(path: str) -> str | None:
@@ -386,7 +459,7 @@ class D4RLSource(Source):
     def __init__(self, src: str, batch_rows: int):
         h5py = _h5py()
         self.batch_rows = batch_rows
-        self.file = h5py.File(local_path(src), "r")
+        self.file = _open_hdf5(h5py, local_path(src), src, "a D4RL-layout .hdf5/.h5 or .npz file")
         datasets = _hdf5_datasets(h5py, self.file, repr(src), follows_soft=False)
         lengths = [d.shape[0] for d in datasets.values() if d.ndim >= 1]
         if not lengths:
@@ -401,12 +474,7 @@ class D4RLSource(Source):
                 warnings.warn(f"{src!r}: dataset {path!r} skipped (shape {ds.shape}, not {n} steps)",
                               stacklevel=2)
                 continue
-            if path in D4RL_NAMES:
-                name = D4RL_NAMES[path]
-            elif path.startswith("infos/"):
-                name = "info_" + field_name(path[len("infos/"):])
-            else:
-                name = field_name(path)
+            name = d4rl_field_name(path)
             if name in self.fields:
                 raise ImportFormatError(f"{src!r}: datasets {path!r} and another both map to field {name!r}")
             dtype = np.dtype(bool) if path in D4RL_FLAGS else ds.dtype
@@ -414,35 +482,14 @@ class D4RLSource(Source):
             if field is not None:
                 self.fields[name] = field
                 self.columns[name] = ds
-        # files written by `diskreplay export` hold exactly the buffer's fields: derive nothing
-        exported = bool(self.file.attrs.get(EXPORT_ATTR, False))
-        self.derive_next = "obs" in self.columns and "next_obs" not in self.columns and not exported
+        self.derive_next = _derives_next_obs(self.fields, bool(self.file.attrs.get(EXPORT_ATTR, False)))
         if self.derive_next:
             self.fields["next_obs"] = self.fields["obs"]
-        self.flags = [D4RL_NAMES[k] for k in D4RL_FLAGS if D4RL_NAMES[k] in self.columns]
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
-        n = self.rows
-        for start in range(0, n, self.batch_rows):
-            end = min(start + self.batch_rows, n)
-            batch = {}
-            for name, ds in self.columns.items():
-                values = ds[start:end + 1] if name == "obs" and self.derive_next else ds[start:end]
-                if self.fields[name].dtype == np.bool_ and values.dtype != np.bool_:
-                    values = values != 0
-                batch[name] = values
-            if self.derive_next:
-                obs = batch["obs"]
-                nxt = obs[1:] if len(obs) > end - start else np.concatenate([obs[1:], obs[-1:]])
-                nxt = nxt.copy()
-                obs = obs[:end - start]
-                ends = np.zeros(end - start, bool)
-                for flag in self.flags:
-                    ends |= batch[flag]
-                if end == n:
-                    ends[-1] = True
-                nxt[ends] = obs[ends]
-                batch["obs"], batch["next_obs"] = obs, nxt
+        slices = (_as_bool_flags({name: ds[start:start + self.batch_rows] for name, ds in self.columns.items()},
+                                 self.fields) for start in range(0, self.rows, self.batch_rows))
+        for batch in _with_next_obs(slices) if self.derive_next else slices:
             yield 0, batch
 
     def close(self) -> None:
@@ -459,7 +506,7 @@ class MinariSource(Source):
         if file is None:
             raise ImportFormatError(f"{src!r}: not a Minari dataset (no data/main_data.hdf5; Minari's "
                                     f"arrow data format is not supported, convert it to hdf5)")
-        self.file = h5py.File(file, "r")
+        self.file = _open_hdf5(h5py, file, src, "a Minari dataset (folder or its main_data.hdf5)")
         keyed = []
         for key in self.file.keys():
             match = re.fullmatch(r"episode_(\d+)", key)
@@ -626,43 +673,63 @@ class _NpyStream:
 
 
 class _ColumnsSource(Source):
-    """One field per named column; every column has the same number of rows."""
+    """One field per named column (named by `d4rl_field_name`); every column has the same number of rows."""
 
-    def _setup(self, src: str, columns: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    def _setup(self, src: str, columns: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, str]:
+        """Sets ``rows`` and ``fields`` from ``{column: (shape, dtype)}``; returns ``{column: field name}``."""
         if not columns:
             raise ImportFormatError(f"{src!r}: no arrays found")
         lengths = {name: shape[0] for name, (shape, _) in columns.items()}
         if len(set(lengths.values())) != 1:
             raise ImportFormatError(f"{src!r}: arrays must share their leading (step) length, got {lengths}")
         self.rows = next(iter(lengths.values()))
+        names: dict[str, str] = {}
+        for column in columns:
+            name = d4rl_field_name(column)
+            other = next((c for c, n in names.items() if n == name), None)
+            if other is not None:
+                raise ImportFormatError(f"{src!r}: arrays {other!r} and {column!r} both map to field {name!r}")
+            names[column] = name
         self.fields = {}
-        for name, (shape, dtype) in columns.items():
-            field = _field_for(field_name(name), shape[1:], dtype, f"{src!r}: array {name!r}")
+        for column, (shape, dtype) in columns.items():
+            field = _field_for(names[column], shape[1:], np.dtype(bool) if column in D4RL_FLAGS else dtype,
+                               f"{src!r}: array {column!r}")
             if field is not None:
-                self.fields[field_name(name)] = field
-        if len({field_name(n) for n in columns}) != len(columns):
-            raise ImportFormatError(f"{src!r}: array names {sorted(columns)} collide as field names")
+                self.fields[names[column]] = field
+        return names
 
 
 class NpzSource(_ColumnsSource):
-    def __init__(self, src: str, batch_rows: int):
+    """An ``.npz`` file; ``d4rl=True`` (format "d4rl") also derives a missing ``next_obs``."""
+
+    def __init__(self, src: str, batch_rows: int, d4rl: bool = False):
         self.batch_rows = batch_rows
-        self.zip = zipfile.ZipFile(local_path(src))
+        try:
+            self.zip = zipfile.ZipFile(local_path(src))
+        except zipfile.BadZipFile:
+            raise ImportFormatError(f"{src!r} is not an .npz file (not a zip archive); expected an .npz "
+                                    f"written by numpy.savez or 'diskreplay export'") from None
         self.streams: dict[str, _NpyStream] = {}
-        columns = {}
-        for member in self.zip.namelist():
-            if not member.endswith(".npy"):
-                continue
-            name = member[:-4]
-            size = self.zip.getinfo(member).file_size
-            stream = _NpyStream(self.zip.open(member), size, f"{src!r}: {member}")
-            self.streams[field_name(name)] = stream
-            columns[name] = (stream.shape, stream.dtype)
-        self._setup(src, columns)
+        try:
+            for member in self.zip.namelist():
+                if member.endswith(".npy"):
+                    size = self.zip.getinfo(member).file_size
+                    self.streams[member[:-4]] = _NpyStream(self.zip.open(member), size, f"{src!r}: {member}")
+            names = self._setup(src, {k: (s.shape, s.dtype) for k, s in self.streams.items()})
+        except BaseException:
+            self.close()
+            raise
+        self.streams = {names[k]: s for k, s in self.streams.items()}
+        self.derive_next = d4rl and _derives_next_obs(self.fields, self.zip.comment == EXPORT_ATTR.encode())
+        if self.derive_next:
+            self.fields["next_obs"] = self.fields["obs"]
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
-        for _ in range(0, self.rows, self.batch_rows):
-            yield 0, {name: self.streams[name].read(self.batch_rows) for name in self.fields}
+        columns = [name for name in self.fields if name in self.streams]
+        slices = (_as_bool_flags({name: self.streams[name].read(self.batch_rows) for name in columns}, self.fields)
+                  for _ in range(0, self.rows, self.batch_rows))
+        for batch in _with_next_obs(slices) if self.derive_next else slices:
+            yield 0, batch
 
     def close(self) -> None:
         for stream in self.streams.values():
@@ -681,12 +748,13 @@ class NpyFolderSource(_ColumnsSource):
                 with open(file, "rb") as f:
                     _npy_header(f, os.fstat(f.fileno()).st_size, f"{src!r}: {entry}")
                 self.arrays[entry[:-4]] = np.load(file, mmap_mode="r", allow_pickle=False)
-        self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
-        self.arrays = {field_name(k): a for k, a in self.arrays.items()}
+        names = self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
+        self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         for start in range(0, self.rows, self.batch_rows):
-            yield 0, {name: np.array(self.arrays[name][start:start + self.batch_rows]) for name in self.fields}
+            yield 0, _as_bool_flags({name: np.array(self.arrays[name][start:start + self.batch_rows])
+                                     for name in self.fields}, self.fields)
 
     def close(self) -> None:
         self.arrays = {}
@@ -713,14 +781,14 @@ class ZarrSource(_ColumnsSource):
         except Exception as exc:
             raise ImportFormatError(f"{src!r} is neither a diskreplay buffer nor a Zarr group ({exc})") from None
         self.arrays = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
-        self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
-        self.arrays = {field_name(k): a for k, a in self.arrays.items()}
+        names = self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
+        self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         if self.buffer is None:
             for start in range(0, self.rows, self.batch_rows):
-                yield 0, {name: np.asarray(self.arrays[name][start:start + self.batch_rows])
-                          for name in self.fields}
+                yield 0, _as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
+                                         for name in self.fields}, self.fields)
             return
         lo, hi = self.buffer.storage.window()
         n = self.num_envs

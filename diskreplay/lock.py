@@ -31,12 +31,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import socket
 import tempfile
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -45,6 +45,8 @@ from .errors import LockedError
 
 LOCK_KEY = "writer.lock"
 MAX_LOCK_BYTES = 4096
+
+log = logging.getLogger(__name__)
 
 
 def _is_int(value: Any, lo: int, hi: int) -> bool:
@@ -140,9 +142,8 @@ class WriterLock:
             self.store.delete(LOCK_KEY)
             if not self._create():
                 raise LockedError(locked_message(self.url, self.holder()))
-        warnings.warn(f"{self.url!r}: took over the writer lock left by {stale.describe()} "
-                      f"({stale.stale_reason()}); its committed rows are kept, its unflushed rows are lost",
-                      stacklevel=4)
+        log.warning("%r: took over the writer lock left by %s (%s); its committed rows are kept, its "
+                    "unflushed rows are lost", self.url, stale.describe(), stale.stale_reason())
         return self
 
     def verify(self) -> None:

@@ -58,6 +58,7 @@ class RolloutBuffer:
 
     @property
     def full(self) -> bool:
+        """Whether every lane holds ``n_steps`` rows of this rollout."""
         return self._added == self.num_steps
 
     def reset(self) -> None:
@@ -126,4 +127,5 @@ class RolloutBuffer:
                 yield {k: torch.as_tensor(v, device=device) for k, v in batch.items()}
 
     def close(self) -> None:
+        """Close the underlying buffer (the rows stay on disk)."""
         self.buffer.close()

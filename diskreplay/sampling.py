@@ -29,21 +29,27 @@ class Draw:
 
 
 class Sampler(Protocol):
+    """What a buffer needs of its sampler (`Uniform`, `Prioritized`, `WithoutReplacement`, or
+    your own class with these methods). A sampler may take keyword options in ``sample`` (e.g.
+    ``beta``), passed through from `ReplayBuffer.sample`."""
+
     def attach(self, layout: LaneLayout) -> None:
         """Called once when the buffer is created or opened."""
 
     def on_append(self, lane: int, first: int, end: int) -> None:
         """Steps ``[first, end)`` of ``lane`` were just stored."""
 
-    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
-               **options: Any) -> Draw: ...
+    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
+        """``batch_size`` (lane, step) pairs drawn among each lane's readable steps ``[lo, hi)``."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state as plain data, saved with each commit."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict`."""
 
 
-class Uniform:
+class Uniform(Sampler):
     """Uniform sampling with replacement over every readable row of every lane.
 
     ``recent_ratio`` of each batch (rounded) is drawn from the newest ``recent_rows`` rows
@@ -84,6 +90,7 @@ class Uniform:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "Uniform":
+        """A sampler with the settings saved in ``state``."""
         return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
 
 
@@ -116,7 +123,7 @@ def ere_schedule(buffer_rows: int, updates: int, eta: float = 0.996, c_min: int 
         yield ere_recent_rows(buffer_rows, k, updates, eta, c_min)
 
 
-class Prioritized:
+class Prioritized(Sampler):
     """Proportional prioritized replay (Schaul et al. 2016) on in-RAM sum and min segment trees.
 
     New rows get the largest priority seen so far (or ``initial_priority``). ``update_priorities``
@@ -269,6 +276,7 @@ class Prioritized:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "Prioritized":
+        """A sampler with the settings saved in ``state`` (its priorities come with `load_state_dict`)."""
         return cls(state["alpha"], state["beta"], state["eps"], state["initial_priority"], state["stratified"])
 
     @staticmethod
@@ -339,7 +347,7 @@ class _LeafRanges:
         return min(self.sampler.min_tree.min(int(a), int(b)) for a, b in zip(self.start, self.end))
 
 
-class WithoutReplacement:
+class WithoutReplacement(Sampler):
     """Each readable row once per epoch, in a seeded random order; then a new epoch.
 
     An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so

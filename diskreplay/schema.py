@@ -59,10 +59,12 @@ class Field:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        """This field as JSON-ready data: ``{"shape": [...], "dtype": "<name>"}``."""
         return {"shape": list(self.shape), "dtype": self.dtype.str}
 
     @classmethod
     def from_json(cls, spec: Mapping[str, Any]) -> "Field":
+        """The field `to_json` gave. Raises SchemaError for a bad shape or dtype."""
         return cls(tuple(spec["shape"]), spec["dtype"])
 
 

@@ -60,6 +60,7 @@ from .errors import (ClosedError, CorruptBufferError, LockedError, NotABufferErr
 from .lanes import LaneLayout
 from .lock import WriterLock
 from .schema import Field, Schema
+from .shard_maps import ShardMaps
 from .zarr_layout import Codec
 
 INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
@@ -209,6 +210,11 @@ class Storage:
         self.row_fields = ({name: codec for name, codec in self.codecs.items() if codec.inner_rows is not None}
                            if isinstance(store, LocalChunkStore) and self._stored_bytes() > cache_bytes else {})
         self.cached_fields = tuple(name for name in self.field_names if name not in self.row_fields)
+        self.shard_maps = (ShardMaps(store, self.chunk_key, self.layout.chunk_rows, self.row_fields,
+                                     {name: codec.inner_rows * self.schema[name].row_bytes
+                                      for name, codec in self.row_fields.items()},
+                                     mapped.map_budget(len(self.schema.fields)))
+                           if self.row_fields else None)
         slots, full_slots = cache_slots(self.schema, self.layout, cache_bytes, mode != "r", tuple(self.row_fields))
         self.cache = ChunkCache(self.schema, self.layout.num_envs, self.layout.chunk_rows, slots,
                                 self.layout.chunks_per_lane(int(self.total.max(initial=0))), full_slots,
@@ -393,8 +399,7 @@ class Storage:
             keep = int(layout.slot(start) // layout.chunk_rows)
         self.sealed = [(ln, c, s) for ln, c, s in self.sealed if ln != lane or c not in touched]
         self.cache.drop(lane, touched[touched != keep])
-        if self.mapped is not None:
-            self.mapped.forget(lane, touched)
+        self._forget_files(lane, touched)
         slot = self._complete_slot(lane, keep) if keep >= 0 else -1
         if slot >= 0:  # staged again: its rows before ``start`` are written with the next chunks
             self.staging[lane], self.dirty[lane] = keep, True
@@ -423,8 +428,7 @@ class Storage:
         self._put_chunks([(self.chunk_key(name, lane, chunk), self.codecs[name], rows[name][i:i + n],
                            self._never_committed(lane, chunk))
                           for chunk, i in whole for name in self.schema.fields], durable=False)
-        if self.mapped is not None:
-            self.mapped.forget(lane, np.array([chunk for chunk, _ in whole]))
+        self._forget_files(lane, np.array([chunk for chunk, _ in whole]))
 
     def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
         if self.staging[lane] == chunk:
@@ -559,9 +563,8 @@ class Storage:
         self._put_chunks([(self.chunk_key(name, lane, chunk), self.codecs[name], self.cache.chunk_rows_of(name, slot),
                            self._never_committed(lane, chunk))
                           for lane, chunk, slot in chunks for name in self.schema.fields], durable)
-        if self.mapped is not None:
-            for lane, chunk, _ in chunks:
-                self.mapped.forget(lane, np.array([chunk]))
+        for lane, chunk, _ in chunks:
+            self._forget_files(lane, np.array([chunk]))
 
     def _never_committed(self, lane: int, chunk: int) -> bool:
         """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
@@ -704,10 +707,16 @@ class Storage:
         the writer, or a field of them patched after they were committed: episodic returns)."""
         chunks = self.layout.chunks_between(first, end)
         self.cache.invalidate(lane, chunks)
-        if self.mapped is not None:
-            self.mapped.forget(lane, chunks)
+        self._forget_files(lane, chunks)
         self.resident_span = None
         self.warm_pending = self.mode == "r" and isinstance(self.store, LocalChunkStore)  # fill again at the next read
+
+    def _forget_files(self, lane: int, chunks: np.ndarray) -> None:
+        """Chunk files mapped (raw rows or shards) that were rewritten: map them again when read."""
+        if self.mapped is not None:
+            self.mapped.forget(lane, chunks)
+        if self.shard_maps is not None:
+            self.shard_maps.forget(lane, chunks)
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -783,33 +792,33 @@ class Storage:
         first = np.zeros(len(unique), dtype=np.int64)
         first[where] = read
         # single-row inner chunks decode straight into the output; else into blocks, then picked
-        blocks = (rows[:, None] if inner_rows == 1 else
-                  np.empty((len(unique), inner_rows, *self.schema[name].shape), self.schema[name].dtype))
-        for i, (ln, ch, at) in enumerate(zip(lane[first].tolist(), chunk[first].tolist(), first.tolist())):
-            inner, out = int(offset[at]) // inner_rows, blocks[at] if inner_rows == 1 else blocks[i]
-            self._read_inner(name, ln, ch, inner, out)  # threads were slower: much of this holds the GIL
-        if inner_rows > 1:
-            rows[read] = blocks[where, offset[read] % inner_rows]
-        elif len(unique) < len(read):  # the same row asked for more than once
-            rows[read] = rows[first[where]]
+        order = np.argsort(first, kind="stable")  # bodies in output order: often decoded in place
+        first = first[order]
+        inner = offset[first] // inner_rows
+        bodies = self.shard_maps.bodies(name, lane[first], chunk[first], inner)
+        straight = inner_rows == 1 and len(first) == len(rows)  # then first == arange(len(rows))
+        blocks = rows if straight else np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
+        self._decode_inner_chunks(name, bodies, blocks, lane[first], chunk[first])
+        if not straight:
+            rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[
+                np.argsort(order)[where], offset[read] % inner_rows]
         self._check_not_overwritten(lane[read], step[read], lane[read], chunk[read])
         return rows
 
-    def _read_inner(self, name: str, lane: int, chunk: int, inner: int, out: np.ndarray) -> None:
-        """Decode one inner chunk of a sharded chunk file into ``out``. Raises CorruptBufferError."""
-        codec, key = self.row_fields[name], self.chunk_key(name, lane, chunk)
-        limit = 2 * out.nbytes + 1024  # what any codec needs for incompressible rows, and more
+    def _decode_inner_chunks(self, name: str, bodies: list, out: np.ndarray, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Decode inner chunk bodies into ``out``. Raises CorruptBufferError naming a chunk that
+        does not decode."""
+        codec = self.row_fields[name]
         try:
-            blob = self.store.read_indexed(key, codec.index_bytes(self.layout.chunk_rows),
-                                           lambda index: codec.inner_span(index, inner, limit))
-            if blob is None:
-                raise CorruptBufferError(f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
-            if len(blob):
-                codec.decode_inner(blob, out)
-            else:
-                out[...] = 0
-        except ValueError as exc:
-            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
+            codec.decode_bodies(bodies, out, self.io_threads)
+        except ValueError:
+            for i, body in enumerate(bodies):  # which one
+                try:
+                    codec.decode_bodies([body], out[i:i + 1])
+                except ValueError as exc:
+                    key = self.chunk_key(name, int(lanes[i]), int(chunks[i]))
+                    raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
+            raise
 
     def _gather_resident(self, lane, step, names, out) -> dict[str, np.ndarray]:
         """A reader whose cache holds its whole window, chunk ``(lane, c)`` in slot
@@ -897,8 +906,7 @@ class Storage:
         tainted = self._check_not_overwritten(lanes[:0], lanes[:0], lanes, chunks)
         for ln, stale in tainted:
             self.cache.invalidate(ln, stale)
-            if self.mapped is not None:
-                self.mapped.forget(ln, stale)
+            self._forget_files(ln, stale)
         return bool(tainted)
 
     def _map(self, lane: np.ndarray, step: np.ndarray, slot: np.ndarray) -> bool:
@@ -1062,6 +1070,8 @@ class Storage:
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
+        if self.shard_maps is not None:
+            self.shard_maps.close()
         if self._lock_finalizer is not None:
             self._lock_finalizer()  # releases the writer lock (once)
 

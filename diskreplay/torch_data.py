@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 import torch.utils.data as tud
+from torch.utils.data._utils.collate import default_collate_fn_map  # torch's documented extension point
 
 from .batch_rng import BatchRngs
 from .buffer import BATCH_EXTRAS, ReplayBuffer
@@ -140,12 +141,31 @@ def committed_window(buf: ReplayBuffer) -> tuple[np.ndarray, np.ndarray]:
     return buf.storage.committed_window()
 
 
-def to_tensors(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+class Batch(dict):
+    """A batch as the datasets yield it: ``{name: tensor [B, *shape]}``, already collated. Its
+    own type lets a DataLoader left at ``batch_size=1`` pass it through unchanged (with a
+    warning) instead of stacking it into ``[1, B, *shape]``."""
+
+
+def _collate_whole(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+    """The DataLoader's default collate, for items that are whole batches already."""
+    if len(batch) == 1:
+        warnings.warn("DataLoader(dataset) with its default batch_size=1: diskreplay datasets yield whole "
+                      "batches, passed on as they are; use DataLoader(dataset, batch_size=None)", stacklevel=2)
+        return batch[0]
+    raise TypeError(f"DataLoader(dataset, batch_size={len(batch)}): diskreplay datasets yield whole batches "
+                    f"(their size is make_dataset's batch_size); use DataLoader(dataset, batch_size=None)")
+
+
+default_collate_fn_map.update({Batch: _collate_whole, SlotBatch: _collate_whole})
+
+
+def to_tensors(batch: Mapping[str, np.ndarray]) -> Batch:
     """numpy batch -> dict of CPU tensors (zero-copy where the array is contiguous)."""
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+    return Batch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
 
 
-def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> dict[str, torch.Tensor]:
+def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
     """numpy batch -> dict of tensors that are views of one uint8 storage (``align``-byte offsets).
 
     A DataLoader worker sends each tensor storage through its own shared-memory segment; one
@@ -157,7 +177,7 @@ def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> dict[str
         offsets[k] = total
         total += -(-a.nbytes // align) * align
     flat = torch.empty(max(total, 1), dtype=torch.uint8)
-    out = {}
+    out = Batch()
     for k, a in arrays.items():
         dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
         view = flat[offsets[k]:offsets[k] + a.nbytes].view(dtype).view(a.shape)
@@ -322,6 +342,10 @@ class SampleDataset(_BufferDataset):
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
 
+    def __repr__(self) -> str:
+        return (f"SampleDataset({self.url!r}, batch_size={self.batch_size}, batch={self._batch}, seed={self.seed}, "
+                f"rank={self.rank}/{self.world_size}, sample_options={self.sample_options})")
+
     def state_dict(self) -> dict[str, Any]:
         """``{"mode", "seed", "batch": next batch index of this copy, shard}``: plain ints."""
         return {"mode": self.mode, "seed": self.seed, "batch": self._batch, **self._shard.as_dict()}
@@ -415,12 +439,26 @@ class EpochDataset(_BufferDataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch the next iteration yields (advances after each full pass)."""
         return self._epoch
 
     def order(self, epoch: int, shard: Shard) -> EpochOrder:
+        """The row order of ``epoch`` for one shard (rank and worker): a pure function of the seed."""
         return EpochOrder(self.layout, np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64),
                           seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window,
                           shard=shard, pad=self.pad, drop_last=self.drop_last, batch_size=self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch, iterated in this process or, inside a DataLoader
+        worker, by all workers of its DataLoader (each worker's last batch may be short, so
+        with N workers the count is `batches_per_epoch(N)`)."""
+        info = tud.get_worker_info()
+        return self.batches_per_epoch(0 if info is None else info.num_workers)
+
+    def __repr__(self) -> str:
+        rows = sum(h - lo for lo, h in zip(self.lo, self.hi))
+        return (f"EpochDataset({self.url!r}, batch_size={self.batch_size}, rows={rows}, epoch={self._epoch}, "
+                f"shuffle={self.shuffle!r}, seed={self.seed}, rank={self.rank}/{self.world_size})")
 
     def batches_per_epoch(self, num_workers: int = 0) -> int:
         """Batches this rank yields per epoch with ``num_workers`` DataLoader workers."""
@@ -582,6 +620,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     try:
         options = storage_options if storage_options is not None else buf.storage.storage_options
         layout, lo, hi = buf.storage.layout, *committed_window(buf)
+        _warn_if_uncommitted(buf, lo, hi, mode)
         ring = _worker_ring(buf, int(batch_size)) if worker_ring else None
         if mode == "sample":
             reader = _Reader(buf.url, options, cache_bytes, io_threads, sampler)
@@ -598,6 +637,18 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     finally:
         if opened:
             buf.close()
+
+
+def _warn_if_uncommitted(buf: ReplayBuffer, lo: np.ndarray, hi: np.ndarray, mode: str) -> None:
+    """Datasets read committed rows only: say so when the writer given holds rows not yet
+    committed, or when an epoch would be empty."""
+    staged = len(buf) - int((hi - lo).sum()) if buf.mode != "r" else 0
+    if staged > 0:
+        warnings.warn(f"{buf.url!r}: {staged} rows are staged but not committed; a dataset reads committed "
+                      f"rows only: call buf.flush() before making it", stacklevel=3)
+    elif mode == "epoch" and not (hi - lo).any():
+        warnings.warn(f"{buf.url!r} holds no committed rows: this epoch yields no batches (a writer's rows "
+                      f"become readable when it calls flush())", stacklevel=3)
 
 
 def _worker_ring(buf: ReplayBuffer, batch_size: int) -> WorkerRing | None:
@@ -734,11 +785,13 @@ class IndexBatchSampler(tud.Sampler):
         self.drawn = 0
 
     def __len__(self) -> int:
+        """Batches per iteration. Raises TypeError when endless (``num_batches=None``)."""
         if self.num_batches is None:
             raise TypeError("an endless IndexBatchSampler (num_batches=None) has no length")
         return self.num_batches
 
     def __iter__(self) -> Iterator[IndexBatch]:
+        """`IndexBatch` draws (row ids, weights) from the sampler, ``num_batches`` of them or endless."""
         if self.num_batches is not None and self.drawn >= self.num_batches:
             self.drawn = 0
         while self.num_batches is None or self.drawn < self.num_batches:
@@ -759,6 +812,7 @@ class IndexBatchSampler(tud.Sampler):
         return {"rng": self.rng.bit_generator.state, "drawn": self.drawn}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict`: the same batches follow."""
         self.rng.bit_generator.state = state["rng"]
         self.drawn = int(state["drawn"])
 
@@ -783,6 +837,8 @@ class RowDataset(tud.Dataset):
         self._last_refresh = 0.0
 
     def __getitem__(self, item: IndexBatch | np.ndarray | Sequence[int]) -> dict[str, torch.Tensor]:
+        """The rows of an `IndexBatch` (or of row ids): ``{field: [B, *shape], "index": [B]}``
+        tensors, and ``"weight"`` when the batch has weights."""
         batch = item if isinstance(item, IndexBatch) else IndexBatch(np.asarray(item, dtype=np.int64))
         ids = np.asarray(batch.index, dtype=np.int64)
         buf = self._reader.get()

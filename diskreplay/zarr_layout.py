@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import google_crc32c
 import numcodecs
+from numcodecs import blosc
 import numpy as np
 import zarr
 import zarr.codecs
@@ -48,6 +49,7 @@ shards: each chunk file holds inner chunks of about `INNER_CHUNK_BYTES` (one 84x
 compressed one by one behind an index, so a sampled row costs one small read and decode, not
 the decode of its whole chunk (`Codec.inner_rows`)."""
 EMPTY_INNER = (1 << 64) - 1
+BLOSC_HEADER_BYTES = 16
 
 MAX_LANES = 1 << 16
 MAX_STEPS = 1 << 46
@@ -87,7 +89,7 @@ class Codec:
     ``inner_rows``: the chunk is a Zarr shard (``sharding_indexed``, index first) of inner
     chunks of that many rows, each compressed and checksummed on its own; the index holds one
     little-endian ``(offset, nbytes)`` uint64 pair per inner chunk, then its CRC32C. One inner
-    chunk is read with `index_bytes`, `inner_span` and `decode_inner`.
+    chunk is read with `index_bytes` and `decode_bodies` (see `diskreplay.shard_maps`).
     """
 
     compression: str | None
@@ -126,8 +128,11 @@ class Codec:
             if size not in (nbytes, zstandard.CONTENTSIZE_UNKNOWN):
                 raise ValueError(f"zstd frame of {size} bytes, expected {nbytes}")
             return _ZSTD.decompressor.decompress(body, max_output_size=nbytes)
-        out = np.empty(nbytes, np.uint8)  # blosc refuses a header that claims more
-        numcodecs.Blosc().decode(body, out)
+        claimed = int.from_bytes(body[4:8], "little") if len(body) >= BLOSC_HEADER_BYTES else None
+        if claimed != nbytes:  # blosc would fill less than all of ``out`` without a word
+            raise ValueError(f"blosc frame of {claimed} bytes, expected {nbytes}")
+        out = np.empty(nbytes, np.uint8)
+        blosc.decompress(body, out)
         return out
 
     def encode(self, chunk: np.ndarray) -> tuple[bytes | memoryview, ...]:
@@ -153,12 +158,6 @@ class Codec:
         """Bytes of a shard's index (with its checksum) for a chunk of ``chunk_rows`` rows."""
         return 16 * (chunk_rows // self.inner_rows) + CHECKSUM_BYTES
 
-    def inner_span(self, index: bytes, inner: int, limit: int) -> tuple[int, int] | None:
-        """``(offset, nbytes)`` of inner chunk ``inner`` from a shard's index (None: stored empty).
-        Raises ValueError if the index fails its checksum or the span is not inside the shard
-        or longer than ``limit`` bytes."""
-        return self._span(self.verified_body(index), inner, len(index), limit)
-
     @staticmethod
     def _span(entries: bytes | memoryview, inner: int, index_bytes: int, limit: int) -> tuple[int, int] | None:
         entry = entries[16 * inner:16 * inner + 16]
@@ -171,8 +170,36 @@ class Codec:
 
     def decode_inner(self, blob: bytes | memoryview, out: np.ndarray) -> None:
         """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
+        self.decode_body(self.verified_body(blob), out)
+
+    def decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, threads: int = 1) -> None:
+        """Decode inner chunks (checksums already checked and cut off) into ``out[i]``, one per
+        body; None: stored empty, zeros. zstd frames are decoded in one call on ``threads``
+        threads, each into exactly the bytes of its ``out[i]``. Raises ValueError."""
+        flat = out.reshape(len(bodies), -1).view(np.uint8)
+        present = [i for i, body in enumerate(bodies) if body is not None]
+        if len(present) < len(bodies):
+            flat[[i for i, body in enumerate(bodies) if body is None]] = 0
+        if self.compression != "zstd" or len(present) < 2:
+            for i in present:
+                self.decode_body(bodies[i], flat[i])
+            return
+        sizes = np.full(len(present), flat.shape[1], dtype=np.uint64)
+        try:
+            frames = _ZSTD.decompressor.multi_decompress_to_buffer(
+                [bodies[i] for i in present], decompressed_sizes=sizes, threads=threads)
+        except zstandard.ZstdError as exc:
+            raise ValueError(str(exc)) from None
+        decoded = np.frombuffer(b"".join(frames[i] for i in range(len(present))), dtype=np.uint8)
+        if len(present) == len(bodies):
+            flat[:] = decoded.reshape(flat.shape)
+        else:
+            flat[present] = decoded.reshape(len(present), -1)
+
+    def decode_body(self, body: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode one compressed body (no checksum) into ``out``. Raises ValueError."""
         flat = out.reshape(-1).view(np.uint8)
-        src = np.frombuffer(self._decompress(self.verified_body(blob), flat.size), dtype=np.uint8)
+        src = np.frombuffer(self._decompress(body, flat.size), dtype=np.uint8)
         if src.size != flat.size:
             raise ValueError(f"decoded inner chunk has {src.size} bytes, expected {flat.size}")
         flat[:] = src

@@ -4,12 +4,15 @@
     python examples/offline_bc.py --dataset hopper-medium-v2.hdf5 --steps 20000
 
 The dataset (any format `diskreplay import` reads) is imported once into ``<workdir>/dataset.zarr``
-and then iterated, epoch after epoch, through a torch DataLoader over `ReplayBuffer.as_dataset`.
+and then iterated, epoch after epoch (``set_epoch`` before each), through a torch DataLoader over
+`ReplayBuffer.as_dataset`, until ``--steps`` gradient steps are done. Without ``--workdir`` the
+buffer goes to a temp dir that is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 
@@ -37,47 +40,62 @@ def make_synthetic(path: str, rows: int = 20_000, obs_dim: int = 11, act_dim: in
         f["terminals"], f["timeouts"] = terminals, timeouts
 
 
-def minibatches(buf: dr.ReplayBuffer, batch_size: int, seed: int) -> torch.utils.data.DataLoader:
-    """Every row once per epoch, shuffled chunk-aware, as collated batches of tensors."""
+def train(buf: dr.ReplayBuffer, steps: int, batch_size: int, seed: int) -> tuple[int, int, float]:
+    """``steps`` gradient steps of behaviour cloning, epoch after epoch over every row (shuffled
+    chunk-aware). Returns (steps done, epochs started, last loss)."""
+    if len(buf) == 0:
+        raise ValueError(f"the dataset at {buf.url!r} has no rows to train on")
+    obs_dim, act_dim = buf.fields["obs"].shape[0], buf.fields["action"].shape[0]
+    torch.manual_seed(seed)
+    policy = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                           nn.Linear(256, act_dim), nn.Tanh())
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-4)
     dataset = buf.as_dataset(batch_size=batch_size, mode="epoch", shuffle=True, seed=seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=None)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None)
+    step, epoch, loss = 0, 0, torch.tensor(float("nan"))
+    while step < steps:
+        dataset.set_epoch(epoch)
+        for batch in itertools.islice(loader, steps - step):
+            loss = nn.functional.mse_loss(policy(batch["obs"].float()), batch["action"].float())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % max(1, steps // 10) == 0:
+                print(f"step {step:6d}  epoch {epoch}  bc loss {loss.item():.4f}")
+        epoch += 1
+    return step, epoch, float(loss.item())
 
 
-def main(argv: list[str] | None = None) -> float:
+def main(argv: list[str] | None = None) -> int:
+    """Run the example; returns the number of gradient steps done (``--steps``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", help="dataset to import (default: a synthetic D4RL-style file)")
-    parser.add_argument("--workdir", help="where the buffer goes (default: a temp dir)")
+    parser.add_argument("--rows", type=int, default=20_000, help="rows of the synthetic dataset")
+    parser.add_argument("--workdir", help="where the buffer goes, kept (default: a temp dir, removed at the end)")
     parser.add_argument("--steps", type=int, default=2000, help="gradient steps")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        return run(args, args.workdir)
+    with tempfile.TemporaryDirectory(prefix="offline-bc-") as workdir:
+        return run(args, workdir)
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="offline-bc-")
-    os.makedirs(workdir, exist_ok=True)
+
+def run(args: argparse.Namespace, workdir: str) -> int:
+    """Import the dataset into ``<workdir>/dataset.zarr`` and train on it; returns the steps done."""
     source = args.dataset
     if source is None:
         source = os.path.join(workdir, "synthetic.hdf5")
-        make_synthetic(source, seed=args.seed)
-    buf = import_dataset(source, os.path.join(workdir, "dataset.zarr"), overwrite=True)
-    obs_dim, act_dim = buf.fields["obs"].shape[0], buf.fields["action"].shape[0]
-    print(f"{len(buf):,} rows from {source}; obs {obs_dim}-d, action {act_dim}-d")
-
-    torch.manual_seed(args.seed)
-    policy = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                           nn.Linear(256, act_dim), nn.Tanh())
-    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-4)
-    loss = torch.tensor(float("nan"))
-    for step, batch in enumerate(minibatches(buf, args.batch_size, args.seed), start=1):
-        loss = nn.functional.mse_loss(policy(batch["obs"].float()), batch["action"].float())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % max(1, args.steps // 10) == 0 or step == args.steps:
-            print(f"step {step:6d}  bc loss {loss.item():.4f}")
-        if step >= args.steps:
-            break
-    buf.close()
-    return float(loss.item())
+        make_synthetic(source, rows=args.rows, seed=args.seed)
+    with import_dataset(source, os.path.join(workdir, "dataset.zarr"), overwrite=True) as buf:
+        print(f"{len(buf):,} rows from {source}; obs {buf.fields['obs'].shape[0]}-d, "
+              f"action {buf.fields['action'].shape[0]}-d")
+        steps, epochs, loss = train(buf, args.steps, args.batch_size, args.seed)
+    print(f"done: {steps} steps in {epochs} epochs, bc loss {loss:.4f}")
+    return steps
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 State lives in ``--workdir``: ``buffer/`` (a diskreplay ring buffer) and ``checkpoint.pt`` (networks,
 optimizer, step counter). A checkpoint first flushes the buffer (a durable commit), then atomically
 replaces checkpoint.pt. On restart the buffer is reopened with ``mode="r+"`` (its rows, sampler and
-generator state come back; the writer lock a killed run left is taken over, with a warning; the
-episode the kill cut is closed as truncated) and training continues from the checkpoint's step.
+generator state come back; the writer lock a killed run left is taken over, with a warning) and
+training continues from the checkpoint's step in a fresh episode. The episode the kill cut is
+closed as truncated (``continue_episodes=False``): its last stored step gets ``truncated=True`` and
+the episode index ends it there, so the fresh episode never merges with it.
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.Adam(q.parameters(), lr=5e-4)
     step, returns = 0, []
     if os.path.exists(os.path.join(buffer_path, "commit.json")):
-        buf = dr.ReplayBuffer.open(buffer_path, mode="r+")
+        buf = dr.ReplayBuffer.open(buffer_path, mode="r+", continue_episodes=False)
         if os.path.exists(ckpt_path):
             ckpt = torch.load(ckpt_path)
             q.load_state_dict(ckpt["q"]), target.load_state_dict(ckpt["target"])
             optimizer.load_state_dict(ckpt["optimizer"])
             step, returns = ckpt["step"], ckpt["returns"]
-        print(f"resumed at step {step} with {len(buf):,} rows in the buffer")
+        print(f"resumed at step {step} with {len(buf):,} rows in the buffer; a new episode starts "
+              f"(the one the stop cut is closed as truncated)")
     else:
         buf = dr.ReplayBuffer.create(buffer_path, FIELDS, capacity=100_000, chunk_rows=1024, seed=args.seed)
         target.load_state_dict(q.state_dict())

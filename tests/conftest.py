@@ -6,9 +6,12 @@ count per lane. Everything a `ReplayBuffer` returns is compared against it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 
 import os
+import re
 import uuid
 
 import fsspec
@@ -176,3 +179,32 @@ def dir_snapshot(path: str) -> dict[str, bytes]:
             with open(full, "rb") as f:
                 out[os.path.relpath(full, path)] = f.read()
     return out
+
+
+@contextlib.contextmanager
+def logged(caplog, pattern: str, level: int = logging.WARNING):
+    """Assert that the block logs a record matching ``pattern`` at ``level`` under "diskreplay"."""
+    caplog.clear()
+    with caplog.at_level(level, logger="diskreplay"):
+        yield
+    found = [r.getMessage() for r in caplog.records if r.name.startswith("diskreplay") and r.levelno == level]
+    assert any(re.search(pattern, m) for m in found), f"no log record matching {pattern!r} in {found}"
+
+
+SLOW_MODULES = frozenset({"test_cli", "test_concurrency", "test_crash", "test_device", "test_examples", "test_faults",
+                          "test_lock", "test_readme", "test_s3", "test_s3_faults", "test_torch_data",
+                          "test_worker_ring"})
+"""Modules of subprocesses, S3 servers, DataLoader workers and kills: ``-m "not slow"`` leaves them out."""
+SLOW_TESTS = frozenset({"test_random_ops_match_reference_model", "test_frame_stack_matches_reference",
+                        "test_updates_match_numpy_reference", "test_nstep_matches_reference",
+                        "test_episodes_table_matches_reference", "test_episode_index_matches_reference",
+                        "test_find_prefix_sum_exact_on_integer_priorities", "test_import_memory_is_bounded",
+                        "test_nstep_with_prioritized_sampler", "test_frame_stack_next_step",
+                        "test_her_relabels_from_same_episode"})
+"""Long randomized comparisons against reference models, also left out by ``-m "not slow"``."""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

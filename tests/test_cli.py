@@ -1,12 +1,10 @@
-"""The `diskreplay` command (through subprocesses) and smoke runs of the examples."""
+"""The `diskreplay` command, mostly through subprocesses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 h5py = pytest.importorskip("h5py")
 
 
-def run(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
     env.pop("DISKREPLAY_TRACEBACK", None)
     env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 120,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diskreplay.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+                          cwd=cwd, env=env or cli_env(), timeout=timeout)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -102,11 +105,45 @@ def test_import_info_verify_export(tmp_path):
         np.testing.assert_array_equal(v, b[b.row_ids()][k])
 
 
-def test_import_shows_progress_on_stderr(tmp_path):
+def test_import_and_export_show_progress_in_rows_on_stderr(tmp_path):
     pytest.importorskip("tqdm")
     write_d4rl(tmp_path / "d.hdf5")
     proc = run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "buf"))
     assert proc.returncode == 0 and "rows/s" in proc.stderr and "import d4rl" in proc.stderr
+    assert "| 103/103 [" in proc.stderr, proc.stderr
+    for fmt in ("npz", "hdf5"):
+        proc = run("export", str(tmp_path / "buf"), str(tmp_path / f"o.{fmt}"), "--batch-rows", "10")
+        assert proc.returncode == 0 and f"export {fmt}: 100%" in proc.stderr
+        assert "| 103/103 [" in proc.stderr, proc.stderr  # rows, not rows x fields
+
+
+def test_import_d4rl_npz_and_mismatched_formats(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", observations=rng.normal(size=(20, 3)).astype(np.float32),
+             actions=np.zeros((20, 2), np.float32), rewards=np.ones(20, np.float32),
+             terminals=np.arange(20) == 9, timeouts=np.arange(20) == 19)
+    proc = run("import", "--format", "d4rl", str(tmp_path / "d.npz"), str(tmp_path / "b"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (f"imported 20 rows into {tmp_path / 'b'} (1 lane): obs (3,) float32, action (2,) float32, "
+                           f"reward () float32, terminated () bool, truncated () bool, next_obs (3,) float32\n")
+    write_d4rl(tmp_path / "d.hdf5")
+    assert_one_line_error(run("import", "--format", "npz", str(tmp_path / "d.hdf5"), str(tmp_path / "c")),
+                          "d.hdf5' is not an .npz file (not a zip archive)")
+    (tmp_path / "notes.txt").write_text("hello")
+    assert_one_line_error(run("import", "--format", "d4rl", str(tmp_path / "notes.txt"), str(tmp_path / "c")),
+                          "notes.txt' is not an HDF5 file", "expected a D4RL-layout .hdf5/.h5 or .npz file")
+
+
+def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
+    dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")}).close()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `| head -1` once head has exited: every write to stdout fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "diskreplay.cli", "info", str(tmp_path / "b")],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=120)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (1, "")
 
 
 def test_verify_reports_missing_and_corrupt_chunks(tmp_path):
@@ -144,6 +181,16 @@ def test_interrupted_import_is_reported(tmp_path):
     assert proc.returncode == 1 and "interrupted import" in proc.stderr
 
 
+def test_demo_without_dir_removes_its_temp_dir(tmp_path):
+    pytest.importorskip("torch")
+    os.makedirs(tmp_path / "tmp")
+    env = cli_env(TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torch-cache"))
+    proc = run("demo", "--steps", "40", "--envs", "2", "--seconds", "0.01", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"buffer at {tmp_path / 'tmp'}" in proc.stdout and "removed as the demo ends" in proc.stdout
+    assert os.listdir(tmp_path / "tmp") == []
+
+
 def test_demo_runs_and_resumes(tmp_path):
     pytest.importorskip("torch")
     proc = run("demo", str(tmp_path), "--steps", "150", "--envs", "2", "--seconds", "0.05")
@@ -175,58 +222,13 @@ def test_bench_runs_tools_or_says_why(tmp_path):
     assert_one_line_error(run("bench", "--tools", str(tools)), "bench_broken.py (exit 3)")
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Tiny networks: one intra-op thread is faster, and much faster on a busy machine."""
-    torch = pytest.importorskip("torch")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_offline_bc_example(tmp_path, capsys, one_torch_thread):
-    loss = load_example("offline_bc").main(["--steps", "30", "--workdir", str(tmp_path)])
-    assert np.isfinite(loss)
-    assert "20,000 rows" in capsys.readouterr().out
-
-
-def test_online_dqn_example_survives_sigkill(tmp_path, capsys, one_torch_thread):
-    pytest.importorskip("gymnasium")
-    args = ["--workdir", str(tmp_path), "--learning-starts", "50", "--save-every", "100"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "online_dqn.py"), *args, "--steps", "100000"],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().startswith("step    100")  # a checkpoint was written...
-    finally:
-        proc.send_signal(signal.SIGKILL)  # ...and the run dies without closing anything
-        proc.wait()
-    dqn = load_example("online_dqn")
-    saved = torch_load_step(tmp_path / "checkpoint.pt")
-    with pytest.warns(UserWarning, match=rf"took over the writer lock left by pid {proc.pid} .*no longer running"):
-        assert dqn.main(args + ["--steps", str(saved + 150)]) == saved + 150
-    out = capsys.readouterr().out
-    assert f"resumed at step {saved} with {saved} rows" in out
-    with dr.ReplayBuffer.open(tmp_path / "buffer") as buf:
-        assert len(buf) == saved + 150
-        ends = buf.episodes()
-        cut = np.flatnonzero(ends.start + ends.length == saved)  # the episode the kill cut ends at the resume
-        last = buf[[saved - 1]]
-        assert len(cut) == 1 and (last["truncated"][0] or last["terminated"][0])
-
-
-def torch_load_step(path: Path) -> int:
-    import torch
-
-    return int(torch.load(path)["step"])
+def test_bench_without_the_bench_extra_says_which_to_install(monkeypatch, capsys):
+    for module in cli.BENCH_EXTRA:
+        monkeypatch.setitem(sys.modules, module, None)  # as after the README's install of .[test] only
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail(f"ran a benchmark: {a}"))
+    assert cli.main(["bench", "--quick"]) == 1
+    assert capsys.readouterr().err == ("diskreplay: error: the benchmarks need the 'bench' extra (missing: cpprb, "
+                                       "torchrl, tensordict, psutil): pip install -e \".[bench]\"\n")
 
 
 def test_unlock_without_lock(tmp_path):

@@ -54,7 +54,7 @@ def steps(first, n, lanes):
 """
 
 ZYGOTE_CODE = ROWS_CODE + """
-import json, os, sys, traceback, warnings
+import json, logging, os, sys, traceback
 try:  # pre-import what an S3 writer needs, once, before forking (no threads or loops start here)
     import s3fs  # noqa: F401
 except ImportError:
@@ -67,10 +67,13 @@ def write_forever(job):
     try:
         so, lanes = job["storage_options"], job["lanes"]
         rng = np.random.default_rng(job["seed"])
-        with warnings.catch_warnings(record=True) as caught:  # the previous writer was killed:
-            warnings.simplefilter("always")                     # its lock is taken over
-            buf = dr.ReplayBuffer.open(job["url"], "r+", storage_options=so)
-        say(f"tookover {sum('took over the writer lock' in str(w.message) for w in caught)}")
+        caught = []  # the previous writer was killed: its lock is taken over, and that is logged
+        handler = logging.Handler()
+        handler.emit = caught.append
+        logging.getLogger("diskreplay").addHandler(handler)
+        buf = dr.ReplayBuffer.open(job["url"], "r+", storage_options=so)
+        logging.getLogger("diskreplay").removeHandler(handler)
+        say(f"tookover {sum('took over the writer lock' in r.getMessage() for r in caught)}")
         step = int(buf.state_dict()["total"][0])
         say(f"start {step}")
         while True:

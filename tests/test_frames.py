@@ -12,6 +12,7 @@ import diskreplay as dr
 from diskreplay.chunkstore import LocalChunkStore
 from diskreplay.inspect import buffer_info, format_info
 from diskreplay.verify import verify
+from diskreplay.zarr_layout import Codec
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
           "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
@@ -101,16 +102,16 @@ def test_frames_read_row_by_row_equal_raw_ones(tmp_path, compression, capacity):
 
 def count_reads(monkeypatch) -> dict[str, int]:
     counts = {"inner": 0, "whole obs": 0}
-    read_indexed, get = LocalChunkStore.read_indexed, LocalChunkStore.get
+    decode_bodies, get = Codec.decode_bodies, LocalChunkStore.get
 
-    def counted_read_indexed(self, key, *args):
-        counts["inner"] += 1
-        return read_indexed(self, key, *args)
+    def counted_decode_bodies(self, bodies, out, threads=1):
+        counts["inner"] += len(bodies)
+        return decode_bodies(self, bodies, out, threads)
 
     def counted_get(self, key, limit=None):
         counts["whole obs"] += key.startswith("obs/") and not self.root.endswith("final")  # not the final obs kept apart
         return get(self, key, limit)
-    monkeypatch.setattr(LocalChunkStore, "read_indexed", counted_read_indexed)
+    monkeypatch.setattr(Codec, "decode_bodies", counted_decode_bodies)
     monkeypatch.setattr(LocalChunkStore, "get", counted_get)
     return counts
 
@@ -176,6 +177,53 @@ def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
     huge = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))  # says 1 MiB where 1 KiB belongs
     with pytest.raises(ValueError, match="zstd frame of 1048576 bytes, expected 1024"):
         codec.decode_inner(huge + dr.zarr_layout.checksum(huge), out)
+
+
+def test_a_damaged_frame_among_many_is_named(tmp_path):
+    """Many frames decode in one call; the damaged one is still named by its chunk."""
+    url = str(tmp_path / "z")
+    with make(url, "zstd", lanes=1) as buf:
+        fill(buf, 2000, 1)
+    damage(f"{url}/obs/c.0.3.0.0", 16 * (64 // INNER) + 4 + 40, b"\x00\x01\x02")
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    ids = np.arange(0, 2000, 9)
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.3.0.0' does not decode \(inner chunk 0: checksum"):
+        reader.rows(ids)
+
+
+def test_a_blosc_frame_claiming_fewer_bytes_is_refused():
+    codec = dr.zarr_layout.Codec("lz4")
+    short = codec.encode(np.zeros((1, 16, 16), np.uint8))[0]  # a frame of 256 bytes where 1 KiB belongs
+    with pytest.raises(ValueError, match="blosc frame of 256 bytes, expected 1024"):
+        codec.decode_bodies([memoryview(short)], np.empty((1, 32, 32), np.uint8))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, compression):
+    """A reader keeps shard files mapped; after the writer rewrites them (a wrapping ring) and
+    the reader refreshes, it reads the new frames. Past its budget the oldest maps are closed."""
+    url = str(tmp_path / "z")
+    writer = make(url, compression, capacity=1000, lanes=1)
+    fill(writer, 1000, 1)
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    maps = reader.storage.shard_maps
+    maps.budget = 5
+    for _ in range(3):
+        ids = reader.row_ids()
+        np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
+        assert len(maps.open) == 5
+    maps.budget = 100
+    reader.rows(reader.row_ids())
+    assert len(maps.open) == 1000 // 64 + 1
+    fill(writer, 700, 1, start=1000)
+    writer.flush()
+    reader.refresh()
+    for ids in (reader.row_ids(), reader.sample(256, seed=3)["index"]):
+        batch = reader.rows(ids)
+        np.testing.assert_array_equal(batch["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
+    ids = writer.row_ids()  # and the writer reads what it wrote
+    np.testing.assert_array_equal(writer.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
 
 
 def test_a_ring_reader_reading_frames_the_writer_replaced_gets_stale_read_error(tmp_path):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
+import diskreplay.export as export_module
 from diskreplay import importers
 from diskreplay.errors import BufferExistsError, NotABufferError
 from diskreplay.export import export_buffer
@@ -79,6 +80,50 @@ def test_d4rl_keeps_given_next_observations(tmp_path):
     data = write_d4rl(tmp_path / "d.hdf5", next_obs=True)
     buf = import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=32, progress=False)
     np.testing.assert_array_equal(rows_of(buf)["next_obs"], data["next_observations"])
+
+
+D4RL_FIELDS = {"obs", "action", "reward", "terminated", "truncated", "next_obs", "info_qpos", "info_goal_xy"}
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped")
+def test_d4rl_npz_is_named_like_d4rl_hdf5(tmp_path):
+    data = write_d4rl(tmp_path / "d.hdf5", float_flags=True)
+    columns = {k: v for k, v in data.items() if k not in ("qpos", "goal_xy")}
+    np.savez(tmp_path / "d.npz", **columns, **{"infos/qpos": data["qpos"], "infos/goal/xy": data["goal_xy"]})
+    hdf5 = rows_of(import_dataset(tmp_path / "d.hdf5", tmp_path / "from-hdf5", batch_rows=10, progress=False))
+    as_d4rl = import_dataset(tmp_path / "d.npz", tmp_path / "from-d4rl-npz", format="d4rl", batch_rows=10,
+                             progress=False)
+    assert set(as_d4rl.fields) == D4RL_FIELDS and as_d4rl.fields["terminated"].dtype == np.bool_
+    for k, v in rows_of(as_d4rl).items():
+        np.testing.assert_array_equal(v, hdf5[k], err_msg=k)
+    as_npz = import_dataset(tmp_path / "d.npz", tmp_path / "from-npz", batch_rows=10, progress=False)
+    assert detect_format(str(tmp_path / "d.npz")) == "npz"
+    assert set(as_npz.fields) == D4RL_FIELDS - {"next_obs"}  # format "npz" derives nothing
+    for k, v in rows_of(as_npz).items():
+        np.testing.assert_array_equal(v, hdf5[k], err_msg=k)
+
+
+def test_column_names_colliding_after_the_d4rl_mapping_are_refused(tmp_path):
+    np.savez(tmp_path / "both.npz", obs=np.zeros(4), observations=np.ones(4))
+    with pytest.raises(ImportFormatError, match="arrays 'obs' and 'observations' both map to field 'obs'"):
+        import_dataset(tmp_path / "both.npz", tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_format_that_does_not_fit_the_file_is_one_clear_error(tmp_path):
+    np.savez(tmp_path / "d.npz", observations=np.zeros((4, 2)))
+    write_d4rl(tmp_path / "d.hdf5")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ImportFormatError, match=r"'.*notes\.txt' is not an HDF5 file \(.*\); expected a "
+                                                r"D4RL-layout \.hdf5/\.h5 or \.npz file"):
+        import_dataset(tmp_path / "notes.txt", tmp_path / "x", format="d4rl", progress=False)
+    with pytest.raises(ImportFormatError, match=r"'.*d\.hdf5' is not an \.npz file \(not a zip archive\)"):
+        import_dataset(tmp_path / "d.hdf5", tmp_path / "x", format="npz", progress=False)
+    with pytest.raises(ImportFormatError, match=r"'.*d\.npz' is not an HDF5 file .*expected a Minari dataset"):
+        import_dataset(tmp_path / "d.npz", tmp_path / "x", format="minari", progress=False)
+    with pytest.raises(FileNotFoundError, match=r"source '.*missing\.npz' does not exist"):
+        import_dataset(tmp_path / "missing.npz", tmp_path / "x", format="d4rl", progress=False)
+    assert not (tmp_path / "x").exists()
 
 
 def write_minari(root, lengths=(5, 12, 3), seed=0):
@@ -212,12 +257,74 @@ def test_export_import_round_trip(tmp_path, fmt):
     assert export_buffer(tmp_path / "b", out, progress=False, batch_rows=9) == len(buf)
     with pytest.raises(FileExistsError):
         export_buffer(tmp_path / "b", out, progress=False)
-    back = import_dataset(out, tmp_path / "back", progress=False)
-    a, b = rows_of(buf), rows_of(back)
-    assert list(buf.fields) == list(back.fields) or set(buf.fields) == set(back.fields)
-    for k in a:
-        assert a[k].dtype == b[k].dtype, k
-        np.testing.assert_array_equal(a[k], b[k])
+    for i, import_format in enumerate((None, "d4rl")):  # as detected, and as D4RL: nothing derived either way
+        back = import_dataset(out, tmp_path / f"back{i}", format=import_format, progress=False)
+        a, b = rows_of(buf), rows_of(back)
+        assert set(buf.fields) == set(back.fields) == D4RL_FIELDS
+        for k in a:
+            assert a[k].dtype == b[k].dtype, k
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_npz_and_hdf5_exports_hold_the_same_d4rl_arrays(tmp_path):
+    fields = {"obs": dr.Field((2,), "float32"), "terminated": dr.Field((), "bool"),
+              "truncated": dr.Field((), "bool"), "info_cost": dr.Field((), "float64"), "extra": dr.Field((), "int8")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, num_envs=2, chunk_rows=4, cache_bytes=2**12)
+    terminated = np.zeros((6, 2), bool)
+    terminated[5, 1] = True  # lane 1 ends an episode at its last row: no timeout added there
+    buf.extend({"obs": np.arange(24).reshape(6, 2, 2), "terminated": terminated, "truncated": np.zeros((6, 2), bool),
+                "info_cost": np.ones((6, 2)), "extra": np.full((6, 2), 3)})
+    buf.close()
+    export_buffer(tmp_path / "b", tmp_path / "o.npz", progress=False, batch_rows=4)
+    export_buffer(tmp_path / "b", tmp_path / "o.h5", progress=False, batch_rows=4)
+    expected = {"observations", "terminals", "timeouts", "infos/cost", "extra"}
+    with np.load(tmp_path / "o.npz") as npz, h5py.File(tmp_path / "o.h5") as f:
+        hdf5 = {}
+        f.visititems(lambda name, obj: hdf5.update({name: obj[:]}) if isinstance(obj, h5py.Dataset) else None)
+        assert set(npz.files) == set(hdf5) == expected
+        for name in expected:
+            np.testing.assert_array_equal(npz[name], hdf5[name], err_msg=name)
+        assert np.flatnonzero(npz["timeouts"]).tolist() == [5]
+        assert np.flatnonzero(npz["terminals"]).tolist() == [11]
+        np.testing.assert_array_equal(npz["observations"][:6], np.arange(24).reshape(6, 2, 2)[:, 0])
+    assert zipfile.ZipFile(tmp_path / "o.npz").comment == b"diskreplay_export"
+
+
+class RecordingBar:
+    """Stands in for the tqdm bar: its total and the sum of its updates."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.n = total, desc, 0
+
+    def update(self, n):
+        assert n >= 0
+        self.n += n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped")
+def test_progress_counts_rows(tmp_path, monkeypatch):
+    bars = []
+
+    def recording(total, desc, enabled):
+        bars.append(RecordingBar(total, desc))
+        return bars[-1]
+
+    monkeypatch.setattr(importers, "_progress", recording)
+    monkeypatch.setattr(export_module, "_progress", recording)
+    write_d4rl(tmp_path / "d.hdf5")
+    import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=10).close()
+    for fmt in ("npz", "hdf5"):
+        export_buffer(tmp_path / "b", tmp_path / f"o.{fmt}", batch_rows=7)
+        import_dataset(tmp_path / f"o.{fmt}", tmp_path / f"back-{fmt}", batch_rows=10).close()
+    assert [(bar.desc, bar.total, bar.n) for bar in bars] == [
+        ("import d4rl", 103, 103), ("export npz", 103, 103), ("import npz", 103, 103),
+        ("export hdf5", 103, 103), ("import d4rl", 103, 103)]
 
 
 def test_export_round_trips_buffers_without_next_obs(tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
+from conftest import logged
 from diskreplay import buffer as drbuffer
 from diskreplay import lock as drlock
 from diskreplay.chunkstore import open_chunkstore
@@ -77,7 +78,7 @@ def test_lock_file_records_the_holder(tmp_path):
     assert drlock.lock_holder(url) is None
 
 
-def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_path):
+def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_path, caplog):
     url = str(tmp_path / "b")
     make(url).close()
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
@@ -94,7 +95,7 @@ def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_p
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert drlock.lock_holder(url).stale_reason() == f"process {proc.pid} is no longer running on this host"
-    with pytest.warns(UserWarning, match=rf"took over the writer lock left by pid {proc.pid} .*no longer running "
+    with logged(caplog, rf"took over the writer lock left by pid {proc.pid} .*no longer running "
                                          r"on this host.*unflushed rows are lost"):
         buf = dr.ReplayBuffer.open(url, "r+")
     assert len(buf) == 20
@@ -137,13 +138,13 @@ def test_create_overwrite_does_not_destroy_a_locked_buffer(tmp_path):
     buf.close()
 
 
-def test_reused_pid_is_stale_and_taken_over(tmp_path):
+def test_reused_pid_is_stale_and_taken_over(tmp_path, caplog):
     url = str(tmp_path / "b")
     make(url).close()
     fake = {"pid": os.getpid(), "host": socket.gethostname(), "time": 1.0e9, "token": "x", "start_ticks": -5}
     open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
     assert drlock.lock_holder(url).stale_reason() == f"pid {os.getpid()} now belongs to another process (the holder exited)"
-    with pytest.warns(UserWarning, match=r"took over the writer lock left by this process .* now belongs to another"):
+    with logged(caplog, r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
     assert drlock.lock_holder(url).token == buf.storage.writer_lock.token
     buf.close()

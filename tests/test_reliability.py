@@ -15,6 +15,7 @@ import pytest
 import zarr
 
 import diskreplay as dr
+from conftest import logged
 from diskreplay.verify import verify
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
@@ -136,7 +137,7 @@ sys.stdin.readline()
 """
 
 
-def test_episodic_returns_come_only_from_committed_rows(tmp_path):
+def test_episodic_returns_come_only_from_committed_rows(tmp_path, caplog):
     url = str(tmp_path / "b")
     run_and_kill(RETURNS_WRITER, url, _source_of(FIELDS, steps))
     on_disk = zarr.open_group(url, mode="r")["return"][0, :10]
@@ -145,7 +146,7 @@ def test_episodic_returns_come_only_from_committed_rows(tmp_path):
         assert len(reader) == 10 and not reader.episodes().complete.any()
         np.testing.assert_array_equal(reader[np.arange(10)]["return"], np.full(10, -7.0, np.float32))
         np.testing.assert_array_equal(reader.sample(32, seed=0)["return"], np.full(32, -7.0, np.float32))
-    with pytest.warns(UserWarning, match="took over the writer lock"):
+    with logged(caplog, "took over the writer lock"):
         writer = dr.ReplayBuffer.open(url, "r+")
     writer.extend(steps(100, 2))  # the episode the crash cut is closed: returns of committed rewards only
     want = np.array([sum(0.5 ** (i - t) * i / 10 for i in range(t, 10)) for t in range(10)], np.float32)
@@ -183,11 +184,11 @@ sys.stdin.readline()
 
 
 @pytest.mark.parametrize("continue_episodes", [False, True])
-def test_resume_after_sigkill_closes_the_cut_episodes(tmp_path, continue_episodes):
+def test_resume_after_sigkill_closes_the_cut_episodes(tmp_path, continue_episodes, caplog):
     """Before: episodes() reported one episode across the restart, with next_obs[t] != obs[t+1]."""
     url = str(tmp_path / "b")
     run_and_kill(RESUME_WRITER, url, _source_of(FIELDS, steps))
-    with pytest.warns(UserWarning, match=r"took over the writer lock left by pid \d+ .*no longer running"):
+    with logged(caplog, r"took over the writer lock left by pid \d+ .*no longer running"):
         buf = dr.ReplayBuffer.open(url, "r+", **({"continue_episodes": True} if continue_episodes else {}))
     assert buf.state_dict()["total"].tolist() == [23, 17]  # the unflushed steps are gone
     for lane in (0, 1):  # a new episode starts in each lane

@@ -6,12 +6,13 @@ connection for chosen requests (tests/s3server.py).
 
 from __future__ import annotations
 
-import time
+import logging
 
 import numpy as np
 import pytest
 
 import diskreplay as dr
+from conftest import logged
 from diskreplay import RetryPolicy, StoreUnavailableError
 from s3server import FaultProxy, fault_proxy, proxy_options, s3  # noqa: F401  (fixtures)
 
@@ -142,16 +143,17 @@ def test_transient_write_failures_are_retried(s3, fault_proxy):
     check_rows(reader[np.arange(12)], np.arange(12))
 
 
-def test_persistent_failure_raises_naming_the_chunk(s3, stored, fault_proxy):
+def test_persistent_failure_raises_naming_the_chunk(s3, stored, fault_proxy, caplog):
     reader = dr.ReplayBuffer.open(stored, "r", storage_options=proxy_options(s3, fault_proxy))
     reader.storage.store.retry = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
     key = chunk_of(40)
     fault_proxy.fail("500", key, times=10**6, method="GET")
-    started = time.monotonic()
-    with pytest.raises(StoreUnavailableError, match=rf"read of '{key}' failed after 4 tries .*InternalError|"
-                                                    rf"read of '{key}' failed after 4 tries"):
+    with logged(caplog, rf"read of '{key}' failed \(.*\); try 4 of 4 in", logging.INFO), \
+            pytest.raises(StoreUnavailableError, match=rf"read of '{key}' failed after 4 tries .*InternalError|"
+                                                       rf"read of '{key}' failed after 4 tries"):
         reader[np.arange(40, 44)]
-    assert time.monotonic() - started < 20
+    retries = [r for r in caplog.records if r.name == "diskreplay.chunkstore" and key in r.getMessage()]
+    assert [r.getMessage().split("; try ")[1][:6] for r in retries] == ["2 of 4", "3 of 4", "4 of 4"]
     assert fault_proxy.count(key, "GET") == 4  # bounded: exactly the policy's attempts
     assert isinstance(StoreUnavailableError(), OSError)
     fault_proxy.rules.clear()
@@ -178,23 +180,18 @@ def test_missing_chunk_is_an_error_not_zeros(s3):
 def test_remote_fetches_are_concurrent_bounded_and_head_free(s3, stored):
     proxy = FaultProxy(s3.endpoint, latency_s=0.03)
     try:
-        timings = {}
         for threads in (1, 8):
             reader = dr.ReplayBuffer.open(stored, "r", storage_options=proxy_options(s3, proxy),
                                           io_threads=threads)
             reader.storage.store.fs.retries = 1  # s3fs would retry a slow answer silently: an uncounted GET
             proxy.reset_stats()
-            started = time.perf_counter()
             reader[np.arange(32, 96)]  # 8 chunks x 3 fields, all cold
-            timings[threads] = time.perf_counter() - started
             # one GET per chunk, plus any retry of diskreplay's own layer (the only one left on)
             assert proxy.count("/c.", "GET") == 24 + reader.storage.store.retried
             assert proxy.count("/c.", "HEAD") == 0  # one GET per chunk, no HEAD first
             assert proxy.max_in_flight <= threads
-            if threads > 1:
+            if threads > 1:  # what the server saw: requests overlapping, not one after the other
                 assert proxy.max_in_flight > 1
             reader.close()
-        print(f"\n24 chunk GETs at 30 ms latency: {', '.join(f'{k} in flight {v:.2f} s' for k, v in timings.items())}")
-        assert timings[8] < timings[1]
     finally:
         proxy.close()
