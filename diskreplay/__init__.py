@@ -1,8 +1,7 @@
 """diskreplay: RL replay buffers on chunked Zarr arrays, served at in-memory speed."""
 
 from .buffer import ReplayBuffer
-from .export import export_buffer
-from .importers import import_dataset
+from .offline import export_buffer, import_dataset
 from .chunkstore import RetryPolicy
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,

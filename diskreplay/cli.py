@@ -165,7 +165,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .importers import import_dataset
+    from .offline import import_dataset
 
     from .errors import BufferExistsError
 
@@ -182,7 +182,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_buffer
+    from .offline import export_buffer
 
     rows = export_buffer(args.url, args.dest, format=args.format, batch_rows=args.batch_rows,
                          progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress)
@@ -191,7 +191,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .inspect import buffer_info, format_info
+    from .offline import buffer_info, format_info
 
     info = buffer_info(args.url, episodes=not args.no_episodes)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
@@ -199,9 +199,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .importers import describe_incomplete, import_status
-
-    from .verify import verify
+    from .offline import describe_incomplete, import_status, verify
 
     report = verify(args.url)
     text = str(report)

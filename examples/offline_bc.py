@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import diskreplay as dr
-from diskreplay.importers import import_dataset
+from diskreplay.offline import import_dataset
 
 
 def make_synthetic(path: str, rows: int = 20_000, obs_dim: int = 11, act_dim: int = 3, seed: int = 0) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import diskreplay as dr
 from diskreplay import cli
-from diskreplay.importers import INCOMPLETE_KEY
+from diskreplay.offline import INCOMPLETE_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 h5py = pytest.importorskip("h5py")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import diskreplay as dr
 from diskreplay import zarr_layout
 from diskreplay.chunkstore import open_chunkstore
-from diskreplay.verify import verify
+from diskreplay.offline import verify
 from conftest import (SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot,
                       min_cache, stack_rows)
 

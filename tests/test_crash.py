@@ -30,7 +30,7 @@ import pytest
 
 import diskreplay as dr
 from diskreplay import lock as drlock
-from diskreplay.verify import verify
+from diskreplay.offline import verify
 from s3server import s3  # noqa: F401  (fixture)
 
 ROWS_CODE = """

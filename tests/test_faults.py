@@ -50,7 +50,7 @@ import pytest
 
 import diskreplay as dr
 from diskreplay.chunkstore import LocalChunkStore, open_chunkstore
-from diskreplay.verify import verify
+from diskreplay.offline import verify
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3  # noqa: F401  (fixture)
 
 CHUNK = 8

@@ -10,8 +10,8 @@ import zstandard
 
 import diskreplay as dr
 from diskreplay.chunkstore import LocalChunkStore
-from diskreplay.inspect import buffer_info, format_info
-from diskreplay.verify import verify
+from diskreplay.offline import buffer_info, format_info
+from diskreplay.offline import verify
 from diskreplay.zarr_layout import Codec
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),

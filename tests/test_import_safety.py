@@ -13,8 +13,8 @@ import pytest
 
 import diskreplay as dr
 from conftest import dir_snapshot
-from diskreplay import importers
-from diskreplay.importers import ImportFormatError, import_dataset
+from diskreplay import offline as importers
+from diskreplay.offline import ImportFormatError, import_dataset
 
 h5py = pytest.importorskip("h5py")
 

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-import diskreplay.export as export_module
-from diskreplay import importers
+import diskreplay.offline.export as export_module
+from diskreplay import offline as importers
+from diskreplay.offline import importing
 from diskreplay.errors import BufferExistsError, NotABufferError
-from diskreplay.export import export_buffer
-from diskreplay.importers import INCOMPLETE_KEY, ImportFormatError, detect_format, import_dataset, import_status
+from diskreplay.offline import export_buffer
+from diskreplay.offline import INCOMPLETE_KEY, ImportFormatError, detect_format, import_dataset, import_status
 
 h5py = pytest.importorskip("h5py")
 
@@ -315,8 +316,8 @@ def test_progress_counts_rows(tmp_path, monkeypatch):
         bars.append(RecordingBar(total, desc))
         return bars[-1]
 
-    monkeypatch.setattr(importers, "_progress", recording)
-    monkeypatch.setattr(export_module, "_progress", recording)
+    monkeypatch.setattr(importing, "progress_bar", recording)
+    monkeypatch.setattr(export_module, "progress_bar", recording)
     write_d4rl(tmp_path / "d.hdf5")
     import_dataset(tmp_path / "d.hdf5", tmp_path / "b", batch_rows=10).close()
     for fmt in ("npz", "hdf5"):
@@ -394,7 +395,7 @@ def test_failing_source_leaves_no_buffer(tmp_path, monkeypatch):
 
 KILLED_IMPORT = textwrap.dedent("""
     import sys, time
-    from diskreplay import importers
+    from diskreplay import offline as importers
     original = importers.NpyFolderSource.batches
     def slow(self):
         for i, item in enumerate(original(self)):

@@ -16,7 +16,7 @@ import zarr
 
 import diskreplay as dr
 from conftest import logged
-from diskreplay.verify import verify
+from diskreplay.offline import verify
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
           "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}

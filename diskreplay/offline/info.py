@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from .buffer import ReplayBuffer
-from .chunkstore import LocalChunkStore
-from .errors import CorruptBufferError, NotABufferError
-from .sampling import Uniform
+from ..buffer import ReplayBuffer
+from ..chunkstore import LocalChunkStore
+from ..errors import CorruptBufferError, NotABufferError
+from ..sampling import Uniform
+from .status import describe_incomplete, import_status
 
 DONE_FIELDS = (("done",), ("terminated", "truncated"))
 
@@ -26,8 +28,6 @@ def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: in
 
     Raises NotABufferError with a clear message for an interrupted import.
     """
-    from .importers import describe_incomplete, import_status
-
     try:
         return ReplayBuffer.open(url, "r", sampler=Uniform(), storage_options=storage_options,
                                  cache_bytes=cache_bytes)
@@ -92,6 +92,9 @@ def readable(buf: ReplayBuffer) -> list[tuple[int, int, int]]:
 
 @dataclass
 class EpisodeStats:
+    """Per-slice arrays of complete episodes' lengths (steps) and returns, and the lanes whose
+    last episode is still running."""
+
     done_fields: tuple[str, ...]
     lengths: list[np.ndarray] = field(default_factory=list)
     returns: list[np.ndarray] = field(default_factory=list)
@@ -99,6 +102,8 @@ class EpisodeStats:
 
 
 def episode_fields(buf: ReplayBuffer) -> tuple[str, ...]:
+    """The scalar bool fields that end an episode: ``("done",)``, else those of ``terminated`` /
+    ``truncated`` present, else ``()``."""
     fields = buf.fields
     for names in DONE_FIELDS:
         present = tuple(n for n in names if n in fields and fields[n].shape == () and fields[n].dtype == np.bool_)
@@ -162,58 +167,70 @@ def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
 
 
 def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = True) -> dict[str, Any]:
-    """Everything `diskreplay info` reports, as plain data."""
+    """Everything `diskreplay info` reports, as plain data (sizes in bytes, times in epoch seconds).
+
+    ``episodes=False`` skips the episode statistics (which read the done flags of every row).
+    Raises NotABufferError if ``url`` holds no buffer (or an interrupted import).
+    """
     buf = open_readonly(url, storage_options)
     try:
-        storage = buf.storage
-        config = storage.config
-        layout = storage.layout
-        rows = len(buf)
-        windows = readable(buf)
-        expected_chunks = sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows)
-        on_disk, chunk_files = _disk_usage(buf)
-        raw = rows * storage.schema.row_bytes
-        record = storage.commit_record
-        sampler = ((record.extra.get("state") or {}).get("sampler") or {}).get("type", "Uniform")
-        info: dict[str, Any] = {
-            "url": buf.url,
-            "rows": rows,
-            "lanes": buf.num_envs,
-            "rows_per_lane": [hi - lo for _, lo, hi in windows],
-            "capacity": buf.capacity,
-            "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name} for n, f in buf.fields.items()},
-            "chunk_rows": layout.chunk_rows,
-            "chunks_per_field": expected_chunks,
-            "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
-                                 if codec.inner_rows is not None},
-            "chunk_files": chunk_files,
-            "compression": config["compression"],
-            "compression_level": config.get("level"),
-            "bytes_on_disk": on_disk,
-            "bytes_raw": raw,
-            "compression_ratio": raw / on_disk if on_disk else None,
-            "sampler": sampler,
-            "commit_sequence": record.sequence,
-            "last_commit_time": record.time,
-            "episodes": None,
-        }
+        info = _layout_info(buf)
         stats = episode_stats(buf) if episodes else None
-        if stats is not None:
-            lengths = np.concatenate(stats.lengths) if stats.lengths else np.zeros(0, np.int64)
-            returns = np.concatenate(stats.returns) if stats.returns else np.zeros(0)
-            has_reward = "reward" in buf.fields and buf.fields["reward"].shape == ()
-            info["episodes"] = {
-                "done_fields": list(stats.done_fields),
-                "count": int(lengths.size),
-                "in_progress": stats.in_progress,
-                "length_mean": float(lengths.mean()) if lengths.size else None,
-                "length_min": int(lengths.min()) if lengths.size else None,
-                "length_max": int(lengths.max()) if lengths.size else None,
-                "return_mean": float(returns.mean()) if lengths.size and has_reward else None,
-            }
+        info["episodes"] = None if stats is None else _episode_summary(buf, stats)
         return info
     finally:
         buf.close()
+
+
+def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
+    """The report's rows, fields, chunking, sizes, sampler and last commit."""
+    storage = buf.storage
+    config = storage.config
+    layout = storage.layout
+    rows = len(buf)
+    windows = readable(buf)
+    on_disk, chunk_files = _disk_usage(buf)
+    raw = rows * storage.schema.row_bytes
+    record = storage.commit_record
+    sampler = ((record.extra.get("state") or {}).get("sampler") or {}).get("type", "Uniform")
+    return {
+        "url": buf.url,
+        "rows": rows,
+        "lanes": buf.num_envs,
+        "rows_per_lane": [hi - lo for _, lo, hi in windows],
+        "capacity": buf.capacity,
+        "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name} for n, f in buf.fields.items()},
+        "chunk_rows": layout.chunk_rows,
+        "chunks_per_field": sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows),
+        "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
+                             if codec.inner_rows is not None},
+        "chunk_files": chunk_files,
+        "compression": config["compression"],
+        "compression_level": config.get("level"),
+        "bytes_on_disk": on_disk,
+        "bytes_raw": raw,
+        "compression_ratio": raw / on_disk if on_disk else None,
+        "sampler": sampler,
+        "commit_sequence": record.sequence,
+        "last_commit_time": record.time,
+        "episodes": None,
+    }
+
+
+def _episode_summary(buf: ReplayBuffer, stats: EpisodeStats) -> dict[str, Any]:
+    """Count and length / return statistics of the complete episodes in ``stats``."""
+    lengths = np.concatenate(stats.lengths) if stats.lengths else np.zeros(0, np.int64)
+    returns = np.concatenate(stats.returns) if stats.returns else np.zeros(0)
+    has_reward = "reward" in buf.fields and buf.fields["reward"].shape == ()
+    return {
+        "done_fields": list(stats.done_fields),
+        "count": int(lengths.size),
+        "in_progress": stats.in_progress,
+        "length_mean": float(lengths.mean()) if lengths.size else None,
+        "length_min": int(lengths.min()) if lengths.size else None,
+        "length_max": int(lengths.max()) if lengths.size else None,
+        "return_mean": float(returns.mean()) if lengths.size and has_reward else None,
+    }
 
 
 def _mb(n: int) -> str:
@@ -235,7 +252,7 @@ def format_info(info: dict[str, Any]) -> str:
     width = max(len(n) for n in info["fields"])
     lines.append("fields")
     for name, spec in info["fields"].items():
-        lines.append(f"  {name:<{width}}  {str(tuple(spec['shape'])):<14} {spec['dtype']}")
+        lines.append(f"  {name:<{width}}  {tuple(spec['shape'])!s:<14} {spec['dtype']}")
     ep = info["episodes"]
     if ep is None:
         lines.append("episodes    - (no done / terminated / truncated field)")

@@ -17,25 +17,18 @@ from __future__ import annotations
 
 import os
 import zipfile
-from typing import Any, Iterator, Sequence
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import numpy as np
 
-from .importers import D4RL_NAMES, EXPORT_ATTR, _progress
-from .inspect import iter_rows, open_readonly, readable
+from .hdf5 import require_h5py
+from .info import iter_rows, open_readonly, readable
+from .naming import EXPORT_ATTR, d4rl_name
+from .progress import progress_bar
 
 EXPORT_FORMATS = ("npz", "hdf5")
-EXPORT_NAMES = {field: d4rl for d4rl, field in D4RL_NAMES.items()}
 DONE_FIELDS = ("terminated", "truncated", "done")
-
-
-def d4rl_name(field: str) -> str:
-    """The name field ``field`` is exported under, in either format (the inverse of `d4rl_field_name`)."""
-    if field in EXPORT_NAMES:
-        return EXPORT_NAMES[field]
-    if field.startswith("info_"):
-        return "infos/" + field[len("info_"):]
-    return field
 
 
 def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
@@ -67,7 +60,7 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     tmp = f"{dest}.partial"
     try:
         _check_names(buf.fields)
-        with _progress(len(buf), f"export {fmt}", progress) as bar:
+        with progress_bar(len(buf), f"export {fmt}", progress) as bar:
             if fmt == "npz":
                 _write_npz(buf, tmp, batch_rows, compress, bar)
             else:
@@ -91,7 +84,7 @@ def _format_from_suffix(dest: str) -> str:
                      f"format= one of {EXPORT_FORMATS}")
 
 
-def _check_names(fields: Sequence[str]) -> None:
+def _check_names(fields: Collection[str]) -> None:
     names = [d4rl_name(field) for field in fields]
     clashes = sorted({name for name in names if names.count(name) > 1})
     if clashes:
@@ -135,9 +128,7 @@ def _write_npz(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) -
 
 
 def _write_hdf5(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) -> None:
-    from .importers import _h5py
-
-    h5py = _h5py()
+    h5py = require_h5py()
     rows = len(buf)
     with h5py.File(path, "w") as f:
         datasets = {}

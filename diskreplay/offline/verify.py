@@ -25,14 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from . import snapshot, zarr_layout
-from .chunkstore import LocalChunkStore, open_chunkstore
-from .commit import COMMIT_KEY, Commit
-from .errors import CorruptBufferError, NotABufferError
-from .lanes import LaneLayout
-from .lock import LOCK_KEY, LockInfo
-from .schema import Schema
-from .zarr_layout import Codec, chunk_key
+from .. import snapshot, zarr_layout
+from ..buffer import ReplayBuffer
+from ..chunkstore import LocalChunkStore, open_chunkstore
+from ..commit import COMMIT_KEY, Commit
+from ..errors import CorruptBufferError, NotABufferError
+from ..lanes import LaneLayout
+from ..lock import LOCK_KEY, LockInfo
+from ..schema import Schema
+from ..zarr_layout import Codec, chunk_key
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 
@@ -174,8 +175,6 @@ def _notes(store: Any, report: VerifyReport) -> None:
 
 
 def _count_episodes(url: str, storage_options: dict | None, report: VerifyReport) -> None:
-    from .buffer import ReplayBuffer
-
     try:
         buf = ReplayBuffer.open(url, "r", storage_options=storage_options, cache_bytes=1)
     except Exception as exc:

@@ -1,0 +1,156 @@
+"""A Minari dataset (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order).
+
+``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` -> ``action``,
+``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` -> ``truncated``,
+``infos/<key>`` -> ``info_<key>``; dict spaces flattened (``obs_<key>``, ``action_<key>``, ...).
+Infos with T + 1 entries (the reset's info first) keep their last T.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ...chunkstore import local_path
+from ..hdf5 import (
+    has_episode_groups,
+    hdf5_datasets,
+    looks_like_hdf5,
+    open_hdf5,
+    refuse_link,
+    require_h5py,
+)
+from ..naming import field_name
+from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for
+
+MINARI_NAMES = {"actions": "action", "rewards": "reward", "terminations": "terminated",
+                "truncations": "truncated"}
+
+
+class MinariSource(Source):
+    """The episodes of a Minari dataset, concatenated in id order into one lane."""
+
+    def __init__(self, src: str, batch_rows: int):
+        h5py = require_h5py()
+        self.h5py = h5py
+        self.batch_rows = batch_rows
+        path = local_path(src)
+        file = minari_file(path) if os.path.isdir(path) else path
+        if file is None:
+            raise ImportFormatError(f"{src!r}: not a Minari dataset (no data/main_data.hdf5; Minari's "
+                                    f"arrow data format is not supported, convert it to hdf5)")
+        self.file = open_hdf5(h5py, file, src, "a Minari dataset (folder or its main_data.hdf5)")
+        self.episodes = self._checked_episodes(src, file)
+        self.rows = 0
+        for ep in self.episodes:
+            if "rewards" not in ep:
+                raise ImportFormatError(f"{src!r}: episode {ep.name!r} has no 'rewards'")
+            self.rows += int(ep["rewards"].shape[0])
+        self._set_fields(src)
+
+    def _checked_episodes(self, src: str, file: str) -> list[Any]:
+        """The episode groups in id order, after refusing every link that leads out of the file."""
+        keyed = []
+        for key in self.file:
+            match = re.fullmatch(r"episode_(\d+)", key)
+            if match:
+                keyed.append((int(match.group(1)), key))
+        if not keyed:
+            raise ImportFormatError(f"{src!r}: no episode_<id> groups in {file!r}")
+        for _, key in keyed:  # by name, h5py follows every link: check them all before the first access
+            refuse_link(self.h5py, self.file, key, repr(src), follows_soft=True)
+            hdf5_datasets(self.h5py, self.file[key], repr(src), follows_soft=True)
+        return [self.file[k] for _, k in sorted(keyed)]
+
+    def _set_fields(self, src: str) -> None:
+        """Fields (and the info offsets) from the first episode; ``next_obs*`` beside each ``obs*``."""
+        self.fields = {}
+        first = self.episodes[0]
+        self.info_offset: dict[str, int] = {}
+        for name, ds, offset in self._columns(first, first["rewards"].shape[0]):
+            field = field_for(name, ds.shape[1:], ds.dtype, f"{src!r}: {ds.name!r}")
+            if field is not None:
+                self.fields[name] = field
+                self.info_offset[name] = offset
+        if "observations" in first:
+            for name in list(self.fields):
+                if name == "obs" or name.startswith("obs_"):
+                    self.fields["next_" + name] = self.fields[name]
+
+    def _columns(self, ep: Any, steps: int) -> Iterator[tuple[str, Any, int]]:
+        """(field name, dataset, offset of row t of the episode) for every column of one episode."""
+        for key in ep:
+            if key == "observations":
+                yield from ((n, d, 0) for n, d in self._flatten(ep[key], "obs"))
+            elif key == "infos":
+                yield from self._info_columns(ep, steps)
+            elif key in MINARI_NAMES or key == "actions":
+                yield from ((n, d, 0) for n, d in self._flatten(ep[key], MINARI_NAMES[key]))
+
+    def _info_columns(self, ep: Any, steps: int) -> Iterator[tuple[str, Any, int]]:
+        """Info columns of T (offset 0) or T + 1 entries (offset 1); others skipped with a warning."""
+        for n, d in self._flatten(ep["infos"], "info"):
+            length = d.shape[0] if d.ndim else -1
+            if length == steps + 1:
+                yield n, d, 1
+            elif length == steps:
+                yield n, d, 0
+            else:
+                warnings.warn(f"{ep.name}/{d.name}: info skipped ({length} entries for {steps} steps)",
+                              stacklevel=4)
+
+    def _flatten(self, obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+        if isinstance(obj, self.h5py.Dataset):
+            yield prefix, obj
+            return
+        for key in obj:
+            yield from self._flatten(obj[key], f"{prefix}_{field_name(key)}")
+
+    def batches(self) -> Iterator[tuple[int, Batch]]:
+        pending = PendingSlices(self.batch_rows)
+        for ep in self.episodes:
+            steps = int(ep["rewards"].shape[0])
+            columns = {name: (ds, off) for name, ds, off in self._columns(ep, steps) if name in self.fields}
+            expected = {n for n in self.fields if not n.startswith("next_obs")}
+            if set(columns) != expected:
+                raise ImportFormatError(f"{ep.name}: fields {sorted(columns)} differ from the first "
+                                        f"episode's {sorted(expected)}")
+            for start in range(0, steps, self.batch_rows):
+                yield from pending.add(_episode_slice(ep, columns, start, min(start + self.batch_rows, steps), steps))
+        yield from pending.drain()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _episode_slice(ep: Any, columns: dict[str, tuple[Any, int]], start: int, end: int, steps: int) -> Batch:
+    """Steps ``[start, end)`` of one episode; each ``obs*`` column also gives ``next_obs*``."""
+    batch = {}
+    for name, (ds, off) in columns.items():
+        if name == "obs" or name.startswith("obs_"):
+            values = ds[start:end + 1]
+            if len(values) != end - start + 1:
+                raise ImportFormatError(f"{ep.name}: {ds.name} has {ds.shape[0]} entries, "
+                                        f"expected {steps + 1} (one more than steps)")
+            batch[name], batch["next_" + name] = values[:-1], values[1:]
+        else:
+            batch[name] = ds[start + off:end + off]
+    return batch
+
+
+def minari_file(path: str) -> str | None:
+    """The ``main_data.hdf5`` of the Minari dataset folder ``path`` (or its ``data`` folder), or None."""
+    for candidate in (os.path.join(path, "data", "main_data.hdf5"), os.path.join(path, "main_data.hdf5")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def is_minari(path: str) -> bool:
+    """``path`` is a Minari dataset folder, or an HDF5 file with ``episode_*`` groups."""
+    if os.path.isdir(path):
+        return minari_file(path) is not None
+    return os.path.isfile(path) and looks_like_hdf5(path) and has_episode_groups(path)

@@ -1,0 +1,66 @@
+"""A diskreplay buffer (fields and env lanes kept, only the readable window of a ring) or a plain
+Zarr group (one field per array, named by `d4rl_field_name`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import zarr
+
+from ...buffer import ReplayBuffer
+from ...chunkstore import open_chunkstore
+from ...errors import NotABufferError
+from ...sampling import Uniform
+from ...storage import COMMIT_KEY
+from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
+from ..status import describe_incomplete, import_status
+
+
+class ZarrSource(ColumnsSource):
+    """A diskreplay buffer (its lanes and fields) or a plain Zarr group (one field per array)."""
+
+    def __init__(self, src: str, batch_rows: int):
+        self.batch_rows = batch_rows
+        self.buffer: ReplayBuffer | None = None
+        if open_chunkstore(src).get(COMMIT_KEY) is not None:
+            self.buffer = ReplayBuffer.open(src, "r", sampler=Uniform(), cache_bytes=8 * 2**20)
+            self.fields = self.buffer.fields
+            self.num_envs = self.buffer.num_envs
+            self.rows = len(self.buffer)
+            return
+        marker = import_status(src)
+        if marker is not None:
+            raise NotABufferError(describe_incomplete(src, marker))
+        try:
+            group = zarr.open_group(src, mode="r")
+        except Exception as exc:
+            raise ImportFormatError(f"{src!r} is neither a diskreplay buffer nor a Zarr group ({exc})") from None
+        self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
+        names = self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
+        self.arrays = {names[k]: a for k, a in self.arrays.items()}
+
+    def batches(self) -> Iterator[tuple[int, Batch]]:
+        if self.buffer is None:
+            for start in range(0, self.rows, self.batch_rows):
+                yield 0, as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
+                                        for name in self.fields}, self.fields)
+            return
+        lo, hi = self.buffer.storage.window()
+        n = self.num_envs
+        for lane in range(n):
+            for start in range(int(lo[lane]), int(hi[lane]), self.batch_rows):
+                steps = np.arange(start, min(start + self.batch_rows, int(hi[lane])))
+                yield lane, self.buffer[steps * n + lane]
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+
+
+def is_zarr(path: str) -> bool:
+    """``path`` is a folder holding a Zarr group (``zarr.json``) or a diskreplay commit record."""
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, "zarr.json"))
+                                    or os.path.exists(os.path.join(path, COMMIT_KEY)))

@@ -1,0 +1,184 @@
+"""Import offline datasets into a diskreplay buffer: D4RL HDF5, Minari, .npz / .npy, Zarr.
+
+`import_dataset` streams the source in slices of ``batch_rows`` rows, so a source larger than
+RAM imports with bounded memory (about two slices plus the buffer's write staging).
+
+Field names produced (one mapping, `d4rl_field_name`, for every format that names columns):
+
+* D4RL layout (``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts``, optional
+  ``next_observations``, ``infos/*``), as HDF5 datasets or ``.npz`` members: ``obs``, ``action``,
+  ``reward``, ``terminated``, ``truncated``, ``next_obs``, ``info_<key>``; any other column with
+  one entry per step keeps its (sanitized) name, ``group/key`` becoming ``group_key``.
+  ``terminals`` and ``timeouts`` are stored as bool. Format ``"d4rl"`` (an HDF5 file, or an
+  ``.npz`` given ``format="d4rl"``) also derives ``next_obs`` when ``next_observations`` is
+  missing: ``next_obs[t] = observations[t + 1]`` inside an episode; at an episode's last step
+  (``terminals`` or ``timeouts`` set) and at the dataset's last row, ``observations[t + 1]``
+  belongs to another episode (or does not exist), so ``next_obs[t]`` is a copy of ``obs[t]``. For
+  terminated steps this is harmless (TD targets mask it with ``1 - terminated``); for truncated
+  steps the true next observation is simply not in the source: drop or mask those rows if
+  bootstrapping from them matters. Files written by `diskreplay export` (HDF5 attribute or zip
+  comment ``diskreplay_export``) get no derived field: they round-trip.
+* Minari (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order):
+  ``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` ->
+  ``action``, ``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` ->
+  ``truncated``, ``infos/<key>`` -> ``info_<key>``. Dict (nested) spaces are flattened:
+  ``obs_<key>``, ``next_obs_<key>``, ``action_<key>``, ``obs_<key>_<subkey>``. Infos with T + 1
+  entries (the reset's info first) keep their last T, so each row holds its step's info.
+* ``.npz`` file (format ``"npz"``), folder of ``.npy`` files, plain Zarr group: one field per
+  array, named by the D4RL mapping above (``observations`` -> ``obs``, ``terminals`` -> bool
+  ``terminated``, ``infos/<key>`` -> ``info_<key>``, other names sanitized); no field is derived.
+* Zarr: a diskreplay buffer keeps its fields and env lanes (rows re-chunked and re-compressed,
+  only the readable window of a ring).
+
+Refused sources (`ImportFormatError`, raised before ``dest`` is touched):
+
+* HDF5 data outside the file: external links (anywhere in a D4RL file, anywhere under a Minari
+  episode), soft links under a Minari episode (they may lead through one), datasets with external
+  storage and virtual datasets. Nothing outside the source file is opened or read.
+* ``.npy`` data (a file or an ``.npz`` member) shorter than its header claims (``prod(shape) *
+  itemsize`` bytes), so no header can make the import allocate or read more than the data held;
+  object arrays; a Fortran-ordered ``.npz`` member of more than `FORTRAN_WHOLE_BYTES` (its rows
+  are not contiguous: it could only be read whole; save it C-ordered). Smaller ones are read whole.
+
+Interrupted imports. Rows are written straight into ``dest``, but ``dest`` only becomes a buffer
+at the very end: until then its commit record is written under `INCOMPLETE_KEY` instead of
+``commit.json``, so `ReplayBuffer.open` of a killed import raises `NotABufferError`. An import
+that fails with a Python exception removes ``dest``; one killed hard leaves it marked: import
+again with ``overwrite=True``. There is no resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from ..buffer import ReplayBuffer
+from ..chunkstore import is_local, local_path
+from ..errors import BufferExistsError
+from ..lock import break_lock, lock_holder
+from ..schema import Schema
+from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows
+from .formats import detect_format, open_source
+from .progress import progress_bar
+from .source import Source, require_source
+from .status import INCOMPLETE_KEY, describe_incomplete, import_status
+
+
+def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
+                   chunk_rows: int | None = None, compression: str | None = "zstd", batch_rows: int = 65536,
+                   progress: bool = True, overwrite: bool = False, mode: str = "r",
+                   storage_options: dict | None = None, cache_bytes: int | None = None) -> ReplayBuffer:
+    """Import a dataset at ``src`` into a new dataset-mode buffer at ``dest`` and open it.
+
+    Args:
+        src: a D4RL-layout ``.hdf5`` (or ``.npz``) file, a Minari dataset folder (or its
+            ``main_data.hdf5``), an ``.npz`` file, a folder of ``.npy`` files, or a diskreplay
+            buffer / Zarr group. Columns are named by `d4rl_field_name` (see the module docstring).
+        dest: where the buffer is written (a local path or an fsspec URL).
+        format: one of `FORMATS`; ``None`` detects it from ``src`` (an ``.npz`` file is
+            ``"npz"``; pass ``"d4rl"`` to also derive a missing ``next_obs``).
+        chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
+            ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
+        batch_rows: rows read from the source (and written) per slice: bounds memory.
+        progress: show a tqdm progress bar (rows, rows/s) on stderr when tqdm is installed.
+        overwrite: replace an existing buffer (or an interrupted import) at ``dest``.
+        mode: mode of the returned buffer ("r", or "r+" to keep adding rows).
+        storage_options: fsspec options for a remote ``dest``.
+        cache_bytes: chunk cache of the returned buffer (default: the library's default).
+
+    Returns:
+        The imported buffer, opened with ``mode``.
+
+    Raises:
+        ValueError: ``format`` is not one of `FORMATS`, or ``batch_rows`` is not a positive int.
+        ImportFormatError: the source format is unknown or the file does not follow it.
+        FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists.
+        ImportError: h5py is needed (HDF5 / Minari sources) and not installed.
+    """
+    src, dest = os.fspath(src), os.fspath(dest)
+    if not isinstance(batch_rows, (int, np.integer)) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    require_source(src)
+    fmt = format or detect_format(src)
+    with open_source(fmt, src, int(batch_rows)) as source:
+        _check_destination(dest, overwrite, storage_options)
+        buf = _create_destination(source, dest, chunk_rows, compression, int(batch_rows), overwrite,
+                                  storage_options)
+        marker = {"source": src, "format": fmt, "started": time.time(), "pid": os.getpid(),
+                  "host": socket.gethostname()}
+        _copy_rows(source, buf, dest, marker, progress, storage_options)
+    extra: dict[str, Any] = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
+    return ReplayBuffer.open(dest, mode, storage_options=storage_options, **extra)
+
+
+def _create_destination(source: Source, dest: str, chunk_rows: int | None, compression: str | None,
+                        batch_rows: int, overwrite: bool, storage_options: dict | None) -> ReplayBuffer:
+    """The new, uncommitted buffer at ``dest``, its cache sized as write staging: the chunks of
+    two slices per lane, not the default read cache."""
+    row_bytes = sum(f.row_bytes for f in source.fields.values())
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(Schema(source.fields), source.num_envs, max(source.rows, 1),
+                                        DEFAULT_CACHE_BYTES, compression is None)
+    staging_chunks = 2 * -(-batch_rows // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
+    return ReplayBuffer.create(dest, source.fields, None, num_envs=source.num_envs,
+                               chunk_rows=chunk_rows, compression=compression, overwrite=overwrite,
+                               storage_options=storage_options, commit=False,
+                               cache_bytes=staging_chunks * int(chunk_rows) * row_bytes)
+
+
+def _copy_rows(source: Source, buf: ReplayBuffer, dest: str, marker: dict, progress: bool,
+               storage_options: dict | None) -> None:
+    """Writes every slice of ``source`` into ``buf`` (at ``dest``) under the incomplete-import
+    ``marker``, then commits (``dest`` becomes a buffer) and closes it; on any failure removes ``dest``."""
+    store = buf.storage.store
+    store.put(INCOMPLETE_KEY, json.dumps(marker).encode(), durable=True)
+    try:
+        with progress_bar(source.rows, f"import {marker['format']}", progress) as bar:
+            for lane, batch in source.batches():
+                count = len(next(iter(batch.values())))
+                if source.num_envs == 1:
+                    buf.extend(batch)
+                else:
+                    buf.extend({k: v[:, None] for k, v in batch.items()}, env_ids=[lane])
+                bar.update(count)
+        buf.flush()  # writes the last chunks, then the first commit.json: dest becomes a buffer here
+        store.delete(INCOMPLETE_KEY)
+        buf.close()
+    except BaseException:
+        buf.storage.close()
+        _remove_failed(dest, storage_options)
+        raise
+
+
+def _check_destination(dest: str, overwrite: bool, storage_options: dict | None) -> None:
+    """Refuses (BufferExistsError) an interrupted import at ``dest`` unless ``overwrite``; with it,
+    breaks the lock the killed import left behind if that lock is stale."""
+    marker = import_status(dest, storage_options)
+    if marker is None:
+        return
+    if not overwrite:
+        raise BufferExistsError(describe_incomplete(dest, marker))
+    holder = lock_holder(dest, storage_options)
+    if holder is not None and holder.stale_reason():
+        break_lock(dest, storage_options)
+
+
+def _remove_failed(dest: str, storage_options: dict | None) -> None:
+    """Best effort: delete what a failed import wrote (only if it is still marked incomplete)."""
+    try:
+        if import_status(dest, storage_options) is None:
+            return
+        if is_local(dest):
+            shutil.rmtree(local_path(dest), ignore_errors=True)
+        else:
+            fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
+            fs.rm(root, recursive=True)
+    except Exception:
+        pass

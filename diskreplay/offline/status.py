@@ -1,0 +1,35 @@
+"""The marker of an unfinished import: until an import ends, ``dest`` holds `INCOMPLETE_KEY`
+instead of ``commit.json``, so it does not open as a buffer."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from ..chunkstore import open_chunkstore
+from ..storage import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
+
+INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
+
+
+def import_status(url: str, storage_options: dict | None = None) -> dict[str, Any] | None:
+    """The marker of an interrupted import at ``url`` (source, format, started, pid, host), or None."""
+    store = open_chunkstore(url, storage_options)
+    if store.get(COMMIT_KEY) is not None:
+        return None
+    blob = store.get(INCOMPLETE_KEY)
+    if blob is None:
+        return None
+    try:
+        return json.loads(blob)
+    except ValueError:
+        return {"source": "?"}
+
+
+def describe_incomplete(url: str, marker: dict[str, Any]) -> str:
+    """One sentence for users: ``url`` holds the interrupted import `import_status` returned as ``marker``."""
+    started = marker.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
+    return (f"{url!r} holds an interrupted import (from {marker.get('source')!r}, started {when}, "
+            f"pid {marker.get('pid', '?')}); it is not a usable buffer: import again with overwrite=True")
