@@ -11,7 +11,7 @@ from .episodes import EpisodeTable
 from .returns import discount_cumsum, episodic_returns, gae_advantages, normalize_advantages, nstep_targets
 from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows,
                        ere_schedule)
-from .segment_tree import MinSegmentTree, SumSegmentTree
+from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 from .rollout import RolloutBuffer
 from .transitions import HER
 from .schema import Field

@@ -19,10 +19,10 @@ from .derived import EpisodicReturn, RowView, derived_next_fields
 from .episodes import EpisodeIndex, EpisodeTable
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, NotABufferError,
                      SchemaError, StaleReadError)
-from .lanes import flat_to_lane_step, is_empty, row_ids, split_row_ids
+from .lanes import is_empty, row_ids, split_row_ids
 from .lock import check_unlocked
-from .sampling import (SAMPLER_TYPES, Draw, Sampler, Uniform, check_sampler_state, load_sampler_state,
-                       sampler_from_state)
+from .sampling import (SAMPLER_TYPES, PrioritySampler, Sampler, SliceSampler, Uniform, check_sampler_state,
+                       load_sampler_state, sampler_from_state)
 from .schema import Field, Schema
 from .storage import DEFAULT_CACHE_BYTES, Storage, default_chunk_rows, output_rows, physical_memory
 from .transitions import HER
@@ -615,16 +615,13 @@ class ReplayBuffer:
 
     def _sample_slices(self, rng: np.random.Generator, batch_size: int, seq_len: int, pad: bool,
                        lo: np.ndarray, hi: np.ndarray, options: dict[str, Any]) -> dict[str, np.ndarray]:
-        if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        slices = SliceSampler(self.sampler, self.episode_index, seq_len, pad)
         if not self.episode_index.enabled:
             raise ValueError("seq_len needs episode ends: create the buffer with episode_end= naming a bool field")
         _check_batch_size(batch_size * seq_len, self.view.schema.row_bytes, "batch_size * seq_len")
-        draw = self._slice_starts(rng, batch_size, seq_len, pad, lo, hi, options)
-        steps = draw.step[:, None] + np.arange(seq_len)
-        last = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
-        mask = steps <= last[:, None]
-        steps = np.minimum(steps, last[:, None])
+        _check_options(self.sampler, options)
+        draw = slices.sample(rng, batch_size, lo, hi, **options)
+        steps, mask = slices.steps(draw, hi)
         lanes = np.repeat(draw.lane, seq_len)
         rows = self.view.gather(lanes, steps.reshape(-1))
         batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) for k, v in rows.items()}
@@ -635,31 +632,6 @@ class ReplayBuffer:
         if draw.weight is not None:
             batch["weight"] = draw.weight
         return batch
-
-    def _slice_starts(self, rng, batch_size, seq_len, pad, lo, hi, options):
-        """Starts of slices that fit in one episode (``pad``: any readable step may start one)."""
-        if isinstance(self.sampler, Uniform) and not options and not self.sampler.recent_ratio:
-            if pad:
-                return self.sampler.sample(rng, batch_size, lo, hi)
-            lane, first, count = self.episode_index.window_starts(lo, hi, seq_len)
-            if count.sum() == 0:
-                raise EmptyBufferError(f"no episode holds {seq_len} consecutive readable steps; "
-                                       f"use pad=True or a shorter seq_len")
-            segment, step = flat_to_lane_step(rng.integers(0, int(count.sum()), batch_size), first, first + count)
-            return Draw(lane[segment], step)
-        _check_options(self.sampler, options)
-        draw = self.sampler.sample(rng, batch_size, lo, hi, **options)
-        for _ in range(256):
-            end = np.minimum(self.episode_index.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
-            bad = np.zeros(batch_size, bool) if pad else draw.step + seq_len - 1 > end
-            if not bad.any():
-                return draw
-            again = self.sampler.sample(rng, int(bad.sum()), lo, hi, **options)
-            draw.lane[bad], draw.step[bad] = again.lane, again.step
-            if draw.weight is not None:
-                draw.weight[bad] = again.weight
-        raise EmptyBufferError(f"could not draw slices of {seq_len} steps inside one episode; "
-                               f"use pad=True or a shorter seq_len")
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any):
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
@@ -685,8 +657,7 @@ class ReplayBuffer:
             IndexError: a negative id. ClosedError: the buffer was closed.
         """
         self._require_open()
-        update = getattr(self.sampler, "update_priorities", None)
-        if update is None:
+        if not _takes_priorities(type(self.sampler)):
             raise TypeError(f"update_priorities needs a prioritized sampler; this buffer uses "
                             f"{type(self.sampler).__name__}")
         ids = np.asarray(index).reshape(-1)
@@ -694,7 +665,7 @@ class ReplayBuffer:
             raise IndexError(f"row ids must be non-negative integers, got {ids[:5]}... (dtype {ids.dtype})")
         lane, step = split_row_ids(ids.astype(np.int64), self.num_envs)
         lo, hi = self.storage.window()
-        return update(lane, step, td_errors, lo, hi)
+        return self.sampler.update_priorities(lane, step, td_errors, lo, hi)
 
     def episodes(self) -> EpisodeTable:
         """Every episode with readable rows: lane, start step, length, complete (ended and its
@@ -965,6 +936,13 @@ def _check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size")
     if need > memory:
         raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "
                          f"row), more than this machine's {memory:,} bytes of memory")
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_priorities(sampler_type: type) -> bool:
+    """Whether a sampler class satisfies `PrioritySampler` (checked once per class: the
+    protocol check costs microseconds)."""
+    return issubclass(sampler_type, PrioritySampler)
 
 
 def _check_options(sampler: Sampler, options: Mapping[str, Any]) -> None:

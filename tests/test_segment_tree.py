@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diskreplay import segment_tree as seg
-from diskreplay.segment_tree import MinSegmentTree, SumSegmentTree
+from diskreplay.sampling import segment_tree as seg
+from diskreplay.sampling.segment_tree import MinSegmentTree, SumSegmentTree
 
 # (levels recomputed whole by update, levels resolved by searchsorted): small
 # values force trees of a few hundred leaves through the per-level code paths.

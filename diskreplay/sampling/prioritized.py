@@ -1,129 +1,20 @@
-"""Samplers: which rows a minibatch takes. A buffer is composed with one; none subclasses it.
-
-A sampler sees the lane layout, the lane windows (``lo``, ``hi``: readable steps per lane) and
-notifications of appended steps; it returns (lane, step) pairs. Its state is plain data
-(`state_dict`), saved with the buffer at every commit and restored on open, so a resumed run
-draws exactly what an uninterrupted one would have.
-"""
+"""Proportional prioritized replay over the readable rows, on sum and min segment trees."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .lanes import LaneLayout, flat_to_lane_step
+from ..lanes import LaneLayout
+from .protocols import Draw, PrioritySampler
 from .segment_tree import MinSegmentTree, SumSegmentTree
+from .state import is_int
 
 
-@dataclass
-class Draw:
-    """A sampler's answer: rows ``(lane[i], step[i])`` and optional importance weights."""
-
-    lane: np.ndarray
-    step: np.ndarray
-    weight: np.ndarray | None = None
-    extra: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-class Sampler(Protocol):
-    """What a buffer needs of its sampler (`Uniform`, `Prioritized`, `WithoutReplacement`, or
-    your own class with these methods). A sampler may take keyword options in ``sample`` (e.g.
-    ``beta``), passed through from `ReplayBuffer.sample`."""
-
-    def attach(self, layout: LaneLayout) -> None:
-        """Called once when the buffer is created or opened."""
-
-    def on_append(self, lane: int, first: int, end: int) -> None:
-        """Steps ``[first, end)`` of ``lane`` were just stored."""
-
-    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
-        """``batch_size`` (lane, step) pairs drawn among each lane's readable steps ``[lo, hi)``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's state as plain data, saved with each commit."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a `state_dict`."""
-
-
-class Uniform(Sampler):
-    """Uniform sampling with replacement over every readable row of every lane.
-
-    ``recent_ratio`` of each batch (rounded) is drawn from the newest ``recent_rows`` rows
-    (split evenly over lanes) instead, as alf's ``recent_data_ratio``. ``sample(...,
-    recent_rows=c)`` draws the whole batch from the newest ``c`` rows (ERE; see `ere_schedule`).
-    """
-
-    def __init__(self, recent_ratio: float = 0.0, recent_rows: int = 0):
-        if not 0.0 <= recent_ratio <= 1.0:
-            raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
-        if recent_ratio > 0 and recent_rows < 1:
-            raise ValueError(f"recent_rows must be >= 1 when recent_ratio > 0, got {recent_rows}")
-        self.recent_ratio = recent_ratio
-        self.recent_rows = recent_rows
-
-    def attach(self, layout: LaneLayout) -> None:
-        self.layout = layout
-
-    def on_append(self, lane: int, first: int, end: int) -> None:
-        pass
-
-    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
-               recent_rows: int | None = None) -> Draw:
-        if recent_rows is not None:
-            return _uniform(rng, batch_size, _recent(lo, hi, recent_rows), hi)
-        n_recent = int(round(batch_size * self.recent_ratio))
-        if n_recent == 0:
-            return _uniform(rng, batch_size, lo, hi)
-        old = _uniform(rng, batch_size - n_recent, lo, hi)
-        new = _uniform(rng, n_recent, _recent(lo, hi, self.recent_rows), hi)
-        return Draw(np.concatenate([old.lane, new.lane]), np.concatenate([old.step, new.step]))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"type": "Uniform", "recent_ratio": self.recent_ratio, "recent_rows": self.recent_rows}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "Uniform":
-        """A sampler with the settings saved in ``state``."""
-        return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
-
-
-def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
-    if len(lo) == 1:
-        step = rng.integers(int(lo[0]), int(hi[0]), size=n)
-        return Draw(np.zeros(n, dtype=np.int64), step)
-    pos = rng.integers(0, int((hi - lo).sum()), size=n)
-    return Draw(*flat_to_lane_step(pos, lo, hi))
-
-
-def _recent(lo: np.ndarray, hi: np.ndarray, rows: int) -> np.ndarray:
-    """Per-lane lower bounds that keep (about) the newest ``rows`` rows over all lanes."""
-    if rows < 1:
-        raise ValueError(f"recent_rows must be >= 1, got {rows}")
-    per_lane = -(-rows // len(lo))
-    return np.maximum(lo, hi - per_lane)
-
-
-def ere_recent_rows(buffer_rows: int, k: int, updates: int, eta: float = 0.996, c_min: int = 2500) -> int:
-    """ERE's window for update ``k`` of ``updates`` (Wang & Ross 2019):
-    ``c_k = max(N * eta ** (k * 1000 / K), c_min)``, capped at ``N`` (the rows in the buffer)."""
-    c_k = max(int(buffer_rows * eta ** (k * 1000 / updates)), c_min)
-    return min(c_k, buffer_rows)
-
-
-def ere_schedule(buffer_rows: int, updates: int, eta: float = 0.996, c_min: int = 2500) -> Iterator[int]:
-    """Yield `ere_recent_rows` for k = 0..updates-1: pass each as ``buf.sample(B, recent_rows=c_k)``."""
-    for k in range(updates):
-        yield ere_recent_rows(buffer_rows, k, updates, eta, c_min)
-
-
-class Prioritized(Sampler):
+class Prioritized(PrioritySampler):
     """Proportional prioritized replay (Schaul et al. 2016) on in-RAM sum and min segment trees.
 
     New rows get the largest priority seen so far (or ``initial_priority``). ``update_priorities``
@@ -139,6 +30,8 @@ class Prioritized(Sampler):
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  initial_priority: float | None = None, stratified: bool = True):
+        """Raises ValueError for ``alpha``, ``beta`` or ``eps`` not finite and >= 0, or an
+        ``initial_priority`` not finite and > 0."""
         for name, value in (("alpha", alpha), ("beta", beta), ("eps", eps)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -151,6 +44,7 @@ class Prioritized(Sampler):
         self._pending: list[tuple[int, int, int]] = []
 
     def attach(self, layout: LaneLayout) -> None:
+        """One leaf per storage slot of every lane (dataset mode: 65,536 per lane, growing)."""
         self.layout = layout
         self.stride = layout.lane_capacity or 1 << 16
         self._make_trees(layout.num_envs * self.stride)
@@ -183,6 +77,7 @@ class Prioritized(Sampler):
         self.min_tree.update(leaves, np.where(values > 0, values, np.inf))
 
     def on_append(self, lane: int, first: int, end: int) -> None:
+        """Queue the new rows; they get the max priority before the next draw or update."""
         self._pending.append((lane, first, end))
 
     def _apply_pending(self) -> None:
@@ -259,6 +154,7 @@ class Prioritized(Sampler):
         return int(live.sum())
 
     def state_dict(self) -> dict[str, Any]:
+        """Settings, max priority, stride and every leaf (float64 ``[num_envs * stride]``)."""
         self._apply_pending()
         return {"type": "Prioritized", "alpha": self.alpha, "beta": self.beta, "eps": self.eps,
                 "initial_priority": self.initial_priority, "stratified": self.stratified,
@@ -266,6 +162,7 @@ class Prioritized(Sampler):
                 "leaves": self.sum_tree[np.arange(self.sum_tree.capacity)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Rebuild the trees from the saved leaves."""
         self.max_priority = float(state["max_priority"])
         self._pending = []
         self.stride = int(state["stride"])
@@ -275,7 +172,7 @@ class Prioritized(Sampler):
         self._set_leaves(nonzero, leaves[nonzero])
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "Prioritized":
+    def from_state_dict(cls, state: dict[str, Any]) -> Prioritized:
         """A sampler with the settings saved in ``state`` (its priorities come with `load_state_dict`)."""
         return cls(state["alpha"], state["beta"], state["eps"], state["initial_priority"], state["stratified"])
 
@@ -287,9 +184,9 @@ class Prioritized(Sampler):
         if layout.lane_capacity is not None:
             expected_stride = stride == layout.lane_capacity
         else:
-            expected_stride = (_is_int(stride) and (1 << 16) <= stride <= 2 * max(int(total.max(initial=0)), 1 << 16)
+            expected_stride = (is_int(stride) and (1 << 16) <= stride <= 2 * max(int(total.max(initial=0)), 1 << 16)
                                and stride & (stride - 1) == 0)
-        if not _is_int(stride) or not expected_stride:
+        if not is_int(stride) or not expected_stride:
             raise ValueError(f"'sampler.stride': expected {layout.lane_capacity or 'a power of two >= 65536 that fits the rows'}"
                              f", got {stride!r}")
         leaves = state["leaves"]
@@ -315,7 +212,7 @@ class _LeafRanges:
     inside: np.ndarray | None = None
 
     @classmethod
-    def readable(cls, sampler: Prioritized, lo: np.ndarray, hi: np.ndarray) -> "_LeafRanges":
+    def readable(cls, sampler: Prioritized, lo: np.ndarray, hi: np.ndarray) -> _LeafRanges:
         cap = sampler.layout.lane_capacity
         if cap is None or (hi - lo == np.minimum(hi, cap)).all():
             return cls(sampler)
@@ -345,122 +242,3 @@ class _LeafRanges:
         if self.start is None:
             return self.sampler.min_tree.min()
         return min(self.sampler.min_tree.min(int(a), int(b)) for a, b in zip(self.start, self.end))
-
-
-class WithoutReplacement(Sampler):
-    """Each readable row once per epoch, in a seeded random order; then a new epoch.
-
-    An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so
-    the saved state is a few integers. Rows overwritten during an epoch are skipped; rows added
-    during an epoch wait for the next one. A batch that crosses an epoch end is completed from
-    the next epoch.
-    """
-
-    def __init__(self):
-        self.epoch = -1
-        self.cursor = 0
-        self.epoch_seed = 0
-        self.epoch_lo = np.zeros(0, np.int64)
-        self.epoch_hi = np.zeros(0, np.int64)
-        self._order: tuple[np.ndarray, np.ndarray] | None = None
-
-    def attach(self, layout: LaneLayout) -> None:
-        self.layout = layout
-
-    def on_append(self, lane: int, first: int, end: int) -> None:
-        pass
-
-    def _start_epoch(self, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray) -> None:
-        self.epoch += 1
-        self.cursor = 0
-        self.epoch_seed = int(rng.integers(0, 2**63 - 1))
-        self.epoch_lo, self.epoch_hi = lo.copy(), hi.copy()
-        self._order = None
-
-    def order(self) -> tuple[np.ndarray, np.ndarray]:
-        """This epoch's (lane, step) sequence."""
-        if self._order is None:
-            n = int((self.epoch_hi - self.epoch_lo).sum())
-            perm = np.random.default_rng(self.epoch_seed).permutation(n)
-            self._order = flat_to_lane_step(perm, self.epoch_lo, self.epoch_hi)
-        return self._order
-
-    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
-        lanes, steps = [], []
-        need = batch_size
-        while need > 0:
-            if self.epoch < 0 or self.cursor >= len(self.order()[0]):
-                self._start_epoch(rng, lo, hi)
-            lane, step = self.order()
-            take_lane = lane[self.cursor:self.cursor + need]
-            take_step = step[self.cursor:self.cursor + need]
-            self.cursor += len(take_lane)
-            live = take_step >= lo[take_lane]
-            lanes.append(take_lane[live])
-            steps.append(take_step[live])
-            need -= int(live.sum())
-        return Draw(np.concatenate(lanes), np.concatenate(steps))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"type": "WithoutReplacement", "epoch": self.epoch, "cursor": self.cursor,
-                "epoch_seed": self.epoch_seed, "epoch_lo": self.epoch_lo.copy(), "epoch_hi": self.epoch_hi.copy()}
-
-    @staticmethod
-    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
-        """Raise ValueError unless ``state`` is a `state_dict` whose epoch covers readable steps."""
-        for name in ("epoch", "cursor", "epoch_seed"):
-            if not _is_int(state[name]) or not -1 <= state[name] < 2**63:
-                raise ValueError(f"'sampler.{name}': expected an int, got {state[name]!r}")
-        lo, hi = np.asarray(state["epoch_lo"]), np.asarray(state["epoch_hi"])
-        if (lo.shape != (layout.num_envs,) or hi.shape != lo.shape or lo.dtype.kind not in "iu"
-                or hi.dtype.kind not in "iu" or (lo < 0).any() or (hi < lo).any() or (hi > total).any()):
-            raise ValueError(f"'sampler.epoch_lo/epoch_hi': expected {layout.num_envs} steps per lane with "
-                             f"0 <= lo <= hi <= {total.tolist()}, got {lo.tolist()} and {hi.tolist()}")
-        if not 0 <= state["cursor"] <= int((hi - lo).sum()):
-            raise ValueError(f"'sampler.cursor': expected an int in [0, {int((hi - lo).sum())}], got {state['cursor']}")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self.epoch_seed = int(state["epoch_seed"])
-        self.epoch_lo = np.asarray(state["epoch_lo"], np.int64)
-        self.epoch_hi = np.asarray(state["epoch_hi"], np.int64)
-        self._order = None
-
-
-SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform, "Prioritized": Prioritized,
-                                  "WithoutReplacement": WithoutReplacement}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def check_sampler_state(sampler: Sampler, state: Any, layout: LaneLayout, total: np.ndarray) -> None:
-    """Raise ValueError (naming the field) unless ``state`` can be loaded into ``sampler``. A
-    saved state of another sampler type is no error: it is not loaded (see `load_sampler_state`)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"'sampler': expected a mapping, got {type(state).__name__}")
-    check = getattr(type(sampler), "check_state", None)
-    if check is not None and state.get("type") == type(sampler).__name__:
-        try:
-            check(state, layout, np.asarray(total))
-        except KeyError as exc:
-            raise ValueError(f"'sampler': {exc} is missing") from None
-
-
-def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> None:
-    """Load a saved sampler state into ``sampler``, unless it was saved by another of the built-in
-    sampler types (a reader may sample with another sampler than the writer's)."""
-    saved = state.get("type")
-    if saved == type(sampler).__name__ or saved not in SAMPLER_TYPES:
-        sampler.load_state_dict(state)
-
-
-def sampler_from_state(state: dict[str, Any] | None) -> Sampler:
-    """Rebuild the sampler a buffer was saved with (its type and settings; state loaded later)."""
-    if not state:
-        return Uniform()
-    kind = SAMPLER_TYPES.get(state.get("type", ""))
-    if kind is None:
-        raise ValueError(f"the buffer was saved with sampler {state.get('type')!r}; pass sampler= to open")
-    return kind.from_state_dict(state) if hasattr(kind, "from_state_dict") else kind()

@@ -1,0 +1,31 @@
+"""The built-in sampler types by the name their saved state carries: rebuild and load a saved sampler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .prioritized import Prioritized
+from .protocols import Sampler
+from .uniform import Uniform
+from .without_replacement import WithoutReplacement
+
+SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform, "Prioritized": Prioritized,
+                                  "WithoutReplacement": WithoutReplacement}
+
+
+def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> None:
+    """Load a saved sampler state into ``sampler``, unless it was saved by another of the built-in
+    sampler types (a reader may sample with another sampler than the writer's)."""
+    saved = state.get("type")
+    if saved == type(sampler).__name__ or saved not in SAMPLER_TYPES:
+        sampler.load_state_dict(state)
+
+
+def sampler_from_state(state: dict[str, Any] | None) -> Sampler:
+    """Rebuild the sampler a buffer was saved with (its type and settings; state loaded later)."""
+    if not state:
+        return Uniform()
+    kind = SAMPLER_TYPES.get(state.get("type", ""))
+    if kind is None:
+        raise ValueError(f"the buffer was saved with sampler {state.get('type')!r}; pass sampler= to open")
+    return kind.from_state_dict(state) if hasattr(kind, "from_state_dict") else kind()

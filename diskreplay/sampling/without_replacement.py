@@ -1,0 +1,97 @@
+"""Sampling without replacement: every readable row once per epoch, in a seeded random order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..lanes import LaneLayout, flat_to_lane_step
+from .protocols import Draw, Sampler
+from .state import is_int
+
+
+class WithoutReplacement(Sampler):
+    """Each readable row once per epoch, in a seeded random order; then a new epoch.
+
+    An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so
+    the saved state is a few integers. Rows overwritten during an epoch are skipped; rows added
+    during an epoch wait for the next one. A batch that crosses an epoch end is completed from
+    the next epoch.
+    """
+
+    def __init__(self) -> None:
+        """No epoch yet: the first `sample` starts epoch 0."""
+        self.epoch = -1
+        self.cursor = 0
+        self.epoch_seed = 0
+        self.epoch_lo = np.zeros(0, np.int64)
+        self.epoch_hi = np.zeros(0, np.int64)
+        self._order: tuple[np.ndarray, np.ndarray] | None = None
+
+    def attach(self, layout: LaneLayout) -> None:
+        """Keep the buffer's lane layout."""
+        self.layout = layout
+
+    def on_append(self, lane: int, first: int, end: int) -> None:
+        """Nothing to track: rows added during an epoch wait for the next one."""
+
+    def _start_epoch(self, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray) -> None:
+        self.epoch += 1
+        self.cursor = 0
+        self.epoch_seed = int(rng.integers(0, 2**63 - 1))
+        self.epoch_lo, self.epoch_hi = lo.copy(), hi.copy()
+        self._order = None
+
+    def order(self) -> tuple[np.ndarray, np.ndarray]:
+        """This epoch's (lane, step) sequence."""
+        if self._order is None:
+            n = int((self.epoch_hi - self.epoch_lo).sum())
+            perm = np.random.default_rng(self.epoch_seed).permutation(n)
+            self._order = flat_to_lane_step(perm, self.epoch_lo, self.epoch_hi)
+        return self._order
+
+    def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
+        """The next ``batch_size`` rows of this epoch still readable (``step >= lo``), starting
+        a new epoch (seeded from ``rng``) over ``[lo, hi)`` whenever one runs out."""
+        lanes, steps = [], []
+        need = batch_size
+        while need > 0:
+            if self.epoch < 0 or self.cursor >= len(self.order()[0]):
+                self._start_epoch(rng, lo, hi)
+            lane, step = self.order()
+            take_lane = lane[self.cursor:self.cursor + need]
+            take_step = step[self.cursor:self.cursor + need]
+            self.cursor += len(take_lane)
+            live = take_step >= lo[take_lane]
+            lanes.append(take_lane[live])
+            steps.append(take_step[live])
+            need -= int(live.sum())
+        return Draw(np.concatenate(lanes), np.concatenate(steps))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch number, cursor, epoch seed and the epoch's per-lane window."""
+        return {"type": "WithoutReplacement", "epoch": self.epoch, "cursor": self.cursor,
+                "epoch_seed": self.epoch_seed, "epoch_lo": self.epoch_lo.copy(), "epoch_hi": self.epoch_hi.copy()}
+
+    @staticmethod
+    def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
+        """Raise ValueError unless ``state`` is a `state_dict` whose epoch covers readable steps."""
+        for name in ("epoch", "cursor", "epoch_seed"):
+            if not is_int(state[name]) or not -1 <= state[name] < 2**63:
+                raise ValueError(f"'sampler.{name}': expected an int, got {state[name]!r}")
+        lo, hi = np.asarray(state["epoch_lo"]), np.asarray(state["epoch_hi"])
+        if (lo.shape != (layout.num_envs,) or hi.shape != lo.shape or lo.dtype.kind not in "iu"
+                or hi.dtype.kind not in "iu" or (lo < 0).any() or (hi < lo).any() or (hi > total).any()):
+            raise ValueError(f"'sampler.epoch_lo/epoch_hi': expected {layout.num_envs} steps per lane with "
+                             f"0 <= lo <= hi <= {total.tolist()}, got {lo.tolist()} and {hi.tolist()}")
+        if not 0 <= state["cursor"] <= int((hi - lo).sum()):
+            raise ValueError(f"'sampler.cursor': expected an int in [0, {int((hi - lo).sum())}], got {state['cursor']}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch (its order is recomputed from the seed on first use)."""
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.epoch_seed = int(state["epoch_seed"])
+        self.epoch_lo = np.asarray(state["epoch_lo"], np.int64)
+        self.epoch_hi = np.asarray(state["epoch_hi"], np.int64)
+        self._order = None
