@@ -36,10 +36,7 @@ __all__ += sorted(_TORCH_DATA | _DEVICE)
 
 def __getattr__(name: str):
     """torch is imported only when its parts are first used: ``import diskreplay`` stays light."""
-    if name in _TORCH_DATA:
-        from . import torch_data
-        return getattr(torch_data, name)
-    if name in _DEVICE:
-        from . import device
-        return getattr(device, name)
+    if name in _TORCH_DATA or name in _DEVICE:
+        from . import torch as torch_layer
+        return getattr(torch_layer, name)
     raise AttributeError(f"module 'diskreplay' has no attribute {name!r}")

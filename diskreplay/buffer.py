@@ -637,9 +637,9 @@ class ReplayBuffer:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
 
         ``mode="sample"``: endless batches from the buffer's sampler; ``"epoch"``: every row once
-        per epoch. Options and resume semantics: `diskreplay.torch_data.make_dataset`.
+        per epoch. Options and resume semantics: `diskreplay.torch.data.make_dataset`.
         """
-        from .torch_data import make_dataset
+        from .torch.data import make_dataset
 
         self._require_open()
         return make_dataset(self, batch_size, mode, **options)

@@ -1,4 +1,4 @@
-"""Tests of diskreplay.device.to_device: ordering, slot ring reuse, batch lifetime, event waits,
+"""Tests of diskreplay.torch.device.to_device: ordering, slot ring reuse, batch lifetime, event waits,
 state lag. The ring logic runs on CPU; CUDA tests are marked ``cuda`` and skipped without a GPU."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import diskreplay as dr
-from diskreplay.device import DevicePrefetcher, to_device
-from diskreplay.torch_data import make_dataset
+from diskreplay.torch.device import DevicePrefetcher, to_device
+from diskreplay.torch.data import make_dataset
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,4 +1,4 @@
-"""Tests of diskreplay.torch_data: sharding, exact resume, determinism, pickling, workers, live
+"""Tests of diskreplay.torch.data: sharding, exact resume, determinism, pickling, workers, live
 buffers and the main-process index sampler. Buffers are small (a few thousand rows, 64-row chunks)
 and caches a few MB, so the whole file runs in well under a minute on two cores."""
 
@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
-from diskreplay.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
-from diskreplay.torch_data import (IndexBatch, IndexBatchSampler, RowDataset, dataset_state_from_loader,
-                                   make_dataset, merge_worker_states)
+from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
+from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
+from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
 CACHE = 4 * 2**20

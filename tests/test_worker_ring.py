@@ -1,4 +1,4 @@
-"""Tests of the worker ring (diskreplay.shared_ring, issue #13): fork DataLoader workers gather
+"""Tests of the worker ring (diskreplay.torch.shared_ring, issue #13): fork DataLoader workers gather
 batches into shared-memory slots and hand over slot numbers; the DataLoader's process sees dicts
 of tensors viewing the slots, freed when the last view dies. Values must equal the in-process
 stream exactly, every fallback must give the same values, and nothing may overwrite a batch in use.
@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
-from diskreplay import shared_ring
-from diskreplay.batch_rng import BatchRngs
-from diskreplay.shared_ring import FREE, HELD, SENT, SlotBatch, WorkerRing
-from diskreplay.torch_data import make_dataset
+from diskreplay.torch import shared_ring
+from diskreplay.torch.batch_rng import BatchRngs
+from diskreplay.torch.shared_ring import FREE, HELD, SENT, SlotBatch, WorkerRing
+from diskreplay.torch.data import make_dataset
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "reward": dr.Field((), "float32"),
           "done": dr.Field((), "bool")}

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchlib as bl  # noqa: E402
 
 import diskreplay as dr  # noqa: E402
-from diskreplay.torch_data import make_dataset  # noqa: E402
+from diskreplay.torch.data import make_dataset  # noqa: E402
 
 BATCH = 256
 CHUNK_ROWS = 4096

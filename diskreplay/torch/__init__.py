@@ -1,0 +1,32 @@
+"""The torch layer: datasets, device prefetch and the worker ring over a `ReplayBuffer`.
+
+Importing this package imports torch (``import diskreplay`` alone does not). Modules:
+
+* `data` - `make_dataset` and the resume helpers; `datasets` - `SampleDataset` / `EpochDataset`;
+  `rows` - `IndexBatchSampler` + `RowDataset`; `reader`, `tensors` - their shared parts;
+* `device` - `to_device`: batches copied to a device through pinned host slots;
+* `shared_ring` - the shared-memory slots fork DataLoader workers gather batches into;
+* `batch_rng`, `epoch_order` - per-batch generators and epoch orders as pure functions of a few ints.
+
+Tunables read at run time (e.g. ``shared_ring.DEFAULT_WORKERS``) stay in their module.
+"""
+
+from .batch_rng import BatchRngs
+from .data import dataset_state_from_loader, make_dataset, merge_worker_states
+from .datasets import EpochDataset, SampleDataset
+from .device import DevicePrefetcher, to_device
+from .epoch_order import SHUFFLES, EpochOrder, Shard, chunk_pieces, expand_pieces, shard_range, slice_pieces
+from .reader import committed_window, current_shard, resolve_rank
+from .rows import IndexBatch, IndexBatchSampler, RowDataset
+from .shared_ring import FREE, HELD, SENT, ArraySpec, SlotBatch, WorkerRing, plan_slot
+from .tensors import Batch, packed_tensors, to_tensors
+
+__all__ = [
+    "make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
+    "merge_worker_states", "dataset_state_from_loader", "resolve_rank", "current_shard", "committed_window",
+    "Batch", "to_tensors", "packed_tensors",
+    "to_device", "DevicePrefetcher",
+    "WorkerRing", "SlotBatch", "ArraySpec", "plan_slot", "FREE", "SENT", "HELD",
+    "BatchRngs",
+    "EpochOrder", "Shard", "SHUFFLES", "chunk_pieces", "expand_pieces", "slice_pieces", "shard_range",
+]

@@ -1,0 +1,329 @@
+"""The iterable datasets `make_dataset` builds: endless sampled batches (`SampleDataset`) and
+every committed row once per epoch (`EpochDataset`), each sharded over ranks and workers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from ..buffer import BATCH_EXTRAS, ReplayBuffer
+from ..errors import EmptyBufferError
+from ..lanes import LaneLayout, row_ids
+from ..sampling import Uniform
+from .batch_rng import BatchRngs
+from .epoch_order import EpochOrder, Shard
+from .reader import Reader, current_shard
+from .shared_ring import WorkerRing
+from .tensors import Sink, sink_for, to_tensors
+
+
+class _BufferDataset(tud.IterableDataset):
+    """What sample and epoch mode share: the reader, the shard, plain-data state."""
+
+    mode = ""
+
+    def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
+                 world_size: int, ring: WorkerRing | None = None):
+        self._reader = reader
+        self.layout = layout
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        self._shard = Shard(rank, world_size)  # shard of the saved/current position
+        self._batch = 0
+        self._ring = ring
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only)."""
+        return {**self.__dict__, "_ring": None}
+
+    @property
+    def worker_ring(self) -> WorkerRing | None:
+        """The shared-memory slots fork workers hand batches over in (None: not used); see
+        `diskreplay.torch.shared_ring`. ``worker_ring.stats()`` counts hand-overs and fallbacks."""
+        return self._ring
+
+    @property
+    def url(self) -> str:
+        return self._reader.url
+
+    def io_stats(self) -> dict[str, int]:
+        """Chunk fetches by this process's reader since it opened (and the decoded bytes)."""
+        if self._reader._buf is None:
+            return {"chunk_fetches": 0, "bytes_decoded": 0}
+        n = self._reader.chunk_fetches
+        return {"chunk_fetches": n, "bytes_decoded": n * self._reader.chunk_bytes()}
+
+    def iter_into(self, destination: Callable[[], dict[str, np.ndarray] | None]
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+        """Iterate in this process, gathering each batch into the arrays ``destination()``
+        returns just before it (``[>= B, *shape]`` per name; None: new arrays): how `to_device`
+        fills its pinned host slots without a copy. The yielded tensors share their memory."""
+        return self._iterate(Sink(destination, to_tensors))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches as dicts of tensors; in a fork DataLoader worker, `SlotBatch` handles that
+        become such dicts when the DataLoader's process receives them."""
+        return self._iterate(sink_for(self._ring))
+
+    @staticmethod
+    def _gather(buf: ReplayBuffer, names: frozenset[str], lane: np.ndarray, step: np.ndarray,
+                into: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        ids = row_ids(lane, step, buf.num_envs)
+        out = _out(names, into, len(ids))
+        rows = buf.rows(ids, out=out and {k: v for k, v in out.items() if k != "index"})
+        rows["index"] = ids
+        if out and "index" in out:
+            rows["index"] = out["index"]
+            rows["index"][...] = ids
+        return rows
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("mode") != self.mode:
+            raise ValueError(f"state is for a {state.get('mode')!r}-mode dataset, this one is {self.mode!r}")
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state was saved with seed {state['seed']}, this dataset has seed {self.seed}")
+
+
+class SampleDataset(_BufferDataset):
+    """Endless sampled batches: ``{field: [B, *shape], "index": [B] int64 (+ "weight")}`` tensors.
+
+    Batch ``b`` of rank ``r`` draws from ``numpy.random.default_rng([seed, r, b])``, and worker ``w``
+    of ``W`` produces batches ``b = w, w + W, ...``; the DataLoader interleaves workers round-robin,
+    so the stream is the same for any ``num_workers`` (given the same buffer contents), ranks get
+    independent streams, and a position is one int. Resuming *across a change of num_workers* is
+    supported: convert a StatefulDataLoader state with `dataset_state_from_loader` (or save from
+    ``num_workers=0``) and load it into the dataset before building the new loader.
+
+    Live buffers: each reader adopts new commits every ``refresh_every`` batches and/or every
+    ``refresh_seconds`` (window changes make the stream timing-dependent). Stateful samplers
+    (``WithoutReplacement``) keep independent state per worker; prioritized samplers use the
+    priorities of the last commit: for live priorities use `IndexBatchSampler`.
+    """
+
+    mode = "sample"
+
+    def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
+                 world_size: int, refresh_every: int | None, refresh_seconds: float | None,
+                 sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
+        self.refresh_every = refresh_every
+        self.refresh_seconds = refresh_seconds
+        self.sample_options = dict(sample_options or {})
+
+    def __repr__(self) -> str:
+        return (f"SampleDataset({self.url!r}, batch_size={self.batch_size}, batch={self._batch}, seed={self.seed}, "
+                f"rank={self.rank}/{self.world_size}, sample_options={self.sample_options})")
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"mode", "seed", "batch": next batch index of this copy, shard}``: plain ints."""
+        return {"mode": self.mode, "seed": self.seed, "batch": self._batch, **self._shard.as_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from `state_dict`, `merge_worker_states` or
+        `dataset_state_from_loader`). Raises ValueError for another mode, seed or world size."""
+        self._check_state(state)
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(f"state has world_size {state['world_size']}, this dataset {self.world_size}")
+        self._batch = int(state["batch"])
+        self._shard = Shard(self.rank, self.world_size, int(state["worker"]), int(state["num_workers"]))
+
+    def _start(self, shard: Shard) -> int:
+        saved = self._shard
+        if (saved.worker, saved.num_workers) == (shard.worker, shard.num_workers):
+            return self._batch
+        if saved.num_workers == 1:  # a rank-global position: the first batch >= it that is ours
+            b = self._batch
+            return b + (shard.worker - b) % shard.num_workers
+        raise ValueError(f"sample-mode state of worker {saved.worker}/{saved.num_workers} cannot be "
+                         f"loaded into worker {shard.worker}/{shard.num_workers}: merge the workers' "
+                         f"states with merge_worker_states / dataset_state_from_loader first")
+
+    def _iterate(self, sink: Sink) -> Iterator[Any]:
+        shard = current_shard(self.rank, self.world_size)
+        try:
+            start = self._start(shard)
+        except ValueError as exc:
+            return _raising(exc)  # raised on first next(): a worker then reports it cleanly
+        self._shard, self._batch = shard, start
+        return self._generate(shard, start, sink)
+
+    def _generate(self, shard: Shard, b: int, sink: Sink) -> Iterator[Any]:
+        buf = self._reader.get()
+        plain = all(self.sample_options.get(k) is None for k in ("seq_len", "n_step", "stack", "her"))
+        names, size, options = _out_names(buf), self.batch_size, self.sample_options
+        rngs = BatchRngs(self.seed, self.rank, shard.num_workers)
+        every, seconds = self.refresh_every, self.refresh_seconds
+        last_refresh, since = time.monotonic(), 0
+        try:
+            while True:
+                since += 1
+                if (every is not None and since >= every) or (
+                        seconds is not None and time.monotonic() - last_refresh >= seconds):
+                    buf.refresh()
+                    last_refresh, since = time.monotonic(), 0
+                out = _out(names, sink.destination(), size) if plain else None
+                try:
+                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
+                except EmptyBufferError:  # nothing committed when this reader opened or refreshed
+                    buf.refresh()
+                    last_refresh, since = time.monotonic(), 0
+                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
+                b += shard.num_workers
+                self._batch = b
+                yield sink.emit(batch)
+        finally:
+            sink.close()
+
+
+class EpochDataset(_BufferDataset):
+    """Every committed row once per epoch (see `make_dataset` for the options), as batches
+    ``{field: [<=B, *shape], "index": [<=B] int64}`` of tensors.
+
+    Rows of an epoch are the window saved in the state (taken at `make_dataset` or `set_epoch(...,
+    refresh=True)`); its order is a pure function of (seed, epoch, those rows, shard layout). They
+    must stay readable for the epoch (a ring must not overwrite them).
+
+    Epochs advance by themselves when the same dataset object iterates again (``num_workers=0``,
+    or ``persistent_workers=True``); non-persistent workers restart from the main process's copy,
+    so call ``ds.set_epoch(e)`` before each epoch then (like ``DistributedSampler``).
+
+    Resume: exact within an epoch for the same ``world_size`` and ``num_workers`` (positions are
+    per worker); at an epoch boundary, for any. A state saved on one rank may be loaded on every
+    rank when ranks advance in lockstep (``pad=True`` or ``drop_last=True``).
+    """
+
+    mode = "epoch"
+
+    def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
+                 world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
+                 pad: bool, drop_last: bool, ring: WorkerRing | None = None):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
+        self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
+        self.shuffle, self.shuffle_window = shuffle, shuffle_window
+        self.pad, self.drop_last = pad, drop_last
+        self._epoch = 0
+        self._done = False  # this copy produced every batch of its shard's epoch
+        self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration yields (advances after each full pass)."""
+        return self._epoch
+
+    def order(self, epoch: int, shard: Shard) -> EpochOrder:
+        """The row order of ``epoch`` for one shard (rank and worker): a pure function of the seed."""
+        return EpochOrder(self.layout, np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64),
+                          seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window,
+                          shard=shard, pad=self.pad, drop_last=self.drop_last, batch_size=self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch, iterated in this process or, inside a DataLoader
+        worker, by all workers of its DataLoader (each worker's last batch may be short, so
+        with N workers the count is `batches_per_epoch(N)`)."""
+        info = tud.get_worker_info()
+        return self.batches_per_epoch(0 if info is None else info.num_workers)
+
+    def __repr__(self) -> str:
+        rows = sum(h - lo for lo, h in zip(self.lo, self.hi))
+        return (f"EpochDataset({self.url!r}, batch_size={self.batch_size}, rows={rows}, epoch={self._epoch}, "
+                f"shuffle={self.shuffle!r}, seed={self.seed}, rank={self.rank}/{self.world_size})")
+
+    def batches_per_epoch(self, num_workers: int = 0) -> int:
+        """Batches this rank yields per epoch with ``num_workers`` DataLoader workers."""
+        nw = max(num_workers, 1)
+        return sum(self.order(self._epoch, Shard(self.rank, self.world_size, w, nw)).num_batches
+                   for w in range(nw))
+
+    def set_epoch(self, epoch: int, refresh: bool = False) -> None:
+        """Start epoch ``epoch`` at its first batch; ``refresh``: first adopt the rows committed now."""
+        if refresh:
+            buf = ReplayBuffer.open(self.url, "r", storage_options=self._reader.storage_options,
+                                    sampler=Uniform())
+            lo, hi = buf.storage.window()
+            buf.close()
+            self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
+        self._epoch, self._batch, self._done = int(epoch), 0, False
+        self._shard, self._resuming = Shard(self.rank, self.world_size), False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"mode", "seed", "epoch", "batch", "done", "lo", "hi", shard}``: plain ints/lists."""
+        return {"mode": self.mode, "seed": self.seed, "epoch": self._epoch, "batch": self._batch,
+                "done": self._done, "lo": list(self.lo), "hi": list(self.hi), **self._shard.as_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``. Inside a worker (StatefulDataLoader) a finished shard stays
+        finished for the rest of that epoch; in the main process a finished state means "next epoch".
+
+        Raises:
+            ValueError: another mode or seed; a mid-epoch state used with another world size or
+                number of workers (raised when iteration starts).
+        """
+        self._check_state(state)
+        self.lo, self.hi = [int(x) for x in state["lo"]], [int(x) for x in state["hi"]]
+        self._epoch, self._batch, self._done = int(state["epoch"]), int(state["batch"]), bool(state["done"])
+        self._shard = Shard(self.rank, int(state["world_size"]), int(state["worker"]), int(state["num_workers"]))
+        in_worker = tud.get_worker_info() is not None
+        self._resuming = in_worker
+        if self._done and not in_worker and self._shard.num_workers == 1:
+            self._epoch, self._batch, self._done = self._epoch + 1, 0, False
+
+    def _adopt(self, shard: Shard) -> None:
+        saved = self._shard
+        same = (saved.world_size, saved.worker, saved.num_workers) == (
+            shard.world_size, shard.worker, shard.num_workers)
+        if not same and (self._batch > 0 or self._done):
+            raise ValueError(
+                f"epoch {self._epoch} was stopped mid-epoch with world_size={saved.world_size}, "
+                f"num_workers={saved.num_workers}; it can only resume with the same settings "
+                f"(now world_size={shard.world_size}, num_workers={shard.num_workers}); resume at an "
+                f"epoch boundary to change them")
+        if self._done and not self._resuming:
+            self._epoch, self._batch, self._done = self._epoch + 1, 0, False
+        self._shard, self._resuming = shard, False
+
+    def _iterate(self, sink: Sink) -> Iterator[Any]:
+        shard = current_shard(self.rank, self.world_size)
+        try:
+            self._adopt(shard)
+        except ValueError as exc:
+            return _raising(exc)  # raised on first next(): a worker then reports it cleanly
+        order = self.order(self._epoch, shard)
+        if self._batch >= order.num_batches:
+            self._done = True
+        return self._generate(order, self._batch, sink)
+
+    def _generate(self, order: EpochOrder, first: int, sink: Sink) -> Iterator[Any]:
+        if first >= order.num_batches:
+            return
+        buf = self._reader.get()
+        names, last = _out_names(buf), order.num_batches
+        try:
+            for k, (lane, step) in enumerate(order.batches(first), start=first):
+                batch = self._gather(buf, names, lane, step, sink.destination())
+                self._batch, self._done = k + 1, k + 1 == last
+                yield sink.emit(batch)
+        finally:
+            sink.close()
+
+
+def _out_names(buf: ReplayBuffer) -> frozenset[str]:
+    """The names a batch of ``buf`` can be gathered into (its fields and the batch extras)."""
+    return frozenset(buf.fields) | frozenset(BATCH_EXTRAS)
+
+
+def _out(names: frozenset[str], into: dict[str, np.ndarray] | None, rows: int) -> dict[str, np.ndarray] | None:
+    """The first ``rows`` of the destination arrays (of ``names``) a batch can be gathered into."""
+    if into is None:
+        return None
+    return {k: v[:rows] for k, v in into.items() if k in names}
+
+
+
+def _raising(exc: Exception) -> Iterator[Any]:
+    raise exc
+    yield  # a generator: raises on first next()
