@@ -6,14 +6,12 @@ from .chunkstore import RetryPolicy
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,
                      StoreUnavailableError)
-from .derived import EpisodicReturn
-from .episodes import EpisodeTable
-from .returns import discount_cumsum, episodic_returns, gae_advantages, normalize_advantages, nstep_targets
+from .episodes import (HER, EpisodeTable, EpisodicReturn, discount_cumsum, episodic_returns, gae_advantages,
+                       normalize_advantages, nstep_targets)
 from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows,
                        ere_schedule)
 from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 from .rollout import RolloutBuffer
-from .transitions import HER
 from .schema import Field
 
 __version__ = "0.1.0"

@@ -12,11 +12,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import snapshot, transitions, zarr_layout
+from . import snapshot, zarr_layout
 from .chunkstore import RetryPolicy, is_local, local_path, open_chunkstore
 from .commit import COMMIT_KEY, Commit
-from .derived import EpisodicReturn, RowView, derived_next_fields
-from .episodes import EpisodeIndex, EpisodeTable
+from .episodes import HER, EpisodeIndex, EpisodeTable, EpisodicReturn, RowView, derived_next_fields
+from .episodes import transforms as transitions
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, EmptyBufferError, NotABufferError,
                      SchemaError, StaleReadError)
 from .lanes import is_empty, row_ids, split_row_ids
@@ -25,7 +25,6 @@ from .sampling import (SAMPLER_TYPES, PrioritySampler, Sampler, SliceSampler, Un
                        load_sampler_state, sampler_from_state)
 from .schema import Field, Schema
 from .storage import DEFAULT_CACHE_BYTES, Storage, default_chunk_rows, output_rows, physical_memory
-from .transitions import HER
 
 BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
 """Arrays a batch holds besides the fields, which ``out=`` may also provide."""

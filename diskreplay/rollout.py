@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .buffer import ReplayBuffer
-from .returns import gae_advantages, normalize_advantages
+from .episodes.returns import gae_advantages, normalize_advantages
 from .schema import Field
 
 REQUIRED = ("reward", "value", "log_prob")
@@ -77,7 +77,7 @@ class RolloutBuffer:
     def compute_returns_and_advantages(self, last_values: np.ndarray, last_dones: np.ndarray,
                                        gamma: float = 0.99, gae_lambda: float = 0.95,
                                        next_values: np.ndarray | None = None) -> None:
-        """GAE-lambda over the rollout (see `diskreplay.returns.gae_advantages`).
+        """GAE-lambda over the rollout (see `diskreplay.episodes.returns.gae_advantages`).
 
         Args:
             last_values: V(s_T) per env, shape ``(num_envs,)``: the value after the last step.

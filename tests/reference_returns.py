@@ -1,5 +1,5 @@
 """Plain-Python references for returns (1-D lists, explicit loops, obviously correct), shared by
-the tests of `diskreplay.returns`, `RolloutBuffer` and the episodic-return field."""
+the tests of `diskreplay.episodes.returns`, `RolloutBuffer` and the episodic-return field."""
 
 
 def ref_discount_cumsum(x, gamma, dones):

@@ -1,4 +1,4 @@
-"""Tests for diskreplay.returns against explicit-loop reference implementations."""
+"""Tests for diskreplay.episodes.returns against explicit-loop reference implementations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diskreplay.returns import (
+from diskreplay.episodes.returns import (
     discount_cumsum,
     episodic_returns,
     gae_advantages,

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
-from diskreplay import transitions
+from diskreplay.episodes import transforms as transitions
 
 LANE_STRIDE = 10_000  # obs[0] = lane * LANE_STRIDE + step: every row ever added is identifiable
 

@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
+from ..schema import Schema
+from ..storage import Storage
 from .derived import RowView
-from .episodes import EpisodeIndex
-from .schema import Schema
-from .storage import Storage
+from .index import EpisodeIndex
 
 
 def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from .episodes import NO_END, EpisodeIndex
+from ..schema import Field, Schema
+from ..storage import Storage
+from .index import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
-from .schema import Field, Schema
-from .storage import Storage
 
 
 def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
