@@ -2,7 +2,7 @@
 
 from .buffer import ReplayBuffer
 from .offline import export_buffer, import_dataset
-from .chunkstore import RetryPolicy
+from .io import RetryPolicy
 from .errors import (BufferExistsError, ClosedError, CorruptBufferError, DiskReplayError, EmptyBufferError,
                      LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,
                      StoreUnavailableError)
@@ -12,7 +12,7 @@ from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, 
                        ere_schedule)
 from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 from .rollout import RolloutBuffer
-from .schema import Field
+from .format.schema import Field
 
 __version__ = "0.1.0"
 

@@ -212,7 +212,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
-    from .lock import break_lock, lock_holder
+    from .io.lock import break_lock, lock_holder
 
     holder = lock_holder(args.url)
     if holder is None:

@@ -135,7 +135,7 @@ def _tour(directory: str, steps: int, num_envs: int, seed: int, seconds: float, 
     results[f"DataLoader rows/s ({how})"] = _timed(lambda: len(next(loader)["index"]), seconds)[0]
     reader.close()
 
-    rows_before, sequence = len(buf), buf.storage.commit_record.sequence
+    rows_before, sequence = len(buf), buf.stats().commit_sequence
     buf.close()
     results["MB on disk"] = _disk_mb(path)
     buf = dr.ReplayBuffer.open(path, mode="r+")

@@ -15,7 +15,8 @@ import numpy as np
 
 from .buffer import ReplayBuffer
 from .episodes.returns import gae_advantages, normalize_advantages
-from .schema import Field
+from .format.lanes import row_ids
+from .format.schema import Field
 
 REQUIRED = ("reward", "value", "log_prob")
 
@@ -68,10 +69,10 @@ class RolloutBuffer:
 
     def rows(self) -> dict[str, np.ndarray]:
         """This rollout's rows, time-major: ``{field: [num_steps, num_envs, *shape]}``."""
-        lo, hi = self.buffer.storage.window()
+        _, hi = self.buffer.window()
         steps = (hi[:, None] - self._added + np.arange(self._added)[None, :]).T.reshape(-1)
         lanes = np.tile(np.arange(self.num_envs), self._added)
-        rows = self.buffer.storage.gather(lanes, steps)
+        rows = self.buffer.rows(row_ids(lanes, steps, self.num_envs))
         return {k: v.reshape(self._added, self.num_envs, *v.shape[1:]) for k, v in rows.items()}
 
     def compute_returns_and_advantages(self, last_values: np.ndarray, last_dones: np.ndarray,

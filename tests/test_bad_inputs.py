@@ -34,7 +34,7 @@ FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int16"), "done"
           "img": dr.Field((2, 2), "uint8"), "temp": dr.Field((), "float16")}
 ENVS = 2
 STEPS = 20  # steps per lane in every template but "empty"
-METADATA_LIMIT = 16 << 20  # zarr_layout.MAX_METADATA_BYTES
+METADATA_LIMIT = 16 << 20  # format.keys.MAX_METADATA_BYTES
 STATE_OBJECT = r"state object 'state/\d{12}-[0-9a-f]{16}\.safetensors'"
 CLOSED = r"buffer '[^']*buf' is closed; open it again to use it"
 UNREADABLE_LOCK = r"already open for writing by an unreadable lock object .*break_lock=True"

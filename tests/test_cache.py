@@ -7,9 +7,9 @@ import pytest
 
 import diskreplay as dr
 from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
-from diskreplay.cache import ChunkCache
-from diskreplay.lanes import LaneLayout
-from diskreplay.schema import Field, Schema
+from diskreplay.storage.cache import ChunkCache
+from diskreplay.format.lanes import LaneLayout
+from diskreplay.format.schema import Field, Schema
 from diskreplay.storage import cache_slots
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
@@ -28,24 +28,29 @@ def A(*values):
 # ---- ChunkCache unit behaviour ------------------------------------------------------------------
 
 
+def table(cache):
+    """The cache's (lane, chunk) -> slot table, read through its public lookup."""
+    lanes, chunks = np.meshgrid(np.arange(cache.lanes), np.arange(cache.width), indexing="ij")
+    return cache.slots_of(lanes.ravel(), chunks.ravel()).reshape(cache.lanes, cache.width)
+
+
 def test_layout_of_a_fresh_cache():
     cache = make_cache()
-    assert cache.table.shape == (2, 4) and (cache.table == -1).all()
+    assert table(cache).shape == (2, 4) and (table(cache) == -1).all()
     for name, field in SMALL_FIELDS.items():
         assert cache.slabs[name].shape == (3 * 3, *field.shape)
         assert cache.slabs[name].dtype == field.dtype
     assert cache.evictable() == 3
-    assert (cache.table[A(0, 1), A(3, 0)] == -1).all()
+    assert (table(cache)[A(0, 1), A(3, 0)] == -1).all()
 
 
 def test_assign_pins_and_maps():
     cache = make_cache()
     slots = cache.assign(A(0, 1), A(2, 0))
     assert len(set(slots.tolist())) == 2
-    assert cache.table[0, 2] == slots[0] and cache.table[1, 0] == slots[1]
-    assert cache.pinned[slots].all() and cache.evictable() == 1
-    np.testing.assert_array_equal(cache.owner_lane[slots], [0, 1])
-    np.testing.assert_array_equal(cache.owner_chunk[slots], [2, 0])
+    assert table(cache)[0, 2] == slots[0] and table(cache)[1, 0] == slots[1]
+    assert cache.is_pinned(slots).all() and cache.evictable() == 1
+    np.testing.assert_array_equal(cache.owners(slots), [[0, 1], [2, 0]])
     assert cache.assign(A(), A()).size == 0
 
 
@@ -60,38 +65,38 @@ def test_chunk_rows_of_is_a_view_of_the_slab():
 def test_lru_eviction_order():
     cache = make_cache(slots=3)
     s = cache.assign(A(0, 0, 0), A(0, 1, 2))
-    cache.pinned[:] = False
+    cache.unpin(np.arange(cache.slots))
     cache.touch(s[[0]])  # chunk 0 most recent, then 2, then 1 least
     cache.touch(s[[2]])
     cache.touch(s[[0]])
     new = cache.assign(A(1), A(0))
     assert new[0] == s[1]
-    assert cache.table[0, 1] == -1 and cache.table[1, 0] == s[1]
-    assert cache.table[0, 0] == s[0] and cache.table[0, 2] == s[2]
-    cache.pinned[:] = False
+    assert table(cache)[0, 1] == -1 and table(cache)[1, 0] == s[1]
+    assert table(cache)[0, 0] == s[0] and table(cache)[0, 2] == s[2]
+    cache.unpin(np.arange(cache.slots))
     new = cache.assign(A(1), A(1))
     assert new[0] == s[2]  # chunk 2 is now the least recently used
-    assert cache.table[0, 2] == -1
+    assert table(cache)[0, 2] == -1
 
 
 def test_unused_slots_are_taken_before_evicting():
     cache = make_cache(slots=3)
     first = cache.assign(A(0), A(0))
-    cache.pinned[:] = False
+    cache.unpin(np.arange(cache.slots))
     cache.touch(first)
     second = cache.assign(A(0), A(1))
-    assert second[0] != first[0] and cache.table[0, 0] == first[0]
+    assert second[0] != first[0] and table(cache)[0, 0] == first[0]
 
 
 def test_pinned_slots_are_never_evicted():
     cache = make_cache(slots=3)
     pinned = cache.assign(A(0, 0), A(0, 1))  # stay pinned
     free = cache.assign(A(0), A(2))
-    cache.pinned[free] = False
+    cache.unpin(free)
     cache.touch(free)  # the only unpinned slot is also the most recent: still the victim
     got = cache.assign(A(1), A(3))
     assert got[0] == free[0]
-    assert cache.table[0, 0] == pinned[0] and cache.table[0, 1] == pinned[1]
+    assert table(cache)[0, 0] == pinned[0] and table(cache)[0, 1] == pinned[1]
     with pytest.raises(RuntimeError, match="free slots"):
         cache.assign(A(1), A(0))
     with pytest.raises(RuntimeError):
@@ -101,12 +106,12 @@ def test_pinned_slots_are_never_evicted():
 def test_evict_and_invalidate():
     cache = make_cache(slots=3)
     s = cache.assign(A(0, 0, 1), A(0, 1, 1))
-    cache.pinned[s[1:]] = False
+    cache.unpin(s[1:])
     cache.invalidate(0, A(0, 1, 3, 99))  # chunk 0 pinned: kept; 1 dropped; 3 absent; 99 past the table
-    assert cache.table[0, 0] == s[0] and cache.table[0, 1] == -1 and cache.table[1, 1] == s[2]
-    assert cache.owner_lane[s[1]] == -1
+    assert table(cache)[0, 0] == s[0] and table(cache)[0, 1] == -1 and table(cache)[1, 1] == s[2]
+    assert cache.owners(s[[1]])[0][0] == -1
     cache.evict(s[[2]])
-    assert cache.table[1, 1] == -1
+    assert table(cache)[1, 1] == -1
     cache.evict(s[[2]])  # evicting an empty slot is harmless
     assert cache.evictable() == 2
 
@@ -115,10 +120,10 @@ def test_ensure_chunks_grows_and_keeps_entries():
     cache = make_cache(chunks_per_lane=2)
     s = cache.assign(A(1), A(1))
     cache.ensure_chunks(1)
-    assert cache.table.shape == (2, 2)
+    assert table(cache).shape == (2, 2)
     cache.ensure_chunks(5)
-    assert cache.table.shape[1] >= 5 and cache.table[1, 1] == s[0]
-    assert (cache.table[:, 2:] == -1).all()
+    assert table(cache).shape[1] >= 5 and table(cache)[1, 1] == s[0]
+    assert (table(cache)[:, 2:] == -1).all()
 
 
 def test_slots_for_budget():
@@ -146,8 +151,8 @@ def test_row_fields_have_room_in_the_staging_slots_only():
     assert cache.slabs["obs"].shape == (6 * 128, 84, 84) and cache.slabs["reward"].shape == (106 * 128,)
     partial = cache.assign(np.array([0, 1]), np.array([0, 0]), whole=False)
     whole = cache.assign(np.array([0]), np.array([1]))
-    assert partial.tolist() == [105, 104] and cache.partial[partial].all()
-    assert whole.tolist() == [0] and not cache.partial[whole].any()
+    assert partial.tolist() == [105, 104] and cache.is_partial(partial).all()
+    assert whole.tolist() == [0] and not cache.is_partial(whole).any()
     assert cache.evictable(whole=True) == 5 and cache.evictable(whole=False) == 103
 
 

@@ -232,7 +232,7 @@ def test_bench_without_the_bench_extra_says_which_to_install(monkeypatch, capsys
 
 
 def test_unlock_without_lock(tmp_path):
-    pytest.importorskip("diskreplay.lock")
+    pytest.importorskip("diskreplay.io.lock")
     dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")}).close()
     proc = run("unlock", str(tmp_path / "b"))
     assert proc.returncode == 0 and "no writer lock" in proc.stdout

@@ -252,7 +252,7 @@ def prioritize():
 
 
 def reply(**extra):
-    print(json.dumps({"total": total.tolist(), "sequence": buf.storage.commit_record.sequence, **extra}), flush=True)
+    print(json.dumps({"total": total.tolist(), "sequence": buf.stats().commit_sequence, **extra}), flush=True)
 
 
 if mode == "commands":
@@ -307,16 +307,6 @@ commits = set()
 STARTED = time.monotonic()
 
 
-def count_stale_reads(buf):
-    """Count the stale reads sample() absorbs (each one adopts the newest commit and draws again)."""
-    catch_up = buf._catch_up
-
-    def counted(deadline):
-        stats["stale_absorbed"] += 1
-        return catch_up(deadline)
-    buf._catch_up = counted
-
-
 def count_refreshes(buf):
     """Count a dataset's own refresh() calls (and those of its stale reads)."""
     plain = buf.refresh
@@ -330,7 +320,8 @@ def count_refreshes(buf):
 
 
 def seen(buf, ids):
-    commits.add(buf.storage.commit_record.sequence)
+    commits.add(buf.stats().commit_sequence)
+    stats["stale_absorbed"] = buf.stats().stale_reads  # each one adopted the newest commit and drew again
     ids = np.asarray(ids)
     stats["batches"] += 1
     stats["late_min_id"] = int(ids.min())
@@ -392,9 +383,8 @@ def main():
     if kind == "dataset":
         import torch.utils.data
         ds = open_when_written().as_dataset(128, mode="sample", refresh_every=4)
-        dsbuf = ds._reader.get()  # the buffer the dataset samples from (this process, 0 workers)
+        dsbuf = ds.reader.get()  # the buffer the dataset samples from (this process, 0 workers)
         count_refreshes(dsbuf)
-        count_stale_reads(dsbuf)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
         for batch in loader:
             batch = {k: v.numpy() for k, v in batch.items()}
@@ -408,7 +398,6 @@ def main():
                 break
         return
     buf = open_when_written()
-    count_stale_reads(buf)
     one_round = plain_round if kind == "plain" else slices_round
     i = 0
     while True:
@@ -682,13 +671,13 @@ def test_reader_opening_while_writer_creates_buffer(tmp_path, monkeypatch):
     """A reader may start before its writer. While `create` writes the buffer (the main store,
     then the side store of derive_next) a reader that opens it must find no buffer yet
     (NotABufferError: try again) or an empty one, never a damaged one."""
-    from diskreplay.storage import Storage
+    from diskreplay.buffer import replay_buffer
     url = str(tmp_path / "ring")
-    create = Storage.create.__func__
+    create = replay_buffer.create_storage
     seen = []
 
-    def create_then_open(cls, plan, **options):
-        storage = create(cls, plan, **options)
+    def create_then_open(plan, options, commit=True):
+        storage = create(plan, options, commit)
         try:
             with dr.ReplayBuffer.open(url, "r") as buf:
                 seen.append(f"{len(buf)} rows")
@@ -698,7 +687,7 @@ def test_reader_opening_while_writer_creates_buffer(tmp_path, monkeypatch):
             seen.append(f"{type(exc).__name__}: {exc}")
         return storage
 
-    monkeypatch.setattr(Storage, "create", classmethod(create_then_open))
+    monkeypatch.setattr(replay_buffer, "create_storage", create_then_open)
     rules["create"](url, "zstd").close()
     monkeypatch.undo()
     assert len(seen) == 2, seen  # after the main store, after the side store

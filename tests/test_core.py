@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
-from diskreplay import zarr_layout
-from diskreplay.chunkstore import open_chunkstore
+from diskreplay.format import keys
+from diskreplay.io import open_chunkstore
 from diskreplay.offline import verify
 from conftest import (SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot,
                       min_cache, stack_rows)
@@ -231,7 +231,8 @@ def test_whole_chunks_of_an_extend_skip_staging(tmp_path, memory_map):
     data = stack_rows(rows)
     buf.extend(data)
     model.append(0, rows)
-    assert (buf.storage.cache.table[0, :2] < 0).all() and buf.storage.cache.table[0, 2] >= 0
+    cache = buf.storage.cache
+    assert cache.slot_of(0, 0) < 0 and cache.slot_of(0, 1) < 0 and cache.slot_of(0, 2) >= 0
     for values in data.values():
         values[...] = 0
     check_buffer_against(buf, model)
@@ -587,7 +588,7 @@ def test_buffers_with_slash_chunk_keys_still_open(tmp_path, monkeypatch):
     """Buffers made before the "." chunk keys name chunks "obs/c/0/1/0": they open, grow, map and verify."""
     path = tmp_path / "old"
     model = Model(1, 12)
-    monkeypatch.setattr(zarr_layout, "CHUNK_KEY_SEPARATOR", "/")
+    monkeypatch.setattr(keys, "CHUNK_KEY_SEPARATOR", "/")
     with create(path, 12, chunk_rows=4) as buf:
         do_extend(buf, model, 6)
     model.flush()

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay import lock as drlock
+from diskreplay.io import lock as drlock
 from diskreplay.offline import verify
 from s3server import s3  # noqa: F401  (fixture)
 
@@ -306,8 +306,8 @@ COMPRESSIONS = pytest.mark.parametrize("compression", ["zstd", "raw"])  # raw: m
 
 @COMPRESSIONS
 def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monkeypatch, compression):
-    from diskreplay.storage import Storage
     from diskreplay import StaleReadError
+    from diskreplay.storage.stale import RetiredCheck
     url = str(tmp_path / "ring")
     writer = Writer(url, capacity=32, compression=compression)
     assert writer.do("extend 32") == "ok 32" and writer.do("flush") == "ok 32"
@@ -324,7 +324,7 @@ def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monke
     assert_rows(cold[np.arange(8, 32)], np.arange(8, 32))
     assert_rows(warm[np.arange(8)], np.arange(8))  # cached copies predate the overwrite: still right
     # without the guard, a stale reader would silently return the writer's next round
-    monkeypatch.setattr(Storage, "_check_not_overwritten", lambda self, *a: [])
+    monkeypatch.setattr(RetiredCheck, "check", lambda self, *a: [])
     wrong = unguarded[np.arange(8)]
     np.testing.assert_array_equal(wrong["act"], np.arange(32, 40))
     monkeypatch.undo()

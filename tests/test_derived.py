@@ -112,8 +112,8 @@ def test_unflushed_steps_after_reopen_are_replaced_consistently(tmp_path):
     buf.flush()
     buf.extend({k: v[150:] for k, v in first.items()})
     buf.view.finals.flush()  # the side store may run ahead of the main commit
-    for storage in buf._storages():  # simulate the process dying without closing
-        storage.writer_lock.release()
+    for storage in (buf.storage, buf.view.finals):  # simulate the process dying without closing
+        storage.log.lock.release()
     again = dr.ReplayBuffer.open(url, "r+")
     assert len(again) == 150
     again.extend({k: v[150:] for k, v in second.items()})

@@ -96,10 +96,10 @@ def test_slot_waits_for_its_last_copy_before_refill():
             return out
 
     pre = DevicePrefetcher(batches(7), "cpu", prefetch=1)
-    pre._copier = RecordingCopier()
+    pre.copier = RecordingCopier()
     assert len(list(pre)) == 7
     # 3 slots, 3 events (allocated once); every refill of a slot waits on that slot's event first
-    assert pre._copier.made == 3
+    assert pre.copier.made == 3
     copies = [n for kind, n in log if kind == "copy"]
     assert copies == [1, 2, 3, 1, 2, 3, 1]
     copy_at = [i for i, (kind, _) in enumerate(log) if kind == "copy"]
@@ -237,7 +237,7 @@ def test_dataset_gathers_straight_into_the_slots(tmp_path, mode, prefetch, reads
     pulled = count + (prefetch if mode == "sample" else 0)  # epoch mode ends after `count`
     assert sum(s.copies for s in pre.slots) == 1 and sum(s.gathers for s in pre.slots) == pulled - 1
     if reads == "mapped":
-        assert pre._iterable._reader.get().storage.mapped is not None
+        assert pre.iterable.reader.get().stats().mapped
     buf.close()
 
 

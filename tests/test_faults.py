@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay.chunkstore import LocalChunkStore, open_chunkstore
+from diskreplay.io import LocalChunkStore, open_chunkstore
 from diskreplay.offline import verify
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3  # noqa: F401  (fixture)
 

@@ -9,10 +9,10 @@ import zarr
 import zstandard
 
 import diskreplay as dr
-from diskreplay.chunkstore import LocalChunkStore
+from diskreplay.io import LocalChunkStore
 from diskreplay.offline import buffer_info, format_info
 from diskreplay.offline import verify
-from diskreplay.zarr_layout import Codec
+from diskreplay.format.codecs import Codec, checksum
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
           "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
@@ -88,7 +88,7 @@ def test_frames_read_row_by_row_equal_raw_ones(tmp_path, compression, capacity):
         fill(buf, 2600, 2)  # the ring wraps
         buf.flush()
     reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
-    assert set(reader.storage.row_fields) == {"obs"} and set(packed.storage.row_fields) == ({"obs"} if capacity else set())
+    assert set(reader.stats().row_fields) == {"obs"} and set(packed.stats().row_fields) == ({"obs"} if capacity else set())
     for kwargs in (dict(), dict(stack=4), dict(n_step=3, gamma=0.9, stack=2)):
         want = raw.sample(200, seed=3, **kwargs)
         for buf in (packed, reader):
@@ -158,7 +158,7 @@ def test_a_damaged_shard_is_reported_naming_its_chunk(tmp_path, where, message):
         entries = np.frombuffer(bytes(blob[:index - 4]), "<u8").copy().reshape(-1, 2)
         entries[:, 1] = 1 << 40
         blob[:index - 4] = entries.tobytes()
-        blob[index - 4:index] = dr.zarr_layout.checksum(bytes(blob[:index - 4]))
+        blob[index - 4:index] = checksum(bytes(blob[:index - 4]))
         open(path, "wb").write(bytes(blob))
     elif where == "frame":
         damage(path, index + 3, b"\x00\x01\x02")
@@ -172,11 +172,11 @@ def test_a_damaged_shard_is_reported_naming_its_chunk(tmp_path, where, message):
 
 
 def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
-    codec = dr.zarr_layout.Codec("zstd", 3, True, 1)
+    codec = Codec("zstd", 3, True, 1)
     out = np.empty((1, 32, 32), np.uint8)
     huge = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))  # says 1 MiB where 1 KiB belongs
     with pytest.raises(ValueError, match="zstd frame of 1048576 bytes, expected 1024"):
-        codec.decode_inner(huge + dr.zarr_layout.checksum(huge), out)
+        codec.decode_inner(huge + checksum(huge), out)
 
 
 def test_a_damaged_frame_among_many_is_named(tmp_path):
@@ -192,7 +192,7 @@ def test_a_damaged_frame_among_many_is_named(tmp_path):
 
 
 def test_a_blosc_frame_claiming_fewer_bytes_is_refused():
-    codec = dr.zarr_layout.Codec("lz4")
+    codec = Codec("lz4")
     short = codec.encode(np.zeros((1, 16, 16), np.uint8))[0]  # a frame of 256 bytes where 1 KiB belongs
     with pytest.raises(ValueError, match="blosc frame of 256 bytes, expected 1024"):
         codec.decode_bodies([memoryview(short)], np.empty((1, 32, 32), np.uint8))
@@ -207,7 +207,7 @@ def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, 
     fill(writer, 1000, 1)
     writer.flush()
     reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
-    maps = reader.storage.shard_maps
+    maps = reader.storage.row_reads.maps
     maps.budget = 5
     for _ in range(3):
         ids = reader.row_ids()
@@ -249,7 +249,7 @@ def test_single_frame_inner_chunks_decode_into_the_batch(tmp_path):
     with dr.ReplayBuffer.create(url, fields, capacity=None, chunk_rows=64, compression="zstd") as buf:
         buf.extend({"obs": obs, "done": np.zeros(300, bool)})
     reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
-    assert reader.storage.row_fields["obs"].inner_rows == 1
+    assert reader.stats().row_fields == {"obs": 1}
     ids = np.array([5, 299, 5, 64, 0, 299, 128])
     np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
 

@@ -230,8 +230,8 @@ def test_rechunk_buffer_keeps_lanes_and_window(tmp_path):
                          progress=False, cache_bytes=2**16)
     assert detect_format(str(tmp_path / "src")) == "zarr"
     assert buf.num_envs == 2 and len(buf) == len(src) == 40 and buf.capacity is None
-    assert buf.storage.config["chunk_rows"] == 5 and buf.storage.config["compression"] == "lz4"
-    lo, hi = src.storage.window()
+    assert buf.storage.config.chunk_rows == 5 and buf.storage.config.compression == "lz4"
+    lo, hi = src.window()
     for lane in range(2):
         old = src[np.arange(lo[lane], hi[lane]) * 2 + lane]
         new = buf[np.arange(0, hi[lane] - lo[lane]) * 2 + lane]

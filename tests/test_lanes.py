@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diskreplay.lanes import LaneLayout, flat_to_lane_step, row_ids, split_row_ids
+from diskreplay.format.lanes import LaneLayout, flat_to_lane_step, row_ids, split_row_ids
 
 
 @st.composite

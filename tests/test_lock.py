@@ -17,10 +17,9 @@ import pytest
 
 import diskreplay as dr
 from conftest import logged
-from diskreplay import buffer as drbuffer
-from diskreplay import lock as drlock
-from diskreplay.chunkstore import open_chunkstore
-from diskreplay.storage import Storage
+from diskreplay.io import lock as drlock
+from diskreplay.io import open_chunkstore
+from diskreplay.storage import Options, open_storage
 from s3server import s3  # noqa: F401  (fixture)
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
@@ -51,7 +50,7 @@ def test_second_writer_is_refused_and_readers_are_not(tmp_path):
     url = str(tmp_path / "b")
     writer = make(url)
     for attempt in (lambda: dr.ReplayBuffer.open(url, "r+"),
-                    lambda: Storage.open(url, mode="r+", storage_options=None, cache_bytes=1 << 20, io_threads=1)):
+                    lambda: open_storage(url, "r+", Options(cache_bytes=1 << 20, io_threads=1))):
         with pytest.raises(dr.LockedError, match=r"already open for writing by this process on host") as err:
             attempt()
         assert "break_lock=True" in str(err.value) and f"diskreplay unlock {url}" in str(err.value)
@@ -106,14 +105,13 @@ def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_p
 def test_storage_break_lock_takes_over(tmp_path):
     url = str(tmp_path / "b")
     first = make(url)
-    second = Storage.open(url, mode="r+", storage_options=None, cache_bytes=1 << 20, io_threads=1,
-                          break_lock=True)
-    assert drlock.lock_holder(url).token == second.writer_lock.token
+    second = open_storage(url, "r+", Options(cache_bytes=1 << 20, io_threads=1, break_lock=True))
+    assert drlock.lock_holder(url).token == second.log.lock.token
     with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock 'writer.lock' \(it is now "
                                              r"held by this process .*it stopped writing"):
         first.close()  # the broken writer must neither commit nor delete its successor's lock
     assert first.closed
-    assert drlock.lock_holder(url).token == second.writer_lock.token
+    assert drlock.lock_holder(url).token == second.log.lock.token
     second.close()
     assert drlock.lock_holder(url) is None
 
@@ -127,8 +125,6 @@ def test_buffer_break_lock(tmp_path):
     first.storage.close()
 
 
-@pytest.mark.skipif("break_lock" not in inspect.signature(drbuffer._prepare_location).parameters,
-                    reason="buffer._prepare_location does not check the writer lock yet")
 def test_create_overwrite_does_not_destroy_a_locked_buffer(tmp_path):
     url = str(tmp_path / "b")
     buf = make(url)
@@ -146,7 +142,7 @@ def test_reused_pid_is_stale_and_taken_over(tmp_path, caplog):
     assert drlock.lock_holder(url).stale_reason() == f"pid {os.getpid()} now belongs to another process (the holder exited)"
     with logged(caplog, r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
-    assert drlock.lock_holder(url).token == buf.storage.writer_lock.token
+    assert drlock.lock_holder(url).token == buf.storage.log.lock.token
     buf.close()
 
 

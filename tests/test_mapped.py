@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay import mapped, storage
+from diskreplay import storage
+from diskreplay.format.schema import Schema
+from diskreplay.io import mmap as mapped
+from diskreplay.storage import mapped as mapped_chunks
+from diskreplay.storage import warm
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "flag": dr.Field((), "bool"), "img": dr.Field((2, 5), "uint8")}
 
@@ -31,12 +35,12 @@ def test_mapping_is_chosen_only_where_it_is_faster(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=4096, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 4096))
-    assert dr.ReplayBuffer.open(url).storage.mapped is None  # fits the default cache
-    assert dr.ReplayBuffer.open(url, cache_bytes=1024).storage.mapped is not None
-    assert dr.ReplayBuffer.open(url, memory_map=True).storage.mapped is not None
+    assert not dr.ReplayBuffer.open(url).stats().mapped  # fits the default cache
+    assert dr.ReplayBuffer.open(url, cache_bytes=1024).stats().mapped
+    assert dr.ReplayBuffer.open(url, memory_map=True).stats().mapped
     zstd = str(tmp_path / "z")
     dr.ReplayBuffer.create(zstd, FIELDS, capacity=64, compression="zstd").close()
-    assert dr.ReplayBuffer.open(zstd, memory_map=True).storage.mapped is None
+    assert not dr.ReplayBuffer.open(zstd, memory_map=True).stats().mapped
 
 
 def test_first_read_of_rows_that_fit_the_cache_loads_every_chunk(tmp_path):
@@ -45,11 +49,11 @@ def test_first_read_of_rows_that_fit_the_cache_loads_every_chunk(tmp_path):
         buf.extend(rows(0, 4000))
     reader = dr.ReplayBuffer.open(url)
     check(reader, np.array([7]))
-    assert (reader.storage.cache.table >= 0).sum() == 63  # every chunk, read once
+    assert reader.stats().cached_chunks == 63  # every chunk, read once
     check(reader, reader.row_ids())
     small = dr.ReplayBuffer.open(url, cache_bytes=16 * 64 * 23)  # 16 of the 63 chunks: loaded as read
     check(small, np.array([7]))
-    assert (small.storage.cache.table >= 0).sum() == 1
+    assert small.stats().cached_chunks == 1
 
 
 @pytest.mark.parametrize("capacity", [None, 1000])
@@ -87,7 +91,7 @@ def test_reader_remaps_chunks_the_writer_rewrote(tmp_path):
 
 
 def test_dataset_mode_grows_past_the_reservation(tmp_path, monkeypatch):
-    monkeypatch.setattr(mapped, "DATASET_CHUNKS", 4)
+    monkeypatch.setattr(mapped_chunks, "DATASET_CHUNKS", 4)
     url = str(tmp_path / "b")
     buf = dr.ReplayBuffer.create(url, FIELDS, chunk_rows=8, compression=None, memory_map=True)
     reader = dr.ReplayBuffer.open(url, memory_map=True)
@@ -110,7 +114,7 @@ def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))  # 100 chunks of 3 fields
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.warm_pending = False  # no first-read fill: chunks are mapped as read
+    reader.storage.reader.warmer.pending = False  # no first-read fill: chunks are mapped as read
     chunks = reader.storage.mapped
     chunks.budget = 40
     unmap_all, drops = chunks.unmap_all, []
@@ -124,7 +128,7 @@ def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     assert maps_of_this_process() - before <= 2 * 3 * 40 + 3  # each chunk: its file's map + a split
     batch = reader.sample(256, seed=99)  # touches more chunks than the budget: read through the cache
     np.testing.assert_array_equal(batch["obs"], rows(0, 6400)["obs"][batch["index"]])
-    assert (reader.storage.cache.table >= 0).sum() > 40
+    assert reader.stats().cached_chunks > 40
 
 
 def test_map_budget_is_a_share_of_the_maps_left():
@@ -155,16 +159,16 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.warm_pending = False
+    reader.storage.reader.warmer.pending = False
     calls = []
-    map_file = mapped._Region.map_file
+    map_file = mapped.Reservation.map_file
 
     def refuse_the_tenth(region, slot, fd, random):
         calls.append(slot)
         if len(calls) == 10:
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
         map_file(region, slot, fd, random)
-    monkeypatch.setattr(mapped._Region, "map_file", refuse_the_tenth)
+    monkeypatch.setattr(mapped.Reservation, "map_file", refuse_the_tenth)
     drops = []
     unmap_all = reader.storage.mapped.unmap_all
     monkeypatch.setattr(reader.storage.mapped, "unmap_all", lambda: (drops.append(1), unmap_all()))
@@ -182,7 +186,7 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     (None, 1, 512 << 20, 4096),  # dataset mode: the size is unknown
 ])
 def test_default_chunk_rows_keep_big_buffers_mappable(capacity, num_envs, cache_bytes, expected):
-    schema = dr.schema.Schema({"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"),
+    schema = Schema({"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"),
                                "reward": dr.Field((), "float32"), "next_obs": dr.Field((17,), "float32"),
                                "done": dr.Field((), "bool")})
     assert storage.default_chunk_rows(schema, num_envs, capacity, cache_bytes) == expected
@@ -215,7 +219,7 @@ def test_a_ring_reader_whose_writer_moved_on_before_its_first_read_reads_its_own
     writer.flush()
     batch = reader.sample(200, seed=0)  # stale rows are found, the reader adopts the newest commit
     np.testing.assert_array_equal(batch["obs"], rows(0, 356)["obs"][batch["index"]])
-    assert reader.storage.commit_record.sequence == writer.storage.commit_record.sequence
+    assert reader.stats().commit_sequence == writer.stats().commit_sequence
 
 
 @pytest.mark.parametrize("capacity", [600, None])
@@ -230,17 +234,17 @@ def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_p
     ids = reader.row_ids()
     got = reader[ids]
     width = 7 if capacity else 16  # a ring's 7 chunks per lane; 13 in dataset mode, room for 16
-    assert reader.storage.resident_span == width * 32
+    assert reader.storage.reader.warmer.resident_span == width * 32
     np.testing.assert_array_equal(got["img"], data["img"][ids])
     end = 700 if capacity else 500  # the ring wraps; the dataset grows within its room
     writer.extend({k: v[400:end] for k, v in lane_major.items()})
     writer.flush()
-    assert reader.refresh() and reader.storage.resident_span is None
+    assert reader.refresh() and reader.storage.reader.warmer.resident_span is None
     ids = reader.row_ids()
     batch = reader.sample(500, seed=1)
     np.testing.assert_array_equal(reader[ids]["obs"], data["obs"][ids])
     np.testing.assert_array_equal(batch["flag"], data["flag"][batch["index"]])
-    assert reader.storage.resident_span == width * 32
+    assert reader.storage.reader.warmer.resident_span == width * 32
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -296,12 +300,12 @@ def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkey
     n = 4096 * 10  # chunk files of 12, 1 and 10 pages
     with dr.ReplayBuffer.create(url, FIELDS, capacity=n, chunk_rows=4096, compression=None) as buf:
         buf.extend(rows(0, n))
-    monkeypatch.setattr(storage, "physical_memory", lambda: 1 << 16)  # "RAM" of 64 KiB
+    monkeypatch.setattr(warm, "physical_memory", lambda: 1 << 16)  # "RAM" of 64 KiB
     evict(url)
     reader = dr.ReplayBuffer.open(url, memory_map=True)
     advised = []
-    prefetch = mapped._Region.prefetch
-    monkeypatch.setattr(mapped._Region, "prefetch", lambda region, at: (advised.append(len(at)), prefetch(region, at)))
+    prefetch = mapped.Reservation.prefetch
+    monkeypatch.setattr(mapped.Reservation, "prefetch", lambda region, at: (advised.append(len(at)), prefetch(region, at)))
     batch = reader.sample(8, seed=0)
     np.testing.assert_array_equal(batch["img"], rows(0, n)["img"][batch["index"]])
     assert advised == [8, 8, 8]  # each field's pages asked for before the batch is read

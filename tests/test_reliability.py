@@ -224,7 +224,7 @@ w.extend({"obs": np.ones((16384, 17), np.float32), "done": np.zeros(16384, bool)
 w.flush()
 r = dr.ReplayBuffer.open(url, "r", memory_map=True)
 assert r.storage.mapped is not None
-r.storage.warm_pending = False                          # map chunks as read, not all at the first read
+r.storage.reader.warmer.pending = False                 # map chunks as read, not all at the first read
 r[np.arange(1024)]                                      # maps chunks 0-3
 os.truncate(os.path.join(url, "obs", "c.0.15.0"), 100)  # a chunk it has not mapped yet
 w.extend({"obs": np.ones((256, 17), np.float32), "done": np.zeros(256, bool)})  # rewrites chunk 0...
@@ -287,11 +287,13 @@ def test_chunks_carry_zarrs_crc32c_codec_and_buffers_without_it_still_work(tmp_p
     assert [c.to_dict()["name"] for c in arr.metadata.codecs] == ["bytes", "crc32c"]
     np.testing.assert_array_equal(arr[0, :16, 0], np.arange(16))  # zarr reads (and checks) them
     assert os.path.getsize(os.path.join(url, "obs", "c.0.0.0")) == 8 * 12 + 4
-    from diskreplay import storage
-    from diskreplay.zarr_layout import Codec
+    from dataclasses import replace
+
+    from diskreplay.format import layout
 
     old = str(tmp_path / "old")
-    monkeypatch.setattr(storage, "Codec", lambda compression, level: Codec(compression, level, checksum=False))
+    with_checksum = layout.field_codec
+    monkeypatch.setattr(layout, "field_codec", lambda *args: replace(with_checksum(*args), checksum=False))
     with dr.ReplayBuffer.create(old, FIELDS, chunk_rows=8, compression=None) as buf:  # as before checksums
         buf.extend(steps(0, 20))
     monkeypatch.undo()

@@ -152,7 +152,7 @@ def test_persistent_failure_raises_naming_the_chunk(s3, stored, fault_proxy, cap
             pytest.raises(StoreUnavailableError, match=rf"read of '{key}' failed after 4 tries .*InternalError|"
                                                        rf"read of '{key}' failed after 4 tries"):
         reader[np.arange(40, 44)]
-    retries = [r for r in caplog.records if r.name == "diskreplay.chunkstore" and key in r.getMessage()]
+    retries = [r for r in caplog.records if r.name == "diskreplay.io.remote" and key in r.getMessage()]
     assert [r.getMessage().split("; try ")[1][:6] for r in retries] == ["2 of 4", "3 of 4", "4 of 4"]
     assert fault_proxy.count(key, "GET") == 4  # bounded: exactly the policy's attempts
     assert isinstance(StoreUnavailableError(), OSError)

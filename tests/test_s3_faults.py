@@ -19,7 +19,7 @@ import fsspec.asyn
 import pytest
 
 from diskreplay import RetryPolicy, StoreUnavailableError
-from diskreplay.chunkstore import FsspecChunkStore, LocalChunkStore
+from diskreplay.io import FsspecChunkStore, LocalChunkStore
 from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3  # noqa: F401  (fixtures)
 
 BUDGET_S = 1.5

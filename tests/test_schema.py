@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay.schema import ALLOWED_DTYPES, RESERVED_NAMES, Schema
-from diskreplay.zarr_layout import check_schema_compatible
+from diskreplay.format.schema import ALLOWED_DTYPES, RESERVED_NAMES, Schema
+from diskreplay.format.layout import check_schema_compatible
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 

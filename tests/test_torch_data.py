@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
+from diskreplay.format.lanes import row_ids
 from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
 from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
 from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
@@ -87,7 +88,7 @@ def test_chunk_pieces_cover_window_within_chunks(tmp_path, capacity, steps):
     for l, s, n in zip(lane, start, length):
         chunks = {int(c) for c in layout.chunk_and_offset(np.arange(s, s + n))[0]}
         assert len(chunks) == 1 and n >= 1
-    got = np.sort(dr.lanes.row_ids(np.repeat(lane, length),
+    got = np.sort(row_ids(np.repeat(lane, length),
                                    np.concatenate([np.arange(s, s + n) for s, n in zip(start, length)]), 2))
     np.testing.assert_array_equal(got, np.sort(b.row_ids()))
     b.close()

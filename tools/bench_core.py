@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchlib as bl  # noqa: E402
 
 import diskreplay as dr  # noqa: E402
-from diskreplay.storage import default_io_threads  # noqa: E402
+from diskreplay.storage.chunk_io import default_io_threads  # noqa: E402
 
 N_ROWS = 1_000_000
 BATCH = 256
@@ -212,7 +212,7 @@ def zstd_encode_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
 def checksum_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
     """What the chunks' CRC32C costs an extend of ``data`` (uncompressed): one checksum per chunk
     of every field, on one thread (the I/O threads compute them in parallel with the writes)."""
-    from diskreplay.zarr_layout import checksum
+    from diskreplay.format.codecs import checksum
 
     chunks = [memoryview(np.ascontiguousarray(v[i:i + CHUNK_ROWS])).cast("B")
               for v in data.values() for i in range(0, len(v), CHUNK_ROWS)]

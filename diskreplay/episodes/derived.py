@@ -12,18 +12,19 @@ after its last step, not stored in the main arrays) is kept in a small dataset-m
 own, one row per episode end, indexed by the end's ordinal in its lane; the ``next_<f>`` of each
 lane's newest step is kept in RAM and saved with every commit.
 
-`RowView` has the read interface of `Storage` (``schema``, ``gather``), so everything that reads
+`RowView` is a `RowSource` like the storage it reads (``schema``, ``gather``), so everything that reads
 rows (sampling, slices, n-step, frame stacks, HER) works the same with or without it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..schema import Field, Schema
-from ..storage import Storage
+from ..format.lanes import LaneLayout
+from ..format.schema import Field, Schema
+from .source import RowSource, RowStore
 from .index import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
 
@@ -44,10 +45,10 @@ def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dic
 
 
 class RowView:
-    """Gathers logical rows: stored fields from `Storage`, derived ``next_*`` fields rebuilt."""
+    """Gathers logical rows: stored fields from the storage, derived ``next_*`` fields rebuilt."""
 
-    def __init__(self, storage: Storage, episodes: EpisodeIndex, logical: Schema,
-                 derived: dict[str, str], finals: Storage | None, returns: "EpisodicReturn | None" = None):
+    def __init__(self, storage: RowStore, episodes: EpisodeIndex, logical: Schema,
+                 derived: dict[str, str], finals: RowStore | None, returns: "EpisodicReturn | None" = None):
         self.storage = storage
         self.episodes = episodes
         self.schema = logical
@@ -57,9 +58,16 @@ class RowView:
         self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
                           for twin in derived}
 
+    @property
+    def layout(self) -> LaneLayout:
+        return self.storage.layout
+
+    def window(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.storage.window()
+
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
-               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Rows of the logical fields ``names`` (all by default); ``out`` as in `Storage.gather`."""
+               out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Rows of the logical fields ``names`` (all by default); ``out`` as in `RowSource.gather`."""
         if not self.derived and self.returns is None:
             return self.storage.gather(lane, step, names, out)
         names = tuple(self.schema.fields) if names is None else names
@@ -187,7 +195,7 @@ class EpisodicReturn:
         """The stored field of returns: one float32 per row."""
         return Field((), "float32")
 
-    def fill(self, storage: Storage, episodes: EpisodeIndex, lane: int, rows: dict[str, np.ndarray],
+    def fill(self, storage: RowStore, episodes: EpisodeIndex, lane: int, rows: dict[str, np.ndarray],
              ends: np.ndarray) -> None:
         """Before ``rows`` (the next steps of ``lane``) are stored: set their returns, and patch the
         steps of the episode they finish that were stored earlier. ``ends`` flags episode ends."""
@@ -197,11 +205,11 @@ class EpisodicReturn:
             return
         self._patch(storage, episodes, lane, int(storage.window()[1][lane]), float(returns[0]))
 
-    def close(self, storage: Storage, episodes: EpisodeIndex, lane: int, last: int) -> None:
+    def close(self, storage: RowStore, episodes: EpisodeIndex, lane: int, last: int) -> None:
         """The lane's episode is ended at its stored step ``last``: patch its returns."""
         self._patch(storage, episodes, lane, last + 1, 0.0)
 
-    def _patch(self, storage: Storage, episodes: EpisodeIndex, lane: int, end: int, after: float) -> None:
+    def _patch(self, storage: RowStore, episodes: EpisodeIndex, lane: int, end: int, after: float) -> None:
         """Set the returns of the stored steps ``[start, end)`` of the episode that step ``end``
         would continue (no end recorded at ``end - 1`` yet) to their discounted rewards followed
         by ``after`` (the return at ``end``)."""

@@ -12,8 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..schema import Schema
-from ..storage import Storage
+from ..format.schema import Schema
+from .source import RowSource
 from .derived import RowView
 from .index import EpisodeIndex
 
@@ -36,7 +36,7 @@ def termination_field(schema: Schema) -> str:
     raise ValueError("n-step returns need a 'terminated' or 'done' field")
 
 
-def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
+def nstep(rows_from: RowSource, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
           hi: np.ndarray, n: int, gamma: float, left_out: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """n-step targets for transitions starting at (lane, step).
 
@@ -49,14 +49,14 @@ def nstep(storage: Storage, episodes: EpisodeIndex, lane: np.ndarray, step: np.n
         raise ValueError(f"n_step must be an int >= 1, got {n!r}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    schema = storage.schema
+    schema = rows_from.schema
     term = termination_field(schema)
     next_fields = tuple(name for name in schema.fields if name.startswith("next_") and name not in left_out)
     last = episode_last_step(episodes, lane, step, hi)
     k = np.minimum(n, last - step + 1)
     offsets = np.minimum(np.arange(n)[None, :], (k - 1)[:, None])
     steps = (step[:, None] + offsets).reshape(-1)
-    rows = storage.gather(np.repeat(lane, n), steps, ("reward", term, *next_fields))
+    rows = rows_from.gather(np.repeat(lane, n), steps, ("reward", term, *next_fields))
     used = np.arange(n)[None, :] < k[:, None]
     powers = gamma ** np.arange(n + 1, dtype=np.float64)
     rewards = rows["reward"].reshape(len(step), n).astype(np.float64)
@@ -152,20 +152,20 @@ class HER:
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"HER k must be an int >= 0, got {self.k!r}")
 
-    def relabel(self, batch: dict[str, np.ndarray], storage: Storage, episodes: EpisodeIndex,
+    def relabel(self, batch: dict[str, np.ndarray], rows_from: RowSource, episodes: EpisodeIndex,
                 lane: np.ndarray, step: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                 rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Relabel ``batch`` (drawn at ``(lane, step)``) in place; adds ``"relabelled"`` (bool)."""
         for name in (self.goal, self.achieved_goal, "reward"):
-            if name not in storage.schema.fields:
-                raise ValueError(f"HER needs field {name!r}; the buffer has {list(storage.schema.fields)}")
+            if name not in rows_from.schema.fields:
+                raise ValueError(f"HER needs field {name!r}; the buffer has {list(rows_from.schema.fields)}")
         size = len(step)
         chosen = np.zeros(size, dtype=bool)
         chosen[rng.permutation(size)[: int(round(size * self.k / (self.k + 1)))]] = True
         rows = np.flatnonzero(chosen)
         source = self._source_steps(episodes, lane[rows], step[rows], lo, hi, rng)
-        achieved = self._achieved_after(storage, lane[rows], step[rows])
-        new_goal = self._achieved_after(storage, lane[rows], source)
+        achieved = self._achieved_after(rows_from, lane[rows], step[rows])
+        new_goal = self._achieved_after(rows_from, lane[rows], source)
         batch[self.goal][rows] = new_goal
         batch["reward"][rows] = np.asarray(self.reward_fn(achieved, new_goal)).astype(batch["reward"].dtype)
         batch["relabelled"] = chosen
@@ -178,8 +178,8 @@ class HER:
         first = step if self.strategy == "future" else episode_first_step(episodes, lane, step, lo)
         return first + np.floor(rng.random(len(step)) * (last - first + 1)).astype(np.int64)
 
-    def _achieved_after(self, storage: Storage, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+    def _achieved_after(self, rows_from: RowSource, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         name = f"next_{self.achieved_goal}"
-        if name not in storage.schema.fields:
+        if name not in rows_from.schema.fields:
             name = self.achieved_goal
-        return storage.gather(lane, step, (name,))[name]
+        return rows_from.gather(lane, step, (name,))[name]

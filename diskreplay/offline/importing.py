@@ -60,10 +60,10 @@ import fsspec
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..chunkstore import is_local, local_path
+from ..io import is_local, local_path
 from ..errors import BufferExistsError
-from ..lock import break_lock, lock_holder
-from ..schema import Schema
+from ..io.lock import break_lock, lock_holder
+from ..format.schema import Schema
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows
 from .formats import detect_format, open_source
 from .progress import progress_bar

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..chunkstore import LocalChunkStore
+from ..io import LocalChunkStore
 from ..errors import CorruptBufferError, NotABufferError
 from ..sampling import Uniform
 from .status import describe_incomplete, import_status
@@ -43,25 +43,14 @@ def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: in
 
 def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarray:
     """One whole stored chunk of one field, decoded. Raises CorruptBufferError if missing/undecodable."""
-    storage = buf.storage
-    spec = storage.schema[name]
-    key = storage.chunk_key(name, lane, chunk)
-    blob = storage.store.get(key)
-    if blob is None:
-        raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
-    out = np.empty((storage.layout.chunk_rows, *spec.shape), spec.dtype)
-    try:
-        storage.codecs[name].decode_into(blob, out)
-    except Exception as exc:
-        raise CorruptBufferError(f"{buf.url!r}: chunk {key!r} does not decode ({exc})") from None
-    return out
+    return buf.storage.read_chunk(name, lane, chunk)
 
 
 def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: int,
               batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
     """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows
     (episodic returns of episodes not ended in the commit read as their default, as in `sample`)."""
-    layout = buf.storage.layout
+    layout = buf.layout
     step = first = lo
     parts: list[dict[str, np.ndarray]] = []
     count = 0
@@ -83,7 +72,7 @@ def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: i
 
 def readable(buf: ReplayBuffer) -> list[tuple[int, int, int]]:
     """(lane, lo, hi) of every lane's committed readable steps."""
-    lo, hi = buf.storage.window()
+    lo, hi = buf.window()
     return [(lane, int(lo[lane]), int(hi[lane])) for lane in range(buf.num_envs)]
 
 
@@ -150,15 +139,9 @@ def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | 
 
 def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
     """(bytes of every object under the buffer, chunk objects per field)."""
-    store = buf.storage.store
-    if isinstance(store, LocalChunkStore):
-        sizes = {os.path.relpath(os.path.join(d, f), store.root).replace(os.sep, "/"):
-                 os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(store.root) for f in files}
-    else:
-        sizes = {path[len(store.root):].strip("/"): int(meta.get("size") or 0)
-                 for path, meta in store.fs.find(store.root, detail=True).items()}
+    sizes = buf.storage.store.sizes()
     chunk_files = {name: 0 for name in buf.fields}
-    prefix = "c" + buf.storage.key_separator
+    prefix = "c" + buf.storage.config.chunk_key_separator
     for key in sizes:
         field, _, rest = key.partition("/")
         if field in chunk_files and rest.startswith(prefix) and not rest.endswith(".partial"):
@@ -191,8 +174,8 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
     windows = readable(buf)
     on_disk, chunk_files = _disk_usage(buf)
     raw = rows * storage.schema.row_bytes
-    record = storage.commit_record
-    sampler = ((record.extra.get("state") or {}).get("sampler") or {}).get("type", "Uniform")
+    record = storage.record
+    sampler = ((record.state or {}).get("sampler") or {}).get("type", "Uniform")
     return {
         "url": buf.url,
         "rows": rows,
@@ -205,8 +188,8 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
                              if codec.inner_rows is not None},
         "chunk_files": chunk_files,
-        "compression": config["compression"],
-        "compression_level": config.get("level"),
+        "compression": config.compression,
+        "compression_level": config.level,
         "bytes_on_disk": on_disk,
         "bytes_raw": raw,
         "compression_ratio": raw / on_disk if on_disk else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ..schema import RESERVED_NAMES
+from ..format.schema import RESERVED_NAMES
 
 D4RL_NAMES = {"observations": "obs", "actions": "action", "rewards": "reward", "terminals": "terminated",
               "timeouts": "truncated", "next_observations": "next_obs"}

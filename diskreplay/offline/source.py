@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..chunkstore import is_local, local_path
+from ..io import is_local, local_path
 from ..errors import DiskReplayError
-from ..schema import ALLOWED_DTYPES, Field
+from ..format.schema import ALLOWED_DTYPES, Field
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
 
 Batch = dict[str, np.ndarray]

@@ -7,8 +7,8 @@ import json
 import time
 from typing import Any
 
-from ..chunkstore import open_chunkstore
-from ..storage import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
+from ..io import open_chunkstore
+from ..format.keys import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
 
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
 

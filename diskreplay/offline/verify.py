@@ -25,15 +25,18 @@ from typing import Any
 
 import numpy as np
 
-from .. import snapshot, zarr_layout
 from ..buffer import ReplayBuffer
-from ..chunkstore import LocalChunkStore, open_chunkstore
-from ..commit import COMMIT_KEY, Commit
 from ..errors import CorruptBufferError, NotABufferError
-from ..lanes import LaneLayout
-from ..lock import LOCK_KEY, LockInfo
-from ..schema import Schema
-from ..zarr_layout import Codec, chunk_key
+from ..format import state as state_files
+from ..format.codecs import Codec
+from ..format.commit import CommitRecord
+from ..format.config import BufferConfig
+from ..format.keys import COMMIT_KEY, GROUP_KEY, chunk_key, read_json
+from ..format.lanes import LaneLayout
+from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
+from ..format.schema import Schema
+from ..io import ChunkStore, open_chunkstore
+from ..io.lock import LOCK_KEY, LockInfo
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 
@@ -75,20 +78,18 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     if layout_and_codec is None:
         return report
     config, arrays, codec = layout_and_codec
-    schema = Schema.from_json(config["fields"])
-    layout = LaneLayout(config["num_envs"], config["lane_capacity"], config["chunk_rows"])
+    layout = config.layout
     try:
-        commit = Commit.from_bytes(commit_blob, url, layout.num_envs)
+        commit = CommitRecord.from_bytes(commit_blob, url, layout.num_envs)
         if layout.lane_capacity is None:
-            commit.check_covered(url, zarr_layout.lane_rows(arrays))
+            commit.check_covered(url, lane_rows(arrays))
     except CorruptBufferError as exc:
         report.problem(str(exc))
         return report
-    hi = commit.committed
-    lo = np.minimum(np.maximum(commit.lower, layout.oldest(hi)), hi)
+    lo, hi = layout.visible(commit.lower, commit.committed)
     report.rows = int((hi - lo).sum())
-    _check_chunks(store, schema, layout, zarr_layout.field_codecs(codec, config, schema),
-                  config["chunk_key_separator"], lo, hi, report)
+    _check_chunks(store, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
+                  report)
     _check_state(store, commit, report)
     _notes(store, report)
     if report.ok:
@@ -96,24 +97,25 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     return report
 
 
-def _check_metadata(store: Any, url: str, report: VerifyReport) -> tuple[dict, dict, Codec] | None:
+def _check_metadata(store: ChunkStore, url: str,
+                    report: VerifyReport) -> tuple[BufferConfig, dict[str, ArrayMeta], Codec] | None:
     """The config, array metadata and codec, every problem of the metadata reported (None if any)."""
     try:
-        group = zarr_layout.read_json(store.get, zarr_layout.GROUP_KEY, url)
+        group = read_json(store.get, GROUP_KEY, url)
         if group is None:
-            report.problem(f"{zarr_layout.GROUP_KEY} is missing")
+            report.problem(f"{GROUP_KEY} is missing")
             return None
-        config = zarr_layout.parse_config(group, url)
+        config = BufferConfig.from_group(group, url)
     except (CorruptBufferError, NotABufferError) as exc:
         report.problem(_without_url(exc, url))
         return None
-    arrays, problems = zarr_layout.read_arrays(store.get, url, config)
+    arrays, problems = read_arrays(store.get, url, config)
     for problem in problems:
         report.problem(problem)
     if problems:
         return None
     try:
-        return config, arrays, zarr_layout.buffer_codec(arrays, url)
+        return config, arrays, buffer_codec(arrays, url)
     except CorruptBufferError as exc:
         report.problem(_without_url(exc, url))
         return None
@@ -123,7 +125,7 @@ def _without_url(exc: Exception, url: str) -> str:
     return str(exc).removeprefix(f"{url!r}: ")
 
 
-def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codecs: dict[str, Codec], separator: str,
+def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs: dict[str, Codec], separator: str,
                   lo: np.ndarray, hi: np.ndarray, report: VerifyReport) -> None:
     work = [(lane, int(c)) for lane in range(layout.num_envs)
             for c in layout.chunks_between(int(lo[lane]), int(hi[lane]))]
@@ -144,7 +146,7 @@ def _check_chunks(store: Any, schema: Schema, layout: LaneLayout, codecs: dict[s
                 report.problem(f"chunk {key!r} does not decode to {buffers[name].nbytes} bytes ({exc})")
 
 
-def _check_state(store: Any, commit: Commit, report: VerifyReport) -> None:
+def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) -> None:
     key = commit.state_arrays
     if not key:
         return
@@ -153,22 +155,22 @@ def _check_state(store: Any, commit: Commit, report: VerifyReport) -> None:
         report.problem(f"state object {key!r} referenced by {COMMIT_KEY} is missing")
         return
     try:
-        snapshot.arrays_from_bytes(blob)
+        state_files.arrays_from_bytes(blob)
     except Exception as exc:
         report.problem(f"state object {key!r} does not load ({exc})")
 
 
-def _notes(store: Any, report: VerifyReport) -> None:
+def _notes(store: ChunkStore, report: VerifyReport) -> None:
     lock = store.get(LOCK_KEY)
     if lock is not None:
         holder = LockInfo.from_bytes(lock)
         stale = holder.stale_reason()
         report.notes.append(f"{LOCK_KEY} present: held by {holder.describe()}"
                             + (f" (stale: {stale})" if stale else ""))
-    if isinstance(store, LocalChunkStore):
+    if store.supports_mmap:  # plain files: a killed writer may have left temp files
         partial = []
-        for root, _, files in os.walk(store.root):
-            partial += [os.path.relpath(os.path.join(root, f), store.root) for f in files if f.endswith(".partial")]
+        for root, _, files in os.walk(store.url):
+            partial += [os.path.relpath(os.path.join(root, f), store.url) for f in files if f.endswith(".partial")]
         if partial:
             report.notes.append(f"{len(partial)} orphaned temporary file(s) from an interrupted write, "
                                 f"e.g. {sorted(partial)[0]!r} (harmless; safe to delete when no writer runs)")

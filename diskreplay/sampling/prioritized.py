@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..lanes import LaneLayout
+from ..format.lanes import LaneLayout
 from .protocols import Draw, PrioritySampler
 from .segment_tree import MinSegmentTree, SumSegmentTree
 from .state import is_int

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..lanes import LaneLayout
+from ..format.lanes import LaneLayout
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import EmptyBufferError
-from ..lanes import flat_to_lane_step
+from ..format.lanes import flat_to_lane_step
 from .protocols import Draw, Sampler
 from .uniform import Uniform
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..lanes import LaneLayout
+from ..format.lanes import LaneLayout
 from .protocols import Sampler
 
 

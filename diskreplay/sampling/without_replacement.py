@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..lanes import LaneLayout, flat_to_lane_step
+from ..format.lanes import LaneLayout, flat_to_lane_step
 from .protocols import Draw, Sampler
 from .state import is_int
 

@@ -38,7 +38,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..buffer import BATCH_EXTRAS, ReplayBuffer
+from ..buffer import ReplayBuffer
+from ..buffer.batches import BATCH_EXTRAS
 from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
 from .datasets import EpochDataset, SampleDataset
@@ -105,8 +106,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     rank, world_size = resolve_rank(rank, world_size)
     buf, opened = _as_buffer(buf, storage_options)
     try:
-        options = storage_options if storage_options is not None else buf.storage.storage_options
-        layout, lo, hi = buf.storage.layout, *committed_window(buf)
+        options = storage_options if storage_options is not None else buf.storage_options
+        layout, lo, hi = buf.layout, *committed_window(buf)
         _warn_if_uncommitted(buf, lo, hi, mode)
         ring = _worker_ring(buf, int(batch_size)) if worker_ring else None
         if mode == "sample":
@@ -159,7 +160,7 @@ def _shuffle_name(shuffle: bool | str) -> str:
 
 
 def _check_cache(buf: ReplayBuffer, cache_bytes: int | None, window: int) -> None:
-    chunk = buf.storage.layout.chunk_rows * sum(f.row_bytes for f in buf.fields.values())
+    chunk = buf.layout.chunk_rows * sum(f.row_bytes for f in buf.fields.values())
     if cache_bytes is None:
         if DEFAULT_CACHE_BYTES < 2 * window * chunk:
             warnings.warn(f"the default chunk cache ({DEFAULT_CACHE_BYTES} bytes) holds fewer than "

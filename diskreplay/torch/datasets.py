@@ -10,9 +10,10 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ..buffer import BATCH_EXTRAS, ReplayBuffer
+from ..buffer import ReplayBuffer
+from ..buffer.batches import BATCH_EXTRAS
 from ..errors import EmptyBufferError
-from ..lanes import LaneLayout, row_ids
+from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from .batch_rng import BatchRngs
 from .epoch_order import EpochOrder, Shard
@@ -28,7 +29,7 @@ class _BufferDataset(tud.IterableDataset):
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, ring: WorkerRing | None = None):
-        self._reader = reader
+        self.reader = reader
         self.layout = layout
         self.batch_size = batch_size
         self.seed = seed
@@ -49,14 +50,14 @@ class _BufferDataset(tud.IterableDataset):
 
     @property
     def url(self) -> str:
-        return self._reader.url
+        return self.reader.url
 
     def io_stats(self) -> dict[str, int]:
         """Chunk fetches by this process's reader since it opened (and the decoded bytes)."""
-        if self._reader._buf is None:
+        if not self.reader.opened:
             return {"chunk_fetches": 0, "bytes_decoded": 0}
-        n = self._reader.chunk_fetches
-        return {"chunk_fetches": n, "bytes_decoded": n * self._reader.chunk_bytes()}
+        n = self.reader.chunk_fetches
+        return {"chunk_fetches": n, "bytes_decoded": n * self.reader.chunk_bytes()}
 
     def iter_into(self, destination: Callable[[], dict[str, np.ndarray] | None]
                   ) -> Iterator[dict[str, torch.Tensor]]:
@@ -153,7 +154,7 @@ class SampleDataset(_BufferDataset):
         return self._generate(shard, start, sink)
 
     def _generate(self, shard: Shard, b: int, sink: Sink) -> Iterator[Any]:
-        buf = self._reader.get()
+        buf = self.reader.get()
         plain = all(self.sample_options.get(k) is None for k in ("seq_len", "n_step", "stack", "her"))
         names, size, options = _out_names(buf), self.batch_size, self.sample_options
         rngs = BatchRngs(self.seed, self.rank, shard.num_workers)
@@ -242,9 +243,9 @@ class EpochDataset(_BufferDataset):
     def set_epoch(self, epoch: int, refresh: bool = False) -> None:
         """Start epoch ``epoch`` at its first batch; ``refresh``: first adopt the rows committed now."""
         if refresh:
-            buf = ReplayBuffer.open(self.url, "r", storage_options=self._reader.storage_options,
+            buf = ReplayBuffer.open(self.url, "r", storage_options=self.reader.storage_options,
                                     sampler=Uniform())
-            lo, hi = buf.storage.window()
+            lo, hi = buf.window()
             buf.close()
             self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self._epoch, self._batch, self._done = int(epoch), 0, False
@@ -300,7 +301,7 @@ class EpochDataset(_BufferDataset):
     def _generate(self, order: EpochOrder, first: int, sink: Sink) -> Iterator[Any]:
         if first >= order.num_batches:
             return
-        buf = self._reader.get()
+        buf = self.reader.get()
         names, last = _out_names(buf), order.num_batches
         try:
             for k, (lane, step) in enumerate(order.batches(first), start=first):

@@ -108,10 +108,10 @@ class DevicePrefetcher:
             raise RuntimeError(f"device {self.device} requested but CUDA is not available")
         pin = cuda if pin_memory is None else bool(pin_memory)
         self.prefetch = int(prefetch)
-        self._copier = _CudaCopier(self.device, pin) if cuda else _HostCopier(self.device)
+        self.copier = _CudaCopier(self.device, pin) if cuda else _HostCopier(self.device)
         self._pin = pin
         self._slots = [_Slot() for _ in range(self.prefetch + 2)]
-        self._iterable = iterable
+        self.iterable = iterable
         self._filling: _Slot | None = None  # the slot the batch being produced goes to
         self._source = state_source if state_source is not None else (
             iterable if callable(getattr(iterable, "state_dict", None)) else None)
@@ -132,8 +132,8 @@ class DevicePrefetcher:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
-            gathers_into = getattr(self._iterable, "iter_into", None)
-            self._it = gathers_into(self._destination) if callable(gathers_into) else iter(self._iterable)
+            gathers_into = getattr(self.iterable, "iter_into", None)
+            self._it = gathers_into(self._destination) if callable(gathers_into) else iter(self.iterable)
             self._state = self._source_state()
             self._stage(self.prefetch + 1)
         else:
@@ -142,7 +142,7 @@ class DevicePrefetcher:
             raise StopIteration
         out, event, state = self._queue.popleft()
         self._state = state
-        return self._copier.hand_over(out, event)
+        return self.copier.hand_over(out, event)
 
     def state_dict(self) -> Any:
         """The source's state as of the last batch handed out (prefetched batches not counted).
@@ -163,7 +163,7 @@ class DevicePrefetcher:
                 return
             slot = self._slots[self._staged % len(self._slots)]
             if slot.event is not None:
-                self._copier.wait(slot.event)  # its previous device copy has read the slot
+                self.copier.wait(slot.event)  # its previous device copy has read the slot
             self._filling = slot
             try:
                 batch = next(self._it)
@@ -188,7 +188,7 @@ class DevicePrefetcher:
         if not slot.fits(arrays):  # the first batch sizes the whole ring; a misfit later resizes one slot
             for fresh in [s for s in self._slots if not s.host] if not slot.host else [slot]:
                 fresh.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for k, t in arrays.items()}
-                fresh.event = self._copier.new_event()
+                fresh.event = self.copier.new_event()
         views = {k: slot.host[k][:t.shape[0]] for k, t in arrays.items()}
         gathered = all(views[k].data_ptr() == t.data_ptr() for k, t in arrays.items())
         for k, t in arrays.items():
@@ -196,7 +196,7 @@ class DevicePrefetcher:
                 views[k].copy_(t)
         slot.gathers += gathered
         slot.copies += not gathered
-        out = self._copier.copy(views, slot.event)
+        out = self.copier.copy(views, slot.event)
         out.update(others)
         return out, slot.event
 

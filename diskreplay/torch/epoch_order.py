@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..lanes import LaneLayout
+from ..format.lanes import LaneLayout
 
 SHUFFLES = ("none", "block", "global")
 _EPOCH_TAG, _WINDOW_TAG, _GLOBAL_TAG = 0, 1, 2

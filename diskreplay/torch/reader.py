@@ -63,18 +63,26 @@ class Reader:
         self.sampler = sampler  # None: the sampler saved with the buffer (sample mode) ...
         self._buf: ReplayBuffer | None = None
         self._pid = -1
-        self.chunk_fetches = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_buf=None, _pid=-1, chunk_fetches=0)
+        state.update(_buf=None, _pid=-1)
         return state
+
+    @property
+    def opened(self) -> bool:
+        """Whether this process holds an open handle."""
+        return self._buf is not None and self._pid == os.getpid()
+
+    @property
+    def chunk_fetches(self) -> int:
+        """Chunks this process's handle read from the store since it opened."""
+        return self._buf.stats().chunks_loaded if self._buf is not None and self._pid == os.getpid() else 0
 
     def get(self) -> ReplayBuffer:
         if self._buf is None or self._pid != os.getpid():
             self._buf = self._open()
             self._pid = os.getpid()
-            self.chunk_fetches = 0
         return self._buf
 
     def _open(self) -> ReplayBuffer:
@@ -82,23 +90,14 @@ class Reader:
         if self.cache_bytes is not None:
             options["cache_bytes"] = self.cache_bytes
         sampler = Uniform() if self.sampler == "uniform" else self.sampler
-        buf = ReplayBuffer.open(self.url, "r", sampler=sampler, **options)
-        storage = buf.storage
-        fetch = storage._fetch_into
-
-        def counting_fetch(targets, must_exist, names=None):
-            self.chunk_fetches += len(targets)
-            return fetch(targets, must_exist, names)
-
-        storage._fetch_into = counting_fetch  # instance-level wrapper: counts, changes nothing
-        return buf
+        return ReplayBuffer.open(self.url, "r", sampler=sampler, **options)
 
     def chunk_bytes(self) -> int:
         """Decoded bytes of one chunk (all fields)."""
-        storage = self.get().storage
-        return storage.layout.chunk_rows * sum(f.row_bytes for f in storage.schema.fields.values())
+        buf = self.get()
+        return buf.layout.chunk_rows * buf.storage.schema.row_bytes
 
 
 def committed_window(buf: ReplayBuffer) -> tuple[np.ndarray, np.ndarray]:
     """Per lane, the committed readable steps ``[lo, hi)`` (a writer's staged rows excluded)."""
-    return buf.storage.committed_window()
+    return buf.window(committed=True)

@@ -13,7 +13,7 @@ import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
 from ..errors import EmptyBufferError
-from ..lanes import is_empty, row_ids, split_row_ids
+from ..format.lanes import is_empty, row_ids, split_row_ids
 from .reader import Reader, committed_window
 from .tensors import emit_tensors
 
@@ -106,10 +106,10 @@ class RowDataset(tud.Dataset):
     def __init__(self, buf: ReplayBuffer | str | os.PathLike, *, storage_options: dict | None = None,
                  cache_bytes: int | None = None, io_threads: int | None = None, refresh_seconds: float | None = 1.0):
         if isinstance(buf, ReplayBuffer):
-            url, options = buf.url, storage_options if storage_options is not None else buf.storage.storage_options
+            url, options = buf.url, storage_options if storage_options is not None else buf.storage_options
         else:
             url, options = os.fspath(buf), storage_options
-        self._reader = Reader(url, options, cache_bytes, io_threads, "uniform")
+        self.reader = Reader(url, options, cache_bytes, io_threads, "uniform")
         self.refresh_seconds = refresh_seconds
         self._last_refresh = 0.0
 
@@ -118,7 +118,7 @@ class RowDataset(tud.Dataset):
         tensors, and ``"weight"`` when the batch has weights."""
         batch = item if isinstance(item, IndexBatch) else IndexBatch(np.asarray(item, dtype=np.int64))
         ids = np.asarray(batch.index, dtype=np.int64)
-        buf = self._reader.get()
+        buf = self.reader.get()
         self._maybe_refresh(buf, ids)
         try:
             rows = buf[ids]
@@ -134,7 +134,7 @@ class RowDataset(tud.Dataset):
 
     def _maybe_refresh(self, buf: ReplayBuffer, ids: np.ndarray) -> None:
         now = time.monotonic()
-        lo, hi = buf.storage.window()
+        lo, hi = buf.window()
         lane, step = split_row_ids(ids, buf.num_envs)
         due = self.refresh_seconds is not None and now - self._last_refresh >= self.refresh_seconds
         if due or (len(ids) and (step >= hi[lane]).any()):

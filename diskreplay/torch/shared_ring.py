@@ -39,7 +39,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 import torch
 
-from ..lock import pid_alive
+from ..io.lock import pid_alive
 
 FREE, SENT, HELD = 0, 1, 2
 ALIGN = 64

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...chunkstore import is_local, local_path
+from ...io import is_local, local_path
 from ..source import ImportFormatError, Source, require_source
 from .d4rl import is_d4rl, open_d4rl
 from .minari import MinariSource, is_minari

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...chunkstore import local_path
+from ...io import local_path
 from ..hdf5 import (
     has_episode_groups,
     hdf5_datasets,

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ...chunkstore import local_path
+from ...io import local_path
 from ..hdf5 import (
     has_episode_groups,
     hdf5_datasets,

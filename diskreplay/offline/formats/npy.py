@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ...chunkstore import local_path
+from ...io import local_path
 from ..npyfile import npy_header
 from ..source import Batch, ColumnsSource, as_bool_flags
 

@@ -6,7 +6,7 @@ import os
 import zipfile
 from collections.abc import Iterator
 
-from ...chunkstore import local_path
+from ...io import local_path
 from ..naming import EXPORT_ATTR
 from ..npyfile import NpyStream
 from ..source import (

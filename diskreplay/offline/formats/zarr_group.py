@@ -11,10 +11,10 @@ import numpy as np
 import zarr
 
 from ...buffer import ReplayBuffer
-from ...chunkstore import open_chunkstore
+from ...io import open_chunkstore
 from ...errors import NotABufferError
 from ...sampling import Uniform
-from ...storage import COMMIT_KEY
+from ...format.keys import COMMIT_KEY
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
 from ..status import describe_incomplete, import_status
 
@@ -48,7 +48,7 @@ class ZarrSource(ColumnsSource):
                 yield 0, as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
                                         for name in self.fields}, self.fields)
             return
-        lo, hi = self.buffer.storage.window()
+        lo, hi = self.buffer.window()
         n = self.num_envs
         for lane in range(n):
             for start in range(int(lo[lane]), int(hi[lane]), self.batch_rows):

@@ -38,6 +38,11 @@ class LaneLayout:
             return np.zeros_like(total)
         return np.maximum(total - self.lane_capacity, 0)
 
+    def visible(self, lower: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the steps ``[max(lower, total - lane_capacity), total)`` that are readable
+        once ``total`` steps were added and those below ``lower`` retired (``hi`` is ``total``)."""
+        return np.minimum(np.maximum(lower, self.oldest(total)), total), total
+
     def chunks_per_lane(self, total_steps: int = 0) -> int:
         if self.lane_capacity is not None:
             return -(-self.lane_capacity // self.chunk_rows)

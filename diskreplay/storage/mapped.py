@@ -28,33 +28,17 @@ unmapped page of the reservation would crash the process, so `take` is only call
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import math
-import mmap
 import os
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
-from .chunkstore import LocalChunkStore
-from .errors import CorruptBufferError
-from .lanes import LaneLayout
-from .schema import Field, Schema
-
-_PROT_NONE, _PROT_READ = 0, 1
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_RANDOM, _MADV_WILLNEED, _MADV_POPULATE_READ = 1, 3, 22
-
-DEFAULT_MAX_MAP_COUNT = 65530
-"""Linux's default ``vm.max_map_count``: memory maps one process may hold."""
+from ..errors import CorruptBufferError
+from ..format.lanes import LaneLayout
+from ..format.schema import Schema
+from ..io.mmap import Reservation, map_budget
+from ..io.store import ChunkStore
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -62,83 +46,10 @@ DATASET_CHUNKS = 1 << 12
 """Chunks per lane reserved at first in dataset mode (the reservation doubles as lanes grow)."""
 
 
-def supported() -> bool:
-    return os.name == "posix" and hasattr(os, "O_RDONLY") and mmap.PAGESIZE > 0
-
-
-def map_budget(fields: int) -> int:
-    """Chunks one buffer may keep mapped: half the maps this process has left, a mapped chunk
-    costing one per field (two while its neighbours are not mapped: it splits the reservation)."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps", "rb") as f:
-            in_use = sum(1 for _ in f)
-    except (OSError, ValueError):
-        limit, in_use = DEFAULT_MAX_MAP_COUNT, 0
-    return max((limit - in_use) // 2 // fields, 1)
-
-
-def _check(result: int | None, what: str) -> int:
-    if result is None or result == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return result
-
-
-class _Region:
-    """One field's reservation: slot ``s`` (a lane's chunk) starts at row ``s * stride``."""
-
-    def __init__(self, field: Field, chunk_rows: int, slots: int):
-        page = mmap.PAGESIZE
-        self.field = field
-        self.row_bytes = field.row_bytes
-        unit = page // math.gcd(self.row_bytes, page)  # rows whose bytes fill whole pages
-        self.stride = -(-chunk_rows // unit) * unit
-        self.file_bytes = chunk_rows * self.row_bytes
-        self.size = slots * self.stride * self.row_bytes
-        self.base = self._reserve(None)
-        raw = (ctypes.c_char * self.size).from_address(self.base)
-        self.rows = np.frombuffer(raw, dtype=field.dtype).reshape(slots * self.stride, *field.shape)
-
-    def _reserve(self, address: int | None) -> int:
-        fixed = _MAP_FIXED if address is not None else 0
-        return _check(_libc.mmap(address, self.size, _PROT_NONE,
-                                 _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | fixed, -1, 0), "reserve")
-
-    def map_file(self, slot: int, fd: int, random: bool) -> None:
-        """Map a chunk file at its slot; ``random``: a page fault reads that page only (no
-        read-ahead around it: `prefetch` asks for the pages a read needs)."""
-        address = self.base + slot * self.stride * self.row_bytes
-        _check(_libc.mmap(address, self.file_bytes, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0), "map a chunk file")
-        if random:
-            _libc.madvise(address, self.file_bytes, _MADV_RANDOM)
-
-    def prefetch(self, rows: np.ndarray) -> None:
-        """Ask the OS to read the pages of these rows, all at once (``MADV_WILLNEED`` returns at
-        once: the reads are in flight together, where page faults would wait for one at a time)."""
-        first = rows * self.row_bytes
-        pages = np.unique(np.concatenate([first, first + self.row_bytes - 1]) // mmap.PAGESIZE)
-        for page in (self.base + pages * mmap.PAGESIZE).tolist():
-            _libc.madvise(page, mmap.PAGESIZE, _MADV_WILLNEED)
-
-    def populate(self, slot: int) -> None:
-        """Read a mapped slot's pages into the page tables now (errors ignored: it only saves faults)."""
-        _libc.madvise(self.base + slot * self.stride * self.row_bytes, self.file_bytes, _MADV_POPULATE_READ)
-
-    def unmap_files(self) -> None:
-        """Every file map replaced by the bare reservation again (one map)."""
-        self._reserve(self.base)
-
-    def close(self) -> None:
-        self.rows = None
-        _libc.munmap(self.base, self.size)
-
-
 class MappedChunks:
     """Every field of a local raw store as one mapped array; see the module docstring."""
 
-    def __init__(self, store: LocalChunkStore, chunk_key: Callable[[str, int, int], str], schema: Schema,
+    def __init__(self, store: ChunkStore, chunk_key: Callable[[str, int, int], str], schema: Schema,
                  layout: LaneLayout, chunks_per_lane: int = 0, trailer: int = 0):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``trailer``: bytes
         after the values in each file (a checksum, not mapped)."""
@@ -147,7 +58,7 @@ class MappedChunks:
         self.budget = map_budget(len(schema.fields))
         self.random_reads = False  # see `read_randomly`
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
-        self.regions: dict[str, _Region] = {}
+        self.regions: dict[str, Reservation] = {}
         self._reserve()
 
     def _reserve(self) -> None:
@@ -155,7 +66,7 @@ class MappedChunks:
         self.held = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)  # maps some file
         self.maps = 0  # chunks held
         self.unmapped = self.mapped.size  # chunks not mapped to their current file
-        self.regions = {name: _Region(f, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
+        self.regions = {name: Reservation(f.dtype, f.shape, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
                         for name, f in self.schema.items()}
 
     def ensure(self, lane: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -205,12 +116,12 @@ class MappedChunks:
                 fd = os.open(self.store.path(key), os.O_RDONLY)
             except FileNotFoundError:
                 raise CorruptBufferError(
-                    f"{self.store.root!r}: chunk {key!r} is missing, but the last commit says it holds rows"
+                    f"{self.store.url!r}: chunk {key!r} is missing, but the last commit says it holds rows"
                 ) from None
             try:
                 size = os.fstat(fd).st_size
                 if size != region.file_bytes + self.trailer:
-                    raise CorruptBufferError(f"{self.store.root!r}: chunk {key!r} has {size} bytes, "
+                    raise CorruptBufferError(f"{self.store.url!r}: chunk {key!r} has {size} bytes, "
                                              f"expected {region.file_bytes + self.trailer}")
                 region.map_file(lane * self.chunks + chunk, fd, self.random_reads)
             finally:
@@ -256,7 +167,7 @@ class MappedChunks:
             self.unmap_all()  # mapped again, with the advice, as they are read
 
     def gather(self, lane: np.ndarray, slot: np.ndarray, names: tuple[str, ...],
-               out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+               out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows at (lane, slot) of mapped chunks (`ensure` them first), copied out: into
         ``out[name]`` where given (C-contiguous, right shape and dtype)."""
         positions: dict[int, np.ndarray] = {}

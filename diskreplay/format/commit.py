@@ -4,9 +4,13 @@ that belongs to them.
 It is replaced atomically (temp + fsync + rename locally, one PUT on object stores) after the
 chunks it makes visible are written. Everything in it is validated before use: cursors are
 non-negative ints with ``lower <= committed``, a dataset-mode commit covers no more steps than the
-arrays hold (`Commit.check_covered`), ``extra`` is an object, and the state object it names follows the buffer's own
-naming rule (`state_key`), so a crafted record can neither point a reader at another file nor make
-a writer delete one.
+arrays hold (`CommitRecord.check_covered`), the state is an object, and the state object it names
+follows the buffer's own naming rule (`state_key`), so a crafted record can neither point a reader
+at another file nor make a writer delete one.
+
+On disk: ``{"sequence", "time", "committed": [per lane], "lower": [per lane], "extra": {"state":
+<JSON part of the buffer's state>, "state_arrays": <key of its arrays> or null}}``; ``extra`` is
+``{}`` before the first state is saved.
 """
 
 from __future__ import annotations
@@ -15,15 +19,15 @@ import json
 import math
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from .errors import CorruptBufferError
-from .zarr_layout import MAX_STEPS, STATE_DIR, json_object
+from ..errors import CorruptBufferError
+from .config import MAX_STEPS
+from .keys import COMMIT_KEY, STATE_DIR, json_object
 
-COMMIT_KEY = "commit.json"
 STATE_KEY = re.compile(rf"{STATE_DIR}/(\d{{12}})(-[0-9a-f]{{16}})?\.safetensors")
 
 
@@ -33,31 +37,50 @@ def state_key(sequence: int) -> str:
 
 
 def is_state_key(key: Any) -> bool:
+    """Whether ``key`` follows the naming rule of state objects (`state_key`)."""
     return isinstance(key, str) and STATE_KEY.fullmatch(key) is not None
 
 
-@dataclass
-class Commit:
+def _frozen(values: Any) -> np.ndarray:
+    array = np.array(values, dtype=np.int64)
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True)
+class CommitRecord:
     """The durable cursor record: per lane, steps ``[max(lower, committed - capacity), committed)``
-    are visible. ``extra`` holds the JSON part of the saved state and its array object's key."""
+    are visible. ``state`` is the JSON part of the buffer's saved state (None: none saved yet) and
+    ``state_arrays`` the key of the state object holding its arrays. Cursor arrays are read-only."""
 
     sequence: int
     committed: np.ndarray
     lower: np.ndarray
     time: float
-    extra: dict[str, Any]
+    state: dict[str, Any] | None = field(default=None, compare=False)
+    state_arrays: str | None = None
 
-    @property
-    def state_arrays(self) -> str | None:
-        return self.extra.get("state_arrays")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "committed", _frozen(self.committed))
+        object.__setattr__(self, "lower", _frozen(self.lower))
+
+    @classmethod
+    def empty(cls, num_envs: int, time: float) -> "CommitRecord":
+        """The record of a new buffer: nothing committed, no state."""
+        return cls(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time)
+
+    def next(self, committed: np.ndarray, lower: np.ndarray, time: float, **state: Any) -> "CommitRecord":
+        """The record that follows this one (``state=``, ``state_arrays=``: new state, else kept)."""
+        return replace(self, sequence=self.sequence + 1, committed=committed, lower=lower, time=time, **state)
 
     def to_bytes(self) -> bytes:
+        extra = {} if self.state is None else {"state": self.state, "state_arrays": self.state_arrays}
         return json.dumps({
             "sequence": self.sequence, "time": self.time,
-            "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": self.extra,
+            "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": extra,
         }).encode()
 
-    def same_as(self, other: "Commit") -> bool:
+    def same_as(self, other: "CommitRecord") -> bool:
         return self.sequence == other.sequence and self.time == other.time
 
     def check_covered(self, url: str, lane_rows: int) -> None:
@@ -68,10 +91,10 @@ class Commit:
                                      f"in a lane, but the arrays hold {lane_rows}")
 
     @classmethod
-    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> "Commit":
-        """Parse and validate a record. Raises CorruptBufferError naming the field."""
-        where = f"{url!r}: {COMMIT_KEY}"
-        data = json_object(blob, COMMIT_KEY, url)
+    def from_bytes(cls, blob: bytes, url: str, num_envs: int, key: str = COMMIT_KEY) -> "CommitRecord":
+        """Parse and validate a record stored at ``key``. Raises CorruptBufferError naming the field."""
+        where = f"{url!r}: {key}"
+        data = json_object(blob, key, url)
         committed = _cursors(data, "committed", where, num_envs)
         lower = _cursors(data, "lower", where, num_envs)
         if (lower > committed).any():
@@ -86,14 +109,15 @@ class Commit:
             raise CorruptBufferError(f"{where} field 'extra': expected an object, got {extra!r:.100}")
         if "state" in extra and not isinstance(extra["state"], dict):
             raise CorruptBufferError(f"{where} field 'extra.state': expected an object, got {extra['state']!r:.100}")
-        key = extra.get("state_arrays")
-        if key is not None and not (is_state_key(key) and int(STATE_KEY.fullmatch(key).group(1)) <= sequence):
+        arrays = extra.get("state_arrays")
+        match = STATE_KEY.fullmatch(arrays) if isinstance(arrays, str) else None
+        if arrays is not None and not (match and int(match.group(1)) <= sequence):
             raise CorruptBufferError(f"{where} field 'extra.state_arrays': expected a key like "
-                                     f"'{STATE_DIR}/<sequence>-<token>.safetensors', got {key!r:.100}")
-        return cls(sequence, committed, lower, float(stamp), extra)
+                                     f"'{STATE_DIR}/<sequence>-<token>.safetensors', got {arrays!r:.100}")
+        return cls(sequence, committed, lower, float(stamp), extra.get("state"), arrays)
 
 
-def _cursors(data: dict, name: str, where: str, num_envs: int) -> np.ndarray:
+def _cursors(data: dict[str, Any], name: str, where: str, num_envs: int) -> np.ndarray:
     values = data.get(name)
     if (not isinstance(values, list) or len(values) != num_envs
             or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_STEPS for v in values)):

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import SchemaError
+from ..errors import SchemaError
 
 MAX_ROW_BYTES = 1 << 30
 """The most one step of one field may hold (1 GiB)."""

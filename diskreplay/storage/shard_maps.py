@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from .chunkstore import LocalChunkStore
-from .errors import CorruptBufferError
-from .zarr_layout import CHECKSUM_BYTES, EMPTY_INNER, Codec, checksum
+from ..errors import CorruptBufferError
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, Codec, checksum
+from ..io.store import ChunkStore
 
 
 class _Shard:
@@ -53,7 +53,7 @@ class _Shard:
 class ShardMaps:
     """The shard files of a store's row-read fields, mapped; see the module docstring."""
 
-    def __init__(self, store: LocalChunkStore, chunk_key: Callable[[str, int, int], str], chunk_rows: int,
+    def __init__(self, store: ChunkStore, chunk_key: Callable[[str, int, int], str], chunk_rows: int,
                  codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``codecs`` and
         ``inner_bytes`` (decoded bytes of one inner chunk): of each sharded field; ``budget``:
@@ -102,7 +102,7 @@ class ShardMaps:
                                                            f"of {head} bytes")
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
-            raise CorruptBufferError(f"{self.store.root!r}: chunk {key!r} is missing, "
+            raise CorruptBufferError(f"{self.store.url!r}: chunk {key!r} is missing, "
                                      f"but the last commit says it holds rows") from None
         try:
             return _Shard(data, self._spans(name, data, head))
@@ -128,7 +128,7 @@ class ShardMaps:
 
     def _corrupt(self, name: str, lane: int, chunk: int, why: object) -> CorruptBufferError:
         key = self.chunk_key(name, lane, chunk)
-        return CorruptBufferError(f"{self.store.root!r}: chunk {key!r} does not decode ({why})")
+        return CorruptBufferError(f"{self.store.url!r}: chunk {key!r} does not decode ({why})")
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again at their next read."""

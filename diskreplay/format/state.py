@@ -1,4 +1,4 @@
-"""Plain-data state <-> (JSON, safetensors) files.
+"""Saved state: plain-data state <-> (JSON, safetensors) bytes and snapshot files.
 
 A state is a nested dict of JSON values and numpy arrays. `split` moves the arrays out into a flat
 ``{path: array}`` mapping (saved with safetensors) and leaves ``{"__array__": path}`` markers in
@@ -15,7 +15,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from .errors import CorruptBufferError
+from ..errors import CorruptBufferError
 
 ARRAY_MARK = "__array__"
 MAX_SNAPSHOT_JSON = 16 << 20
@@ -62,6 +62,17 @@ def arrays_from_bytes(blob: bytes) -> dict[str, np.ndarray]:
         return st_load(blob)
     except Exception as exc:  # safetensors raises its own error type (and others) for damaged headers
         raise ValueError(f"not a safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def save_directory(directory: str, url: str, state: Any) -> None:
+    """Write a snapshot of ``state`` (of the buffer at ``url``) to ``directory``: ``state.json``
+    (its JSON part and the URL) and ``state.safetensors`` (its arrays)."""
+    os.makedirs(directory, exist_ok=True)
+    meta, arrays = split(state)
+    with open(os.path.join(directory, "state.safetensors"), "wb") as f:
+        f.write(arrays_to_bytes(arrays))
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump({"url": url, "state": meta}, f)
 
 
 def load_directory(directory: str) -> tuple[dict[str, Any], str]:

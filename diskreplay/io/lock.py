@@ -40,8 +40,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .chunkstore import ChunkStore, is_local, local_path, open_chunkstore
-from .errors import LockedError
+from .backends import open_chunkstore
+from .store import ChunkStore, is_local, local_path
+from ..errors import LockedError
 
 LOCK_KEY = "writer.lock"
 MAX_LOCK_BYTES = 4096

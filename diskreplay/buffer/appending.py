@@ -1,0 +1,97 @@
+"""`Appender`: the writer's side of a buffer: steps of several lanes stored all or nothing, with the
+episode index, derived fields and episodic returns kept in step, and the sampler told of them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..episodes import EpisodeIndex, EpisodicReturn, RowView
+from ..sampling import Sampler
+from ..storage import Storage
+
+
+class Appender:
+    """Adds steps to a buffer's storage (and its ``derive_next`` side store)."""
+
+    def __init__(self, storage: Storage, view: RowView, episodes: EpisodeIndex, returns: EpisodicReturn | None,
+                 sampler: Sampler):
+        self.storage, self.view, self.episodes, self.returns, self.sampler = storage, view, episodes, returns, sampler
+        self.cut: set[int] = set()
+        """Lanes whose open episode the last writer left: closed, as truncated, by their next rows."""
+
+    def storages(self) -> list[Storage]:
+        """The main storage, then the side store of ``derive_next`` (if any)."""
+        finals = self.view.finals
+        return [self.storage] + ([finals] if isinstance(finals, Storage) else [])
+
+    def append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
+        """Store ``count`` steps of each lane (``rows[name]`` shaped ``[count, len(lanes), ...]``),
+        all or nothing: a failure undoes every lane."""
+        finals, derived = self.view.finals, self.view.derived
+        done: list[tuple[int, int, int, dict[str, np.ndarray]]] = []  # (lane, start, finals start, newest next_*)
+        stored: list[tuple[int, int, int]] = []
+        try:
+            for j, lane in enumerate(lanes.tolist()):
+                lane_rows = {k: v[:, j] for k, v in rows.items()}
+                if lane in self.cut:
+                    self.close_cut_episode(lane)
+                if self.returns is not None:  # may patch stored returns: masked until committed
+                    self.returns.fill(self.storage, self.episodes, lane, lane_rows, self.episodes.end_flags(lane_rows))
+                done.append((lane, int(self.storage.total[lane]), int(finals.total[lane]) if finals else 0,
+                             {twin: value[lane].copy() for twin, value in self.view.last_next.items()}
+                             if derived else {}))
+                first, end = self.storage.append(lane, {k: v for k, v in lane_rows.items() if k not in derived}
+                                                 if derived else lane_rows, count)
+                stored.append((lane, first, end))
+                # all rows, also those a ring drops at once: an end just before the oldest kept step
+                # tells that the kept steps start an episode
+                self.episodes.on_append(lane, end - count, lane_rows)
+                self.view.record(lane, end - count, lane_rows)
+            for storage in self.storages():
+                if storage.has_sealed:
+                    storage.write_sealed(durable=False)
+        except BaseException:
+            self._undo(done, count)
+            raise
+        for lane, first, end in stored:
+            self.sampler.on_append(lane, first, end)
+
+    def _undo(self, done: list[tuple[int, int, int, dict[str, np.ndarray]]], count: int) -> None:
+        finals = self.view.finals
+        for lane, start, finals_start, newest in reversed(done):
+            self.storage.unappend(lane, start, start + count)
+            if finals is not None and finals.total[lane] > finals_start:
+                finals.unappend(lane, finals_start, int(finals.total[lane]))
+            self.episodes.rewind(lane, start)
+            for twin, value in newest.items():
+                self.view.last_next[twin][lane] = value
+
+    def close_cut_episode(self, lane: int) -> None:
+        """First rows of ``lane`` since this writer opened the buffer: end the episode the last
+        writer left open, as truncated (episode index, a ``truncated`` flag, final next_* and
+        returns). All or nothing."""
+        last = int(self.storage.total[lane]) - 1
+        ends = self.episodes.ends(lane)
+        if last >= 0 and not (len(ends) and ends[-1] == last) and self.episodes.enabled:
+            readable = last >= int(self.storage.window()[0][lane])
+            if readable and self.returns is not None:
+                self.returns.close(self.storage, self.episodes, lane, last)
+            flag = readable and "truncated" in self.episodes.end_fields
+            if flag:
+                self.storage.update_rows(lane, last, {"truncated": np.ones(1, bool)})
+            try:
+                self.view.record_final(lane)
+            except BaseException:
+                if flag:  # the slot is pinned by the update above: no I/O, cannot fail
+                    self.storage.update_rows(lane, last, {"truncated": np.zeros(1, bool)})
+                raise
+            self.episodes.add_end(lane, last)
+        self.cut.discard(lane)
+
+    def clear(self) -> None:
+        """Forget every row (see `ReplayBuffer.clear`)."""
+        for lane in range(self.storage.layout.num_envs):
+            if self.episodes.enabled and int(self.storage.total[lane]):
+                self.close_cut_episode(lane)
+        self.storage.retire_all()
+        self.episodes.prune(self.storage.window()[0])

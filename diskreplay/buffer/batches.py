@@ -1,0 +1,195 @@
+"""`Batches`: one minibatch drawn and assembled: the sampler's draw, one gather of the rows, then
+the sample-time transforms (HER, n-step returns, frame stacks) or trajectory slices."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..episodes import HER, EpisodeIndex, RowView
+from ..episodes import transforms
+from ..errors import EmptyBufferError
+from ..format.lanes import is_empty, row_ids
+from ..format.schema import Field
+from ..sampling import Draw, PrioritySampler, Sampler, SliceSampler
+from ..storage import output_rows, physical_memory
+
+Batch = dict[str, np.ndarray]
+BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
+"""Arrays a batch holds besides the fields, which ``out=`` may also provide."""
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What `ReplayBuffer.sample` was asked for, besides the batch size (see there)."""
+
+    seq_len: int | None = None
+    pad: bool = False
+    n_step: int | None = None
+    gamma: float = 0.99
+    stack: int | None = None
+    stack_fields: tuple[str, ...] = ("obs",)
+    her: HER | None = None
+    out: Mapping[str, np.ndarray] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options for the sampler (``beta``, ``recent_rows``, a custom sampler's own)."""
+
+    @property
+    def transformed(self) -> bool:
+        return self.n_step is not None or self.stack is not None or self.her is not None
+
+
+class Batches:
+    """Draws and assembles batches from a buffer's sampler and rows."""
+
+    def __init__(self, sampler: Sampler, view: RowView, episodes: EpisodeIndex, num_envs: int):
+        self.sampler, self.view, self.episodes, self.num_envs = sampler, view, episodes, num_envs
+
+    def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest,
+               lo: np.ndarray, hi: np.ndarray, empty_hint: str) -> Batch:
+        """One batch from the readable steps ``[lo, hi)`` per lane. Raises EmptyBufferError
+        (with ``empty_hint``) when there are none; StaleReadError from the reads."""
+        if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({empty_hint})")
+        if request.seq_len is not None:
+            return self._slices(rng, batch_size, request, lo, hi)
+        if request.options:
+            check_options(self.sampler, request.options)
+        draw = self.sampler.sample(rng, batch_size, lo, hi, **request.options)
+        batch = self.view.gather(draw.lane, draw.step, self._unstacked(request), out=request.out)
+        if request.transformed:
+            self._transform(batch, draw, rng, lo, hi, request)
+        batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
+        if draw.weight is not None:
+            batch["weight"] = draw.weight
+        if draw.extra:
+            batch.update(draw.extra)
+        return batch if request.out is None else placed(batch, request.out)
+
+    def _unstacked(self, request: SampleRequest) -> tuple[str, ...] | None:
+        """The fields a batch gathers before its frame stacks replace the stacked ones (None: all).
+
+        Raises ValueError naming a stack field the buffer does not have."""
+        if request.stack is None:
+            return None
+        fields = self.view.schema.fields
+        for name in request.stack_fields:
+            if name not in fields:
+                raise ValueError(f"stack_fields: {name!r} is not a field; the buffer has {list(fields)}")
+        stacked = {*request.stack_fields, *(f"next_{name}" for name in request.stack_fields)}
+        return tuple(name for name in fields if name not in stacked)
+
+    def _transform(self, batch: Batch, draw: Draw, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray,
+                   request: SampleRequest) -> None:
+        """Relabel goals (HER), n-step returns, frame stacks: in place, in that order."""
+        if not self.episodes.enabled:
+            raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+        if request.her is not None and request.n_step is not None:
+            raise ValueError("her and n_step cannot be combined: n-step rewards would ignore the relabelled goals")
+        stack, n_step, stack_fields = request.stack, request.n_step, tuple(request.stack_fields)
+        if request.her is not None:
+            request.her.relabel(batch, self.view, self.episodes, draw.lane, draw.step, lo, hi, rng)
+        if n_step is not None:
+            stacked = tuple(f"next_{name}" for name in stack_fields) if stack is not None else ()
+            batch.update(transforms.nstep(self.view, self.episodes, draw.lane, draw.step, hi, n_step,
+                                          request.gamma, left_out=stacked))
+        if stack is not None:
+            next_step = None
+            if n_step is not None:  # the next_ stack belongs to the last step of the n-step window
+                next_step = np.minimum(draw.step + n_step - 1, transforms.episode_last_step(
+                    self.episodes, draw.lane, draw.step, hi))
+            batch.update(transforms.frame_stack(self.view, self.episodes, draw.lane, draw.step, lo,
+                                                stack, stack_fields, next_step=next_step))
+
+    def _slices(self, rng: np.random.Generator, batch_size: int, request: SampleRequest,
+                lo: np.ndarray, hi: np.ndarray) -> Batch:
+        assert request.seq_len is not None
+        seq_len, pad = request.seq_len, request.pad
+        slices = SliceSampler(self.sampler, self.episodes, seq_len, pad)
+        if not self.episodes.enabled:
+            raise ValueError("seq_len needs episode ends: create the buffer with episode_end= naming a bool field")
+        check_batch_size(batch_size * seq_len, self.view.schema.row_bytes, "batch_size * seq_len")
+        check_options(self.sampler, request.options)
+        draw = slices.sample(rng, batch_size, lo, hi, **request.options)
+        steps, mask = slices.steps(draw, hi)
+        lanes = np.repeat(draw.lane, seq_len)
+        rows = self.view.gather(lanes, steps.reshape(-1))
+        batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) for k, v in rows.items()}
+        batch["index"] = row_ids(lanes, steps.reshape(-1), self.num_envs).reshape(batch_size, seq_len)
+        batch["start"] = row_ids(draw.lane, draw.step, self.num_envs)
+        if pad:
+            batch["mask"] = mask
+        if draw.weight is not None:
+            batch["weight"] = draw.weight
+        return batch
+
+
+def placed(batch: Batch, out: Mapping[str, np.ndarray] | None) -> Batch:
+    """Copy the batch's non-field arrays (index, weight) into their ``out`` arrays, if given."""
+    for name, given in (out or {}).items():
+        value = batch.get(name)
+        if value is None or value is given:
+            continue
+        if given.shape != value.shape or given.dtype != value.dtype:
+            raise ValueError(f"out[{name!r}]: expected a {value.dtype} array shaped {value.shape}, "
+                             f"got {given.dtype} shaped {given.shape}")
+        given[...] = value
+        batch[name] = given
+    return batch
+
+
+def check_out(out: Mapping[str, np.ndarray], count: int, fields: Mapping[str, Field]) -> None:
+    """Raise ValueError unless every ``out`` array fits ``count`` rows (before anything is drawn)."""
+    known = {**fields, **BATCH_EXTRAS}
+    unknown = sorted(set(out) - set(known))
+    if unknown:
+        raise ValueError(f"out: unknown names {unknown}; expected fields {sorted(fields)} "
+                         f"or {', '.join(map(repr, BATCH_EXTRAS))}")
+    for name, given in out.items():
+        output_rows(name, known[name], count, given)
+
+
+def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") -> None:
+    """Raise ValueError for a batch size that is not a positive int or whose rows could not fit
+    in this machine's memory (before anything is allocated)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"{name} must be a positive int, got {batch_size!r}")
+    need = int(batch_size) * (row_bytes + 8)
+    memory = physical_memory()
+    if need > memory:
+        raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "
+                         f"row), more than this machine's {memory:,} bytes of memory")
+
+
+@functools.lru_cache(maxsize=None)
+def takes_priorities(sampler_type: type) -> bool:
+    """Whether a sampler class satisfies `PrioritySampler` (checked once per class: the
+    protocol check costs microseconds)."""
+    return issubclass(sampler_type, PrioritySampler)
+
+
+def check_options(sampler: Sampler, options: Mapping[str, Any]) -> None:
+    """Raise ValueError for a sampling option the sampler does not take, or a bad ``beta``."""
+    taken = _sampling_options(type(sampler))
+    unknown = [] if taken is None else sorted(set(options) - set(taken))
+    if unknown:
+        raise ValueError(f"{type(sampler).__name__} takes no sampling option {', '.join(map(repr, unknown))} "
+                         f"(its options: {', '.join(taken or ()) or 'none'})")
+    beta = options.get("beta")
+    if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating))
+                             or not math.isfinite(beta) or beta < 0):
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sampling_options(sampler_type: type) -> tuple[str, ...] | None:
+    """The keyword options a sampler class's ``sample`` takes (None: any, it has ``**options``)."""
+    params = list(inspect.signature(sampler_type.sample).parameters.values())[5:]  # self, rng, size, lo, hi
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params)

@@ -1,0 +1,691 @@
+"""`ReplayBuffer`: storage + sampler + episode index + a random generator, and the public API."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from ..episodes import HER, EpisodeIndex, EpisodeTable, EpisodicReturn, RowView
+from ..errors import ClosedError, EmptyBufferError, SchemaError, StaleReadError
+from ..format import state as state_files
+from ..format.lanes import LaneLayout, row_ids, split_row_ids
+from ..format.schema import Field, Schema
+from ..io import RetryPolicy
+from ..sampling import Sampler, Uniform
+from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats, create_storage, open_storage
+from .appending import Appender
+from .batches import Batches, SampleRequest, check_batch_size, check_out, takes_priorities
+from .setup import check_open_options, open_finals, plan_buffer, prepare_location
+from .state import BufferState, saved_sampler, state_origin
+
+if TYPE_CHECKING:
+    from ..torch.datasets import EpochDataset, SampleDataset
+
+STALE_READ_PAUSE_S = 0.002
+Rows = dict[str, np.ndarray]
+
+
+class ReplayBuffer:
+    """A replay buffer whose rows live in a Zarr v3 group on disk or any fsspec URL.
+
+    Rows are identified by *row ids*: ``step * num_envs + lane``, where ``step`` counts every step
+    ever added to that env lane. With one lane, row id ``i`` is the ``i``-th row ever added. In a
+    ring (``capacity`` set) a row id stays valid until its row is overwritten; reading an
+    overwritten id raises IndexError. Use `create` or `open` to get one.
+    """
+
+    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
+                 finals: Storage | None = None, retry: RetryPolicy | None = None):
+        """Internal: use `create` (a new buffer) or `open` (an existing one).
+
+        Raises TypeError when called as ``ReplayBuffer(url, fields, capacity)``."""
+        if not isinstance(storage, Storage):
+            raise TypeError(f"ReplayBuffer({type(storage).__name__}, ...) is not how a buffer is made: use "
+                            f"dr.ReplayBuffer.create(url, fields, capacity) for a new one, or "
+                            f"dr.ReplayBuffer.open(url, mode) for an existing one")
+        self.storage = storage
+        """The `Storage` facade below this buffer (for tools: `diskreplay info`, importers)."""
+        self.sampler = sampler
+        self.rng = rng
+        self.retry = retry or RetryPolicy()
+        config = storage.config
+        self.episode_index = EpisodeIndex(config.num_envs, config.episode_end)
+        derived = {f"next_{base}": base for base in config.derive_next}
+        logical = {**storage.schema.fields, **{twin: storage.schema[base] for twin, base in derived.items()}}
+        spec = config.episodic_return
+        self.episodic_return = EpisodicReturn.from_json(dict(spec)) if spec else None
+        self.view = RowView(storage, self.episode_index, Schema(logical), derived, finals, self.episodic_return)
+        self._inputs = Schema({name: f for name, f in logical.items() if not spec or name != spec["name"]})
+        sampler.attach(storage.layout)
+        self._appender = Appender(storage, self.view, self.episode_index, self.episodic_return, sampler)
+        self._batches = Batches(sampler, self.view, self.episode_index, config.num_envs)
+        self._state = BufferState(storage.url, storage.layout, rng, sampler, self.episode_index, self.view)
+        self._closed = False
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, url: str | os.PathLike[str], fields: Mapping[str, Field], capacity: int | None = None, *,
+               num_envs: int = 1, chunk_rows: int | None = None, compression: str | None = "zstd",
+               compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
+               storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+               io_threads: int | None = None, overwrite: bool = False,
+               episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
+               episodic_return: EpisodicReturn | None = None, commit: bool = True,
+               memory_map: bool | None = None, break_lock: bool = False,
+               retry: RetryPolicy | None = None) -> "ReplayBuffer":
+        """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
+
+        Every argument is checked before anything at ``url`` is touched: a bad one raises and
+        leaves an existing buffer there as it was, also with ``overwrite=True``.
+
+        Args:
+            fields: name -> `Field` (per-step shape and dtype).
+            capacity: total rows kept (a ring over all lanes: ``capacity // num_envs`` per lane, must
+                divide evenly); ``None`` grows without bound (dataset mode).
+            num_envs: number of env lanes (at most 65,536); each is its own time-ordered stream.
+            chunk_rows: steps per stored chunk (the unit of I/O and caching). ``None`` (default):
+                sized by bytes, about 1 MiB per chunk of all fields (4,096 rows of small
+                observations, 128 of 84x84 frames); a raw ring that would need more than 16,384
+                chunk files gets longer chunks, so that every chunk stays memory-mapped (see
+                `diskreplay.storage.default_chunk_rows`).
+            compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks). Every chunk also
+                carries a CRC32C checksum (zarr's ``crc32c`` codec). Compressed fields with rows
+                of 1 KiB or more (images) are Zarr shards of inner chunks of about 8 KiB, each
+                compressed alone, so that a sampled row is read and decoded alone.
+            compression_level: the codec's level (zstd 0-22, lz4 0-9).
+            sampler: how `sample` picks rows; `Uniform` by default.
+            seed: seed of the buffer's own ``numpy.random.Generator``.
+            storage_options: passed to fsspec for remote URLs.
+            cache_bytes: bound on chunks kept in RAM (bytes); a writer needs at least
+                ``(2 * num_envs + 2)`` chunks for staging.
+            io_threads: concurrent chunk reads/writes; default: the CPU count (at most 4) on local
+                disk, 16 for remote stores (latency-bound).
+            overwrite: replace an existing buffer at ``url``.
+            episode_end: the bool field(s) whose OR ends an episode; ``"auto"`` takes ``done``, or
+                ``terminated`` and ``truncated``, when present; ``None`` keeps no episode index.
+            derive_next: fields ``f`` (e.g. ``("obs",)``) whose ``next_f`` twin is not stored but
+                read from ``f`` at step t+1 of the same episode; each episode's final ``next_f`` is
+                kept in a small side store. Halves the disk used by observations.
+            episodic_return: store each step's discounted return-to-go as a field, computed when
+                its episode ends (see `EpisodicReturn`); it is not passed to `add`/`extend`.
+            commit: write the first commit now. ``False`` leaves the location unopenable until the
+                first `flush` (bulk imports: an interrupted one never looks like a buffer).
+            memory_map: on a local store without compression, read chunk files through memory
+                maps (the OS page cache is the cache, a cold read costs pages, not whole chunks)
+                instead of copying whole chunks into the chunk cache. ``None`` (default): map when
+                the buffer's rows do not fit in ``cache_bytes``; rows that fit are read faster from
+                the cache (huge pages), which the first read fills with every chunk at once.
+            break_lock: remove any writer lock (also a live writer's) before taking it.
+            retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
+                per operation, and bounds how long `sample` keeps retrying stale reads.
+
+        Raises:
+            BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
+            LockedError: ``overwrite`` and a live writer holds the buffer at ``url``.
+            ValueError: a non-positive or too large capacity, chunk_rows or num_envs, capacity not
+                divisible by num_envs, an unknown compression or level, a ``cache_bytes`` too small
+                for staging; SchemaError for bad fields (also a name a side store uses: ``state``,
+                and ``final`` with ``derive_next``).
+        """
+        url = os.fspath(url)
+        plans = plan_buffer(url, fields, capacity, num_envs, chunk_rows, compression, compression_level,
+                            cache_bytes, episode_end, derive_next, episodic_return)
+        check_open_options(io_threads, memory_map, retry, storage_options, sampler)
+        prepare_location(url, storage_options, overwrite, break_lock, retry)
+        options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+        # the side store first: once the main commit exists, a reader finds everything it needs
+        finals = create_storage(plans[1], options, commit=True) if len(plans) > 1 else None
+        storage = create_storage(plans[0], options, commit=commit)
+        buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals, retry)
+        if commit:
+            buf.flush()
+        return buf
+
+    @classmethod
+    def open(cls, url: str | os.PathLike[str], mode: str = "r", *, sampler: Sampler | None = None,
+             storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
+             io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
+             retry: RetryPolicy | None = None, continue_episodes: bool = False) -> "ReplayBuffer":
+        """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
+
+        The sampler and generator state saved with the last commit are restored, so a resumed run
+        draws exactly what an uninterrupted one would have. ``sampler`` is only needed for sampler
+        types the buffer cannot rebuild from its saved state. ``storage_options``,
+        ``cache_bytes``, ``io_threads``, ``memory_map``, ``break_lock`` and ``retry``: as in `create`.
+
+        Resuming after a crash: a writer lock left by a process that no longer runs on this host
+        is taken over (with a warning). With ``mode="r+"``, the episode each lane had open is
+        closed as truncated when that lane's next rows arrive: the episode index ends it (slices,
+        n-step returns, ``derive_next`` and episodic returns stop there) and a ``truncated`` end
+        field, if the buffer has one, is set on its last step; a ``done``-only buffer keeps its
+        ``done`` values. The new episode never merges with the one the crash or the restart cut.
+        ``continue_episodes=True`` keeps them open instead, for a writer that resumes the very
+        env streams it was writing (their env state restored).
+
+        Raises:
+            NotABufferError: nothing (or something else, e.g. a plain file) is stored at ``url``.
+            CorruptBufferError: the metadata, the commit record or the state object is damaged
+                or contradicts the arrays (the message names the object and the field).
+            LockedError: ``mode="r+"`` and another writer (alive, or on another host) holds the buffer.
+            ValueError: ``mode`` is not "r" or "r+".
+        """
+        if mode not in ("r", "r+"):
+            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        url = os.fspath(url)
+        check_open_options(io_threads, memory_map, retry, storage_options, sampler)
+        options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+        storage = open_storage(url, mode, options)
+        finals = None
+        try:
+            record, state = storage.load_state(newest=False)
+            if not record.same_as(storage.record):  # a reader that raced the writer
+                storage.adopt(record)
+            if storage.config.derive_next:
+                schema = Schema({base: storage.schema[base] for base in storage.config.derive_next})
+                finals = open_finals(url, schema, storage.layout.num_envs, mode, options)
+            buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
+            buf._state.apply(buf._state.parse(state, record.committed, state_origin(url, record)), with_rng=True)
+        except BaseException:
+            for opened in (storage, finals):
+                if opened is not None:
+                    opened.close()
+            raise
+        if finals is not None and mode == "r+":
+            finals.rewind(buf.episode_index.ended())
+        if mode == "r+" and not continue_episodes:
+            buf._appender.cut = set(range(buf.num_envs))
+        return buf
+
+    # ---- properties ------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Where the buffer lives: a local path or an fsspec URL (``s3://...``)."""
+        return self.storage.url
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        """Every field a row has, derived ones included."""
+        return dict(self.view.schema.fields)
+
+    @property
+    def capacity(self) -> int | None:
+        """Rows the ring holds at most, over all lanes (None: a dataset that grows)."""
+        cap = self.storage.layout.lane_capacity
+        return None if cap is None else cap * self.num_envs
+
+    @property
+    def num_envs(self) -> int:
+        """Env lanes: each has its own time axis (row id = ``step * num_envs + lane``)."""
+        return self.storage.layout.num_envs
+
+    @property
+    def layout(self) -> LaneLayout:
+        """Lanes, ring capacity per lane and steps per chunk: the buffer's index arithmetic."""
+        return self.storage.layout
+
+    @property
+    def mode(self) -> str:
+        """``"r"`` (a reader: committed rows) or ``"r+"`` (the writer)."""
+        return self.storage.mode
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._closed
+
+    @property
+    def storage_options(self) -> Mapping[str, Any] | None:
+        """The fsspec options the buffer was opened with."""
+        return self.storage.storage_options
+
+    def __len__(self) -> int:
+        """Readable rows over all lanes: a writer's staged ones too, a reader's committed ones."""
+        self._require_open()
+        lo, hi = self.storage.window()
+        return int((hi - lo).sum())
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"ReplayBuffer({self.url!r}, closed)"
+        return (f"ReplayBuffer({self.url!r}, rows={len(self)}, capacity={self.capacity}, "
+                f"num_envs={self.num_envs}, mode={self.mode!r})")
+
+    def window(self, committed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the readable steps ``[lo, hi)`` (int64 arrays ``[num_envs]``); ``committed``:
+        those of the last commit only (a writer's staged rows left out). Read-only arrays."""
+        self._require_open()
+        return self.storage.committed_window() if committed else self.storage.window()
+
+    def stats(self) -> StorageStats:
+        """What the storage holds and did: cache slots, chunks loaded, maps, the commit shown
+        (counts, not times). Also after `close`: the final counts."""
+        return self.storage.stats()
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def add(self, env_ids: Any = None, **step: Any) -> None:
+        """Add one step: every field given as a keyword, shaped ``field.shape``.
+
+        With ``num_envs > 1`` each value has a leading env axis: ``(num_envs, *field.shape)``, or
+        ``(len(env_ids), *field.shape)`` when ``env_ids`` names a subset of lanes. All or nothing:
+        if it raises (bad input, a full disk, an unreachable store), the buffer is as before the
+        call (in a ring, the oldest rows it would have overwritten may be retired).
+
+        Raises:
+            SchemaError: missing/unknown field, wrong shape, unsafe or lossy dtype, bad env_ids.
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
+        """
+        self._require_writer()
+        if self.num_envs == 1 and env_ids is None:
+            rows = self._inputs.rows(step, lead=())
+            self._appender.append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
+            return
+        lanes = self._env_ids(env_ids)
+        rows = self._inputs.rows(step, lead=(len(lanes),))
+        self._appender.append(lanes, {k: v[None] for k, v in rows.items()}, 1)
+
+    def extend(self, data: Mapping[str, Any], env_ids: Any = None) -> None:
+        """Add N steps at once. Each field is shaped ``(N, *field.shape)``; with several lanes,
+        ``(N, num_envs or len(env_ids), *field.shape)`` (time-major). In a ring, an extend longer
+        than the capacity keeps its last rows. All or nothing, as `add`.
+
+        Raises:
+            SchemaError: not a mapping, missing/unknown field, wrong shape, unsafe or lossy dtype,
+                mismatched leading axes.
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
+        """
+        self._require_writer()
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"extend expects a mapping of field name to array (fields {list(self._inputs.fields)}), "
+                              f"got {type(data).__name__}")
+        count = _leading(data, self._inputs)
+        if self.num_envs == 1 and env_ids is None:
+            rows = self._inputs.rows(data, lead=(count,))
+            self._appender.append(np.array([0]), {k: v[:, None] for k, v in rows.items()}, count)
+            return
+        lanes = self._env_ids(env_ids)
+        self._appender.append(lanes, self._inputs.rows(data, lead=(count, len(lanes))), count)
+
+    def _env_ids(self, env_ids: Any) -> np.ndarray:
+        if env_ids is None:
+            return np.arange(self.num_envs)
+        ids = np.atleast_1d(np.asarray(env_ids))
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise SchemaError(f"env_ids: expected a 1-D array of ints, got {ids.dtype} shaped {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= self.num_envs)]
+        if bad.size:
+            raise SchemaError(f"env_ids: expected ids in [0, {self.num_envs}), got {bad.tolist()}")
+        if np.unique(ids).size != ids.size:
+            raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
+        return ids.astype(np.int64)
+
+    def _require_writer(self) -> None:
+        self._require_open()
+        self.storage.log.require_writable()
+
+    def flush(self, durable: bool = True) -> None:
+        """Write every staged row and commit: after it returns, a crash loses none of them.
+
+        ``durable=True`` fsyncs data and metadata on local disk before the commit completes. If
+        it raises, nothing new is committed and the rows stay staged: flush again.
+
+        Raises:
+            ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
+            LockedError: another writer took this buffer's lock (this one stops writing).
+            OSError / StoreUnavailableError: writing failed.
+        """
+        self._require_writer()
+        self.episode_index.prune(self.storage.window()[0])
+        finals = self.view.finals
+        self.storage.flush(durable, self._state.current(), side=finals if isinstance(finals, Storage) else None)
+
+    def refresh(self) -> bool:
+        """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,
+        episode index, derived-field state, sampler state), all together or not at all.
+        Returns True if there was a newer commit. A writer has nothing to adopt (False).
+
+        Raises:
+            CorruptBufferError: the newest commit or its state object is damaged (nothing changed).
+            ClosedError: the buffer was closed.
+        """
+        self._require_open()
+        if self.mode != "r":
+            return False
+        record, state = self.storage.load_state(newest=True)
+        if record.same_as(self.storage.record):
+            return False
+        finals = self.view.finals if isinstance(self.view.finals, Storage) else None
+        finals_record = finals.read_newest() if finals is not None else None
+        parsed = self._state.parse(state, record.committed, state_origin(self.url, record))
+        committed, last_ends = self.storage.record.committed.copy(), self.episode_index.last_ends()
+        self.storage.adopt(record)
+        if finals is not None and finals_record is not None:
+            finals.adopt(finals_record)
+        self._state.apply(parsed, with_rng=False)
+        if self.episodic_return is not None:
+            self._forget_patched_returns(committed, last_ends)
+        return True
+
+    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
+        """After adopting a commit: the writer patched the returns of the steps of every episode
+        that ended since (from just after the lane's previous end): cached copies are stale."""
+        newest = self.episode_index.last_ends()
+        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
+            if newest[lane] > last:
+                self.storage.forget_cached(lane, last + 1, hi)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def sample(self, batch_size: int, *, seed: int | None = None, rng: np.random.Generator | None = None,
+               seq_len: int | None = None, pad: bool = False, n_step: int | None = None,
+               gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
+               her: HER | None = None, out: dict[str, np.ndarray] | None = None, beta: float | None = None,
+               recent_rows: int | None = None, **options: Any) -> Rows:
+        """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
+
+        Rows come from the buffer's sampler (uniform with replacement by default) over every row
+        added so far, staged or committed (read-only buffers: committed rows). Random choices
+        use ``rng``, else a generator seeded with ``seed``, else the buffer's own generator.
+        Prioritized samplers add ``"weight"`` (float32 importance weights) and take ``beta=``
+        (default: the sampler's). ``recent_rows=c`` (Uniform) draws from the newest ``c`` rows
+        only (ERE). Other keyword ``options`` go to a sampler of your own.
+
+        Trajectory slices: ``seq_len=L`` returns arrays ``[batch_size, L, *shape]`` of consecutive
+        steps of one lane inside one episode, ``"index"`` ``[batch_size, L]`` and ``"start"`` (row
+        id of each first step). Without ``pad``, only windows that fit wholly inside an episode
+        are drawn (uniformly over such windows; episodes shorter than L are skipped). With
+        ``pad=True`` any readable step may start a slice; steps past the episode end repeat its
+        last step and ``"mask"`` ``[batch_size, L]`` is False there. With a prioritized sampler
+        a slice's priority is its start row's.
+
+        n-step returns: ``n_step=n, gamma=g`` replaces ``reward`` with the discounted sum of up to
+        n rewards inside the episode, every ``next_*`` field with its value at the last step used
+        (t+k-1), and adds ``"discount"`` = g^k * (1 - terminated) (a truncation bootstraps).
+        Frame stacking: ``stack=k`` returns each of ``stack_fields`` (and its ``next_`` twin) as
+        ``[batch_size, k, *shape]``, repeating the episode's first frame before its start.
+        ``her=dr.HER(...)`` relabels goals from the same episode (see `HER`).
+
+        ``out={name: array}``: preallocated C-contiguous arrays ``[batch_size, *shape]`` for some
+        of the fields (and ``"index"``, ``"weight"``), e.g. views of a pinned host buffer: rows are
+        gathered straight into them, and they are the arrays returned under those names. Plain
+        transitions only (not with seq_len, n_step, stack or her).
+
+        A reader whose rows the writer overwrote meanwhile (a ring) adopts the newest commit and
+        draws again, until it succeeds or ``retry.budget_s`` seconds have passed; so does a reader
+        whose commit retired every row (its writer is mid-way round the ring), waiting for rows.
+
+        Raises:
+            ValueError: batch_size <= 0 or a batch larger than this machine's memory; ``out`` with
+                a name, dtype or shape that does not fit, or combined with seq_len/n_step/stack/her.
+            EmptyBufferError: the buffer holds no rows (a reader: none for ``retry.budget_s`` s).
+            StaleReadError: the writer kept overwriting the rows drawn for ``retry.budget_s`` s.
+            ClosedError: the buffer was closed.
+        """
+        self._require_open()
+        check_batch_size(batch_size, self.view.schema.row_bytes)
+        options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
+        request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, options)
+        if out is not None:
+            if request.transformed or seq_len is not None:
+                raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
+            check_out(out, int(batch_size), self.fields)
+        if rng is None:
+            rng = self.rng if seed is None else np.random.default_rng(seed)
+        return self._sample_retrying(rng, int(batch_size), request)
+
+    def _sample_retrying(self, rng: np.random.Generator, batch_size: int, request: SampleRequest) -> Rows:
+        """`Batches.sample`, again after adopting the newest commit while the writer outruns a reader."""
+        hint = "" if self.mode != "r" else "; a writer's rows become readable when it calls flush()"
+        deadline = None
+        while True:
+            try:
+                lo, hi = self.storage.window()
+                return self._batches.sample(rng, batch_size, request, lo, hi, f"{self.url!r} holds 0 readable rows{hint}")
+            except (StaleReadError, EmptyBufferError) as exc:
+                if isinstance(exc, EmptyBufferError) and not self._behind_writer():
+                    raise
+                deadline = deadline if deadline is not None else time.monotonic() + self.retry.budget_s
+                if time.monotonic() > deadline:
+                    raise
+                self._catch_up(deadline)
+
+    def _behind_writer(self) -> bool:
+        """A reader whose commit holds rows, every one retired by a writer going round its ring."""
+        return self.mode == "r" and bool(self.storage.record.committed.any()) and len(self) == 0
+
+    def _catch_up(self, deadline: float) -> None:
+        """Reader behind its writer: adopt the newest commit; if that retired every row (the
+        writer is mid-way round its ring), wait for rows until ``deadline``."""
+        self.refresh()
+        while len(self) == 0 and time.monotonic() < deadline:
+            time.sleep(STALE_READ_PAUSE_S)
+            self.refresh()
+
+    def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> "SampleDataset | EpochDataset":
+        """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
+
+        ``mode="sample"``: endless batches from the buffer's sampler; ``"epoch"``: every row once
+        per epoch. Options and resume semantics: `diskreplay.torch.data.make_dataset`.
+        """
+        from ..torch.data import make_dataset  # torch is imported only when first used
+
+        self._require_open()
+        return make_dataset(self, batch_size, mode, **options)
+
+    def update_priorities(self, index: Any, td_errors: Any) -> int:
+        """Set the priorities of rows (by row id, e.g. ``batch["index"]``) from TD errors.
+
+        Priorities become ``(|td| + eps) ** alpha``. Ids of rows overwritten since they were
+        sampled are ignored. Returns the number of rows updated.
+
+        Raises:
+            TypeError: the buffer's sampler has no priorities.
+            ValueError: NaN/inf TD errors, priorities so large that their sum could overflow, or
+                not one TD error per index.
+            IndexError: a negative id. ClosedError: the buffer was closed.
+        """
+        self._require_open()
+        if not takes_priorities(type(self.sampler)):
+            raise TypeError(f"update_priorities needs a prioritized sampler; this buffer uses "
+                            f"{type(self.sampler).__name__}")
+        ids = np.asarray(index).reshape(-1)
+        if ids.dtype.kind not in "iu" or (ids < 0).any():
+            raise IndexError(f"row ids must be non-negative integers, got {ids[:5]}... (dtype {ids.dtype})")
+        lane, step = split_row_ids(ids.astype(np.int64), self.num_envs)
+        lo, hi = self.storage.window()
+        return int(self.sampler.update_priorities(lane, step, td_errors, lo, hi))  # type: ignore[attr-defined]
+
+    def episodes(self) -> EpisodeTable:
+        """Every episode with readable rows: lane, start step, length, complete (ended and its
+        first step not overwritten). Rows of an episode are row ids ``(start + i) * num_envs + lane``."""
+        self._require_open()
+        if not self.episode_index.enabled:
+            raise ValueError("this buffer keeps no episode index (created with episode_end=None)")
+        return self.episode_index.table(*self.storage.window())
+
+    def episode(self, k: int) -> Rows:
+        """The readable rows of episode ``k`` of `episodes` (negative k counts from the end)."""
+        table = self.episodes()
+        if not -len(table) <= k < len(table):
+            raise IndexError(f"episode {k} out of range: the buffer lists {len(table)} episodes")
+        lane, start, length = int(table.lane[k]), int(table.start[k]), int(table.length[k])
+        steps = np.arange(start, start + length)
+        rows = self._gather_or_refresh(np.full(length, lane), steps, None)
+        rows["index"] = row_ids(lane, steps, self.num_envs)
+        return rows
+
+    def __getitem__(self, ids: Any) -> Rows:
+        """Rows by row id (an int or an int array): ``{field: array [*ids.shape, *shape]}``.
+
+        Raises:
+            IndexError: an id that is negative, not yet added, or already overwritten.
+        """
+        return self.rows(ids)
+
+    def rows(self, ids: Any, out: dict[str, np.ndarray] | None = None) -> Rows:
+        """``buf[ids]``, optionally gathered straight into ``out`` (1-D ``ids``; as in `sample`).
+
+        Raises:
+            IndexError: an id that is negative, not yet added, or already overwritten
+                (`StaleReadError` if the writer overwrote it after this reader's commit: the
+                reader has then adopted the newest commit).
+            ValueError: ``out`` with a name, dtype or shape that does not fit.
+            ClosedError: the buffer was closed.
+        """
+        self._require_open()
+        arr = np.asarray(ids)
+        if out is not None:
+            check_out(out, arr.size, self.fields)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise IndexError(f"row ids must be integers, got dtype {arr.dtype}")
+        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+            raise IndexError(f"row id {int(arr.max())} is not in the buffer (larger than any row id)")
+        flat = arr.reshape(-1).astype(np.int64)
+        lane, step = split_row_ids(flat, self.num_envs)
+        lo, hi = self.storage.window()
+        bad = (flat < 0) | (step < lo[lane]) | (step >= hi[lane])
+        if bad.any():
+            first = int(flat[bad][0])
+            raise IndexError(f"row id {first} is not in the buffer (readable ids per lane: steps "
+                             f"{lo.tolist()} to {(hi - 1).tolist()}, id = step * {self.num_envs} + lane)")
+        rows = self._gather_or_refresh(lane, step, out)
+        if arr.ndim == 1:
+            return rows
+        return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
+
+    def _gather_or_refresh(self, lane: np.ndarray, step: np.ndarray, out: dict[str, np.ndarray] | None) -> Rows:
+        try:
+            return self.view.gather(lane, step, out=out)
+        except StaleReadError:
+            self.refresh()  # the reader follows the newest commit, all of its state at once
+            raise
+
+    def latest(self, n: int) -> Rows:
+        """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:
+        ``{field: array [n, *shape], "index": [n] int64 row ids}``. With several lanes, the
+        rows of the ``n`` highest row ids (the newest steps, lanes side by side).
+
+        Raises ValueError for ``n`` that is not an int >= 0; ClosedError."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        self._require_open()
+        lo, hi = self.storage.window()
+        ids = np.sort(np.concatenate([row_ids(lane, np.arange(max(int(lo[lane]), int(hi[lane]) - n), hi[lane]),
+                                              self.num_envs) for lane in range(self.num_envs)]))
+        ids = ids[max(len(ids) - n, 0):]  # each lane's newest n hold the n highest ids
+        return {**self.rows(ids), "index": ids}
+
+    def clear(self) -> None:
+        """Forget every row: afterwards the buffer holds none, for this writer at once and for
+        readers at the next `flush`. Row ids go on counting (an id never names two rows); each
+        lane's open episode ends, cut, and the next row starts a new one. The old rows' bytes
+        stay on disk until new rows overwrite them (a ring) or the buffer is deleted.
+
+        Raises ReadOnlyError (a reader), ClosedError, LockedError."""
+        self._require_writer()
+        self._appender.clear()
+
+    def row_ids(self) -> np.ndarray:
+        """Every readable row id, lane by lane in time order (int64)."""
+        self._require_open()
+        lo, hi = self.storage.window()
+        return np.concatenate([row_ids(lane, np.arange(lo[lane], hi[lane]), self.num_envs)
+                               for lane in range(self.num_envs)])
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The small in-RAM state: cursors per lane, the generator and the sampler's state."""
+        self._require_open()
+        return {**self._state.current(), "total": self.storage.total.copy()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore generator and sampler state saved by `state_dict` from this same buffer.
+
+        Raises:
+            ValueError: the state's cursors differ from the buffer's (rows were added or lost
+                since), or any part of it does not fit this buffer (nothing is loaded then).
+        """
+        self._require_open()
+        self._load_state(state, origin=None)
+
+    def _load_state(self, state: Mapping[str, Any], origin: str | None) -> None:
+        if not isinstance(state, Mapping) or "total" not in state:
+            raise ValueError("state: expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
+        total = np.asarray(state["total"])
+        if total.shape != self.storage.total.shape or not np.array_equal(total, self.storage.total):
+            raise ValueError(f"state is for a buffer with {total.tolist()} steps per lane; this buffer "
+                             f"has {self.storage.total.tolist()}")
+        parts = {k: v for k, v in state.items() if k != "total"}
+        self._state.apply(self._state.parse(parts, self.storage.total, origin), with_rng=True)
+
+    def save_snapshot(self, directory: str | os.PathLike[str]) -> None:
+        """Write `state_dict` to ``directory``: ``state.safetensors`` (arrays) + ``state.json``."""
+        state = self.state_dict()  # raises ClosedError before anything is written
+        state_files.save_directory(os.fspath(directory), self.url, state)
+
+    @classmethod
+    def load_snapshot(cls, directory: str | os.PathLike[str], mode: str = "r+", *, url: str | None = None,
+                      **open_options: Any) -> "ReplayBuffer":
+        """Open the buffer a snapshot was taken of (or ``url``) and restore the snapshot's state.
+
+        Raises:
+            CorruptBufferError: the snapshot's files are unreadable or do not fit (naming the file).
+            ValueError: the snapshot is of another state of the buffer (see `load_state_dict`).
+        """
+        directory = os.fspath(directory)
+        state, saved_url = state_files.load_directory(directory)
+        buf = cls.open(url or saved_url, mode, **open_options)
+        try:
+            buf._load_state(state, origin=f"snapshot {directory!r} (state.json, state.safetensors)")
+        except BaseException:
+            buf._closed = True  # nothing was written: release without flushing
+            for storage in buf._appender.storages():
+                storage.close()
+            raise
+        return buf
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush (writers) and release threads, maps and the writer lock. Idempotent. If the
+        final flush fails, everything is released all the same and the error is raised."""
+        if self._closed:
+            return
+        try:
+            if self.mode != "r":
+                self.flush()
+        finally:
+            self._closed = True
+            for storage in self._appender.storages():
+                storage.close()
+
+    def __enter__(self) -> "ReplayBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _leading(data: Mapping[str, Any], schema: Schema) -> int:
+    """N, the steps in an extend: the leading size most fields with a step axis agree on."""
+    sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
+             if name in data and np.ndim(data[name]) > len(field.shape)}
+    if not sizes:
+        raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
+                          f"{ {name: np.shape(value) for name, value in data.items()} }")
+    counts = list(sizes.values())
+    return max(counts, key=counts.count)  # the odd field out is then named by the schema check

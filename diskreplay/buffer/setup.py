@@ -1,0 +1,167 @@
+"""Creating and opening a buffer's storages: every argument checked before anything at the URL is
+touched, the location prepared, the ``derive_next`` side store of final observations beside it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..episodes import EpisodicReturn, derived_next_fields
+from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, SchemaError
+from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
+from ..format import keys
+from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY
+from ..format.layout import check_schema_compatible
+from ..format.schema import Field, Schema
+from ..io import RetryPolicy, is_local, local_path, open_chunkstore
+from ..io.lock import check_unlocked
+from ..storage import NewStorage, Options, Storage, default_chunk_rows, open_storage, plan_storage
+
+FINALS_CHUNK_ROWS = 64
+FINALS_CACHE_BYTES = 32 * 2**20
+SAMPLER_METHODS = ("attach", "on_append", "sample", "state_dict", "load_state_dict")
+
+
+def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num_envs: int, chunk_rows: int | None,
+                compression: str | None, level: int, cache_bytes: int, episode_end: str | tuple[str, ...] | None,
+                derive_next: tuple[str, ...], episodic_return: EpisodicReturn | None) -> list[NewStorage]:
+    """The storages of a new buffer (the main one, then the side store of ``derive_next``),
+    planned and checked. Raises ValueError or SchemaError (see `ReplayBuffer.create`)."""
+    user = Schema(fields)
+    end_fields = episode_end_fields(user, episode_end)
+    derived = derived_next_fields(tuple(derive_next), user.fields)
+    stored = {name: field for name, field in user.items() if name not in derived}
+    if (derived or episodic_return) and not end_fields:
+        raise ValueError("derive_next and episodic_return need episode ends: name them with episode_end=")
+    if episodic_return is not None:
+        _check_episodic_return(episodic_return, user)
+        stored[episodic_return.name] = episodic_return.field()
+    stored_schema = Schema(stored)
+    check_schema_compatible(stored_schema, tuple(derived.values()))
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None)
+    lane_capacity = lane_capacity_of(capacity, num_envs, chunk_rows)
+    chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
+    config = BufferConfig(stored_schema, num_envs, lane_capacity, chunk_rows, compression, level,
+                          chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, episode_end=end_fields, derive_next=tuple(derived.values()),
+                          episodic_return=episodic_return.to_json() if episodic_return else None)
+    plans = [plan_storage(url, config, cache_bytes)]
+    if derived:
+        finals = BufferConfig(Schema({base: user[base] for base in derived.values()}), num_envs, None,
+                              FINALS_CHUNK_ROWS, compression, level, keys.CHUNK_KEY_SEPARATOR)
+        plans.append(plan_storage(finals_url(url), finals, finals_cache(finals.schema, num_envs)))
+    return plans
+
+
+def check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any,
+                       sampler: Any = None) -> None:
+    """Raise ValueError naming the first option of `create`/`open` that is not usable."""
+    if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
+                                   or not 1 <= io_threads <= 256):
+        raise ValueError(f"io_threads must be None or an int in [1, 256], got {io_threads!r}")
+    if memory_map not in (None, True, False):
+        raise ValueError(f"memory_map must be None, True or False, got {memory_map!r}")
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ValueError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+    missing = [m for m in SAMPLER_METHODS if not callable(getattr(sampler, m, None))]
+    if sampler is not None and missing:
+        raise ValueError(f"sampler must be a dr.Sampler (dr.Uniform(), dr.Prioritized(), ...), got "
+                         f"{type(sampler).__name__} without {missing}")
+
+
+def lane_capacity_of(capacity: int | None, num_envs: int, chunk_rows: int) -> int | None:
+    """Steps per lane of a ring of ``capacity`` rows (None: a dataset). Raises ValueError."""
+    if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or not 1 <= num_envs <= MAX_LANES:
+        raise ValueError(f"num_envs must be an int in [1, {MAX_LANES}], got {num_envs!r}")
+    if (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))
+            or not 1 <= chunk_rows <= MAX_CHUNK_ROWS):
+        raise ValueError(f"chunk_rows must be an int in [1, {MAX_CHUNK_ROWS}], got {chunk_rows!r}")
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+    if capacity % num_envs:
+        raise ValueError(f"capacity must be a multiple of num_envs={num_envs}, got {capacity}")
+    lane_capacity = int(capacity // num_envs)
+    chunks = num_envs * -(-lane_capacity // min(chunk_rows, lane_capacity))
+    if lane_capacity > MAX_STEPS or chunks > MAX_CHUNKS:
+        raise ValueError(f"capacity={capacity:,} with chunk_rows={chunk_rows} needs {chunks:,} chunks; at most "
+                         f"{MAX_CHUNKS:,} are kept: raise chunk_rows")
+    return lane_capacity
+
+
+def episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The bool fields whose OR ends an episode (``"auto"``: ``done``, else ``terminated`` and
+    ``truncated``, where present). Raises SchemaError for a name that is not a scalar bool field."""
+    if episode_end is None:
+        return ()
+    if episode_end == "auto":
+        names = ("done",) if "done" in schema.fields else ("terminated", "truncated")
+        return tuple(n for n in names if n in schema.fields and schema[n].dtype == np.bool_ and schema[n].shape == ())
+    names = (episode_end,) if isinstance(episode_end, str) else tuple(episode_end)
+    for name in names:
+        if name not in schema.fields or schema[name].dtype != np.bool_ or schema[name].shape != ():
+            raise SchemaError(f"episode_end: expected scalar bool fields, got {name!r} "
+                              f"({schema.fields.get(name)})")
+    return names
+
+
+def _check_episodic_return(spec: EpisodicReturn, user: Schema) -> None:
+    if spec.name in user.fields:
+        raise SchemaError(f"episodic_return: field {spec.name!r} is computed by the buffer; "
+                          f"remove it from fields or choose another name")
+    if spec.reward not in user.fields or user[spec.reward].shape != ():
+        raise SchemaError(f"episodic_return: expected a scalar reward field {spec.reward!r}, "
+                          f"got {user.fields.get(spec.reward)}")
+
+
+def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwrite: bool, break_lock: bool,
+                     retry: RetryPolicy | None) -> None:
+    """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
+    delete what is not a buffer, or one a live writer holds), then remove it (retried remotely)."""
+    store = open_chunkstore(url, storage_options, retry=retry)
+    if is_local(url):
+        path = local_path(url)
+        if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
+            return
+        if not overwrite:
+            raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
+        _require_buffer_or_empty(path)
+    elif store.exists(COMMIT_KEY) or store.exists(GROUP_KEY):
+        if not overwrite:
+            raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
+    else:
+        return
+    check_unlocked(url, dict(storage_options) if storage_options else None, break_lock)
+    store.clear()
+
+
+def _require_buffer_or_empty(path: str) -> None:
+    if not os.path.isdir(path) or (not os.path.exists(os.path.join(path, COMMIT_KEY))
+                                   and not os.path.exists(os.path.join(path, GROUP_KEY))):
+        raise BufferExistsError(f"{path!r} exists and is not a diskreplay buffer; refusing to delete it")
+
+
+def finals_url(url: str) -> str:
+    """Where a buffer with ``derive_next`` keeps each episode's final next observation."""
+    return f"{url.rstrip('/')}/{FINALS_DIR}"
+
+
+def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Options) -> Storage:
+    """The side store of a ``derive_next`` buffer. Raises CorruptBufferError if it is missing or damaged."""
+    try:
+        return open_storage(finals_url(url), mode, replace(options, cache_bytes=finals_cache(schema, num_envs)))
+    except (NotABufferError, CorruptBufferError) as exc:
+        raise CorruptBufferError(f"{url!r}: the side store {FINALS_DIR}/ of derive_next, which "
+                                 f"holds each episode's final {', '.join(schema.fields)}, is missing or damaged "
+                                 f"({exc})") from None
+
+
+def finals_cache(schema: Schema, num_envs: int) -> int:
+    """The side store's chunk cache: its default, or what staging needs if that is more."""
+    return max(FINALS_CACHE_BYTES, (2 * num_envs + 2) * FINALS_CHUNK_ROWS * schema.row_bytes)

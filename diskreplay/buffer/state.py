@@ -1,0 +1,94 @@
+"""`BufferState`: the small in-RAM state of a buffer (generator, sampler, episode index, derived
+``next_*`` values), gathered for a commit or a snapshot, and checked whole before any of it loads."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..episodes import EpisodeIndex, RowView
+from ..errors import CorruptBufferError
+from ..format.commit import CommitRecord
+from ..format.keys import COMMIT_KEY
+from ..format.lanes import LaneLayout
+from ..sampling import SAMPLER_TYPES, Sampler, check_sampler_state, load_sampler_state, sampler_from_state
+
+STATE_PARTS = ("rng", "sampler", "episodes")
+
+
+class BufferState:
+    """Reads, checks and loads the state of a buffer's parts."""
+
+    def __init__(self, url: str, layout: LaneLayout, rng: np.random.Generator, sampler: Sampler,
+                 episodes: EpisodeIndex, view: RowView):
+        self.url, self.layout, self.rng, self.sampler, self.episodes, self.view = (
+            url, layout, rng, sampler, episodes, view)
+
+    def current(self) -> dict[str, Any]:
+        """The state now: JSON values and numpy arrays."""
+        return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
+                "episodes": self.episodes.state_dict(), "last_next": self.view.state_dict()}
+
+    def parse(self, state: Mapping[str, Any], total: np.ndarray, origin: str | None) -> dict[str, Any]:
+        """``state`` checked against a buffer holding ``total`` steps per lane (every part,
+        before any is used).
+
+        Raises CorruptBufferError naming ``origin`` (the file it was read from), the part and what
+        is wrong; ``ValueError`` for a state the caller gave (``origin=None``)."""
+        if not state:
+            return {}
+        try:
+            if not isinstance(state, Mapping):
+                raise ValueError(f"expected a mapping, got {type(state).__name__}")
+            for part in STATE_PARTS:
+                if part not in state:
+                    raise ValueError(f"{part!r} is missing")
+            check_rng_state(state["rng"])
+            check_sampler_state(self.sampler, state["sampler"], self.layout, total)
+            self.episodes.check_state(state["episodes"], total)
+            self.view.check_state(state.get("last_next") or {})
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            if origin is None:
+                raise ValueError(f"state for {self.url!r} does not fit this buffer: {exc}") from None
+            raise CorruptBufferError(f"{origin}: {exc}") from None
+        return dict(state)
+
+    def apply(self, state: Mapping[str, Any], with_rng: bool) -> None:
+        """Load a state checked by `parse` (nothing here can fail on its content)."""
+        if not state:
+            return
+        if with_rng:
+            self.rng.bit_generator.state = state["rng"]
+        load_sampler_state(self.sampler, state["sampler"])
+        self.episodes.load_state_dict(state["episodes"])
+        if state.get("last_next"):
+            self.view.load_state_dict(state["last_next"])
+
+
+def check_rng_state(state: Any) -> None:
+    """Raise ValueError naming 'rng' unless ``state`` can be loaded into a generator."""
+    try:
+        np.random.default_rng().bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ValueError(f"'rng': not a generator state ({type(exc).__name__}: {exc})") from None
+
+
+def state_origin(url: str, record: CommitRecord) -> str:
+    """How errors name the state saved with a commit."""
+    return f"{url!r}: the state object {record.state_arrays!r} of commit {record.sequence}"
+
+
+def saved_sampler(url: str, record: CommitRecord, state: Mapping[str, Any]) -> Sampler:
+    """The sampler a buffer was saved with (raises CorruptBufferError for unreadable settings)."""
+    saved = state.get("sampler")
+    if isinstance(saved, dict) and saved.get("type") not in SAMPLER_TYPES:
+        return sampler_from_state(saved)  # ValueError: a sampler type of the user's, pass sampler=
+    try:
+        if saved is not None and not isinstance(saved, dict):
+            raise TypeError(f"expected an object, got {type(saved).__name__}")
+        return sampler_from_state(saved)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} field 'extra.state.sampler' (commit "
+                                 f"{record.sequence}): the saved sampler settings are unreadable "
+                                 f"({exc})") from None

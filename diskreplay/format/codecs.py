@@ -1,0 +1,297 @@
+"""Chunk bytes: `Codec` turns one chunk's rows into exactly the bytes zarr stores, and back.
+
+Codecs are ``bytes`` (little-endian), then ``zstd`` or blosc ``lz4`` or nothing, then ``crc32c``.
+Compressed fields with big rows (images) are Zarr shards (``sharding_indexed``, index first) of
+small inner chunks, each compressed and checksummed alone (`Codec.inner_rows`). Nothing read from
+a chunk sizes an allocation: decoded sizes are checked against the expected ones first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import zarr
+import zarr.codecs
+import zstandard
+from numcodecs import blosc
+
+from .schema import Field
+
+COMPRESSIONS = (None, "zstd", "lz4")
+CHECKSUM_BYTES = 4
+ROW_ACCESS_BYTES = 1 << 10
+INNER_CHUNK_BYTES = 1 << 13
+"""Compressed fields whose rows take at least `ROW_ACCESS_BYTES` (images) are stored as Zarr
+shards: each chunk file holds inner chunks of about `INNER_CHUNK_BYTES` (one 84x84 frame),
+compressed one by one behind an index, so a sampled row costs one small read and decode, not
+the decode of its whole chunk (`Codec.inner_rows`)."""
+EMPTY_INNER = (1 << 64) - 1
+BLOSC_HEADER_BYTES = 16
+
+
+def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
+    """Rows per inner chunk of a field with rows of ``row_bytes`` (None: chunks are not sharded):
+    a power of two near `INNER_CHUNK_BYTES` dividing ``chunk_rows``, for compressed fields of a
+    ``row_access`` buffer whose rows take at least `ROW_ACCESS_BYTES`."""
+    if compression is None or not row_access or row_bytes < ROW_ACCESS_BYTES:
+        return None
+    return math.gcd(1 << (max(INNER_CHUNK_BYTES // row_bytes, 1).bit_length() - 1), chunk_rows)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Turns one chunk's ndarray into the exact bytes zarr would store, and back.
+
+    ``checksum``: a CRC32C of the encoded bytes follows them (zarr's ``crc32c`` codec), so torn,
+    zeroed or garbage chunks are found on every whole-chunk read and by `verify`. Raw chunks
+    with a checksum are still memory-mappable: the values come first.
+
+    ``inner_rows``: the chunk is a Zarr shard (``sharding_indexed``, index first) of inner
+    chunks of that many rows, each compressed and checksummed on its own; the index holds one
+    little-endian ``(offset, nbytes)`` uint64 pair per inner chunk, then its CRC32C. One inner
+    chunk is read with `index_bytes` and `decode_bodies` (see `diskreplay.shard_maps`).
+    """
+
+    compression: str | None
+    level: int = 3
+    checksum: bool = True
+    inner_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)) or not 0 <= self.level <= 22:
+            raise ValueError(f"compression_level must be an int in [0, 22], got {self.level!r}")
+        if self.inner_rows is not None and (self.compression is None or not self.checksum):
+            raise ValueError("sharded chunks are written compressed and checksummed")
+
+    @property
+    def raw(self) -> bool:
+        """True when a chunk's bytes start with its raw little-endian C-order values (memory-mappable)."""
+        return self.compression is None
+
+    @property
+    def trailer(self) -> int:
+        """Bytes after the values in a raw chunk (its checksum)."""
+        return CHECKSUM_BYTES if self.checksum else 0
+
+    def _compress(self, data: np.ndarray) -> bytes:
+        if self.compression == "zstd":
+            return _ZSTD.compressor(self.level).compress(memoryview(data.reshape(-1).view(np.uint8)))
+        return bytes(numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE).encode(data))
+
+    def _decompress(self, body: bytes | memoryview, nbytes: int) -> bytes | memoryview:
+        """``body`` decompressed, which must give ``nbytes`` bytes: checked before a zstd frame's
+        header can size an allocation. Raises ValueError."""
+        if self.compression == "zstd":
+            size = zstandard.frame_content_size(body)
+            if size not in (nbytes, zstandard.CONTENTSIZE_UNKNOWN):
+                raise ValueError(f"zstd frame of {size} bytes, expected {nbytes}")
+            return _ZSTD.decompressor.decompress(body, max_output_size=nbytes)
+        claimed = int.from_bytes(body[4:8], "little") if len(body) >= BLOSC_HEADER_BYTES else None
+        if claimed != nbytes:  # blosc would fill less than all of ``out`` without a word
+            raise ValueError(f"blosc frame of {claimed} bytes, expected {nbytes}")
+        out = np.empty(nbytes, np.uint8)
+        blosc.decompress(body, out)
+        return out
+
+    def encode(self, chunk: np.ndarray) -> tuple[bytes | memoryview, ...]:
+        """The chunk's stored bytes, in parts to be written one after the other. Raw values are a
+        view of ``chunk`` itself (no copy): write them out before ``chunk`` changes."""
+        data = np.ascontiguousarray(chunk)
+        if self.inner_rows is not None:
+            return self._encode_shard(data)
+        body: bytes | memoryview = memoryview(data.reshape(-1).view(np.uint8)) if self.raw else self._compress(data)
+        return (body, checksum(body)) if self.checksum else (body,)
+
+    def _encode_shard(self, data: np.ndarray) -> tuple[bytes, ...]:
+        rows = self.inner_rows
+        bodies = [self._compress(data[i:i + rows]) for i in range(0, len(data), rows)]
+        sizes = np.array([len(b) + CHECKSUM_BYTES for b in bodies], dtype="<u8")
+        index = np.empty((len(bodies), 2), dtype="<u8")
+        index[:, 1] = sizes
+        index[:, 0] = self.index_bytes(len(data)) + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        head = index.tobytes()
+        return (head, checksum(head), *(part for b in bodies for part in (b, checksum(b))))
+
+    def index_bytes(self, chunk_rows: int) -> int:
+        """Bytes of a shard's index (with its checksum) for a chunk of ``chunk_rows`` rows."""
+        return 16 * (chunk_rows // self.inner_rows) + CHECKSUM_BYTES
+
+    @staticmethod
+    def _span(entries: bytes | memoryview, inner: int, index_bytes: int, limit: int) -> tuple[int, int] | None:
+        entry = entries[16 * inner:16 * inner + 16]
+        offset, nbytes = int.from_bytes(entry[:8], "little"), int.from_bytes(entry[8:], "little")
+        if offset == nbytes == EMPTY_INNER:
+            return None
+        if offset < index_bytes or not CHECKSUM_BYTES < nbytes <= limit:
+            raise ValueError(f"inner chunk {inner}: span ({offset}, {nbytes}) outside the shard's data")
+        return offset, nbytes
+
+    def decode_inner(self, blob: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
+        self.decode_body(self.verified_body(blob), out)
+
+    def decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, threads: int = 1) -> None:
+        """Decode inner chunks (checksums already checked and cut off) into ``out[i]``, one per
+        body; None: stored empty, zeros. zstd frames are decoded in one call on ``threads``
+        threads, each into exactly the bytes of its ``out[i]``. Raises ValueError."""
+        flat = out.reshape(len(bodies), -1).view(np.uint8)
+        present = [i for i, body in enumerate(bodies) if body is not None]
+        if len(present) < len(bodies):
+            flat[[i for i, body in enumerate(bodies) if body is None]] = 0
+        if self.compression != "zstd" or len(present) < 2:
+            for i in present:
+                self.decode_body(bodies[i], flat[i])
+            return
+        sizes = np.full(len(present), flat.shape[1], dtype=np.uint64)
+        try:
+            frames = _ZSTD.decompressor.multi_decompress_to_buffer(
+                [bodies[i] for i in present], decompressed_sizes=sizes, threads=threads)
+        except zstandard.ZstdError as exc:
+            raise ValueError(str(exc)) from None
+        decoded = np.frombuffer(b"".join(frames[i] for i in range(len(present))), dtype=np.uint8)
+        if len(present) == len(bodies):
+            flat[:] = decoded.reshape(flat.shape)
+        else:
+            flat[present] = decoded.reshape(len(present), -1)
+
+    def decode_body(self, body: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode one compressed body (no checksum) into ``out``. Raises ValueError."""
+        flat = out.reshape(-1).view(np.uint8)
+        src = np.frombuffer(self._decompress(body, flat.size), dtype=np.uint8)
+        if src.size != flat.size:
+            raise ValueError(f"decoded inner chunk has {src.size} bytes, expected {flat.size}")
+        flat[:] = src
+
+    def decode_into(self, blob: bytes, out: np.ndarray) -> None:
+        """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
+
+        Raises ValueError if the checksum does not match or the bytes do not decode to ``out``'s size.
+        """
+        if self.inner_rows is not None:
+            return self._decode_shard(memoryview(blob), out)
+        body = memoryview(blob)
+        if self.checksum:
+            body = self.verified_body(body)
+        flat = out.reshape(-1).view(np.uint8)
+        src = np.frombuffer(body if self.raw else self._decompress(body, flat.size), dtype=np.uint8)
+        if src.size != flat.size:
+            raise ValueError(f"decoded chunk has {src.size} bytes, expected {flat.size}")
+        flat[:] = src
+
+    def _decode_shard(self, blob: memoryview, out: np.ndarray) -> None:
+        head = self.index_bytes(len(out))
+        if len(blob) < head:
+            raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
+        rows, entries = self.inner_rows, self.verified_body(blob[:head])
+        for inner in range(len(out) // rows):
+            span = self._span(entries, inner, head, len(blob))
+            if span is None:
+                out[inner * rows:(inner + 1) * rows] = 0
+            elif span[0] + span[1] > len(blob):
+                raise ValueError(f"inner chunk {inner}: span {span} past the shard's {len(blob)} bytes")
+            else:
+                self.decode_inner(blob[span[0]:span[0] + span[1]], out[inner * rows:(inner + 1) * rows])
+
+    @staticmethod
+    def verified_body(blob: bytes | memoryview) -> bytes | memoryview:
+        """``blob`` without its trailing checksum, which must match. Raises ValueError."""
+        if len(blob) < CHECKSUM_BYTES:
+            raise ValueError(f"{len(blob)} bytes: too short to hold a checksum")
+        body, stored = blob[:-CHECKSUM_BYTES], bytes(blob[-CHECKSUM_BYTES:])
+        if checksum(body) != stored:
+            raise ValueError(f"checksum mismatch (stored {stored.hex()}, computed {checksum(body).hex()})")
+        return body
+
+    def zarr_codecs(self, field: Field) -> dict[str, Any]:
+        """``create_array`` arguments (``compressors``, ``serializer``) that make zarr describe these chunks."""
+        compressors: list[Any] = []
+        if self.compression == "zstd":
+            compressors.append(zarr.codecs.ZstdCodec(level=self.level))
+        elif self.compression == "lz4":
+            compressors.append(zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle"))
+        if self.checksum:
+            compressors.append(zarr.codecs.Crc32cCodec())
+        if self.inner_rows is None:
+            return {"compressors": compressors}
+        inner = zarr.codecs.ShardingCodec(chunk_shape=(1, self.inner_rows, *field.shape), index_location="start",
+                                          codecs=[zarr.codecs.BytesCodec(), *compressors])
+        return {"compressors": None, "serializer": inner}
+
+    @classmethod
+    def from_zarr_codecs(cls, codecs: Any, dtype: np.dtype) -> "Codec":
+        """The codec of an array's ``codecs`` metadata. Raises ValueError for anything else."""
+        if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
+            raise ValueError(f"codecs: expected a list of objects, got {codecs!r}")
+        names = [c.get("name") for c in codecs]
+        if names == ["sharding_indexed"]:
+            return cls._from_sharding(codecs[0].get("configuration"), dtype)
+        if not names or names[0] != "bytes":
+            raise ValueError(f"unsupported zarr codecs {names}")
+        endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+        if dtype.itemsize > 1 and endian != "little":
+            raise ValueError(f"{endian}-endian chunks, diskreplay writes little-endian")
+        checksum_ = names[-1] == "crc32c"
+        middle = codecs[1:len(codecs) - checksum_]
+        if not middle:
+            return cls(None, checksum=checksum_)
+        config = middle[0].get("configuration") or {}
+        if len(middle) == 1 and middle[0]["name"] == "zstd" and not config.get("checksum"):
+            return cls("zstd", _level(config.get("level")), checksum_)
+        if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") == "lz4":
+            return cls("lz4", _level(config.get("clevel")), checksum_)
+        if len(middle) == 1 and middle[0]["name"] == "zstd":
+            raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec diskreplay writes")
+        raise ValueError(f"unsupported zarr codecs {names}")
+
+    @classmethod
+    def _from_sharding(cls, config: Any, dtype: np.dtype) -> "Codec":
+        config = config if isinstance(config, dict) else {}
+        shape, index = config.get("chunk_shape"), config.get("index_codecs")
+        index_names = [c.get("name") if isinstance(c, dict) else None for c in index or []]
+        if (not isinstance(shape, list) or len(shape) < 2 or not all(type(v) is int and v >= 1 for v in shape)
+                or config.get("index_location") != "start" or index_names != ["bytes", "crc32c"]
+                or (index[0].get("configuration") or {}).get("endian", "little") != "little"):
+            raise ValueError(f"sharding_indexed configuration {config!r:.300} is not one diskreplay writes "
+                             f"(index first, little-endian, with a crc32c)")
+        inner = cls.from_zarr_codecs(config.get("codecs"), dtype)
+        if inner.inner_rows is not None or inner.compression is None or not inner.checksum:
+            raise ValueError("sharding_indexed: inner chunks must be compressed and checksummed, not sharded again")
+        return cls(inner.compression, inner.level, True, shape[1])
+
+
+class _Zstd(threading.local):
+    """This thread's zstd contexts, kept: making one costs more than coding a frame."""
+
+    def __init__(self) -> None:
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        if level not in self.compressors:
+            self.compressors[level] = zstandard.ZstdCompressor(level=level)
+        return self.compressors[level]
+
+
+_ZSTD = _Zstd()
+
+
+def checksum(data: bytes | memoryview) -> bytes:
+    """CRC32C of ``data`` as zarr's ``crc32c`` codec stores it (4 bytes, little-endian)."""
+    if not isinstance(data, bytes):
+        data = np.frombuffer(data, dtype=np.uint8)
+        data.flags.writeable = False  # google_crc32c takes bytes and read-only buffers only
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+def _level(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"compression level: expected an int, got {value!r}")
+    return value

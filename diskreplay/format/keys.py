@@ -1,0 +1,57 @@
+"""Names of the objects in a buffer's location, and bounded reads of its JSON documents."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from ..errors import CorruptBufferError
+from .schema import Field
+
+GROUP_KEY = "zarr.json"
+COMMIT_KEY = "commit.json"
+INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
+"""The commit record of an import in progress: an interrupted import never opens as a buffer."""
+CHUNK_KEY_SEPARATOR = "."
+"""New buffers name chunks ``<field>/c.<lane>.<chunk>.0``: one directory per field. With zarr's
+default "/" every chunk file sits in a directory of its own, and creating those directories costs
+more than writing the chunks. Buffers made with "/" still open and work."""
+MAX_METADATA_BYTES = 16 << 20
+"""The largest metadata document (``zarr.json``, ``commit.json``) diskreplay reads."""
+STATE_DIR = "state"
+FINALS_DIR = "final"
+
+
+def side_stores(derive_next: bool) -> tuple[str, ...]:
+    """Names inside a buffer's location that belong to diskreplay, not to a field's array."""
+    return (STATE_DIR, FINALS_DIR) if derive_next else (STATE_DIR,)
+
+
+def chunk_key(field_name: str, field: Field, lane: int, chunk: int, separator: str) -> str:
+    """The store key of one chunk, in zarr v3's default chunk key encoding with ``separator``."""
+    return f"{field_name}/c{separator}{lane}{separator}{chunk}" + f"{separator}0" * len(field.shape)
+
+
+def array_key(name: str) -> str:
+    return f"{name}/{GROUP_KEY}"
+
+
+def read_json(get: Callable[[str], bytes | None], key: str, url: str) -> dict[str, Any] | None:
+    """The JSON object stored at ``key`` (None if missing); see `json_object`."""
+    blob = get(key)
+    return None if blob is None else json_object(blob, key, url)
+
+
+def json_object(blob: bytes, key: str, url: str) -> dict[str, Any]:
+    """``blob``, the metadata object ``key``, parsed. Raises CorruptBufferError if it is larger
+    than `MAX_METADATA_BYTES`, not JSON or not a JSON object."""
+    if len(blob) > MAX_METADATA_BYTES:
+        raise CorruptBufferError(f"{url!r}: {key} has {len(blob)} bytes, expected at most {MAX_METADATA_BYTES}")
+    try:
+        data = json.loads(blob)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptBufferError(f"{url!r}: {key} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CorruptBufferError(f"{url!r}: {key} is not a JSON object, got {type(data).__name__}")
+    return data
+

@@ -1,0 +1,16 @@
+"""Bytes: the stores a buffer's objects live in, the writer lock, memory maps of local files.
+
+`open_chunkstore` picks the backend of a URL: `LocalChunkStore` for paths and ``file://``,
+`FsspecChunkStore` for every other fsspec URL. Both satisfy `ChunkStore`.
+"""
+
+from __future__ import annotations
+
+from .backends import open_chunkstore
+from .local import LocalChunkStore
+from .remote import FsspecChunkStore
+from .retry import RetryPolicy, is_transient
+from .store import ChunkStore, Data, is_local, local_path
+
+__all__ = ["ChunkStore", "Data", "FsspecChunkStore", "LocalChunkStore", "RetryPolicy", "is_local", "is_transient",
+           "local_path", "open_chunkstore"]

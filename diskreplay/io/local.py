@@ -1,0 +1,262 @@
+"""`LocalChunkStore`: a buffer's objects as plain files under a directory.
+
+Writes are atomic (a temp file beside the object, then a rename), fsynced on request; reads go
+straight into preallocated memory (``readv``), and files can be memory-mapped (``path``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import uuid
+from typing import Callable, Collection, Iterable
+
+from .store import Data, ParallelMap, parts_of
+
+SYNC_FILES_ONE_BY_ONE = 32
+"""Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
+
+
+class LocalChunkStore:
+    """Files under a directory. Writes are atomic (temp file in the same directory + rename)."""
+
+    supports_mmap = True
+    needs_sync = True
+
+    def __init__(self, root: str):
+        self.root = root
+        self.url = root
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes (at most ``limit`` of them), or None if it does not exist."""
+        try:
+            with open(self.path(key), "rb") as f:
+                if limit is None:
+                    return f.read()
+                return f.read(min(limit, os.fstat(f.fileno()).st_size))  # read(n) would allocate n
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such file (a folder is none)
+            return None
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Ask the OS to start reading these files into its page cache (in the background, all at
+        once: many requests in flight); missing files are skipped."""
+        for key in keys:
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def read_into(self, key: str, out: list[memoryview]) -> int | None:
+        """Read the object into the buffers ``out``, one after the other; returns the bytes read
+        (fewer than they hold if the object is shorter), or None if it does not exist."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return os.readv(fd, out)
+        except IsADirectoryError:
+            return None
+        finally:
+            os.close(fd)
+
+    def read_indexed(self, key: str, index_bytes: int,
+                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
+        """Part of an object that starts with an index: its first ``index_bytes`` bytes are read
+        and given to ``locate``, which returns the ``(offset, nbytes)`` to read (None: nothing,
+        ``b""`` is returned). None if the object does not exist. Raises ValueError (from
+        ``locate``, or for an object shorter than the index or the span)."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        try:
+            index = os.pread(fd, index_bytes, 0)
+            if len(index) != index_bytes:
+                raise ValueError(f"{len(index)} bytes: too short to hold an index of {index_bytes} bytes")
+            span = locate(index)
+            if span is None:
+                return b""
+            blob = os.pread(fd, span[1], span[0])
+            if len(blob) != span[1]:
+                raise ValueError(f"span {span} runs past the end of the object")
+            return blob
+        except IsADirectoryError:
+            return None
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, data: Data, durable: bool = False) -> None:
+        """Replace the object atomically: a new temp file beside it, then a rename. If writing
+        fails (a full disk), the temp file is removed and the old object is untouched."""
+        path = self.path(key)
+        tmp = self._write_beside(path, data, durable)
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(os.path.dirname(path))
+
+    @staticmethod
+    def _write_beside(path: str, data: Data, durable: bool) -> str:
+        """Write ``data`` to a new temp file next to ``path`` (fsynced if ``durable``); its name."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, parts_of(data))
+            if durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.remove(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def delete(self, key: str) -> None:
+        try:
+            os.remove(self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def sizes(self) -> dict[str, int]:
+        """Every file under the root: its key (``/``-separated) and its size in bytes."""
+        return {os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"): os.path.getsize(os.path.join(d, f))
+                for d, _, files in os.walk(self.root) for f in files}
+
+    def clear(self) -> None:
+        """Remove every file under the root, and the root itself (a missing root is no error)."""
+        try:
+            shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist, complete or not at all. False if it did.
+
+        The bytes go to a fsynced temp file that is then hard-linked to the key (``link`` fails if
+        the name exists, atomically), so a process killed half-way never leaves an empty or
+        partial object behind. Where hard links are not supported, ``O_CREAT | O_EXCL``.
+        """
+        path = self.path(key)
+        tmp = self._write_beside(path, data, durable=True)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            return self._create_exclusive(path, data)
+        finally:
+            os.remove(tmp)
+        fsync_dir(os.path.dirname(path))
+        return True
+
+    @staticmethod
+    def _create_exclusive(path: str, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(path))
+        return True
+
+    def put_in_place(self, key: str, data: Data) -> None:
+        """Write the object's bytes over the existing file (or a new one), without truncating.
+
+        Not atomic: only for objects no commit refers to yet (a torn write is then invisible).
+        Far cheaper than `put`: no temp file, no rename, the file's pages are reused. A file is
+        cut only when the new bytes are shorter (compressed chunks, which are never mapped).
+        """
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            size = _write_all(fd, parts_of(data))
+            if os.fstat(fd).st_size > size:  # compressed chunks vary in size; raw ones never do
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
+        """Make these files (written with ``durable=False``) and their directories durable: an
+        fsync per file (run through ``parallel_map``), or one ``syncfs`` for many files."""
+        if len(keys) > SYNC_FILES_ONE_BY_ONE:
+            self.sync_all()
+        elif keys:
+            list(parallel_map(self.sync_file, keys))
+            self.sync_dirs(keys)
+
+    def sync_all(self) -> None:
+        """Make everything written on this store's filesystem durable: one ``syncfs`` (Linux),
+        far cheaper than an fsync per file when many files were written."""
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            if _syncfs(fd) != 0:
+                os.sync()
+        finally:
+            os.close(fd)
+
+    def sync_file(self, key: str) -> None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync_dirs(self, keys: Iterable[str]) -> None:
+        for directory in {os.path.dirname(self.path(k)) for k in keys}:
+            fsync_dir(directory)
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> int:
+    """Write every part at the file's position (``writev``, repeated after a short write)."""
+    size = sum(part.nbytes for part in parts)
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= parts[0].nbytes:
+            written -= parts[0].nbytes
+            parts = parts[1:]
+        if parts and written:
+            parts[0] = parts[0][written:]
+    return size
+
+
+def _syncfs(fd: int) -> int:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs(fd)
+    except (OSError, AttributeError):
+        return -1
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

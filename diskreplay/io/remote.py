@@ -1,0 +1,315 @@
+"""`FsspecChunkStore`: a buffer's objects under any fsspec URL (s3://, gs://, memory://, ...).
+
+`get_many` runs one coroutine per key on the filesystem's event loop, at most ``concurrency`` in
+flight (a semaphore), each a single GET (for s3fs, without the HEAD it would otherwise send
+first). Every call (get, put, put_if_absent, delete, exists, clear) retries *transient* failures
+(connection resets and timeouts, HTTP 5xx and 429, S3 ``SlowDown``/throttling codes) with
+exponential backoff and jitter, bounded by `RetryPolicy`: ``attempts`` tries per object, and a
+deadline of ``budget_s`` seconds per object from its first try. On an async filesystem (s3fs)
+every call is a coroutine on the filesystem's loop and a try still running at the deadline is
+cancelled (a blackholed endpoint cannot block past it); then `StoreUnavailableError` names the
+URL, the key and the operation. A missing object is never retried and never an error here:
+``get`` returns None and the caller decides. Retries of the layers below (botocore, s3fs) still
+apply first, inside each try; `RetryPolicy` bounds the whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import inspect
+import logging
+import time
+from functools import partial
+from typing import Any, Awaitable, Callable, Collection
+
+import fsspec
+import fsspec.asyn
+
+from ..errors import StoreUnavailableError
+from .retry import RetryPolicy, is_transient
+from .store import Data, ParallelMap, parts_of
+
+log = logging.getLogger(__name__)
+SLOW_CALL_S = 5.0
+"""A store call taking this many seconds or more (retries included) is logged at INFO."""
+
+
+class FsspecChunkStore:
+    """Objects under an fsspec URL. A PUT of one object is atomic on object stores.
+
+    ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
+    transient failures and the time of each operation (both may be changed on a live store).
+    On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
+    try still running at the policy's deadline is cancelled. On a sync filesystem (memory://) a
+    call cannot be interrupted: the deadline is only checked between tries.
+    """
+
+    supports_mmap = False
+    needs_sync = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any], *, concurrency: int = 16,
+                 retry: RetryPolicy | None = None):
+        self.url = url
+        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = root.rstrip("/")
+        self.concurrency = max(1, int(concurrency))
+        self.retry = retry or RetryPolicy()
+        self.retried = 0  # transient failures retried so far (for tests and benchmarks)
+        self._async = bool(getattr(self.fs, "async_impl", False))
+        self._cat_kwargs: dict[str, Any] = {}
+        if self._async:
+            try:
+                if "max_concurrency" in inspect.signature(self.fs._cat_file).parameters:
+                    self._cat_kwargs = {"max_concurrency": 1}  # s3fs: one GET, no HEAD first
+            except (TypeError, ValueError):
+                pass
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # ---- operations -------------------------------------------------------------------------
+
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes (at most ``limit`` of them: one ranged GET), or None if missing."""
+        return self.get_many([key], limit)[0]
+
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
+        if not keys:
+            return []
+        if self._async:
+            found = fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
+                                     [partial(self._get_async, k, limit) for k in keys], True)
+        else:
+            found = [self._get_sync(key, limit) for key in keys]
+        for value in found:
+            if isinstance(value, BaseException):
+                raise value
+        return found
+
+    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
+        path, span = self.path(key), {} if limit is None else {"start": 0, "end": limit}
+        try:
+            return await self._call_async(f"read of {key!r}",
+                                          lambda: self.fs._cat_file(path, **self._cat_kwargs, **span))
+        except FileNotFoundError:
+            return None
+
+    def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
+        span = {} if limit is None else {"start": 0, "end": limit}
+        try:
+            return self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
+        except FileNotFoundError:
+            return None
+
+    def read_into(self, key: str, out: list[memoryview]) -> int | None:
+        """The object read (one GET) into the buffers ``out``, one after the other; the bytes
+        copied, or None if it does not exist."""
+        blob = self.get(key)
+        if blob is None:
+            return None
+        done = 0
+        for view in out:
+            piece = blob[done:done + view.nbytes]
+            view[:len(piece)] = piece
+            done += len(piece)
+        return done
+
+    def read_indexed(self, key: str, index_bytes: int,
+                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
+        """The index (one ranged GET), then the span ``locate`` gives (another). Raises ValueError
+        as `ChunkStore.read_indexed`."""
+        index = self.get(key, limit=index_bytes)
+        if index is None:
+            return None
+        if len(index) != index_bytes:
+            raise ValueError(f"{len(index)} bytes: too short to hold an index of {index_bytes} bytes")
+        span = locate(index)
+        if span is None:
+            return b""
+        offset, nbytes = span
+        blob = self._run(f"read of {key!r}", "cat_file", self.path(key), start=offset, end=offset + nbytes)
+        if len(blob) != nbytes:
+            raise ValueError(f"span {span} runs past the end of the object")
+        return bytes(blob)
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing: remote reads fetch what they need, many at once."""
+
+    def put(self, key: str, data: Data, durable: bool = False) -> None:
+        """One PUT (atomic and durable on object stores, whatever ``durable`` says)."""
+        data = b"".join(parts_of(data))  # object-store clients want bytes
+        self._run(f"write of {key!r}", "pipe_file", self.path(key), data)
+
+    def put_in_place(self, key: str, data: Data) -> None:
+        """A `put`: object stores have no cheaper write."""
+        self.put(key, data)
+
+    def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
+        """Nothing: a PUT is durable when it returns."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist. False if it did.
+
+        A conditional PUT (``If-None-Match: *``) where the filesystem supports it (s3fs, memory);
+        elsewhere write-then-read-back, which two racing creators can both pass.
+        """
+        try:
+            self._run(f"conditional write of {key!r}", "pipe_file", self.path(key), data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):
+            pass
+        if self.get(key) is not None:
+            return False
+        self.put(key, data)
+        return self.get(key) == data
+
+    def delete(self, key: str) -> None:
+        try:
+            self._run(f"delete of {key!r}", "rm_file", self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, key: str) -> bool:
+        return bool(self._run(f"existence check of {key!r}", "exists", self.path(key)))
+
+    def sizes(self) -> dict[str, int]:
+        """Every object under the root (one listing): its key and its size in bytes."""
+        self.fs.invalidate_cache(self.root)
+        found = self._run(f"listing of {self.root!r}", "find", self.root, detail=True)
+        return {path[len(self.root):].strip("/"): int(meta.get("size") or 0) for path, meta in found.items()}
+
+    def clear(self) -> None:
+        """Remove every object under the root (a missing root is no error); nothing outside it.
+        One operation for the retry policy: a retry lists and deletes again."""
+        what = f"clear of every object under {self.root!r}"
+        self.fs.invalidate_cache(self.root)  # list the server's objects, not a cached listing
+        try:
+            if self._async:
+                fsspec.asyn.sync(self.fs.loop, self._call_async, what, self._clear_async)
+            else:
+                self._call(what, lambda: self.fs.rm(self.root, recursive=True))
+        except FileNotFoundError:
+            pass
+        finally:
+            self.fs.invalidate_cache(self.root)
+
+    async def _clear_async(self) -> None:
+        """List the objects under the root, then delete them: s3fs's bulk delete (1000 keys a
+        request) where the filesystem has one, else one request per object; ``concurrency``
+        requests at once. Not ``fs._rm``: fsspec runs its requests in tasks that outlive a
+        cancelled caller, so a delete could land after the deadline."""
+        paths = await self.fs._find(self.root)
+        bulk = getattr(self.fs, "_bulk_delete", None)
+        if bulk is not None:
+            makers = [partial(bulk, paths[i:i + 1000]) for i in range(0, len(paths), 1000)]
+        else:
+            makers = [partial(self.fs._rm_file, path) for path in paths]
+        await self._gather_bounded(makers)
+
+    async def _gather_bounded(self, makers: list[Callable[[], Awaitable[Any]]],
+                              return_exceptions: bool = False) -> list[Any]:
+        """Every ``maker()`` awaited, at most ``concurrency`` at once; results in order. With
+        ``return_exceptions`` errors take their result's place; without, the first error is
+        raised and the rest are cancelled (as all are when the caller is cancelled)."""
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(make: Callable[[], Awaitable[Any]]) -> Any:
+            async with gate:
+                return await make()
+
+        tasks = [asyncio.ensure_future(one(make)) for make in makers]
+        try:
+            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+        finally:
+            for task in tasks:
+                task.cancel()  # a no-op for finished tasks
+
+    # ---- retries under a deadline -------------------------------------------------------------
+
+    def _run(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)`` with retries under the policy's deadline.
+
+        On an async filesystem the coroutine ``fs._<method>`` runs on ``fs.loop`` and each try is
+        cancelled at the deadline; on a sync one the plain method runs (it cannot be interrupted).
+        ``what`` names the operation and its object in errors ("write of 'obs/c.0.1.0'").
+        """
+        if self._async:
+            coroutine = getattr(self.fs, "_" + method)
+            return fsspec.asyn.sync(self.fs.loop, self._call_async, what, lambda: coroutine(*args, **kwargs))
+        function = getattr(self.fs, method)
+        return self._call(what, lambda: function(*args, **kwargs))
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` retried as `_retry_delay` decides (sync: a try is never interrupted)."""
+        started, failures = time.monotonic(), 0
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                failures += 1
+                time.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
+
+    async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """``await fn()`` retried as `_retry_delay` decides; a try still running at the deadline
+        (``budget_s`` seconds after the first try started) is cancelled."""
+        started, failures = time.monotonic(), 0
+        deadline = started + self.retry.budget_s
+        while True:
+            try:
+                result = await _cancel_at(fn, deadline)
+            except Exception as exc:
+                failures += 1
+                await asyncio.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
+
+    def _log_if_slow(self, what: str, started: float, failures: int) -> None:
+        seconds = time.monotonic() - started
+        if seconds >= SLOW_CALL_S:
+            log.info("%r: %s took %.1f s (%d %s)", self.url, what, seconds, failures + 1,
+                     "try" if failures == 0 else "tries")
+
+    def _retry_delay(self, what: str, failures: int, started: float, exc: Exception) -> float:
+        """Seconds to wait before trying again after ``exc`` (the ``failures``-th failure of an
+        operation first tried at monotonic time ``started``). Raises ``exc`` when it is not
+        transient, `StoreUnavailableError` when the attempts are used up or the next try could
+        not start before the deadline."""
+        if not is_transient(exc):
+            raise exc
+        policy = self.retry
+        wait = policy.delay(failures)
+        if failures >= policy.attempts:
+            raise self._give_up(what, failures, started, f"all {policy.attempts} attempts used", exc) from exc
+        if time.monotonic() + wait >= started + policy.budget_s:
+            raise self._give_up(what, failures, started,
+                                f"the retry deadline of {policy.budget_s:g} s was reached", exc) from exc
+        self.retried += 1
+        log.info("%r: %s failed (%s: %s); try %d of %d in %.2f s", self.url, what, type(exc).__name__, exc,
+                 failures + 1, policy.attempts, wait)
+        return wait
+
+    def _give_up(self, what: str, tries: int, started: float, reason: str,
+                 exc: BaseException) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            errno.EIO, f"{self.url!r}: {what} failed after {tries} {'try' if tries == 1 else 'tries'} "
+            f"in {time.monotonic() - started:.1f} s ({reason}); last error: {type(exc).__name__}: {exc}")
+
+
+async def _cancel_at(fn: Callable[[], Awaitable[Any]], deadline: float) -> Any:
+    """``await fn()``, cancelled at monotonic time ``deadline`` (then a `TimeoutError` saying so)."""
+    remaining = deadline - time.monotonic()
+    try:
+        return await asyncio.wait_for(fn(), remaining)
+    except asyncio.TimeoutError:
+        if time.monotonic() < deadline:
+            raise  # a timeout of the layers below, before ours
+        raise TimeoutError(f"no answer within {max(remaining, 0):.2f} s: the request was cancelled") from None
+

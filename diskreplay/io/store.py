@@ -1,0 +1,109 @@
+"""The byte store under a buffer: one `ChunkStore` protocol, two backends, chosen by URL.
+
+Every object of a buffer (chunk files, ``zarr.json`` documents, the commit record, state objects,
+the writer lock) is read and written through a `ChunkStore`. Both backends implement every method;
+two capability flags say where they differ, so that callers ask the store instead of checking its
+type:
+
+- ``supports_mmap``: objects are plain files at `path` (`LocalChunkStore`): they can be
+  memory-mapped, they sit in the OS page cache, and `prefetch` asks the OS to read them ahead.
+- ``needs_sync``: writes made with ``durable=False`` (and `put_in_place`) are durable only after
+  `sync`. An object store's PUT is durable when it returns (`FsspecChunkStore`): there `sync`
+  does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Collection, Iterable, Protocol, Sequence, runtime_checkable
+
+Data = bytes | memoryview | Sequence[bytes | memoryview]
+"""An object's bytes, whole or in parts that are stored one after the other."""
+
+ParallelMap = Callable[[Callable[[str], None], Iterable[str]], Iterable[None]]
+"""``map``, or an executor's ``map``: how `ChunkStore.sync` runs its per-file syncs."""
+
+
+def parts_of(data: Data) -> list[memoryview]:
+    """``data`` as a list of byte views, in order."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(part).cast("B") for part in data]
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """Objects under one root (a directory or an fsspec URL), named by ``/``-separated keys."""
+
+    url: str
+    supports_mmap: bool
+    needs_sync: bool
+
+    def path(self, key: str) -> str:
+        """Where the object lives: a file path (``supports_mmap``) or the URL path of the object."""
+        ...
+
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes (at most ``limit`` of them), or None if it does not exist."""
+        ...
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Every key's bytes, None where missing (remote: many requests in flight)."""
+        ...
+
+    def read_into(self, key: str, out: list[memoryview]) -> int | None:
+        """The object's bytes read into the buffers ``out``, one after the other; the bytes read
+        (fewer than they hold if the object is shorter), or None if it does not exist."""
+        ...
+
+    def read_indexed(self, key: str, index_bytes: int,
+                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
+        """Part of an object that starts with an index of ``index_bytes`` bytes: ``locate(index)``
+        gives the ``(offset, nbytes)`` to read (None: ``b""``). None if the object does not exist.
+        Raises ValueError (from ``locate``, or for an object shorter than the index or the span)."""
+        ...
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Ask for these objects ahead of their reads (a no-op where reads cannot be ahead)."""
+        ...
+
+    def put(self, key: str, data: Data, durable: bool = False) -> None:
+        """Replace the object atomically (``durable``: on stable storage when this returns)."""
+        ...
+
+    def put_in_place(self, key: str, data: Data) -> None:
+        """Write the object, perhaps not atomically: only for objects no commit refers to yet."""
+        ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist, whole or not at all. False if it did."""
+        ...
+
+    def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
+        """Make these objects, written with ``durable=False``, durable (``needs_sync`` stores)."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object (a missing one is no error)."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        ...
+
+    def sizes(self) -> dict[str, int]:
+        """Every object under the root: its key and its size in bytes."""
+        ...
+
+    def clear(self) -> None:
+        """Remove every object under the root (a missing root is no error); nothing outside it."""
+        ...
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local path (plain, or ``file://``)."""
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    """The absolute local path of a local ``url``."""
+    return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)

@@ -1,0 +1,149 @@
+"""`ChunkIO`: whole chunks of a buffer's fields in and out of its store, on a few I/O threads.
+
+Writes encode each chunk (`Codec`) and put it: a chunk no commit ever covered is written in place
+on a local store (no temp file or rename: a torn write is invisible to every commit), any other is
+replaced atomically. Writes made without durability are remembered and made durable by `sync`.
+
+Reads decode chunks straight into cache slots: raw local chunks are read into the slot with one
+``readv`` (values, then the checksum beside them); every other chunk is fetched (concurrently on a
+remote store), checksummed and decoded once. Nothing read sizes an allocation.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import CorruptBufferError
+from ..format.codecs import Codec, checksum
+from ..format.config import BufferConfig
+from ..format.keys import chunk_key
+from ..io.store import ChunkStore, is_local
+
+ChunkWrite = tuple[str, Codec, np.ndarray, bool]
+"""``(key, codec, rows, fresh)``: a chunk to write; ``fresh``: no commit ever covered it."""
+ChunkRead = tuple[str, Codec, np.ndarray]
+"""``(key, codec, rows)``: a chunk to read into ``rows`` (its full shape)."""
+
+
+def default_io_threads(url: str) -> int:
+    """Local disk is bound by CPU and the filesystem: threads beyond the cores only contend.
+    Object stores are bound by latency: many requests in flight."""
+    return min(4, os.cpu_count() or 1) if is_local(url) else 16
+
+
+class ChunkIO:
+    """Chunk keys, codecs and the I/O threads of one buffer's store."""
+
+    def __init__(self, store: ChunkStore, config: BufferConfig, codecs: dict[str, Codec], threads: int):
+        self.store = store
+        self.url = store.url
+        self.schema = config.schema
+        self.codecs = codecs
+        self.separator = config.chunk_key_separator
+        self.raw = all(codec.raw for codec in codecs.values())
+        self.trailer = max((codec.trailer for codec in codecs.values()), default=0)
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diskreplay-io")
+        self.unsynced: set[str] = set()
+
+    def key(self, name: str, lane: int, chunk: int) -> str:
+        """The store key of a field's chunk."""
+        return chunk_key(name, self.schema[name], lane, chunk, self.separator)
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def put(self, work: list[ChunkWrite], durable: bool) -> None:
+        """Write chunks on the I/O threads, a few long jobs rather than one per chunk (queueing a
+        job costs about as much as writing a small chunk). Every job ends before this returns or
+        raises: none writes on behind a failure."""
+        batches = [work[k::self.threads] for k in range(min(self.threads, len(work)))]
+        jobs = [self.pool.submit(self._put_batch, batch, durable) for batch in batches]
+        for job in jobs:
+            job.exception()
+        for job in jobs:
+            job.result()
+
+    def _put_batch(self, work: list[ChunkWrite], durable: bool) -> None:
+        for key, codec, rows, fresh in work:
+            self._put_one(key, codec.encode(rows), durable, fresh)
+
+    def _put_one(self, key: str, data: tuple[bytes | memoryview, ...], durable: bool, fresh: bool) -> None:
+        if fresh and self.store.supports_mmap:
+            self.store.put_in_place(key, data)
+            self.unsynced.add(key)
+            return
+        self.store.put(key, data, durable)
+        if not durable and self.store.needs_sync:
+            self.unsynced.add(key)
+
+    def sync(self) -> None:
+        """Make every chunk written without durability since the last sync durable."""
+        self.store.sync(self.unsynced, self.pool.map)
+        self.unsynced = set()
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def read(self, work: Sequence[ChunkRead], must_exist: bool) -> None:
+        """Read chunks into their rows; a missing chunk is an error if ``must_exist``, else zeros.
+
+        Raises CorruptBufferError naming a chunk that is missing, short, fails its checksum or
+        does not decode."""
+        if self.store.supports_mmap and self.raw:
+            found = [self._read_raw(key, rows) for key, _, rows in work]  # memcpy-bound: threads only add overhead
+        else:
+            blobs = self.store.get_many([key for key, _, _ in work])
+            found = list(self.pool.map(self._decode, work, blobs))
+        for (key, _, rows), ok in zip(work, found):
+            if not ok:
+                if must_exist:
+                    raise CorruptBufferError(
+                        f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
+                rows[...] = 0
+
+    def _read_raw(self, key: str, rows: np.ndarray) -> bool:
+        """Read a raw chunk file straight into ``rows`` (no copy), its checksum beside it."""
+        values = memoryview(rows.reshape(-1).view(np.uint8))
+        trailer = bytearray(self.trailer + 1)  # one byte more: a longer file is found too
+        got = self.store.read_into(key, [values, memoryview(trailer)])
+        if got is None:
+            return False
+        if got != rows.nbytes + self.trailer:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} has {got} bytes, expected "
+                                     f"{rows.nbytes + self.trailer}")
+        if self.trailer and checksum(values) != bytes(trailer[:-1]):
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} fails its checksum (the file is damaged)")
+        return True
+
+    def _decode(self, work: ChunkRead, blob: bytes | None) -> bool:
+        key, codec, rows = work
+        if blob is None:
+            return False
+        try:
+            codec.decode_into(blob, rows)
+        except Exception as exc:
+            raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
+        return True
+
+    def decode_inner(self, name: str, bodies: list[memoryview | None], out: np.ndarray,
+                     lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Decode inner chunk bodies of a sharded field into ``out`` (one row block each).
+
+        Raises CorruptBufferError naming a chunk that does not decode."""
+        codec = self.codecs[name]
+        try:
+            codec.decode_bodies(bodies, out, self.threads)
+        except ValueError:
+            for i, body in enumerate(bodies):  # which one
+                try:
+                    codec.decode_bodies([body], out[i:i + 1])
+                except ValueError as exc:
+                    key = self.key(name, int(lanes[i]), int(chunks[i]))
+                    raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
+            raise
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

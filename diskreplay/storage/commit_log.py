@@ -1,0 +1,212 @@
+"""`CommitLog`: everything that is committed, and the only writer of it.
+
+A commit makes rows visible: per lane, steps ``[max(lower, committed - lane_capacity), committed)``
+(`CommitRecord`). It is one small object, ``commit.json``, replaced atomically after the chunks
+it covers are written. With it goes the buffer's state (generator, sampler, episode index...): its
+JSON part inside the record, its arrays in a state object, ``state/<sequence>-<token>.safetensors``,
+written under a new name before the record names it (a reader of the previous commit still finds
+its own) and deleted once no commit names it.
+
+Before every commit, state object and growth of the arrays the log checks that this writer still
+holds the writer lock: a writer whose lock was broken and taken stops writing for good.
+
+All objects of one log live under its ``prefix`` in the store, so that a store can later hold
+several independently committed logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ClosedError, CorruptBufferError, LockedError, ReadOnlyError
+from ..format import state as state_files
+from ..format.commit import CommitRecord, is_state_key, state_key
+from ..format.config import BufferConfig
+from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES, array_key
+from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
+from ..io.lock import WriterLock
+from ..io.store import ChunkStore
+from .cursors import Cursors
+
+STATE_ATTEMPTS = 10
+"""Reads of the newest commit a reader makes while its writer keeps replacing the state object."""
+
+
+@dataclass(frozen=True)
+class StagedState:
+    """A state about to be committed: its JSON part and the key of the object holding its arrays."""
+
+    meta: dict[str, Any]
+    key: str | None
+
+
+class CommitLog:
+    """The commit record, its state objects, the arrays' growth and the writer lock of one buffer."""
+
+    def __init__(self, url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
+                 record: CommitRecord, cursors: Cursors, mode: str, lock: WriterLock | None):
+        self.url = url
+        self.store = store
+        self.config = config
+        self.arrays = arrays
+        self.lane_rows = lane_rows(arrays)
+        self.record = record
+        self.cursors = cursors
+        self.mode = mode
+        self.lock = lock
+        # released on close, or when the log is collected / the interpreter exits unclosed
+        self._release = weakref.finalize(self, lock.release) if lock is not None else None
+        self.closed = False
+        self.lost_lock: str | None = None
+        self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
+
+    # ---- the writer's right to write -------------------------------------------------------
+
+    def require_writable(self) -> None:
+        """Raises ClosedError, LockedError (this writer lost its lock) or ReadOnlyError."""
+        if self.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        if self.lost_lock is not None:
+            raise LockedError(self.lost_lock)
+        if self.mode == "r":
+            raise ReadOnlyError(f"buffer {self.url!r} was opened read-only (mode='r'); open it with mode='r+' to write")
+
+    def check_lock(self) -> None:
+        """Refuse to write unless this writer still holds the lock (it may have been broken and
+        taken by another writer, which this one must not overwrite)."""
+        self.require_writable()
+        assert self.lock is not None
+        try:
+            self.lock.verify()
+        except LockedError as exc:
+            self.lost_lock = str(exc)  # stop for good: every later write is refused without asking the store
+            raise
+
+    # ---- commits ---------------------------------------------------------------------------
+
+    def commit(self, committed: np.ndarray, lower: np.ndarray, durable: bool,
+               staged: StagedState | None = None) -> None:
+        """Replace ``commit.json``. ``lower`` is recorded at most ``committed`` (a retire commit
+        may raise it past the rows committed so far); the cursors keep the writer's own, higher,
+        bound. ``staged``: the state this commit saves (default: the last commit's)."""
+        self.check_lock()
+        state = {} if staged is None else {"state": staged.meta, "state_arrays": staged.key}
+        record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
+        self.store.put(COMMIT_KEY, record.to_bytes(), durable)
+        previous, self.record = self.record.state_arrays, record
+        if staged is not None and previous and previous != staged.key:
+            self._garbage.append(previous)
+        self.cursors.lower = np.maximum(self.cursors.lower, lower)
+
+    def retire(self, first_kept: np.ndarray) -> None:
+        """Before chunk writes: commit the raised lower bound of the rows they may overwrite, if
+        the last commit still shows any of them (the writer's own bound may be higher already:
+        a failed call retires rows in RAM only). Always durable: a chunk overwrite that reaches
+        the disk before this commit would, after a power loss, show new rows under old step
+        numbers. One small fsync per chunk write batch."""
+        if np.any(np.minimum(first_kept, self.record.committed) > self.record.lower):
+            self.commit(self.record.committed, first_kept, True)
+
+    def grow_arrays(self, rows: int) -> None:
+        """Dataset mode: grow every array's step axis to ``rows`` (metadata only, before the
+        commit that covers them)."""
+        if self.config.lane_capacity is not None or rows <= self.lane_rows:
+            return
+        self.check_lock()
+        for name, meta in self.arrays.items():
+            self.store.put(array_key(name), resized_document(meta, rows), durable=True)
+            meta["shape"][1] = rows
+        self.lane_rows = rows
+
+    def read_newest(self) -> CommitRecord:
+        """The newest commit record in the store (validated)."""
+        read_small = functools.partial(self.store.get, limit=MAX_METADATA_BYTES + 1)
+        blob = read_small(COMMIT_KEY)
+        if blob is None:
+            raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
+        record = CommitRecord.from_bytes(blob, self.url, self.config.num_envs)
+        if self.config.lane_capacity is None and int(record.committed.max(initial=0)) > self.lane_rows:
+            _, arrays = read_layout(read_small, self.url)  # the writer grew them since
+            record.check_covered(self.url, lane_rows(arrays))
+            self.arrays, self.lane_rows = arrays, lane_rows(arrays)
+        return record
+
+    def adopt(self, record: CommitRecord) -> None:
+        """Reader: follow ``record``: its cursors become this reader's."""
+        self.record = record
+        self.cursors.follow(record.committed, record.lower)
+
+    # ---- state objects ---------------------------------------------------------------------
+
+    def stage_state(self, state: dict[str, Any], durable: bool) -> StagedState:
+        """Write the arrays of ``state`` (if any) to a new state object for the next commit."""
+        meta, arrays = state_files.split(state)
+        if not arrays:
+            return StagedState(meta, None)
+        key = state_key(self.record.sequence + 1)
+        self.check_lock()
+        self.store.put(key, state_files.arrays_to_bytes(arrays), durable)
+        return StagedState(meta, key)
+
+    def discard(self, staged: StagedState) -> None:
+        """A staged state whose commit failed: delete its object later (a commit may still
+        name it, if the failure hid a success)."""
+        if staged.key is not None:
+            self._garbage.append(staged.key)
+
+    def collect_garbage(self) -> None:
+        """Delete state objects no commit names; a failure is retried after the next commit."""
+        keep = []
+        for key in self._garbage:
+            try:
+                if key != self.record.state_arrays and is_state_key(key):
+                    self.check_lock()
+                    self.store.delete(key)
+            except OSError:
+                keep.append(key)
+        self._garbage = keep
+
+    def load_state(self, newest: bool) -> tuple[CommitRecord, dict[str, Any]]:
+        """A commit and the state saved with it (empty for a new buffer): this log's commit, or
+        (``newest``) the store's newest.
+
+        A reader may race the writer: the commit it read names a state object the writer has
+        since replaced. It then reads the newer commit and that one's state.
+
+        Raises CorruptBufferError: the state object is missing or unreadable (naming it).
+        """
+        record = self.read_newest() if newest else self.record
+        key = record.state_arrays
+        for attempt in range(STATE_ATTEMPTS):
+            if attempt:
+                record = self.read_newest()
+            key = record.state_arrays
+            if record.state is None:
+                return record, {}
+            blob = self._get_state(key) if key else b""
+            if blob is not None:
+                try:
+                    arrays = state_files.arrays_from_bytes(blob) if key else {}
+                    return record, state_files.join(record.state, arrays)
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise CorruptBufferError(f"{self.url!r}: state object {key!r} does not load ({exc})") from None
+            if self.mode != "r":
+                break
+        raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
+
+    def _get_state(self, key: str) -> bytes | None:
+        if not is_state_key(key):  # the record was validated; this guards other callers
+            raise CorruptBufferError(f"{self.url!r}: {key!r} is not a state object name")
+        return self.store.get(key)
+
+    def close(self) -> None:
+        """Release the writer lock (once)."""
+        self.closed = True
+        if self._release is not None:
+            self._release()

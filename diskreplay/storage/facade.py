@@ -1,0 +1,244 @@
+"""`Storage`: one buffer's chunks and commits behind a small facade.
+
+It composes the parts of this package and is all the layers above see of them: a `CommitLog`
+(what is committed), a `StagingWriter` (staged rows, whole-chunk writes), a `ChunkReader` (the
+read paths) over one `ChunkCache`, and the `ChunkIO` they share. Not thread-safe: one writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..errors import ClosedError
+from ..format.codecs import Codec
+from ..format.commit import CommitRecord
+from ..format.config import BufferConfig
+from ..io.store import ChunkStore
+from .cache import ChunkCache
+from .chunk_io import ChunkIO
+from .commit_log import CommitLog
+from .cursors import Cursors
+from .loading import ChunkLoader
+from .mapped import MappedChunks
+from .reader import ChunkReader, Rows
+from .row_reads import RowReads
+from .warm import Warmer
+from .writer import StagingWriter
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    """What a storage holds and did, for tools and tests. Counts, not timings."""
+
+    chunk_rows: int
+    cache_slots: int
+    cached_chunks: int
+    chunks_loaded: int
+    """Chunks read from the store into the cache since open."""
+    mapped: bool
+    """Whether raw chunk files are read through memory maps."""
+    maps: int
+    """Chunk files mapped now (0 without memory maps)."""
+    row_fields: dict[str, int]
+    """Fields read row by row (sharded images): their rows per inner chunk."""
+    resident: bool
+    """Whether the cache holds the whole window in lane-major order (slab rows found from steps)."""
+    commit_sequence: int
+    stale_reads: int
+    """Reads refused (`StaleReadError`) because the writer had overwritten rows they asked for."""
+
+
+class Storage:
+    """The chunks, cache and commits of one buffer (`open_storage`, `create_storage`)."""
+
+    def __init__(self, url: str, config: BufferConfig, log: CommitLog, io: ChunkIO, cache: ChunkCache,
+                 loader: ChunkLoader, reader: ChunkReader, writer: StagingWriter | None,
+                 mapped: MappedChunks | None, row_reads: RowReads | None,
+                 forget_files: Callable[[int, np.ndarray], None], storage_options: Mapping[str, Any] | None):
+        self.url = url
+        self.config = config
+        self.schema = config.schema
+        self.layout = config.layout
+        self.storage_options = storage_options
+        self.log, self.io, self.cache, self.loader = log, io, cache, loader
+        self.reader, self.writer = reader, writer
+        self.mapped, self.row_reads = mapped, row_reads
+        self.forget_files = forget_files
+        """``forget_files(lane, chunks)``: mapped chunk files (raw rows or shards) were rewritten."""
+
+    # ---- what it is ------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.log.mode
+
+    @property
+    def closed(self) -> bool:
+        return self.log.closed
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.io.store
+
+    @property
+    def record(self) -> CommitRecord:
+        """The commit this storage shows (a reader's adopted one, a writer's last)."""
+        return self.log.record
+
+    @property
+    def total(self) -> np.ndarray:
+        """Per lane, steps added (a reader: committed). Read-only."""
+        return self.log.cursors.total
+
+    @property
+    def codecs(self) -> dict[str, Codec]:
+        """The codec of each stored field's chunks."""
+        return self.io.codecs
+
+    def chunk_key(self, name: str, lane: int, chunk: int) -> str:
+        return self.io.key(name, lane, chunk)
+
+    def read_chunk(self, name: str, lane: int, chunk: int) -> np.ndarray:
+        """One whole stored chunk of one field, decoded (``[chunk_rows, *shape]``), bypassing the
+        cache. Raises CorruptBufferError if it is missing or does not decode."""
+        field = self.schema[name]
+        rows = np.empty((self.layout.chunk_rows, *field.shape), field.dtype)
+        self.io.read([(self.io.key(name, lane, chunk), self.io.codecs[name], rows)], must_exist=True)
+        return rows
+
+    def stats(self) -> StorageStats:
+        return StorageStats(
+            self.layout.chunk_rows, self.cache.slots, self.cache.cached_chunks(), self.loader.chunks_loaded,
+            self.mapped is not None, self.mapped.maps if self.mapped is not None else 0,
+            {name: int(self.io.codecs[name].inner_rows or 0) for name in (self.row_reads.names if self.row_reads else ())},
+            self.reader.warmer.resident_span is not None, self.log.record.sequence, self.reader.retired.stale_reads)
+
+    # ---- windows ---------------------------------------------------------------------------
+
+    def committed_window(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the steps ``[lo, hi)`` of the last commit: what a reader would see."""
+        return self.log.cursors.window_of(self.log.record.committed)
+
+    def window(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the readable steps ``[lo, hi)``: everything added (writer) or committed (reader)."""
+        return self.log.cursors.window()
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
+               out: Mapping[str, np.ndarray] | None = None) -> Rows:
+        """Rows at (lane, step) of every field (or of ``names``): arrays with leading axis ``len(step)``.
+
+        ``out`` may hold, for some of those fields, C-contiguous arrays of exactly that shape and
+        the field's dtype: their rows are gathered straight into them (no extra copy), and they
+        are what is returned for those fields. The caller guarantees the steps lie inside `window`.
+
+        Raises:
+            StaleReadError: a ring reader's rows were overwritten since its commit; nothing was adopted.
+            CorruptBufferError: a chunk the commit covers is missing, short or fails its checksum.
+            ClosedError: the storage was closed.
+        """
+        if self.log.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        return self.reader.gather(lane, step, names, out)
+
+    def read_newest(self) -> CommitRecord:
+        """The newest commit record in the store (validated)."""
+        return self.log.read_newest()
+
+    def load_state(self, newest: bool) -> tuple[CommitRecord, dict[str, Any]]:
+        """The commit this storage shows (or the store's ``newest``) and the state saved with it."""
+        return self.log.load_state(newest)
+
+    def adopt(self, record: CommitRecord) -> None:
+        """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
+        for lane in range(self.layout.num_envs):
+            old = min(int(self.log.record.committed[lane]), int(record.committed[lane]))
+            self.forget_cached(lane, old - old % self.layout.chunk_rows, int(record.committed[lane]))
+        self.log.adopt(record)
+        self.cache.ensure_chunks(self.layout.chunks_per_lane(int(record.committed.max(initial=0))))
+
+    def forget_cached(self, lane: int, first: int, end: int) -> None:
+        """Reader: cached or mapped copies of steps ``[first, end)`` are out of date (rewritten by
+        the writer, or a field of them patched after they were committed: episodic returns)."""
+        chunks = self.layout.chunks_between(first, end)
+        self.cache.invalidate(lane, chunks)
+        self.forget_files(lane, chunks)
+        self.reader.warmer.reset()
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def _writable(self) -> StagingWriter:
+        self.log.require_writable()
+        assert self.writer is not None
+        return self.writer
+
+    @property
+    def has_sealed(self) -> bool:
+        """Whether full chunks wait to be written."""
+        return bool(self.writer is not None and self.writer.sealed)
+
+    def append(self, lane: int, rows: Mapping[str, np.ndarray], count: int) -> tuple[int, int]:
+        """Stage ``count`` steps for one lane; the steps stored ``[first, end)`` (`StagingWriter.append`)."""
+        return self._writable().append(lane, rows, count)
+
+    def unappend(self, lane: int, start: int, attempted_end: int) -> None:
+        """Forget steps a failed call staged or wrote (`StagingWriter.unappend`)."""
+        self._writable().unappend(lane, start, attempted_end)
+
+    def update_rows(self, lane: int, first: int, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite fields of steps already added (`StagingWriter.update_rows`)."""
+        self._writable().update_rows(lane, first, values)
+
+    def rewind(self, total: np.ndarray) -> None:
+        """Writer, right after open: forget steps at or after ``total`` per lane."""
+        self._writable().rewind(total)
+
+    def retire_all(self) -> None:
+        """Writer: every row added so far stops being readable (at once for this writer, for
+        readers at the next commit). Steps go on counting."""
+        self._writable()
+        self.log.cursors.lower = self.log.cursors.total.copy()
+
+    def write_sealed(self, durable: bool) -> None:
+        """Write the full chunks waiting, and nothing else."""
+        self._writable().write_sealed(durable)
+
+    def flush(self, durable: bool = True, state: dict[str, Any] | None = None,
+              side: "Storage | None" = None) -> None:
+        """Make everything added durable and visible, with ``state`` (None: keep the last).
+
+        In this order: the state's arrays go to a new state object; the ``side`` storage (the
+        ``derive_next`` store of final observations) commits; the sealed and every partial tail
+        chunk are written (fsynced if ``durable``); a dataset's arrays grow; ``commit.json`` is
+        replaced; the previous state object is deleted. If it raises, nothing new is committed
+        and the rows stay staged."""
+        writer = self._writable()
+        log = self.log
+        staged = log.stage_state(state, durable) if state is not None else None
+        try:
+            if side is not None:
+                side.flush(durable)
+            writer.write_all(durable)
+            log.grow_arrays(int(log.cursors.total.max(initial=0)))
+            log.commit(log.cursors.total.copy(), log.cursors.first_kept(), durable, staged)
+        except BaseException:
+            if staged is not None:
+                log.discard(staged)
+            raise
+        log.collect_garbage()
+
+    def close(self) -> None:
+        """Release threads, maps and the writer lock (idempotent). Nothing is written."""
+        if self.log.closed:
+            return
+        self.io.close()
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        if self.row_reads is not None:
+            self.row_reads.close()
+        self.log.close()

@@ -1,0 +1,178 @@
+"""Creating and opening a `Storage`: metadata planned and checked before anything is written,
+the store, the writer lock and the read paths chosen for the buffer's size and store."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import NotABufferError
+from ..format.codecs import Codec
+from ..format.commit import CommitRecord
+from ..format.config import BufferConfig
+from ..format.keys import COMMIT_KEY, GROUP_KEY, INCOMPLETE_IMPORT_KEY, MAX_METADATA_BYTES
+from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, metadata_documents, read_layout
+from ..io.backends import open_chunkstore
+from ..io.lock import WriterLock
+from ..io.mmap import map_budget
+from ..io.mmap import supported as mmap_supported
+from ..io.retry import RetryPolicy
+from ..io.store import ChunkStore, is_local, local_path
+from .cache import ChunkCache
+from .chunk_io import ChunkIO, default_io_threads
+from .commit_log import CommitLog
+from .cursors import Cursors
+from .facade import Storage
+from .loading import ChunkLoader
+from .mapped import MappedChunks
+from .reader import ChunkReader
+from .row_reads import RowReads
+from .shard_maps import ShardMaps
+from .sizing import cache_slots
+from .stale import RetiredCheck
+from .warm import Warmer
+from .writer import StagingWriter
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a storage is opened: see `ReplayBuffer.create` for each."""
+
+    storage_options: Mapping[str, Any] | None = None
+    cache_bytes: int = 512 * 2**20
+    io_threads: int | None = None
+    memory_map: bool | None = None
+    break_lock: bool = False
+    retry: RetryPolicy | None = None
+
+
+@dataclass(frozen=True)
+class NewStorage:
+    """A buffer to be created: its location, config and metadata documents (``{key: bytes}``)."""
+
+    url: str
+    config: BufferConfig
+    documents: dict[str, bytes]
+
+
+def plan_storage(url: str, config: BufferConfig, cache_bytes: int) -> NewStorage:
+    """A new buffer's metadata, built and checked before anything is written.
+
+    Raises ValueError / SchemaError for a bad codec, level, schema or ``cache_bytes``."""
+    Codec(config.compression, config.level)
+    documents = metadata_documents(config, config.lane_capacity or 0)
+    read_layout(documents.get, url)  # what open will check, checked now
+    cache_slots(config.schema, config.layout, cache_bytes, writer=True)
+    return NewStorage(url, config, documents)
+
+
+def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> Storage:
+    """Write a planned buffer's metadata (the location already cleared) and open it for
+    writing. ``commit=False`` writes no commit record yet (the location is not a buffer until
+    the first flush)."""
+    store = _store(plan.url, options)
+    config, arrays = read_layout(plan.documents.get, plan.url)
+    lock = WriterLock(plan.url, store=store).acquire(options.break_lock)
+    try:
+        store.delete(COMMIT_KEY)
+        for key, blob in sorted(plan.documents.items(), key=lambda kv: kv[0] == GROUP_KEY):
+            store.put(key, blob, durable=True)  # the arrays, then the group
+        record = CommitRecord.empty(config.num_envs, time.time())
+        if commit:
+            store.put(COMMIT_KEY, record.to_bytes(), durable=True)
+        return _assemble(plan.url, store, config, arrays, record, "r+", lock, options)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def open_storage(url: str, mode: str, options: Options) -> Storage:
+    """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``).
+
+    Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
+    if is_local(url) and os.path.isfile(local_path(url)):
+        raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
+    store = _store(url, options)
+    read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
+    blob = read_small(COMMIT_KEY)
+    if blob is None:
+        if store.exists(INCOMPLETE_IMPORT_KEY):
+            raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
+                                  f"import it again with overwrite=True")
+        raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+    config, arrays = read_layout(read_small, url)
+
+    def parse(blob: bytes) -> CommitRecord:
+        record = CommitRecord.from_bytes(blob, url, config.num_envs)
+        if config.lane_capacity is None:
+            record.check_covered(url, lane_rows(arrays))
+        return record
+
+    record = parse(blob)
+    lock = WriterLock(url, store=store).acquire(options.break_lock) if mode != "r" else None
+    try:
+        if lock is not None:  # the commit may have moved while we waited for the lock
+            blob = read_small(COMMIT_KEY)
+            if blob is None:
+                raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+            record = parse(blob)
+        return _assemble(url, store, config, arrays, record, mode, lock, options)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _store(url: str, options: Options) -> ChunkStore:
+    return open_chunkstore(url, options.storage_options,
+                           concurrency=options.io_threads or default_io_threads(url), retry=options.retry)
+
+
+def _assemble(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
+              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> Storage:
+    """The parts of a storage, wired together; the read paths chosen for its size and store."""
+    layout, schema = config.layout, config.schema
+    codec = buffer_codec(arrays, url)
+    codecs = field_codecs(codec, config)
+    cursors = Cursors(layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
+    log = CommitLog(url, store, config, arrays, record, cursors, mode, lock)
+    io = ChunkIO(store, config, codecs, options.io_threads or default_io_threads(url))
+    rows = config.lane_capacity or int(record.committed.max(initial=0))
+    stored_bytes = layout.num_envs * rows * schema.row_bytes
+    # sharded fields are read row by row on a miss, unless every field fits the cache
+    row_fields = ({name: c for name, c in codecs.items() if c.inner_rows is not None}
+                  if store.supports_mmap and stored_bytes > options.cache_bytes else {})
+    slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", tuple(row_fields))
+    chunks_per_lane = layout.chunks_per_lane(int(record.committed.max(initial=0)))
+    cache = ChunkCache(schema, layout.num_envs, layout.chunk_rows, slots, chunks_per_lane, full_slots,
+                       tuple(row_fields))
+    loader = ChunkLoader(cache, io, tuple(name for name in schema.fields if name not in row_fields))
+    memory_map = stored_bytes > options.cache_bytes if options.memory_map is None else options.memory_map
+    mapped = (MappedChunks(store, io.key, schema, layout, chunks_per_lane, trailer=codec.trailer)
+              if memory_map and codec.raw and store.supports_mmap and mmap_supported() else None)
+    retired = RetiredCheck(log, cache, cursors.window)
+    row_reads = None
+    if row_fields:
+        maps = ShardMaps(store, io.key, layout.chunk_rows, row_fields,
+                         {name: int(c.inner_rows or 0) * schema[name].row_bytes for name, c in row_fields.items()},
+                         map_budget(len(schema.fields)))
+        row_reads = RowReads(tuple(row_fields), schema, cache, io, maps, retired)
+
+    def forget_files(lane: int, chunks: np.ndarray) -> None:
+        if mapped is not None:
+            mapped.forget(lane, chunks)
+        if row_reads is not None:
+            row_reads.forget(lane, chunks)
+
+    warmer = Warmer(loader, mapped, retired, cursors.window, forget_files, stored_bytes, mode == "r",
+                    store.supports_mmap)
+    reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r")
+    writer = (StagingWriter(cursors, log, io, cache, loader, forget_files, keep_written=mapped is None)
+              if mode != "r" else None)
+    return Storage(url, config, log, io, cache, loader, reader, writer, mapped, row_reads, forget_files,
+                   options.storage_options)

@@ -1,0 +1,180 @@
+"""`ChunkReader`: rows at (lane, step), gathered with one ``take`` per field.
+
+The paths, chosen per read: a reader whose cache holds its whole window in lane-major order finds
+slab rows from the steps alone (`Warmer`); raw chunk files of a buffer larger than its cache are
+memory-mapped side by side (`MappedChunks`); sharded images are read row by row (`RowReads`);
+everything else goes through the chunk cache, missing chunks loaded into it, as many at once as
+it has room for. A ring reader checks what it fetched against the newest commit (`RetiredCheck`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import StaleReadError
+from ..format.schema import Schema
+from .cache import ChunkCache
+from .cursors import Cursors
+from .outputs import Rows, output_rows, take_into
+from .loading import ChunkLoader
+from .mapped import MappedChunks
+from .row_reads import RowReads
+from .stale import RetiredCheck
+from .warm import Warmer
+
+
+
+class ChunkReader:
+    """The read paths of one buffer (a reader's, or the writer's own reads of what it added)."""
+
+    def __init__(self, schema: Schema, cursors: Cursors, cache: ChunkCache, loader: ChunkLoader,
+                 mapped: MappedChunks | None, row_reads: RowReads | None, retired: RetiredCheck, warmer: Warmer,
+                 reader: bool):
+        self.schema = schema
+        self.field_names = tuple(schema.fields)
+        self.layout = cursors.layout
+        self.cache, self.loader, self.mapped, self.row_reads = cache, loader, mapped, row_reads
+        self.retired, self.warmer = retired, warmer
+        self.reader = reader
+
+    def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
+               out: Mapping[str, np.ndarray] | None = None) -> Rows:
+        """Rows at (lane, step) of every field (or of ``names``); ``out`` as in `Storage.gather`."""
+        names = names or self.field_names
+        if self.warmer.pending:
+            self.warmer.warm()
+        if self.warmer.resident_span is not None:
+            return self._gather_resident(lane, step, names, out)
+        if self.mapped is not None:
+            return self._gather_mapped(self.mapped, lane, step, names, out or {})
+        if self.row_reads is not None and not set(self.row_reads.names).isdisjoint(names):
+            return self._gather_by_rows(self.row_reads, lane, step, names, out or {})
+        return self._gather_cached(lane, step, names, out)
+
+    def output(self, name: str, count: int, given: np.ndarray | None) -> np.ndarray:
+        return output_rows(name, self.schema[name], count, given)
+
+    def _outputs(self, names: tuple[str, ...], count: int, given: Mapping[str, np.ndarray]) -> Rows:
+        return {name: self.output(name, count, given.get(name)) for name in names}
+
+    def _gather_resident(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                         out: Mapping[str, np.ndarray] | None) -> Rows:
+        """A reader whose cache holds its whole window, chunk ``(lane, c)`` in slot
+        ``lane * width + c``: slab rows follow from the steps alone."""
+        slot = self.layout.slot(step)
+        span = self.warmer.resident_span
+        index = slot if self.layout.num_envs == 1 else lane * span + slot
+        if out is None:
+            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        rows = self._outputs(names, len(step), out)
+        for name, values in rows.items():
+            take_into(self.cache.slabs[name], index, values)
+        return rows
+
+    def _gather_cached(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                       out: Mapping[str, np.ndarray] | None) -> Rows:
+        """Rows through the chunk cache, missing chunks loaded into it (`_gather_with_misses`)."""
+        chunk, offset = self.layout.chunk_and_offset(step)
+        slots = self.cache.slots_of(lane, chunk)
+        cached = bool((slots >= 0).all())
+        if cached:
+            self.cache.touch(slots)
+            index = self.cache.rows_at(slots, offset)
+            if out is None:  # the hot path
+                return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        rows = self._outputs(names, len(step), out or {})
+        if cached:
+            for name, values in rows.items():
+                take_into(self.cache.slabs[name], index, values)
+        else:
+            self._gather_with_misses(lane, chunk, offset, slots, step, rows)
+        return rows
+
+    def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
+                            step: np.ndarray, out: Rows) -> None:
+        miss = slots < 0
+        width = self.cache.width
+        keys = np.unique(lane[miss] * width + chunk[miss])
+        room = self.cache.evictable(whole=False)
+        if room == 0:
+            raise RuntimeError("chunk cache has no free slot: raise cache_bytes")
+        self._fill(out, ~miss, lane, chunk, offset)
+        for start in range(0, len(keys), room):
+            group = keys[start:start + room]
+            self.loader.load(group // width, group % width, whole=False)
+            todo = miss & np.isin(lane * width + chunk, group)
+            tainted = self.retired.check(lane[todo], step[todo], group // width, group % width)
+            self._fill(out, todo, lane, chunk, offset)
+            for ln, chunks in tainted:  # right for the rows asked for, not for all their slots
+                self.cache.invalidate(ln, chunks)
+
+    def _fill(self, out: Rows, mask: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> None:
+        if not mask.any():
+            return
+        slots = self.cache.slots_of(lane[mask], chunk[mask])
+        self.cache.touch(slots)
+        index = self.cache.rows_at(slots, offset[mask])
+        for name, rows in out.items():
+            rows[mask] = self.cache.slabs[name].take(index, axis=0)
+
+    def _gather_by_rows(self, row_reads: RowReads, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                        out: Mapping[str, np.ndarray]) -> Rows:
+        """Sharded fields row by row, the others through the cache."""
+        others = tuple(name for name in names if name not in row_reads.names)
+        rows = self._gather_cached(lane, step, others, out) if others else {}
+        for name in names:
+            if name in row_reads.names:
+                rows[name] = row_reads.read(name, lane, step, out.get(name))
+        return {name: rows[name] for name in names}
+
+    def _gather_mapped(self, mapped: MappedChunks, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                       out: Mapping[str, np.ndarray]) -> Rows:
+        """Rows from the memory-mapped chunk files, except a writer's chunks held in the cache
+        (staged, or not yet written): those come from the cache."""
+        slot = self.layout.slot(step)
+        if not self.reader:
+            slots = self.cache.slots_of(lane, slot // self.layout.chunk_rows)
+            if (slots >= 0).any():
+                return self._gather_mixed(mapped, lane, step, slot, slots, self._outputs(names, len(step), out))
+        if not self._map(mapped, lane, step, slot):  # more chunks than may be mapped at once
+            return self._gather_unmapped(lane, step, self._outputs(names, len(step), out))
+        if out:
+            out = self._outputs(names, len(step), out)
+        return mapped.gather(lane, slot, names, out)
+
+    def _map(self, mapped: MappedChunks, lane: np.ndarray, step: np.ndarray, slot: np.ndarray) -> bool:
+        """Map the chunks of these steps; False if they are more than may be mapped at once."""
+        newly = mapped.ensure(lane, slot)
+        if newly is None:
+            return False
+        lanes, chunks = newly
+        if len(chunks):
+            try:
+                tainted = self.retired.check(lane, step, lanes, chunks)
+            except StaleReadError:
+                for ln in np.unique(lanes).tolist():
+                    mapped.forget(ln, chunks[lanes == ln])
+                raise
+            for ln, stale in tainted:
+                mapped.forget(ln, stale)
+        return True
+
+    def _gather_mixed(self, mapped: MappedChunks, lane: np.ndarray, step: np.ndarray, slot: np.ndarray,
+                      slots: np.ndarray, out: Rows) -> Rows:
+        cached = slots >= 0
+        filed = ~cached
+        if filed.any() and not self._map(mapped, lane[filed], step[filed], slot[filed]):
+            return self._gather_unmapped(lane, step, out)
+        from_files = mapped.gather(lane[filed], slot[filed], tuple(out), {})
+        index = self.cache.rows_at(slots[cached], slot[cached] % self.layout.chunk_rows)
+        for name, rows in out.items():
+            rows[filed] = from_files[name]
+            rows[cached] = self.cache.slabs[name].take(index, axis=0)
+        return out
+
+    def _gather_unmapped(self, lane: np.ndarray, step: np.ndarray, out: Rows) -> Rows:
+        chunk, offset = self.layout.chunk_and_offset(step)
+        self._gather_with_misses(lane, chunk, offset, self.cache.slots_of(lane, chunk), step, out)
+        return out

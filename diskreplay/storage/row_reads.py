@@ -1,0 +1,75 @@
+"""`RowReads`: sharded fields (compressed images) read row by row, never whole chunks.
+
+A compressed field whose rows take 1 KiB or more is stored as Zarr shards of small inner chunks
+(`Codec.inner_rows`). A local reader whose rows do not fit its cache reads such a field by
+mapping each shard file once (`ShardMaps`), and decoding only the inner chunks a batch needs,
+each once, straight into the output where it can. The chunk cache then holds the other fields.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..format.schema import Schema
+from .cache import ChunkCache
+from .chunk_io import ChunkIO
+from .outputs import output_rows
+from .shard_maps import ShardMaps
+from .stale import RetiredCheck
+
+
+class RowReads:
+    """Row-by-row reads of the sharded fields ``names``."""
+
+    def __init__(self, names: tuple[str, ...], schema: Schema, cache: ChunkCache, io: ChunkIO, maps: ShardMaps,
+                 retired: RetiredCheck):
+        self.names = names
+        self.schema, self.cache, self.io, self.maps, self.retired = schema, cache, io, maps, retired
+        self.chunk_rows = cache.chunk_rows
+
+    def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
+        """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
+        among them), else each distinct inner chunk read and decoded once, not cached."""
+        rows = output_rows(name, self.schema[name], len(step), given)
+        layout = self.retired.layout
+        chunk, offset = layout.chunk_and_offset(step)
+        width = self.cache.width
+        slots = np.where(chunk < width, self.cache.slots_of(lane, np.minimum(chunk, width - 1)), -1)
+        cached = slots >= 0
+        cached[cached] = ~self.cache.is_partial(slots[cached])
+        if cached.any():
+            rows[cached] = self.cache.slabs[name].take(self.cache.rows_at(slots[cached], offset[cached]), axis=0)
+        read = np.flatnonzero(~cached)
+        if len(read):
+            self._decode(name, rows, lane, chunk, offset, read)
+            self.retired.check(lane[read], step[read], lane[read], chunk[read])
+        return rows
+
+    def _decode(self, name: str, rows: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+                read: np.ndarray) -> None:
+        """Decode the inner chunks holding rows ``read``, each once, into ``rows``."""
+        inner_rows = self.io.codecs[name].inner_rows
+        assert inner_rows is not None
+        per_chunk = self.chunk_rows // inner_rows
+        block = (lane[read] * (chunk.max() + 1) + chunk[read]) * per_chunk + offset[read] // inner_rows
+        unique, where = np.unique(block, return_inverse=True)
+        first = np.zeros(len(unique), dtype=np.int64)
+        first[where] = read
+        # single-row inner chunks decode straight into the output; else into blocks, then picked
+        order = np.argsort(first, kind="stable")  # bodies in output order: often decoded in place
+        first = first[order]
+        inner = offset[first] // inner_rows
+        bodies = self.maps.bodies(name, lane[first], chunk[first], inner)
+        straight = inner_rows == 1 and len(first) == len(rows)  # then first == arange(len(rows))
+        blocks = rows if straight else np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
+        self.io.decode_inner(name, bodies, blocks, lane[first], chunk[first])
+        if not straight:
+            rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[
+                np.argsort(order)[where], offset[read] % inner_rows]
+
+    def forget(self, lane: int, chunks: np.ndarray) -> None:
+        """These shard files were rewritten: map them again when read."""
+        self.maps.forget(lane, chunks)
+
+    def close(self) -> None:
+        self.maps.close()

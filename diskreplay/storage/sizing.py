@@ -1,0 +1,68 @@
+"""How big a buffer's chunks and cache are: `default_chunk_rows` and `cache_slots`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..format.lanes import LaneLayout
+from ..format.schema import Schema
+from .cache import ChunkCache
+
+DEFAULT_CACHE_BYTES = 512 * 2**20
+DEFAULT_CHUNK_ROWS = 4096
+CHUNK_BYTES = 1 << 20
+"""Bytes of one chunk (all fields of its rows) that `default_chunk_rows` aims at: whole-chunk
+reads, decodes and writes stay around a millisecond, so rows of 84x84 frames get 128-row chunks
+where small rows get `DEFAULT_CHUNK_ROWS`."""
+CHUNK_FILES_MAPPED = 1 << 14
+"""Chunk files (chunks x fields) past which `default_chunk_rows` lengthens the chunks of raw
+buffers: a quarter of Linux's default ``vm.max_map_count``, so every chunk can stay memory-mapped."""
+
+
+def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cache_bytes: int,
+                       mappable: bool = True) -> int:
+    """Steps per chunk for a buffer of ``capacity`` rows over ``num_envs`` lanes (None: unknown).
+
+    The largest power of two up to `DEFAULT_CHUNK_ROWS` whose chunk holds at most `CHUNK_BYTES`
+    (at least one row). For a ``mappable`` (raw) buffer, then doubled while there would be more
+    than `CHUNK_FILES_MAPPED` chunk files and a writer's staging (``2 * num_envs + 2`` chunks)
+    still fits ``cache_bytes``. Arguments that are not positive ints leave out the doubling
+    (`create` rejects them)."""
+    rows = min(DEFAULT_CHUNK_ROWS, 1 << max(CHUNK_BYTES // max(schema.row_bytes, 1), 1).bit_length() - 1)
+    if not mappable or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+                               for v in (num_envs, capacity, cache_bytes)):
+        return rows
+    lane_rows, staging_chunks = int(capacity) // int(num_envs), 2 * int(num_envs) + 2
+    while (num_envs * -(-lane_rows // rows) * len(schema.fields) > CHUNK_FILES_MAPPED and rows < lane_rows
+           and staging_chunks * 2 * rows * schema.row_bytes <= cache_bytes):
+        rows *= 2
+    return rows
+
+
+def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool,
+                row_fields: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Chunk slots that fit ``cache_bytes``: ``(slots, full_slots)``. A writer stages a chunk per
+    lane and seals as many again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least
+    one. With ``row_fields`` (read row by row) only the first ``full_slots`` (the staging) have
+    room for them; the other slots, sized by the remaining fields, cache those.
+
+    Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
+    """
+    chunk_bytes = layout.chunk_rows * schema.row_bytes
+    if not isinstance(cache_bytes, (int, np.integer)) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    need = 2 * layout.num_envs + 2 if writer else 1
+    if writer and need * chunk_bytes > cache_bytes:
+        raise ValueError(f"cache_bytes={cache_bytes:,} is too small for a writer: staging needs {need} chunks "
+                         f"(2 per env lane + 2) of {chunk_bytes:,} bytes = {need * chunk_bytes:,} bytes; raise "
+                         f"cache_bytes or lower chunk_rows")
+    slots = max(need, min(cache_bytes // chunk_bytes, ChunkCache.MAX_SLOTS))
+    ring_chunks = layout.num_envs * layout.chunks_per_lane() if layout.lane_capacity is not None else None
+    full = need if writer else 0
+    if row_fields:
+        small_bytes = layout.chunk_rows * sum(f.row_bytes for n, f in schema.items() if n not in row_fields)
+        slots = full + max(cache_bytes - full * chunk_bytes, 0) // max(small_bytes, 1)
+        slots = max(need, min(slots, ChunkCache.MAX_SLOTS))
+    if ring_chunks is not None:  # more slots than a ring has chunks are dead weight
+        slots = min(slots, max(need, ring_chunks))
+    return int(slots), int(full if row_fields else slots)

@@ -1,0 +1,274 @@
+"""`StagingWriter`: rows staged in cache slots, written as whole chunks, never per row.
+
+Rows are copied into the chunk they belong to, which sits pinned in the chunk cache (its
+*staging* slot). A chunk that fills up is *sealed* and written whole, once; `write_all` (at a
+flush) also writes each lane's partial tail chunk. The whole chunks an append covers skip staging:
+they are written straight from the caller's arrays before `append` returns.
+
+Failed writes. An `append` that fails (a full disk, an unreachable store) is undone before it
+raises (`unappend`): the lane's cursor, staging and cache are as before the call, so nothing of it
+is ever committed and a retry gets the same row ids. In a ring, the oldest rows the failed call
+would have overwritten are retired (their slots may already hold its rows). A failed flush leaves
+the rows staged; the next one writes them again.
+
+In a full ring, writing a chunk destroys the oldest rows of its slots: before any such write the
+writer has the commit log commit a raised lower bound (`CommitLog.retire`), so a reader never reads
+a row that is being overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .cache import ChunkCache
+from .chunk_io import ChunkIO, ChunkWrite
+from .commit_log import CommitLog
+from .cursors import Cursors
+from .loading import ChunkLoader
+
+Sealed = tuple[int, int, int]
+"""``(lane, chunk, slot)``: a staged chunk complete (or patched) and waiting to be written."""
+
+
+class StagingWriter:
+    """Staging, sealing and chunk writes of the one writer of a buffer. Not thread-safe."""
+
+    def __init__(self, cursors: Cursors, log: CommitLog, io: ChunkIO, cache: ChunkCache, loader: ChunkLoader,
+                 forget_files: Callable[[int, np.ndarray], None], keep_written: bool):
+        """``forget_files(lane, chunks)``: chunk files were rewritten (maps must follow).
+        ``keep_written``: keep written chunks in the cache (False when memory maps serve them)."""
+        self.cursors, self.log, self.io, self.cache, self.loader = cursors, log, io, cache, loader
+        self.layout = cursors.layout
+        self.forget_files = forget_files
+        self.keep_written = keep_written
+        self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
+        self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
+        self.sealed: list[Sealed] = []
+
+    # ---- appends ---------------------------------------------------------------------------
+
+    def append(self, lane: int, rows: Mapping[str, np.ndarray], count: int) -> tuple[int, int]:
+        """Stage ``count`` steps for one lane. Returns the steps actually stored ``[first, end)``.
+
+        In a ring, only the last ``lane_capacity`` of them are stored (the others would be
+        overwritten at once). All or nothing: if it raises, the lane is as before (`unappend`).
+        """
+        start = int(self.cursors.total[lane])
+        try:
+            return self._append(lane, rows, count, start)
+        except BaseException:
+            self.unappend(lane, start, start + count)
+            raise
+
+    def _append(self, lane: int, rows: Mapping[str, np.ndarray], count: int, start: int) -> tuple[int, int]:
+        layout = self.layout
+        cap = layout.lane_capacity
+        skip = count - cap if cap is not None and count > cap else 0
+        step, i = start + skip, skip
+        whole: list[tuple[int, int]] = []  # (chunk, first row in ``rows``) written straight from ``rows``
+        while i < count:
+            piece = layout.piece_length(step, count - i)
+            chunk, offset = divmod(int(layout.slot(step)), layout.chunk_rows)
+            if piece == layout.chunk_rows and self._unstaged(lane, chunk):
+                whole.append((chunk, i))
+            else:
+                self.cache.write_rows(self._staging_slot(lane, chunk, step - offset), offset, rows, i, piece)
+                self.dirty[lane] = True
+                if offset + piece == layout.chunk_rows or layout.slot(step + piece) == 0:
+                    self._seal(lane)
+                self.cursors.total[lane] = step + piece
+                if len(self.sealed) * 2 > self.cache.full_slots:
+                    self.write_sealed(durable=False)
+            i += piece
+            step += piece
+        self.cursors.total[lane] = start + count
+        self._write_whole(lane, rows, whole)
+        return start + skip, start + count
+
+    def unappend(self, lane: int, start: int, attempted_end: int) -> None:
+        """Forget steps ``[start, attempted_end)`` of a lane that a failed call staged or wrote
+        (never committed): the lane's cursor, staging and cache are as before that call.
+
+        In a ring, the rows whose slots the call reached are retired (``lower``), as their bytes
+        may already be gone. Chunk files written beyond the cursor stay, unseen, until rewritten.
+        """
+        layout, cursors = self.layout, self.cursors
+        cursors.total[lane] = start
+        if layout.lane_capacity is not None:
+            cursors.lower[lane] = min(max(int(cursors.lower[lane]), int(layout.oldest(attempted_end))), start)
+        touched = layout.chunks_between(start, attempted_end)
+        keep = -1  # the chunk holding the steps just before ``start``, still valid
+        if layout.slot(start) % layout.chunk_rows and layout.oldest(attempted_end) < start:
+            keep = int(layout.slot(start) // layout.chunk_rows)
+        self.sealed = [(ln, c, s) for ln, c, s in self.sealed if ln != lane or c not in touched]
+        self.cache.drop(lane, touched[touched != keep])
+        self.forget_files(lane, touched)
+        slot = self._complete_slot(lane, keep) if keep >= 0 else -1
+        if slot >= 0:  # staged again: its rows before ``start`` are written with the next chunks
+            self.staging[lane], self.dirty[lane] = keep, True
+            self.cache.pin(slot)
+        else:
+            self.staging[lane], self.dirty[lane] = -1, False
+
+    def rewind(self, total: np.ndarray) -> None:
+        """Right after open: forget steps at or after ``total`` per lane (steps a parent buffer
+        never committed); they are overwritten by the next appends."""
+        self.cursors.total = np.minimum(self.cursors.total, total)
+
+    def _unstaged(self, lane: int, chunk: int) -> bool:
+        """Whether a whole chunk can be written straight from the caller's rows: no staged or
+        sealed copy of it waits in the cache (a cached clean copy is dropped)."""
+        self.cache.ensure_chunks(chunk + 1)
+        slot = self.cache.slot_of(lane, chunk)
+        if slot >= 0 and self.cache.is_pinned(slot):
+            return False
+        if slot >= 0:
+            self.cache.evict(np.array([slot]))
+        return True
+
+    def _write_whole(self, lane: int, rows: Mapping[str, np.ndarray], whole: list[tuple[int, int]]) -> None:
+        """Write whole chunks from ``rows`` without staging them: one copy fewer for bulk extends.
+        Done before `append` returns, as the caller may reuse its arrays."""
+        if not whole:
+            return
+        self.log.retire(self.cursors.first_kept())
+        n = self.layout.chunk_rows
+        self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], rows[name][i:i + n],
+                    self._never_committed(lane, chunk))
+                   for chunk, i in whole for name in self.io.schema.fields], durable=False)
+        self.forget_files(lane, np.array([chunk for chunk, _ in whole]))
+
+    def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
+        if self.staging[lane] == chunk:
+            return self.cache.slot_of(lane, chunk)
+        if self.staging[lane] >= 0:
+            self._seal(lane)
+        self.cache.ensure_chunks(chunk + 1)
+        slot = self._complete_slot(lane, chunk)
+        if slot >= 0:
+            self.cache.pin(slot)
+        elif self._holds_data(lane, chunk_first_step):
+            slot = self.loader.load_one(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+        else:
+            slot = self.cache.assign_zeroed(lane, chunk)
+        self.staging[lane] = chunk
+        return slot
+
+    def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
+        """Whether the chunk starting at this step already has stored rows (to keep on rewrite)."""
+        cap = self.layout.lane_capacity
+        earlier_round = cap is not None and chunk_first_step >= cap
+        return earlier_round or bool(self.cursors.total[lane] > chunk_first_step)
+
+    def _holds_visible(self, lane: int, chunk_first_step: int) -> bool:
+        cap = self.layout.lane_capacity or 0
+        committed = int(self.log.record.committed[lane])
+        lo = max(int(self.cursors.lower[lane]), int(self.layout.oldest(committed)))
+        spans = [(chunk_first_step, chunk_first_step + self.layout.chunk_rows)]
+        if cap:
+            spans.append((chunk_first_step - cap, chunk_first_step - cap + self.layout.chunk_rows))
+        return any(a < committed and b > lo for a, b in spans)
+
+    def _seal(self, lane: int) -> None:
+        chunk = int(self.staging[lane])
+        if chunk >= 0 and self.dirty[lane]:
+            self.sealed.append((lane, chunk, self.cache.slot_of(lane, chunk)))
+        elif chunk >= 0:
+            self.cache.unpin(self.cache.slot_of(lane, chunk))
+        self.staging[lane] = -1
+        self.dirty[lane] = False
+
+    # ---- patches ---------------------------------------------------------------------------
+
+    def update_rows(self, lane: int, first: int, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite fields of steps ``[first, first + n)`` of one lane, already added.
+
+        For fields derived after the fact (episodic returns, an episode closed at reopen). Chunks
+        already written are read first (all of them, before any value changes: a failed read
+        changes nothing), patched in the cache and queued to be rewritten with the next chunk writes.
+        """
+        count = len(next(iter(values.values())))
+        pieces = []
+        step, i = first, 0
+        while i < count:
+            piece = self.layout.piece_length(step, count - i)
+            chunk, offset = divmod(int(self.layout.slot(step)), self.layout.chunk_rows)
+            pieces.append((self._patchable_slot(lane, chunk), offset, i, piece))
+            i += piece
+            step += piece
+        for slot, offset, i, piece in pieces:
+            self.cache.write_rows(slot, offset, values, i, piece)
+
+    def _patchable_slot(self, lane: int, chunk: int) -> int:
+        if self.staging[lane] == chunk:
+            self.dirty[lane] = True
+            return self.cache.slot_of(lane, chunk)
+        for sealed_lane, sealed_chunk, slot in self.sealed:
+            if (sealed_lane, sealed_chunk) == (lane, chunk):
+                return slot
+        slot = self._complete_slot(lane, chunk)
+        if slot >= 0:
+            self.cache.pin(slot)
+        else:
+            slot = self.loader.load_one(lane, chunk, must_exist=True)
+        self.sealed.append((lane, chunk, slot))
+        return slot
+
+    def _complete_slot(self, lane: int, chunk: int) -> int:
+        """The slot caching every field of this chunk, or -1 (a slot holding some fields only is
+        dropped: the chunk is about to be rewritten from the cache)."""
+        slot = self.cache.slot_of(lane, chunk)
+        if slot >= 0 and self.cache.is_partial(slot):
+            self.cache.evict(np.array([slot]))
+            return -1
+        return slot
+
+    # ---- chunk writes ----------------------------------------------------------------------
+
+    def write_sealed(self, durable: bool) -> None:
+        """Write every sealed chunk (and nothing else), after retiring the rows they overwrite."""
+        self._write_chunks(self.sealed, durable)
+        self._release_sealed()
+
+    def write_all(self, durable: bool) -> None:
+        """Write sealed chunks and every lane's partial tail chunk (fsynced if ``durable``). If it
+        raises, the rows stay staged."""
+        tails = [(lane, int(self.staging[lane]), self.cache.slot_of(lane, int(self.staging[lane])))
+                 for lane in np.flatnonzero(self.dirty).tolist()]
+        self._write_chunks(self.sealed + tails, durable)
+        self._release_sealed()
+        self.dirty[:] = False
+        if durable:
+            self.io.sync()
+
+    def _release_sealed(self) -> None:
+        """Unpin written sealed chunks, except a lane's current staging chunk (a ring that wraps
+        within one append re-stages a chunk it already sealed). With memory maps, the maps serve
+        written chunks: the cache then holds only the chunks not written yet."""
+        written = np.array([slot for _, _, slot in self.sealed], dtype=np.int64)
+        self.cache.unpin(written)
+        self.sealed = []
+        lanes = np.flatnonzero(self.staging >= 0)
+        self.cache.pin(self.cache.slots_of(lanes, self.staging[lanes]))
+        if not self.keep_written:
+            self.cache.evict(written[~self.cache.is_pinned(written)])
+
+    def _write_chunks(self, chunks: list[Sealed], durable: bool) -> None:
+        if not chunks:
+            return
+        self.log.retire(self.cursors.first_kept())
+        self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], self.cache.chunk_rows_of(name, slot),
+                    self._never_committed(lane, chunk))
+                   for lane, chunk, slot in chunks for name in self.io.schema.fields], durable)
+        for lane, chunk, _ in chunks:
+            self.forget_files(lane, np.array([chunk]))
+
+    def _put(self, work: list[ChunkWrite], durable: bool) -> None:
+        self.log.check_lock()
+        self.io.put(work, durable)
+
+    def _never_committed(self, lane: int, chunk: int) -> bool:
+        """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
+        return int(self.log.record.committed[lane]) <= chunk * self.layout.chunk_rows
