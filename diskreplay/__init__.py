@@ -1,24 +1,44 @@
 """diskreplay: RL replay buffers on chunked Zarr arrays, served at in-memory speed."""
 
+from typing import Any
+
 from .buffer import ReplayBuffer
-from .offline import export_buffer, import_dataset
-from .io import RetryPolicy
-from .errors import (BufferExistsError, ClosedError, CorruptBufferError, DiskReplayError, EmptyBufferError,
-                     LockedError, NotABufferError, ReadOnlyError, SchemaError, StaleReadError,
-                     StoreUnavailableError)
-from .episodes import (HER, EpisodeTable, EpisodicReturn, discount_cumsum, episodic_returns, gae_advantages,
-                       normalize_advantages, nstep_targets)
-from .sampling import (Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows,
-                       ere_schedule)
-from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
-from .rollout import RolloutBuffer
+from .episodes import (
+    HER,
+    EpisodeTable,
+    EpisodicReturn,
+    discount_cumsum,
+    episodic_returns,
+    gae_advantages,
+    normalize_advantages,
+    nstep_targets,
+)
+from .errors import (
+    BufferExistsError,
+    ClosedError,
+    CorruptBufferError,
+    DiskReplayError,
+    EmptyBufferError,
+    LockedError,
+    NotABufferError,
+    ReadOnlyError,
+    SchemaError,
+    StaleReadError,
+    StoreUnavailableError,
+)
 from .format.schema import Field
+from .io import RetryPolicy
+from .offline import export_buffer, import_dataset
+from .rollout import RolloutBuffer
+from .sampling import Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows, ere_schedule
+from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized", "WithoutReplacement", "Sampler", "Draw",
-    "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
+    "ReplayBuffer", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized", "WithoutReplacement",
+    "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable",
+    "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
@@ -32,7 +52,7 @@ _DEVICE = {"to_device", "DevicePrefetcher"}
 __all__ += sorted(_TORCH_DATA | _DEVICE)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """torch is imported only when its parts are first used: ``import diskreplay`` stays light."""
     if name in _TORCH_DATA or name in _DEVICE:
         from . import torch as torch_layer

@@ -22,8 +22,9 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import TextIO, TypeAlias
 
 USER_ERRORS = (OSError, ValueError, KeyError, ImportError, LookupError)
 BENCH_EXTRA = ("cpprb", "torchrl", "tensordict", "psutil")  # the "bench" extra, by import name
@@ -63,7 +64,8 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: TextIO | None = None, line: str | None = None) -> None:
     print(f"diskreplay: warning: {message}", file=sys.stderr)
 
 
@@ -73,8 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Zarr-backed RL replay buffers: import datasets, inspect, verify, export, demo, bench.",
         epilog="Run 'diskreplay COMMAND --help' for a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_import, _add_export, _add_inspection, _add_demo, _add_bench):
+        add(sub)
+    return parser
 
-    p = sub.add_parser("import", help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, zarr) into a new buffer",
+
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_import(sub: Subcommands) -> None:
+    p = sub.add_parser("import",
+                       help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, zarr) into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
                                    "slices of --batch-rows rows. DEST only becomes a buffer when the import "
                                    "finishes: an interrupted import cannot be opened (re-run with --overwrite). "
@@ -88,11 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-rows", type=_positive_int, default=None,
                    help="rows per stored chunk (default 4096, longer for datasets of over 16,384 chunk files)")
     p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd", help="chunk codec (default zstd)")
-    p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows read per slice; bounds memory (default 65536)")
+    p.add_argument("--batch-rows", type=_positive_int, default=65536,
+                   help="rows read per slice; bounds memory (default 65536)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing buffer or interrupted import at DEST")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_import)
 
+
+def _add_export(sub: Subcommands) -> None:
     p = sub.add_parser("export", help="write a buffer's rows to D4RL-layout .npz or .hdf5",
                        description="Export the committed rows of the buffer at URL, lane by lane, to DEST, "
                                    "one array per field; 'diskreplay import DEST' reads either format back "
@@ -106,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_export)
 
+
+def _add_inspection(sub: Subcommands) -> None:
     p = sub.add_parser("info", help="summarize a buffer: fields, rows, episodes, chunks, size, sampler",
                        description="Print fields (shape, dtype), rows, lanes, episodes (count, lengths, mean "
                                    "return, from done/terminated/truncated and reward fields), chunks, bytes on "
@@ -129,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="remove the lock even if its holder looks alive")
     p.set_defaults(run=_cmd_unlock)
 
+
+def _add_demo(sub: Subcommands) -> None:
     p = sub.add_parser("demo", help="a ten-second tour: collect CartPole, sample, resume",
                        description="Collect CartPole-v1 experience into a buffer, sample it (uniform, "
                                    "prioritized, DataLoader), print throughput, then close, reopen and resume.")
@@ -140,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(run=_cmd_demo)
 
+
+def _add_bench(sub: Subcommands) -> None:
     p = sub.add_parser("bench", help="run the benchmarks in the source checkout's tools/ folder",
                        description="Run tools/bench_core.py, then the other tools/bench_*.py, as subprocesses, "
                                    "printing their tables. Needs the source tree (a git checkout) and the "
@@ -148,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", metavar="NAME", help="run only bench_NAME.py (repeatable)")
     p.add_argument("--tools", metavar="DIR", help="the tools/ folder (default: next to the package)")
     p.set_defaults(run=_cmd_bench)
-    return parser
 
 
 def _positive_int(text: str) -> int:
@@ -165,9 +184,8 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from .offline import import_dataset
-
     from .errors import BufferExistsError
+    from .offline import import_dataset
 
     try:
         buf = import_dataset(args.src, args.dest, format=args.format, chunk_rows=args.chunk_rows,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,16 +30,21 @@ class TinyEnv:
         self.t = 0
 
     def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
+        """A new episode: ``(obs, info)``, obs float32 ``[4]`` (``seed`` is ignored)."""
         self.t = 0
         return self.rng.normal(0, 0.05, 4).astype(np.float32), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        """``(obs, reward, terminated, truncated, info)`` like gymnasium: obs float32 ``[4]``, reward
+        1.0, terminated with probability 0.05, truncated after 200 steps (``action`` is ignored)."""
         self.t += 1
         obs = self.rng.normal(0, 0.5, 4).astype(np.float32)
         return obs, 1.0, bool(self.rng.random() < 0.05), self.t >= 200, {}
 
 
 def make_envs(num_envs: int, seed: int) -> tuple[list[Any], str]:
+    """``num_envs`` CartPole-v1 envs (`TinyEnv` ones, seeded ``seed + i``, without gymnasium) and
+    a one-line description of which."""
     try:
         import gymnasium as gym
     except ImportError:
@@ -61,6 +67,7 @@ class Collector:
         self.obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]).astype(np.float32)
 
     def collect(self, buf: dr.ReplayBuffer, steps: int) -> int:
+        """Add ``steps`` steps of every env to ``buf``; returns the rows added (``steps * num_envs``)."""
         n = len(self.envs)
         for _ in range(steps):
             actions = self.rng.integers(0, 2, n)
@@ -103,6 +110,16 @@ def run_demo(directory: str | None = None, *, steps: int = 4000, num_envs: int =
         return _tour(tmp, steps, num_envs, seed, seconds, out, kept=False)
 
 
+def _print_table(results: dict[str, float], out: Callable[[str], None]) -> None:
+    width = max(len(k) for k in results)
+    out("")
+    out(f"{'measure':<{width}}  {'value':>12}")
+    out(f"{'-' * width}  {'-' * 12}")
+    for key, value in results.items():
+        out(f"{key:<{width}}  {value:>12,.1f}")
+    out("")
+
+
 def _tour(directory: str, steps: int, num_envs: int, seed: int, seconds: float, out: Callable[[str], None],
           kept: bool) -> dict[str, float]:
     path = os.path.join(directory, "cartpole.zarr")
@@ -143,13 +160,7 @@ def _tour(directory: str, steps: int, num_envs: int, seed: int, seconds: float, 
     rows_after = len(buf)
     buf.close()
 
-    width = max(len(k) for k in results)
-    out("")
-    out(f"{'measure':<{width}}  {'value':>12}")
-    out(f"{'-' * width}  {'-' * 12}")
-    for key, value in results.items():
-        out(f"{key:<{width}}  {value:>12,.1f}")
-    out("")
+    _print_table(results, out)
     out(f"resume: closed at {rows_before:,} rows (commit #{sequence}); reopened with "
         f"ReplayBuffer.open(path, mode='r+'), added {rows_after - rows_before:,} more -> {rows_after:,} rows.")
     out("        The sampler, its priorities and the random generator are restored from the last commit;")
@@ -157,6 +168,7 @@ def _tour(directory: str, steps: int, num_envs: int, seed: int, seconds: float, 
     if kept:
         out(f"inspect it:  diskreplay info {path}   |   diskreplay verify {path}")
     else:
-        out("the buffer is in a temp dir, removed as the demo ends: run 'diskreplay demo DIR' to keep it and inspect it")
+        out("the buffer is in a temp dir, removed as the demo ends: "
+            "run 'diskreplay demo DIR' to keep it and inspect it")
     results["rows"] = rows_after
     return results

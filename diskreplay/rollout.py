@@ -9,7 +9,8 @@ disk), so a new rollout simply overwrites the last. Advantages and returns are s
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -110,6 +111,7 @@ class RolloutBuffer:
 
         if self.advantages is None:
             raise RuntimeError("call compute_returns_and_advantages() before minibatches()")
+        assert self.returns is not None  # computed together with the advantages
         size = self._added * self.num_envs
         if num_minibatches < 1 or size % num_minibatches:
             raise ValueError(f"num_minibatches must divide the rollout's {size} rows, got {num_minibatches}")

@@ -28,8 +28,9 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -122,6 +123,7 @@ class FaultProxy:
         self.holds = 0  # blackholed requests held so far
         self.abandoned = 0  # held connections the client closed
         self.holding = 0  # held right now
+        self.held: dict[socket.socket, bool] = {}  # held connections -> counted out (the client closed it)
         self.max_holding = 0
         self.closing = threading.Event()
         self.lock = threading.Condition()  # guards the counters; notified when a hold starts or ends
@@ -246,23 +248,42 @@ class FaultProxy:
 
     def _hold(self, req: BaseHTTPRequestHandler) -> None:
         """Never answer: keep the connection open until the client closes it (``abandoned``) or
-        the proxy closes. Whatever else the client sends is read and dropped."""
+        the proxy closes. Whatever else the client sends is read and dropped.
+
+        ``holding`` counts what the client holds open: a new hold first counts out the held
+        connections the client has closed already (their end reached this host before the new
+        request did), so a handler thread that has not woken up yet never inflates the count."""
+        conn = req.connection
         with self.lock:
+            self._count_out_closed()
             self.holds += 1
             self.holding += 1
+            self.held[conn] = False
             self.max_holding = max(self.max_holding, self.holding)
             self.lock.notify_all()
-        closed_by_client = False
         try:
-            while not closed_by_client and not self.closing.is_set():
-                if select.select([req.connection], [], [], 0.05)[0]:
-                    closed_by_client = not _recv_or_empty(req.connection)
+            while not self.held[conn] and not self.closing.is_set():
+                if select.select([conn], [], [], 0.05)[0] and not _recv_or_empty(conn):
+                    with self.lock:
+                        self._count_out(conn)
         finally:
             with self.lock:
-                self.holding -= 1
-                self.abandoned += closed_by_client
+                if not self.held.pop(conn):  # the proxy closed it
+                    self.holding -= 1
                 self.lock.notify_all()
             req.close_connection = True
+
+    def _count_out_closed(self) -> None:
+        """Count out every held connection whose client has closed it (caller holds the lock)."""
+        for conn, out in list(self.held.items()):
+            if not out and select.select([conn], [], [], 0)[0] and _peek_closed(conn):
+                self._count_out(conn)
+
+    def _count_out(self, conn: socket.socket) -> None:
+        if not self.held[conn]:
+            self.held[conn] = True
+            self.holding -= 1
+            self.abandoned += 1
 
     def reset_stats(self) -> None:
         with self.lock:
@@ -278,6 +299,14 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
         self.wait_until(lambda: self.holding == 0, 5.0)
+
+
+def _peek_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed or reset the connection (nothing is consumed)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _recv_or_empty(sock: socket.socket) -> bytes:
@@ -320,7 +349,7 @@ def outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     def run() -> None:
         try:
             box.append((fn(), None))
-        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+        except BaseException as exc:
             box.append((None, exc))
 
     thread = threading.Thread(target=run, daemon=True)
@@ -342,4 +371,5 @@ def proxy_options(s3: MotoS3, proxy: FaultProxy, **extra: Any) -> dict[str, Any]
     """Storage options that go through ``proxy``, with botocore's own retries off (so the
     failures reach diskreplay's retry layer). Each proxy has its own port, hence its own s3fs
     instance (fsspec caches instances by their options)."""
-    return s3.storage_options(proxy.endpoint, config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}}, **extra)
+    return s3.storage_options(proxy.endpoint, config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}},
+                              **extra)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
 
 import diskreplay as dr
-from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
-from diskreplay.storage.cache import ChunkCache
 from diskreplay.format.lanes import LaneLayout
 from diskreplay.format.schema import Field, Schema
 from diskreplay.storage import cache_slots
+from diskreplay.storage.cache import ChunkCache
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 

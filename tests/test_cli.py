@@ -66,7 +66,8 @@ def test_help_for_every_command(command, capsys):
 
 def test_module_and_entry_point_help():
     proc = run("--help")
-    assert proc.returncode == 0 and all(c in proc.stdout for c in ("import", "export", "info", "verify", "demo", "bench"))
+    assert proc.returncode == 0 and all(c in proc.stdout
+                                        for c in ("import", "export", "info", "verify", "demo", "bench"))
     assert run("frobnicate").returncode == 2
     exe = shutil.which("diskreplay")
     if exe:
@@ -163,7 +164,8 @@ def test_user_errors_are_one_line(tmp_path):
     assert_one_line_error(run("import", str(tmp_path / "nope.hdf5"), str(tmp_path / "b")), "does not exist")
     assert_one_line_error(run("info", str(tmp_path)), "is not a diskreplay buffer")
     assert_one_line_error(run("export", str(tmp_path / "nope"), str(tmp_path / "o.npz")), "not a diskreplay buffer")
-    assert_one_line_error(run("export", str(tmp_path / "nope"), str(tmp_path / "o.csv")), "cannot tell the export format")
+    assert_one_line_error(run("export", str(tmp_path / "nope"), str(tmp_path / "o.csv")),
+                          "cannot tell the export format")
     write_d4rl(tmp_path / "d.hdf5")
     dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")}).close()
     assert_one_line_error(run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "b")), "--overwrite")

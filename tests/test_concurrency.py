@@ -671,9 +671,9 @@ def test_reader_opening_while_writer_creates_buffer(tmp_path, monkeypatch):
     """A reader may start before its writer. While `create` writes the buffer (the main store,
     then the side store of derive_next) a reader that opens it must find no buffer yet
     (NotABufferError: try again) or an empty one, never a damaged one."""
-    from diskreplay.buffer import replay_buffer
+    from diskreplay.buffer import setup
     url = str(tmp_path / "ring")
-    create = replay_buffer.create_storage
+    create = setup.create_storage
     seen = []
 
     def create_then_open(plan, options, commit=True):
@@ -683,11 +683,11 @@ def test_reader_opening_while_writer_creates_buffer(tmp_path, monkeypatch):
                 seen.append(f"{len(buf)} rows")
         except dr.NotABufferError:
             seen.append("no buffer yet")
-        except Exception as exc:  # noqa: BLE001 (what a reader gets is the finding)
+        except Exception as exc:
             seen.append(f"{type(exc).__name__}: {exc}")
         return storage
 
-    monkeypatch.setattr(replay_buffer, "create_storage", create_then_open)
+    monkeypatch.setattr(setup, "create_storage", create_then_open)
     rules["create"](url, "zstd").close()
     monkeypatch.undo()
     assert len(seen) == 2, seen  # after the main store, after the side store

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import zarr
+from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot, min_cache, stack_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +19,6 @@ import diskreplay as dr
 from diskreplay.format import keys
 from diskreplay.io import open_chunkstore
 from diskreplay.offline import verify
-from conftest import (SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, dir_snapshot,
-                      min_cache, stack_rows)
 
 SPEC_FIELDS = {
     "obs": dr.Field((17,), "float32"),
@@ -707,7 +706,7 @@ def test_bad_add_is_refused_and_changes_nothing(live_buffer, name, step, match):
 
 def test_bad_add_negative_into_unsigned(tmp_path):
     buf = create(tmp_path / "b", None)
-    step = {k: v for k, v in Model(1, None).next_rows(1)[0].items()}
+    step = dict(Model(1, None).next_rows(1)[0])
     step["img"] = np.full((2, 2), -1)
     with pytest.raises(dr.SchemaError, match=r"'img'.*-1.*uint8"):
         buf.add(**step)
@@ -765,7 +764,8 @@ def test_sample_into_bad_arrays_is_refused(tmp_path):
          rf"out\['obs'\]: expected a C-contiguous {obs.dtype} array shaped \(8, {obs.shape[0]},?\), got float64"),
         ({"obs": np.empty((9, *obs.shape), obs.dtype)}, {}, r"out\['obs'\]: expected .* shaped \(8,"),
         ({"nope": np.empty(8)}, {}, r"out: unknown names \['nope'\]"),
-        ({"index": np.empty(8, np.int32)}, {}, r"out\['index'\]: expected a C-contiguous int64 array shaped \(8,\), got int32"),
+        ({"index": np.empty(8, np.int32)}, {},
+         r"out\['index'\]: expected a C-contiguous int64 array shaped \(8,\), got int32"),
         ({"obs": np.empty((8, *obs.shape), obs.dtype)}, {"n_step": 2}, "plain transitions only"),
     ]
     for out, options, match in cases:

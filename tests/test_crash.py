@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 import pytest
+from s3server import s3
 
 import diskreplay as dr
 from diskreplay.io import lock as drlock
 from diskreplay.offline import verify
-from s3server import s3  # noqa: F401  (fixture)
 
 ROWS_CODE = """
 import numpy as np

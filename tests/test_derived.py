@@ -4,9 +4,9 @@ episodic return-to-go stored when an episode ends."""
 import numpy as np
 import pytest
 import zarr
+from reference_returns import ref_episodic
 
 import diskreplay as dr
-from reference_returns import ref_episodic
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
           "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),

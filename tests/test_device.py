@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import diskreplay as dr
-from diskreplay.torch.device import DevicePrefetcher, to_device
 from diskreplay.torch.data import make_dataset
+from diskreplay.torch.device import DevicePrefetcher, to_device
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -152,7 +152,7 @@ def test_cuda_values_streams_and_pinned_slots():
     src = batches(9, size=64, last=10)
     pre = to_device(src, "cuda", prefetch=2)
     out = []
-    for k, batch in enumerate(pre):
+    for batch in pre:
         assert batch["x"].is_cuda and batch["i"].is_cuda
         out.append(batch)
         torch.cuda.current_stream().synchronize()

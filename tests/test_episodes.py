@@ -97,8 +97,9 @@ def test_episode_index_matches_reference(scenario):
     lanes, firsts, counts = index.window_starts(lo, hi, L)
     assert list(zip(lanes.tolist(), firsts.tolist(), counts.tolist())) == ref_window_starts(done_lanes, lo, hi, L)
 
-    lane = np.concatenate([np.full(int(h - l), e) for e, (l, h) in enumerate(zip(lo, hi))] + [np.zeros(0, int)])
-    step = np.concatenate([np.arange(l, h) for l, h in zip(lo, hi)] + [np.zeros(0, int)])
+    lane = np.concatenate([np.full(int(high - low), e) for e, (low, high) in enumerate(zip(lo, hi))]
+                          + [np.zeros(0, int)])
+    step = np.concatenate([np.arange(low, high) for low, high in zip(lo, hi)] + [np.zeros(0, int)])
     order = np.random.default_rng(len(step)).permutation(len(step))  # mixed lanes in one call
     lane, step = lane[order].astype(np.int64), step[order].astype(np.int64)
     assert index.next_end(lane, step).tolist() == [ref_next_end(done_lanes[e], s) for e, s in zip(lane, step)]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import logged
 
 import diskreplay as dr
-from conftest import logged
 
 ROOT = Path(__file__).resolve().parents[1]
 torch = pytest.importorskip("torch")

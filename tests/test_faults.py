@@ -42,16 +42,17 @@ import subprocess
 import tempfile
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
 
 import diskreplay as dr
 from diskreplay.io import LocalChunkStore, open_chunkstore
 from diskreplay.offline import verify
-from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3  # noqa: F401  (fixture)
 
 CHUNK = 8
 LANE_CAP = 48  # ring: 6 chunks per lane
@@ -266,7 +267,7 @@ def opened():
     for buf in reversed(buffers):
         try:
             buf.close()
-        except Exception:  # noqa: BLE001  (the test has failed already)
+        except Exception:
             pass
 
 
@@ -474,7 +475,7 @@ def run_disk_full(disk, faults: Faults, opened: list, mode: str, compression: st
         step += EXTEND
     elif op == "add":  # single steps; every 8th fills a chunk, which is sealed and written
         for _ in range(ADDS):
-            attempt(lambda: buf.add(**one_step(step, lanes)), 1)
+            attempt(lambda step=step: buf.add(**one_step(step, lanes)), 1)
             step += 1
     else:  # the tail chunk of every lane, the state object, the metadata of grown arrays, the commit
         attempt(buf.flush, 0)
@@ -678,7 +679,7 @@ def test_disk_full_with_derived_fields_and_priorities(disk, opened, faults, mode
         attempt(lambda: buf.extend(steps(step, EXTEND, lanes, rows)), EXTEND)
     elif op == "add":  # one chunk per lane filled and sealed
         for k in range(CHUNK):
-            attempt(lambda: buf.add(**one_step(step + k, lanes, rows)), 1)
+            attempt(lambda k=k: buf.add(**one_step(step + k, lanes, rows)), 1)
     else:
         attempt(buf.flush, 0)
     assert failures >= 1

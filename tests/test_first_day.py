@@ -13,10 +13,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import logged
 from torch.utils.data import DataLoader
 
 import diskreplay as dr
-from conftest import logged
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"),
           "done": dr.Field((), "bool")}
@@ -222,6 +222,7 @@ def test_the_library_prints_nothing_and_logs_under_its_name(tmp_path, capsys, ca
 def test_a_sampling_option_the_sampler_does_not_take_is_named(tmp_path):
     with dr.ReplayBuffer.create(tmp_path / "b", FIELDS, capacity=100, sampler=dr.Prioritized()) as buf:
         buf.extend(steps(0, 20))
-        with pytest.raises(ValueError, match=r"Prioritized takes no sampling option 'recent_rows' \(its options: beta\)"):
+        with pytest.raises(ValueError,
+                           match=r"Prioritized takes no sampling option 'recent_rows' \(its options: beta\)"):
             buf.sample(8, recent_rows=5)
         assert len(buf.sample(8, beta=0.5)["weight"]) == 8

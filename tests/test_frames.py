@@ -9,10 +9,9 @@ import zarr
 import zstandard
 
 import diskreplay as dr
-from diskreplay.io import LocalChunkStore
-from diskreplay.offline import buffer_info, format_info
-from diskreplay.offline import verify
 from diskreplay.format.codecs import Codec, checksum
+from diskreplay.io import LocalChunkStore
+from diskreplay.offline import buffer_info, format_info, verify
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
           "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
@@ -88,7 +87,8 @@ def test_frames_read_row_by_row_equal_raw_ones(tmp_path, compression, capacity):
         fill(buf, 2600, 2)  # the ring wraps
         buf.flush()
     reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
-    assert set(reader.stats().row_fields) == {"obs"} and set(packed.stats().row_fields) == ({"obs"} if capacity else set())
+    assert (set(reader.stats().row_fields) == {"obs"}
+            and set(packed.stats().row_fields) == ({"obs"} if capacity else set()))
     for kwargs in (dict(), dict(stack=4), dict(n_step=3, gamma=0.9, stack=2)):
         want = raw.sample(200, seed=3, **kwargs)
         for buf in (packed, reader):
@@ -109,7 +109,8 @@ def count_reads(monkeypatch) -> dict[str, int]:
         return decode_bodies(self, bodies, out, threads)
 
     def counted_get(self, key, limit=None):
-        counts["whole obs"] += key.startswith("obs/") and not self.root.endswith("final")  # not the final obs kept apart
+        # not the final obs kept apart
+        counts["whole obs"] += key.startswith("obs/") and not self.root.endswith("final")
         return get(self, key, limit)
     monkeypatch.setattr(Codec, "decode_bodies", counted_decode_bodies)
     monkeypatch.setattr(LocalChunkStore, "get", counted_get)
@@ -255,7 +256,8 @@ def test_single_frame_inner_chunks_decode_into_the_batch(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: c["configuration"].update(chunk_shape=[2, 8, 32, 32]), r"inner chunk shape \[2, 8, 32, 32\], expected \[1, 8, 32, 32\]"),
+    (lambda c: c["configuration"].update(chunk_shape=[2, 8, 32, 32]),
+     r"inner chunk shape \[2, 8, 32, 32\], expected \[1, 8, 32, 32\]"),
     (lambda c: c["configuration"].update(chunk_shape=[1, 4, 32, 32]), "inner chunks of 4 rows, expected 8"),
     (lambda c: c["configuration"].update(index_location="end"), "is not one diskreplay writes"),
 ])

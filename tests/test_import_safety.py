@@ -10,9 +10,9 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import dir_snapshot
 
 import diskreplay as dr
-from conftest import dir_snapshot
 from diskreplay import offline as importers
 from diskreplay.offline import ImportFormatError, import_dataset
 

@@ -16,10 +16,16 @@ import pytest
 import diskreplay as dr
 import diskreplay.offline.export as export_module
 from diskreplay import offline as importers
-from diskreplay.offline import importing
 from diskreplay.errors import BufferExistsError, NotABufferError
-from diskreplay.offline import export_buffer
-from diskreplay.offline import INCOMPLETE_KEY, ImportFormatError, detect_format, import_dataset, import_status
+from diskreplay.offline import (
+    INCOMPLETE_KEY,
+    ImportFormatError,
+    detect_format,
+    export_buffer,
+    import_dataset,
+    import_status,
+    importing,
+)
 
 h5py = pytest.importorskip("h5py")
 
@@ -168,7 +174,8 @@ def test_minari_maps_observations_exactly(tmp_path):
     cat = lambda key, sl: np.concatenate([ep[key][sl] for ep in episodes])  # noqa: E731
     for key in ("pos", "img", "vel"):
         np.testing.assert_array_equal(r[f"obs_{key}" if key != "img" else "obs_cam_img"], cat(key, slice(None, -1)))
-        np.testing.assert_array_equal(r[f"next_obs_{key}" if key != "img" else "next_obs_cam_img"], cat(key, slice(1, None)))
+        np.testing.assert_array_equal(r[f"next_obs_{key}" if key != "img" else "next_obs_cam_img"],
+                                      cat(key, slice(1, None)))
     np.testing.assert_array_equal(r["action"], cat("actions", slice(None)))
     np.testing.assert_array_equal(r["reward"], cat("rewards", slice(None)))
     np.testing.assert_array_equal(r["terminated"], cat("terminations", slice(None)))

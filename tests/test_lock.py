@@ -14,13 +14,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import logged
+from s3server import s3
 
 import diskreplay as dr
-from conftest import logged
 from diskreplay.io import lock as drlock
 from diskreplay.io import open_chunkstore
 from diskreplay.storage import Options, open_storage
-from s3server import s3  # noqa: F401  (fixture)
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
 
@@ -139,7 +139,8 @@ def test_reused_pid_is_stale_and_taken_over(tmp_path, caplog):
     make(url).close()
     fake = {"pid": os.getpid(), "host": socket.gethostname(), "time": 1.0e9, "token": "x", "start_ticks": -5}
     open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
-    assert drlock.lock_holder(url).stale_reason() == f"pid {os.getpid()} now belongs to another process (the holder exited)"
+    assert drlock.lock_holder(url).stale_reason() == (f"pid {os.getpid()} now belongs to another process "
+                                                       "(the holder exited)")
     with logged(caplog, r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
     assert drlock.lock_holder(url).token == buf.storage.log.lock.token

@@ -305,7 +305,8 @@ def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkey
     reader = dr.ReplayBuffer.open(url, memory_map=True)
     advised = []
     prefetch = mapped.Reservation.prefetch
-    monkeypatch.setattr(mapped.Reservation, "prefetch", lambda region, at: (advised.append(len(at)), prefetch(region, at)))
+    monkeypatch.setattr(mapped.Reservation, "prefetch",
+                        lambda region, at: (advised.append(len(at)), prefetch(region, at)))
     batch = reader.sample(8, seed=0)
     np.testing.assert_array_equal(batch["img"], rows(0, n)["img"][batch["index"]])
     assert advised == [8, 8, 8]  # each field's pages asked for before the batch is read

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from s3server import s3
 
 import diskreplay as dr
-from s3server import s3  # noqa: F401  (fixture)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -43,6 +43,7 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     'python3 -m venv .venv && . .venv/bin/activate && python -m pip install "torch==2.13.0" -e ".[test]" '
     '&& diskreplay demo': "installs: makes a virtualenv and downloads torch",
     "python -m pytest -q -n auto": "the whole test suite, which runs this file",
+    "python -m ruff check diskreplay tests tools examples && python -m mypy": "lint and types: .ci/run runs them",
     "diskreplay demo": "about 10 s; tests/test_cli.py::test_demo_runs_and_resumes runs it with small sizes",
     "diskreplay bench --quick": "runs every benchmark in tools/ (minutes)",
     "python tools/bench_core.py --dir /tmp/drb": BENCH,

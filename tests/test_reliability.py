@@ -13,9 +13,9 @@ import textwrap
 import numpy as np
 import pytest
 import zarr
+from conftest import logged
 
 import diskreplay as dr
-from conftest import logged
 from diskreplay.offline import verify
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),

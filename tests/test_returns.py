@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_returns import ref_discount_cumsum, ref_episodic, ref_gae, ref_nstep
 
 from diskreplay.episodes.returns import (
     discount_cumsum,
@@ -14,7 +15,6 @@ from diskreplay.episodes.returns import (
     normalize_advantages,
     nstep_targets,
 )
-from reference_returns import ref_discount_cumsum, ref_episodic, ref_gae, ref_nstep
 
 
 # --------------------------------------------------------------------------- #
@@ -77,7 +77,8 @@ def test_discount_cumsum_random_1d_and_2d(seed):
 def test_discount_cumsum_hypothesis(fl, gamma, seed):
     x, term, trunc = lane_from_flags(fl, seed)
     dones = term | trunc
-    np.testing.assert_allclose(discount_cumsum(x, gamma, dones), ref_discount_cumsum(x, gamma, dones), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(discount_cumsum(x, gamma, dones), ref_discount_cumsum(x, gamma, dones),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_discount_cumsum_dtypes():

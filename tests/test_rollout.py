@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference_returns import ref_discount_cumsum, ref_gae
 
 import diskreplay as dr
-from reference_returns import ref_discount_cumsum, ref_gae
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -119,7 +119,8 @@ def test_truncation_uses_next_values():
     """Hand-checked: a truncated step bootstraps from next_values; a terminated one does not."""
     T, E = 3, 1
     data = {"obs": np.zeros((T, E, 3), np.float32), "act": np.zeros((T, E), np.int64),
-            "reward": np.array([[1.0], [2.0], [3.0]], np.float32), "value": np.array([[0.5], [0.25], [1.0]], np.float32),
+            "reward": np.array([[1.0], [2.0], [3.0]], np.float32),
+            "value": np.array([[0.5], [0.25], [1.0]], np.float32),
             "log_prob": np.zeros((T, E), np.float32),
             "terminated": np.array([[False], [False], [True]]), "truncated": np.array([[True], [False], [False]])}
     rb = dr.RolloutBuffer(fields(), T, E, cache_bytes=1 << 16)

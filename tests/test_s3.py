@@ -10,11 +10,11 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import logged
+from s3server import FaultProxy, fault_proxy, proxy_options, s3
 
 import diskreplay as dr
-from conftest import logged
 from diskreplay import RetryPolicy, StoreUnavailableError
-from s3server import FaultProxy, fault_proxy, proxy_options, s3  # noqa: F401  (fixtures)
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "done": dr.Field((), "bool")}
 

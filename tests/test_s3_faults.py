@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import fsspec.asyn
 import pytest
+from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3
 
 from diskreplay import RetryPolicy, StoreUnavailableError
 from diskreplay.io import FsspecChunkStore, LocalChunkStore
-from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3  # noqa: F401  (fixtures)
 
 BUDGET_S = 1.5
 KEY, OTHER, NEW = "obs/c.0.1.0", "obs/c.0.0.0", "obs/c.0.2.0"
@@ -59,10 +60,11 @@ def seeded_store(s3, proxy, **policy: Any) -> FsspecChunkStore:
     """A store on a fresh prefix through ``proxy``, holding `SEEDED` (written through it, which
     also opens the client's session before any fault). s3fs's own retry loop is off, so every
     retry counted in ``store.retried`` is diskreplay's (botocore's are off in proxy_options)."""
-    store = FsspecChunkStore(s3.new_url("faults"), proxy_options(s3, proxy), retry=RetryPolicy(**policy))
+    store = FsspecChunkStore(s3.new_url("faults"), proxy_options(s3, proxy))
     store.fs.retries = 1
-    for key, data in SEEDED.items():
+    for key, data in SEEDED.items():  # under the default policy: a loaded machine may be slow here
         store.put(key, data)
+    store.retry = RetryPolicy(**policy)
     proxy.reset_stats()
     store.retried = 0
     return store

@@ -399,7 +399,7 @@ def small_episode_buffer(tmp_path, lengths, tail, name="small", **kw):
 def valid_windows(lengths, tail, L, lo=0):
     starts, s = [], 0
     for n in list(lengths) + [tail]:
-        starts += [t for t in range(max(s, lo), s + n - L + 1)]
+        starts += list(range(max(s, lo), s + n - L + 1))
         s += n
     return np.array(starts)
 

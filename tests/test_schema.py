@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay.format.schema import ALLOWED_DTYPES, RESERVED_NAMES, Schema
 from diskreplay.format.layout import check_schema_compatible
+from diskreplay.format.schema import ALLOWED_DTYPES, RESERVED_NAMES, Schema
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 

@@ -85,7 +85,7 @@ def test_chunk_pieces_cover_window_within_chunks(tmp_path, capacity, steps):
     lo, hi = b.storage.window()
     lane, start, length = chunk_pieces(b.storage.layout, lo, hi)
     layout = b.storage.layout
-    for l, s, n in zip(lane, start, length):
+    for _e, s, n in zip(lane, start, length):
         chunks = {int(c) for c in layout.chunk_and_offset(np.arange(s, s + n))[0]}
         assert len(chunks) == 1 and n >= 1
     got = np.sort(row_ids(np.repeat(lane, length),
@@ -101,10 +101,10 @@ def test_shards_get_whole_chunks(buf):
         order = EpochOrder(buf.storage.layout, lo, hi, seed=0, epoch=0, shuffle="block", window=4,
                            shard=Shard(rank, 2, worker, 2), pad=False, drop_last=False, batch_size=50)
         lane, start, length = order.pieces
-        partial = [(l, s, n) for l, s, n in zip(lane, start, length) if s % CHUNK or (n != CHUNK and s + n != 1000)]
+        partial = [(e, s, n) for e, s, n in zip(lane, start, length) if s % CHUNK or (n != CHUNK and s + n != 1000)]
         assert len(partial) <= 2, partial  # only the two cut points of the shard are partial chunks
-        for l, s in zip(lane, start):
-            owners.setdefault((int(l), int(s) // CHUNK), set()).add((rank, worker))
+        for e, s in zip(lane, start):
+            owners.setdefault((int(e), int(s) // CHUNK), set()).add((rank, worker))
     assert sum(len(o) > 1 for o in owners.values()) <= 3  # chunks split at the 3 inner cut points
 
 

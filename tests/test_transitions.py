@@ -9,7 +9,6 @@ end by termination, truncation or both.
 from __future__ import annotations
 
 import gc
-
 import os
 
 import numpy as np
@@ -380,7 +379,8 @@ def test_frame_stack_matches_reference(new_url, params, frames):
         first = w.first_step(lane, t)
         want = [w.rows[lane][max(t - frames + 1 + i, first)]["achieved_goal"] for i in range(frames)]
         np.testing.assert_array_equal(batch["achieved_goal"][b], want)
-        np.testing.assert_array_equal(batch["next_achieved_goal"][b], want[1:] + [w.rows[lane][t]["next_achieved_goal"]])
+        np.testing.assert_array_equal(batch["next_achieved_goal"][b],
+                                      want[1:] + [w.rows[lane][t]["next_achieved_goal"]])
 
 
 def check_nstep_stack(w: World, batch: dict, n: int, frames: int) -> None:
@@ -403,7 +403,7 @@ def test_frame_stack_next_step(new_url, params, n, frames):
     lane, step = np.divmod(ids, w.E)[::-1]
     next_step = np.minimum(step + n - 1, transitions.episode_last_step(buf.episode_index, lane, step, hi))
     out = transitions.frame_stack(buf.view, buf.episode_index, lane, step, lo, frames, ("obs",), next_step=next_step)
-    for b, rid in enumerate(ids.tolist()):
+    for b, _rid in enumerate(ids.tolist()):
         t, first = int(step[b]), w.first_step(int(lane[b]), int(step[b]))
         want = [w.rows[lane[b]][max(t - frames + 1 + i, first)]["obs"] for i in range(frames)]
         np.testing.assert_array_equal(out["obs"][b], want)

@@ -22,8 +22,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import diskreplay as dr
 from diskreplay.torch import shared_ring
 from diskreplay.torch.batch_rng import BatchRngs
-from diskreplay.torch.shared_ring import FREE, HELD, SENT, SlotBatch, WorkerRing
 from diskreplay.torch.data import make_dataset
+from diskreplay.torch.shared_ring import FREE, HELD, SENT, SlotBatch, WorkerRing
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "reward": dr.Field((), "float32"),
           "done": dr.Field((), "bool")}
@@ -112,8 +112,12 @@ def test_fork_workers_hand_over_slots_with_exact_values(buf, mode):
         inside += in_ring(batch, ds.worker_ring)
         got.append({k: v.numpy().copy() for k, v in batch.items()})
     if mode == "epoch":  # workers interleave differently in epoch mode: compare the rows
-        order = lambda bs: np.argsort(np.concatenate([b["index"] for b in bs]))
-        cat = lambda bs, k: np.concatenate([b[k] for b in bs])[order(bs)]
+        def order(bs):
+            return np.argsort(np.concatenate([b["index"] for b in bs]))
+
+        def cat(bs, k):
+            return np.concatenate([b[k] for b in bs])[order(bs)]
+
         for k in want[0]:
             np.testing.assert_array_equal(cat(got, k), cat(want, k))
     else:

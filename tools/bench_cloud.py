@@ -127,7 +127,7 @@ def bench_cold_sample(url: str, so: dict, threads: int, repeats: int) -> tuple[b
     for r in range(repeats):
         buf = open_reader(url, so, threads)
         fetched = count_fetched(buf)
-        secs, _ = bl.timed(lambda: buf.sample(256, seed=1000 + r))
+        secs, _ = bl.timed(lambda buf=buf, r=r: buf.sample(256, seed=1000 + r))
         stats.samples.append(secs)
         ratios.append(fetched[0] / (256 * ROW_BYTES))
         buf.close()

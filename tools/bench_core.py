@@ -29,18 +29,19 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib as bl  # noqa: E402
+import benchlib as bl
 
-import diskreplay as dr  # noqa: E402
-from diskreplay.storage.chunk_io import default_io_threads  # noqa: E402
+import diskreplay as dr
+from diskreplay.storage.chunk_io import default_io_threads
 
 N_ROWS = 1_000_000
 BATCH = 256
@@ -200,8 +201,9 @@ def bench_add(data, work: str, repeats: int, adds: int) -> dict[str, bl.Stats]:
 
 def zstd_encode_seconds(data: dict[str, np.ndarray], repeats: int = 3) -> float:
     """The floor of a zstd extend: encoding every chunk of ``data`` on diskreplay's I/O threads."""
-    import numcodecs
     from concurrent.futures import ThreadPoolExecutor
+
+    import numcodecs
 
     codec = numcodecs.Zstd(level=3)
     chunks = [v[i:i + CHUNK_ROWS] for v in data.values() for i in range(0, len(v), CHUNK_ROWS)]
@@ -424,8 +426,9 @@ def build_report(args, sample, add, extend, compress_s, checksum_s, mem, adds: i
         f"- sampling: median of {args.repeats} interleaved repeats x {args.batches:,} batches; batch {BATCH}, "
         f"{N_ROWS:,} rows, index generation included everywhere. diskreplay writers sample from the process "
         "that wrote the data; readers are fresh `ReplayBuffer.open(path, 'r')` in the same process; all warmed "
-        f"({WARM_BATCHES} untimed batches each). TorchRL: `TensorDictReplayBuffer(LazyMemmapStorage)`, default RandomSampler, "
-        "`rb.sample()`. numpy (the floor): `rng.integers` + `np.take(v, idx, axis=0)` per field over in-RAM arrays.",
+        f"({WARM_BATCHES} untimed batches each). TorchRL: `TensorDictReplayBuffer(LazyMemmapStorage)`, "
+        "default RandomSampler, `rb.sample()`. numpy (the floor): `rng.integers` + `np.take(v, idx, axis=0)` per "
+        "field over in-RAM arrays.",
         f"- add: median of {args.add_repeats} interleaved repeats x {adds:,} adds into a fresh 1M-capacity "
         "buffer; per-step inputs prebuilt in each library's native form (numpy rows; TensorDict rows for "
         "TorchRL). diskreplay adds are not durable until `flush()`, timed separately (fsync included). "
@@ -525,7 +528,8 @@ def main() -> None:
             log(f"[4/4] memory test failed: {exc}")
             mem = {"error": str(exc)}
 
-    bl.publish_report(header, build_report(args, sample, add, extend, compress_s, checksum_s, mem, args.adds), args.out, started)
+    bl.publish_report(header, build_report(args, sample, add, extend, compress_s, checksum_s, mem, args.adds),
+                      args.out, started)
 
 
 if __name__ == "__main__":

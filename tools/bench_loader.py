@@ -34,8 +34,9 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import psutil
@@ -45,10 +46,10 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib as bl  # noqa: E402
+import benchlib as bl
 
-import diskreplay as dr  # noqa: E402
-from diskreplay.torch.data import make_dataset  # noqa: E402
+import diskreplay as dr
+from diskreplay.torch.data import make_dataset
 
 BATCH = 256
 CHUNK_ROWS = 4096
@@ -290,7 +291,8 @@ def main() -> None:
         f"{rows:,} rows × 165 B, batch {BATCH}, {batches} timed batches after the first, median of {repeats}; "
         "fork workers; data in the page cache.", "", table, "",
         "## In-process batch cost (num_workers=0, no DataLoader)", "",
-        f"Median µs per batch of interleaved runs; dataset batch = ``next()`` on ``iter(make_dataset(url, {BATCH}, mode))``.",
+        "Median µs per batch of interleaved runs; dataset batch = ``next()`` on "
+        f"``iter(make_dataset(url, {BATCH}, mode))``.",
         "", inproc, "", "## Targets (issue #13)", "", "```", *checks, "```", "",
         "## Epoch mode: bytes read per epoch", "", io, ""])
     print(report)

@@ -58,17 +58,18 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib as bl  # noqa: E402
+import benchlib as bl
 
-import diskreplay as dr  # noqa: E402
+import diskreplay as dr
 
 H = W = 84
 FRAME = H * W  # 7,056 bytes
@@ -241,7 +242,7 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
             create = (time.perf_counter_ns() - start) / 1e9
             for t0 in range(0, rows, PIECE):
                 piece = frames.rows(t0, min(PIECE, rows - t0))
-                secs, _ = bl.timed(lambda: buf.extend(piece))
+                secs, _ = bl.timed(lambda piece=piece: buf.extend(piece))
                 total += secs
             flush, _ = bl.timed(lambda: buf.flush(durable=False))
             live.bufs[name] = buf
@@ -255,7 +256,7 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
         live.cpprb_bytes = bl.self_status()["RssAnon"] - before
         for t0 in range(0, rows, PIECE):
             piece = frames.rows(t0, min(PIECE, rows - t0))
-            secs += bl.timed(lambda: rb.add(**piece))[0]
+            secs += bl.timed(lambda piece=piece: rb.add(**piece))[0]
         live.bufs[CPPRB] = rb
         return secs
 
@@ -264,7 +265,7 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
         secs, rb = bl.timed(lambda: trl_buffer(rows, live.path(TRL)))
         for t0 in range(0, rows, PIECE):
             td = bl.as_tensordict(frames.rows(t0, min(PIECE, rows - t0)))
-            secs += bl.timed(lambda: rb.extend(td))[0]
+            secs += bl.timed(lambda td=td: rb.extend(td))[0]
         live.bufs[TRL] = rb
         return secs
 
@@ -274,7 +275,7 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
         for t0 in range(0, rows, PIECE):
             piece = frames.rows(t0, min(PIECE, rows - t0))
 
-            def copy():
+            def copy(piece=piece, t0=t0):
                 for k, v in piece.items():
                     store[k][t0:t0 + len(v)] = v
             secs += bl.timed(copy)[0]
@@ -336,8 +337,9 @@ def resident_readers(live: Live, note: list[str], fills: dict[str, float]) -> di
             note.append(f"{name} resident reader not run: it needs cache_bytes={bl.format_bytes(cache)}, "
                         f"{bl.format_bytes(avail)} available")
             continue
-        secs, reader = bl.timed(lambda: dr.ReplayBuffer.open(live.path(name), "r", cache_bytes=cache))
-        warm, _ = bl.timed(lambda: reader.sample(1))  # the first read decompresses every chunk into the cache
+        secs, reader = bl.timed(lambda name=name: dr.ReplayBuffer.open(live.path(name), "r", cache_bytes=cache))
+        # the first read decompresses every chunk into the cache
+        warm, _ = bl.timed(lambda reader=reader: reader.sample(1))
         log(f"      {name} resident reader: opened in {secs:.1f} s, first read (fills the cache) {warm:.1f} s")
         fills[name] = warm
         out[name] = reader
@@ -512,7 +514,8 @@ def child_memory(path: str, batches: int, stack_batches: int) -> None:
 
 def bench_memory(live: Live, args) -> dict[str, Any]:
     out = {}
-    for name, batches, stacks in ((DR_RAW, args.mem_batches, args.mem_batches // 4), (DR_ZSTD, args.mem_batches // 20, 3)):
+    for name, batches, stacks in ((DR_RAW, args.mem_batches, args.mem_batches // 4),
+                                  (DR_ZSTD, args.mem_batches // 20, 3)):
         log(f"[6/6] memory: fresh read-only {name} process, {batches} x sample(256) + {stacks} x sample(32, stack=4)")
         res = bl.run_child([sys.executable, __file__, "--child-memory", live.path(name), str(batches), str(stacks)])
         if res.returncode:
@@ -685,7 +688,8 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="/tmp/diskreplay-pixels", help="work directory on the local disk to test")
     p.add_argument("--out", help="also write the markdown report to this file")
     p.add_argument("--quick", action="store_true", help="100,000 transitions, fewer repeats")
@@ -776,7 +780,8 @@ def main() -> None:
     sample = bench_sample(live, readers, args)
     sample["fills"] = fills
     log("      " + ", ".join(f"{c}: {bl.format_seconds(s.median, 'us')}" for c, s in sample["main"].items()))
-    log("      default cache: " + ", ".join(f"{c}: {bl.format_seconds(s.median)}" for c, s in sample["default_cache"].items()))
+    log("      default cache: " + ", ".join(f"{c}: {bl.format_seconds(s.median)}"
+                                           for c, s in sample["default_cache"].items()))
     stack = bench_stack(live, readers, frames, args)
     log("      " + ", ".join(f"{c}: {bl.format_seconds(s.median, 'us')}" for c, s in stack["stats"].items()))
     for reader in readers.values():

@@ -26,17 +26,18 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib as bl  # noqa: E402
+import benchlib as bl
 
-import diskreplay as dr  # noqa: E402
+import diskreplay as dr
 
 N_ROWS = 1_000_000
 BATCH = 256
@@ -134,7 +135,7 @@ def per_contestants(data, work: str, warm: int) -> tuple[dict[str, Callable[[], 
             rb.update_priority(s["index"], tpool[next(counter) % 64])
         trl_pair()
         fns[TRL] = trl_pair
-    except Exception as exc:  # noqa: BLE001  (missing C++ extension: RuntimeError; anything else: say so)
+    except Exception as exc:
         msg = (str(exc).splitlines() or [""])[0].replace(" See warning above.", "")
         import torch
         notes[TRL] = (f"n/a: {type(exc).__name__}: {msg} (torchrl's C++ segment-tree extension does not "

@@ -221,7 +221,8 @@ class Stores:
         if st.kind == "torchrl":
             build_trl(st.path, st.rows, self.data)
         else:
-            build_dr(st.path, st.rows, self.data, dr.Prioritized(alpha=ALPHA, beta=BETA) if st.kind == "dr-per" else None)
+            build_dr(st.path, st.rows, self.data,
+                     dr.Prioritized(alpha=ALPHA, beta=BETA) if st.kind == "dr-per" else None)
         self.build_s[st.path] = time.perf_counter() - start
         with open(st.marker, "w") as f:
             json.dump({"rows": st.rows, "version": DATA_VERSION}, f)
@@ -234,7 +235,7 @@ class Stores:
         try:  # the library may have changed its format since the store was written
             with dr.ReplayBuffer.open(st.path, "r") as buf:
                 return len(buf) == st.rows
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log(f"  {st.path} unusable ({type(exc).__name__}: {exc}); rewriting it")
             return False
 
@@ -306,7 +307,8 @@ def per_call(fn: Callable[[], Any], calls: int = 21, seconds: float = 5.0) -> fl
     return float(np.median(times))
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], cfg: argparse.Namespace, warm: bool = True) -> dict[str, bl.Stats]:
+def time_interleaved(fns: dict[str, Callable[[], Any]], cfg: argparse.Namespace,
+                     warm: bool = True) -> dict[str, bl.Stats]:
     """Warm up each (unless done already), size the repeats from the slowest (about ``cfg.repeat_s``
     each), time them interleaved."""
     for fn in fns.values() if warm else ():
@@ -410,7 +412,8 @@ def measure_cold(pair: list[Store], cfg: argparse.Namespace, res: Results) -> No
     res.cold[size] = bl.interleaved({DR: turn(pair[0], DR), TRL: turn(pair[1], TRL)}, cfg.cold_repeats)
     gc.collect()
     log("  " + ", ".join(f"{k}: first {bl.format_seconds(v.median)}, next {COLD_NEXT} "
-                         f"{bl.format_seconds(v.phases[f'next {COLD_NEXT}'].median)}" for k, v in res.cold[size].items()))
+                         f"{bl.format_seconds(v.phases[f'next {COLD_NEXT}'].median)}"
+                         for k, v in res.cold[size].items()))
 
 
 # ---- 3. PER ------------------------------------------------------------------------------------------
@@ -595,7 +598,8 @@ def targets(res: Results, cfg: argparse.Namespace) -> list[bl.Target]:
                           (f"next {COLD_NEXT} batches", lambda s: s.phases[f"next {COLD_NEXT}"].median)):
             d, t = get(stats[DR]), get(stats[TRL])
             out.append(bl.Target(f"cold {part} at {label(size)} rows ≤ 1.5× TorchRL",
-                                 f"{bl.format_seconds(d)} vs {bl.format_seconds(t)}: {bl.format_ratio(d / t)}", d <= 1.5 * t))
+                                 f"{bl.format_seconds(d)} vs {bl.format_seconds(t)}: {bl.format_ratio(d / t)}",
+                                 d <= 1.5 * t))
     for size, stats in sorted(res.per.items()):
         what = f"PER sample+update at {label(size)} rows ≤ cpprb"
         if CPPRB not in stats:
@@ -683,8 +687,8 @@ def notes(res: Results, cfg: argparse.Namespace, stores: Stores) -> list[str]:
                    "stores is fsynced and advised POSIX_FADV_DONTNEED (readers closed first: mapped pages stay). "
                    f"Most of a store left in the page cache after eviction: {worst:.1%}; after opening the reader: "
                    f"{opened:.1%} (mincore). The reader is opened fresh each turn (not timed). A page fault on a "
-                   f"mapped file reads about the disk's read-ahead ({bl.read_ahead_kb(cfg.dir)} KiB here) around it, so "
-                   "a mapped reader's first batch can pull most of a small store into the page cache (see the "
+                   f"mapped file reads about the disk's read-ahead ({bl.read_ahead_kb(cfg.dir)} KiB here) around it, "
+                   "so a mapped reader's first batch can pull most of a small store into the page cache (see the "
                    "'after the first batch' row).")
     if res.per:
         out.append(f"- PER: alpha {ALPHA}, beta {BETA}; diskreplay store created with `sampler=dr.Prioritized(...)`, "
@@ -695,7 +699,8 @@ def notes(res: Results, cfg: argparse.Namespace, stores: Stores) -> list[str]:
         out.append(f"- memory: fresh `python {Path(__file__).name} --child-memory` processes, {cfg.mem_batches:,} "
                    "batches each, /proc/self/status read in the child after imports, after open and after sampling.")
     out.append("- noise, worst (max−min)/median of the repeats: " + "; ".join(
-        f"{section} {label(size)} {spread(stats)}" for section, runs in (("warm", res.warm), ("cold", res.cold), ("PER", res.per))
+        f"{section} {label(size)} {spread(stats)}"
+        for section, runs in (("warm", res.warm), ("cold", res.cold), ("PER", res.per))
         for size, stats in sorted(runs.items())) + ". Medians are reported.")
     if res.skipped:
         out.append("- **skipped**: " + "; ".join(res.skipped) + ".")
@@ -708,7 +713,8 @@ def notes(res: Results, cfg: argparse.Namespace, stores: Stores) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="/tmp/diskreplay-scale", help="work directory on the local disk to test")
     p.add_argument("--sizes", help="rows for warm sampling (default 1M,10M,50M,200M; quick 200k,1M)")
     p.add_argument("--per-sizes", help="rows for PER (default 16M,64M; quick 1M); empty: skip")

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diskreplay.sampling.segment_tree import MinSegmentTree, SumSegmentTree  # noqa: E402
+from diskreplay.sampling.segment_tree import MinSegmentTree, SumSegmentTree
 
 SIZES_LOG2 = (20, 24)
 

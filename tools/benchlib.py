@@ -31,9 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 MiB = 2**20
 GB = 10**9
@@ -54,7 +55,7 @@ class Stats:
     """Seconds per operation of one contestant, one sample per repeat."""
 
     samples: list[float] = field(default_factory=list)
-    phases: dict[str, "Stats"] = field(default_factory=dict)
+    phases: dict[str, Stats] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -78,7 +79,7 @@ class Stats:
         m = self.median
         return (self.max - self.min) / m if m and not math.isnan(m) else math.nan
 
-    def phase(self, name: str) -> "Stats":
+    def phase(self, name: str) -> Stats:
         return self.phases.setdefault(name, Stats())
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_crash.py", "tests/test_faults.py", "tests/test_concurrency.py", "tests/test_bad_inputs.py"]
 PATTERNS = {  # what each test prints (pytest -s), and the numbers taken from it
-    "crash": re.compile(r"crash test (?P<label>[^:]+): (?P<kills>\d+) SIGKILLs survived, (?P<lost>\d+) committed rows lost"),
+    "crash": re.compile(r"crash test (?P<label>[^:]+): (?P<kills>\d+) SIGKILLs survived, "
+                        r"(?P<lost>\d+) committed rows lost"),
     "faults": re.compile(r"faults: (?P<injected>\d+) injected, (?P<survived>\d+) survived"),
     "readers": re.compile(r"live ring writer \+ 3 readers \((?P<label>\w+)\): reader rows checked (?P<checked>\d+), "
                           r"wrong (?P<wrong>\d+)"),

@@ -1,33 +1,77 @@
-"""`Appender`: the writer's side of a buffer: steps of several lanes stored all or nothing, with the
-episode index, derived fields and episodic returns kept in step, and the sampler told of them."""
+"""`Appender`: the writer's side of a buffer: steps of several lanes checked, then stored all or
+nothing, with the episode index, derived fields and episodic returns kept in step, and the sampler
+told of them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
-from ..episodes import EpisodeIndex, EpisodicReturn, RowView
+from ..episodes import RowView
+from ..errors import SchemaError
+from ..format.schema import Schema
 from ..sampling import Sampler
 from ..storage import Storage
 
 
 class Appender:
-    """Adds steps to a buffer's storage (and its ``derive_next`` side store)."""
+    """Adds steps to a buffer's storage (and its ``derive_next`` side store). ``inputs``: the
+    fields `add` and `extend` take (every field but a computed return)."""
 
-    def __init__(self, storage: Storage, view: RowView, episodes: EpisodeIndex, returns: EpisodicReturn | None,
-                 sampler: Sampler):
-        self.storage, self.view, self.episodes, self.returns, self.sampler = storage, view, episodes, returns, sampler
+    def __init__(self, storage: Storage, finals: Storage | None, view: RowView, sampler: Sampler, inputs: Schema):
+        self.storage, self.finals, self.view, self.sampler = storage, finals, view, sampler
+        self.episodes, self.returns = view.episodes, view.returns
+        self.inputs = inputs
+        self.num_envs = storage.layout.num_envs
         self.cut: set[int] = set()
         """Lanes whose open episode the last writer left: closed, as truncated, by their next rows."""
 
+    def add(self, step: Mapping[str, Any], env_ids: Any) -> None:
+        """One step of every lane (or of ``env_ids``): see `ReplayBuffer.add`."""
+        if self.num_envs == 1 and env_ids is None:
+            rows = self.inputs.rows(step, lead=())
+            self.append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
+            return
+        lanes = self._env_ids(env_ids)
+        rows = self.inputs.rows(step, lead=(len(lanes),))
+        self.append(lanes, {k: v[None] for k, v in rows.items()}, 1)
+
+    def extend(self, data: Mapping[str, Any], env_ids: Any) -> None:
+        """N steps of every lane (or of ``env_ids``), time-major: see `ReplayBuffer.extend`."""
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"extend expects a mapping of field name to array (fields {list(self.inputs.fields)}), "
+                              f"got {type(data).__name__}")
+        count = _leading(data, self.inputs)
+        if self.num_envs == 1 and env_ids is None:
+            rows = self.inputs.rows(data, lead=(count,))
+            self.append(np.array([0]), {k: v[:, None] for k, v in rows.items()}, count)
+            return
+        lanes = self._env_ids(env_ids)
+        self.append(lanes, self.inputs.rows(data, lead=(count, len(lanes))), count)
+
+    def _env_ids(self, env_ids: Any) -> np.ndarray:
+        if env_ids is None:
+            return np.arange(self.num_envs)
+        ids = np.atleast_1d(np.asarray(env_ids))
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise SchemaError(f"env_ids: expected a 1-D array of ints, got {ids.dtype} shaped {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= self.num_envs)]
+        if bad.size:
+            raise SchemaError(f"env_ids: expected ids in [0, {self.num_envs}), got {bad.tolist()}")
+        if np.unique(ids).size != ids.size:
+            raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
+        return ids.astype(np.int64)
+
     def storages(self) -> list[Storage]:
         """The main storage, then the side store of ``derive_next`` (if any)."""
-        finals = self.view.finals
-        return [self.storage] + ([finals] if isinstance(finals, Storage) else [])
+        return [self.storage] + ([self.finals] if self.finals is not None else [])
 
     def append(self, lanes: np.ndarray, rows: dict[str, np.ndarray], count: int) -> None:
         """Store ``count`` steps of each lane (``rows[name]`` shaped ``[count, len(lanes), ...]``),
         all or nothing: a failure undoes every lane."""
-        finals, derived = self.view.finals, self.view.derived
+        finals, derived = self.finals, self.view.derived
         done: list[tuple[int, int, int, dict[str, np.ndarray]]] = []  # (lane, start, finals start, newest next_*)
         stored: list[tuple[int, int, int]] = []
         try:
@@ -57,7 +101,7 @@ class Appender:
             self.sampler.on_append(lane, first, end)
 
     def _undo(self, done: list[tuple[int, int, int, dict[str, np.ndarray]]], count: int) -> None:
-        finals = self.view.finals
+        finals = self.finals
         for lane, start, finals_start, newest in reversed(done):
             self.storage.unappend(lane, start, start + count)
             if finals is not None and finals.total[lane] > finals_start:
@@ -95,3 +139,14 @@ class Appender:
                 self.close_cut_episode(lane)
         self.storage.retire_all()
         self.episodes.prune(self.storage.window()[0])
+
+
+def _leading(data: Mapping[str, Any], schema: Schema) -> int:
+    """N, the steps in an extend: the leading size most fields with a step axis agree on."""
+    sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
+             if name in data and np.ndim(data[name]) > len(field.shape)}
+    if not sizes:
+        raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
+                          f"{ {name: np.shape(value) for name, value in data.items()} }")
+    counts = list(sizes.values())
+    return max(counts, key=counts.count)  # the odd field out is then named by the schema check

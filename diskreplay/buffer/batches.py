@@ -6,13 +6,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, TypeGuard
 
 import numpy as np
 
-from ..episodes import HER, EpisodeIndex, RowView
-from ..episodes import transforms
+from ..episodes import HER, RowView, transforms
 from ..errors import EmptyBufferError
 from ..format.lanes import is_empty, row_ids
 from ..format.schema import Field
@@ -43,19 +43,30 @@ class SampleRequest:
     def transformed(self) -> bool:
         return self.n_step is not None or self.stack is not None or self.her is not None
 
+    def check_out(self, batch_size: int, fields: Mapping[str, Field]) -> None:
+        """Raise ValueError for ``out`` arrays that do not fit a batch, or ``out`` with slices
+        or transforms (before anything is drawn)."""
+        if self.out is None:
+            return
+        if self.transformed or self.seq_len is not None:
+            raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
+        check_out(self.out, batch_size, fields)
+
 
 class Batches:
     """Draws and assembles batches from a buffer's sampler and rows."""
 
-    def __init__(self, sampler: Sampler, view: RowView, episodes: EpisodeIndex, num_envs: int):
-        self.sampler, self.view, self.episodes, self.num_envs = sampler, view, episodes, num_envs
+    def __init__(self, sampler: Sampler, view: RowView, num_envs: int, empty_hint: str):
+        """``empty_hint``: what an `EmptyBufferError` says of the buffer."""
+        self.sampler, self.view, self.episodes, self.num_envs = sampler, view, view.episodes, num_envs
+        self.empty_hint = empty_hint
 
     def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest,
-               lo: np.ndarray, hi: np.ndarray, empty_hint: str) -> Batch:
+               lo: np.ndarray, hi: np.ndarray) -> Batch:
         """One batch from the readable steps ``[lo, hi)`` per lane. Raises EmptyBufferError
-        (with ``empty_hint``) when there are none; StaleReadError from the reads."""
+        when there are none; StaleReadError from the reads."""
         if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
-            raise EmptyBufferError(f"cannot sample from an empty buffer ({empty_hint})")
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.empty_hint})")
         if request.seq_len is not None:
             return self._slices(rng, batch_size, request, lo, hi)
         if request.options:
@@ -166,10 +177,14 @@ def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") 
                          f"row), more than this machine's {memory:,} bytes of memory")
 
 
-@functools.lru_cache(maxsize=None)
-def takes_priorities(sampler_type: type) -> bool:
-    """Whether a sampler class satisfies `PrioritySampler` (checked once per class: the
-    protocol check costs microseconds)."""
+def takes_priorities(sampler: Sampler) -> TypeGuard[PrioritySampler]:
+    """Whether a sampler satisfies `PrioritySampler` (checked once per class: the protocol
+    check costs microseconds)."""
+    return _is_priority_sampler(type(sampler))
+
+
+@functools.cache
+def _is_priority_sampler(sampler_type: type) -> bool:
     return issubclass(sampler_type, PrioritySampler)
 
 
@@ -186,8 +201,8 @@ def check_options(sampler: Sampler, options: Mapping[str, Any]) -> None:
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def _sampling_options(sampler_type: type) -> tuple[str, ...] | None:
+@functools.cache
+def _sampling_options(sampler_type: type[Sampler]) -> tuple[str, ...] | None:
     """The keyword options a sampler class's ``sample`` takes (None: any, it has ``**options``)."""
     params = list(inspect.signature(sampler_type.sample).parameters.values())[5:]  # self, rng, size, lo, hi
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import os
-import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..episodes import HER, EpisodeIndex, EpisodeTable, EpisodicReturn, RowView
-from ..errors import ClosedError, EmptyBufferError, SchemaError, StaleReadError
+from ..episodes import HER, EpisodeTable, EpisodicReturn, row_view
+from ..errors import ClosedError
 from ..format import state as state_files
-from ..format.lanes import LaneLayout, row_ids, split_row_ids
-from ..format.schema import Field, Schema
+from ..format.lanes import LaneLayout, row_ids
+from ..format.schema import Field
 from ..io import RetryPolicy
 from ..sampling import Sampler, Uniform
-from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats, create_storage, open_storage
+from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from .appending import Appender
 from .batches import Batches, SampleRequest, check_batch_size, check_out, takes_priorities
-from .setup import check_open_options, open_finals, plan_buffer, prepare_location
+from .following import Follower
+from .row_lookup import newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
+from .setup import check_open_options, close_all, create_storages, open_storages, plan_buffer, prepare_location
 from .state import BufferState, saved_sampler, state_origin
 
 if TYPE_CHECKING:
     from ..torch.datasets import EpochDataset, SampleDataset
 
-STALE_READ_PAUSE_S = 0.002
 Rows = dict[str, np.ndarray]
 
 
@@ -51,18 +52,15 @@ class ReplayBuffer:
         self.sampler = sampler
         self.rng = rng
         self.retry = retry or RetryPolicy()
-        config = storage.config
-        self.episode_index = EpisodeIndex(config.num_envs, config.episode_end)
-        derived = {f"next_{base}": base for base in config.derive_next}
-        logical = {**storage.schema.fields, **{twin: storage.schema[base] for twin, base in derived.items()}}
-        spec = config.episodic_return
-        self.episodic_return = EpisodicReturn.from_json(dict(spec)) if spec else None
-        self.view = RowView(storage, self.episode_index, Schema(logical), derived, finals, self.episodic_return)
-        self._inputs = Schema({name: f for name, f in logical.items() if not spec or name != spec["name"]})
+        self.view = row_view(storage, storage.config, finals)
+        self.episode_index, self.episodic_return = self.view.episodes, self.view.returns
         sampler.attach(storage.layout)
-        self._appender = Appender(storage, self.view, self.episode_index, self.episodic_return, sampler)
-        self._batches = Batches(sampler, self.view, self.episode_index, config.num_envs)
-        self._state = BufferState(storage.url, storage.layout, rng, sampler, self.episode_index, self.view)
+        self._appender = Appender(storage, finals, self.view, sampler, self.view.inputs())
+        hint = "" if storage.mode != "r" else "; a writer's rows become readable when it calls flush()"
+        self._batches = Batches(sampler, self.view, storage.layout.num_envs,
+                                f"{storage.url!r} holds 0 readable rows{hint}")
+        self._state = BufferState(storage, rng, sampler, self.episode_index, self.view)
+        self._follower = Follower(storage, finals, self._state, self.view, self.retry)
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -76,7 +74,7 @@ class ReplayBuffer:
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
                memory_map: bool | None = None, break_lock: bool = False,
-               retry: RetryPolicy | None = None) -> "ReplayBuffer":
+               retry: RetryPolicy | None = None) -> ReplayBuffer:
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Every argument is checked before anything at ``url`` is touched: a bad one raises and
@@ -137,9 +135,7 @@ class ReplayBuffer:
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
         prepare_location(url, storage_options, overwrite, break_lock, retry)
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
-        # the side store first: once the main commit exists, a reader finds everything it needs
-        finals = create_storage(plans[1], options, commit=True) if len(plans) > 1 else None
-        storage = create_storage(plans[0], options, commit=commit)
+        storage, finals = create_storages(plans, options, commit)
         buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals, retry)
         if commit:
             buf.flush()
@@ -149,7 +145,7 @@ class ReplayBuffer:
     def open(cls, url: str | os.PathLike[str], mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
              io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
-             retry: RetryPolicy | None = None, continue_episodes: bool = False) -> "ReplayBuffer":
+             retry: RetryPolicy | None = None, continue_episodes: bool = False) -> ReplayBuffer:
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
@@ -178,21 +174,12 @@ class ReplayBuffer:
         url = os.fspath(url)
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
-        storage = open_storage(url, mode, options)
-        finals = None
+        storage, finals, record, state = open_storages(url, mode, options)
         try:
-            record, state = storage.load_state(newest=False)
-            if not record.same_as(storage.record):  # a reader that raced the writer
-                storage.adopt(record)
-            if storage.config.derive_next:
-                schema = Schema({base: storage.schema[base] for base in storage.config.derive_next})
-                finals = open_finals(url, schema, storage.layout.num_envs, mode, options)
             buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
             buf._state.apply(buf._state.parse(state, record.committed, state_origin(url, record)), with_rng=True)
         except BaseException:
-            for opened in (storage, finals):
-                if opened is not None:
-                    opened.close()
+            close_all(storage, finals)
             raise
         if finals is not None and mode == "r+":
             finals.rewind(buf.episode_index.ended())
@@ -286,13 +273,7 @@ class ReplayBuffer:
             OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
         self._require_writer()
-        if self.num_envs == 1 and env_ids is None:
-            rows = self._inputs.rows(step, lead=())
-            self._appender.append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
-            return
-        lanes = self._env_ids(env_ids)
-        rows = self._inputs.rows(step, lead=(len(lanes),))
-        self._appender.append(lanes, {k: v[None] for k, v in rows.items()}, 1)
+        self._appender.add(step, env_ids)
 
     def extend(self, data: Mapping[str, Any], env_ids: Any = None) -> None:
         """Add N steps at once. Each field is shaped ``(N, *field.shape)``; with several lanes,
@@ -306,29 +287,7 @@ class ReplayBuffer:
             OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
         self._require_writer()
-        if not isinstance(data, Mapping):
-            raise SchemaError(f"extend expects a mapping of field name to array (fields {list(self._inputs.fields)}), "
-                              f"got {type(data).__name__}")
-        count = _leading(data, self._inputs)
-        if self.num_envs == 1 and env_ids is None:
-            rows = self._inputs.rows(data, lead=(count,))
-            self._appender.append(np.array([0]), {k: v[:, None] for k, v in rows.items()}, count)
-            return
-        lanes = self._env_ids(env_ids)
-        self._appender.append(lanes, self._inputs.rows(data, lead=(count, len(lanes))), count)
-
-    def _env_ids(self, env_ids: Any) -> np.ndarray:
-        if env_ids is None:
-            return np.arange(self.num_envs)
-        ids = np.atleast_1d(np.asarray(env_ids))
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise SchemaError(f"env_ids: expected a 1-D array of ints, got {ids.dtype} shaped {ids.shape}")
-        bad = ids[(ids < 0) | (ids >= self.num_envs)]
-        if bad.size:
-            raise SchemaError(f"env_ids: expected ids in [0, {self.num_envs}), got {bad.tolist()}")
-        if np.unique(ids).size != ids.size:
-            raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
-        return ids.astype(np.int64)
+        self._appender.extend(data, env_ids)
 
     def _require_writer(self) -> None:
         self._require_open()
@@ -347,8 +306,7 @@ class ReplayBuffer:
         """
         self._require_writer()
         self.episode_index.prune(self.storage.window()[0])
-        finals = self.view.finals
-        self.storage.flush(durable, self._state.current(), side=finals if isinstance(finals, Storage) else None)
+        self.storage.flush(durable, self._state.current(), side=self._appender.finals)
 
     def refresh(self) -> bool:
         """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,
@@ -360,30 +318,7 @@ class ReplayBuffer:
             ClosedError: the buffer was closed.
         """
         self._require_open()
-        if self.mode != "r":
-            return False
-        record, state = self.storage.load_state(newest=True)
-        if record.same_as(self.storage.record):
-            return False
-        finals = self.view.finals if isinstance(self.view.finals, Storage) else None
-        finals_record = finals.read_newest() if finals is not None else None
-        parsed = self._state.parse(state, record.committed, state_origin(self.url, record))
-        committed, last_ends = self.storage.record.committed.copy(), self.episode_index.last_ends()
-        self.storage.adopt(record)
-        if finals is not None and finals_record is not None:
-            finals.adopt(finals_record)
-        self._state.apply(parsed, with_rng=False)
-        if self.episodic_return is not None:
-            self._forget_patched_returns(committed, last_ends)
-        return True
-
-    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
-        """After adopting a commit: the writer patched the returns of the steps of every episode
-        that ended since (from just after the lane's previous end): cached copies are stale."""
-        newest = self.episode_index.last_ends()
-        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
-            if newest[lane] > last:
-                self.storage.forget_cached(lane, last + 1, hi)
+        return self._follower.refresh()
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -436,43 +371,12 @@ class ReplayBuffer:
         check_batch_size(batch_size, self.view.schema.row_bytes)
         options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
         request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, options)
-        if out is not None:
-            if request.transformed or seq_len is not None:
-                raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
-            check_out(out, int(batch_size), self.fields)
-        if rng is None:
-            rng = self.rng if seed is None else np.random.default_rng(seed)
-        return self._sample_retrying(rng, int(batch_size), request)
+        request.check_out(int(batch_size), self.fields)
+        generator = rng if rng is not None else self.rng if seed is None else np.random.default_rng(seed)
+        return self._follower.read_retrying(
+            lambda: self._batches.sample(generator, int(batch_size), request, *self.storage.window()))
 
-    def _sample_retrying(self, rng: np.random.Generator, batch_size: int, request: SampleRequest) -> Rows:
-        """`Batches.sample`, again after adopting the newest commit while the writer outruns a reader."""
-        hint = "" if self.mode != "r" else "; a writer's rows become readable when it calls flush()"
-        deadline = None
-        while True:
-            try:
-                lo, hi = self.storage.window()
-                return self._batches.sample(rng, batch_size, request, lo, hi, f"{self.url!r} holds 0 readable rows{hint}")
-            except (StaleReadError, EmptyBufferError) as exc:
-                if isinstance(exc, EmptyBufferError) and not self._behind_writer():
-                    raise
-                deadline = deadline if deadline is not None else time.monotonic() + self.retry.budget_s
-                if time.monotonic() > deadline:
-                    raise
-                self._catch_up(deadline)
-
-    def _behind_writer(self) -> bool:
-        """A reader whose commit holds rows, every one retired by a writer going round its ring."""
-        return self.mode == "r" and bool(self.storage.record.committed.any()) and len(self) == 0
-
-    def _catch_up(self, deadline: float) -> None:
-        """Reader behind its writer: adopt the newest commit; if that retired every row (the
-        writer is mid-way round its ring), wait for rows until ``deadline``."""
-        self.refresh()
-        while len(self) == 0 and time.monotonic() < deadline:
-            time.sleep(STALE_READ_PAUSE_S)
-            self.refresh()
-
-    def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> "SampleDataset | EpochDataset":
+    def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
 
         ``mode="sample"``: endless batches from the buffer's sampler; ``"epoch"``: every row once
@@ -496,15 +400,11 @@ class ReplayBuffer:
             IndexError: a negative id. ClosedError: the buffer was closed.
         """
         self._require_open()
-        if not takes_priorities(type(self.sampler)):
+        if not takes_priorities(self.sampler):
             raise TypeError(f"update_priorities needs a prioritized sampler; this buffer uses "
                             f"{type(self.sampler).__name__}")
-        ids = np.asarray(index).reshape(-1)
-        if ids.dtype.kind not in "iu" or (ids < 0).any():
-            raise IndexError(f"row ids must be non-negative integers, got {ids[:5]}... (dtype {ids.dtype})")
-        lane, step = split_row_ids(ids.astype(np.int64), self.num_envs)
-        lo, hi = self.storage.window()
-        return int(self.sampler.update_priorities(lane, step, td_errors, lo, hi))  # type: ignore[attr-defined]
+        lane, step = sampled_lane_steps(index, self.num_envs)
+        return int(self.sampler.update_priorities(lane, step, td_errors, *self.storage.window()))
 
     def episodes(self) -> EpisodeTable:
         """Every episode with readable rows: lane, start step, length, complete (ended and its
@@ -516,12 +416,8 @@ class ReplayBuffer:
 
     def episode(self, k: int) -> Rows:
         """The readable rows of episode ``k`` of `episodes` (negative k counts from the end)."""
-        table = self.episodes()
-        if not -len(table) <= k < len(table):
-            raise IndexError(f"episode {k} out of range: the buffer lists {len(table)} episodes")
-        lane, start, length = int(table.lane[k]), int(table.start[k]), int(table.length[k])
-        steps = np.arange(start, start + length)
-        rows = self._gather_or_refresh(np.full(length, lane), steps, None)
+        lane, steps = self.episodes().steps_of(k)
+        rows = self._follower.read_once(lambda: self.view.gather(np.full(len(steps), lane), steps))
         rows["index"] = row_ids(lane, steps, self.num_envs)
         return rows
 
@@ -544,34 +440,13 @@ class ReplayBuffer:
             ClosedError: the buffer was closed.
         """
         self._require_open()
-        arr = np.asarray(ids)
         if out is not None:
-            check_out(out, arr.size, self.fields)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise IndexError(f"row ids must be integers, got dtype {arr.dtype}")
-        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
-            raise IndexError(f"row id {int(arr.max())} is not in the buffer (larger than any row id)")
-        flat = arr.reshape(-1).astype(np.int64)
-        lane, step = split_row_ids(flat, self.num_envs)
-        lo, hi = self.storage.window()
-        bad = (flat < 0) | (step < lo[lane]) | (step >= hi[lane])
-        if bad.any():
-            first = int(flat[bad][0])
-            raise IndexError(f"row id {first} is not in the buffer (readable ids per lane: steps "
-                             f"{lo.tolist()} to {(hi - 1).tolist()}, id = step * {self.num_envs} + lane)")
-        rows = self._gather_or_refresh(lane, step, out)
-        if arr.ndim == 1:
+            check_out(out, np.size(ids), self.fields)
+        shape, lane, step = readable_lane_steps(ids, *self.storage.window(), self.num_envs)
+        rows = self._follower.read_once(lambda: self.view.gather(lane, step, out=out))
+        if len(shape) == 1:
             return rows
-        return {k: v.reshape(arr.shape + v.shape[1:]) for k, v in rows.items()}
-
-    def _gather_or_refresh(self, lane: np.ndarray, step: np.ndarray, out: dict[str, np.ndarray] | None) -> Rows:
-        try:
-            return self.view.gather(lane, step, out=out)
-        except StaleReadError:
-            self.refresh()  # the reader follows the newest commit, all of its state at once
-            raise
+        return {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()}
 
     def latest(self, n: int) -> Rows:
         """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:
@@ -582,10 +457,7 @@ class ReplayBuffer:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         self._require_open()
-        lo, hi = self.storage.window()
-        ids = np.sort(np.concatenate([row_ids(lane, np.arange(max(int(lo[lane]), int(hi[lane]) - n), hi[lane]),
-                                              self.num_envs) for lane in range(self.num_envs)]))
-        ids = ids[max(len(ids) - n, 0):]  # each lane's newest n hold the n highest ids
+        ids = newest_ids(*self.storage.window(), int(n), self.num_envs)
         return {**self.rows(ids), "index": ids}
 
     def clear(self) -> None:
@@ -601,9 +473,7 @@ class ReplayBuffer:
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
         self._require_open()
-        lo, hi = self.storage.window()
-        return np.concatenate([row_ids(lane, np.arange(lo[lane], hi[lane]), self.num_envs)
-                               for lane in range(self.num_envs)])
+        return readable_ids(*self.storage.window(), self.num_envs)
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -620,17 +490,7 @@ class ReplayBuffer:
                 since), or any part of it does not fit this buffer (nothing is loaded then).
         """
         self._require_open()
-        self._load_state(state, origin=None)
-
-    def _load_state(self, state: Mapping[str, Any], origin: str | None) -> None:
-        if not isinstance(state, Mapping) or "total" not in state:
-            raise ValueError("state: expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
-        total = np.asarray(state["total"])
-        if total.shape != self.storage.total.shape or not np.array_equal(total, self.storage.total):
-            raise ValueError(f"state is for a buffer with {total.tolist()} steps per lane; this buffer "
-                             f"has {self.storage.total.tolist()}")
-        parts = {k: v for k, v in state.items() if k != "total"}
-        self._state.apply(self._state.parse(parts, self.storage.total, origin), with_rng=True)
+        self._state.load(state, origin=None)
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> None:
         """Write `state_dict` to ``directory``: ``state.safetensors`` (arrays) + ``state.json``."""
@@ -639,7 +499,7 @@ class ReplayBuffer:
 
     @classmethod
     def load_snapshot(cls, directory: str | os.PathLike[str], mode: str = "r+", *, url: str | None = None,
-                      **open_options: Any) -> "ReplayBuffer":
+                      **open_options: Any) -> ReplayBuffer:
         """Open the buffer a snapshot was taken of (or ``url``) and restore the snapshot's state.
 
         Raises:
@@ -650,11 +510,9 @@ class ReplayBuffer:
         state, saved_url = state_files.load_directory(directory)
         buf = cls.open(url or saved_url, mode, **open_options)
         try:
-            buf._load_state(state, origin=f"snapshot {directory!r} (state.json, state.safetensors)")
+            buf._state.load(state, origin=f"snapshot {directory!r} (state.json, state.safetensors)")
         except BaseException:
-            buf._closed = True  # nothing was written: release without flushing
-            for storage in buf._appender.storages():
-                storage.close()
+            buf._release()  # nothing was written: release without flushing
             raise
         return buf
 
@@ -669,23 +527,15 @@ class ReplayBuffer:
             if self.mode != "r":
                 self.flush()
         finally:
-            self._closed = True
-            for storage in self._appender.storages():
-                storage.close()
+            self._release()
 
-    def __enter__(self) -> "ReplayBuffer":
+    def _release(self) -> None:
+        self._closed = True
+        close_all(*self._appender.storages())
+
+    def __enter__(self) -> ReplayBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _leading(data: Mapping[str, Any], schema: Schema) -> int:
-    """N, the steps in an extend: the leading size most fields with a step axis agree on."""
-    sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
-             if name in data and np.ndim(data[name]) > len(field.shape)}
-    if not sizes:
-        raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
-                          f"{ {name: np.shape(value) for name, value in data.items()} }")
-    counts = list(sizes.values())
-    return max(counts, key=counts.count)  # the odd field out is then named by the schema check

@@ -4,21 +4,23 @@ touched, the location prepared, the ``derive_next`` side store of final observat
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from ..episodes import EpisodicReturn, derived_next_fields
+from ..episodes import EpisodicReturn, derived_next_fields, episode_end_fields
 from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, SchemaError
-from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
 from ..format import keys
+from ..format.commit import CommitRecord
+from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
 from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
 from ..io import RetryPolicy, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
-from ..storage import NewStorage, Options, Storage, default_chunk_rows, open_storage, plan_storage
+from ..storage import NewStorage, Options, Storage, create_storage, default_chunk_rows, open_storage, plan_storage
 
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -31,7 +33,7 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     """The storages of a new buffer (the main one, then the side store of ``derive_next``),
     planned and checked. Raises ValueError or SchemaError (see `ReplayBuffer.create`)."""
     user = Schema(fields)
-    end_fields = episode_end_fields(user, episode_end)
+    end_fields = episode_end_fields(user.fields, episode_end)
     derived = derived_next_fields(tuple(derive_next), user.fields)
     stored = {name: field for name, field in user.items() if name not in derived}
     if (derived or episodic_return) and not end_fields:
@@ -46,7 +48,8 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     lane_capacity = lane_capacity_of(capacity, num_envs, chunk_rows)
     chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
     config = BufferConfig(stored_schema, num_envs, lane_capacity, chunk_rows, compression, level,
-                          chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, episode_end=end_fields, derive_next=tuple(derived.values()),
+                          chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, episode_end=end_fields,
+                          derive_next=tuple(derived.values()),
                           episodic_return=episodic_return.to_json() if episodic_return else None)
     plans = [plan_storage(url, config, cache_bytes)]
     if derived:
@@ -54,6 +57,13 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
                               FINALS_CHUNK_ROWS, compression, level, keys.CHUNK_KEY_SEPARATOR)
         plans.append(plan_storage(finals_url(url), finals, finals_cache(finals.schema, num_envs)))
     return plans
+
+
+def create_storages(plans: list[NewStorage], options: Options, commit: bool) -> tuple[Storage, Storage | None]:
+    """Create a planned buffer's storage and its ``derive_next`` side store. The side store
+    first: once the main commit exists, a reader finds everything it needs."""
+    finals = create_storage(plans[1], options, commit=True) if len(plans) > 1 else None
+    return create_storage(plans[0], options, commit=commit), finals
 
 
 def check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any,
@@ -95,22 +105,6 @@ def lane_capacity_of(capacity: int | None, num_envs: int, chunk_rows: int) -> in
     return lane_capacity
 
 
-def episode_end_fields(schema: Schema, episode_end: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """The bool fields whose OR ends an episode (``"auto"``: ``done``, else ``terminated`` and
-    ``truncated``, where present). Raises SchemaError for a name that is not a scalar bool field."""
-    if episode_end is None:
-        return ()
-    if episode_end == "auto":
-        names = ("done",) if "done" in schema.fields else ("terminated", "truncated")
-        return tuple(n for n in names if n in schema.fields and schema[n].dtype == np.bool_ and schema[n].shape == ())
-    names = (episode_end,) if isinstance(episode_end, str) else tuple(episode_end)
-    for name in names:
-        if name not in schema.fields or schema[name].dtype != np.bool_ or schema[name].shape != ():
-            raise SchemaError(f"episode_end: expected scalar bool fields, got {name!r} "
-                              f"({schema.fields.get(name)})")
-    return names
-
-
 def _check_episodic_return(spec: EpisodicReturn, user: Schema) -> None:
     if spec.name in user.fields:
         raise SchemaError(f"episodic_return: field {spec.name!r} is computed by the buffer; "
@@ -150,6 +144,32 @@ def _require_buffer_or_empty(path: str) -> None:
 def finals_url(url: str) -> str:
     """Where a buffer with ``derive_next`` keeps each episode's final next observation."""
     return f"{url.rstrip('/')}/{FINALS_DIR}"
+
+
+def open_storages(url: str, mode: str,
+                  options: Options) -> tuple[Storage, Storage | None, CommitRecord, dict[str, Any]]:
+    """An existing buffer's storage, its ``derive_next`` side store (if any), the commit they
+    show and the state saved with it. A reader that raced its writer shows the newest commit."""
+    storage = open_storage(url, mode, options)
+    finals = None
+    try:
+        record, state = storage.load_state(newest=False)
+        if not record.same_as(storage.record):
+            storage.adopt(record)
+        if storage.config.derive_next:
+            schema = Schema({base: storage.schema[base] for base in storage.config.derive_next})
+            finals = open_finals(url, schema, storage.layout.num_envs, mode, options)
+    except BaseException:
+        close_all(storage, finals)
+        raise
+    return storage, finals, record, state
+
+
+def close_all(*storages: Storage | None) -> None:
+    """Release these storages (without writing anything)."""
+    for storage in storages:
+        if storage is not None:
+            storage.close()
 
 
 def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Options) -> Storage:

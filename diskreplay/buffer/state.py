@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -11,8 +12,8 @@ from ..episodes import EpisodeIndex, RowView
 from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY
-from ..format.lanes import LaneLayout
 from ..sampling import SAMPLER_TYPES, Sampler, check_sampler_state, load_sampler_state, sampler_from_state
+from ..storage import Storage
 
 STATE_PARTS = ("rng", "sampler", "episodes")
 
@@ -20,10 +21,10 @@ STATE_PARTS = ("rng", "sampler", "episodes")
 class BufferState:
     """Reads, checks and loads the state of a buffer's parts."""
 
-    def __init__(self, url: str, layout: LaneLayout, rng: np.random.Generator, sampler: Sampler,
-                 episodes: EpisodeIndex, view: RowView):
-        self.url, self.layout, self.rng, self.sampler, self.episodes, self.view = (
-            url, layout, rng, sampler, episodes, view)
+    def __init__(self, storage: Storage, rng: np.random.Generator, sampler: Sampler, episodes: EpisodeIndex,
+                 view: RowView):
+        self.storage, self.rng, self.sampler, self.episodes, self.view = storage, rng, sampler, episodes, view
+        self.url, self.layout = storage.url, storage.layout
 
     def current(self) -> dict[str, Any]:
         """The state now: JSON values and numpy arrays."""
@@ -53,6 +54,19 @@ class BufferState:
                 raise ValueError(f"state for {self.url!r} does not fit this buffer: {exc}") from None
             raise CorruptBufferError(f"{origin}: {exc}") from None
         return dict(state)
+
+    def load(self, state: Mapping[str, Any], origin: str | None) -> None:
+        """Load a `ReplayBuffer.state_dict` of this very buffer (its cursors must match).
+
+        Raises ValueError (or CorruptBufferError naming ``origin``): nothing is loaded then."""
+        if not isinstance(state, Mapping) or "total" not in state:
+            raise ValueError("state: expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
+        total, have = np.asarray(state["total"]), self.storage.total
+        if total.shape != have.shape or not np.array_equal(total, have):
+            raise ValueError(f"state is for a buffer with {total.tolist()} steps per lane; this buffer "
+                             f"has {have.tolist()}")
+        parts = {k: v for k, v in state.items() if k != "total"}
+        self.apply(self.parse(parts, have, origin), with_rng=True)
 
     def apply(self, state: Mapping[str, Any], with_rng: bool) -> None:
         """Load a state checked by `parse` (nothing here can fail on its content)."""

@@ -8,8 +8,8 @@
 Each module imports only those listed before it (index < returns < derived < transforms).
 """
 
-from .derived import EpisodicReturn, RowView, derived_next_fields
-from .index import NO_END, EpisodeIndex, EpisodeTable
+from .derived import EpisodicReturn, RowView, derived_next_fields, row_view
+from .index import NO_END, EpisodeIndex, EpisodeTable, end_flags, episode_end_fields
 from .returns import (
     discount_cumsum,
     episodic_returns,
@@ -20,8 +20,8 @@ from .returns import (
 from .transforms import HER
 
 __all__ = [
-    "NO_END", "EpisodeIndex", "EpisodeTable",
+    "NO_END", "EpisodeIndex", "EpisodeTable", "end_flags", "episode_end_fields",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
-    "EpisodicReturn", "RowView", "derived_next_fields",
+    "EpisodicReturn", "RowView", "derived_next_fields", "row_view",
     "HER",
 ]

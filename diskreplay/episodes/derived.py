@@ -18,15 +18,17 @@ rows (sampling, slices, n-step, frame stacks, HER) works the same with or withou
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
+from ..format.config import BufferConfig
 from ..format.lanes import LaneLayout
 from ..format.schema import Field, Schema
-from .source import RowSource, RowStore
 from .index import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
+from .source import RowStore
 
 
 def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
@@ -44,11 +46,22 @@ def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dic
     return out
 
 
+def row_view(storage: RowStore, config: BufferConfig, finals: RowStore | None) -> RowView:
+    """The logical rows of a buffer with this config: its stored fields, the ``next_*`` twins of
+    ``derive_next`` (their finals in ``finals``), episodic returns masked until committed."""
+    episodes = EpisodeIndex(config.num_envs, config.episode_end)
+    derived = {f"next_{base}": base for base in config.derive_next}
+    logical = {**config.schema.fields, **{twin: config.schema[base] for twin, base in derived.items()}}
+    spec = config.episodic_return
+    returns = EpisodicReturn.from_json(dict(spec)) if spec else None
+    return RowView(storage, episodes, Schema(logical), derived, finals, returns)
+
+
 class RowView:
     """Gathers logical rows: stored fields from the storage, derived ``next_*`` fields rebuilt."""
 
     def __init__(self, storage: RowStore, episodes: EpisodeIndex, logical: Schema,
-                 derived: dict[str, str], finals: RowStore | None, returns: "EpisodicReturn | None" = None):
+                 derived: dict[str, str], finals: RowStore | None, returns: EpisodicReturn | None = None):
         self.storage = storage
         self.episodes = episodes
         self.schema = logical
@@ -60,9 +73,15 @@ class RowView:
 
     @property
     def layout(self) -> LaneLayout:
+        """The lanes and chunking of the storage below."""
         return self.storage.layout
 
+    def inputs(self) -> Schema:
+        """The fields rows are added with: every logical field but a computed return."""
+        return Schema({name: f for name, f in self.schema.items() if self.returns is None or name != self.returns.name})
+
     def window(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the readable steps ``[lo, hi)`` (``[num_envs]`` each)."""
         return self.storage.window()
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
@@ -87,7 +106,8 @@ class RowView:
         if twin not in self.derived:
             return np.zeros(len(step), dtype=bool)
         is_end, newest = self._kept_apart(lane, step)
-        return ~is_end & ~newest
+        following: np.ndarray = ~is_end & ~newest
+        return following
 
     def _kept_apart(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Steps whose next values are not the following step's: episode ends (their final
@@ -96,7 +116,7 @@ class RowView:
         is_end = self.episodes.next_end(lane, step) == step
         return is_end, ~is_end & (step == hi[lane] - 1)
 
-    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str], out: dict[str, np.ndarray],
+    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str], out: Mapping[str, np.ndarray],
                    joint: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         """One gather of the base fields at the following steps, straight into the outputs; the
         rows whose next value is kept apart (episode ends, each lane's newest) are then replaced.
@@ -114,7 +134,9 @@ class RowView:
             given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
             rows, own = self.storage.gather(lane, following, bases, given), {}
         ends = np.flatnonzero(is_end)
-        finals = self.finals.gather(lane[ends], self.episodes.end_ordinal(lane[ends], step[ends]), bases) if len(ends) else {}
+        assert self.finals is not None  # a buffer with derived fields keeps their finals
+        finals = (self.finals.gather(lane[ends], self.episodes.end_ordinal(lane[ends], step[ends]), bases)
+                  if len(ends) else {})
         newest = np.flatnonzero(newest)
         for twin, base in zip(twins, bases):
             value = rows.pop(base)
@@ -134,6 +156,7 @@ class RowView:
         ends = self.episodes.ends_between(lane, first, first + len(next(iter(rows.values()))))
         if len(ends):
             finals = {base: rows[twin][ends - first] for twin, base in self.derived.items()}
+            assert self.finals is not None  # a buffer with derived fields keeps their finals
             self.finals.append(lane, finals, len(ends))
         for twin in self.derived:
             self.last_next[twin][lane] = rows[twin][-1]
@@ -142,9 +165,11 @@ class RowView:
         """Writer: the lane's newest step was made an episode end (a cut episode closed): its
         ``next_*`` kept in RAM becomes that episode's final. All or nothing."""
         if self.derived:
+            assert self.finals is not None  # a buffer with derived fields keeps their finals
             self.finals.append(lane, {base: self.last_next[twin][lane][None] for twin, base in self.derived.items()}, 1)
 
     def state_dict(self) -> dict[str, Any]:
+        """Each lane's newest ``next_*`` value kept in RAM: ``{twin: [num_envs, *shape]}`` copies."""
         return {twin: value.copy() for twin, value in self.last_next.items()}
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -153,12 +178,15 @@ class RowView:
             raise ValueError(f"'last_next': expected a mapping, got {type(state).__name__}")
         for twin, value in state.items():
             want = self.last_next.get(twin)
-            if want is None or not isinstance(value, np.ndarray) or value.shape != want.shape or value.dtype != want.dtype:
+            if (want is None or not isinstance(value, np.ndarray) or value.shape != want.shape
+                    or value.dtype != want.dtype):
                 raise ValueError(f"'last_next.{twin}': expected {want.dtype if want is not None else 'no such field'} "
-                                 f"shaped {want.shape if want is not None else ()}, got {getattr(value, 'dtype', type(value).__name__)} "
+                                 f"shaped {want.shape if want is not None else ()}, "
+                                 f"got {getattr(value, 'dtype', type(value).__name__)} "
                                  f"shaped {getattr(value, 'shape', None)}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict`: its values are copied into the arrays kept in RAM."""
         for twin in self.derived:
             self.last_next[twin][...] = state[twin]
 
@@ -186,7 +214,7 @@ class EpisodicReturn:
                 "default_return": self.default_return, "clip": list(self.clip) if self.clip else None}
 
     @classmethod
-    def from_json(cls, spec: dict[str, Any]) -> "EpisodicReturn":
+    def from_json(cls, spec: dict[str, Any]) -> EpisodicReturn:
         """The settings `to_json` gave."""
         return cls(spec["gamma"], spec["reward"], spec["name"], spec["default_return"],
                    tuple(spec["clip"]) if spec["clip"] else None)

@@ -13,12 +13,44 @@ was overwritten (or when it has not ended yet).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..errors import SchemaError
+from ..format.schema import Field
+
 NO_END = np.iinfo(np.int64).max
+
+
+def episode_end_fields(fields: Mapping[str, Field], episode_end: str | tuple[str, ...] | None = "auto"
+                       ) -> tuple[str, ...]:
+    """The scalar bool fields whose OR ends an episode: ``episode_end`` checked, or for ``"auto"``
+    ``done``, else ``terminated`` and ``truncated`` (those present); ``None``: none.
+
+    Raises SchemaError for a name that is not a scalar bool field."""
+    def is_flag(name: str) -> bool:
+        return name in fields and fields[name].dtype == np.bool_ and fields[name].shape == ()
+
+    if episode_end is None:
+        return ()
+    if episode_end == "auto":
+        return tuple(filter(is_flag, ("done",) if "done" in fields else ("terminated", "truncated")))
+    names = (episode_end,) if isinstance(episode_end, str) else tuple(episode_end)
+    for name in names:
+        if not is_flag(name):
+            raise SchemaError(f"episode_end: expected scalar bool fields, got {name!r} ({fields.get(name)})")
+    return names
+
+
+def end_flags(rows: Mapping[str, np.ndarray], end_fields: tuple[str, ...]) -> np.ndarray:
+    """Per row, whether it ends an episode: the OR of the ``end_fields`` (at least one)."""
+    flags = np.asarray(rows[end_fields[0]], dtype=bool)
+    for name in end_fields[1:]:
+        flags = flags | rows[name]
+    return flags
 
 
 @dataclass
@@ -34,6 +66,14 @@ class EpisodeTable:
         """Episodes in the table."""
         return len(self.lane)
 
+    def steps_of(self, k: int) -> tuple[int, np.ndarray]:
+        """The lane and the readable steps of episode ``k`` (negative counts from the end).
+        Raises IndexError for a ``k`` out of range."""
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"episode {k} out of range: the buffer lists {len(self)} episodes")
+        start = int(self.start[k])
+        return int(self.lane[k]), np.arange(start, start + int(self.length[k]))
+
 
 class EpisodeIndex:
     """End steps per lane, appended as rows arrive. Plain arrays: trivially saved."""
@@ -46,6 +86,7 @@ class EpisodeIndex:
 
     @property
     def enabled(self) -> bool:
+        """Whether episodes are tracked (some end fields are given)."""
         return bool(self.end_fields)
 
     def ends(self, lane: int) -> np.ndarray:
@@ -72,12 +113,9 @@ class EpisodeIndex:
         """Forget the lane's ends at or after ``step`` (steps a failed call had added)."""
         self._count[lane] = np.searchsorted(self.ends(lane), step)
 
-    def end_flags(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+    def end_flags(self, rows: Mapping[str, np.ndarray]) -> np.ndarray:
         """Per row, whether it ends an episode (OR of the end fields)."""
-        flags = np.asarray(rows[self.end_fields[0]], dtype=bool)
-        for name in self.end_fields[1:]:
-            flags = flags | rows[name]
-        return flags
+        return end_flags(rows, self.end_fields)
 
     def _store(self, lane: int, ends: np.ndarray) -> None:
         if len(ends) > len(self._ends[lane]):
@@ -180,6 +218,8 @@ class EpisodeIndex:
         return table.lane[keep], table.start[keep], count[keep]
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data: the end fields, per-lane ``count`` and ``pruned`` (int64 ``[num_envs]``) and
+        every lane's end steps concatenated lane by lane (``ends``, int64 ``[count.sum()]``)."""
         return {"end_fields": list(self.end_fields), "count": self._count.copy(), "pruned": self._pruned.copy(),
                 "ends": np.concatenate([self.ends(e) for e in range(len(self._count))])}
 
@@ -189,13 +229,15 @@ class EpisodeIndex:
         if not isinstance(state, dict):
             raise ValueError(f"'episodes': expected a mapping, got {type(state).__name__}")
         if list(state.get("end_fields", [])) != list(self.end_fields):
-            raise ValueError(f"'episodes.end_fields': expected {list(self.end_fields)}, got {state.get('end_fields')!r}")
+            raise ValueError(f"'episodes.end_fields': expected {list(self.end_fields)}, "
+                             f"got {state.get('end_fields')!r}")
         lanes = len(self._count)
         count, ends = np.asarray(state.get("count")), np.asarray(state.get("ends"))
         pruned = np.asarray(state.get("pruned", np.zeros(lanes, np.int64)))
         for name, value in (("count", count), ("pruned", pruned)):
             if value.shape != (lanes,) or value.dtype.kind not in "iu" or (value < 0).any():
-                raise ValueError(f"'episodes.{name}': expected {lanes} ints >= 0, got {value.dtype} shaped {value.shape}")
+                raise ValueError(f"'episodes.{name}': expected {lanes} ints >= 0, "
+                                 f"got {value.dtype} shaped {value.shape}")
         if ends.ndim != 1 or ends.dtype.kind not in "iu" or len(ends) != int(count.sum()):
             raise ValueError(f"'episodes.ends': expected {int(count.sum())} ints (the counts' sum), got "
                              f"{ends.dtype} shaped {ends.shape}")
@@ -207,6 +249,7 @@ class EpisodeIndex:
                                  f"[0, {int(total[lane])}), got {own[:5].tolist()}...")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict` (see `check_state`)."""
         self._pruned = np.asarray(state.get("pruned", np.zeros_like(self._count)), dtype=np.int64).copy()
         offsets = np.concatenate([[0], np.cumsum(state["count"])])
         for e in range(len(self._count)):

@@ -86,7 +86,7 @@ def _env_shaped(name: str, x: ArrayLike, env_shape: tuple[int, ...]) -> np.ndarr
     return np.broadcast_to(arr, env_shape)
 
 
-def _out_dtype(*arrays: np.ndarray) -> type:
+def _out_dtype(*arrays: np.ndarray) -> type[np.float64] | type[np.float32]:
     """float64 if any of ``arrays`` is float64, else float32."""
     return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
 
@@ -218,6 +218,25 @@ def gae_advantages(
     return adv.astype(dtype), (adv + v).astype(dtype)
 
 
+def nstep_window(rewards: np.ndarray, k: np.ndarray, terminated_last: np.ndarray,
+                 gamma: float) -> tuple[np.ndarray, np.ndarray]:
+    """The n-step rule, for windows already gathered: every n-step figure goes through here.
+
+    ``rewards[:, i]`` is the reward ``i`` steps after each window's start (``[B, n, *E]``; entries
+    at ``i >= k`` are ignored), ``k`` (``[B, *E]``, in ``[1, n]``) the steps each window uses and
+    ``terminated_last`` whether its last used step terminates. Returns float64 ``returns`` =
+    sum_{i<k} gamma**i * rewards[:, i], added in order of ``i``, and ``discounts`` =
+    gamma**k * (1 - terminated_last): a truncation bootstraps, a termination does not.
+    """
+    n = rewards.shape[1]
+    powers = gamma ** np.arange(n + 1, dtype=np.float64)
+    returns = np.zeros(rewards.shape[:1] + rewards.shape[2:], dtype=np.float64)
+    for i in range(n):
+        returns += np.where(i < k, powers[i] * rewards[:, i].astype(np.float64), 0.0)
+    discounts: np.ndarray = powers[k] * ~np.asarray(terminated_last, dtype=bool)
+    return returns, discounts
+
+
 def nstep_targets(
     rewards: ArrayLike,
     terminated: ArrayLike,
@@ -262,17 +281,13 @@ def nstep_targets(
     shape, T = r_in.shape, r_in.shape[0]
     term = _same_shape("terminated", terminated, shape, "rewards").astype(bool)
     done = term | _same_shape("truncated", truncated, shape, "rewards").astype(bool)
-    r = r_in.astype(np.float64)
-    powers = np.array([g**i for i in range(n + 1)], dtype=np.float64)
-
-    ret = np.zeros(shape, dtype=np.float64)
+    width = min(n, T)
+    windows = np.zeros((T, width, *shape[1:]), dtype=np.float64)
     k = np.zeros(shape, dtype=np.int64)
     alive = np.ones(shape, dtype=bool)  # window starting at t still open at offset i
-    for i in range(min(n, T)):
+    for i in range(width):
         alive[T - i :] = False  # t + i would run past the segment end
-        r_i = np.zeros(shape)
-        r_i[: T - i] = r[i:]
-        ret += np.where(alive, powers[i] * r_i, 0.0)
+        windows[: T - i, i] = r_in[i:]
         k += alive
         d_i = np.ones(shape, dtype=bool)
         d_i[: T - i] = done[i:]
@@ -280,7 +295,7 @@ def nstep_targets(
 
     last = np.arange(T).reshape((T,) + (1,) * (len(shape) - 1)) + k - 1
     term_last = np.take_along_axis(term, last, axis=0) if T else term
-    disc = powers[k] * (1.0 - term_last)
+    ret, disc = nstep_window(windows, k, term_last, g)
     dtype = _out_dtype(r_in)
     return ret.astype(dtype), disc.astype(dtype), k
 
@@ -362,7 +377,7 @@ def normalize_advantages(adv: ArrayLike, eps: float = 1e-8) -> np.ndarray:
         return a_in.astype(dtype)
     a = a_in.astype(np.float64)
     std = a.std()
-    out = a - a.mean()
+    out: np.ndarray = a - a.mean()
     if std + eps > 0:
         out /= std + eps
     return out.astype(dtype)

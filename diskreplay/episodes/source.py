@@ -3,7 +3,8 @@ below satisfies (and `RowView`, which adds derived fields), so episodes never im
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
@@ -17,10 +18,14 @@ class RowSource(Protocol):
     """Rows at (lane, step) of named fields, inside a per-lane window of readable steps."""
 
     @property
-    def schema(self) -> Schema: ...
+    def schema(self) -> Schema:
+        """The fields rows have."""
+        ...
 
     @property
-    def layout(self) -> LaneLayout: ...
+    def layout(self) -> LaneLayout:
+        """The lanes and chunking of the rows."""
+        ...
 
     def window(self) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the readable steps ``[lo, hi)``."""

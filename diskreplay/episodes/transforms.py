@@ -7,25 +7,28 @@ sampled step's episode and the readable window ``[lo, hi)`` of its lane.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from ..format.schema import Schema
-from .source import RowSource
 from .derived import RowView
 from .index import EpisodeIndex
+from .returns import nstep_window
+from .source import RowSource
 
 
 def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """The last readable step of the episode holding each step (its end, or the lane's newest)."""
-    return np.minimum(episodes.next_end(lane, step), hi[lane] - 1)
+    last: np.ndarray = np.minimum(episodes.next_end(lane, step), hi[lane] - 1)
+    return last
 
 
 def episode_first_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """The first readable step of the episode holding each step."""
-    return np.maximum(episodes.episode_start(lane, step), lo[lane])
+    first: np.ndarray = np.maximum(episodes.episode_start(lane, step), lo[lane])
+    return first
 
 
 def termination_field(schema: Schema) -> str:
@@ -57,13 +60,9 @@ def nstep(rows_from: RowSource, episodes: EpisodeIndex, lane: np.ndarray, step: 
     offsets = np.minimum(np.arange(n)[None, :], (k - 1)[:, None])
     steps = (step[:, None] + offsets).reshape(-1)
     rows = rows_from.gather(np.repeat(lane, n), steps, ("reward", term, *next_fields))
-    used = np.arange(n)[None, :] < k[:, None]
-    powers = gamma ** np.arange(n + 1, dtype=np.float64)
-    rewards = rows["reward"].reshape(len(step), n).astype(np.float64)
-    out = {"reward": (rewards * powers[None, :n] * used).sum(axis=1).astype(np.float32)}
     final = np.arange(len(step)) * n + (k - 1)
-    terminated = rows[term][final].astype(bool)
-    out["discount"] = (powers[k] * ~terminated).astype(np.float32)
+    returns, discounts = nstep_window(rows["reward"].reshape(len(step), n), k, rows[term][final], gamma)
+    out = {"reward": returns.astype(np.float32), "discount": discounts.astype(np.float32)}
     for name in next_fields:
         out[name] = rows[name][final]
     return out
@@ -171,12 +170,14 @@ class HER:
         batch["relabelled"] = chosen
         return batch
 
-    def _source_steps(self, episodes, lane, step, lo, hi, rng) -> np.ndarray:
+    def _source_steps(self, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, lo: np.ndarray,
+                      hi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         last = episode_last_step(episodes, lane, step, hi)
         if self.strategy == "final":
             return last
         first = step if self.strategy == "future" else episode_first_step(episodes, lane, step, lo)
-        return first + np.floor(rng.random(len(step)) * (last - first + 1)).astype(np.int64)
+        source: np.ndarray = first + np.floor(rng.random(len(step)) * (last - first + 1)).astype(np.int64)
+        return source
 
     def _achieved_after(self, rows_from: RowSource, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         name = f"next_{self.achieved_goal}"

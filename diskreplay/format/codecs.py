@@ -83,10 +83,10 @@ class Codec:
 
     def _compress(self, data: np.ndarray) -> bytes:
         if self.compression == "zstd":
-            return _ZSTD.compressor(self.level).compress(memoryview(data.reshape(-1).view(np.uint8)))
+            return _ZSTD.compressor(self.level).compress(data.reshape(-1).view(np.uint8).data)
         return bytes(numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE).encode(data))
 
-    def _decompress(self, body: bytes | memoryview, nbytes: int) -> bytes | memoryview:
+    def _decompress(self, body: bytes | bytearray | memoryview, nbytes: int) -> bytes | memoryview | np.ndarray:
         """``body`` decompressed, which must give ``nbytes`` bytes: checked before a zstd frame's
         header can size an allocation. Raises ValueError."""
         if self.compression == "zstd":
@@ -107,11 +107,11 @@ class Codec:
         data = np.ascontiguousarray(chunk)
         if self.inner_rows is not None:
             return self._encode_shard(data)
-        body: bytes | memoryview = memoryview(data.reshape(-1).view(np.uint8)) if self.raw else self._compress(data)
+        body: bytes | memoryview = data.reshape(-1).view(np.uint8).data if self.raw else self._compress(data)
         return (body, checksum(body)) if self.checksum else (body,)
 
     def _encode_shard(self, data: np.ndarray) -> tuple[bytes, ...]:
-        rows = self.inner_rows
+        rows = self._inner_rows
         bodies = [self._compress(data[i:i + rows]) for i in range(0, len(data), rows)]
         sizes = np.array([len(b) + CHECKSUM_BYTES for b in bodies], dtype="<u8")
         index = np.empty((len(bodies), 2), dtype="<u8")
@@ -122,7 +122,13 @@ class Codec:
 
     def index_bytes(self, chunk_rows: int) -> int:
         """Bytes of a shard's index (with its checksum) for a chunk of ``chunk_rows`` rows."""
-        return 16 * (chunk_rows // self.inner_rows) + CHECKSUM_BYTES
+        return 16 * (chunk_rows // self._inner_rows) + CHECKSUM_BYTES
+
+    @property
+    def _inner_rows(self) -> int:
+        """Rows per inner chunk of a sharded codec."""
+        assert self.inner_rows is not None, "not a sharded codec"
+        return self.inner_rows
 
     @staticmethod
     def _span(entries: bytes | memoryview, inner: int, index_bytes: int, limit: int) -> tuple[int, int] | None:
@@ -146,23 +152,26 @@ class Codec:
         present = [i for i, body in enumerate(bodies) if body is not None]
         if len(present) < len(bodies):
             flat[[i for i, body in enumerate(bodies) if body is None]] = 0
+        given: list[bytes | bytearray | memoryview] = [body for body in bodies if body is not None]
         if self.compression != "zstd" or len(present) < 2:
-            for i in present:
-                self.decode_body(bodies[i], flat[i])
+            for i, body in zip(present, given):
+                self.decode_body(body, flat[i])
             return
         sizes = np.full(len(present), flat.shape[1], dtype=np.uint64)
         try:
             frames = _ZSTD.decompressor.multi_decompress_to_buffer(
-                [bodies[i] for i in present], decompressed_sizes=sizes, threads=threads)
+                given, decompressed_sizes=sizes.data, threads=threads)
         except zstandard.ZstdError as exc:
             raise ValueError(str(exc)) from None
-        decoded = np.frombuffer(b"".join(frames[i] for i in range(len(present))), dtype=np.uint8)
+        # a BufferSegment exports the buffer protocol; zstandard's stubs do not say so
+        joined = b"".join(frames[i] for i in range(len(present)))  # type: ignore[misc]
+        decoded = np.frombuffer(joined, dtype=np.uint8)
         if len(present) == len(bodies):
             flat[:] = decoded.reshape(flat.shape)
         else:
             flat[present] = decoded.reshape(len(present), -1)
 
-    def decode_body(self, body: bytes | memoryview, out: np.ndarray) -> None:
+    def decode_body(self, body: bytes | bytearray | memoryview, out: np.ndarray) -> None:
         """Decode one compressed body (no checksum) into ``out``. Raises ValueError."""
         flat = out.reshape(-1).view(np.uint8)
         src = np.frombuffer(self._decompress(body, flat.size), dtype=np.uint8)
@@ -177,7 +186,7 @@ class Codec:
         """
         if self.inner_rows is not None:
             return self._decode_shard(memoryview(blob), out)
-        body = memoryview(blob)
+        body: bytes | memoryview = memoryview(blob)
         if self.checksum:
             body = self.verified_body(body)
         flat = out.reshape(-1).view(np.uint8)
@@ -190,7 +199,7 @@ class Codec:
         head = self.index_bytes(len(out))
         if len(blob) < head:
             raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
-        rows, entries = self.inner_rows, self.verified_body(blob[:head])
+        rows, entries = self._inner_rows, self.verified_body(blob[:head])
         for inner in range(len(out) // rows):
             span = self._span(entries, inner, head, len(blob))
             if span is None:
@@ -226,7 +235,7 @@ class Codec:
         return {"compressors": None, "serializer": inner}
 
     @classmethod
-    def from_zarr_codecs(cls, codecs: Any, dtype: np.dtype) -> "Codec":
+    def from_zarr_codecs(cls, codecs: Any, dtype: np.dtype) -> Codec:
         """The codec of an array's ``codecs`` metadata. Raises ValueError for anything else."""
         if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
             raise ValueError(f"codecs: expected a list of objects, got {codecs!r}")
@@ -248,11 +257,12 @@ class Codec:
         if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") == "lz4":
             return cls("lz4", _level(config.get("clevel")), checksum_)
         if len(middle) == 1 and middle[0]["name"] == "zstd":
-            raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec diskreplay writes")
+            raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec "
+                             "diskreplay writes")
         raise ValueError(f"unsupported zarr codecs {names}")
 
     @classmethod
-    def _from_sharding(cls, config: Any, dtype: np.dtype) -> "Codec":
+    def _from_sharding(cls, config: Any, dtype: np.dtype) -> Codec:
         config = config if isinstance(config, dict) else {}
         shape, index = config.get("chunk_shape"), config.get("index_codecs")
         index_names = [c.get("name") if isinstance(c, dict) else None for c in index or []]
@@ -285,10 +295,11 @@ _ZSTD = _Zstd()
 
 def checksum(data: bytes | memoryview) -> bytes:
     """CRC32C of ``data`` as zarr's ``crc32c`` codec stores it (4 bytes, little-endian)."""
-    if not isinstance(data, bytes):
-        data = np.frombuffer(data, dtype=np.uint8)
-        data.flags.writeable = False  # google_crc32c takes bytes and read-only buffers only
-    return int(google_crc32c.value(data)).to_bytes(4, "little")
+    if isinstance(data, bytes):
+        return int(google_crc32c.value(data)).to_bytes(4, "little")
+    view = np.frombuffer(data, dtype=np.uint8)
+    view.flags.writeable = False  # google_crc32c takes bytes and read-only buffers only
+    return int(google_crc32c.value(view)).to_bytes(4, "little")
 
 
 def _level(value: Any) -> int:

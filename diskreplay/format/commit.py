@@ -65,11 +65,11 @@ class CommitRecord:
         object.__setattr__(self, "lower", _frozen(self.lower))
 
     @classmethod
-    def empty(cls, num_envs: int, time: float) -> "CommitRecord":
+    def empty(cls, num_envs: int, time: float) -> CommitRecord:
         """The record of a new buffer: nothing committed, no state."""
         return cls(0, np.zeros(num_envs, np.int64), np.zeros(num_envs, np.int64), time)
 
-    def next(self, committed: np.ndarray, lower: np.ndarray, time: float, **state: Any) -> "CommitRecord":
+    def next(self, committed: np.ndarray, lower: np.ndarray, time: float, **state: Any) -> CommitRecord:
         """The record that follows this one (``state=``, ``state_arrays=``: new state, else kept)."""
         return replace(self, sequence=self.sequence + 1, committed=committed, lower=lower, time=time, **state)
 
@@ -80,7 +80,7 @@ class CommitRecord:
             "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": extra,
         }).encode()
 
-    def same_as(self, other: "CommitRecord") -> bool:
+    def same_as(self, other: CommitRecord) -> bool:
         return self.sequence == other.sequence and self.time == other.time
 
     def check_covered(self, url: str, lane_rows: int) -> None:
@@ -91,7 +91,7 @@ class CommitRecord:
                                      f"in a lane, but the arrays hold {lane_rows}")
 
     @classmethod
-    def from_bytes(cls, blob: bytes, url: str, num_envs: int, key: str = COMMIT_KEY) -> "CommitRecord":
+    def from_bytes(cls, blob: bytes, url: str, num_envs: int, key: str = COMMIT_KEY) -> CommitRecord:
         """Parse and validate a record stored at ``key``. Raises CorruptBufferError naming the field."""
         where = f"{url!r}: {key}"
         data = json_object(blob, key, url)

@@ -10,8 +10,9 @@ allocation sized by the file.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class BufferConfig:
                 "episodic_return": dict(self.episodic_return) if self.episodic_return else None}
 
     @classmethod
-    def from_group(cls, group: Mapping[str, Any], url: str) -> "BufferConfig":
+    def from_group(cls, group: Mapping[str, Any], url: str) -> BufferConfig:
         """The config in a group's ``zarr.json`` document, every value checked.
 
         Raises NotABufferError (not a diskreplay group) or CorruptBufferError naming the field.
@@ -85,7 +86,7 @@ class BufferConfig:
         return _parse(_ConfigCheck(config, url))
 
 
-def _parse(check: "_ConfigCheck") -> BufferConfig:
+def _parse(check: _ConfigCheck) -> BufferConfig:
     try:
         schema = Schema.from_json(check.get("fields", dict))
     except (SchemaError, KeyError, TypeError, ValueError) as exc:

@@ -13,6 +13,7 @@ Vocabulary used across the package:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -25,18 +26,32 @@ class LaneLayout:
     lane_capacity: int | None
     chunk_rows: int
 
+    @overload
+    def slot(self, step: int) -> int: ...
+    @overload
+    def slot(self, step: np.ndarray) -> np.ndarray: ...
+
     def slot(self, step: np.ndarray | int) -> np.ndarray | int:
+        """Where each step is stored along its lane: ``step % lane_capacity`` in a ring."""
         return step % self.lane_capacity if self.lane_capacity else step
 
     def chunk_and_offset(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Chunk index along the lane and row inside that chunk, for each step."""
         return np.divmod(self.slot(step), self.chunk_rows)
 
-    def oldest(self, total: np.ndarray) -> np.ndarray:
+    @overload
+    def oldest(self, total: int) -> int: ...
+    @overload
+    def oldest(self, total: np.ndarray) -> np.ndarray: ...
+
+    def oldest(self, total: np.ndarray | int) -> np.ndarray | int:
         """First step still stored in each lane once ``total`` steps were added."""
+        if isinstance(total, int):
+            return max(total - self.lane_capacity, 0) if self.lane_capacity is not None else 0
         if self.lane_capacity is None:
             return np.zeros_like(total)
-        return np.maximum(total - self.lane_capacity, 0)
+        oldest: np.ndarray = np.maximum(total - self.lane_capacity, 0)
+        return oldest
 
     def visible(self, lower: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the steps ``[max(lower, total - lane_capacity), total)`` that are readable
@@ -78,7 +93,8 @@ def is_empty(lo: np.ndarray, hi: np.ndarray) -> bool:
     return bool(hi[0] <= lo[0]) if len(lo) == 1 else not (hi > lo).any()
 
 
-def row_ids(lane: np.ndarray, step: np.ndarray, num_envs: int) -> np.ndarray:
+def row_ids(lane: np.ndarray | int, step: np.ndarray, num_envs: int) -> np.ndarray:
+    """The row id of each (lane, step): ``step * num_envs + lane`` (with one lane, the step)."""
     return step if num_envs == 1 else step * num_envs + lane
 
 

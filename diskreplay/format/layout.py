@@ -18,7 +18,8 @@ or an allocation sized by the file.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zarr
@@ -109,8 +110,10 @@ def read_arrays(get: Callable[[str], bytes | None], url: str,
         except CorruptBufferError as exc:
             problems.append(str(exc).removeprefix(f"{url!r}: "))
             continue
-        found = ([f"array for field {name!r} is missing ({array_key(name)})"] if meta is None
-                 else array_problems(name, field, meta, config))
+        if meta is None:
+            problems.append(f"array for field {name!r} is missing ({array_key(name)})")
+            continue
+        found = array_problems(name, field, meta, config)
         problems += found
         if not found:
             arrays[name] = meta
@@ -168,8 +171,9 @@ def array_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfi
                             f"{field_codec(codec, config, field).inner_rows} (rows of {field.row_bytes} bytes)")
         elif codec.inner_rows is not None:
             inner = list(meta["codecs"][0]["configuration"]["chunk_shape"])
-            if inner != [1, codec.inner_rows, *field.shape]:
-                problems.append(f"{key}: inner chunk shape {inner!r:.200}, expected {[1, codec.inner_rows, *field.shape]}")
+            expected_inner = [1, codec.inner_rows, *field.shape]
+            if inner != expected_inner:
+                problems.append(f"{key}: inner chunk shape {inner!r:.200}, expected {expected_inner}")
     except ValueError as exc:
         problems.append(f"{key}: {exc}")
     return problems
@@ -179,7 +183,8 @@ def buffer_codec(arrays: dict[str, ArrayMeta], url: str) -> Codec:
     """The codec of a buffer's chunks (checked by `array_problems`). Buffers from before checksums
     have none; every array of one buffer is written with the same codec, so arrays that disagree
     are corrupt (raises CorruptBufferError naming them)."""
-    codecs = {name: Codec.from_zarr_codecs(meta["codecs"], np.dtype(meta["data_type"])) for name, meta in arrays.items()}
+    codecs = {name: Codec.from_zarr_codecs(meta["codecs"], np.dtype(meta["data_type"]))
+              for name, meta in arrays.items()}
     first, codec = next(iter(codecs.items()))
     for name, other in codecs.items():
         if other.checksum != codec.checksum:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, SupportsIndex
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..errors import SchemaError
 
@@ -25,24 +27,29 @@ ALLOWED_DTYPES = tuple(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Field:
     """One per-step quantity: its shape (without the step axis) and dtype.
 
     ``Field((17,), "float32")`` is a 17-vector per step; ``Field((), "bool")`` a scalar flag.
+    The dtype is stored little-endian (``">f4"`` is float32 too).
     """
 
     shape: tuple[int, ...]
-    dtype: np.dtype | str
+    dtype: np.dtype
 
-    def __post_init__(self) -> None:
+    def __init__(self, shape: Iterable[SupportsIndex], dtype: DTypeLike):
+        """Raises SchemaError for a shape that is not non-negative ints, a dtype diskreplay does
+        not store (`ALLOWED_DTYPES`), or a step of more than 1 GiB."""
         try:
-            shape = tuple(operator.index(s) for s in self.shape)
+            dims = tuple(operator.index(s) for s in shape)
         except TypeError:
-            raise SchemaError(f"Field shape must be a tuple of ints, got {self.shape!r}") from None
-        if any(s < 0 for s in shape):
-            raise SchemaError(f"Field shape must be non-negative, got {shape}")
-        dtype = np.dtype(self.dtype)
+            raise SchemaError(f"Field shape must be a tuple of ints, got {shape!r}") from None
+        if any(s < 0 for s in dims):
+            raise SchemaError(f"Field shape must be non-negative, got {dims}")
+        self._store(dims, np.dtype(dtype))
+
+    def _store(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
         if dtype.newbyteorder("=") not in ALLOWED_DTYPES:  # ">f4" is float32 too (stored "<f4")
             raise SchemaError(
                 f"Field dtype must be one of {[d.name for d in ALLOWED_DTYPES]}, got {dtype}")
@@ -63,7 +70,7 @@ class Field:
         return {"shape": list(self.shape), "dtype": self.dtype.str}
 
     @classmethod
-    def from_json(cls, spec: Mapping[str, Any]) -> "Field":
+    def from_json(cls, spec: Mapping[str, Any]) -> Field:
         """The field `to_json` gave. Raises SchemaError for a bad shape or dtype."""
         return cls(tuple(spec["shape"]), spec["dtype"])
 
@@ -87,7 +94,7 @@ class Schema:
         self.row_bytes = sum(f.row_bytes for f in self.fields.values())
         """Bytes one step of all fields takes."""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.fields)
 
     def __len__(self) -> int:
@@ -96,14 +103,14 @@ class Schema:
     def __getitem__(self, name: str) -> Field:
         return self.fields[name]
 
-    def items(self):
+    def items(self) -> ItemsView[str, Field]:
         return self.fields.items()
 
     def to_json(self) -> dict[str, Any]:
         return {name: f.to_json() for name, f in self.fields.items()}
 
     @classmethod
-    def from_json(cls, spec: Mapping[str, Any]) -> "Schema":
+    def from_json(cls, spec: Mapping[str, Any]) -> Schema:
         return cls({name: Field.from_json(s) for name, s in spec.items()})
 
     def rows(self, data: Mapping[str, Any], lead: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:

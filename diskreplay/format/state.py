@@ -86,7 +86,8 @@ def load_directory(directory: str) -> tuple[dict[str, Any], str]:
         if len(raw) > MAX_SNAPSHOT_JSON:
             raise ValueError(f"larger than {MAX_SNAPSHOT_JSON} bytes")
         saved = json.loads(raw)
-        if not isinstance(saved, dict) or not isinstance(saved.get("url"), str) or not isinstance(saved.get("state"), dict):
+        if (not isinstance(saved, dict) or not isinstance(saved.get("url"), str)
+                or not isinstance(saved.get("state"), dict)):
             raise ValueError("expected an object with 'url' (a string) and 'state' (an object)")
     except (ValueError, RecursionError) as exc:
         raise CorruptBufferError(f"snapshot file {meta_path!r} is unreadable ({exc})") from None

@@ -10,7 +10,7 @@ import ctypes
 import os
 import shutil
 import uuid
-from typing import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from .store import Data, ParallelMap, parts_of
 
@@ -248,7 +248,7 @@ def _write_all(fd: int, parts: list[memoryview]) -> int:
 def _syncfs(fd: int) -> int:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syncfs(fd)
+        return int(libc.syncfs(fd))
     except (OSError, AttributeError):
         return -1
 

@@ -37,12 +37,13 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
+from ..errors import LockedError
 from .backends import open_chunkstore
 from .store import ChunkStore, is_local, local_path
-from ..errors import LockedError
 
 LOCK_KEY = "writer.lock"
 MAX_LOCK_BYTES = 4096
@@ -66,7 +67,7 @@ class LockInfo:
     raw: bytes = b""
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "LockInfo":
+    def from_bytes(cls, blob: bytes) -> LockInfo:
         """The record in a lock object. Anything unreadable or out of range (a lock object is
         never trusted) makes an unknown holder, which is never called stale."""
         try:
@@ -77,8 +78,8 @@ class LockInfo:
             return cls(None, "?", None, "", None, blob)
         pid, stamp, ticks = data.get("pid"), data.get("time"), data.get("start_ticks")
         return cls(pid if _is_int(pid, 1, 2**31) else None, str(data.get("host", "?"))[:255],
-                   float(stamp) if _is_int(stamp, 0, 2**40) or (isinstance(stamp, float) and 0 <= stamp < 2**40)
-                   else None,
+                   float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool)
+                   and 0 <= stamp < 2**40 else None,
                    str(data.get("token", ""))[:64], ticks if _is_int(ticks, -2**62, 2**62) else None, blob)
 
     def stale_reason(self) -> str | None:
@@ -115,7 +116,7 @@ class WriterLock:
                            "token": self.token, "start_ticks": _start_ticks(os.getpid()),
                            "url": self.url}).encode()
 
-    def acquire(self, break_lock: bool = False) -> "WriterLock":
+    def acquire(self, break_lock: bool = False) -> WriterLock:
         """Take the lock, or raise `LockedError`. A stale lock (its holder is gone, see the module
         docstring) is taken over with a warning; ``break_lock``: remove any existing lock first."""
         if break_lock:
@@ -135,7 +136,7 @@ class WriterLock:
             self.held = holder is not None and holder.token == self.token
         return self.held
 
-    def _take_over(self, stale: "LockInfo") -> "WriterLock":
+    def _take_over(self, stale: LockInfo) -> WriterLock:
         with _takeover_guard(self.url):
             holder = self.holder()
             if holder is not None and (holder.raw != stale.raw or not holder.stale_reason()):
@@ -172,7 +173,7 @@ class WriterLock:
         if holder is not None and holder.token == self.token:
             self.store.delete(LOCK_KEY)
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

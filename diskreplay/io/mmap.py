@@ -70,7 +70,7 @@ class Reservation:
         self.size = slots * self.stride * self.row_bytes
         self.base = self._reserve(None)
         raw = (ctypes.c_char * self.size).from_address(self.base)
-        self.rows = np.frombuffer(raw, dtype=dtype).reshape(slots * self.stride, *shape)
+        self.rows = np.frombuffer(memoryview(raw), dtype=dtype).reshape(slots * self.stride, *shape)
 
     def _reserve(self, address: int | None) -> int:
         fixed = _MAP_FIXED if address is not None else 0
@@ -102,5 +102,6 @@ class Reservation:
         self._reserve(self.base)
 
     def close(self) -> None:
-        self.rows = None
+        """Unmap everything (the rows must not be read after)."""
+        del self.rows
         _libc.munmap(self.base, self.size)

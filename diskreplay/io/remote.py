@@ -20,8 +20,9 @@ import errno
 import inspect
 import logging
 import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
-from typing import Any, Awaitable, Callable, Collection
+from typing import Any
 
 import fsspec
 import fsspec.asyn
@@ -86,20 +87,22 @@ class FsspecChunkStore:
         for value in found:
             if isinstance(value, BaseException):
                 raise value
-        return found
+        return list(found)
 
     async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
         path, span = self.path(key), {} if limit is None else {"start": 0, "end": limit}
         try:
-            return await self._call_async(f"read of {key!r}",
-                                          lambda: self.fs._cat_file(path, **self._cat_kwargs, **span))
+            blob: bytes = await self._call_async(f"read of {key!r}",
+                                                 lambda: self.fs._cat_file(path, **self._cat_kwargs, **span))
+            return blob
         except FileNotFoundError:
             return None
 
     def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
         span = {} if limit is None else {"start": 0, "end": limit}
         try:
-            return self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
+            blob: bytes = self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
+            return blob
         except FileNotFoundError:
             return None
 
@@ -210,7 +213,7 @@ class FsspecChunkStore:
             makers = [partial(self.fs._rm_file, path) for path in paths]
         await self._gather_bounded(makers)
 
-    async def _gather_bounded(self, makers: list[Callable[[], Awaitable[Any]]],
+    async def _gather_bounded(self, makers: Sequence[Callable[[], Awaitable[Any]]],
                               return_exceptions: bool = False) -> list[Any]:
         """Every ``maker()`` awaited, at most ``concurrency`` at once; results in order. With
         ``return_exceptions`` errors take their result's place; without, the first error is
@@ -308,7 +311,7 @@ async def _cancel_at(fn: Callable[[], Awaitable[Any]], deadline: float) -> Any:
     remaining = deadline - time.monotonic()
     try:
         return await asyncio.wait_for(fn(), remaining)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if time.monotonic() < deadline:
             raise  # a timeout of the layers below, before ours
         raise TimeoutError(f"no answer within {max(remaining, 0):.2f} s: the request was cancelled") from None

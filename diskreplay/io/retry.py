@@ -31,7 +31,8 @@ class RetryPolicy:
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failure (jittered: 50-100 % of the backoff)."""
-        return min(self.max_delay, self.base_delay * 2 ** (failures - 1)) * (0.5 + 0.5 * random.random())
+        backoff = min(self.max_delay, self.base_delay * 2 ** (failures - 1))
+        return float(backoff * (0.5 + 0.5 * random.random()))
 
 
 def _check_policy_field(name: str, value: Any) -> None:

@@ -15,7 +15,8 @@ type:
 from __future__ import annotations
 
 import os
-from typing import Callable, Collection, Iterable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 Data = bytes | memoryview | Sequence[bytes | memoryview]
 """An object's bytes, whole or in parts that are stored one after the other."""

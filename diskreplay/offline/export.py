@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from ..episodes import end_flags
 from .hdf5 import require_h5py
-from .info import iter_rows, open_readonly, readable
+from .info import episode_fields, iter_rows, open_readonly, readable
 from .naming import EXPORT_ATTR, d4rl_name
 from .progress import progress_bar
 
@@ -96,12 +97,13 @@ def _slices(buf: Any, names: list[str], batch_rows: int) -> Iterator[dict[str, n
     """Row slices of the fields ``names``, lane by lane in time order. With several lanes, a lane's
     last row gets ``truncated`` set unless a done field already ends an episode there."""
     mark = buf.num_envs > 1 and "truncated" in names
-    read = names + [k for k in DONE_FIELDS if mark and k in buf.fields and k not in names]
+    ends = episode_fields(buf) if mark else ()
+    read = names + [k for k in ends if k not in names]
     for lane, lo, hi in readable(buf):
         step = lo
         for part in iter_rows(buf, read, lane, lo, hi, batch_rows):
             step += len(part[read[0]])
-            if mark and step == hi and not any(bool(part[k][-1]) for k in DONE_FIELDS if k in part):
+            if mark and step == hi and not (ends and end_flags(part, ends)[-1]):
                 part["truncated"][-1] = True
             yield {k: part[k] for k in names}
 

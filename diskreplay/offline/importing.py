@@ -51,19 +51,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 from typing import Any
 
-import fsspec
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..io import is_local, local_path
 from ..errors import BufferExistsError
-from ..io.lock import break_lock, lock_holder
 from ..format.schema import Schema
+from ..io import open_chunkstore
+from ..io.lock import break_lock, lock_holder
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows
 from .formats import detect_format, open_source
 from .progress import progress_bar
@@ -175,10 +173,6 @@ def _remove_failed(dest: str, storage_options: dict | None) -> None:
     try:
         if import_status(dest, storage_options) is None:
             return
-        if is_local(dest):
-            shutil.rmtree(local_path(dest), ignore_errors=True)
-        else:
-            fs, root = fsspec.core.url_to_fs(dest, **(storage_options or {}))
-            fs.rm(root, recursive=True)
+        open_chunkstore(dest, storage_options).clear()
     except Exception:
         pass

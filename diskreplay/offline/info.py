@@ -6,7 +6,6 @@ wanted), so scanning a big buffer touches only the fields asked for and keeps me
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,12 +14,10 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..io import LocalChunkStore
-from ..errors import CorruptBufferError, NotABufferError
+from ..episodes import end_flags, episode_end_fields
+from ..errors import NotABufferError
 from ..sampling import Uniform
 from .status import describe_incomplete, import_status
-
-DONE_FIELDS = (("done",), ("terminated", "truncated"))
 
 
 def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: int = 8 * 2**20) -> ReplayBuffer:
@@ -91,14 +88,9 @@ class EpisodeStats:
 
 
 def episode_fields(buf: ReplayBuffer) -> tuple[str, ...]:
-    """The scalar bool fields that end an episode: ``("done",)``, else those of ``terminated`` /
-    ``truncated`` present, else ``()``."""
-    fields = buf.fields
-    for names in DONE_FIELDS:
-        present = tuple(n for n in names if n in fields and fields[n].shape == () and fields[n].dtype == np.bool_)
-        if present:
-            return present
-    return ()
+    """The scalar bool fields that end an episode: the buffer's own, else (a buffer that keeps no
+    episode index) those the ``"auto"`` rule finds: ``done``, else ``terminated`` and ``truncated``."""
+    return buf.episode_index.end_fields or episode_end_fields(buf.fields)
 
 
 def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | None:
@@ -115,7 +107,7 @@ def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | 
     for lane, lo, hi in readable(buf):
         carry_len, carry_ret, partial_first = 0, 0.0, lo > 0
         for rows in iter_rows(buf, names, lane, lo, hi, batch_rows):
-            done = np.logical_or.reduce([rows[n] for n in done_names])
+            done = end_flags(rows, done_names)
             r = rows[reward].astype(np.float64) if reward else np.zeros(len(done))
             ends = np.flatnonzero(done)
             if ends.size == 0:
@@ -140,7 +132,7 @@ def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | 
 def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
     """(bytes of every object under the buffer, chunk objects per field)."""
     sizes = buf.storage.store.sizes()
-    chunk_files = {name: 0 for name in buf.fields}
+    chunk_files = dict.fromkeys(buf.fields, 0)
     prefix = "c" + buf.storage.config.chunk_key_separator
     for key in sizes:
         field, _, rest = key.partition("/")

@@ -13,10 +13,11 @@ class NoBar:
         """Ignores ``n`` rows done."""
 
     def __enter__(self) -> NoBar:
+        """The bar itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        """Nothing to close (exceptions propagate)."""
 
 
 def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..io import is_local, local_path
 from ..errors import DiskReplayError
 from ..format.schema import ALLOWED_DTYPES, Field
+from ..io import is_local, local_path
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
 
 Batch = dict[str, np.ndarray]
@@ -40,9 +40,11 @@ class Source:
         """Releases the files the source holds open."""
 
     def __enter__(self) -> Source:
+        """The source itself, closed when the ``with`` block ends."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Closes the source (exceptions propagate)."""
         self.close()
 
 

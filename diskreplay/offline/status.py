@@ -7,8 +7,8 @@ import json
 import time
 from typing import Any
 
-from ..io import open_chunkstore
 from ..format.keys import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
+from ..io import open_chunkstore
 
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
 
@@ -22,9 +22,10 @@ def import_status(url: str, storage_options: dict | None = None) -> dict[str, An
     if blob is None:
         return None
     try:
-        return json.loads(blob)
+        marker: dict[str, Any] = json.loads(blob)  # written by the import as a JSON object
     except ValueError:
         return {"source": "?"}
+    return marker
 
 
 def describe_incomplete(url: str, marker: dict[str, Any]) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -54,6 +53,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
     def problem(self, text: str) -> None:
+        """Record one problem (a sentence for users); the report is then not ``ok``."""
         self.problems.append(text)
         self.ok = False
 

@@ -54,7 +54,8 @@ class Prioritized(PrioritySampler):
         self.min_tree = MinSegmentTree(leaves)
 
     def _leaf(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
-        return lane * self.stride + self.layout.slot(step)
+        leaf: np.ndarray = lane * self.stride + self.layout.slot(step)
+        return leaf
 
     def _grow(self, steps_needed: int) -> None:
         """Dataset mode: widen each lane's range of leaves (rebuilding the trees)."""
@@ -118,7 +119,8 @@ class Prioritized(PrioritySampler):
         if cap is None:
             return slot
         last = hi[lane] - 1
-        return last - (last - slot) % cap
+        step: np.ndarray = last - (last - slot) % cap
+        return step
 
     def _weights(self, leaf: np.ndarray, beta: float | None, p_min: float) -> np.ndarray:
         beta = self.beta if beta is None else beta
@@ -187,13 +189,14 @@ class Prioritized(PrioritySampler):
             expected_stride = (is_int(stride) and (1 << 16) <= stride <= 2 * max(int(total.max(initial=0)), 1 << 16)
                                and stride & (stride - 1) == 0)
         if not is_int(stride) or not expected_stride:
-            raise ValueError(f"'sampler.stride': expected {layout.lane_capacity or 'a power of two >= 65536 that fits the rows'}"
-                             f", got {stride!r}")
+            wanted = layout.lane_capacity or "a power of two >= 65536 that fits the rows"
+            raise ValueError(f"'sampler.stride': expected {wanted}, got {stride!r}")
         leaves = state["leaves"]
-        if (not isinstance(leaves, np.ndarray) or leaves.dtype != np.float64 or leaves.shape != (layout.num_envs * stride,)
-                or not (np.isfinite(leaves) & (leaves >= 0)).all()):
+        if (not isinstance(leaves, np.ndarray) or leaves.dtype != np.float64
+                or leaves.shape != (layout.num_envs * stride,) or not (np.isfinite(leaves) & (leaves >= 0)).all()):
             raise ValueError(f"'sampler.leaves': expected {layout.num_envs * stride} finite float64 values >= 0, got "
-                             f"{getattr(leaves, 'dtype', type(leaves).__name__)} shaped {getattr(leaves, 'shape', None)}")
+                             f"{getattr(leaves, 'dtype', type(leaves).__name__)} "
+                             f"shaped {getattr(leaves, 'shape', None)}")
         peak = state["max_priority"]
         if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (math.isfinite(peak) and peak > 0):
             raise ValueError(f"'sampler.max_priority': expected a finite number > 0, got {peak!r}")
@@ -227,12 +230,16 @@ class _LeafRanges:
                    np.array([tree.sum(0, a) for a, _ in spans]), np.array([tree.sum(a, b) for a, b in spans]))
 
     def mass(self) -> float:
-        return self.sampler.sum_tree.total() if self.start is None else float(self.inside.sum())
+        if self.start is None:
+            return self.sampler.sum_tree.total()
+        assert self.inside is not None  # set together with start
+        return float(self.inside.sum())
 
     def find(self, thresholds: np.ndarray) -> np.ndarray:
         """The leaf of each threshold in ``[0, mass())``."""
         if self.start is None:
             return self.sampler.sum_tree.find_prefix_sum(thresholds)
+        assert self.inside is not None and self.before is not None  # set together with start
         cumulative = np.cumsum(self.inside)
         where = np.minimum(np.searchsorted(cumulative, thresholds, side="right"), len(cumulative) - 1)
         offset = thresholds - (cumulative[where] - self.inside[where])
@@ -241,4 +248,5 @@ class _LeafRanges:
     def min(self) -> float:
         if self.start is None:
             return self.sampler.min_tree.min()
+        assert self.end is not None  # set together with start
         return min(self.sampler.min_tree.min(int(a), int(b)) for a, b in zip(self.start, self.end))

@@ -9,8 +9,8 @@ from .protocols import Sampler
 from .uniform import Uniform
 from .without_replacement import WithoutReplacement
 
-SAMPLER_TYPES: dict[str, type] = {"Uniform": Uniform, "Prioritized": Prioritized,
-                                  "WithoutReplacement": WithoutReplacement}
+SAMPLER_TYPES: dict[str, type[Uniform] | type[Prioritized] | type[WithoutReplacement]] = {
+    "Uniform": Uniform, "Prioritized": Prioritized, "WithoutReplacement": WithoutReplacement}
 
 
 def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> None:

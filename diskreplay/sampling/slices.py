@@ -85,7 +85,8 @@ class SliceSampler:
 
     def last_steps(self, draw: Draw, hi: np.ndarray) -> np.ndarray:
         """Per start, the last readable step of its episode (int64 ``[batch_size]``)."""
-        return np.minimum(self.episodes.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
+        last: np.ndarray = np.minimum(self.episodes.next_end(draw.lane, draw.step), hi[draw.lane] - 1)
+        return last
 
     def steps(self, draw: Draw, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The steps of each slice, ``[batch_size, seq_len]`` int64 (clipped to the episode's last

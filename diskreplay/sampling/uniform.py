@@ -74,7 +74,8 @@ def _recent(lo: np.ndarray, hi: np.ndarray, rows: int) -> np.ndarray:
     if rows < 1:
         raise ValueError(f"recent_rows must be >= 1, got {rows}")
     per_lane = -(-rows // len(lo))
-    return np.maximum(lo, hi - per_lane)
+    bounds: np.ndarray = np.maximum(lo, hi - per_lane)
+    return bounds
 
 
 def ere_recent_rows(buffer_rows: int, k: int, updates: int, eta: float = 0.996, c_min: int = 2500) -> int:

@@ -14,7 +14,8 @@ slots only; a *partial* slot holds the other fields of its chunk only.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
+from typing import overload
 
 import numpy as np
 
@@ -57,9 +58,8 @@ class ChunkCache:
 
     def slots_of(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
         """The slot of each (lane, chunk), -1 where not cached (chunks must be below `width`)."""
-        if self._table.shape[0] == 1:
-            return self._table[0].take(chunks)
-        return self._table[lanes, chunks]
+        slots: np.ndarray = self._table[0].take(chunks) if self._table.shape[0] == 1 else self._table[lanes, chunks]
+        return slots
 
     def slot_of(self, lane: int, chunk: int) -> int:
         """The slot holding this chunk, or -1 (also for a chunk past the table)."""
@@ -71,14 +71,27 @@ class ChunkCache:
 
     def owners(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The (lanes, chunks) held in these slots (-1: none)."""
-        return self._owner_lane[slots], self._owner_chunk[slots]
+        lanes: np.ndarray = self._owner_lane[slots]
+        chunks: np.ndarray = self._owner_chunk[slots]
+        return lanes, chunks
 
-    def is_pinned(self, slots: np.ndarray) -> np.ndarray:
-        return self._pinned[slots]
+    @overload
+    def is_pinned(self, slots: int) -> bool: ...
+    @overload
+    def is_pinned(self, slots: np.ndarray) -> np.ndarray: ...
 
-    def is_partial(self, slots: np.ndarray) -> np.ndarray:
+    def is_pinned(self, slots: np.ndarray | int) -> np.ndarray | bool:
+        """Whether each slot is pinned (held by the writer or a fill: never evicted)."""
+        return bool(self._pinned[slots]) if isinstance(slots, int) else np.asarray(self._pinned[slots])
+
+    @overload
+    def is_partial(self, slots: int) -> bool: ...
+    @overload
+    def is_partial(self, slots: np.ndarray) -> np.ndarray: ...
+
+    def is_partial(self, slots: np.ndarray | int) -> np.ndarray | bool:
         """Whether each slot lacks room for the fields read row by row."""
-        return self._partial[slots]
+        return bool(self._partial[slots]) if isinstance(slots, int) else np.asarray(self._partial[slots])
 
     def evictable(self, whole: bool = True) -> int:
         """Unpinned slots with room for every field (``whole``) or for the others."""
@@ -92,11 +105,13 @@ class ChunkCache:
     def chunk_rows_of(self, name: str, slot: int) -> np.ndarray:
         """The slab rows of one slot for one field (a view: writes go straight into the cache)."""
         start = slot * self.chunk_rows
-        return self.slabs[name][start:start + self.chunk_rows]
+        rows: np.ndarray = self.slabs[name][start:start + self.chunk_rows]
+        return rows
 
     def rows_at(self, slots: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Slab rows of these offsets into these slots."""
-        return slots * self.chunk_rows + offsets
+        rows: np.ndarray = slots * self.chunk_rows + offsets
+        return rows
 
     # ---- changes ---------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ remote store), checksummed and decoded once. Nothing read sizes an allocation.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 
@@ -106,7 +106,7 @@ class ChunkIO:
 
     def _read_raw(self, key: str, rows: np.ndarray) -> bool:
         """Read a raw chunk file straight into ``rows`` (no copy), its checksum beside it."""
-        values = memoryview(rows.reshape(-1).view(np.uint8))
+        values = rows.reshape(-1).view(np.uint8).data
         trailer = bytearray(self.trailer + 1)  # one byte more: a longer file is found too
         got = self.store.read_into(key, [values, memoryview(trailer)])
         if got is None:

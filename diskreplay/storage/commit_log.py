@@ -10,8 +10,9 @@ its own) and deleted once no commit names it.
 Before every commit, state object and growth of the arrays the log checks that this writer still
 holds the writer lock: a writer whose lock was broken and taken stops writing for good.
 
-All objects of one log live under its ``prefix`` in the store, so that a store can later hold
-several independently committed logs.
+A log owns the objects of one store: a buffer made of several independently committed parts
+(one per writer) gives each its own store under the buffer's location, as the ``derive_next`` side
+store already is, and its readers union them.
 """
 
 from __future__ import annotations

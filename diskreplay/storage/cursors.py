@@ -40,7 +40,8 @@ class Cursors:
 
     def first_kept(self) -> np.ndarray:
         """Per lane, the first step a commit of everything added would show."""
-        return np.maximum(self.lower, self.layout.oldest(self.total))
+        first: np.ndarray = np.maximum(self.lower, self.layout.oldest(self.total))
+        return first
 
     def follow(self, committed: np.ndarray, lower: np.ndarray) -> None:
         """A reader adopts a commit's cursors."""

@@ -7,8 +7,9 @@ read paths) over one `ChunkCache`, and the `ChunkIO` they share. Not thread-safe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -20,12 +21,11 @@ from ..io.store import ChunkStore
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .commit_log import CommitLog
-from .cursors import Cursors
 from .loading import ChunkLoader
 from .mapped import MappedChunks
-from .reader import ChunkReader, Rows
+from .outputs import Rows
+from .reader import ChunkReader
 from .row_reads import RowReads
-from .warm import Warmer
 from .writer import StagingWriter
 
 
@@ -110,10 +110,11 @@ class Storage:
         return rows
 
     def stats(self) -> StorageStats:
+        row_fields = self.row_reads.names if self.row_reads is not None else ()
         return StorageStats(
             self.layout.chunk_rows, self.cache.slots, self.cache.cached_chunks(), self.loader.chunks_loaded,
             self.mapped is not None, self.mapped.maps if self.mapped is not None else 0,
-            {name: int(self.io.codecs[name].inner_rows or 0) for name in (self.row_reads.names if self.row_reads else ())},
+            {name: int(self.io.codecs[name].inner_rows or 0) for name in row_fields},
             self.reader.warmer.resident_span is not None, self.log.record.sequence, self.reader.retired.stale_reads)
 
     # ---- windows ---------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class Storage:
         self._writable().write_sealed(durable)
 
     def flush(self, durable: bool = True, state: dict[str, Any] | None = None,
-              side: "Storage | None" = None) -> None:
+              side: Storage | None = None) -> None:
         """Make everything added durable and visible, with ``state`` (None: keep the last).
 
         In this order: the state's arrays go to a new state object; the ``side`` storage (the

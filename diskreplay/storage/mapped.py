@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,7 @@ it has room for. A ring reader checks what it fetched against the newest commit 
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -17,13 +17,12 @@ from ..errors import StaleReadError
 from ..format.schema import Schema
 from .cache import ChunkCache
 from .cursors import Cursors
-from .outputs import Rows, output_rows, take_into
 from .loading import ChunkLoader
 from .mapped import MappedChunks
+from .outputs import Rows, output_rows, take_into
 from .row_reads import RowReads
 from .stale import RetiredCheck
 from .warm import Warmer
-
 
 
 class ChunkReader:

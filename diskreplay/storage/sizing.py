@@ -29,8 +29,8 @@ def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cach
     still fits ``cache_bytes``. Arguments that are not positive ints leave out the doubling
     (`create` rejects them)."""
     rows = min(DEFAULT_CHUNK_ROWS, 1 << max(CHUNK_BYTES // max(schema.row_bytes, 1), 1).bit_length() - 1)
-    if not mappable or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
-                               for v in (num_envs, capacity, cache_bytes)):
+    if capacity is None or not mappable or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                   and v >= 1 for v in (num_envs, capacity, cache_bytes)):
         return rows
     lane_rows, staging_chunks = int(capacity) // int(num_envs), 2 * int(num_envs) + 2
     while (num_envs * -(-lane_rows // rows) * len(schema.fields) > CHUNK_FILES_MAPPED and rows < lane_rows

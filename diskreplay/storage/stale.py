@@ -15,7 +15,7 @@ nor do dataset-mode buffers (they never overwrite a row).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import CorruptBufferError
-from .cache import ChunkCache
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .stale import RetiredCheck, Window

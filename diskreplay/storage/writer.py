@@ -18,7 +18,7 @@ a row that is being overwritten.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

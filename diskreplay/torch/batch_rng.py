@@ -10,6 +10,7 @@ the very same draws (tested against numpy).
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 _M32, _M128 = 0xFFFFFFFF, (1 << 128) - 1
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
@@ -27,20 +28,20 @@ def _words(x: int) -> list[int]:
     return words
 
 
-def _seed_states(entropy: list[np.ndarray]) -> np.ndarray:
+def _seed_states(entropy: list[npt.NDArray[np.uint64]]) -> npt.NDArray[np.uint64]:
     """``SeedSequence(e).generate_state(4, uint64)`` for K entropies at once: ``entropy`` is a list
     of per-word uint64 arrays ``[K]`` (values < 2**32). Returns ``[4, K]`` uint64 (numpy's
     SeedSequence algorithm, pool size 4, vectorised over K)."""
     hc = _INIT_A
 
-    def hashmix(value: np.ndarray) -> np.ndarray:
+    def hashmix(value: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         nonlocal hc
         value = value ^ np.uint64(hc)
         hc = hc * _MULT_A & _M32
         value = value * np.uint64(hc) & np.uint64(_M32)
         return value ^ (value >> np.uint64(16))
 
-    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    def mix(x: npt.NDArray[np.uint64], y: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         r = (np.uint64(_MIX_L) * x - np.uint64(_MIX_R) * y) & np.uint64(_M32)
         return r ^ (r >> np.uint64(16))
 
@@ -85,6 +86,8 @@ class BatchRngs:
         self._seed, self._rank = int(seed), int(rank)
 
     def __call__(self, b: int) -> np.random.Generator:
+        """The generator of batch ``b`` (>= 0), in the state of ``default_rng([seed, rank, b])``;
+        shared between calls: use it before the next call."""
         state = self._states.pop(b, None)
         if state is None:
             if b + self.stride * self.block >= 1 << 32:  # two words per b: numpy's own path

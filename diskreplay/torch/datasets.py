@@ -4,7 +4,8 @@ every committed row once per epoch (`EpochDataset`), each sharded over ranks and
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class _BufferDataset(tud.IterableDataset):
 
     @property
     def url(self) -> str:
+        """The URL of the buffer the dataset reads."""
         return self.reader.url
 
     def io_stats(self) -> dict[str, int]:
@@ -70,6 +72,11 @@ class _BufferDataset(tud.IterableDataset):
         """Batches as dicts of tensors; in a fork DataLoader worker, `SlotBatch` handles that
         become such dicts when the DataLoader's process receives them."""
         return self._iterate(sink_for(self._ring))
+
+    def _iterate(self, sink: Sink) -> Iterator[Any]:
+        """This copy's batches, each gathered as ``sink`` says and yielded as ``sink.emit`` makes it
+        (each mode defines it)."""
+        raise NotImplementedError
 
     @staticmethod
     def _gather(buf: ReplayBuffer, names: frozenset[str], lane: np.ndarray, step: np.ndarray,

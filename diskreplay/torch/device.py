@@ -5,9 +5,10 @@ tensors or numpy arrays with a leading batch axis) lands in the next of ``prefet
 slots, allocated once at the size of the first batch (pinned on CUDA; never pinned per batch).
 A source with ``iter_into`` (a diskreplay dataset iterated in this process) gathers its rows
 straight into the slot; batches from anything else (a DataLoader, whose workers hand batches over
-in shared memory) are copied into it. Each slot is then copied to the device with ``non_blocking=True`` on a side CUDA stream, and an event
-is recorded. The consumer's current stream waits on that event when the batch is handed out, and
-a slot is refilled only after the event of its previous copy has fired. ``prefetch=k`` keeps the
+in shared memory) are copied into it. Each slot is then copied to the device with
+``non_blocking=True`` on a side CUDA stream, and an event is recorded. The consumer's current
+stream waits on that event when the batch is handed out, and a slot is refilled only after the
+event of its previous copy has fired. ``prefetch=k`` keeps the
 next ``k`` batches copying while the consumer works on one.
 
 Without CUDA (device "cpu", or CUDA unavailable) the same code runs with pinning off and a plain
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,10 +74,12 @@ class _CudaCopier:
     def __init__(self, device: torch.device, pin: bool):
         self.device = device
         self.pin = pin
-        self.stream = torch.cuda.Stream(device)
+        # torch.cuda.Stream.__new__ has no annotations in torch's sources
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def new_event(self) -> Any:
-        return torch.cuda.Event()
+        # torch.cuda.Event.__new__ has no annotations in torch's sources
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def wait(self, event: Any) -> None:
         event.synchronize()
@@ -113,7 +117,7 @@ class DevicePrefetcher:
         self._slots = [_Slot() for _ in range(self.prefetch + 2)]
         self.iterable = iterable
         self._filling: _Slot | None = None  # the slot the batch being produced goes to
-        self._source = state_source if state_source is not None else (
+        self._source: Any = state_source if state_source is not None else (
             iterable if callable(getattr(iterable, "state_dict", None)) else None)
         self._it: Iterator | None = None
         self._queue: deque = deque()
@@ -126,11 +130,13 @@ class DevicePrefetcher:
         """The ring (``prefetch + 2`` slots)."""
         return self._slots
 
-    def __iter__(self) -> "DevicePrefetcher":
+    def __iter__(self) -> DevicePrefetcher:
         """Itself: batches come from `__next__`, already on the device."""
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        """The next batch on the device (non-array values passed through); the first call starts
+        the source and stages ``prefetch + 1`` batches. Raises StopIteration when the source ends."""
         if self._it is None:
             gathers_into = getattr(self.iterable, "iter_into", None)
             self._it = gathers_into(self._destination) if callable(gathers_into) else iter(self.iterable)
@@ -158,6 +164,7 @@ class DevicePrefetcher:
         return copy.deepcopy(self._source.state_dict()) if self._source is not None else None
 
     def _stage(self, count: int) -> None:
+        assert self._it is not None  # __next__ starts the iteration before staging
         for _ in range(count):
             if self._exhausted:
                 return
@@ -175,6 +182,7 @@ class DevicePrefetcher:
 
     def _destination(self) -> dict[str, np.ndarray] | None:
         """For sources with ``iter_into``: the host slot the next batch should be gathered into."""
+        assert self._filling is not None  # the source asks while `_stage` draws a batch into a slot
         return self._filling.arrays()
 
     def _fill(self, slot: _Slot, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:

@@ -8,8 +8,8 @@ chunks, and each reads its chunks once per epoch with block shuffling.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class Shard:
     num_workers: int = 1
 
     def as_dict(self) -> dict[str, int]:
+        """``{"rank", "world_size", "worker", "num_workers"}`` as plain ints."""
         return {"rank": self.rank, "world_size": self.world_size, "worker": self.worker,
                 "num_workers": self.num_workers}
 
@@ -72,23 +73,25 @@ def slice_pieces(lane: np.ndarray, start: np.ndarray, length: np.ndarray, a: int
     """Pieces covering rows ``[a, b)`` of the pieces' concatenation, repeated cyclically past its end
     (padding)."""
     total = int(length.sum())
-    out: list[tuple[np.ndarray, ...]] = []
+    out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     ends = np.cumsum(length)
     while a < b and total:
         base = (a // total) * total
         lo_row, hi_row = a - base, min(b - base, total)
         first = int(np.searchsorted(ends, lo_row, side="right"))
         last = int(np.searchsorted(ends, hi_row, side="left"))
-        l, s, n = lane[first:last + 1].copy(), start[first:last + 1].copy(), length[first:last + 1].copy()
+        piece_lane = lane[first:last + 1].copy()
+        piece_start, piece_length = start[first:last + 1].copy(), length[first:last + 1].copy()
         cut_front = lo_row - (ends[first] - length[first])
-        s[0] += cut_front
-        n[0] -= cut_front
-        n[-1] -= ends[last] - hi_row
-        out.append((l, s, n))
+        piece_start[0] += cut_front
+        piece_length[0] -= cut_front
+        piece_length[-1] -= ends[last] - hi_row
+        out.append((piece_lane, piece_start, piece_length))
         a = base + hi_row
     if not out:
-        return tuple(np.zeros(0, np.int64) for _ in range(3))
-    return tuple(np.concatenate(parts) for parts in zip(*out))
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    lanes, starts, lengths = zip(*out)
+    return np.concatenate(lanes), np.concatenate(starts), np.concatenate(lengths)
 
 
 def shard_range(total: int, shard: Shard, pad: bool, drop_last: bool) -> tuple[int, int]:
@@ -136,13 +139,15 @@ class EpochOrder:
         self.rows = b - a
         self.num_batches = self.rows // batch_size if drop_last else -(-self.rows // batch_size)
         self.used_rows = min(self.rows, self.num_batches * batch_size)
+        self._global: tuple[np.ndarray, np.ndarray] | None
         if shuffle == "global":
             self._global = self._global_rows(lane, start, length, a, b)
         else:
             self._global = None
             self.pieces = slice_pieces(lane, start, length, a, b)
 
-    def _global_rows(self, lane, start, length, a, b) -> tuple[np.ndarray, np.ndarray]:
+    def _global_rows(self, lane: np.ndarray, start: np.ndarray, length: np.ndarray, a: int, b: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """This shard's rows of one permutation of all rows (8 bytes per row of the whole epoch
         while it is built, 16 per row of the shard after)."""
         if not self.total:

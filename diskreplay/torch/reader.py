@@ -4,6 +4,7 @@ process opens for itself."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,8 @@ class Reader:
     the parent's IO threads).
     """
 
-    def __init__(self, url: str, storage_options: dict | None, cache_bytes: int | None, io_threads: int,
-                 sampler: Any = None):
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, cache_bytes: int | None,
+                 io_threads: int | None, sampler: Any = None):
         self.url = url
         self.storage_options = storage_options
         self.cache_bytes = cache_bytes
@@ -80,6 +81,7 @@ class Reader:
         return self._buf.stats().chunks_loaded if self._buf is not None and self._pid == os.getpid() else 0
 
     def get(self) -> ReplayBuffer:
+        """This process's read-only handle, opened on first use (and again after a fork)."""
         if self._buf is None or self._pid != os.getpid():
             self._buf = self._open()
             self._pid = os.getpid()

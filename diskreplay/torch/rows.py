@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ class IndexBatch(NamedTuple):
     """What `IndexBatchSampler` yields: row ids ``[B]`` int64, importance weights ``[B]`` or None,
     and any extra per-row arrays of the sampler."""
 
-    index: np.ndarray
+    # The public field ``index`` shadows ``tuple.index`` on purpose (``batch.index``); mypy rejects
+    # any NamedTuple field that overrides a tuple method.
+    index: np.ndarray  # type: ignore[assignment]
     weight: np.ndarray | None = None
     extra: dict[str, np.ndarray] | None = None
 

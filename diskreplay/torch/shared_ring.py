@@ -34,7 +34,8 @@ import os
 import platform
 import sys
 import weakref
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswit
 """Linux's flag (Python has it from 3.12; 0x4000 on these architectures): without it, only
 untouched pages are spared, not the commit charge."""
 
-_RINGS: "weakref.WeakValueDictionary[str, WorkerRing]" = weakref.WeakValueDictionary()
+_RINGS: weakref.WeakValueDictionary[str, WorkerRing] = weakref.WeakValueDictionary()
 _TOKENS = itertools.count()
 
 
@@ -66,6 +67,10 @@ class ArraySpec(NamedTuple):
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+
+
+_SpecFields = tuple[str, int, int, str, tuple[int, ...]]
+"""An `ArraySpec`'s fields as a plain tuple (how a `SlotBatch` pickles them)."""
 
 
 def _align(n: int, to: int = ALIGN) -> int:
@@ -119,7 +124,7 @@ class WorkerRing:
 
     @classmethod
     def for_batches(cls, arrays: Mapping[str, tuple[np.dtype, tuple[int, ...]]], rows: int,
-                    workers: int | None = None, slots_per_worker: int | None = None) -> "WorkerRing | None":
+                    workers: int | None = None, slots_per_worker: int | None = None) -> WorkerRing | None:
         """A ring whose slots hold ``rows`` rows of ``arrays`` (+ spare room for extras), or None
         when not even one worker's slots fit `MAX_RING_BYTES` or the mapping fails. Defaults:
         `DEFAULT_WORKERS` worker ids, `DEFAULT_SLOTS_PER_WORKER` slots each."""
@@ -146,7 +151,8 @@ class WorkerRing:
             local["pid"] = os.getpid()
         if key not in local:
             local[key] = np.frombuffer(self._mm, dtype, count=count, offset=offset)
-        return local[key]
+        view: np.ndarray = local[key]
+        return view
 
     def _pids(self) -> np.ndarray:
         return self._view("pids", "<i4", self._pids_at, self.workers * self.slots_per_worker)
@@ -208,6 +214,7 @@ class WorkerRing:
         self._mm[slot] = FREE
 
     def count_fallback(self, worker: int) -> None:
+        """Count one batch that worker ``worker`` yielded as plain tensors instead of in a slot."""
         self._fallback_counts()[worker] += 1
 
     def arrays(self, slot: int) -> dict[str, np.ndarray]:
@@ -218,9 +225,10 @@ class WorkerRing:
             base = self._view(f"base{slot}", "u1", self._start(slot), self.slot_bytes)
             local[key] = {s.name: base[s.offset:s.offset + s.nbytes].view(s.dtype).reshape(s.shape)
                           for s in self.specs}
-        return local[key]
+        arrays: dict[str, np.ndarray] = local[key]
+        return arrays
 
-    def hand_over(self, slot: int, batch: Mapping[str, Any]) -> "SlotBatch | None":
+    def hand_over(self, slot: int, batch: Mapping[str, Any]) -> SlotBatch | None:
         """A `SlotBatch` for ``batch`` in ``slot``: arrays gathered into the slot stay, others are
         copied after them. None (nothing counted) if a value is not a plain numeric ndarray or
         the batch does not fit."""
@@ -248,9 +256,9 @@ class WorkerRing:
 
     # ---- main side -----------------------------------------------------------------------------
 
-    def receive(self, slot: int, specs: tuple[ArraySpec, ...]) -> dict[str, torch.Tensor]:
+    def receive(self, slot: int, specs: tuple[_SpecFields, ...]) -> dict[str, torch.Tensor]:
         """The slot's arrays as tensors viewing this process's mapping; the slot is HELD until
-        the last of them dies."""
+        the last of them dies. ``specs``: `ArraySpec`s, or their plain tuples (as pickled)."""
         self._mm[slot] = HELD
         base = np.frombuffer(self._mm, np.uint8, count=self.slot_bytes, offset=self._start(slot))
         out = {name: torch.from_numpy(base[offset:offset + nbytes].view(dtype).reshape(shape))
@@ -281,7 +289,7 @@ class SlotBatch:
         return f"SlotBatch(slot={self.slot}, arrays={[s.name for s in self.specs]})"
 
 
-def _receive(token: str, slot: int, specs: tuple[tuple, ...]) -> dict[str, torch.Tensor]:
+def _receive(token: str, slot: int, specs: tuple[_SpecFields, ...]) -> dict[str, torch.Tensor]:
     ring = _RINGS.get(token)
     if ring is None or ring.owner != os.getpid():
         raise RuntimeError(f"a diskreplay worker batch (ring {token}, slot {slot}) reached a process that "
@@ -291,5 +299,6 @@ def _receive(token: str, slot: int, specs: tuple[tuple, ...]) -> dict[str, torch
 
 
 def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
+    address: int = array.__array_interface__["data"][0]
+    return address
 

@@ -4,7 +4,8 @@ dataset copy hands its batches to (zero-copy tensors, packed tensors, or worker-
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class Sink:
         self.emit = emit
 
     def close(self) -> None:
-        pass
+        """Nothing to give back: a plain sink holds no slot."""
 
 
 class RingSink(Sink):
@@ -87,11 +88,15 @@ class RingSink(Sink):
         self._slot: int | None = None  # claimed for the batch being gathered
 
     def destination(self) -> dict[str, np.ndarray] | None:
+        """The arrays of a slot claimed for the next batch (``[B, *shape]`` per name), or None
+        when the worker has no free slot (the batch is gathered into new arrays)."""
         if self._slot is None:
             self._slot = self.ring.claim(self.worker)
         return None if self._slot is None else self.ring.arrays(self._slot)
 
     def emit(self, batch: Mapping[str, np.ndarray]) -> SlotBatch | dict[str, torch.Tensor]:
+        """What the worker yields for ``batch``: a `SlotBatch` handle of its slot, or packed
+        tensors when no slot is free or the batch does not fit (counted as a fallback)."""
         if self._slot is None:  # not gathered into a slot (e.g. n-step batches): copied into one
             self._slot = self.ring.claim(self.worker)
         slot, self._slot = self._slot, None
@@ -104,6 +109,7 @@ class RingSink(Sink):
         return packed_tensors(batch)
 
     def close(self) -> None:
+        """Give back the slot claimed for an unfinished batch, if any."""
         if self._slot is not None:
             self.ring.release(self._slot)
             self._slot = None

@@ -64,12 +64,14 @@ class D4RLSource(Source):
             self.fields["next_obs"] = self.fields["obs"]
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         slices = (as_bool_flags({name: ds[start:start + self.batch_rows] for name, ds in self.columns.items()},
                                 self.fields) for start in range(0, self.rows, self.batch_rows))
         for batch in with_next_obs(slices) if self.derive_next else slices:
             yield 0, batch
 
     def close(self) -> None:
+        """Releases the files the source holds open."""
         self.file.close()
 
 

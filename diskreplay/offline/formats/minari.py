@@ -110,6 +110,7 @@ class MinariSource(Source):
             yield from self._flatten(obj[key], f"{prefix}_{field_name(key)}")
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         pending = PendingSlices(self.batch_rows)
         for ep in self.episodes:
             steps = int(ep["rewards"].shape[0])
@@ -123,6 +124,7 @@ class MinariSource(Source):
         yield from pending.drain()
 
     def close(self) -> None:
+        """Releases the files the source holds open."""
         self.file.close()
 
 

@@ -29,11 +29,13 @@ class NpyFolderSource(ColumnsSource):
         self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         for start in range(0, self.rows, self.batch_rows):
             yield 0, as_bool_flags({name: np.array(self.arrays[name][start:start + self.batch_rows])
                                     for name in self.fields}, self.fields)
 
     def close(self) -> None:
+        """Releases the files the source holds open."""
         self.arrays = {}
 
 

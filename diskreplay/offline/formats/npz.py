@@ -46,6 +46,7 @@ class NpzSource(ColumnsSource):
             self.fields["next_obs"] = self.fields["obs"]
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         columns = [name for name in self.fields if name in self.streams]
         slices = (as_bool_flags({name: self.streams[name].read(self.batch_rows) for name in columns}, self.fields)
                   for _ in range(0, self.rows, self.batch_rows))
@@ -53,6 +54,7 @@ class NpzSource(ColumnsSource):
             yield 0, batch
 
     def close(self) -> None:
+        """Releases the files the source holds open."""
         for stream in self.streams.values():
             stream.close()
         self.zip.close()

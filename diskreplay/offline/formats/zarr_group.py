@@ -11,10 +11,10 @@ import numpy as np
 import zarr
 
 from ...buffer import ReplayBuffer
-from ...io import open_chunkstore
 from ...errors import NotABufferError
-from ...sampling import Uniform
 from ...format.keys import COMMIT_KEY
+from ...io import open_chunkstore
+from ...sampling import Uniform
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
 from ..status import describe_incomplete, import_status
 
@@ -43,6 +43,7 @@ class ZarrSource(ColumnsSource):
         self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         if self.buffer is None:
             for start in range(0, self.rows, self.batch_rows):
                 yield 0, as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
@@ -56,6 +57,7 @@ class ZarrSource(ColumnsSource):
                 yield lane, self.buffer[steps * n + lane]
 
     def close(self) -> None:
+        """Releases the files the source holds open."""
         if self.buffer is not None:
             self.buffer.close()
 

@@ -1,0 +1,97 @@
+"""`Follower`: a reader keeping up with its writer: adopting the newest commit with all its state,
+and reading again when the writer overwrote (or retired) the rows a read wanted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from ..episodes import RowView
+from ..errors import EmptyBufferError, StaleReadError
+from ..io import RetryPolicy
+from ..storage import Storage
+from .state import BufferState, state_origin
+
+STALE_READ_PAUSE_S = 0.002
+T = TypeVar("T")
+
+
+class Follower:
+    """Moves a read-only buffer to its writer's newest commit (a writer has nothing to follow)."""
+
+    def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView,
+                 retry: RetryPolicy):
+        self.storage, self.finals, self.state, self.retry = storage, finals, state, retry
+        self.episodes, self.returns = view.episodes, view.returns
+        self.reader = storage.mode == "r"
+
+    def refresh(self) -> bool:
+        """Adopt the newest commit with everything that belongs to it (rows, episode index,
+        derived-field state, sampler state), all together or not at all. Returns whether there
+        was a newer one. Raises CorruptBufferError (nothing changed)."""
+        if not self.reader:
+            return False
+        record, state = self.storage.load_state(newest=True)
+        if record.same_as(self.storage.record):
+            return False
+        finals_record = self.finals.read_newest() if self.finals is not None else None
+        parsed = self.state.parse(state, record.committed, state_origin(self.storage.url, record))
+        committed, last_ends = self.storage.record.committed.copy(), self.episodes.last_ends()
+        self.storage.adopt(record)
+        if self.finals is not None and finals_record is not None:
+            self.finals.adopt(finals_record)
+        self.state.apply(parsed, with_rng=False)
+        if self.returns is not None:
+            self._forget_patched_returns(committed, last_ends)
+        return True
+
+    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
+        """After adopting a commit: the writer patched the returns of the steps of every episode
+        that ended since (from just after the lane's previous end): cached copies are stale."""
+        newest = self.episodes.last_ends()
+        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
+            if newest[lane] > last:
+                self.storage.forget_cached(lane, last + 1, hi)
+
+    def read_once(self, read: Callable[[], T]) -> T:
+        """``read()``; if the writer overwrote its rows, adopt the newest commit and raise
+        (`StaleReadError`: the caller's row ids may be gone)."""
+        try:
+            return read()
+        except StaleReadError:
+            self.refresh()
+            raise
+
+    def read_retrying(self, read: Callable[[], T]) -> T:
+        """``read()`` (a draw), again after adopting the newest commit while the writer outruns
+        this reader, until it succeeds or ``retry.budget_s`` seconds have passed; also while
+        the newest commit retired every row (the writer is mid-way round its ring)."""
+        deadline = None
+        while True:
+            try:
+                return read()
+            except (StaleReadError, EmptyBufferError) as exc:
+                if isinstance(exc, EmptyBufferError) and not self._behind_writer():
+                    raise
+                deadline = deadline if deadline is not None else time.monotonic() + self.retry.budget_s
+                if time.monotonic() > deadline:
+                    raise
+                self._catch_up(deadline)
+
+    def _behind_writer(self) -> bool:
+        """A reader whose commit holds rows, every one retired by a writer going round its ring."""
+        return self.reader and bool(self.storage.record.committed.any()) and self._empty()
+
+    def _empty(self) -> bool:
+        lo, hi = self.storage.window()
+        return not bool((hi - lo).sum())
+
+    def _catch_up(self, deadline: float) -> None:
+        """Adopt the newest commit; if that retired every row, wait for rows until ``deadline``."""
+        self.refresh()
+        while self._empty() and time.monotonic() < deadline:
+            time.sleep(STALE_READ_PAUSE_S)
+            self.refresh()

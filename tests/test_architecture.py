@@ -1,0 +1,153 @@
+"""The package's shape, checked from its source: layers import downward only, without cycles;
+third-party libraries stay behind the layer that owns them; modules, classes and functions stay
+small (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "diskreplay"
+LAYERS = {
+    "errors": 0,
+    "format": 1, "io": 1,
+    "storage": 2,
+    "sampling": 3, "episodes": 3,
+    "buffer": 4,
+    "torch": 5, "offline": 5, "rollout": 5,
+    "demo": 6,
+    "cli": 7,
+    "__init__": 8, "__main__": 8,
+}
+UPWARD_ALLOWED = {
+    # `ReplayBuffer.as_dataset` is the torch layer's front door on the buffer: made at call time,
+    # so that `import diskreplay` never loads torch (the torch layer imports the buffer, not back)
+    ("diskreplay.buffer.replay_buffer", "diskreplay.torch.data"),
+}
+OWNERS = {  # a third-party library -> the only places that may import it
+    "zarr": ("diskreplay.format", "diskreplay.offline.formats.zarr_group"),
+    "fsspec": ("diskreplay.io",),
+    "torch": ("diskreplay.torch", "diskreplay.rollout", "diskreplay.demo"),  # the last two: at call time
+    "safetensors": ("diskreplay.format.state",),
+}
+MAX_LINES = {"module": 400, "class": 250, "function": 50}
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def is_package(name: str) -> bool:
+    return (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def imports(name: str, tree: ast.Module) -> list[tuple[str, bool]]:
+    """``(imported module, at module level)`` for every import in ``tree``; relative ones resolved."""
+    base = name.split(".") if is_package(name) else name.split(".")[:-1]
+    top_level = {id(node) for node in tree.body}
+    type_only = {id(n) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                 for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{alias.name}" for alias in node.names]
+            resolved = [n for n in names if (PACKAGE.parent / (n.replace(".", "/") + ".py")).exists() or is_package(n)]
+            found += [(t, id(node) in top_level) for t in (resolved or [target])]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in top_level) for alias in node.names]
+    return found
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
+
+
+def package_of(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+ALL = modules()
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_layers_import_downward_only(name):
+    for target, _ in imports(name, ALL[name]):
+        if not target.startswith("diskreplay.") or package_of(target) == package_of(name):
+            continue
+        assert layer(target) < layer(name) or (name, target) in UPWARD_ALLOWED, (
+            f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})")
+
+
+def test_no_import_cycles():
+    graph = {name: {t for t, top in imports(name, tree) if top and t in ALL and t != name}
+             for name, tree in ALL.items()}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(node):] + [node])}")
+        if node in done:
+            return
+        for nxt in graph[node]:
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for name in graph:
+        visit(name, [])
+
+
+@pytest.mark.parametrize("library", sorted(OWNERS))
+def test_third_party_libraries_stay_behind_their_layer(library):
+    users = {name for name, tree in ALL.items()
+             for target, _ in imports(name, tree) if target == library or target.startswith(library + ".")}
+    strays = sorted(u for u in users if not u.startswith(OWNERS[library]))
+    assert not strays, f"{library} is imported outside {OWNERS[library]}: {strays}"
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """Lines of ``node`` that hold code: blank lines, comments and docstrings excluded."""
+    lines = source.splitlines()[node.lineno - 1:node.end_lineno]
+    skip = set()
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if (isinstance(inner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+    first = getattr(node, "lineno", 1)
+    comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT and tok.line.strip().startswith("#")}
+    return sum(1 for i, line in enumerate(lines, first)
+               if line.strip() and i not in skip and i not in comments)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_modules_classes_and_functions_stay_small(name):
+    source = (PACKAGE.parent / (name.replace(".", "/") + ("/__init__.py" if is_package(name) else ".py"))).read_text()
+    tree = ALL[name]
+    tree.lineno, tree.end_lineno = 1, len(source.splitlines())  # type: ignore[attr-defined]
+    too_big = []
+    if code_lines(source, tree) > MAX_LINES["module"]:
+        too_big.append(f"module: {code_lines(source, tree)} lines")
+    for node in ast.walk(tree):
+        kind = ("class" if isinstance(node, ast.ClassDef)
+                else "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+        if kind and code_lines(source, node) > MAX_LINES[kind]:
+            too_big.append(f"{kind} {node.name}: {code_lines(source, node)} lines")  # type: ignore[attr-defined]
+    assert not too_big, f"{name}: {too_big} (at most {MAX_LINES})"
