@@ -156,7 +156,10 @@ def test_the_package_ships_py_typed_and_user_code_type_checks(tmp_path):
     user.write_text(textwrap.dedent("""
         import numpy as np
         import diskreplay as dr
+        from diskreplay.sampling import PrioritySampler
 
+        samplers: list[dr.Sampler] = [dr.Uniform(), dr.Prioritized(), dr.WithoutReplacement()]
+        prioritized: PrioritySampler = dr.Prioritized()
         fields = {"obs": dr.Field((4,), "float32"), "done": dr.Field((), "bool")}
         buf = dr.ReplayBuffer.create("b", fields, 1000, sampler=dr.Prioritized(alpha=0.6))
         reader = dr.ReplayBuffer.open("b", "r", sampler=dr.WithoutReplacement())

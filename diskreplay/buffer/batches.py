@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -46,25 +46,31 @@ class SampleRequest:
     def check_out(self, batch_size: int, fields: Mapping[str, Field]) -> None:
         """Raise ValueError for ``out`` arrays that do not fit a batch, or ``out`` with slices
         or transforms (before anything is drawn)."""
-        if self.out is None:
-            return
+        assert self.out is not None
         if self.transformed or self.seq_len is not None:
             raise ValueError("out= works for plain transitions only, not with seq_len, n_step, stack or her")
         check_out(self.out, batch_size, fields)
 
 
+PLAIN = SampleRequest()
+"""A plain request: transitions from the sampler, no options (the common case, made once)."""
+
+
 class Batches:
     """Draws and assembles batches from a buffer's sampler and rows."""
 
-    def __init__(self, sampler: Sampler, view: RowView, num_envs: int, empty_hint: str):
-        """``empty_hint``: what an `EmptyBufferError` says of the buffer."""
-        self.sampler, self.view, self.episodes, self.num_envs = sampler, view, view.episodes, num_envs
-        self.empty_hint = empty_hint
+    def __init__(self, sampler: Sampler, view: RowView, window: Callable[[], tuple[np.ndarray, np.ndarray]],
+                 empty_hint: str):
+        """``window()``: the readable steps ``[lo, hi)`` per lane now; ``empty_hint``: what an
+        `EmptyBufferError` says of the buffer."""
+        self.sampler, self.view, self.episodes = sampler, view, view.episodes
+        self.num_envs = view.layout.num_envs
+        self.window, self.empty_hint = window, empty_hint
 
-    def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest,
-               lo: np.ndarray, hi: np.ndarray) -> Batch:
-        """One batch from the readable steps ``[lo, hi)`` per lane. Raises EmptyBufferError
-        when there are none; StaleReadError from the reads."""
+    def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest) -> Batch:
+        """One batch from the rows readable now. Raises EmptyBufferError when there are none;
+        StaleReadError from the reads."""
+        lo, hi = self.window()
         if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
             raise EmptyBufferError(f"cannot sample from an empty buffer ({self.empty_hint})")
         if request.seq_len is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -65,14 +65,14 @@ class Follower:
             self.refresh()
             raise
 
-    def read_retrying(self, read: Callable[[], T]) -> T:
-        """``read()`` (a draw), again after adopting the newest commit while the writer outruns
-        this reader, until it succeeds or ``retry.budget_s`` seconds have passed; also while
-        the newest commit retired every row (the writer is mid-way round its ring)."""
+    def read_retrying(self, read: Callable[..., T], *args: Any) -> T:
+        """``read(*args)`` (a draw), again after adopting the newest commit while the writer
+        outruns this reader, until it succeeds or ``retry.budget_s`` seconds have passed; also
+        while the newest commit retired every row (the writer is mid-way round its ring)."""
         deadline = None
         while True:
             try:
-                return read()
+                return read(*args)
             except (StaleReadError, EmptyBufferError) as exc:
                 if isinstance(exc, EmptyBufferError) and not self._behind_writer():
                     raise

@@ -17,7 +17,7 @@ from ..io import RetryPolicy
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from .appending import Appender
-from .batches import Batches, SampleRequest, check_batch_size, check_out, takes_priorities
+from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
 from .following import Follower
 from .row_lookup import newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, open_storages, plan_buffer, prepare_location
@@ -57,8 +57,7 @@ class ReplayBuffer:
         sampler.attach(storage.layout)
         self._appender = Appender(storage, finals, self.view, sampler, self.view.inputs())
         hint = "" if storage.mode != "r" else "; a writer's rows become readable when it calls flush()"
-        self._batches = Batches(sampler, self.view, storage.layout.num_envs,
-                                f"{storage.url!r} holds 0 readable rows{hint}")
+        self._batches = Batches(sampler, self.view, storage.window, f"{storage.url!r} holds 0 readable rows{hint}")
         self._state = BufferState(storage, rng, sampler, self.episode_index, self.view)
         self._follower = Follower(storage, finals, self._state, self.view, self.retry)
         self._closed = False
@@ -370,11 +369,13 @@ class ReplayBuffer:
         self._require_open()
         check_batch_size(batch_size, self.view.schema.row_bytes)
         options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
-        request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, options)
-        request.check_out(int(batch_size), self.fields)
+        plain = not options and seq_len is None and n_step is None and stack is None and her is None and out is None
+        request = PLAIN if plain else SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her,
+                                                    out, options)
+        if out is not None:
+            request.check_out(int(batch_size), self.fields)
         generator = rng if rng is not None else self.rng if seed is None else np.random.default_rng(seed)
-        return self._follower.read_retrying(
-            lambda: self._batches.sample(generator, int(batch_size), request, *self.storage.window()))
+        return self._follower.read_retrying(self._batches.sample, generator, int(batch_size), request)
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.

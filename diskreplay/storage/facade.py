@@ -7,7 +7,7 @@ read paths) over one `ChunkCache`, and the `ChunkIO` they share. Not thread-safe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from ..io.store import ChunkStore
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .commit_log import CommitLog
+from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .outputs import Rows
@@ -55,9 +56,8 @@ class Storage:
     """The chunks, cache and commits of one buffer (`open_storage`, `create_storage`)."""
 
     def __init__(self, url: str, config: BufferConfig, log: CommitLog, io: ChunkIO, cache: ChunkCache,
-                 loader: ChunkLoader, reader: ChunkReader, writer: StagingWriter | None,
-                 mapped: MappedChunks | None, row_reads: RowReads | None,
-                 forget_files: Callable[[int, np.ndarray], None], storage_options: Mapping[str, Any] | None):
+                 loader: ChunkLoader, reader: ChunkReader, writer: StagingWriter | None, files: FileMaps,
+                 storage_options: Mapping[str, Any] | None):
         self.url = url
         self.config = config
         self.schema = config.schema
@@ -65,9 +65,7 @@ class Storage:
         self.storage_options = storage_options
         self.log, self.io, self.cache, self.loader = log, io, cache, loader
         self.reader, self.writer = reader, writer
-        self.mapped, self.row_reads = mapped, row_reads
-        self.forget_files = forget_files
-        """``forget_files(lane, chunks)``: mapped chunk files (raw rows or shards) were rewritten."""
+        self.files = files
 
     # ---- what it is ------------------------------------------------------------------------
 
@@ -108,6 +106,16 @@ class Storage:
         rows = np.empty((self.layout.chunk_rows, *field.shape), field.dtype)
         self.io.read([(self.io.key(name, lane, chunk), self.io.codecs[name], rows)], must_exist=True)
         return rows
+
+    @property
+    def mapped(self) -> MappedChunks | None:
+        """The memory maps of raw chunk files (None: rows are read through the cache)."""
+        return self.files.mapped
+
+    @property
+    def row_reads(self) -> RowReads | None:
+        """The row-by-row reads of sharded fields (None: chunks are read whole)."""
+        return self.files.row_reads
 
     def stats(self) -> StorageStats:
         row_fields = self.row_reads.names if self.row_reads is not None else ()
@@ -167,7 +175,7 @@ class Storage:
         the writer, or a field of them patched after they were committed: episodic returns)."""
         chunks = self.layout.chunks_between(first, end)
         self.cache.invalidate(lane, chunks)
-        self.forget_files(lane, chunks)
+        self.files.forget(lane, chunks)
         self.reader.warmer.reset()
 
     # ---- writes ----------------------------------------------------------------------------
@@ -237,9 +245,5 @@ class Storage:
         if self.log.closed:
             return
         self.io.close()
-        if self.mapped is not None:
-            self.mapped.close()
-            self.mapped = None
-        if self.row_reads is not None:
-            self.row_reads.close()
+        self.files.close()
         self.log.close()

@@ -222,3 +222,4 @@ class MappedChunks:
 
     def close(self) -> None:
         self._unmap()
+

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import NotABufferError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
@@ -29,12 +27,13 @@ from .chunk_io import ChunkIO, default_io_threads
 from .commit_log import CommitLog
 from .cursors import Cursors
 from .facade import Storage
+from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
-from .sizing import cache_slots
+from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
 from .warm import Warmer
 from .writer import StagingWriter
@@ -45,7 +44,7 @@ class Options:
     """How a storage is opened: see `ReplayBuffer.create` for each."""
 
     storage_options: Mapping[str, Any] | None = None
-    cache_bytes: int = 512 * 2**20
+    cache_bytes: int = DEFAULT_CACHE_BYTES
     io_threads: int | None = None
     memory_map: bool | None = None
     break_lock: bool = False
@@ -139,41 +138,36 @@ def _assemble(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[st
     """The parts of a storage, wired together; the read paths chosen for its size and store."""
     layout, schema = config.layout, config.schema
     codec = buffer_codec(arrays, url)
-    codecs = field_codecs(codec, config)
     cursors = Cursors(layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
     log = CommitLog(url, store, config, arrays, record, cursors, mode, lock)
-    io = ChunkIO(store, config, codecs, options.io_threads or default_io_threads(url))
-    rows = config.lane_capacity or int(record.committed.max(initial=0))
-    stored_bytes = layout.num_envs * rows * schema.row_bytes
+    io = ChunkIO(store, config, field_codecs(codec, config), options.io_threads or default_io_threads(url))
+    stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
+    fits = stored_bytes <= options.cache_bytes
     # sharded fields are read row by row on a miss, unless every field fits the cache
-    row_fields = ({name: c for name, c in codecs.items() if c.inner_rows is not None}
-                  if store.supports_mmap and stored_bytes > options.cache_bytes else {})
-    slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", tuple(row_fields))
+    row_fields = () if fits or not store.supports_mmap else tuple(
+        name for name, c in io.codecs.items() if c.inner_rows is not None)
+    slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", row_fields)
     chunks_per_lane = layout.chunks_per_lane(int(record.committed.max(initial=0)))
-    cache = ChunkCache(schema, layout.num_envs, layout.chunk_rows, slots, chunks_per_lane, full_slots,
-                       tuple(row_fields))
+    cache = ChunkCache(schema, layout.num_envs, layout.chunk_rows, slots, chunks_per_lane, full_slots, row_fields)
     loader = ChunkLoader(cache, io, tuple(name for name in schema.fields if name not in row_fields))
-    memory_map = stored_bytes > options.cache_bytes if options.memory_map is None else options.memory_map
+    memory_map = not fits if options.memory_map is None else options.memory_map
     mapped = (MappedChunks(store, io.key, schema, layout, chunks_per_lane, trailer=codec.trailer)
               if memory_map and codec.raw and store.supports_mmap and mmap_supported() else None)
     retired = RetiredCheck(log, cache, cursors.window)
-    row_reads = None
-    if row_fields:
-        maps = ShardMaps(store, io.key, layout.chunk_rows, row_fields,
-                         {name: int(c.inner_rows or 0) * schema[name].row_bytes for name, c in row_fields.items()},
-                         map_budget(len(schema.fields)))
-        row_reads = RowReads(tuple(row_fields), schema, cache, io, maps, retired)
-
-    def forget_files(lane: int, chunks: np.ndarray) -> None:
-        if mapped is not None:
-            mapped.forget(lane, chunks)
-        if row_reads is not None:
-            row_reads.forget(lane, chunks)
-
-    warmer = Warmer(loader, mapped, retired, cursors.window, forget_files, stored_bytes, mode == "r",
+    row_reads = _row_reads(row_fields, io, cache, retired) if row_fields else None
+    files = FileMaps(mapped, row_reads)
+    warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r")
-    writer = (StagingWriter(cursors, log, io, cache, loader, forget_files, keep_written=mapped is None)
+    writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=mapped is None)
               if mode != "r" else None)
-    return Storage(url, config, log, io, cache, loader, reader, writer, mapped, row_reads, forget_files,
-                   options.storage_options)
+    return Storage(url, config, log, io, cache, loader, reader, writer, files, options.storage_options)
+
+
+def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck) -> RowReads:
+    """Row-by-row reads of the sharded fields ``names``, their shard files mapped as read."""
+    schema = io.schema
+    codecs = {name: io.codecs[name] for name in names}
+    inner_bytes = {name: int(codecs[name].inner_rows or 0) * schema[name].row_bytes for name in names}
+    maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)))
+    return RowReads(names, schema, cache, io, maps, retired)

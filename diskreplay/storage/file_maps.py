@@ -1,0 +1,30 @@
+"""`FileMaps`: the memory maps of a storage's chunk files, raw rows and shards alike."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .mapped import MappedChunks
+from .row_reads import RowReads
+
+
+class FileMaps:
+    """The memory maps of a storage's chunk files (raw rows, shards), told when files are rewritten."""
+
+    def __init__(self, mapped: MappedChunks | None, row_reads: RowReads | None):
+        self.mapped, self.row_reads = mapped, row_reads
+
+    def forget(self, lane: int, chunks: np.ndarray) -> None:
+        """These chunk files were rewritten (a new file, or bytes no commit covered): map them
+        again when read."""
+        if self.mapped is not None:
+            self.mapped.forget(lane, chunks)
+        if self.row_reads is not None:
+            self.row_reads.forget(lane, chunks)
+
+    def close(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        if self.row_reads is not None:
+            self.row_reads.close()
