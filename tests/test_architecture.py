@@ -85,13 +85,12 @@ def package_of(name: str) -> str:
 ALL = modules()
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_layers_import_downward_only(name):
-    for target, _ in imports(name, ALL[name]):
-        if not target.startswith("diskreplay.") or package_of(target) == package_of(name):
-            continue
-        assert layer(target) < layer(name) or (name, target) in UPWARD_ALLOWED, (
-            f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})")
+def test_layers_import_downward_only():
+    upward = [f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
+              for name, tree in ALL.items() for target, _ in imports(name, tree)
+              if target.startswith("diskreplay.") and package_of(target) != package_of(name)
+              and layer(target) >= layer(name) and (name, target) not in UPWARD_ALLOWED]
+    assert not upward, "\n".join(upward)
 
 
 def test_no_import_cycles():
@@ -120,34 +119,30 @@ def test_third_party_libraries_stay_behind_their_layer(library):
     assert not strays, f"{library} is imported outside {OWNERS[library]}: {strays}"
 
 
-def code_lines(source: str, node: ast.AST) -> int:
-    """Lines of ``node`` that hold code: blank lines, comments and docstrings excluded."""
-    lines = source.splitlines()[node.lineno - 1:node.end_lineno]
-    skip = set()
-    for inner in ast.walk(node):
-        body = getattr(inner, "body", None)
-        if (isinstance(inner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+def code_line_numbers(source: str, tree: ast.Module) -> set[int]:
+    """Numbers of the lines that hold code: blank lines, comment lines and docstrings excluded."""
+    skip = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT and tok.line.strip().startswith("#")}
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             skip.update(range(body[0].lineno, body[0].end_lineno + 1))
-    first = getattr(node, "lineno", 1)
-    comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT and tok.line.strip().startswith("#")}
-    return sum(1 for i, line in enumerate(lines, first)
-               if line.strip() and i not in skip and i not in comments)
+    return {i for i, line in enumerate(source.splitlines(), 1) if line.strip() and i not in skip}
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
-def test_modules_classes_and_functions_stay_small(name):
-    source = (PACKAGE.parent / (name.replace(".", "/") + ("/__init__.py" if is_package(name) else ".py"))).read_text()
-    tree = ALL[name]
-    tree.lineno, tree.end_lineno = 1, len(source.splitlines())  # type: ignore[attr-defined]
+def test_modules_classes_and_functions_stay_small():
     too_big = []
-    if code_lines(source, tree) > MAX_LINES["module"]:
-        too_big.append(f"module: {code_lines(source, tree)} lines")
-    for node in ast.walk(tree):
-        kind = ("class" if isinstance(node, ast.ClassDef)
-                else "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
-        if kind and code_lines(source, node) > MAX_LINES[kind]:
-            too_big.append(f"{kind} {node.name}: {code_lines(source, node)} lines")  # type: ignore[attr-defined]
-    assert not too_big, f"{name}: {too_big} (at most {MAX_LINES})"
+    for name, tree in ALL.items():
+        path = name.replace(".", "/") + ("/__init__.py" if is_package(name) else ".py")
+        code = code_line_numbers((PACKAGE.parent / path).read_text(), tree)
+        if len(code) > MAX_LINES["module"]:
+            too_big.append(f"{name}: module of {len(code)} lines")
+        for node in ast.walk(tree):
+            kind = ("class" if isinstance(node, ast.ClassDef)
+                    else "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            lines = sum(1 for i in range(node.lineno, node.end_lineno + 1) if i in code) if kind else 0
+            if kind and lines > MAX_LINES[kind]:
+                too_big.append(f"{name}: {kind} {node.name} of {lines} lines")  # type: ignore[attr-defined]
+    assert not too_big, f"at most {MAX_LINES} lines of code: " + "; ".join(too_big)

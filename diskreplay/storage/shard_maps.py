@@ -1,6 +1,6 @@
 """Sharded chunk files of a local store, memory-mapped with their index read and checked once.
 
-A compressed image field is stored as Zarr shards (`diskreplay.zarr_layout.Codec.inner_rows`):
+A compressed image field is stored as Zarr shards (`diskreplay.format.codecs.Codec.inner_rows`):
 an index of ``(offset, nbytes)`` pairs, then inner chunks of a few rows, each with its CRC32C.
 A reader missing its cache reads single inner chunks. `ShardMaps` maps each shard file the
 first time a read needs it, checks its whole index at once (checksum, every span inside the
