@@ -242,10 +242,11 @@ class ReplayBuffer:
                 f"num_envs={self.num_envs}, mode={self.mode!r})")
 
     def window(self, committed: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Per lane, the readable steps ``[lo, hi)`` (int64 arrays ``[num_envs]``); ``committed``:
-        those of the last commit only (a writer's staged rows left out). Read-only arrays."""
+        """Per lane, the readable steps ``[lo, hi)`` (new int64 arrays ``[num_envs]``);
+        ``committed``: those of the last commit only (a writer's staged rows left out)."""
         self._require_open()
-        return self.storage.committed_window() if committed else self.storage.window()
+        lo, hi = self.storage.committed_window() if committed else self.storage.window()
+        return lo.copy(), hi.copy()
 
     def stats(self) -> StorageStats:
         """What the storage holds and did: cache slots, chunks loaded, maps, the commit shown

@@ -88,7 +88,7 @@ class Storage:
 
     @property
     def total(self) -> np.ndarray:
-        """Per lane, steps added (a reader: committed). Read-only."""
+        """Per lane, steps added (a reader: committed). The live array: do not write into it."""
         return self.log.cursors.total
 
     @property
