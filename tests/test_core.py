@@ -948,3 +948,24 @@ def test_missing_chunk_is_corrupt(url, compression):
     with dr.ReplayBuffer.open(url, mode="r+") as rw:
         with pytest.raises(dr.CorruptBufferError, match="obs/c.0.1.0"):
             rw[[4]]
+
+
+def test_both_stores_keep_the_chunkstore_protocol_alike(url):
+    """Local files and an fsspec store answer every `ChunkStore` call the same way."""
+    store = open_chunkstore(url)
+    store.put_in_place("obs/c.0.0.0", (b"abc", b"defg"))
+    store.put("obs/c.0.1.0", b"xy", durable=False)
+    store.sync(["obs/c.0.0.0", "obs/c.0.1.0"])
+    head, tail = bytearray(4), bytearray(8)
+    assert store.read_into("obs/c.0.0.0", [memoryview(head), memoryview(tail)]) == 7
+    assert bytes(head) == b"abcd" and bytes(tail) == b"efg" + bytes(5)
+    assert store.read_into("obs/c.0.9.0", [memoryview(head)]) is None
+    assert store.get("obs/c.0.0.0", limit=2) == b"ab" and store.get_many(["obs/c.0.1.0", "nope"]) == [b"xy", None]
+    assert store.put_if_absent("lock", b"1") and not store.put_if_absent("lock", b"2") and store.get("lock") == b"1"
+    store.prefetch(["obs/c.0.0.0", "nope"])
+    assert store.sizes() == {"obs/c.0.0.0": 7, "obs/c.0.1.0": 2, "lock": 1}
+    store.delete("lock")
+    store.delete("lock")  # a missing object is no error
+    assert not store.exists("lock")
+    store.clear()
+    assert not store.exists("obs/c.0.0.0")

@@ -125,19 +125,14 @@ class _ConfigCheck:
             raise self.bad(key, kind.__name__)
         return value
 
-    def integer(self, key: str, lo: int, hi: int) -> int:
+    def integer(self, key: str, lo: int, hi: int, expected_too: str = "") -> int:
         value = self.config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise self.bad(key, f"an int in [{lo}, {hi}]")
+            raise self.bad(key, f"an int in [{lo}, {hi}]{expected_too}")
         return value
 
     def optional_integer(self, key: str, lo: int, hi: int) -> int | None:
-        value = self.config.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise self.bad(key, f"an int in [{lo}, {hi}] or null")
-        return value
+        return None if self.config.get(key) is None else self.integer(key, lo, hi, " or null")
 
     def choice(self, key: str, options: tuple[Any, ...], default: Any = ...) -> Any:
         value = self.config.get(key, default)

@@ -10,7 +10,7 @@ import ctypes
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 
 from .store import Data, ParallelMap, parts_of
 
@@ -66,32 +66,6 @@ class LocalChunkStore:
             return None
         try:
             return os.readv(fd, out)
-        except IsADirectoryError:
-            return None
-        finally:
-            os.close(fd)
-
-    def read_indexed(self, key: str, index_bytes: int,
-                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
-        """Part of an object that starts with an index: its first ``index_bytes`` bytes are read
-        and given to ``locate``, which returns the ``(offset, nbytes)`` to read (None: nothing,
-        ``b""`` is returned). None if the object does not exist. Raises ValueError (from
-        ``locate``, or for an object shorter than the index or the span)."""
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        try:
-            index = os.pread(fd, index_bytes, 0)
-            if len(index) != index_bytes:
-                raise ValueError(f"{len(index)} bytes: too short to hold an index of {index_bytes} bytes")
-            span = locate(index)
-            if span is None:
-                return b""
-            blob = os.pread(fd, span[1], span[0])
-            if len(blob) != span[1]:
-                raise ValueError(f"span {span} runs past the end of the object")
-            return blob
         except IsADirectoryError:
             return None
         finally:

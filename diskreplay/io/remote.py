@@ -119,24 +119,6 @@ class FsspecChunkStore:
             done += len(piece)
         return done
 
-    def read_indexed(self, key: str, index_bytes: int,
-                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
-        """The index (one ranged GET), then the span ``locate`` gives (another). Raises ValueError
-        as `ChunkStore.read_indexed`."""
-        index = self.get(key, limit=index_bytes)
-        if index is None:
-            return None
-        if len(index) != index_bytes:
-            raise ValueError(f"{len(index)} bytes: too short to hold an index of {index_bytes} bytes")
-        span = locate(index)
-        if span is None:
-            return b""
-        offset, nbytes = span
-        blob = self._run(f"read of {key!r}", "cat_file", self.path(key), start=offset, end=offset + nbytes)
-        if len(blob) != nbytes:
-            raise ValueError(f"span {span} runs past the end of the object")
-        return bytes(blob)
-
     def prefetch(self, keys: list[str]) -> None:
         """Nothing: remote reads fetch what they need, many at once."""
 

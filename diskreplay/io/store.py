@@ -57,13 +57,6 @@ class ChunkStore(Protocol):
         (fewer than they hold if the object is shorter), or None if it does not exist."""
         ...
 
-    def read_indexed(self, key: str, index_bytes: int,
-                     locate: Callable[[bytes], tuple[int, int] | None]) -> bytes | None:
-        """Part of an object that starts with an index of ``index_bytes`` bytes: ``locate(index)``
-        gives the ``(offset, nbytes)`` to read (None: ``b""``). None if the object does not exist.
-        Raises ValueError (from ``locate``, or for an object shorter than the index or the span)."""
-        ...
-
     def prefetch(self, keys: list[str]) -> None:
         """Ask for these objects ahead of their reads (a no-op where reads cannot be ahead)."""
         ...

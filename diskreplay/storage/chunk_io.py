@@ -72,12 +72,11 @@ class ChunkIO:
             self._put_one(key, codec.encode(rows), durable, fresh)
 
     def _put_one(self, key: str, data: tuple[bytes | memoryview, ...], durable: bool, fresh: bool) -> None:
-        if fresh and self.store.supports_mmap:
+        if fresh:
             self.store.put_in_place(key, data)
-            self.unsynced.add(key)
-            return
-        self.store.put(key, data, durable)
-        if not durable and self.store.needs_sync:
+        else:
+            self.store.put(key, data, durable)
+        if (fresh or not durable) and self.store.needs_sync:
             self.unsynced.add(key)
 
     def sync(self) -> None:

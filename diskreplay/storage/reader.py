@@ -35,6 +35,7 @@ class ChunkReader:
         self.field_names = tuple(schema.fields)
         self.layout = cursors.layout
         self.cache, self.loader, self.mapped, self.row_reads = cache, loader, mapped, row_reads
+        self.row_names = frozenset(row_reads.names if row_reads is not None else ())
         self.retired, self.warmer = retired, warmer
         self.reader = reader
 
@@ -48,7 +49,7 @@ class ChunkReader:
             return self._gather_resident(lane, step, names, out)
         if self.mapped is not None:
             return self._gather_mapped(self.mapped, lane, step, names, out or {})
-        if self.row_reads is not None and not set(self.row_reads.names).isdisjoint(names):
+        if self.row_reads is not None and not self.row_names.isdisjoint(names):
             return self._gather_by_rows(self.row_reads, lane, step, names, out or {})
         return self._gather_cached(lane, step, names, out)
 
