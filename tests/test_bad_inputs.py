@@ -30,6 +30,8 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 import diskreplay as dr
+from diskreplay.episodes.index import END_RECORD
+from diskreplay.sampling.prioritized import PRIORITY_RECORD
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int16"), "done": dr.Field((), "bool"),
           "img": dr.Field((2, 2), "uint8"), "temp": dr.Field((), "float16")}
@@ -159,6 +161,30 @@ def edit_arrays(path: str, **changes: Any) -> None:
         else:
             arrays[name] = np.ascontiguousarray(value(arrays[name]) if callable(value) else value)
     write(path, st_save(arrays))
+
+
+def journal_file(p: str, path: str, name: str | None = None) -> str:
+    """The file of one object of the journal at state ``path`` (default: its tail)."""
+    with open(os.path.join(p, "commit.json")) as fh:
+        ref = json.load(fh)["extra"]["state"]
+    for part in path.split("."):
+        ref = ref[part]
+    ref = ref["__journal__"]
+    return os.path.join(p, "state", path, ref["generation"], name or f"tail-{ref['tail']}")
+
+
+def edit_journal(path: str, dtype: np.dtype, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[str], None]:
+    """Rewrite the records of a journal's tail."""
+    def prepare(p: str) -> None:
+        with open(journal_file(p, path), "rb") as fh:
+            records = np.frombuffer(fh.read(), dtype).copy()
+        write(journal_file(p, path), np.ascontiguousarray(change(records)).tobytes())
+    return prepare
+
+
+def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarray:
+    records[name][at] = value
+    return records
 
 
 def edit_state(**changes: Any) -> Callable[[str], None]:
@@ -477,7 +503,7 @@ CASES = [
          r"chunk 'done/c.0.1' is missing, but the last commit says it holds rows",
          prepare=lambda p: os.remove(os.path.join(p, "done", "c.0.1"))),
     Case("missing-state-object", lambda p: dr.ReplayBuffer.open(p), dr.CorruptBufferError,
-         r"state object 'state/\d+-[0-9a-f]+\.safetensors' is missing",
+         r"state object 'state/episodes\.ends/\d{12}-[0-9a-f]{16}/tail-\d{12}-[0-9a-f]{16}' is missing",
          prepare=lambda p: shutil.rmtree(os.path.join(p, "state"))),
 ]
 
@@ -549,7 +575,7 @@ CASES += [
     Case("commit-state-arrays-parent-path", open_and_flush, dr.CorruptBufferError,
          COMMIT + r"'extra\.state_arrays': expected a key like 'state/<sequence>-<token>\.safetensors', "
                   r"got '\.\./\.\./victim\.safetensors'",
-         prepare=chain(plant_victim, edit_commit(**{"extra.state_arrays": "../../victim.safetensors"})),
+         template="wor", prepare=chain(plant_victim, edit_commit(**{"extra.state_arrays": "../../victim.safetensors"})),
          after=victim_intact),
     Case("commit-state-arrays-absolute", open_rw, dr.CorruptBufferError,
          COMMIT + r"'extra\.state_arrays': .*got '/etc/passwd'",
@@ -775,48 +801,81 @@ CASES += [
 
 # ---- tampered state objects: CorruptBufferError naming the state object (and what is wrong) ----
 
-OF_STATE = STATE_OBJECT + r" of commit \d+: "
+OF_STATE = r"the (state object 'state/\d{12}-[0-9a-f]{16}\.safetensors'|state) of commit \d+: "
+OF_STATE_JSON = r"the state of commit \d+ does not load \("
 CASES += [
     Case("state-garbage", open_ro, dr.CorruptBufferError, STATE_OBJECT + r" does not load \(not a safetensors file",
-         prepare=damage_state(b"\x00garbage, not safetensors")),
-    Case("state-empty", open_rw, dr.CorruptBufferError, STATE_OBJECT + r" does not load", prepare=damage_state(b"")),
-    Case("state-truncated", open_ro, dr.CorruptBufferError, STATE_OBJECT + r" does not load",
+         template="wor", prepare=damage_state(b"\x00garbage, not safetensors")),
+    Case("state-empty", open_rw, dr.CorruptBufferError, STATE_OBJECT + r" does not load", template="wor",
+         prepare=damage_state(b"")),
+    Case("state-truncated", open_ro, dr.CorruptBufferError, STATE_OBJECT + r" does not load", template="wor",
          prepare=damage_state(lambda b: b[:len(b) // 2])),
     Case("state-header-huge-length", open_ro, dr.CorruptBufferError, STATE_OBJECT + r" does not load",
-         prepare=damage_state(lambda b: (2**62).to_bytes(8, "little") + b[8:])),
-    Case("state-object-is-a-directory", open_ro, dr.CorruptBufferError, STATE_OBJECT,
+         template="wor", prepare=damage_state(lambda b: (2**62).to_bytes(8, "little") + b[8:])),
+    Case("state-object-is-a-directory", open_ro, dr.CorruptBufferError, STATE_OBJECT, template="wor",
          prepare=lambda p: replace_by_dir(state_key(p))(p)),
     Case("state-array-missing", open_ro, dr.CorruptBufferError,
-         STATE_OBJECT + r" does not load \(.*'episodes\.ends', which its array file lacks",
-         prepare=edit_state(**{"episodes.ends": DELETE})),
+         STATE_OBJECT + r" does not load \(.*'sampler\.epoch_lo', which its array file lacks",
+         template="wor", prepare=edit_state(**{"sampler.epoch_lo": DELETE})),
+    # journals: the episode ends and the priorities, appended commit by commit
     Case("state-ends-not-increasing", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'episodes\.ends' of lane 0: expected increasing steps in \[0, 20\)",
-         prepare=edit_state(**{"episodes.ends": lambda a: a[::-1]})),
+         prepare=edit_journal("episodes.ends", END_RECORD, lambda r: r[::-1])),
     Case("state-ends-beyond-commit", open_rw, dr.CorruptBufferError,
          OF_STATE + r"'episodes\.ends' of lane 1: expected increasing steps in \[0, 20\), got \[4, 9, 14, 20\]",
-         prepare=edit_state(**{"episodes.ends": lambda a: a + np.arange(len(a)) // (len(a) - 1)})),
-    Case("state-ends-float", open_ro, dr.CorruptBufferError, OF_STATE + r"'episodes\.ends': expected 8 ints",
-         prepare=edit_state(**{"episodes.ends": lambda a: a.astype(np.float64)})),
-    Case("state-count-wrong-lanes", open_ro, dr.CorruptBufferError,
-         OF_STATE + r"'episodes\.count': expected 2 ints >= 0",
-         prepare=edit_state(**{"episodes.count": np.array([4, 4, 0])})),
-    Case("state-count-negative", open_ro, dr.CorruptBufferError, OF_STATE + r"'episodes\.count': expected 2 ints >= 0",
-         prepare=edit_state(**{"episodes.count": np.array([-1, 9])})),
-    Case("state-count-sum-mismatch", open_ro, dr.CorruptBufferError,
-         OF_STATE + r"'episodes\.ends': expected 7 ints \(the counts' sum\), got int64 shaped \(8,\)",
-         prepare=edit_state(**{"episodes.count": np.array([4, 3])})),
+         prepare=edit_journal("episodes.ends", END_RECORD, lambda r: set_record(r, -1, "step", 20))),
+    Case("state-ends-float", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'episodes\.ends' \(journal\): expected int64 \(lane, step\) pairs, got base int64 shaped "
+                    r"\(0,\) and records \[\('lane', '<i8'\), \('step', '<f8'\)\]",
+         prepare=edit_state_json(**{"episodes.ends.__journal__.record_dtype": [["lane", "<i8"], ["step", "<f8"]]})),
+    Case("state-ends-lane-out-of-range", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'episodes\.ends' \(journal\): expected lanes in \[0, 2\), got 0 to 5",
+         prepare=edit_journal("episodes.ends", END_RECORD, lambda r: set_record(r, 0, "lane", 5))),
+    Case("state-ended-mismatch", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'episodes\.ended': expected base_pruned plus the journal's ends per lane \(\[4, 4\]\), "
+                    r"got \[4, 9\]",
+         prepare=edit_state_json(**{"episodes.ended": [4, 9]})),
+    Case("state-base-pruned-wrong-lanes", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'episodes\.ended': expected base_pruned plus the journal's ends per lane \(\[0, 0, 0\]\)",
+         prepare=edit_state_json(**{"episodes.base_pruned": [0, 0, 0]})),
+    Case("journal-tail-truncated", open_ro, dr.CorruptBufferError,
+         r"journal object 'state/episodes\.ends/\d{12}-[0-9a-f]{16}/tail-\d{12}-[0-9a-f]{16}': expected 128 bytes "
+         r"\(8 of .*\), got 100",
+         prepare=lambda p: truncate(journal_file(p, "episodes.ends"), 100)),
+    Case("journal-generation-parent-path", open_ro, dr.CorruptBufferError,
+         OF_STATE_JSON + r"'episodes\.ends\.__journal__' field 'generation': expected '<sequence>-<16 hex digits>' "
+                         r"of a commit up to \d+, got '\.\./\.\./victim'",
+         prepare=edit_state_json(**{"episodes.ends.__journal__.generation": "../../victim"})),
+    Case("journal-records-huge", open_rw, dr.CorruptBufferError,
+         OF_STATE_JSON + r"'sampler\.leaves\.__journal__' fields 'base', 'records': expected ints in "
+                         r"\[0, 1099511627776\], got \[64, 2199023255552\]",
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.records": 2**41})),
+    Case("journal-records-beyond-objects", open_ro, dr.CorruptBufferError,
+         r"state object 'state/sampler\.leaves/\d{12}-[0-9a-f]{16}/log\.0' is missing",
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.records": 2**30 + 40})),
+    Case("journal-base-dtype-object", open_ro, dr.CorruptBufferError,
+         OF_STATE_JSON + r"'sampler\.leaves\.__journal__' field 'base_dtype': expected one of .*, got '\|O'",
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.base_dtype": "|O"})),
+    Case("journal-tail-dropped", open_ro, dr.CorruptBufferError,
+         OF_STATE_JSON + r"'sampler\.leaves\.__journal__' field 'tail': expected a tail exactly when 'records' \(40\)",
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.tail": None})),
     Case("state-leaves-wrong-length", open_ro, dr.CorruptBufferError,
-         OF_STATE + r"'sampler\.leaves': expected 64 finite float64 values >= 0, got float64 shaped \(10,\)",
-         template="per", prepare=edit_state(**{"sampler.leaves": np.ones(10)})),
+         r"journal object 'state/sampler\.leaves/\d{12}-[0-9a-f]{16}/base\.0': expected 40 bytes \(10 of float32\), "
+         r"got more",
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.base": 10})),
     Case("state-leaves-nan", open_rw, dr.CorruptBufferError,
-         OF_STATE + r"'sampler\.leaves': expected 64 finite float64",
-         template="per",
-         prepare=edit_state(**{"sampler.leaves": lambda a: np.where(np.arange(len(a)) == 3, np.nan, a)})),
+         OF_STATE + r"'sampler\.leaves' \(journal record 3\): expected a leaf in \[0, 64\) and a finite value >= 0, "
+                    r"got leaf 3, value nan",
+         template="per", prepare=edit_journal("sampler.leaves", PRIORITY_RECORD,
+                                              lambda r: set_record(r, 3, "value", np.nan))),
     Case("state-leaves-negative", open_ro, dr.CorruptBufferError,
-         OF_STATE + r"'sampler\.leaves': expected 64 finite float64",
-         template="per", prepare=edit_state(**{"sampler.leaves": lambda a: -a})),
-    Case("state-leaves-float32", open_ro, dr.CorruptBufferError, OF_STATE + r"'sampler\.leaves': .*got float32",
-         template="per", prepare=edit_state(**{"sampler.leaves": lambda a: a.astype(np.float32)})),
+         OF_STATE + r"'sampler\.leaves' \(journal base\): expected 64 finite float32 values >= 0",
+         template="per", prepare=lambda p: write(journal_file(p, "sampler.leaves", "base.0"),
+                                                 np.full(64, -1, np.float32).tobytes())),
+    Case("state-leaves-beyond-slots", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'sampler\.leaves' \(journal record 0\): expected a leaf in \[0, 64\) and a finite value >= 0, "
+                    r"got leaf 64",
+         template="per", prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 64))),
     Case("state-epoch-beyond-commit", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch_lo/epoch_hi': expected 2 steps per lane with 0 <= lo <= hi <= \[20, 20\], "
                     r"got \[0, 0\] and \[25, 20\]",
@@ -827,7 +886,7 @@ CASES += [
     # the JSON part of the state (commit.json extra.state)
     Case("state-json-names-missing-array", open_ro, dr.CorruptBufferError,
          STATE_OBJECT + r" does not load \(.*'episodes\.nope', which its array file lacks",
-         prepare=edit_state_json(**{"episodes.ends": {"__array__": "episodes.nope"}})),
+         template="wor", prepare=edit_state_json(**{"episodes.ends": {"__array__": "episodes.nope"}})),
     Case("state-json-rng-missing", open_ro, dr.CorruptBufferError, OF_STATE + r"'rng' is missing",
          prepare=edit_state_json(rng=DELETE)),
     Case("state-json-rng-other-generator", open_rw, dr.CorruptBufferError, OF_STATE + r".*\b(rng|RNG)\b",
@@ -840,7 +899,7 @@ CASES += [
          OF_STATE + r"'episodes\.end_fields': expected \['done'\], got \['act'\]",
          prepare=edit_state_json(**{"episodes.end_fields": ["act"]})),
     Case("state-json-last-next-unknown", open_ro, dr.CorruptBufferError, OF_STATE + r"'last_next\.next_obs'",
-         prepare=edit_state_json(**{"last_next.next_obs": {"__array__": "episodes.count"}})),
+         template="wor", prepare=edit_state_json(**{"last_next.next_obs": {"__array__": "sampler.epoch_lo"}})),
     Case("state-json-sampler-stride", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.stride': expected 32, got 16",
          template="per", prepare=edit_state_json(**{"sampler.stride": 16})),
@@ -942,11 +1001,14 @@ CASES += [
          r"does not fit this buffer: 'episodes\.ends': expected 8 ints \(the counts' sum\), got int64 shaped \(2, 4\)",
          writer=True),
     Case("load-state-leaves-shape", load_changed(**{"sampler.leaves": np.ones(65)}), ValueError,
-         r"does not fit this buffer: 'sampler\.leaves': expected 64 finite float64 values >= 0, "
+         r"does not fit this buffer: 'sampler\.leaves': expected 64 finite float32 values >= 0, "
          r"got float64 shaped \(65,\)",
          template="per", writer=True),
-    Case("load-state-leaves-dtype", load_changed(**{"sampler.leaves": np.ones(64, np.float32)}), ValueError,
-         r"does not fit this buffer: 'sampler\.leaves': .*got float32", template="per", writer=True),
+    Case("load-state-leaves-dtype", load_changed(**{"sampler.leaves": np.ones(64, np.int64)}), ValueError,
+         r"does not fit this buffer: 'sampler\.leaves': .*got int64", template="per", writer=True),
+    Case("load-state-leaves-above-float32", load_changed(**{"sampler.leaves": np.full(64, 1e39)}), ValueError,
+         r"does not fit this buffer: 'sampler\.leaves': expected 64 finite float32 values", template="per",
+         writer=True),
     Case("load-state-rng-garbage", load_changed(rng={"bit_generator": "PCG64", "state": "x"}), ValueError,
          r"state for '[^']*buf' does not fit this buffer: .*\b(rng|RNG)\b", writer=True),
     Case("load-state-epoch-beyond", load_changed(**{"sampler.epoch_hi": np.array([21, 20])}), ValueError,
@@ -1068,9 +1130,8 @@ CASES += [
          r"out: unknown names \['bogus'\]", writer=True),
     Case("sample-out-wrong-shape", lambda b: b.sample(4, out={"obs": np.zeros((4, 2), np.float32)}), ValueError,
          r"out\['obs'\]: expected a C-contiguous float32 array shaped \(4, 3\)", writer=True),
-    # (1e300 with alpha=1 is no overflow: 64 leaves of 1e300 sum to 6.4e301; 1e307 is)
-    Case("priority-overflows-sum-tree", lambda b: b.update_priorities([0], [1e307]), ValueError,
-         r"TD error 1e\+307 gives priority 1e\+307, above 2\.81e\+306, where the sum over 64 rows could overflow",
+    Case("priority-overflows-float32", lambda b: b.update_priorities([0], [1e39]), ValueError,
+         r"TD error 1e\+39 gives priority 1e\+39, above 3\.4e\+38, the largest float32 priority",
          template="per1", writer=True),
     Case("priority-overflow-after-good-one", lambda b: b.update_priorities([0, 1], [0.5, 1e308]), ValueError,
          r"TD error 1e\+308 gives priority", template="per1", writer=True),
@@ -1203,7 +1264,7 @@ VERIFY_CASES = {
     "truncated-raw-chunk": r"chunk 'obs/c.1.2.0' does not decode to 96 bytes",
     "truncated-zstd-chunk": r"chunk 'act/c.1.0' does not decode",
     "deleted-chunk": r"chunk 'done/c.0.1' is missing, but commit.json says it holds rows",
-    "missing-state-object": r"state object 'state/\d+-[0-9a-f]+\.safetensors' referenced by commit.json is missing",
+    "missing-state-object": r"state object 'state/episodes\.ends/[^']+' referenced by commit.json is missing",
     "open-empty-dir": r"no commit.json: not a diskreplay buffer",
     "open-zarr-group-with-commit": r"a zarr group but not a diskreplay buffer",
     # commit.json

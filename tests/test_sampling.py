@@ -42,6 +42,11 @@ def extend(buf, n, done=None):
         buf.extend({"obs": obs, "done": done})
 
 
+def f32(values):
+    """Priorities as the sampler keeps them (float32 leaves), back in float64."""
+    return np.asarray(values, np.float32).astype(np.float64)
+
+
 def leaf_values(buf, ids):
     """The stored priorities (p ** alpha) of row ids, read from the sampler's saved state."""
     s = buf.sampler
@@ -97,7 +102,7 @@ def test_is_weights_exact_and_beta_override(tmp_path, num_envs):
     ids = buf.row_ids()
     td = np.random.default_rng(2).normal(0, 2, n)  # negative errors too: |td| is used
     buf.update_priorities(ids, td)
-    p = dict(zip(ids.tolist(), (np.abs(td) + eps) ** alpha))
+    p = dict(zip(ids.tolist(), f32((np.abs(td) + eps) ** alpha)))
     p_min = min(p.values())
 
     def expected(index, b):
@@ -130,29 +135,29 @@ def test_new_rows_get_max_priority(tmp_path):
     extend(buf, 8)
     np.testing.assert_array_equal(leaf_values(buf, np.arange(8)), 1.0)  # default max priority 1
     buf.update_priorities([0, 1, 2], [3.0, 0.5, -4.0])
-    np.testing.assert_array_equal(leaf_values(buf, [0, 1, 2]), (np.array([3.0, 0.5, 4.0]) + eps) ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, [0, 1, 2]), f32((np.array([3.0, 0.5, 4.0]) + eps) ** alpha))
     extend(buf, 4)
-    np.testing.assert_array_equal(leaf_values(buf, np.arange(8, 12)), (4.0 + eps) ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, np.arange(8, 12)), f32((4.0 + eps) ** alpha))
     buf.update_priorities([8], [0.1])  # lowering a row does not lower the running max
     extend(buf, 1)
-    assert leaf_values(buf, [12])[0] == (4.0 + eps) ** alpha
+    assert leaf_values(buf, [12])[0] == f32((4.0 + eps) ** alpha)
     buf.sample(4)  # new rows are given their priority before the next draw
     extend(buf, 1)
     buf.sample(4)
-    assert leaf_values(buf, [13])[0] == (4.0 + eps) ** alpha
+    assert leaf_values(buf, [13])[0] == f32((4.0 + eps) ** alpha)
 
 
 def test_initial_priority(tmp_path):
     alpha, eps = 0.6, 1e-6
     buf = make(tmp_path, capacity=64, sampler=dr.Prioritized(alpha=alpha, eps=eps, initial_priority=2.0))
     extend(buf, 4)
-    np.testing.assert_array_equal(leaf_values(buf, np.arange(4)), 2.0 ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, np.arange(4)), f32(2.0 ** alpha))
     buf.update_priorities([0], [0.5])  # below the initial priority: max stays 2
     extend(buf, 2)
-    np.testing.assert_array_equal(leaf_values(buf, [4, 5]), 2.0 ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, [4, 5]), f32(2.0 ** alpha))
     buf.update_priorities([1], [9.0])
     extend(buf, 2)
-    np.testing.assert_array_equal(leaf_values(buf, [6, 7]), (9.0 + eps) ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, [6, 7]), f32((9.0 + eps) ** alpha))
     with pytest.raises(ValueError):
         dr.Prioritized(initial_priority=0.0)
     with pytest.raises(ValueError):
@@ -170,14 +175,14 @@ def test_ring_overwrite_takes_new_rows_priority(tmp_path, num_envs):
     td[-1] = 10.0
     buf.update_priorities(ids, td)
     old_slot_ids = np.sort(ids)[: 3 * num_envs]  # steps 0..2 of every lane
-    assert np.all(leaf_values(buf, old_slot_ids) == (0.01 + eps) ** alpha)
+    assert np.all(leaf_values(buf, old_slot_ids) == f32((0.01 + eps) ** alpha))
     extend(buf, 3)  # overwrites steps 0..2 of every lane (the same leaves)
     new_ids = np.arange(8 * num_envs, 11 * num_envs)
-    np.testing.assert_array_equal(leaf_values(buf, new_ids), (10.0 + eps) ** alpha)
+    np.testing.assert_array_equal(leaf_values(buf, new_ids), f32((10.0 + eps) ** alpha))
     # the tree total is exactly the sum over readable rows (no ghost priority of old rows)
     live = buf.row_ids()
     assert len(live) == cap
-    np.testing.assert_allclose(buf.sampler.sum_tree.total(), leaf_values(buf, live).sum(), rtol=1e-12)
+    np.testing.assert_allclose(buf.sampler.table.total(), leaf_values(buf, live).astype(np.float64).sum(), rtol=1e-12)
     # and sampling never returns an overwritten id
     idx = buf.sample(2048)["index"]
     assert np.isin(idx, live).all()
@@ -198,7 +203,7 @@ def test_stale_updates_are_ignored(tmp_path, num_envs):
     td = np.full(len(idx), 123.0)
     assert buf.update_priorities(idx, td) == int((~stale).sum())
     np.testing.assert_array_equal(leaf_values(buf, new_ids), before_new)  # untouched
-    np.testing.assert_array_equal(leaf_values(buf, np.unique(idx[~stale])), (123.0 + 1e-6) ** 0.6)
+    np.testing.assert_array_equal(leaf_values(buf, np.unique(idx[~stale])), f32((123.0 + 1e-6) ** 0.6))
     # only stale ids: nothing updated
     assert buf.update_priorities(idx[stale], td[stale]) == 0
     np.testing.assert_array_equal(leaf_values(buf, new_ids), before_new)
@@ -453,7 +458,7 @@ def test_prioritized_slices(tmp_path):
     buf = small_episode_buffer(tmp_path, lengths, tail, sampler=dr.Prioritized(alpha=alpha, beta=beta, eps=eps))
     td = np.random.default_rng(3).uniform(0.1, 4, n)
     buf.update_priorities(np.arange(n), td)
-    p = (td + eps) ** alpha
+    p = f32((td + eps) ** alpha)
     windows = valid_windows(lengths, tail, L)
     counts = np.zeros(n, np.int64)
     for _ in range(60):

@@ -306,7 +306,8 @@ class ReplayBuffer:
         """
         self._require_writer()
         self.episode_index.prune(self.storage.window()[0])
-        self.storage.flush(durable, self._state.current(), side=self._appender.finals)
+        self.storage.flush(durable, self._state.for_commit(), side=self._appender.finals)
+        self._state.committed()
 
     def refresh(self) -> bool:
         """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,

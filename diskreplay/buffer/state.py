@@ -31,6 +31,18 @@ class BufferState:
         return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(),
                 "episodes": self.episodes.state_dict(), "last_next": self.view.state_dict()}
 
+    def for_commit(self) -> dict[str, Any]:
+        """`current` as a commit saves it: the growing parts (priorities, episode ends) as the
+        changes since the last commit (`JournalChange`)."""
+        commit_state = getattr(self.sampler, "commit_state", self.sampler.state_dict)
+        return {"rng": self.rng.bit_generator.state, "sampler": commit_state(),
+                "episodes": self.episodes.commit_state(), "last_next": self.view.state_dict()}
+
+    def committed(self) -> None:
+        """The state of the last `for_commit` was committed."""
+        getattr(self.sampler, "committed", lambda: None)()
+        self.episodes.committed()
+
     def parse(self, state: Mapping[str, Any], total: np.ndarray, origin: str | None) -> dict[str, Any]:
         """``state`` checked against a buffer holding ``total`` steps per lane (every part,
         before any is used).
@@ -90,6 +102,8 @@ def check_rng_state(state: Any) -> None:
 
 def state_origin(url: str, record: CommitRecord) -> str:
     """How errors name the state saved with a commit."""
+    if record.state_arrays is None:
+        return f"{url!r}: the state of commit {record.sequence}"
     return f"{url!r}: the state object {record.state_arrays!r} of commit {record.sequence}"
 
 

@@ -20,9 +20,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import SchemaError
+from ..format.journal import LOG_CHUNK, JournalChange, JournalContent
 from ..format.schema import Field
 
 NO_END = np.iinfo(np.int64).max
+END_RECORD = np.dtype([("lane", "<i8"), ("step", "<i8")])
+"""A journal record of the episode index: an episode of ``lane`` ended at ``step``."""
 
 
 def episode_end_fields(fields: Mapping[str, Field], episode_end: str | tuple[str, ...] | None = "auto"
@@ -76,13 +79,22 @@ class EpisodeTable:
 
 
 class EpisodeIndex:
-    """End steps per lane, appended as rows arrive. Plain arrays: trivially saved."""
+    """End steps per lane, appended as rows arrive. Plain arrays: trivially saved.
+
+    A commit saves the ends added since the last one, as ``(lane, step)`` records of a journal
+    whose base is the ends a ring still holds; a commit writes a new base once the journal holds
+    more than twice those (and a few thousand) records.
+    """
 
     def __init__(self, num_envs: int, end_fields: tuple[str, ...]):
         self.end_fields = end_fields
         self._ends = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
         self._count = np.zeros(num_envs, dtype=np.int64)
         self._pruned = np.zeros(num_envs, dtype=np.int64)
+        self._saved: np.ndarray | None = None  # per lane, ends the journal holds; None: write a base
+        self._journal_size = 0  # records and base ends in the journal
+        self._base_pruned: list[int] = []
+        self._staged: tuple[JournalChange, np.ndarray] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -223,11 +235,44 @@ class EpisodeIndex:
         return {"end_fields": list(self.end_fields), "count": self._count.copy(), "pruned": self._pruned.copy(),
                 "ends": np.concatenate([self.ends(e) for e in range(len(self._count))])}
 
+    def commit_state(self) -> dict[str, Any]:
+        """`state_dict` for a commit: the ends added since the last commit, as a journal change;
+        ``base_pruned``: per lane, the ordinal of the first end in the journal's base; ``ended``:
+        per lane, episodes ended so far."""
+        ended, saved = self.ended(), self._saved
+        if (saved is None or (self._pruned > saved).any() or (ended < saved).any()
+                or self._journal_size > 2 * int(self._count.sum()) + LOG_CHUNK):
+            lanes = np.repeat(np.arange(len(self._count)), self._count)
+            change = JournalChange(np.zeros(0, END_RECORD), np.stack([lanes, self._all_ends()], 1).reshape(-1))
+            self._base_pruned = self._pruned.tolist()
+        else:
+            grew = np.flatnonzero(ended > saved).tolist()
+            records = np.zeros(int((ended - saved).sum()), END_RECORD)
+            records["lane"] = np.repeat(grew, (ended - saved)[grew])
+            records["step"] = np.concatenate([self._ends[e][saved[e] - self._pruned[e]:self._count[e]] for e in grew]
+                                             or [np.zeros(0, np.int64)])
+            change = JournalChange(records)
+        self._staged = (change, ended)
+        return {"end_fields": list(self.end_fields), "base_pruned": self._base_pruned, "ended": ended.tolist(),
+                "ends": change}
+
+    def committed(self) -> None:
+        """The last `commit_state` was committed."""
+        if self._staged is not None:
+            change, ended = self._staged
+            rebased = change.base is not None
+            self._journal_size = len(change.records) + (len(change.base) // 2 if rebased else self._journal_size)
+            self._saved, self._staged = ended, None
+
+    def _all_ends(self) -> np.ndarray:
+        return np.concatenate([self.ends(e) for e in range(len(self._count))])
+
     def check_state(self, state: Any, total: np.ndarray) -> None:
         """Raise ValueError unless ``state`` (from `state_dict`) is an index of these end fields
         whose ends, per lane, are strictly increasing steps below ``total``."""
         if not isinstance(state, dict):
             raise ValueError(f"'episodes': expected a mapping, got {type(state).__name__}")
+        state = self._plain(state)
         if list(state.get("end_fields", [])) != list(self.end_fields):
             raise ValueError(f"'episodes.end_fields': expected {list(self.end_fields)}, "
                              f"got {state.get('end_fields')!r}")
@@ -248,8 +293,41 @@ class EpisodeIndex:
                 raise ValueError(f"'episodes.ends' of lane {lane}: expected increasing steps in "
                                  f"[0, {int(total[lane])}), got {own[:5].tolist()}...")
 
+    def _plain(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A commit's state (a journal) as a `state_dict`. Raises ValueError for a journal that is not
+        one of this index."""
+        journal = state.get("ends")
+        if not isinstance(journal, JournalContent):
+            return state
+        lanes = len(self._count)
+        if journal.base.dtype != np.int64 or len(journal.base) % 2 or journal.records.dtype != END_RECORD:
+            raise ValueError(f"'episodes.ends' (journal): expected int64 (lane, step) pairs, got base "
+                             f"{journal.base.dtype} shaped {journal.base.shape} and records {journal.records.dtype}")
+        pairs = journal.base.reshape(-1, 2)
+        lane = np.concatenate([pairs[:, 0], journal.records["lane"]])
+        if len(lane) and not (0 <= lane.min() and lane.max() < lanes):
+            raise ValueError(f"'episodes.ends' (journal): expected lanes in [0, {lanes}), got {int(lane.min())} "
+                             f"to {int(lane.max())}")
+        order = np.argsort(lane, kind="stable")
+        count = np.bincount(lane, minlength=lanes)
+        pruned = np.asarray(state.get("base_pruned"))
+        ended = np.asarray(state.get("ended"))
+        if pruned.shape != (lanes,) or ended.shape != (lanes,) or not np.array_equal(pruned + count, ended):
+            raise ValueError(f"'episodes.ended': expected base_pruned plus the journal's ends per lane "
+                             f"({(pruned + count).tolist() if pruned.shape == count.shape else pruned.tolist()}), "
+                             f"got {ended.tolist()}")
+        steps = np.concatenate([pairs[:, 1], journal.records["step"]])[order]
+        return {"end_fields": state.get("end_fields"), "count": count, "pruned": pruned, "ends": steps}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a `state_dict` (see `check_state`)."""
+        """Continue from a `state_dict` or a commit's state (see `check_state`)."""
+        journal = isinstance(state.get("ends"), JournalContent)
+        state = self._plain(state)
+        if journal:
+            self._saved, self._journal_size = np.asarray(state["count"]) + state["pruned"], len(state["ends"])
+            self._base_pruned = np.asarray(state["pruned"]).tolist()
+        else:
+            self._saved = None
         self._pruned = np.asarray(state.get("pruned", np.zeros_like(self._count)), dtype=np.int64).copy()
         offsets = np.concatenate([[0], np.cumsum(state["count"])])
         for e in range(len(self._count)):

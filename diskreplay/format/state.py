@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,15 +17,23 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from ..errors import CorruptBufferError
+from .journal import JOURNAL_MARK, JournalChange
 
 ARRAY_MARK = "__array__"
 MAX_SNAPSHOT_JSON = 16 << 20
 
 
-def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, np.ndarray]]:
+def split(state: Any, journal: Callable[[str, JournalChange], Any] | None = None
+          ) -> tuple[Any, dict[str, np.ndarray]]:
+    """``journal(path, change)``: the JSON that stands for a `JournalChange` at ``path`` (none
+    allowed without it)."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(value: Any, path: str) -> Any:
+        if isinstance(value, JournalChange):
+            if journal is None:
+                raise TypeError(f"state at {path!r}: a journal change is only saved with a commit")
+            return journal(path, value)
         if isinstance(value, np.ndarray):
             arrays[path] = np.ascontiguousarray(value)
             return {ARRAY_MARK: path}
@@ -36,19 +45,27 @@ def split(state: Any, prefix: str = "") -> tuple[Any, dict[str, np.ndarray]]:
             return value.item()
         return value
 
-    return walk(state, prefix), arrays
+    return walk(state, ""), arrays
 
 
-def join(meta: Any, arrays: dict[str, np.ndarray]) -> Any:
-    """Raises KeyError for a marker naming no array."""
+def join(meta: Any, arrays: dict[str, np.ndarray], journal: Callable[[str, Any], Any] | None = None,
+         path: str = "") -> Any:
+    """``journal(path, value)``: what a journal reference at ``path`` stands for.
+
+    Raises KeyError for a marker naming no array, ValueError for a journal reference where none is
+    expected."""
     if isinstance(meta, dict):
         if set(meta) == {ARRAY_MARK}:
             if not isinstance(meta[ARRAY_MARK], str) or meta[ARRAY_MARK] not in arrays:
                 raise KeyError(f"the state names array {meta[ARRAY_MARK]!r}, which its array file lacks")
             return arrays[meta[ARRAY_MARK]]
-        return {k: join(v, arrays) for k, v in meta.items()}
+        if set(meta) == {JOURNAL_MARK}:
+            if journal is None:
+                raise ValueError(f"state at {path!r}: a journal reference outside a commit")
+            return journal(path, meta[JOURNAL_MARK])
+        return {k: join(v, arrays, journal, f"{path}.{k}" if path else k) for k, v in meta.items()}
     if isinstance(meta, list):
-        return [join(v, arrays) for v in meta]
+        return [join(v, arrays, journal, f"{path}.{i}") for i, v in enumerate(meta)]
     return meta
 
 

@@ -10,7 +10,8 @@ buffer and never writes):
   made before checksums have none) and decodes to exactly one chunk's bytes (diskreplay writes
   every chunk it fills, whatever its values, so a missing one is an error, never "all fill
   value");
-- the state object the commit references (sampler, generator, episode index) exists and loads;
+- the state object the commit references (sampler, generator, episode index) exists and loads,
+  and so does every object of the journals it names (priorities, episode ends), at its size;
 - the buffer opens read-only and, if it keeps an episode index, lists its episodes.
 
 Things that are harmless but worth knowing go to `VerifyReport.notes`: a writer lock left
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,12 +32,14 @@ from ..format import state as state_files
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
+from ..format.journal import JournalRef
 from ..format.keys import COMMIT_KEY, GROUP_KEY, chunk_key, read_json
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
 from ..io import ChunkStore, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
+from ..storage.journal import Journal, MissingObject
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 
@@ -147,17 +151,31 @@ def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs:
 
 
 def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) -> None:
+    """The state object and every journal object the commit names exist and have their sizes."""
     key = commit.state_arrays
-    if not key:
-        return
-    blob = store.get(key)
-    if blob is None:
-        report.problem(f"state object {key!r} referenced by {COMMIT_KEY} is missing")
-        return
+    arrays = {}
+    if key:
+        blob = store.get(key)
+        if blob is None:
+            report.problem(f"state object {key!r} referenced by {COMMIT_KEY} is missing")
+            return
+        try:
+            arrays = state_files.arrays_from_bytes(blob)
+        except Exception as exc:
+            report.problem(f"state object {key!r} does not load ({exc})")
+            return
+
+    def read_journal(path: str, value: Any) -> None:
+        Journal(store, report.url, path).read(JournalRef.from_json(path, value, commit.sequence))
+
     try:
-        state_files.arrays_from_bytes(blob)
-    except Exception as exc:
-        report.problem(f"state object {key!r} does not load ({exc})")
+        state_files.join(commit.state or {}, arrays, read_journal)
+    except MissingObject as missing:
+        report.problem(f"state object {str(missing)!r} referenced by {COMMIT_KEY} is missing")
+    except (CorruptBufferError, ValueError, KeyError) as exc:
+        what = f"state object {key!r}" if key else f"the state of commit {commit.sequence}"
+        why = exc.args[0] if isinstance(exc, KeyError) else _without_url(exc, report.url)
+        report.problem(f"{what} does not load ({why})")
 
 
 def _notes(store: ChunkStore, report: VerifyReport) -> None:

@@ -8,10 +8,15 @@ from typing import Any
 
 import numpy as np
 
+from ..format.journal import JournalChange, JournalContent
 from ..format.lanes import LaneLayout
+from .priority_table import PriorityTable
 from .protocols import Draw, PrioritySampler
-from .segment_tree import MinSegmentTree, SumSegmentTree
 from .state import is_int
+
+PRIORITY_RECORD = np.dtype([("leaf", "<i8"), ("value", "<f4")])
+"""A journal record of the priorities: one leaf set to a value."""
+MAX_LEAF = float(np.finfo(np.float32).max)
 
 
 class Prioritized(PrioritySampler):
@@ -26,6 +31,10 @@ class Prioritized(PrioritySampler):
 
     Leaves are storage slots, so an overwritten ring row simply takes the new row's priority. An
     update naming a row that was overwritten since it was sampled (a stale row id) is ignored.
+
+    Leaves are float32 (`PriorityTable`: 4.5 bytes of RAM per row in all). A commit saves the
+    leaves changed since the last one, as ``(leaf, value)`` records of a journal; once the records
+    since the journal's base pass an eighth of the leaves, a commit writes all leaves as a new base.
     """
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
@@ -42,6 +51,10 @@ class Prioritized(PrioritySampler):
         self.stratified = stratified
         self.max_priority = 1.0 if initial_priority is None else float(initial_priority)
         self._pending: list[tuple[int, int, int]] = []
+        self._changed: list[np.ndarray] | None = None  # leaves changed since the last commit; None: all
+        self._changed_count = 0
+        self._logged = 0  # records in the journal since its base
+        self._staged: JournalChange | None = None
 
     def attach(self, layout: LaneLayout) -> None:
         """One leaf per storage slot of every lane (dataset mode: 65,536 per lane, growing)."""
@@ -50,8 +63,8 @@ class Prioritized(PrioritySampler):
         self._make_trees(layout.num_envs * self.stride)
 
     def _make_trees(self, leaves: int) -> None:
-        self.sum_tree = SumSegmentTree(leaves)
-        self.min_tree = MinSegmentTree(leaves)
+        self.table = PriorityTable(leaves)
+        self._changed = None
 
     def _leaf(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         leaf: np.ndarray = lane * self.stride + self.layout.slot(step)
@@ -64,18 +77,24 @@ class Prioritized(PrioritySampler):
             stride *= 2
         if stride == self.stride:
             return
-        old = self.sum_tree[np.arange(self.sum_tree.capacity)].reshape(self.layout.num_envs, self.stride)
-        self.stride = stride
-        self._make_trees(self.layout.num_envs * stride)
-        leaves = np.zeros((self.layout.num_envs, stride))
+        old = self.table.leaves.reshape(self.layout.num_envs, self.stride)
+        leaves = np.zeros((self.layout.num_envs, stride), np.float32)
         leaves[:, : old.shape[1]] = old
-        self._set_leaves(np.flatnonzero(leaves.reshape(-1)), leaves.reshape(-1)[leaves.reshape(-1) > 0])
+        self.stride = stride
+        self.table = PriorityTable.from_leaves(leaves.reshape(-1))
+        self._changed = None
 
     def _set_leaves(self, leaves: np.ndarray, values: np.ndarray) -> None:
-        self.sum_tree.update(leaves, values)
-        # A zero priority (eps=0, td=0) is never drawn: it must not set the weights' p_min (it would
-        # make every weight 0), and leaves rebuilt from a saved state skip zeros anyway.
-        self.min_tree.update(leaves, np.where(values > 0, values, np.inf))
+        self.table.set(leaves, values)
+        if self._changed is not None:
+            self._changed.append(leaves)
+            self._changed_count += len(leaves)
+            if self._changed_count > self._rebase_after():
+                self._changed = None  # the next commit writes every leaf
+
+    def _rebase_after(self) -> int:
+        """Records in the journal past which a commit writes a new base instead."""
+        return max(self.table.capacity // 8, 1 << 16) - self._logged
 
     def on_append(self, lane: int, first: int, end: int) -> None:
         """Queue the new rows; they get the max priority before the next draw or update."""
@@ -124,7 +143,7 @@ class Prioritized(PrioritySampler):
 
     def _weights(self, leaf: np.ndarray, beta: float | None, p_min: float) -> np.ndarray:
         beta = self.beta if beta is None else beta
-        p = self.sum_tree[leaf]
+        p = self.table[leaf]
         return ((p / p_min) ** -beta).astype(np.float32)
 
     def update_priorities(self, lane: np.ndarray, step: np.ndarray, td_errors: np.ndarray,
@@ -146,32 +165,54 @@ class Prioritized(PrioritySampler):
         priority = np.abs(td[live]) + self.eps
         if priority.size:
             leaves = priority ** self.alpha
-            limit = np.finfo(np.float64).max / self.sum_tree.capacity
-            if not (leaves <= limit).all():
-                bad = int(np.flatnonzero(~(leaves <= limit))[0])
+            if not (leaves <= MAX_LEAF).all():
+                bad = int(np.flatnonzero(~(leaves <= MAX_LEAF))[0])
                 raise ValueError(f"update_priorities: TD error {td[live][bad]} gives priority {leaves[bad]}, above "
-                                 f"{limit:.3g}, where the sum over {self.sum_tree.capacity} rows could overflow")
+                                 f"{MAX_LEAF:.3g}, the largest float32 priority")
             self.max_priority = max(self.max_priority, float(priority.max()))
             self._set_leaves(self._leaf(lane[live], step[live]), leaves)
         return int(live.sum())
 
     def state_dict(self) -> dict[str, Any]:
-        """Settings, max priority, stride and every leaf (float64 ``[num_envs * stride]``)."""
+        """Settings, max priority, stride and every leaf (float32 ``[num_envs * stride]``)."""
         self._apply_pending()
+        return {**self._settings(), "leaves": self.table.leaves.copy()}
+
+    def _settings(self) -> dict[str, Any]:
         return {"type": "Prioritized", "alpha": self.alpha, "beta": self.beta, "eps": self.eps,
                 "initial_priority": self.initial_priority, "stratified": self.stratified,
-                "max_priority": self.max_priority, "stride": self.stride,
-                "leaves": self.sum_tree[np.arange(self.sum_tree.capacity)]}
+                "max_priority": self.max_priority, "stride": self.stride}
+
+    def commit_state(self) -> dict[str, Any]:
+        """`state_dict` for a commit: the leaves changed since the last commit, as a journal change."""
+        self._apply_pending()
+        if self._changed is None:
+            self._staged = JournalChange(np.zeros(0, PRIORITY_RECORD), self.table.leaves)
+        else:
+            leaf = np.unique(np.concatenate(self._changed)) if self._changed else np.zeros(0, np.int64)
+            records = np.empty(len(leaf), PRIORITY_RECORD)
+            records["leaf"], records["value"] = leaf, self.table.leaves[leaf]
+            self._staged = JournalChange(records)
+        return {**self._settings(), "leaves": self._staged}
+
+    def committed(self) -> None:
+        """The last `commit_state` was committed: count changes from here."""
+        if self._staged is not None:
+            self._logged = len(self._staged.records) + (0 if self._staged.base is not None else self._logged)
+            self._changed, self._changed_count, self._staged = [], 0, None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Rebuild the trees from the saved leaves."""
+        """Rebuild the trees from the saved leaves (or the journal a commit left)."""
         self.max_priority = float(state["max_priority"])
         self._pending = []
         self.stride = int(state["stride"])
-        leaves = np.asarray(state["leaves"], dtype=np.float64)
-        self._make_trees(len(leaves))
-        nonzero = np.flatnonzero(leaves)
-        self._set_leaves(nonzero, leaves[nonzero])
+        leaves = state["leaves"]
+        if isinstance(leaves, JournalContent):
+            self.table = PriorityTable.from_leaves(replay(leaves))
+            self._logged, self._changed, self._changed_count = len(leaves.records), [], 0
+        else:
+            self.table = PriorityTable.from_leaves(np.asarray(leaves, np.float32))
+            self._logged, self._changed = 0, None
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Prioritized:
@@ -180,8 +221,8 @@ class Prioritized(PrioritySampler):
 
     @staticmethod
     def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
-        """Raise ValueError unless ``state`` is a `state_dict` of this layout: leaves for every
-        lane's slots, finite and >= 0, and a finite max priority > 0."""
+        """Raise ValueError unless ``state`` is a `state_dict` (or a commit's) of this layout:
+        leaves for every lane's slots, finite and >= 0, and a finite max priority > 0."""
         stride = state["stride"]
         if layout.lane_capacity is not None:
             expected_stride = stride == layout.lane_capacity
@@ -191,15 +232,42 @@ class Prioritized(PrioritySampler):
         if not is_int(stride) or not expected_stride:
             wanted = layout.lane_capacity or "a power of two >= 65536 that fits the rows"
             raise ValueError(f"'sampler.stride': expected {wanted}, got {stride!r}")
+        size = layout.num_envs * stride
         leaves = state["leaves"]
-        if (not isinstance(leaves, np.ndarray) or leaves.dtype != np.float64
-                or leaves.shape != (layout.num_envs * stride,) or not (np.isfinite(leaves) & (leaves >= 0)).all()):
-            raise ValueError(f"'sampler.leaves': expected {layout.num_envs * stride} finite float64 values >= 0, got "
+        if isinstance(leaves, JournalContent):
+            _check_journal(leaves, size)
+        elif (not isinstance(leaves, np.ndarray) or leaves.dtype not in (np.float32, np.float64)
+                or leaves.shape != (size,) or not (np.isfinite(leaves) & (leaves >= 0) & (leaves <= MAX_LEAF)).all()):
+            raise ValueError(f"'sampler.leaves': expected {size} finite float32 values >= 0, got "
                              f"{getattr(leaves, 'dtype', type(leaves).__name__)} "
                              f"shaped {getattr(leaves, 'shape', None)}")
         peak = state["max_priority"]
         if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (math.isfinite(peak) and peak > 0):
             raise ValueError(f"'sampler.max_priority': expected a finite number > 0, got {peak!r}")
+
+
+def _check_journal(journal: JournalContent, size: int) -> None:
+    base, records = journal.base, journal.records
+    if base.dtype != np.float32 or base.shape != (size,) or not (np.isfinite(base) & (base >= 0)).all():
+        raise ValueError(f"'sampler.leaves' (journal base): expected {size} finite float32 values >= 0, got "
+                         f"{base.dtype} shaped {base.shape}")
+    if records.dtype != PRIORITY_RECORD:
+        raise ValueError(f"'sampler.leaves' (journal records): expected {PRIORITY_RECORD}, got {records.dtype}")
+    bad = ~((records["leaf"] >= 0) & (records["leaf"] < size) & np.isfinite(records["value"]) & (records["value"] >= 0))
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"'sampler.leaves' (journal record {at}): expected a leaf in [0, {size}) and a finite "
+                         f"value >= 0, got leaf {int(records['leaf'][at])}, value {float(records['value'][at])}")
+
+
+def replay(journal: JournalContent) -> np.ndarray:
+    """The leaves a journal ends with: its base, then each record's write (the last one wins)."""
+    leaves = journal.base.copy()
+    if len(journal.records):
+        backwards = journal.records[::-1]
+        leaf, last = np.unique(backwards["leaf"], return_index=True)
+        leaves[leaf] = backwards["value"][last]
+    return leaves
 
 
 @dataclass
@@ -225,28 +293,28 @@ class _LeafRanges:
             if b > a:
                 spans += [(base + first, base + last)] if first < last else [(base + first, base + cap),
                                                                              (base, base + last)]
-        tree = sampler.sum_tree
+        tree = sampler.table
         return cls(sampler, np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64),
                    np.array([tree.sum(0, a) for a, _ in spans]), np.array([tree.sum(a, b) for a, b in spans]))
 
     def mass(self) -> float:
         if self.start is None:
-            return self.sampler.sum_tree.total()
+            return self.sampler.table.total()
         assert self.inside is not None  # set together with start
         return float(self.inside.sum())
 
     def find(self, thresholds: np.ndarray) -> np.ndarray:
         """The leaf of each threshold in ``[0, mass())``."""
         if self.start is None:
-            return self.sampler.sum_tree.find_prefix_sum(thresholds)
+            return self.sampler.table.find(thresholds)
         assert self.inside is not None and self.before is not None  # set together with start
         cumulative = np.cumsum(self.inside)
         where = np.minimum(np.searchsorted(cumulative, thresholds, side="right"), len(cumulative) - 1)
         offset = thresholds - (cumulative[where] - self.inside[where])
-        return self.sampler.sum_tree.find_prefix_sum(self.before[where] + offset)
+        return self.sampler.table.find(self.before[where] + offset)
 
     def min(self) -> float:
         if self.start is None:
-            return self.sampler.min_tree.min()
+            return self.sampler.table.min()
         assert self.end is not None  # set together with start
-        return min(self.sampler.min_tree.min(int(a), int(b)) for a, b in zip(self.start, self.end))
+        return min(self.sampler.table.min(int(a), int(b)) for a, b in zip(self.start, self.end))

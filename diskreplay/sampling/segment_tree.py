@@ -261,10 +261,17 @@ class SumSegmentTree(_SegmentTree):
             ValueError: ``total()`` is 0, or a threshold is negative or NaN.
         """
         t = np.asarray(thresholds, dtype=np.float64)
-        shape = t.shape
-        t = t.reshape(-1)
+        found, _ = self.locate(t.reshape(-1))
+        return found.reshape(t.shape)
+
+    def locate(self, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`find_prefix_sum` of 1-D ``thresholds``, with each threshold's remainder inside its leaf
+        (``t - sum(leaves[:i])``; ``inf`` where rounding moved the result off a zero leaf).
+
+        Raises ValueError as `find_prefix_sum`."""
+        t = np.array(thresholds, dtype=np.float64)
         if t.size == 0:
-            return np.zeros(shape, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), t
         if not self._tree[1] > 0:
             raise ValueError("find_prefix_sum needs total() > 0, but all leaves are 0")
         order = np.argsort(t)
@@ -281,10 +288,12 @@ class SumSegmentTree(_SegmentTree):
             idx += idx
             idx += right
         if not np.minimum.reduce(self._levels[self._depth][idx]) > 0:
-            self._fix_zero_hits(idx)
+            t[self._fix_zero_hits(idx)] = np.inf
         found = np.empty(idx.size, dtype=np.int64)
         found[order] = idx
-        return found.reshape(shape)
+        rest = np.empty(idx.size)
+        rest[order] = t
+        return found, rest
 
     def _descend_top(self, t: np.ndarray) -> np.ndarray:
         """Node indices (within their level) after the top levels; subtracts from ``t``.
@@ -301,15 +310,18 @@ class SumSegmentTree(_SegmentTree):
         t -= cumsum[idx]
         return idx
 
-    def _fix_zero_hits(self, idx: np.ndarray) -> None:
-        """Move results that landed on a zero leaf to the last non-zero leaf before them.
+    def _fix_zero_hits(self, idx: np.ndarray) -> np.ndarray:
+        """Move results that landed on a zero leaf to the last non-zero leaf before them (returns
+        their positions).
 
         Rounding can carry a threshold at (or past) the end of a subtree's mass
         into a run of zero leaves that follows it; the intended leaf is then the
         last non-zero one before the run.
         """
-        for pos in np.flatnonzero(self._levels[self._depth][idx] == 0):
+        moved = np.flatnonzero(self._levels[self._depth][idx] == 0)
+        for pos in moved:
             idx[pos] = self._last_nonzero_before(int(idx[pos]))
+        return moved
 
     def _last_nonzero_before(self, leaf: int) -> int:
         """Largest leaf index ``< leaf`` with a non-zero value (the last one if none)."""

@@ -29,11 +29,13 @@ from ..errors import ClosedError, CorruptBufferError, LockedError, ReadOnlyError
 from ..format import state as state_files
 from ..format.commit import CommitRecord, is_state_key, state_key
 from ..format.config import BufferConfig
+from ..format.journal import JournalChange, JournalContent, JournalRef, is_journal_key
 from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES, array_key
 from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
 from ..io.lock import WriterLock
 from ..io.store import ChunkStore
 from .cursors import Cursors
+from .journal import Journal, MissingObject
 
 STATE_ATTEMPTS = 10
 """Reads of the newest commit a reader makes while its writer keeps replacing the state object."""
@@ -41,10 +43,12 @@ STATE_ATTEMPTS = 10
 
 @dataclass(frozen=True)
 class StagedState:
-    """A state about to be committed: its JSON part and the key of the object holding its arrays."""
+    """A state about to be committed: its JSON part, the key of the object holding its arrays
+    and the journals it appended to."""
 
     meta: dict[str, Any]
     key: str | None
+    journals: tuple[Journal, ...] = ()
 
 
 class CommitLog:
@@ -66,6 +70,7 @@ class CommitLog:
         self.closed = False
         self.lost_lock: str | None = None
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
+        self.journals: dict[str, Journal] = {}
 
     # ---- the writer's right to write -------------------------------------------------------
 
@@ -103,6 +108,11 @@ class CommitLog:
         previous, self.record = self.record.state_arrays, record
         if staged is not None and previous and previous != staged.key:
             self._garbage.append(previous)
+        for journal in staged.journals if staged is not None else ():
+            old = journal.ref
+            journal.committed()
+            if old is not None:
+                self._garbage += [key for key in old.keys() if not journal.holds(key)]
         self.cursors.lower = np.maximum(self.cursors.lower, lower)
 
     def retire(self, first_kept: np.ndarray) -> None:
@@ -146,27 +156,48 @@ class CommitLog:
     # ---- state objects ---------------------------------------------------------------------
 
     def stage_state(self, state: dict[str, Any], durable: bool) -> StagedState:
-        """Write the arrays of ``state`` (if any) to a new state object for the next commit."""
-        meta, arrays = state_files.split(state)
+        """Write the arrays of ``state`` (if any) to a new state object for the next commit,
+        and its journal changes to their journals."""
+        sequence = self.record.sequence + 1
+        journals: list[Journal] = []
+
+        def stage(path: str, change: JournalChange) -> dict[str, Any]:
+            self.check_lock()
+            journals.append(self._journal(path))
+            return journals[-1].stage(change, sequence, durable).to_json()
+
+        try:
+            meta, arrays = state_files.split(state, stage)
+        except BaseException:
+            self.discard(StagedState({}, None, tuple(journals)))
+            raise
         if not arrays:
-            return StagedState(meta, None)
-        key = state_key(self.record.sequence + 1)
+            return StagedState(meta, None, tuple(journals))
+        key = state_key(sequence)
         self.check_lock()
         self.store.put(key, state_files.arrays_to_bytes(arrays), durable)
-        return StagedState(meta, key)
+        return StagedState(meta, key, tuple(journals))
 
     def discard(self, staged: StagedState) -> None:
-        """A staged state whose commit failed: delete its object later (a commit may still
-        name it, if the failure hid a success)."""
+        """A staged state whose commit failed: delete its objects later (a commit may still
+        name them, if the failure hid a success)."""
         if staged.key is not None:
             self._garbage.append(staged.key)
+        for journal in staged.journals:
+            self._garbage += journal.failed()
+
+    def _journal(self, path: str) -> Journal:
+        if path not in self.journals:
+            self.journals[path] = Journal(self.store, self.url, path)
+        return self.journals[path]
 
     def collect_garbage(self) -> None:
         """Delete state objects no commit names; a failure is retried after the next commit."""
         keep = []
         for key in self._garbage:
             try:
-                if key != self.record.state_arrays and is_state_key(key):
+                live = key == self.record.state_arrays or any(j.holds(key) for j in self.journals.values())
+                if not live and (is_state_key(key) or is_journal_key(key)):
                     self.check_lock()
                     self.store.delete(key)
             except OSError:
@@ -194,12 +225,18 @@ class CommitLog:
             if blob is not None:
                 try:
                     arrays = state_files.arrays_from_bytes(blob) if key else {}
-                    return record, state_files.join(record.state, arrays)
+                    return record, state_files.join(record.state, arrays, functools.partial(self._read_journal, record))
+                except MissingObject as missing:
+                    key = str(missing)
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise CorruptBufferError(f"{self.url!r}: state object {key!r} does not load ({exc})") from None
+                    what = f"state object {key!r}" if key else f"the state of commit {record.sequence}"
+                    raise CorruptBufferError(f"{self.url!r}: {what} does not load ({exc})") from None
             if self.mode != "r":
                 break
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
+
+    def _read_journal(self, record: CommitRecord, path: str, value: Any) -> JournalContent:
+        return self._journal(path).read(JournalRef.from_json(path, value, record.sequence))
 
     def _get_state(self, key: str) -> bytes | None:
         if not is_state_key(key):  # the record was validated; this guards other callers

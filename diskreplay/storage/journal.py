@@ -1,0 +1,110 @@
+"""`Journal`: one journal's objects in a store (`format.journal` has the layout), written by a
+commit in the commit protocol's order (objects first, then the record that names them) and read
+back checked.
+
+A commit that fails after writing log chunks keeps its records pending: the next commit writes
+them again before its own, so a log chunk is only ever rewritten with the same bytes (a failure
+may hide a success, and a reader may already follow the commit that names it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CorruptBufferError
+from ..format.journal import BASE_CHUNK, LOG_CHUNK, JournalChange, JournalContent, JournalRef, new_name
+from ..io.store import ChunkStore
+
+
+class MissingObject(Exception):
+    """An object a commit names is gone: the writer replaced that commit meanwhile (readers retry)."""
+
+
+class Journal:
+    """The journal at one state path: the committed reference, the records of its tail, and
+    the records of a commit that failed."""
+
+    def __init__(self, store: ChunkStore, url: str, path: str):
+        self.store, self.url, self.path = store, url, path
+        self.ref: JournalRef | None = None
+        self.tail: np.ndarray | None = None  # records past the last full log chunk of `ref`
+        self.pending: np.ndarray | None = None  # records a failed commit wrote, written again first
+        self.staged: tuple[JournalRef, np.ndarray, np.ndarray] | None = None  # ref, records, tail
+
+    def stage(self, change: JournalChange, sequence: int, durable: bool) -> JournalRef:
+        """Write what ``change`` needs for commit ``sequence``; the reference to commit.
+
+        Raises ValueError for records appended to no generation (the first change needs a base)."""
+        records = change.records
+        if change.base is None:
+            if self.ref is None or self.tail is None or self.ref.record_dtype != records.dtype:
+                raise ValueError(f"journal {self.path!r}: records appended before any base was committed")
+            ref, tail = self.ref, self.tail
+            if self.pending is not None:
+                records = np.concatenate([self.pending, records])
+            if not len(records):
+                return ref
+        else:
+            ref = JournalRef(self.path, new_name(sequence), change.base.dtype, records.dtype, len(change.base), 0, None)
+            tail = records[:0]
+            for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
+                self.store.put(key, np.ascontiguousarray(change.base[start:start + BASE_CHUNK]).tobytes(), durable)
+        joined = np.concatenate([tail, records])
+        first_chunk = (ref.records - len(tail)) // LOG_CHUNK
+        full = len(joined) // LOG_CHUNK
+        for i in range(full):
+            self.store.put(ref.log_key(first_chunk + i), joined[i * LOG_CHUNK:(i + 1) * LOG_CHUNK].tobytes(), durable)
+        rest = joined[full * LOG_CHUNK:].copy()
+        ref = JournalRef(ref.path, ref.generation, ref.base_dtype, ref.record_dtype, ref.base,
+                         ref.records + len(records), new_name(sequence) if len(rest) else None)
+        tail_key = ref.tail_key()
+        if tail_key is not None:
+            self.store.put(tail_key, rest.tobytes(), durable)
+        self.staged = (ref, records, rest)
+        return ref
+
+    def committed(self) -> None:
+        """The staged reference was committed."""
+        if self.staged is not None:
+            self.ref, _, self.tail = self.staged
+        self.staged, self.pending = None, None
+
+    def failed(self) -> list[str]:
+        """The staged commit failed: an append keeps its records for the next commit. Returns
+        the objects it wrote that the committed reference does not name."""
+        if self.staged is None:
+            return []
+        ref, records, _ = self.staged
+        if self.ref is not None and ref.generation == self.ref.generation:
+            self.pending = records
+        self.staged = None
+        return [key for key in ref.keys() if not self.holds(key)]
+
+    def holds(self, key: str) -> bool:
+        """Whether the committed reference names ``key``."""
+        return self.ref is not None and self.ref.names(key)
+
+    def read(self, ref: JournalRef) -> JournalContent:
+        """The content of the journal at ``ref``; it becomes this journal's committed state.
+
+        Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size)."""
+        bases = []
+        for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
+            bases.append(self._get(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
+        logs = [self._get(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
+        tail_key = ref.tail_key()
+        tail = self._get(tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key else np.zeros(0, ref.record_dtype)
+        base = np.concatenate(bases) if bases else np.zeros(0, ref.base_dtype)
+        records = np.concatenate([*logs, tail])
+        self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
+        return JournalContent(base, records)
+
+    def _get(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        size = count * dtype.itemsize
+        blob = self.store.get(key, limit=size + 1)
+        if blob is None:
+            raise MissingObject(key)
+        if len(blob) != size:
+            raise CorruptBufferError(f"{self.url!r}: journal object {key!r}: expected {size} bytes "
+                                     f"({count} of {dtype}), got {'more' if len(blob) > size else len(blob)}")
+        return np.frombuffer(blob, dtype=dtype).copy()
