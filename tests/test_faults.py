@@ -51,6 +51,7 @@ import pytest
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
 
 import diskreplay as dr
+from diskreplay.format.journal import JOURNAL_MARK, JournalRef
 from diskreplay.io import LocalChunkStore, open_chunkstore
 from diskreplay.offline import verify
 
@@ -206,9 +207,23 @@ def check_recovered(buf: dr.ReplayBuffer, steps_per_lane: int, so: dict | None =
     assert report.rows == len(want)
     assert not any("orphaned" in note for note in report.notes), report.notes
     assert partial_files(buf.url) == []
-    state_key = json.loads(view.commit)["extra"].get("state_arrays")
     stored_states = sorted(k for k in stored_keys(buf.url, so) if k.startswith("state/"))
-    assert stored_states == ([state_key] if state_key else []), stored_states  # failed flushes' objects collected
+    assert stored_states == named_state_keys(view.commit), stored_states  # failed flushes' objects collected
+
+
+def named_state_keys(commit: bytes) -> list[str]:
+    """The state object and every journal object a commit record names."""
+    record = json.loads(commit)
+    keys = [record["extra"]["state_arrays"]] if record["extra"].get("state_arrays") else []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict) and set(value) == {JOURNAL_MARK}:
+            keys.extend(JournalRef.from_json(path, value[JOURNAL_MARK], record["sequence"]).keys())
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else key)
+    walk(record["extra"].get("state") or {}, "")
+    return sorted(keys)
 
 
 def stored_keys(url: str, so: dict | None) -> list[str]:
@@ -556,7 +571,7 @@ class Reference:
     def __init__(self, lanes: int, lane_cap: int | None):
         self.lanes, self.lane_cap = lanes, lane_cap
         self.total = 0  # steps per lane (every call here adds to all lanes)
-        self.leaves: dict[tuple[int, int], float] = {}
+        self.leaves: dict[tuple[int, int], float] = {}  # float32 values, as the sampler keeps them
         self.max_priority = 1.0
 
     def rows(self, ids) -> dict[str, np.ndarray]:
@@ -565,7 +580,7 @@ class Reference:
     def added(self, n: int) -> None:
         for step in range(self.total, self.total + n):
             for lane in range(self.lanes):
-                self.leaves[(lane, self.slot(step))] = self.max_priority ** ALPHA
+                self.leaves[(lane, self.slot(step))] = float(np.float32(self.max_priority ** ALPHA))
         self.total += n
 
     def slot(self, step: int) -> int:
@@ -602,7 +617,7 @@ class Reference:
 
     def update(self, ids: np.ndarray, td: np.ndarray) -> None:
         priority = np.abs(td) + EPS
-        for i, p in zip(ids.tolist(), (priority ** ALPHA).tolist()):
+        for i, p in zip(ids.tolist(), (priority ** ALPHA).astype(np.float32).astype(np.float64).tolist()):
             step, lane = divmod(i, self.lanes)
             self.leaves[(lane, self.slot(step))] = p
         self.max_priority = max(self.max_priority, float(priority.max()))

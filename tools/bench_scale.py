@@ -73,17 +73,7 @@ PACKAGES = ["diskreplay", "numpy", "zarr", "torch", "torchrl", "tensordict", "cp
 log = bl.log
 
 
-def parse_size(text: str) -> int:
-    t = text.strip().lower()
-    scale = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}.get(t[-1:])
-    return int(float(t[:-1]) * scale) if scale else int(t)
-
-
-def label(rows: int) -> str:
-    for unit, scale in (("M", 1_000_000), ("k", 1_000)):
-        if rows >= scale:
-            return f"{rows / scale:g}{unit}"
-    return str(rows)
+parse_size, label = bl.parse_count, bl.format_count
 
 
 def repeat(fn: Callable[[], Any], n: int) -> Callable[[], None]:

@@ -153,6 +153,21 @@ def format_seconds(seconds: float | None, unit: str | None = None) -> str:
     return f"{_sig(seconds / scales[unit])} {names[unit]}"
 
 
+def parse_count(text: str) -> int:
+    """``"16M"`` -> 16,000,000 (suffixes k, M, G: powers of 1,000)."""
+    t = text.strip().lower()
+    scale = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}.get(t[-1:])
+    return int(float(t[:-1]) * scale) if scale else int(t)
+
+
+def format_count(rows: int) -> str:
+    """16,000,000 -> ``"16M"``."""
+    for unit, scale in (("M", 1_000_000), ("k", 1_000)):
+        if rows >= scale:
+            return f"{rows / scale:g}{unit}"
+    return str(rows)
+
+
 def format_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "—"

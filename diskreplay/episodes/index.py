@@ -239,6 +239,8 @@ class EpisodeIndex:
         """`state_dict` for a commit: the ends added since the last commit, as a journal change;
         ``base_pruned``: per lane, the ordinal of the first end in the journal's base; ``ended``:
         per lane, episodes ended so far."""
+        if not self.end_fields:
+            return self.state_dict()
         ended, saved = self.ended(), self._saved
         if (saved is None or (self._pruned > saved).any() or (ended < saved).any()
                 or self._journal_size > 2 * int(self._count.sum()) + LOG_CHUNK):
@@ -258,7 +260,7 @@ class EpisodeIndex:
 
     def committed(self) -> None:
         """The last `commit_state` was committed."""
-        if self._staged is not None:
+        if self._staged is not None and self.end_fields:
             change, ended = self._staged
             rebased = change.base is not None
             self._journal_size = len(change.records) + (len(change.base) // 2 if rebased else self._journal_size)

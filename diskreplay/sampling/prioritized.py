@@ -32,7 +32,7 @@ class Prioritized(PrioritySampler):
     Leaves are storage slots, so an overwritten ring row simply takes the new row's priority. An
     update naming a row that was overwritten since it was sampled (a stale row id) is ignored.
 
-    Leaves are float32 (`PriorityTable`: 4.5 bytes of RAM per row in all). A commit saves the
+    Leaves are float32 (`PriorityTable`: 6 bytes of RAM per row in all). A commit saves the
     leaves changed since the last one, as ``(leaf, value)`` records of a journal; once the records
     since the journal's base pass an eighth of the leaves, a commit writes all leaves as a new base.
     """

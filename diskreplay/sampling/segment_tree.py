@@ -78,6 +78,10 @@ class _SegmentTree:
     def __len__(self) -> int:
         return self.capacity
 
+    def nbytes(self) -> int:
+        """RAM held by the nodes."""
+        return int(self._tree.nbytes)
+
     def __getitem__(self, indices: Any) -> np.ndarray:
         """Leaf values (a float64 copy) at ``indices``, with numpy indexing rules.
 

@@ -168,14 +168,13 @@ class CommitLog:
 
         try:
             meta, arrays = state_files.split(state, stage)
+            key = state_key(sequence) if arrays else None
+            if key is not None:
+                self.check_lock()
+                self.store.put(key, state_files.arrays_to_bytes(arrays), durable)
         except BaseException:
             self.discard(StagedState({}, None, tuple(journals)))
             raise
-        if not arrays:
-            return StagedState(meta, None, tuple(journals))
-        key = state_key(sequence)
-        self.check_lock()
-        self.store.put(key, state_files.arrays_to_bytes(arrays), durable)
         return StagedState(meta, key, tuple(journals))
 
     def discard(self, staged: StagedState) -> None:

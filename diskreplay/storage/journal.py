@@ -3,8 +3,9 @@ commit in the commit protocol's order (objects first, then the record that names
 back checked.
 
 A commit that fails after writing log chunks keeps its records pending: the next commit writes
-them again before its own, so a log chunk is only ever rewritten with the same bytes (a failure
-may hide a success, and a reader may already follow the commit that names it).
+them again before its own (once, where its own records begin with them, as a list that only
+grows does), so a log chunk is only ever rewritten with the same bytes (a failure may hide a
+success, and a reader may already follow the commit that names it).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class Journal:
             if self.ref is None or self.tail is None or self.ref.record_dtype != records.dtype:
                 raise ValueError(f"journal {self.path!r}: records appended before any base was committed")
             ref, tail = self.ref, self.tail
-            if self.pending is not None:
-                records = np.concatenate([self.pending, records])
+            pending = self.pending
+            if pending is not None and not np.array_equal(records[:len(pending)], pending):
+                records = np.concatenate([pending, records])
             if not len(records):
                 return ref
         else:

@@ -1,0 +1,210 @@
+"""Growing state commits what changed (issue 16): priorities and episode ends go to journals, a
+flush writes bytes in proportion to the changes, not to the capacity, and every reopen — also
+after a SIGKILL mid-flush — gives exactly the state of the last commit."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from diskreplay.format.journal import LOG_CHUNK
+from diskreplay.io.local import LocalChunkStore
+
+FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
+
+
+def rows(first: int, n: int, episode: int = 7) -> dict[str, np.ndarray]:
+    t = np.arange(first, first + n)
+    return {"obs": np.stack([t, -t], 1).astype(np.float32), "done": t % episode == episode - 1}
+
+
+def written_bytes() -> int:
+    """Bytes this process has passed to write() so far (Linux /proc/self/io)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("wchar"))
+
+
+def state_files(path) -> list[str]:
+    root = os.path.join(path, "state")
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
+
+
+def leaves(buf: dr.ReplayBuffer) -> np.ndarray:
+    return buf.sampler.state_dict()["leaves"]
+
+
+def per_buffer(path, capacity: int | None, n: int, **kw) -> dr.ReplayBuffer:
+    buf = dr.ReplayBuffer.create(path, FIELDS, capacity=capacity, chunk_rows=1024, seed=0,
+                                 sampler=dr.Prioritized(alpha=0.6), **kw)
+    for first in range(0, n, 1 << 15):
+        buf.extend(rows(first, min(1 << 15, n - first)))
+    buf.flush(durable=False)
+    return buf
+
+
+def flush_bytes_after_updates(path, capacity: int, updates: int) -> int:
+    with per_buffer(path, capacity, 1 << 16) as buf:
+        rng = np.random.default_rng(1)
+        for _ in range(updates // 250):
+            buf.update_priorities(rng.integers(0, 1 << 16, 250), rng.random(250))
+        before = written_bytes()
+        buf.flush(durable=False)
+        return written_bytes() - before
+
+
+def test_a_flush_writes_what_changed_not_what_exists(tmp_path):
+    small = flush_bytes_after_updates(tmp_path / "small", 1 << 16, 1000)
+    big = flush_bytes_after_updates(tmp_path / "big", 1 << 23, 1000)  # 32 MiB of float32 leaves
+    assert big <= 2 * small, (small, big)
+    assert big < 64 << 10, big  # ~1,000 records of 12 bytes, a tail chunk and commit.json
+
+
+def test_records_past_an_eighth_of_the_leaves_write_a_new_base(tmp_path):
+    capacity = 1 << 19
+    with per_buffer(tmp_path / "b", capacity, 1 << 16) as buf:
+        generation = {f.split("/")[1] for f in state_files(tmp_path / "b") if f.startswith("sampler.leaves/")}
+        rng = np.random.default_rng(2)
+        for _ in range(3):
+            buf.update_priorities(rng.integers(0, 1 << 16, 1 << 15), rng.random(1 << 15))
+            buf.flush(durable=False)
+        before = written_bytes()
+        buf.update_priorities(rng.integers(0, 1 << 16, 1 << 15), rng.random(1 << 15))  # past 65,536 records
+        buf.flush(durable=False)
+        assert written_bytes() - before >= 4 * capacity  # every leaf, as float32
+        buf.flush(durable=False)  # the old generation is deleted after the commit that replaced it
+        now = {f.split("/")[1] for f in state_files(tmp_path / "b") if f.startswith("sampler.leaves/")}
+        assert len(now) == 1 and now != generation
+        expected = leaves(buf)
+    with dr.ReplayBuffer.open(tmp_path / "b", "r") as reader:
+        np.testing.assert_array_equal(leaves(reader), expected)
+
+
+@pytest.mark.parametrize("capacity", [1 << 14, None])
+def test_reopen_gives_the_priorities_and_episodes_of_the_last_commit(tmp_path, capacity):
+    path = tmp_path / "b"
+    rng = np.random.default_rng(3)
+    buf = per_buffer(path, capacity, 5000)
+    added = 5000
+    for k in range(12):
+        n = int(rng.integers(1, 3 * LOG_CHUNK))  # tails, full log chunks, and (dataset) a wider stride
+        buf.extend(rows(added, n))
+        added += n
+        buf.update_priorities(buf.row_ids()[rng.integers(0, len(buf), 300)], rng.random(300) * 5)
+        buf.flush(durable=False)
+        committed = leaves(buf), buf.episodes(), buf.sampler.max_priority
+        buf.update_priorities(buf.row_ids()[:10], np.full(10, 99.0))  # not committed
+        with dr.ReplayBuffer.open(path, "r") as reader:
+            np.testing.assert_array_equal(leaves(reader), committed[0])
+            assert reader.sampler.max_priority == committed[2]
+            for name in ("lane", "start", "length", "complete"):
+                np.testing.assert_array_equal(getattr(reader.episodes(), name), getattr(committed[1], name))
+    buf.close()
+    if capacity is None:
+        assert buf.sampler.stride == 1 << 16 or added > 1 << 16
+
+
+def test_a_ring_keeps_its_episode_journal_bounded(tmp_path):
+    path = tmp_path / "ring"
+    with dr.ReplayBuffer.create(path, FIELDS, capacity=2000, chunk_rows=256) as buf:
+        for k in range(200):
+            buf.extend(rows(k * 500, 500, episode=3))  # 167 episodes per flush, 667 live
+            buf.flush(durable=False)
+        table = buf.episodes()
+    objects = [f for f in state_files(path) if f.startswith("episodes.ends/")]
+    size = sum(os.path.getsize(os.path.join(path, "state", f)) for f in objects)
+    assert size <= 16 * (2 * 667 + 2 * LOG_CHUNK), size  # not the 33,000 ends of all 200 flushes
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        for name in ("lane", "start", "length", "complete"):
+            np.testing.assert_array_equal(getattr(reader.episodes(), name), getattr(table, name))
+
+
+def test_a_failed_commit_writes_its_records_again_first(tmp_path, monkeypatch):
+    path = tmp_path / "b"
+    buf = per_buffer(path, 1 << 14, 6000)
+    real_put = LocalChunkStore.put
+    fail = {"commit.json": 1}
+
+    def put(store, key, data, durable=False):
+        if fail.get(key):
+            fail[key] -= 1
+            raise OSError(28, "No space left on device")
+        return real_put(store, key, data, durable)
+
+    monkeypatch.setattr(LocalChunkStore, "put", put)
+    rng = np.random.default_rng(4)
+    buf.update_priorities(buf.row_ids()[:LOG_CHUNK + 100], rng.random(LOG_CHUNK + 100))
+    with pytest.raises(OSError):
+        buf.flush(durable=False)
+    buf.update_priorities(buf.row_ids()[50:70], np.full(20, 3.0))
+    buf.flush(durable=False)
+    expected = leaves(buf)
+    buf.close()
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        np.testing.assert_array_equal(leaves(reader), expected)
+
+
+def test_the_commit_record_stays_small(tmp_path):
+    with per_buffer(tmp_path / "b", 1 << 22, 1 << 16) as buf:
+        buf.update_priorities(buf.row_ids()[:5000], np.random.default_rng(5).random(5000))
+        buf.flush(durable=False)
+    assert os.path.getsize(tmp_path / "b" / "commit.json") < 4096
+
+
+WRITER = textwrap.dedent("""
+    import hashlib, sys
+    import numpy as np
+    import diskreplay as dr
+    path, capacity = sys.argv[1], int(sys.argv[2])
+    fields = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.open(path, "r+", sampler=dr.Prioritized(alpha=0.6))
+    rng = np.random.default_rng(int(sys.argv[3]))
+    for k in range(10**6):
+        t = len(buf) + np.arange(500)
+        buf.extend({"obs": np.stack([t, -t], 1).astype(np.float32), "done": t % 7 == 6})
+        buf.update_priorities(buf.row_ids()[rng.integers(0, len(buf), 20000)], rng.random(20000) * 3)
+        digest = hashlib.sha256(buf.sampler.state_dict()["leaves"].tobytes()).hexdigest()
+        print("begin", digest, flush=True)
+        buf.flush(durable=True)
+        print("done", digest, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_priorities_after_sigkill_mid_flush_are_those_of_the_last_commit(tmp_path):
+    """A writer flushing a large PER buffer (rebases every few flushes) is killed at random
+    moments; each reopen shows exactly the leaves of the last flush that returned, or of the
+    one in flight (its commit may have landed just before the kill)."""
+    path = str(tmp_path / "b")
+    capacity = 1 << 20
+    per_buffer(path, capacity, 1 << 15).close()
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    rng = np.random.default_rng(6)
+    for round_ in range(8):
+        proc = subprocess.Popen([sys.executable, str(script), path, str(capacity), str(round_)],
+                                stdout=subprocess.PIPE, text=True)
+        lines = []
+        target = int(rng.integers(2, 9))
+        while len([x for x in lines if x[0] == "done"]) < target:
+            line = proc.stdout.readline()
+            assert line, "the writer died on its own"
+            lines.append(line.split())
+        time.sleep(float(rng.uniform(0, 0.3)))  # somewhere inside a later flush
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        lines += [x.split() for x in proc.stdout.read().splitlines()]
+        done = [d for kind, d in lines if kind == "done"][-1]
+        in_flight = [d for kind, d in lines if kind == "begin"][-1]
+        with dr.ReplayBuffer.open(path, "r") as reader:
+            got = hashlib.sha256(leaves(reader).tobytes()).hexdigest()
+        assert got in (done, in_flight), round_
+        dr.ReplayBuffer.open(path, "r+", break_lock=True).close()  # the killed writer's lock
