@@ -875,7 +875,8 @@ CASES += [
     Case("state-leaves-beyond-slots", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.leaves' \(journal record 0\): expected a leaf in \[0, 64\) and a finite value >= 0, "
                     r"got leaf 64",
-         template="per", prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 64))),
+         template="per",
+         prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 64))),
     Case("state-epoch-beyond-commit", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch_lo/epoch_hi': expected 2 steps per lane with 0 <= lo <= hi <= \[20, 20\], "
                     r"got \[0, 0\] and \[25, 20\]",

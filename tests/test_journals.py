@@ -94,7 +94,7 @@ def test_reopen_gives_the_priorities_and_episodes_of_the_last_commit(tmp_path, c
     rng = np.random.default_rng(3)
     buf = per_buffer(path, capacity, 5000)
     added = 5000
-    for k in range(12):
+    for _ in range(12):
         n = int(rng.integers(1, 3 * LOG_CHUNK))  # tails, full log chunks, and (dataset) a wider stride
         buf.extend(rows(added, n))
         added += n

@@ -34,9 +34,8 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 import benchlib as bl
+import numpy as np
 
 import diskreplay as dr
 
@@ -128,7 +127,8 @@ def measure(size: int, cfg: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"size": size}
     paths = {name: os.path.join(cfg.dir, f"{name}-{bl.format_count(size)}") for name in ("per", "uniform")}
     bl.log(f"[{bl.format_count(size)}] building PER and Uniform buffers")
-    bufs = {"per": build(paths["per"], size, dr.Prioritized(alpha=0.6)), "uniform": build(paths["uniform"], size, dr.Uniform())}
+    bufs = {"per": build(paths["per"], size, dr.Prioritized(alpha=0.6)),
+            "uniform": build(paths["uniform"], size, dr.Uniform())}
     rng = np.random.default_rng(0)
     flushes: dict[str, list[tuple[float, int]]] = {"per": [], "uniform": []}
     for k in range(cfg.rounds):

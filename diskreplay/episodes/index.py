@@ -262,8 +262,8 @@ class EpisodeIndex:
         """The last `commit_state` was committed."""
         if self._staged is not None and self.end_fields:
             change, ended = self._staged
-            rebased = change.base is not None
-            self._journal_size = len(change.records) + (len(change.base) // 2 if rebased else self._journal_size)
+            base = change.base
+            self._journal_size = len(change.records) + (len(base) // 2 if base is not None else self._journal_size)
             self._saved, self._staged = ended, None
 
     def _all_ends(self) -> np.ndarray:

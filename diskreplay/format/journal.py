@@ -131,20 +131,21 @@ class JournalRef:
             if not (match and int(match.group(1)) <= sequence) and not (name == "tail" and text is None):
                 raise ValueError(f"{where} field {name!r}: expected '<sequence>-<16 hex digits>' of a "
                                  f"commit up to {sequence}, got {text!r:.80}")
-        counts = [value.get("base"), value.get("records")]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_ELEMENTS for n in counts):
-            raise ValueError(f"{where} fields 'base', 'records': expected ints in [0, {MAX_ELEMENTS}], got {counts}")
-        if (tail is None) != (counts[1] % LOG_CHUNK == 0):
+        base, records = value.get("base", -1), value.get("records", -1)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_ELEMENTS for n in (base, records)):
+            raise ValueError(f"{where} fields 'base', 'records': expected ints in [0, {MAX_ELEMENTS}], "
+                             f"got {[base, records]}")
+        if (tail is None) != (records % LOG_CHUNK == 0):
             raise ValueError(f"{where} field 'tail': expected a tail exactly when 'records' "
-                             f"({counts[1]}) is not a multiple of {LOG_CHUNK}, got {tail!r}")
-        return cls(path, generation, _dtype(value.get("base_dtype"), where), _record_dtype(value, where),
-                   counts[0], counts[1], tail)
+                             f"({records}) is not a multiple of {LOG_CHUNK}, got {tail!r}")
+        return cls(path, str(generation), _dtype(value.get("base_dtype"), where), _record_dtype(value, where),
+                   int(base), int(records), tail)
 
 
 def _dtype(text: Any, where: str) -> np.dtype:
     if text not in _DTYPES:
         raise ValueError(f"{where} field 'base_dtype': expected one of {sorted(_DTYPES)}, got {text!r:.80}")
-    return np.dtype(text)
+    return np.dtype(str(text))
 
 
 def _record_dtype(value: dict[str, Any], where: str) -> np.dtype:

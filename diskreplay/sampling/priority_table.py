@@ -59,7 +59,8 @@ class PriorityTable:
 
     def __getitem__(self, leaf: np.ndarray) -> np.ndarray:
         """Leaf values as float64."""
-        return self.leaves[leaf].astype(np.float64)
+        values: np.ndarray = self.leaves[leaf].astype(np.float64)
+        return values
 
     def total(self) -> float:
         """Sum of all leaves."""
@@ -70,7 +71,8 @@ class PriorityTable:
         first, last = -(-start // BLOCK), end // BLOCK
         if first > last:
             return float(self.leaves[start:end].sum(dtype=np.float64))
-        edges = self.leaves[start:first * BLOCK].sum(dtype=np.float64) + self.leaves[last * BLOCK:end].sum(dtype=np.float64)
+        edges = self.leaves[start:first * BLOCK].sum(dtype=np.float64) + self.leaves[last * BLOCK:end].sum(
+            dtype=np.float64)
         return self.sums.sum(first, last) + float(edges)
 
     def min(self, start: int = 0, end: int | None = None) -> float:
@@ -102,7 +104,7 @@ class PriorityTable:
 def _positive_min(rows: np.ndarray) -> np.ndarray:
     """Per row, the smallest value > 0 (``inf`` where none): a zero leaf is never drawn, so it
     does not set the weights' minimum."""
-    low = np.minimum.reduce(rows, axis=1, initial=np.inf).astype(np.float64)
+    low: np.ndarray = np.minimum.reduce(rows, axis=1, initial=np.inf).astype(np.float64)
     zero = low == 0
     if zero.any():
         low[zero] = np.where(rows[zero] > 0, rows[zero], np.inf).min(axis=1, initial=np.inf)

@@ -95,7 +95,8 @@ class Journal:
             bases.append(self._get(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
         logs = [self._get(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
         tail_key = ref.tail_key()
-        tail = self._get(tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key else np.zeros(0, ref.record_dtype)
+        tail = (self._get(tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key
+                else np.zeros(0, ref.record_dtype))
         base = np.concatenate(bases) if bases else np.zeros(0, ref.base_dtype)
         records = np.concatenate([*logs, tail])
         self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
