@@ -275,7 +275,7 @@ def test_without_replacement_skips_overwritten_and_defers_new(tmp_path):
     buf = make(tmp_path, capacity=20, sampler=dr.WithoutReplacement())
     extend(buf, 20)
     first = buf.sample(5)["index"]
-    order = buf.sampler.order()[1].copy()  # this epoch's sequence (1 lane: steps are row ids)
+    order = buf.sampler.rows(0, buf.sampler.size())[1].copy()  # this epoch's sequence (1 lane: steps are row ids)
     np.testing.assert_array_equal(first, order[:5])
     extend(buf, 4)  # steps 0..3 overwritten mid-epoch; 20..23 added mid-epoch
     rest = [s for s in order[5:].tolist() if s >= 4]  # overwritten rows are skipped

@@ -7,17 +7,22 @@ from typing import Any
 import numpy as np
 
 from ..format.lanes import LaneLayout, flat_to_lane_step
+from .permutation import SeededPermutation
 from .protocols import Draw, Sampler
 from .state import is_int
+
+BLOCK = 1 << 16
+"""Positions of the epoch's order computed at a time (1 MiB of rows)."""
 
 
 class WithoutReplacement(Sampler):
     """Each readable row once per epoch, in a seeded random order; then a new epoch.
 
     An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so
-    the saved state is a few integers. Rows overwritten during an epoch are skipped; rows added
-    during an epoch wait for the next one. A batch that crosses an epoch end is completed from
-    the next epoch.
+    the saved state is a few integers. It is computed `BLOCK` positions at a time
+    (`SeededPermutation`), so an epoch over a billion rows takes no more RAM than one over a
+    million. Rows overwritten during an epoch are skipped; rows added during an epoch wait for the
+    next one. A batch that crosses an epoch end is completed from the next epoch.
     """
 
     def __init__(self) -> None:
@@ -27,7 +32,8 @@ class WithoutReplacement(Sampler):
         self.epoch_seed = 0
         self.epoch_lo = np.zeros(0, np.int64)
         self.epoch_hi = np.zeros(0, np.int64)
-        self._order: tuple[np.ndarray, np.ndarray] | None = None
+        self._order: SeededPermutation | None = None
+        self._block: tuple[int, np.ndarray, np.ndarray] = (-1, np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def attach(self, layout: LaneLayout) -> None:
         """Keep the buffer's lane layout."""
@@ -43,13 +49,22 @@ class WithoutReplacement(Sampler):
         self.epoch_lo, self.epoch_hi = lo.copy(), hi.copy()
         self._order = None
 
-    def order(self) -> tuple[np.ndarray, np.ndarray]:
-        """This epoch's (lane, step) sequence."""
+    def size(self) -> int:
+        """Rows in this epoch."""
+        return int((self.epoch_hi - self.epoch_lo).sum())
+
+    def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lane, step) of positions ``[first, first + count)`` of this epoch's order (``count``
+        at most to the end of `BLOCK`-aligned block of ``first``)."""
         if self._order is None:
-            n = int((self.epoch_hi - self.epoch_lo).sum())
-            perm = np.random.default_rng(self.epoch_seed).permutation(n)
-            self._order = flat_to_lane_step(perm, self.epoch_lo, self.epoch_hi)
-        return self._order
+            self._order = SeededPermutation(self.size(), self.epoch_seed)
+            self._block = (-1, *self._block[1:])
+        block = first // BLOCK
+        if self._block[0] != block:
+            positions = np.arange(block * BLOCK, min(self.size(), (block + 1) * BLOCK))
+            self._block = (block, *flat_to_lane_step(self._order[positions], self.epoch_lo, self.epoch_hi))
+        start = first - block * BLOCK
+        return self._block[1][start:start + count], self._block[2][start:start + count]
 
     def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
         """The next ``batch_size`` rows of this epoch still readable (``step >= lo``), starting
@@ -57,11 +72,9 @@ class WithoutReplacement(Sampler):
         lanes, steps = [], []
         need = batch_size
         while need > 0:
-            if self.epoch < 0 or self.cursor >= len(self.order()[0]):
+            if self.epoch < 0 or self.cursor >= self.size():
                 self._start_epoch(rng, lo, hi)
-            lane, step = self.order()
-            take_lane = lane[self.cursor:self.cursor + need]
-            take_step = step[self.cursor:self.cursor + need]
+            take_lane, take_step = self.rows(self.cursor, min(need, self.size() - self.cursor))
             self.cursor += len(take_lane)
             live = take_step >= lo[take_lane]
             lanes.append(take_lane[live])
