@@ -4,7 +4,8 @@
 Per capacity (``--sizes``, default 1M,16M,64M), one PER buffer (``Prioritized(alpha=0.6)``) and one
 Uniform buffer of the same rows, filled to capacity, raw (``compression=None``, memory-mapped
 reads) with the default ``chunk_rows``. The rows are small (``obs`` float32 and ``done``, 5 bytes):
-these figures are about the state, which does not depend on the row size.
+these figures are about the state, which does not depend on the row size. Episodes are 32 steps
+long, so the episode index holds capacity/32 ends (2M at 64M rows).
 Then ``--rounds`` rounds of: add 256 rows, four times sample(256) + update_priorities(256) (1,024
 updates; Uniform: four sample(256)), and a timed ``flush()`` (durable, the default). Measured:
 
@@ -12,7 +13,8 @@ updates; Uniform: four sample(256)), and a timed ``flush()`` (durable, the defau
    median and max over the rounds, and the mean (it includes a new base when one falls due);
 2. flush time, PER over Uniform (medians, rounds interleaved);
 3. reopen time of each buffer read-only (``ReplayBuffer.open(path, "r")``: the trees rebuilt from
-   the journal), median of 3;
+   the priorities' journal, the episode index from its own), median of 3; also with the priorities'
+   journal at its longest (just under capacity/8 records past its base);
 4. a fresh reader process (``cache_bytes`` 256 MiB) after 2,000 sample+update pairs: private
    memory (RssAnon) and file-backed pages (RssFile) from /proc/self/status;
 5. sample(256)+update_priorities(256) per pair on that reader, median of repeats; the ratio to
@@ -47,7 +49,7 @@ PACKAGES = ("diskreplay", "numpy", "zarr")
 
 def rows(first: int, n: int) -> dict[str, np.ndarray]:
     t = np.arange(first, first + n)
-    return {"obs": t.astype(np.float32), "done": t % 1000 == 999}
+    return {"obs": t.astype(np.float32), "done": t % 32 == 31}
 
 
 def written_bytes() -> int:
