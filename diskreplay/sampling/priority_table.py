@@ -40,9 +40,8 @@ class PriorityTable:
         """A table holding ``leaves`` (finite, >= 0; checked by the caller), built in vectorized passes."""
         table = cls(len(leaves))
         table.leaves[:] = leaves
-        blocks = np.arange(len(table._blocks))
-        table.sums.update(blocks, table._blocks.sum(axis=1, dtype=np.float64))
-        table.mins.update(blocks, _positive_min(table._blocks))
+        table.sums = SumSegmentTree.from_state_dict({"leaves": table._blocks.sum(axis=1, dtype=np.float64)})
+        table.mins = MinSegmentTree.from_state_dict({"leaves": _positive_min(table._blocks)})
         return table
 
     def nbytes(self) -> int:

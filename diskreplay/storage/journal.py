@@ -110,4 +110,4 @@ class Journal:
         if len(blob) != size:
             raise CorruptBufferError(f"{self.url!r}: journal object {key!r}: expected {size} bytes "
                                      f"({count} of {dtype}), got {'more' if len(blob) > size else len(blob)}")
-        return np.frombuffer(blob, dtype=dtype).copy()
+        return np.frombuffer(blob, dtype=dtype)  # read-only: `read` concatenates the pieces
