@@ -55,6 +55,7 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     "python tools/reliability_report.py": "about 2 min; the tests it runs are part of the suite",
     'python tools/bench_scale.py --sizes 1M,10M,50M --per-sizes ""': BENCH,
     "python tools/bench_scale.py --sizes 200M --per-sizes 16M,64M --memory-size 1 --keep": BENCH + " (66 GB)",
+    "python tools/bench_state.py --sizes 1M,16M,64M,256M": BENCH + " (about 11 min, 8 GB on disk)",
 }
 OUTPUT_BLOCKS = {  # language-less blocks under these headings are printed output, not code
     "DataLoader throughput": "the target lines tools/bench_loader.py printed",
