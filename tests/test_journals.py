@@ -5,6 +5,7 @@ after a SIGKILL mid-flush — gives exactly the state of the last commit."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,10 @@ import time
 
 import numpy as np
 import pytest
+from s3server import s3
 
 import diskreplay as dr
-from diskreplay.format.journal import LOG_CHUNK
+from diskreplay.format.journal import LOG_CHUNK, JournalRef
 from diskreplay.io.local import LocalChunkStore
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
@@ -234,3 +236,29 @@ def test_final_observations_commit_what_changed(tmp_path):
 
     small, big = flush_bytes(100), flush_bytes(100 + 4 * LOG_CHUNK)
     assert big <= 1.2 * small, (small, big)
+
+
+def test_journals_on_s3_commit_reopen_and_collect(s3):
+    """The same journals through an object store: every commit PUTs its new objects, a reader
+    gets the last commit's priorities and episodes, and replaced tails and bases are deleted."""
+    url, options = s3.new_url("journals"), s3.storage_options()
+    rng = np.random.default_rng(7)
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=1 << 13, chunk_rows=512, sampler=dr.Prioritized(),
+                                 storage_options=options)
+    for k in range(6):
+        buf.extend(rows(k * 3000, 3000))
+        n = 70_000 if k == 3 else 2000  # past 65,536 records: a new base
+        buf.update_priorities(buf.row_ids()[rng.integers(0, len(buf), n)], rng.random(n))
+        buf.flush()
+    expected, episodes = leaves(buf), buf.episodes()
+    buf.close()
+    with dr.ReplayBuffer.open(url, "r", storage_options=options) as reader:
+        np.testing.assert_array_equal(leaves(reader), expected)
+        np.testing.assert_array_equal(reader.episodes().start, episodes.start)
+    record = json.loads(s3.keys(url)["commit.json"])
+    state = record["extra"]["state"]
+    named = set()
+    for path, part in (("sampler.leaves", state["sampler"]["leaves"]), ("episodes.ends", state["episodes"]["ends"])):
+        named |= set(JournalRef.from_json(path, part["__journal__"], record["sequence"]).keys())
+    stored = {k for k in s3.keys(url) if k.startswith("state/") and not k.endswith(".safetensors")}
+    assert stored == named
