@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,3 +263,33 @@ def test_journals_on_s3_commit_reopen_and_collect(s3):
         named |= set(JournalRef.from_json(path, part["__journal__"], record["sequence"]).keys())
     stored = {k for k in s3.keys(url) if k.startswith("state/") and not k.endswith(".safetensors")}
     assert stored == named
+
+
+def test_a_buffer_committed_before_journals_opens_and_moves_to_them(tmp_path):
+    """A commit of the earlier format (every float64 leaf and every episode end in the state
+    object) opens with the same priorities and episodes; its first commit writes journals."""
+    from diskreplay.format import state as saved
+    from diskreplay.format.commit import state_key
+
+    path = tmp_path / "b"
+    with per_buffer(path, 1 << 12, 3000) as buf:
+        buf.update_priorities(buf.row_ids()[:500], np.random.default_rng(8).random(500) * 4)
+        full = buf.state_dict()
+        buf.flush()
+    record = json.loads((path / "commit.json").read_text())
+    meta, arrays = saved.split({k: v for k, v in full.items() if k != "total"})
+    arrays["sampler.leaves"] = arrays["sampler.leaves"].astype(np.float64)
+    key = state_key(record["sequence"])
+    (path / key).write_bytes(saved.arrays_to_bytes(arrays))
+    record["extra"] = {"state": meta, "state_arrays": key}
+    (path / "commit.json").write_text(json.dumps(record))
+    for journal in ("sampler.leaves", "episodes.ends"):
+        shutil.rmtree(path / "state" / journal)
+    with dr.ReplayBuffer.open(path, "r+") as buf:
+        np.testing.assert_array_equal(leaves(buf), full["sampler"]["leaves"])
+        assert len(buf.episodes()) == 3000 // 7 + 1
+        buf.flush()
+    assert {f.split("/")[0] for f in state_files(path)} >= {"sampler.leaves", "episodes.ends"}
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        np.testing.assert_array_equal(leaves(reader), full["sampler"]["leaves"])
+        assert len(reader.episodes()) == 3000 // 7 + 1
