@@ -51,10 +51,10 @@ class PriorityTable:
     def set(self, leaf: np.ndarray, value: np.ndarray) -> None:
         """``leaves[leaf] = value`` (float32; the last write wins for a repeated leaf)."""
         self.leaves[leaf] = value
-        blocks = np.unique(leaf // BLOCK)
+        blocks = (leaf // BLOCK).astype(np.intp, copy=False)  # repeated blocks get equal values
         rows = self._blocks[blocks]
-        self.sums.update(blocks, rows.sum(axis=1, dtype=np.float64))
-        self.mins.update(blocks, _positive_min(rows))
+        self.sums.assign(blocks, rows.sum(axis=1, dtype=np.float64))
+        self.mins.assign(blocks, _positive_min(rows))
 
     def __getitem__(self, leaf: np.ndarray) -> np.ndarray:
         """Leaf values as float64."""
@@ -90,10 +90,11 @@ class PriorityTable:
         < sum(leaves[:i+1])`` (int64); rounding at a block's end gives its last leaf > 0."""
         block, rest = self.sums.locate(thresholds)
         rows = self._blocks[block]
-        running = np.cumsum(rows.reshape(-1), dtype=np.float64).reshape(rows.shape)
-        before = running[:, 0] - rows[:, 0]  # the running sum before each block
-        at = (running <= (rest + before)[:, None]).sum(axis=1)
-        past = at == BLOCK
+        running = np.cumsum(rows.reshape(-1), dtype=np.float64)  # the blocks' leaves, one after another
+        before = np.zeros(len(block))
+        before[1:] = running[BLOCK - 1:-1:BLOCK]
+        at = np.searchsorted(running, rest + before, side="right") - np.arange(0, len(running), BLOCK)
+        past = at >= BLOCK
         if past.any():
             at[past] = BLOCK - 1 - np.argmax(rows[past][:, ::-1] > 0, axis=1)
         leaf: np.ndarray = block * BLOCK + at

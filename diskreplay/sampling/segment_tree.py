@@ -113,6 +113,12 @@ class _SegmentTree:
         self._levels[self._depth][idx] = vals
         self._propagate(idx)
 
+    def assign(self, idx: np.ndarray, vals: np.ndarray) -> None:
+        """`update` without its checks, for callers that guarantee 1-D intp ``idx`` in range and
+        values this tree accepts, shaped like ``idx`` (duplicates must carry equal values)."""
+        self._levels[self._depth][idx] = vals
+        self._propagate(idx)
+
     def _propagate(self, idx: np.ndarray) -> None:
         """Recompute every ancestor of the leaves ``idx`` (1-D intp, in range)."""
         op = self._op
