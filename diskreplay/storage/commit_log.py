@@ -109,10 +109,7 @@ class CommitLog:
         if staged is not None and previous and previous != staged.key:
             self._garbage.append(previous)
         for journal in staged.journals if staged is not None else ():
-            old = journal.ref
-            journal.committed()
-            if old is not None:
-                self._garbage += [key for key in old.keys() if not journal.holds(key)]
+            self._garbage += journal.committed()
         self.cursors.lower = np.maximum(self.cursors.lower, lower)
 
     def retire(self, first_kept: np.ndarray) -> None:

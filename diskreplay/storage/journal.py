@@ -65,11 +65,19 @@ class Journal:
         self.staged = (ref, records, rest)
         return ref
 
-    def committed(self) -> None:
-        """The staged reference was committed."""
+    def committed(self) -> list[str]:
+        """The staged reference was committed. Returns the objects the previous one named that
+        this one does not: its tail, or after a new base, its whole generation."""
+        old, new = self.ref, self.staged[0] if self.staged is not None else self.ref
         if self.staged is not None:
             self.ref, _, self.tail = self.staged
         self.staged, self.pending = None, None
+        if old is None or new is None or old is new:
+            return []
+        if old.generation != new.generation:
+            return old.keys()
+        tail = old.tail_key()
+        return [tail] if tail is not None and tail != new.tail_key() else []
 
     def failed(self) -> list[str]:
         """The staged commit failed: an append keeps its records for the next commit. Returns
