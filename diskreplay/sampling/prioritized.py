@@ -208,7 +208,9 @@ class Prioritized(PrioritySampler):
         self.stride = int(state["stride"])
         leaves = state["leaves"]
         if isinstance(leaves, JournalContent):
-            self.table = PriorityTable.from_leaves(replay(leaves))
+            self.table = PriorityTable(len(leaves.base))
+            replay(leaves, self.table.leaves)
+            self.table.rebuild()
             self._logged, self._changed, self._changed_count = len(leaves.records), [], 0
         else:
             self.table = PriorityTable.from_leaves(np.asarray(leaves, np.float32))
@@ -260,14 +262,14 @@ def _check_journal(journal: JournalContent, size: int) -> None:
                          f"value >= 0, got leaf {int(records['leaf'][at])}, value {float(records['value'][at])}")
 
 
-def replay(journal: JournalContent) -> np.ndarray:
-    """The leaves a journal ends with: its base, then each record's write (the last one wins)."""
-    leaves = journal.base.copy()
+def replay(journal: JournalContent, leaves: np.ndarray) -> None:
+    """Write into ``leaves`` what a journal ends with: its base, then each record's write (the
+    last one of a leaf wins)."""
+    leaves[:] = journal.base
     if len(journal.records):
         backwards = journal.records[::-1]
         leaf, last = np.unique(backwards["leaf"], return_index=True)
         leaves[leaf] = backwards["value"][last]
-    return leaves
 
 
 @dataclass

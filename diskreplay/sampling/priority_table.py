@@ -40,9 +40,13 @@ class PriorityTable:
         """A table holding ``leaves`` (finite, >= 0; checked by the caller), built in vectorized passes."""
         table = cls(len(leaves))
         table.leaves[:] = leaves
-        table.sums = SumSegmentTree.from_state_dict({"leaves": table._blocks.sum(axis=1, dtype=np.float64)})
-        table.mins = MinSegmentTree.from_state_dict({"leaves": _positive_min(table._blocks)})
+        table.rebuild()
         return table
+
+    def rebuild(self) -> None:
+        """Recompute both trees from the leaves (after writing `leaves` directly)."""
+        self.sums = SumSegmentTree.from_state_dict({"leaves": self._blocks.sum(axis=1, dtype=np.float64)})
+        self.mins = MinSegmentTree.from_state_dict({"leaves": _positive_min(self._blocks)})
 
     def nbytes(self) -> int:
         """RAM held: leaves and both block trees."""
