@@ -82,7 +82,7 @@ class ChunkCache:
 
     def is_pinned(self, slots: np.ndarray | int) -> np.ndarray | bool:
         """Whether each slot is pinned (held by the writer or a fill: never evicted)."""
-        return bool(self._pinned[slots]) if isinstance(slots, int) else np.asarray(self._pinned[slots])
+        return _flags(self._pinned, slots)
 
     @overload
     def is_partial(self, slots: int) -> bool: ...
@@ -91,7 +91,7 @@ class ChunkCache:
 
     def is_partial(self, slots: np.ndarray | int) -> np.ndarray | bool:
         """Whether each slot lacks room for the fields read row by row."""
-        return bool(self._partial[slots]) if isinstance(slots, int) else np.asarray(self._partial[slots])
+        return _flags(self._partial, slots)
 
     def evictable(self, whole: bool = True) -> int:
         """Unpinned slots with room for every field (``whole``) or for the others."""
@@ -207,3 +207,8 @@ class ChunkCache:
         base = slot * self.chunk_rows + offset
         for name, values in rows.items():
             self.slabs[name][base:base + count] = values[start:start + count]
+
+
+def _flags(flags: np.ndarray, slots: np.ndarray | int) -> np.ndarray | bool:
+    """``flags[slots]``: a bool for one slot, an array for several."""
+    return bool(flags[slots]) if isinstance(slots, int) else np.asarray(flags[slots])
