@@ -59,13 +59,13 @@ class BufferState:
                     raise ValueError(f"{part!r} is missing")
             check_rng_state(state["rng"])
             check_sampler_state(self.sampler, state["sampler"], self.layout, total)
-            self.episodes.check_state(state["episodes"], total)
+            episodes = self.episodes.check_state(state["episodes"], total)
             self.view.check_state(state.get("last_next") or {})
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             if origin is None:
                 raise ValueError(f"state for {self.url!r} does not fit this buffer: {exc}") from None
             raise CorruptBufferError(f"{origin}: {exc}") from None
-        return dict(state)
+        return {**state, "episodes": episodes}
 
     def load(self, state: Mapping[str, Any], origin: str | None) -> None:
         """Load a `ReplayBuffer.state_dict` of this very buffer (its cursors must match).

@@ -269,18 +269,19 @@ class EpisodeIndex:
     def _all_ends(self) -> np.ndarray:
         return np.concatenate([self.ends(e) for e in range(len(self._count))])
 
-    def check_state(self, state: Any, total: np.ndarray) -> None:
-        """Raise ValueError unless ``state`` (from `state_dict`) is an index of these end fields
-        whose ends, per lane, are strictly increasing steps below ``total``."""
+    def check_state(self, state: Any, total: np.ndarray) -> dict[str, Any]:
+        """``state`` (from `state_dict`, or a commit's journal made into that form once, here) if
+        it is an index of these end fields whose ends, per lane, are strictly increasing steps
+        below ``total``; else raise ValueError."""
         if not isinstance(state, dict):
             raise ValueError(f"'episodes': expected a mapping, got {type(state).__name__}")
-        state = self._plain(state)
-        if list(state.get("end_fields", [])) != list(self.end_fields):
+        plain = self._plain(state)
+        if list(plain.get("end_fields", [])) != list(self.end_fields):
             raise ValueError(f"'episodes.end_fields': expected {list(self.end_fields)}, "
-                             f"got {state.get('end_fields')!r}")
+                             f"got {plain.get('end_fields')!r}")
         lanes = len(self._count)
-        count, ends = np.asarray(state.get("count")), np.asarray(state.get("ends"))
-        pruned = np.asarray(state.get("pruned", np.zeros(lanes, np.int64)))
+        count, ends = np.asarray(plain.get("count")), np.asarray(plain.get("ends"))
+        pruned = np.asarray(plain.get("pruned", np.zeros(lanes, np.int64)))
         for name, value in (("count", count), ("pruned", pruned)):
             if value.shape != (lanes,) or value.dtype.kind not in "iu" or (value < 0).any():
                 raise ValueError(f"'episodes.{name}': expected {lanes} ints >= 0, "
@@ -294,10 +295,11 @@ class EpisodeIndex:
             if len(own) and (own[0] < 0 or own[-1] >= total[lane] or (np.diff(own) <= 0).any()):
                 raise ValueError(f"'episodes.ends' of lane {lane}: expected increasing steps in "
                                  f"[0, {int(total[lane])}), got {own[:5].tolist()}...")
+        return plain
 
     def _plain(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A commit's state (a journal) as a `state_dict`. Raises ValueError for a journal that is not
-        one of this index."""
+        """A commit's state (a journal) as a `state_dict` marked ``from_journal``. Raises ValueError
+        for a journal that is not one of this index."""
         journal = state.get("ends")
         if not isinstance(journal, JournalContent):
             return state
@@ -319,13 +321,13 @@ class EpisodeIndex:
                              f"({(pruned + count).tolist() if pruned.shape == count.shape else pruned.tolist()}), "
                              f"got {ended.tolist()}")
         steps = np.concatenate([pairs[:, 1], journal.records["step"]])[order]
-        return {"end_fields": state.get("end_fields"), "count": count, "pruned": pruned, "ends": steps}
+        return {"end_fields": state.get("end_fields"), "count": count, "pruned": pruned, "ends": steps,
+                "from_journal": True}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict` or a commit's state (see `check_state`)."""
-        journal = isinstance(state.get("ends"), JournalContent)
-        state = self._plain(state)
-        if journal:
+        state = self._plain(state)  # nothing to do for one `check_state` returned
+        if state.get("from_journal"):
             self._saved, self._journal_size = np.asarray(state["count"]) + state["pruned"], len(state["ends"])
             self._base_pruned = np.asarray(state["pruned"]).tolist()
         else:

@@ -45,8 +45,8 @@ class PriorityTable:
 
     def rebuild(self) -> None:
         """Recompute both trees from the leaves (after writing `leaves` directly)."""
-        self.sums = SumSegmentTree.from_state_dict({"leaves": self._blocks.sum(axis=1, dtype=np.float64)})
-        self.mins = MinSegmentTree.from_state_dict({"leaves": _positive_min(self._blocks)})
+        self.sums.refill(self._blocks.sum(axis=1, dtype=np.float64))
+        self.mins.refill(_positive_min(self._blocks))
 
     def nbytes(self) -> int:
         """RAM held: leaves and both block trees."""

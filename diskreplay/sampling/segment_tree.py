@@ -109,15 +109,20 @@ class _SegmentTree:
         idx = self._check_indices(indices)
         if idx.size == 0:
             return
-        vals = self._check_values(self._match_values(values, idx))
-        self._levels[self._depth][idx] = vals
-        self._propagate(idx)
+        self.assign(idx, self._check_values(self._match_values(values, idx)))
 
     def assign(self, idx: np.ndarray, vals: np.ndarray) -> None:
         """`update` without its checks, for callers that guarantee 1-D intp ``idx`` in range and
         values this tree accepts, shaped like ``idx`` (duplicates must carry equal values)."""
         self._levels[self._depth][idx] = vals
         self._propagate(idx)
+
+    def refill(self, leaves: np.ndarray) -> None:
+        """Set every leaf (``capacity`` values) and recompute every node, level by level.
+
+        Raises ValueError for a value this tree refuses (nothing is modified then)."""
+        self._leaves[:] = self._check_values(np.ascontiguousarray(leaves, dtype=np.float64))
+        self._rebuild()
 
     def _propagate(self, idx: np.ndarray) -> None:
         """Recompute every ancestor of the leaves ``idx`` (1-D intp, in range)."""
@@ -210,8 +215,7 @@ class _SegmentTree:
         if leaves.ndim != 1 or leaves.size == 0:
             raise ValueError(f"expected non-empty 1-D leaves, got shape {leaves.shape}")
         tree = cls(leaves.size)
-        tree._leaves[:] = tree._check_values(np.ascontiguousarray(leaves))
-        tree._rebuild()
+        tree.refill(leaves)
         return tree
 
     def __repr__(self) -> str:

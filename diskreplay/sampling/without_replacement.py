@@ -54,8 +54,8 @@ class WithoutReplacement(Sampler):
         return int((self.epoch_hi - self.epoch_lo).sum())
 
     def rows(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(lane, step) of positions ``[first, first + count)`` of this epoch's order (``count``
-        at most to the end of `BLOCK`-aligned block of ``first``)."""
+        """(lane, step) of positions ``[first, first + count)`` of this epoch's order; fewer
+        where the `BLOCK` of positions holding ``first`` ends before."""
         if self._order is None:
             self._order = SeededPermutation(self.size(), self.epoch_seed)
             self._block = (-1, *self._block[1:])
