@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .buffer import ReplayBuffer
+from .buffer import RateLimiter, ReplayBuffer
 from .episodes import (
     HER,
     EpisodeTable,
@@ -21,6 +21,7 @@ from .errors import (
     EmptyBufferError,
     LockedError,
     NotABufferError,
+    RateLimitTimeout,
     ReadOnlyError,
     SchemaError,
     StaleReadError,
@@ -36,13 +37,13 @@ from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized", "WithoutReplacement",
-    "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree", "EpisodeTable",
-    "EpisodicReturn", "HER", "RolloutBuffer",
+    "ReplayBuffer", "RateLimiter", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized",
+    "WithoutReplacement", "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree",
+    "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
-    "ClosedError",
+    "ClosedError", "RateLimitTimeout",
     "RetryPolicy",
 ]
 

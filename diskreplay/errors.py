@@ -48,3 +48,8 @@ class StaleReadError(DiskReplayError, IndexError):
 
 class StoreUnavailableError(DiskReplayError, OSError):
     """A remote read or write kept failing with transient errors after every retry."""
+
+
+class RateLimitTimeout(DiskReplayError, TimeoutError):
+    """A `RateLimiter` kept a learner from sampling (or an actor from inserting) for longer than
+    its timeout: the other side is not keeping up, or not running."""

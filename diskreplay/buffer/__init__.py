@@ -1,6 +1,7 @@
 """The buffer: `ReplayBuffer`, a thin composition of storage, sampler, episode index and the
 sample-time transforms, and the parts it delegates to (setup, appending, batches, state)."""
 
+from .rate_limit import RateLimiter
 from .replay_buffer import ReplayBuffer
 
-__all__ = ["ReplayBuffer"]
+__all__ = ["RateLimiter", "ReplayBuffer"]

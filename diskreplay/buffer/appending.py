@@ -14,14 +14,16 @@ from ..errors import SchemaError
 from ..format.schema import Schema
 from ..sampling import Sampler
 from ..storage import Storage
+from .state import BufferState
 
 
 class Appender:
     """Adds steps to a buffer's storage (and its ``derive_next`` side store). ``inputs``: the
     fields `add` and `extend` take (every field but a computed return)."""
 
-    def __init__(self, storage: Storage, finals: Storage | None, view: RowView, sampler: Sampler, inputs: Schema):
-        self.storage, self.finals, self.view, self.sampler = storage, finals, view, sampler
+    def __init__(self, storage: Storage, finals: Storage | None, view: RowView, sampler: Sampler, inputs: Schema,
+                 state: BufferState):
+        self.storage, self.finals, self.view, self.sampler, self.state = storage, finals, view, sampler, state
         self.episodes, self.returns = view.episodes, view.returns
         self.inputs = inputs
         self.num_envs = storage.layout.num_envs
@@ -63,6 +65,12 @@ class Appender:
         if np.unique(ids).size != ids.size:
             raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
         return ids.astype(np.int64)
+
+    def flush(self, durable: bool) -> None:
+        """Write every staged row and commit, with the state (see `ReplayBuffer.flush`)."""
+        self.episodes.prune(self.storage.window()[0])
+        self.storage.flush(durable, self.state.for_commit(), side=self.finals)
+        self.state.committed()
 
     def storages(self) -> list[Storage]:
         """The main storage, then the side store of ``derive_next`` (if any)."""

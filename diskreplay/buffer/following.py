@@ -1,39 +1,44 @@
-"""`Follower`: a reader keeping up with its writer: adopting the newest commit with all its state,
-and reading again when the writer overwrote (or retired) the rows a read wanted."""
+"""A reader keeping up with its writer: `CommitAdoption` adopts the newest commit with all its
+state; `Follower` reads again when the writer overwrote (or retired) the rows a read wanted."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ..episodes import RowView
 from ..errors import EmptyBufferError, StaleReadError
 from ..io import RetryPolicy
-from ..storage import Storage
+from ..storage import Storage, StorageUnion
 from .state import BufferState, state_origin
 
 STALE_READ_PAUSE_S = 0.002
 T = TypeVar("T")
 
 
-class Follower:
-    """Moves a read-only buffer to its writer's newest commit (a writer has nothing to follow)."""
+class Adoption(Protocol):
+    """How a reader adopts the newest commit(s) of what it reads."""
 
-    def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView,
-                 retry: RetryPolicy):
-        self.storage, self.finals, self.state, self.retry = storage, finals, state, retry
+    def refresh(self) -> bool:
+        """Adopt the newest commit with everything that belongs to it, all together or not at
+        all. Returns whether there was a newer one. Raises CorruptBufferError (nothing changed)."""
+        ...
+
+
+class CommitAdoption:
+    """A reader of one buffer adopting its writer's newest commit."""
+
+    def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView):
+        self.storage, self.finals, self.state = storage, finals, state
         self.episodes, self.returns = view.episodes, view.returns
-        self.reader = storage.mode == "r"
 
     def refresh(self) -> bool:
         """Adopt the newest commit with everything that belongs to it (rows, episode index,
         derived-field state, sampler state), all together or not at all. Returns whether there
         was a newer one. Raises CorruptBufferError (nothing changed)."""
-        if not self.reader:
-            return False
         record, state = self.storage.load_state(newest=True)
         if record.same_as(self.storage.record):
             return False
@@ -55,6 +60,18 @@ class Follower:
         for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
             if newest[lane] > last:
                 self.storage.forget_cached(lane, last + 1, hi)
+
+
+class Follower:
+    """Moves a read-only buffer to the newest commit (a writer has nothing to follow)."""
+
+    def __init__(self, storage: Storage | StorageUnion, adoption: Adoption, retry: RetryPolicy):
+        self.storage, self.adoption, self.retry = storage, adoption, retry
+        self.reader = storage.mode == "r"
+
+    def refresh(self) -> bool:
+        """Adopt the newest commit (`Adoption.refresh`); False for a writer."""
+        return self.reader and self.adoption.refresh()
 
     def read_once(self, read: Callable[[], T]) -> T:
         """``read()``; if the writer overwrote its rows, adopt the newest commit and raise
@@ -83,7 +100,7 @@ class Follower:
 
     def _behind_writer(self) -> bool:
         """A reader whose commit holds rows, every one retired by a writer going round its ring."""
-        return self.reader and bool(self.storage.record.committed.any()) and self._empty()
+        return self.reader and bool(self.storage.total.any()) and self._empty()
 
     def _empty(self) -> bool:
         lo, hi = self.storage.window()

@@ -13,14 +13,17 @@ from ..errors import ClosedError
 from ..format import state as state_files
 from ..format.lanes import LaneLayout, row_ids
 from ..format.schema import Field
+from ..format.shards import check_shards
 from ..io import RetryPolicy
 from ..sampling import Sampler, Uniform
-from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
+from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats, StorageUnion
 from .appending import Appender
 from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
-from .following import Follower
-from .row_lookup import newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
+from .parts import LearnerOpening, make_parts
+from .rate_limit import NO_ACTOR_GATE, ActorGate, RateLimiter
+from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, open_storages, plan_buffer, prepare_location
+from .sharding import create_sharded, open_learner, open_writer, sharded_root
 from .state import BufferState, saved_sampler, state_origin
 
 if TYPE_CHECKING:
@@ -38,12 +41,13 @@ class ReplayBuffer:
     overwritten id raises IndexError. Use `create` or `open` to get one.
     """
 
-    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
-                 finals: Storage | None = None, retry: RetryPolicy | None = None):
+    def __init__(self, storage: Storage | StorageUnion, sampler: Sampler, rng: np.random.Generator,
+                 finals: Storage | StorageUnion | None = None, retry: RetryPolicy | None = None,
+                 learner: LearnerOpening | None = None):
         """Internal: use `create` (a new buffer) or `open` (an existing one).
 
         Raises TypeError when called as ``ReplayBuffer(url, fields, capacity)``."""
-        if not isinstance(storage, Storage):
+        if not isinstance(storage, (Storage, StorageUnion)):
             raise TypeError(f"ReplayBuffer({type(storage).__name__}, ...) is not how a buffer is made: use "
                             f"dr.ReplayBuffer.create(url, fields, capacity) for a new one, or "
                             f"dr.ReplayBuffer.open(url, mode) for an existing one")
@@ -55,11 +59,12 @@ class ReplayBuffer:
         self.view = row_view(storage, storage.config, finals)
         self.episode_index, self.episodic_return = self.view.episodes, self.view.returns
         sampler.attach(storage.layout)
-        self._appender = Appender(storage, finals, self.view, sampler, self.view.inputs())
         hint = "" if storage.mode != "r" else "; a writer's rows become readable when it calls flush()"
         self._batches = Batches(sampler, self.view, storage.window, f"{storage.url!r} holds 0 readable rows{hint}")
-        self._state = BufferState(storage, rng, sampler, self.episode_index, self.view)
-        self._follower = Follower(storage, finals, self._state, self.view, self.retry)
+        parts = make_parts(storage, finals, sampler, rng, self.view, self.retry, learner)
+        self._state, self._follower, self._appender = parts.state, parts.follower, parts.appender
+        self._gate, self._finals = parts.gate, finals
+        self._actor_gate: ActorGate = NO_ACTOR_GATE
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -73,7 +78,7 @@ class ReplayBuffer:
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
                memory_map: bool | None = None, break_lock: bool = False,
-               retry: RetryPolicy | None = None) -> ReplayBuffer:
+               retry: RetryPolicy | None = None, shards: int | None = None) -> ReplayBuffer:
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Every argument is checked before anything at ``url`` is touched: a bad one raises and
@@ -119,6 +124,10 @@ class ReplayBuffer:
             break_lock: remove any writer lock (also a live writer's) before taking it.
             retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
                 per operation, and bounds how long `sample` keeps retrying stale reads.
+            shards: make a sharded buffer of this many shards, one per writer (actor): each is
+                a buffer of ``capacity`` rows (``num_envs`` lanes) with its own writer lock and
+                commits, written through `open_shard`. Returns the union of the shards, read-only
+                (what `open` with ``mode="r"`` returns, with ``sampler`` and ``seed``).
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.
@@ -132,8 +141,11 @@ class ReplayBuffer:
         plans = plan_buffer(url, fields, capacity, num_envs, chunk_rows, compression, compression_level,
                             cache_bytes, episode_end, derive_next, episodic_return)
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
+        count = None if shards is None else check_shards(shards, commit)
         prepare_location(url, storage_options, overwrite, break_lock, retry)
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+        if count is not None:
+            return create_sharded(cls, plans, url, count, options, sampler, seed)
         storage, finals = create_storages(plans, options, commit)
         buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals, retry)
         if commit:
@@ -144,7 +156,8 @@ class ReplayBuffer:
     def open(cls, url: str | os.PathLike[str], mode: str = "r", *, sampler: Sampler | None = None,
              storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
              io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
-             retry: RetryPolicy | None = None, continue_episodes: bool = False) -> ReplayBuffer:
+             retry: RetryPolicy | None = None, continue_episodes: bool = False, seed: int | None = None,
+             rate_limiter: RateLimiter | None = None) -> ReplayBuffer:
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
@@ -161,30 +174,66 @@ class ReplayBuffer:
         ``continue_episodes=True`` keeps them open instead, for a writer that resumes the very
         env streams it was writing (their env state restored).
 
+        A sharded buffer (``create(..., shards=N)``) opens with ``mode="r"`` as the union of its
+        shards, for a learner: lane ``e`` of shard ``s`` is lane ``s * num_envs + e`` (row ids
+        say shard, lane and step: `locate`); `refresh` adopts every shard's newest commit. The
+        learner owns the sampler over the union (``sampler``, e.g. `Prioritized`): its priorities
+        are the learner's state (`state_dict`, `save_snapshot`), not the shards'; rows the
+        shards commit reach it at `refresh` (prioritized: at the max priority). ``seed`` seeds the
+        learner's generator. ``rate_limiter``: `sample` waits while the learner runs ahead of the
+        actors (see `RateLimiter`), and publishes its progress for them.
+
         Raises:
             NotABufferError: nothing (or something else, e.g. a plain file) is stored at ``url``.
             CorruptBufferError: the metadata, the commit record or the state object is damaged
                 or contradicts the arrays (the message names the object and the field).
             LockedError: ``mode="r+"`` and another writer (alive, or on another host) holds the buffer.
-            ValueError: ``mode`` is not "r" or "r+".
+            ValueError: ``mode`` is not "r" or "r+" (a sharded buffer: not "r"); ``seed`` or
+                ``rate_limiter`` for a buffer that is not sharded.
         """
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         url = os.fspath(url)
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
+        if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
+            raise ValueError(f"rate_limiter must be a dr.RateLimiter or None, got {type(rate_limiter).__name__}")
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+        root = sharded_root(url, storage_options, retry)
+        if root is not None:
+            return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
+        if seed is not None or rate_limiter is not None:
+            raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
+                             f"(its generator is restored from its last commit)")
         storage, finals, record, state = open_storages(url, mode, options)
         try:
             buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
-            buf._state.apply(buf._state.parse(state, record.committed, state_origin(url, record)), with_rng=True)
+            saved = buf._state
+            assert isinstance(saved, BufferState)
+            saved.apply(saved.parse(state, record.committed, state_origin(url, record)), with_rng=True)
         except BaseException:
             close_all(storage, finals)
             raise
         if finals is not None and mode == "r+":
             finals.rewind(buf.episode_index.ended())
         if mode == "r+" and not continue_episodes:
-            buf._appender.cut = set(range(buf.num_envs))
+            buf._writer().cut = set(range(buf.num_envs))
         return buf
+
+    @classmethod
+    def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,
+                   rate_limiter: RateLimiter | None = None, **open_options: Any) -> ReplayBuffer:
+        """Open shard ``shard`` of the sharded buffer at ``url``: with ``mode="r+"`` (default) as
+        its one writer, e.g. an actor. The shard is a buffer of its own (its lock, lanes, episode
+        index and commits): what it commits is readable by learners at their next `refresh`, and
+        a crash of its writer affects no other shard. ``rate_limiter``: the learner's, so that
+        `insert_allowed` and `wait_to_insert` can tell this actor to slow down. ``open_options``:
+        as in `open`.
+
+        Raises:
+            NotABufferError: ``url`` is not a sharded buffer. ValueError: ``shard`` out of range.
+            LockedError: another writer holds this shard. And as `open`.
+        """
+        return open_writer(cls, os.fspath(url), shard, mode, rate_limiter, open_options)
 
     # ---- properties ------------------------------------------------------------------------
 
@@ -272,8 +321,7 @@ class ReplayBuffer:
             ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
             OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
-        self._require_writer()
-        self._appender.add(step, env_ids)
+        self._writer().add(step, env_ids)
 
     def extend(self, data: Mapping[str, Any], env_ids: Any = None) -> None:
         """Add N steps at once. Each field is shaped ``(N, *field.shape)``; with several lanes,
@@ -286,12 +334,13 @@ class ReplayBuffer:
             ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
             OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
         """
-        self._require_writer()
-        self._appender.extend(data, env_ids)
+        self._writer().extend(data, env_ids)
 
-    def _require_writer(self) -> None:
+    def _writer(self) -> Appender:
         self._require_open()
-        self.storage.log.require_writable()
+        self.storage.require_writable()
+        assert self._appender is not None  # a writable storage has an appender
+        return self._appender
 
     def flush(self, durable: bool = True) -> None:
         """Write every staged row and commit: after it returns, a crash loses none of them.
@@ -304,10 +353,7 @@ class ReplayBuffer:
             LockedError: another writer took this buffer's lock (this one stops writing).
             OSError / StoreUnavailableError: writing failed.
         """
-        self._require_writer()
-        self.episode_index.prune(self.storage.window()[0])
-        self.storage.flush(durable, self._state.for_commit(), side=self._appender.finals)
-        self._state.committed()
+        self._writer().flush(durable)
 
     def refresh(self) -> bool:
         """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,
@@ -366,6 +412,7 @@ class ReplayBuffer:
                 a name, dtype or shape that does not fit, or combined with seq_len/n_step/stack/her.
             EmptyBufferError: the buffer holds no rows (a reader: none for ``retry.budget_s`` s).
             StaleReadError: the writer kept overwriting the rows drawn for ``retry.budget_s`` s.
+            RateLimitTimeout: a learner's `RateLimiter` held it back for its ``timeout_s``.
             ClosedError: the buffer was closed.
         """
         self._require_open()
@@ -377,7 +424,10 @@ class ReplayBuffer:
         if out is not None:
             request.check_out(int(batch_size), self.fields)
         generator = rng if rng is not None else self.rng if seed is None else np.random.default_rng(seed)
-        return self._follower.read_retrying(self._batches.sample, generator, int(batch_size), request)
+        self._gate.before(int(batch_size))
+        batch = self._follower.read_retrying(self._batches.sample, generator, int(batch_size), request)
+        self._gate.after(int(batch_size))
+        return batch
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
@@ -470,8 +520,31 @@ class ReplayBuffer:
         stay on disk until new rows overwrite them (a ring) or the buffer is deleted.
 
         Raises ReadOnlyError (a reader), ClosedError, LockedError."""
-        self._require_writer()
-        self._appender.clear()
+        self._writer().clear()
+
+    def locate(self, ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where row ids (e.g. ``batch["index"]``) come from: int64 arrays ``(shard, lane, step)``
+        shaped as ``ids``: the shard (0 unless sharded), the env lane inside it, and the step
+        counted in that lane. Raises IndexError for a negative id."""
+        shard_envs = self.storage.shard_envs if isinstance(self.storage, StorageUnion) else self.num_envs
+        return locate(ids, self.num_envs, shard_envs)
+
+    @property
+    def shards(self) -> int:
+        """Shards read together (1: a buffer that is not sharded, or one shard of one)."""
+        return len(self.storage.parts) if isinstance(self.storage, StorageUnion) else 1
+
+    def insert_allowed(self, rows: int = 1, wait: bool = False) -> bool:
+        """An actor (`open_shard` with ``rate_limiter``): whether ``rows`` more rows may be added
+        now, as the learner's published progress says; ``wait=True`` blocks until they may (True).
+
+        Raises:
+            ValueError: the shard was opened without a rate limiter.
+            RateLimitTimeout: ``wait`` and the limiter's ``timeout_s`` passed.
+            CorruptBufferError: a damaged ``learner.json``.
+        """
+        self._require_open()
+        return self._actor_gate.wait(rows) if wait else self._actor_gate.allowed(rows)
 
     def row_ids(self) -> np.ndarray:
         """Every readable row id, lane by lane in time order (int64)."""
@@ -534,7 +607,7 @@ class ReplayBuffer:
 
     def _release(self) -> None:
         self._closed = True
-        close_all(*self._appender.storages())
+        close_all(self.storage, self._finals)
 
     def __enter__(self) -> ReplayBuffer:
         return self

@@ -49,3 +49,14 @@ def sampled_lane_steps(index: Any, num_envs: int) -> tuple[np.ndarray, np.ndarra
     if ids.dtype.kind not in "iu" or (ids < 0).any():
         raise IndexError(f"row ids must be non-negative integers, got {ids[:5]}... (dtype {ids.dtype})")
     return split_row_ids(ids.astype(np.int64), num_envs)
+
+
+def locate(ids: Any, num_envs: int, shard_envs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(shard, lane, step)`` of each row id of a buffer of ``num_envs`` lanes, ``shard_envs``
+    per shard. Raises IndexError for a negative id."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and ids.min() < 0:
+        raise IndexError(f"row ids must be >= 0, got {int(ids.min())}")
+    step, lane = np.divmod(ids, num_envs)
+    shard, lane = np.divmod(lane, shard_envs)
+    return shard, lane, step

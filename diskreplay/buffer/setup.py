@@ -20,7 +20,16 @@ from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
 from ..io import RetryPolicy, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
-from ..storage import NewStorage, Options, Storage, create_storage, default_chunk_rows, open_storage, plan_storage
+from ..storage import (
+    NewStorage,
+    Options,
+    Storage,
+    StorageUnion,
+    create_storage,
+    default_chunk_rows,
+    open_storage,
+    plan_storage,
+)
 
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -165,7 +174,7 @@ def open_storages(url: str, mode: str,
     return storage, finals, record, state
 
 
-def close_all(*storages: Storage | None) -> None:
+def close_all(*storages: Storage | StorageUnion | None) -> None:
     """Release these storages (without writing anything)."""
     for storage in storages:
         if storage is not None:

@@ -135,7 +135,7 @@ def _copy_rows(source: Source, buf: ReplayBuffer, dest: str, marker: dict, progr
                storage_options: dict | None) -> None:
     """Writes every slice of ``source`` into ``buf`` (at ``dest``) under the incomplete-import
     ``marker``, then commits (``dest`` becomes a buffer) and closes it; on any failure removes ``dest``."""
-    store = buf.storage.store
+    store = open_chunkstore(dest, storage_options)
     store.put(INCOMPLETE_KEY, json.dumps(marker).encode(), durable=True)
     try:
         with progress_bar(source.rows, f"import {marker['format']}", progress) as bar:

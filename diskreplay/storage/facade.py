@@ -180,6 +180,10 @@ class Storage:
 
     # ---- writes ----------------------------------------------------------------------------
 
+    def require_writable(self) -> None:
+        """Raises ClosedError, LockedError (this writer lost its lock) or ReadOnlyError."""
+        self.log.require_writable()
+
     def _writable(self) -> StagingWriter:
         self.log.require_writable()
         assert self.writer is not None

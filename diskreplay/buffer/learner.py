@@ -1,0 +1,155 @@
+"""The learner's side of a sharded buffer: its own state (`LearnerState`: generator, sampler,
+the rows it has seen) and the adoption of every shard's newest commit (`ShardAdoption`).
+
+The shards' writers own their rows and episode indexes; the learner owns the sampler over the
+union (priorities of every shard's rows). Rows a shard commits reach the sampler as appended rows
+when the learner adopts that commit, as a writer's own rows reach its sampler when added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..episodes import EpisodeIndex, RowView
+from ..errors import CorruptBufferError
+from ..format.commit import CommitRecord
+from ..sampling import Sampler, check_sampler_state, load_sampler_state
+from ..storage import StorageUnion, shard_lanes
+from .state import check_rng_state, state_origin
+
+
+class LearnerState:
+    """The learner's state: generator, sampler and, per union lane, the steps its sampler knows."""
+
+    def __init__(self, union: StorageUnion, rng: np.random.Generator, sampler: Sampler):
+        self.union, self.rng, self.sampler = union, rng, sampler
+        self.samples = 0
+        """Rows this learner sampled (what a `RateLimiter` counts)."""
+
+    def current(self) -> dict[str, Any]:
+        """The state now: ``rng``, ``sampler`` and ``samples`` (``ReplayBuffer.state_dict`` adds
+        ``total``, the steps per union lane the sampler knows)."""
+        return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.state_dict(), "samples": self.samples}
+
+    def load(self, state: Mapping[str, Any], origin: str | None) -> None:
+        """Continue from a `ReplayBuffer.state_dict` of this learner: rows committed since it was
+        taken reach the sampler as new rows. Raises ValueError (CorruptBufferError naming
+        ``origin``) for a state of another buffer, or newer than what the shards hold."""
+        try:
+            total = self._check(state)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            if origin is None:
+                raise ValueError(f"state for {self.union.url!r} does not fit this buffer: {exc}") from None
+            raise CorruptBufferError(f"{origin}: {exc}") from None
+        self.rng.bit_generator.state = state["rng"]
+        load_sampler_state(self.sampler, state["sampler"])
+        self.samples = int(state["samples"])
+        announce(self.sampler, self.union.window()[0], total, self.union.total)
+
+    def _check(self, state: Mapping[str, Any]) -> np.ndarray:
+        if not isinstance(state, Mapping) or "total" not in state:
+            raise ValueError("expected the mapping ReplayBuffer.state_dict() returns (with 'total')")
+        total, have = np.asarray(state["total"]), self.union.total
+        if total.shape != have.shape or total.dtype.kind not in "iu" or (total > have).any() or (total < 0).any():
+            raise ValueError(f"'total': expected at most {have.tolist()} steps per lane (what the shards hold), "
+                             f"got {total.tolist()}")
+        check_rng_state(state.get("rng"))
+        check_sampler_state(self.sampler, state.get("sampler"), self.union.layout, total)
+        samples = state.get("samples")
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
+            raise ValueError(f"'samples': expected an int >= 0, got {samples!r}")
+        return total
+
+
+def announce(sampler: Sampler, lo: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+    """Tell ``sampler`` of the steps ``[before, after)`` per lane that are readable (``>= lo``)."""
+    for lane in np.flatnonzero(after > before).tolist():
+        sampler.on_append(lane, max(int(before[lane]), int(lo[lane])), int(after[lane]))
+
+
+class ShardAdoption:
+    """A learner adopting every shard's newest commit: rows, episode ends and ``next_*`` values."""
+
+    def __init__(self, union: StorageUnion, finals: StorageUnion | None, sampler: Sampler, view: RowView):
+        self.union, self.finals, self.sampler, self.view = union, finals, sampler, view
+        self.episodes, self.returns = view.episodes, view.returns
+        self.shard_index = EpisodeIndex(union.shard_envs, view.episodes.end_fields)
+        self.shard_states: list[dict[str, Any]] = [{} for _ in union.parts]
+
+    def start(self, states: list[tuple[CommitRecord, Mapping[str, Any]]]) -> None:
+        """At open: the states of the commits the shards show; every readable row is new."""
+        for s, (record, state) in enumerate(states):
+            self.shard_states[s] = self._parse(s, record, state)
+        self._apply()
+        lo, hi = self.union.window()
+        announce(self.sampler, lo, lo, hi)
+
+    def refresh(self) -> bool:
+        """Adopt each shard's newest commit, all together or not at all. Returns whether any
+        shard had a newer one. Raises CorruptBufferError naming the shard's object (nothing changed)."""
+        newer = {}
+        for s, part in enumerate(self.union.parts):
+            record, state = part.load_state(newest=True)
+            if not record.same_as(part.record):
+                newer[s] = (record, self._parse(s, record, state))
+        if not newer:
+            return False
+        finals = {s: self.finals.parts[s].read_newest() for s in newer} if self.finals is not None else {}
+        before, last_ends = self.union.total.copy(), self.episodes.last_ends()
+        self.union.adopt({s: record for s, (record, _) in newer.items()})
+        if self.finals is not None:
+            self.finals.adopt(finals)
+        for s, (_, parsed) in newer.items():
+            self.shard_states[s] = parsed
+        self._apply()
+        announce(self.sampler, self.union.window()[0], before, self.union.total)
+        if self.returns is not None:
+            self._forget_patched_returns(before, last_ends)
+        return True
+
+    def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A shard's saved episode ends and ``next_*`` values, checked (the rest is its writer's)."""
+        origin = state_origin(self.union.parts[shard].url, record)
+        try:
+            episodes = self.shard_index.check_state(state["episodes"], record.committed) if state else None
+            last_next = state.get("last_next") or {}
+            lanes = self.union.shard_envs
+            for twin, want in self.view.last_next.items():
+                value = last_next.get(twin)
+                shape = (lanes, *want.shape[1:])
+                if not isinstance(value, np.ndarray) or value.shape != shape or value.dtype != want.dtype:
+                    raise ValueError(f"'last_next.{twin}': expected {want.dtype} shaped {shape}, "
+                                     f"got {getattr(value, 'dtype', type(value).__name__)}")
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            raise CorruptBufferError(f"{origin}: {exc}") from None
+        return {"episodes": episodes, "last_next": last_next}
+
+    def _apply(self) -> None:
+        """Load the union's episode index and ``next_*`` values from every shard's."""
+        if self.episodes.enabled:
+            plains = [self._episodes_of(state) for state in self.shard_states]
+            self.episodes.load_state_dict({
+                "end_fields": list(self.episodes.end_fields),
+                "count": np.concatenate([p["count"] for p in plains]),
+                "pruned": np.concatenate([p["pruned"] for p in plains]),
+                "ends": np.concatenate([p["ends"] for p in plains])})
+        for twin, value in self.view.last_next.items():
+            for s, state in enumerate(self.shard_states):
+                if twin in state["last_next"]:
+                    value[shard_lanes(s, self.union.shard_envs)] = state["last_next"][twin]
+
+    def _episodes_of(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        episodes: Mapping[str, Any] | None = state.get("episodes")
+        if episodes is not None:
+            return episodes
+        lanes = self.union.shard_envs
+        return {"count": np.zeros(lanes, np.int64), "pruned": np.zeros(lanes, np.int64), "ends": np.zeros(0, np.int64)}
+
+    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
+        """Episodes that ended since the last adoption had their returns patched by the writer."""
+        newest = self.episodes.last_ends()
+        for lane in np.flatnonzero(newest > last_ends).tolist():
+            self.union.forget_cached(lane, int(last_ends[lane]) + 1, int(committed[lane]))

@@ -1,0 +1,194 @@
+"""`RateLimiter`: a learner's sampled rows per inserted row kept near a target, as Reverb's
+``SampleToInsertRatio``, with no server: the learner publishes its progress in the sharded
+buffer's location (``learner.json``) and each actor reads it there.
+
+With ``I`` rows inserted (every shard's committed steps) and ``S`` rows sampled, the learner may
+sample ``n`` more rows when ``I >= min_size`` and ``S + n <= spi * (I - min_size) + error_buffer``;
+an actor may insert ``k`` more rows when ``S >= spi * (I + k - min_size) - error_buffer``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import RateLimitTimeout
+from ..format.shards import LEARNER_KEY, LearnerProgress
+from ..io import ChunkStore
+from ..storage import StorageUnion
+from .learner import LearnerState
+
+PUBLISH_EVERY_S = 0.05
+"""How often a learner that is not waiting publishes its progress (seconds)."""
+
+
+@dataclass(frozen=True)
+class RateLimiter:
+    """Keep ``samples_per_insert`` sampled rows per inserted row, within ``error_buffer`` rows.
+
+    Args:
+        samples_per_insert: the target ratio of sampled rows (a batch of 256 counts 256) to
+            inserted rows, over all shards.
+        error_buffer: how many sampled rows the learner may run ahead of (or behind) the target.
+            At least ``(batch_size + samples_per_insert * rows an actor inserts between checks) / 2``,
+            or learner and actors can wait for each other.
+        min_size: rows inserted before the learner may sample at all.
+        timeout_s: how long `ReplayBuffer.sample` (or an actor's `ReplayBuffer.wait_to_insert`)
+            waits before raising `RateLimitTimeout`.
+        poll_s: seconds between checks while waiting.
+
+    Raises ValueError naming the first argument out of range.
+    """
+
+    samples_per_insert: float
+    error_buffer: float
+    min_size: int = 1
+    timeout_s: float = 600.0
+    poll_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_insert", "error_buffer", "timeout_s", "poll_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"RateLimiter: {name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 1:
+            raise ValueError(f"RateLimiter: min_size must be an int >= 1, got {self.min_size!r}")
+
+    def sample_allowed(self, inserts: int, samples: int, count: int) -> bool:
+        """Whether a learner that sampled ``samples`` rows of ``inserts`` may sample ``count`` more."""
+        return inserts >= self.min_size and samples + count <= self.samples_per_insert * (
+            inserts - self.min_size) + self.error_buffer
+
+    def insert_allowed(self, inserts: int, samples: int, count: int) -> bool:
+        """Whether ``count`` more rows may be inserted after ``inserts``, ``samples`` rows sampled."""
+        return samples >= self.samples_per_insert * (inserts + count - self.min_size) - self.error_buffer
+
+    def wait(self, allowed: Callable[[], bool], between: Callable[[], object], what: str) -> None:
+        """Call ``between`` every ``poll_s`` seconds until ``allowed()``. Raises RateLimitTimeout
+        (saying ``what`` waited) after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + self.timeout_s
+        while not allowed():
+            if time.monotonic() > deadline:
+                raise RateLimitTimeout(f"{what} waited {self.timeout_s:g} s for the rate limiter "
+                                       f"(samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, "
+                                       f"error_buffer={self.error_buffer:g})")
+            time.sleep(self.poll_s)
+            between()
+
+
+class Progress:
+    """``learner.json`` in a sharded buffer's root store: written by the learner, read by actors."""
+
+    def __init__(self, store: ChunkStore, url: str, shards: int):
+        self.store, self.url, self.shards = store, url, shards
+        self.published = 0.0
+
+    def read(self) -> LearnerProgress:
+        """The learner's last published progress (nothing sampled or seen before it publishes).
+        Raises CorruptBufferError for a damaged ``learner.json``."""
+        blob = self.store.get(LEARNER_KEY, limit=1 << 20)
+        if blob is None:
+            return LearnerProgress(0, (0,) * self.shards, 0.0)
+        return LearnerProgress.from_bytes(blob, self.url, self.shards)
+
+    def publish(self, samples: int, inserts: tuple[int, ...], force: bool = False) -> None:
+        """Write the learner's progress, at most every `PUBLISH_EVERY_S` seconds unless ``force``."""
+        now = time.time()
+        if force or now - self.published >= PUBLISH_EVERY_S:
+            self.store.put(LEARNER_KEY, LearnerProgress(samples, inserts, now).to_bytes())
+            self.published = now
+
+    def inserts_seen(self, shard: int, own_total: int) -> tuple[int, int]:
+        """``(inserts, samples)`` as actor ``shard`` with ``own_total`` rows counts them: the
+        learner's view of the other shards, its own count of its rows."""
+        progress = self.read()
+        return sum(progress.inserts) - progress.inserts[shard] + own_total, progress.samples
+
+
+class Gate(Protocol):
+    """What `ReplayBuffer.sample` asks before and tells after each draw."""
+
+    def before(self, count: int) -> None:
+        """Return once ``count`` rows may be sampled."""
+
+    def after(self, count: int) -> None:
+        """``count`` rows were sampled."""
+
+
+class Ungated:
+    """One buffer's sampling: never waits, counts nothing."""
+
+    def before(self, count: int) -> None:
+        pass
+
+    def after(self, count: int) -> None:
+        pass
+
+
+UNGATED = Ungated()
+
+
+class LearnerGate:
+    """A learner's side of the limit: waits before a draw, counts the rows drawn, publishes them."""
+
+    def __init__(self, limiter: RateLimiter | None, progress: Progress, union: StorageUnion, state: LearnerState,
+                 refresh: Callable[[], object]):
+        self.limiter, self.progress, self.union, self.state, self.refresh = limiter, progress, union, state, refresh
+
+    def before(self, count: int) -> None:
+        """Wait until ``count`` more rows may be sampled (refreshing meanwhile). Raises RateLimitTimeout."""
+        limiter = self.limiter
+        if limiter is None:
+            return
+
+        def allowed() -> bool:
+            return limiter.sample_allowed(int(self.union.total.sum()), self.state.samples, count)
+
+        if not allowed():
+            self.publish(force=True)
+            limiter.wait(allowed, self.refresh, f"sample({count})")
+
+    def after(self, count: int) -> None:
+        """``count`` rows were sampled."""
+        self.state.samples += count
+        if self.limiter is not None:
+            self.publish()
+
+    def publish(self, force: bool = False) -> None:
+        inserts = self.union.total.reshape(len(self.union.parts), -1).sum(axis=1)
+        self.progress.publish(self.state.samples, tuple(inserts.tolist()), force)
+
+
+class ActorGate:
+    """An actor's side of the limit: whether its next rows may be inserted, by the learner's progress."""
+
+    def __init__(self, limiter: RateLimiter, progress: Progress, shard: int, total: Callable[[], int]):
+        self.limiter, self.progress, self.shard, self.total = limiter, progress, shard, total
+
+    def allowed(self, count: int) -> bool:
+        inserts, samples = self.progress.inserts_seen(self.shard, self.total())
+        return self.limiter.insert_allowed(inserts, samples, count)
+
+    def wait(self, count: int) -> bool:
+        """Block until ``count`` rows may be inserted (True). Raises RateLimitTimeout."""
+        self.limiter.wait(lambda: self.allowed(count), lambda: None, f"inserting {count} rows into shard {self.shard}")
+        return True
+
+
+class NoActorGate(ActorGate):
+    """A shard writer opened without a rate limiter: asking raises ValueError."""
+
+    def __init__(self) -> None:
+        pass
+
+    def allowed(self, count: int) -> bool:
+        raise ValueError("this buffer has no rate limiter: open the shard with "
+                         "dr.ReplayBuffer.open_shard(url, shard, rate_limiter=dr.RateLimiter(...))")
+
+    wait = allowed
+
+
+NO_ACTOR_GATE = NoActorGate()

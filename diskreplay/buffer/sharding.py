@@ -1,0 +1,135 @@
+"""A sharded buffer's location: its root group declared after every shard exists, its shards
+opened together as one read-only union (`StorageUnion`), the shard a writer opens."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import CorruptBufferError, NotABufferError
+from ..format.commit import CommitRecord
+from ..format.keys import GROUP_KEY, MAX_METADATA_BYTES
+from ..format.shards import root_documents, shard_count, shard_url
+from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
+from ..sampling import Sampler, Uniform
+from ..storage import NewStorage, Options, Storage, StorageUnion
+from .parts import LearnerOpening
+from .rate_limit import ActorGate, Progress, RateLimiter
+from .setup import close_all, create_storages, open_storages
+
+if TYPE_CHECKING:
+    from .replay_buffer import ReplayBuffer
+
+UnionParts = tuple[StorageUnion, StorageUnion | None, list[tuple[CommitRecord, Mapping[str, Any]]]]
+
+
+def root_store(url: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None) -> ChunkStore:
+    return open_chunkstore(url, storage_options, retry=retry)
+
+
+def declared_shards(store: ChunkStore, url: str) -> int | None:
+    """The shard count the root group at ``url`` declares (None: not a sharded buffer).
+    Raises CorruptBufferError for a damaged declaration."""
+    return shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+
+
+def declare_shards(store: ChunkStore, count: int) -> None:
+    """Write the root group: from now on the location opens as a buffer of ``count`` shards."""
+    for key, blob in root_documents(count).items():
+        store.put(key, blob, durable=True)
+
+
+def check_shard(shard: Any, count: int, url: str) -> int:
+    """``shard`` as an int in ``[0, count)``; else ValueError naming it."""
+    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < count:
+        raise ValueError(f"shard must be an int in [0, {count}) ({url!r} has {count} shards), got {shard!r}")
+    return shard
+
+
+def open_union(url: str, count: int, options: Options) -> UnionParts:
+    """Every shard opened read-only, as one union (and the union of their ``derive_next`` side
+    stores), with the commit each shows and its state. The chunk cache is split among them.
+
+    Raises NotABufferError / CorruptBufferError naming the shard (a missing one, or one whose
+    config differs from shard 0's)."""
+    part_options = replace(options, cache_bytes=options.cache_bytes // count)
+    parts: list[Storage] = []
+    finals: list[Storage] = []
+    states: list[tuple[CommitRecord, Mapping[str, Any]]] = []
+    try:
+        for shard in range(count):
+            storage, side, record, state = open_storages(shard_url(url, shard), "r", part_options)
+            parts.append(storage)
+            if side is not None:
+                finals.append(side)
+            states.append((record, state))
+            if storage.config.to_json() != parts[0].config.to_json():
+                raise CorruptBufferError(f"{storage.url!r}: the config of shard {shard} differs from shard 0's "
+                                         f"({storage.config.to_json()} vs {parts[0].config.to_json()})")
+    except BaseException:
+        close_all(*parts, *finals)
+        raise
+    return StorageUnion(url, parts), (StorageUnion(url, finals) if finals else None), states
+
+
+def sharded_root(url: str, storage_options: Mapping[str, Any] | None,
+                 retry: RetryPolicy | None) -> tuple[int, ChunkStore] | None:
+    """``(shard count, root store)`` when ``url`` is a sharded buffer's root, else None. Raises
+    CorruptBufferError for a damaged declaration."""
+    if is_local(url) and not os.path.isdir(local_path(url)):
+        return None
+    store = root_store(url, storage_options, retry)
+    count = declared_shards(store, url)
+    return None if count is None else (count, store)
+
+
+def shard_plans(plans: list[NewStorage], url: str, shard: int) -> list[NewStorage]:
+    """The storages of a new buffer planned at ``url``, placed in shard ``shard`` instead."""
+    root, inside = url.rstrip("/"), shard_url(url, shard)
+    return [replace(plan, url=inside + plan.url[len(root):]) for plan in plans]
+
+
+def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[int, ChunkStore], options: Options,
+                 sampler: Sampler | None, seed: int | None, limiter: RateLimiter | None) -> ReplayBuffer:
+    """The union of every shard of the sharded buffer at ``url``, for a learner (`ReplayBuffer.open`)."""
+    count, store = root
+    if mode != "r":
+        raise ValueError(f"{url!r} is a sharded buffer: open it with mode='r' (the union of its shards) "
+                         f"or write one shard with dr.ReplayBuffer.open_shard(url, shard=i)")
+    union, finals, states = open_union(url, count, options)
+    try:
+        return cls(union, sampler or Uniform(), np.random.default_rng(seed), finals, options.retry,
+                   LearnerOpening(states, Progress(store, url, count), limiter))
+    except BaseException:
+        close_all(union, finals)
+        raise
+
+
+def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limiter: RateLimiter | None,
+                open_options: Mapping[str, Any]) -> ReplayBuffer:
+    """Shard ``shard`` of the sharded buffer at ``url`` (`ReplayBuffer.open_shard`)."""
+    root = sharded_root(url, open_options.get("storage_options"), open_options.get("retry"))
+    if root is None:
+        raise NotABufferError(f"{url!r} is not a sharded buffer (made by dr.ReplayBuffer.create(..., shards=N))")
+    count, store = root
+    check_shard(shard, count, url)
+    buf = cls.open(shard_url(url, shard), mode, **open_options)
+    if limiter is not None:
+        buf._actor_gate = ActorGate(limiter, Progress(store, url, count), shard, lambda: int(buf.storage.total.sum()))
+    return buf
+
+
+def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, count: int, options: Options,
+                   sampler: Sampler | None, seed: int | None) -> ReplayBuffer:
+    """Create every shard of a buffer planned at ``url`` (``url`` prepared), then declare the
+    root; return the union, read-only (`ReplayBuffer.create` with ``shards``)."""
+    for shard in range(count):
+        storage, finals = create_storages(shard_plans(plans, url, shard), options, True)
+        cls(storage, Uniform(), np.random.default_rng(), finals, options.retry).close()
+    store = root_store(url, options.storage_options, options.retry)
+    declare_shards(store, count)
+    return open_learner(cls, url, "r", (count, store), options, sampler, seed, None)

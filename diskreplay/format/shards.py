@@ -1,0 +1,104 @@
+"""The root of a sharded buffer, and the learner's progress document beside its shards.
+
+A sharded buffer is a Zarr v3 group whose attribute ``diskreplay_shards`` says how many shards it
+holds. Shard ``i`` is a complete buffer in the child group ``shard-<i:05d>``: its own commits,
+writer lock, lanes, episode index and state. Every shard has the same schema, capacity and
+chunking. The root group is written last at create, so an interrupted create never opens.
+
+``learner.json`` holds a learner's sample count and the inserts it had seen, for actors that
+keep to a rate limit (`LearnerProgress`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import zarr
+import zarr.storage
+
+from ..errors import CorruptBufferError
+from .config import MAX_STEPS
+from .keys import GROUP_KEY, json_object
+
+SHARDS_ATTRIBUTE = "diskreplay_shards"
+MAX_SHARDS = 4096
+LEARNER_KEY = "learner.json"
+
+
+def shard_name(shard: int) -> str:
+    """The child group of shard ``shard``."""
+    return f"shard-{shard:05d}"
+
+
+def shard_url(url: str, shard: int) -> str:
+    """Where shard ``shard`` of the sharded buffer at ``url`` lives."""
+    return f"{url.rstrip('/')}/{shard_name(shard)}"
+
+
+def check_shards(shards: Any, commit: bool = True) -> int:
+    """``shards`` as an int in [1, `MAX_SHARDS`]; else ValueError naming it (also with
+    ``commit=False``: every shard is committed at create)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be None or an int in [1, {MAX_SHARDS}], got {shards!r}")
+    if not commit:
+        raise ValueError("shards= with commit=False: every shard of a sharded buffer is committed at create")
+    return shards
+
+
+def root_documents(count: int) -> dict[str, bytes]:
+    """``{key: bytes}``: the root group's ``zarr.json`` of a buffer of ``count`` shards."""
+    documents: dict[str, Any] = {}
+    group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=documents), mode="w")
+    group.attrs.update({SHARDS_ATTRIBUTE: {"count": count}})
+    return {key: value.to_bytes() for key, value in documents.items()}
+
+
+def shard_count(blob: bytes | None, url: str) -> int | None:
+    """The shard count a root ``zarr.json`` declares (None: not a sharded buffer's root).
+
+    Raises CorruptBufferError naming the field when the declaration is damaged."""
+    if blob is None:
+        return None
+    attributes = json_object(blob, GROUP_KEY, url).get("attributes")
+    declared = attributes.get(SHARDS_ATTRIBUTE) if isinstance(attributes, dict) else None
+    if declared is None:
+        return None
+    count = declared.get("count") if isinstance(declared, dict) else None
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise CorruptBufferError(f"{url!r}: {GROUP_KEY} field 'attributes.{SHARDS_ATTRIBUTE}.count': expected an "
+                                 f"int in [1, {MAX_SHARDS}], got {count!r}")
+    return count
+
+
+@dataclass(frozen=True)
+class LearnerProgress:
+    """What a learner published: rows it sampled, and per shard the rows it had seen inserted."""
+
+    samples: int
+    inserts: tuple[int, ...]
+    time: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"samples": self.samples, "inserts": list(self.inserts), "time": self.time}).encode()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, url: str, shards: int) -> LearnerProgress:
+        """Parse and validate ``learner.json`` of a buffer of ``shards`` shards. Raises
+        CorruptBufferError naming the field."""
+        data = json_object(blob, LEARNER_KEY, url)
+        samples, inserts, when = data.get("samples"), data.get("inserts"), data.get("time")
+        if not _count(samples):
+            raise CorruptBufferError(f"{url!r}: {LEARNER_KEY} field 'samples': expected an int >= 0, got {samples!r}")
+        if not isinstance(inserts, list) or len(inserts) != shards or not all(map(_count, inserts)):
+            raise CorruptBufferError(f"{url!r}: {LEARNER_KEY} field 'inserts': expected {shards} ints >= 0, "
+                                     f"got {str(inserts)[:80]}")
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+            raise CorruptBufferError(f"{url!r}: {LEARNER_KEY} field 'time': expected a number, got {when!r}")
+        return cls(samples, tuple(inserts), float(when))  # type: ignore[arg-type]  # checked by _count
+
+
+def _count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_STEPS * MAX_SHARDS
