@@ -125,7 +125,9 @@ def _add_inspection(sub: Subcommands) -> None:
     p = sub.add_parser("info", help="summarize a buffer: fields, rows, episodes, chunks, size, sampler",
                        description="Print fields (shape, dtype), rows, lanes, episodes (count, lengths, mean "
                                    "return, from done/terminated/truncated and reward fields), chunks, bytes on "
-                                   "disk vs raw, compression ratio, sampler type and the last commit.")
+                                   "disk vs raw, compression ratio, sampler type and the last commit. A sharded "
+                                   "buffer: its shards together, then per shard its rows (readable, ever added) "
+                                   "and last commit, and the learner's published progress (learner.json).")
     p.add_argument("url", metavar="URL", help="the buffer")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-episodes", action="store_true", help="skip the episode scan (reads the done fields)")
@@ -133,6 +135,7 @@ def _add_inspection(sub: Subcommands) -> None:
 
     p = sub.add_parser("verify", help="check every committed chunk exists and decodes (exit 1 if not)",
                        description="Read every chunk of every field that the last commit covers and decode it. "
+                                   "A sharded buffer: every shard (a missing one is a problem) and learner.json. "
                                    "Prints a report; exit status 1 when anything is missing or corrupt.")
     p.add_argument("url", metavar="URL", help="the buffer")
     p.set_defaults(run=_cmd_verify)

@@ -12,7 +12,7 @@ import numpy as np
 from ..episodes import RowView
 from ..errors import EmptyBufferError, StaleReadError
 from ..io import RetryPolicy
-from ..storage import Storage, StorageUnion
+from ..storage import Storage
 from .state import BufferState, state_origin
 
 STALE_READ_PAUSE_S = 0.002
@@ -65,7 +65,7 @@ class CommitAdoption:
 class Follower:
     """Moves a read-only buffer to the newest commit (a writer has nothing to follow)."""
 
-    def __init__(self, storage: Storage | StorageUnion, adoption: Adoption, retry: RetryPolicy):
+    def __init__(self, storage: Storage, adoption: Adoption, retry: RetryPolicy):
         self.storage, self.adoption, self.retry = storage, adoption, retry
         self.reader = storage.mode == "r"
 

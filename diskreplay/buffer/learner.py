@@ -17,14 +17,14 @@ from ..episodes import EpisodeIndex, RowView
 from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..sampling import Sampler, check_sampler_state, load_sampler_state
-from ..storage import StorageUnion, shard_lanes
+from ..storage import Storage, compose
 from .state import check_rng_state, state_origin
 
 
 class LearnerState:
     """The learner's state: generator, sampler and, per union lane, the steps its sampler knows."""
 
-    def __init__(self, union: StorageUnion, rng: np.random.Generator, sampler: Sampler):
+    def __init__(self, union: Storage, rng: np.random.Generator, sampler: Sampler):
         self.union, self.rng, self.sampler = union, rng, sampler
         self.samples = 0
         """Rows this learner sampled (what a `RateLimiter` counts)."""
@@ -73,11 +73,13 @@ def announce(sampler: Sampler, lo: np.ndarray, before: np.ndarray, after: np.nda
 class ShardAdoption:
     """A learner adopting every shard's newest commit: rows, episode ends and ``next_*`` values."""
 
-    def __init__(self, union: StorageUnion, finals: StorageUnion | None, sampler: Sampler, view: RowView):
+    def __init__(self, union: Storage, finals: Storage | None, sampler: Sampler, view: RowView):
         self.union, self.finals, self.sampler, self.view = union, finals, sampler, view
         self.episodes, self.returns = view.episodes, view.returns
-        self.shard_index = EpisodeIndex(union.shard_envs, view.episodes.end_fields)
-        self.shard_states: list[dict[str, Any]] = [{} for _ in union.parts]
+        self.logs = union.shard_logs
+        self.shard_envs = union.layout.num_envs // len(self.logs)
+        self.shard_index = EpisodeIndex(self.shard_envs, view.episodes.end_fields)
+        self.shard_states: list[dict[str, Any]] = [{} for _ in self.logs]
 
     def start(self, states: list[tuple[CommitRecord, Mapping[str, Any]]]) -> None:
         """At open: the states of the commits the shards show; every readable row is new."""
@@ -91,17 +93,18 @@ class ShardAdoption:
         """Adopt each shard's newest commit, all together or not at all. Returns whether any
         shard had a newer one. Raises CorruptBufferError naming the shard's object (nothing changed)."""
         newer = {}
-        for s, part in enumerate(self.union.parts):
-            record, state = part.load_state(newest=True)
-            if not record.same_as(part.record):
+        for s, log in enumerate(self.logs):
+            record, state = log.load_state(newest=True)
+            if not record.same_as(log.record):
                 newer[s] = (record, self._parse(s, record, state))
         if not newer:
             return False
-        finals = {s: self.finals.parts[s].read_newest() for s in newer} if self.finals is not None else {}
+        side = [] if self.finals is None else self.finals.shard_logs
+        finals = {s: side[s].read_newest() for s in newer} if side else {}
         before, last_ends = self.union.total.copy(), self.episodes.last_ends()
-        self.union.adopt({s: record for s, (record, _) in newer.items()})
+        adopt_shards(self.union, {s: record for s, (record, _) in newer.items()})
         if self.finals is not None:
-            self.finals.adopt(finals)
+            adopt_shards(self.finals, finals)
         for s, (_, parsed) in newer.items():
             self.shard_states[s] = parsed
         self._apply()
@@ -112,11 +115,11 @@ class ShardAdoption:
 
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
         """A shard's saved episode ends and ``next_*`` values, checked (the rest is its writer's)."""
-        origin = state_origin(self.union.parts[shard].url, record)
+        origin = state_origin(self.logs[shard].url, record)
         try:
             episodes = self.shard_index.check_state(state["episodes"], record.committed) if state else None
             last_next = state.get("last_next") or {}
-            lanes = self.union.shard_envs
+            lanes = self.shard_envs
             for twin, want in self.view.last_next.items():
                 value = last_next.get(twin)
                 shape = (lanes, *want.shape[1:])
@@ -139,13 +142,13 @@ class ShardAdoption:
         for twin, value in self.view.last_next.items():
             for s, state in enumerate(self.shard_states):
                 if twin in state["last_next"]:
-                    value[shard_lanes(s, self.union.shard_envs)] = state["last_next"][twin]
+                    value[s * self.shard_envs:(s + 1) * self.shard_envs] = state["last_next"][twin]
 
     def _episodes_of(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         episodes: Mapping[str, Any] | None = state.get("episodes")
         if episodes is not None:
             return episodes
-        lanes = self.union.shard_envs
+        lanes = self.shard_envs
         return {"count": np.zeros(lanes, np.int64), "pruned": np.zeros(lanes, np.int64), "ends": np.zeros(0, np.int64)}
 
     def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
@@ -153,3 +156,11 @@ class ShardAdoption:
         newest = self.episodes.last_ends()
         for lane in np.flatnonzero(newest > last_ends).tolist():
             self.union.forget_cached(lane, int(last_ends[lane]) + 1, int(committed[lane]))
+
+
+def adopt_shards(union: Storage, records: Mapping[int, CommitRecord]) -> None:
+    """Show ``records[s]``, a newer commit of shard ``s``, in the union (its cache updated)."""
+    logs = union.shard_logs
+    union.adopt(compose([records.get(s, log.record) for s, log in enumerate(logs)]))
+    for s, record in records.items():
+        logs[s].adopt(record)

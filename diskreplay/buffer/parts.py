@@ -14,7 +14,7 @@ from ..episodes import RowView
 from ..format.commit import CommitRecord
 from ..io import RetryPolicy
 from ..sampling import Sampler
-from ..storage import Storage, StorageUnion
+from ..storage import Storage
 from .appending import Appender
 from .following import CommitAdoption, Follower
 from .learner import LearnerState, ShardAdoption
@@ -40,13 +40,12 @@ class Parts:
     gate: Gate = UNGATED
 
 
-def make_parts(storage: Storage | StorageUnion, finals: Storage | StorageUnion | None, sampler: Sampler,
-               rng: np.random.Generator, view: RowView, retry: RetryPolicy, learner: LearnerOpening | None) -> Parts:
+def make_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
+               view: RowView, retry: RetryPolicy, learner: LearnerOpening | None) -> Parts:
     """A learner's parts for the union of a sharded buffer's shards, else one buffer's."""
-    if isinstance(storage, StorageUnion):
-        assert learner is not None and not isinstance(finals, Storage)
+    if storage.sharded:
+        assert learner is not None
         return learner_parts(storage, finals, sampler, rng, view, retry, learner)
-    assert not isinstance(finals, StorageUnion)
     return buffer_parts(storage, finals, sampler, rng, view, retry)
 
 
@@ -59,7 +58,7 @@ def buffer_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng
     return Parts(state, Follower(storage, CommitAdoption(storage, finals, state, view), retry), appender)
 
 
-def learner_parts(union: StorageUnion, finals: StorageUnion | None, sampler: Sampler, rng: np.random.Generator,
+def learner_parts(union: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
                   view: RowView, retry: RetryPolicy, opening: LearnerOpening) -> Parts:
     """A learner's parts: its own state, every shard's commits adopted, its sampling counted
     (and limited). Raises CorruptBufferError for a shard's damaged state."""

@@ -18,7 +18,7 @@ from typing import Protocol
 from ..errors import RateLimitTimeout
 from ..format.shards import LEARNER_KEY, LearnerProgress
 from ..io import ChunkStore
-from ..storage import StorageUnion
+from ..storage import Storage
 from .learner import LearnerState
 
 PUBLISH_EVERY_S = 0.05
@@ -134,7 +134,7 @@ UNGATED = Ungated()
 class LearnerGate:
     """A learner's side of the limit: waits before a draw, counts the rows drawn, publishes them."""
 
-    def __init__(self, limiter: RateLimiter | None, progress: Progress, union: StorageUnion, state: LearnerState,
+    def __init__(self, limiter: RateLimiter | None, progress: Progress, union: Storage, state: LearnerState,
                  refresh: Callable[[], object]):
         self.limiter, self.progress, self.union, self.state, self.refresh = limiter, progress, union, state, refresh
 
@@ -158,7 +158,7 @@ class LearnerGate:
             self.publish()
 
     def publish(self, force: bool = False) -> None:
-        inserts = self.union.total.reshape(len(self.union.parts), -1).sum(axis=1)
+        inserts = self.union.total.reshape(len(self.union.shard_logs), -1).sum(axis=1)
         self.progress.publish(self.state.samples, tuple(inserts.tolist()), force)
 
 

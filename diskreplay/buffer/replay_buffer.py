@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..episodes import HER, EpisodeTable, EpisodicReturn, row_view
-from ..errors import ClosedError
+from ..errors import ClosedError, NotABufferError
 from ..format import state as state_files
 from ..format.lanes import LaneLayout, row_ids
 from ..format.schema import Field
-from ..format.shards import check_shards
 from ..io import RetryPolicy
 from ..sampling import Sampler, Uniform
-from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats, StorageUnion
+from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from .appending import Appender
 from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
 from .parts import LearnerOpening, make_parts
@@ -41,13 +40,13 @@ class ReplayBuffer:
     overwritten id raises IndexError. Use `create` or `open` to get one.
     """
 
-    def __init__(self, storage: Storage | StorageUnion, sampler: Sampler, rng: np.random.Generator,
-                 finals: Storage | StorageUnion | None = None, retry: RetryPolicy | None = None,
+    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
+                 finals: Storage | None = None, retry: RetryPolicy | None = None,
                  learner: LearnerOpening | None = None):
         """Internal: use `create` (a new buffer) or `open` (an existing one).
 
         Raises TypeError when called as ``ReplayBuffer(url, fields, capacity)``."""
-        if not isinstance(storage, (Storage, StorageUnion)):
+        if not isinstance(storage, Storage):
             raise TypeError(f"ReplayBuffer({type(storage).__name__}, ...) is not how a buffer is made: use "
                             f"dr.ReplayBuffer.create(url, fields, capacity) for a new one, or "
                             f"dr.ReplayBuffer.open(url, mode) for an existing one")
@@ -141,11 +140,10 @@ class ReplayBuffer:
         plans = plan_buffer(url, fields, capacity, num_envs, chunk_rows, compression, compression_level,
                             cache_bytes, episode_end, derive_next, episodic_return)
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
-        count = None if shards is None else check_shards(shards, commit)
-        prepare_location(url, storage_options, overwrite, break_lock, retry)
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
-        if count is not None:
-            return create_sharded(cls, plans, url, count, options, sampler, seed)
+        if shards is not None:
+            return create_sharded(cls, plans, url, shards, commit, overwrite, options, sampler, seed)
+        prepare_location(url, storage_options, overwrite, break_lock, retry)
         storage, finals = create_storages(plans, options, commit)
         buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals, retry)
         if commit:
@@ -198,14 +196,19 @@ class ReplayBuffer:
         if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
             raise ValueError(f"rate_limiter must be a dr.RateLimiter or None, got {type(rate_limiter).__name__}")
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
-        root = sharded_root(url, storage_options, retry)
+        root = None
+        try:
+            storage, finals, record, state = open_storages(url, mode, options)
+        except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
+            root = sharded_root(url, storage_options, retry)
+            if root is None:
+                raise
         if root is not None:
             return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
-        if seed is not None or rate_limiter is not None:
-            raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
-                             f"(its generator is restored from its last commit)")
-        storage, finals, record, state = open_storages(url, mode, options)
         try:
+            if seed is not None or rate_limiter is not None:
+                raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
+                                 f"(its generator is restored from its last commit)")
             buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
             saved = buf._state
             assert isinstance(saved, BufferState)
@@ -526,13 +529,12 @@ class ReplayBuffer:
         """Where row ids (e.g. ``batch["index"]``) come from: int64 arrays ``(shard, lane, step)``
         shaped as ``ids``: the shard (0 unless sharded), the env lane inside it, and the step
         counted in that lane. Raises IndexError for a negative id."""
-        shard_envs = self.storage.shard_envs if isinstance(self.storage, StorageUnion) else self.num_envs
-        return locate(ids, self.num_envs, shard_envs)
+        return locate(ids, self.num_envs, self.num_envs // self.shards)
 
     @property
     def shards(self) -> int:
         """Shards read together (1: a buffer that is not sharded, or one shard of one)."""
-        return len(self.storage.parts) if isinstance(self.storage, StorageUnion) else 1
+        return len(self.storage.shard_logs)
 
     def insert_allowed(self, rows: int = 1, wait: bool = False) -> bool:
         """An actor (`open_shard` with ``rate_limiter``): whether ``rows`` more rows may be added

@@ -15,16 +15,16 @@ from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, Sch
 from ..format import keys
 from ..format.commit import CommitRecord
 from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
-from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY
+from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
+from ..format.shards import shard_count, shard_url
 from ..io import RetryPolicy, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
 from ..storage import (
     NewStorage,
     Options,
     Storage,
-    StorageUnion,
     create_storage,
     default_chunk_rows,
     open_storage,
@@ -126,7 +126,8 @@ def _check_episodic_return(spec: EpisodicReturn, user: Schema) -> None:
 def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwrite: bool, break_lock: bool,
                      retry: RetryPolicy | None) -> None:
     """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
-    delete what is not a buffer, or one a live writer holds), then remove it (retried remotely)."""
+    delete what is not a buffer, or one a live writer holds: of a sharded buffer, any shard's),
+    then remove it (retried remotely)."""
     store = open_chunkstore(url, storage_options, retry=retry)
     if is_local(url):
         path = local_path(url)
@@ -140,7 +141,10 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
     else:
         return
-    check_unlocked(url, dict(storage_options) if storage_options else None, break_lock)
+    options = dict(storage_options) if storage_options else None
+    count = shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+    for location in [url] if count is None else [shard_url(url, shard) for shard in range(count)]:
+        check_unlocked(location, options, break_lock)
     store.clear()
 
 
@@ -174,7 +178,7 @@ def open_storages(url: str, mode: str,
     return storage, finals, record, state
 
 
-def close_all(*storages: Storage | StorageUnion | None) -> None:
+def close_all(*storages: Storage | None) -> None:
     """Release these storages (without writing anything)."""
     for storage in storages:
         if storage is not None:

@@ -1,5 +1,5 @@
 """A sharded buffer's location: its root group declared after every shard exists, its shards
-opened together as one read-only union (`StorageUnion`), the shard a writer opens."""
+opened together as one read-only storage (a learner's), the shard a writer opens."""
 
 from __future__ import annotations
 
@@ -10,21 +10,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CorruptBufferError, NotABufferError
+from ..errors import NotABufferError
 from ..format.commit import CommitRecord
 from ..format.keys import GROUP_KEY, MAX_METADATA_BYTES
-from ..format.shards import root_documents, shard_count, shard_url
+from ..format.schema import Schema
+from ..format.shards import check_shards, root_documents, shard_count, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
-from ..storage import NewStorage, Options, Storage, StorageUnion
+from ..storage import NewStorage, Options, Storage, open_union_storage
 from .parts import LearnerOpening
 from .rate_limit import ActorGate, Progress, RateLimiter
-from .setup import close_all, create_storages, open_storages
+from .setup import close_all, create_storages, finals_cache, finals_url, prepare_location
 
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
 
-UnionParts = tuple[StorageUnion, StorageUnion | None, list[tuple[CommitRecord, Mapping[str, Any]]]]
+UnionParts = tuple[Storage, Storage | None, list[tuple[CommitRecord, Mapping[str, Any]]]]
 
 
 def root_store(url: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None) -> ChunkStore:
@@ -51,29 +52,25 @@ def check_shard(shard: Any, count: int, url: str) -> int:
 
 
 def open_union(url: str, count: int, options: Options) -> UnionParts:
-    """Every shard opened read-only, as one union (and the union of their ``derive_next`` side
-    stores), with the commit each shows and its state. The chunk cache is split among them.
+    """Every shard opened read-only as one storage (and their ``derive_next`` side stores as
+    another), with the commit each shard shows and its state.
 
     Raises NotABufferError / CorruptBufferError naming the shard (a missing one, or one whose
     config differs from shard 0's)."""
-    part_options = replace(options, cache_bytes=options.cache_bytes // count)
-    parts: list[Storage] = []
-    finals: list[Storage] = []
-    states: list[tuple[CommitRecord, Mapping[str, Any]]] = []
+    shards = [shard_url(url, shard) for shard in range(count)]
+    union = open_union_storage(url, shards, options)
+    finals = None
     try:
-        for shard in range(count):
-            storage, side, record, state = open_storages(shard_url(url, shard), "r", part_options)
-            parts.append(storage)
-            if side is not None:
-                finals.append(side)
-            states.append((record, state))
-            if storage.config.to_json() != parts[0].config.to_json():
-                raise CorruptBufferError(f"{storage.url!r}: the config of shard {shard} differs from shard 0's "
-                                         f"({storage.config.to_json()} vs {parts[0].config.to_json()})")
+        states: list[tuple[CommitRecord, Mapping[str, Any]]] = [
+            log.load_state(newest=False) for log in union.shard_logs]
+        if union.config.derive_next:
+            bases = Schema({base: union.schema[base] for base in union.config.derive_next})
+            finals = open_union_storage(url, [finals_url(shard) for shard in shards],
+                                        replace(options, cache_bytes=finals_cache(bases, union.layout.num_envs)))
     except BaseException:
-        close_all(*parts, *finals)
+        close_all(union, finals)
         raise
-    return StorageUnion(url, parts), (StorageUnion(url, finals) if finals else None), states
+    return union, finals, states
 
 
 def sharded_root(url: str, storage_options: Mapping[str, Any] | None,
@@ -123,10 +120,13 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     return buf
 
 
-def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, count: int, options: Options,
-                   sampler: Sampler | None, seed: int | None) -> ReplayBuffer:
-    """Create every shard of a buffer planned at ``url`` (``url`` prepared), then declare the
-    root; return the union, read-only (`ReplayBuffer.create` with ``shards``)."""
+def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, shards: Any, commit: bool,
+                   overwrite: bool, options: Options, sampler: Sampler | None, seed: int | None) -> ReplayBuffer:
+    """Create every shard of a buffer planned at ``url``, then declare the root; return the
+    union, read-only (`ReplayBuffer.create` with ``shards``). Raises ValueError for ``shards``
+    (or ``commit=False``) before anything is touched; BufferExistsError, LockedError."""
+    count = check_shards(shards, commit)
+    prepare_location(url, options.storage_options, overwrite, options.break_lock, options.retry)
     for shard in range(count):
         storage, finals = create_storages(shard_plans(plans, url, shard), options, True)
         cls(storage, Uniform(), np.random.default_rng(), finals, options.retry).close()

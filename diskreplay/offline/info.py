@@ -15,8 +15,11 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..episodes import end_flags, episode_end_fields
-from ..errors import NotABufferError
+from ..errors import CorruptBufferError, NotABufferError
+from ..format.commit import CommitRecord
+from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name
 from ..sampling import Uniform
+from ..storage import Storage
 from .status import describe_incomplete, import_status
 
 
@@ -39,7 +42,8 @@ def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: in
 
 
 def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarray:
-    """One whole stored chunk of one field, decoded. Raises CorruptBufferError if missing/undecodable."""
+    """One whole stored chunk of one field of lane ``lane`` (a lane of the union, for a sharded
+    buffer), decoded. Raises CorruptBufferError if missing/undecodable."""
     return buf.storage.read_chunk(name, lane, chunk)
 
 
@@ -130,12 +134,14 @@ def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | 
 
 
 def _disk_usage(buf: ReplayBuffer) -> tuple[int, dict[str, int]]:
-    """(bytes of every object under the buffer, chunk objects per field)."""
+    """(bytes of every object under the buffer, every shard's for a sharded one; chunk objects
+    per field)."""
+    sharded = buf.storage.sharded  # keys begin with the shard's child group
     sizes = buf.storage.store.sizes()
     chunk_files = dict.fromkeys(buf.fields, 0)
     prefix = "c" + buf.storage.config.chunk_key_separator
     for key in sizes:
-        field, _, rest = key.partition("/")
+        field, _, rest = (key.partition("/")[2] if sharded else key).partition("/")
         if field in chunk_files and rest.startswith(prefix) and not rest.endswith(".partial"):
             chunk_files[field] += 1
     return sum(sizes.values()), chunk_files
@@ -145,11 +151,17 @@ def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = 
     """Everything `diskreplay info` reports, as plain data (sizes in bytes, times in epoch seconds).
 
     ``episodes=False`` skips the episode statistics (which read the done flags of every row).
-    Raises NotABufferError if ``url`` holds no buffer (or an interrupted import).
+    Of a sharded buffer (all its shards together): instead of ``commit_sequence`` and
+    ``last_commit_time``, ``sharded`` (True), ``shards`` (the count), ``per_shard`` (rows readable,
+    rows ever added, commit sequence and time of each) and ``learner`` (``learner.json``: samples,
+    inserts per shard, time; None if absent, ``{"error": ...}`` if damaged).
+    Raises NotABufferError if ``url`` holds no buffer (or an interrupted import), CorruptBufferError
+    if it is damaged (a sharded one: any of its shards).
     """
     buf = open_readonly(url, storage_options)
     try:
         info = _layout_info(buf)
+        info.update(_shards_info(buf.storage) if buf.storage.sharded else _commit_info(buf.storage.record))
         stats = episode_stats(buf) if episodes else None
         info["episodes"] = None if stats is None else _episode_summary(buf, stats)
         return info
@@ -158,7 +170,7 @@ def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = 
 
 
 def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
-    """The report's rows, fields, chunking, sizes, sampler and last commit."""
+    """The report's rows, fields, chunking, sizes and sampler (of every shard together)."""
     storage = buf.storage
     config = storage.config
     layout = storage.layout
@@ -166,8 +178,6 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
     windows = readable(buf)
     on_disk, chunk_files = _disk_usage(buf)
     raw = rows * storage.schema.row_bytes
-    record = storage.record
-    sampler = ((record.state or {}).get("sampler") or {}).get("type", "Uniform")
     return {
         "url": buf.url,
         "rows": rows,
@@ -185,11 +195,56 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "bytes_on_disk": on_disk,
         "bytes_raw": raw,
         "compression_ratio": raw / on_disk if on_disk else None,
-        "sampler": sampler,
-        "commit_sequence": record.sequence,
-        "last_commit_time": record.time,
-        "episodes": None,
+        "sampler": ", ".join(dict.fromkeys(_sampler_name(log.record) for log in storage.shard_logs)),
     }
+
+
+def _sampler_name(record: CommitRecord) -> str:
+    """The type of the sampler saved with ``record`` (``Uniform`` when none is)."""
+    return str(((record.state or {}).get("sampler") or {}).get("type", "Uniform"))
+
+
+def _commit_info(record: CommitRecord) -> dict[str, Any]:
+    """The report's last commit, of a buffer that is not sharded."""
+    return {"commit_sequence": record.sequence, "last_commit_time": record.time}
+
+
+def _shards_info(union: Storage) -> dict[str, Any]:
+    """The report's shards: per shard its rows and last commit (`_shard_rows`), and the
+    learner's progress (`_learner_info`)."""
+    count = len(union.shard_logs)
+    return {"sharded": True, "shards": count, "per_shard": _shard_rows(union),
+            "learner": _learner_info(union, count)}
+
+
+def _shard_rows(union: Storage) -> list[dict[str, Any]]:
+    """Per shard of ``union`` (a sharded buffer's storage), in shard order: its index and child
+    group name, the rows readable in the commit it shows, the rows ever committed to it
+    (``added``, overwritten ones included), and that commit's sequence number and time (epoch
+    seconds)."""
+    logs = union.shard_logs
+    envs = union.layout.num_envs // len(logs)
+    lo, hi = union.window()
+    rows = []
+    for shard, log in enumerate(logs):
+        lanes = slice(shard * envs, (shard + 1) * envs)
+        rows.append({"shard": shard, "name": shard_name(shard), "rows": int((hi[lanes] - lo[lanes]).sum()),
+                     "added": int(union.total[lanes].sum()), "commit_sequence": log.record.sequence,
+                     "last_commit_time": log.record.time})
+    return rows
+
+
+def _learner_info(union: Storage, shards: int) -> dict[str, Any] | None:
+    """``learner.json`` in the root of ``union``: rows sampled, inserts seen per shard and the
+    time it was published (None if no learner published; ``{"error": why}`` if it is damaged)."""
+    blob = union.store.get(LEARNER_KEY, limit=1 << 20)
+    if blob is None:
+        return None
+    try:
+        progress = LearnerProgress.from_bytes(blob, union.url, shards)
+    except CorruptBufferError as exc:
+        return {"error": str(exc).removeprefix(f"{union.url!r}: ")}
+    return {"samples": progress.samples, "inserts": list(progress.inserts), "time": progress.time}
 
 
 def _episode_summary(buf: ReplayBuffer, stats: EpisodeStats) -> dict[str, Any]:
@@ -216,29 +271,14 @@ def _mb(n: int) -> str:
 
 
 def format_info(info: dict[str, Any]) -> str:
-    """The human-readable `info` report."""
-    lines = [f"buffer      {info['url']}"]
-    cap = "dataset mode (grows)" if info["capacity"] is None else f"ring, capacity {info['capacity']:,}"
-    per_lane = info["rows_per_lane"]
-    lanes = f"{info['lanes']} lane" + ("s" if info["lanes"] > 1 else "")
-    if info["lanes"] > 1:
-        lanes += f" ({', '.join(f'{r:,}' for r in per_lane[:8])}{', ...' if len(per_lane) > 8 else ''})"
-    lines.append(f"rows        {info['rows']:,} in {lanes}; {cap}")
+    """The human-readable `info` report (of a sharded buffer: its shards and learner at the end)."""
+    sharded = bool(info.get("sharded"))
+    head = f"buffer      {info['url']}" + (f" (sharded: {info['shards']} shards)" if sharded else "")
+    lines = [head, _rows_line(info), "fields"]
     width = max(len(n) for n in info["fields"])
-    lines.append("fields")
     for name, spec in info["fields"].items():
         lines.append(f"  {name:<{width}}  {tuple(spec['shape'])!s:<14} {spec['dtype']}")
-    ep = info["episodes"]
-    if ep is None:
-        lines.append("episodes    - (no done / terminated / truncated field)")
-    elif ep["count"] == 0:
-        lines.append(f"episodes    0 complete, {ep['in_progress']} in progress (ends: {' | '.join(ep['done_fields'])})")
-    else:
-        text = (f"episodes    {ep['count']:,} complete, {ep['in_progress']} in progress; length mean "
-                f"{ep['length_mean']:.1f}, min {ep['length_min']:,}, max {ep['length_max']:,}")
-        if ep["return_mean"] is not None:
-            text += f"; mean return {ep['return_mean']:.3f}"
-        lines.append(text)
+    lines.append(_episodes_line(info["episodes"]))
     files = sum(info["chunk_files"].values())
     lines.append(f"chunks      {info['chunks_per_field']:,} per field x {len(info['fields'])} fields "
                  f"({info['chunk_rows']:,} rows each); {files:,} chunk objects stored")
@@ -252,6 +292,60 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"size        {_mb(info['bytes_on_disk'])} on disk, {_mb(info['bytes_raw'])} raw "
                  f"(ratio {ratio}, {comp})")
     lines.append(f"sampler     {info['sampler']}")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["last_commit_time"]))
-    lines.append(f"last commit #{info['commit_sequence']} at {when}")
+    if sharded:
+        lines += _shard_lines(info["per_shard"], info["learner"])
+    else:
+        lines.append(f"last commit #{info['commit_sequence']} at {_when(info['last_commit_time'])}")
     return "\n".join(lines)
+
+
+def _when(seconds: float) -> str:
+    """Epoch seconds as local time, to the second."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _rows_line(info: dict[str, Any]) -> str:
+    """Rows, lanes (their rows, the first 8) and the capacity."""
+    cap = "dataset mode (grows)" if info["capacity"] is None else f"ring, capacity {info['capacity']:,}"
+    if info["capacity"] is not None and info.get("sharded"):
+        cap += f" ({info['capacity'] // info['shards']:,} per shard)"
+    per_lane = info["rows_per_lane"]
+    lanes = f"{info['lanes']} lane" + ("s" if info["lanes"] > 1 else "")
+    if info["lanes"] > 1:
+        lanes += f" ({', '.join(f'{r:,}' for r in per_lane[:8])}{', ...' if len(per_lane) > 8 else ''})"
+    return f"rows        {info['rows']:,} in {lanes}; {cap}"
+
+
+def _episodes_line(ep: dict[str, Any] | None) -> str:
+    """The complete episodes: count, lengths and mean return."""
+    if ep is None:
+        return "episodes    - (no done / terminated / truncated field)"
+    if ep["count"] == 0:
+        return f"episodes    0 complete, {ep['in_progress']} in progress (ends: {' | '.join(ep['done_fields'])})"
+    text = (f"episodes    {ep['count']:,} complete, {ep['in_progress']} in progress; length mean "
+            f"{ep['length_mean']:.1f}, min {ep['length_min']:,}, max {ep['length_max']:,}")
+    if ep["return_mean"] is not None:
+        text += f"; mean return {ep['return_mean']:.3f}"
+    return text
+
+
+def _shard_lines(shards: list[dict[str, Any]], learner: dict[str, Any] | None) -> list[str]:
+    """A table of the shards (rows readable and ever added, last commit, the inserts the learner
+    had seen), then the learner's progress."""
+    seen = learner.get("inserts") if learner else None
+    header = ["shard", "rows", "added", "commit", "last commit"] + (["learner saw"] if seen else [])
+    table = [header] + [[s["name"], f"{s['rows']:,}", f"{s['added']:,}", f"#{s['commit_sequence']}",
+                         _when(s["last_commit_time"])] + ([f"{seen[s['shard']]:,}"] if seen else []) for s in shards]
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    lines = [f"shards      {len(shards)}"]
+    for row in table:
+        cells = [cell.ljust(w) if c in (0, 4) else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    if learner is None:
+        lines.append("learner     - (no learner.json: no learner has published its progress)")
+    elif "error" in learner:
+        lines.append(f"learner     damaged: {learner['error']}")
+    else:
+        lines.append(f"learner     {learner['samples']:,} rows sampled, {sum(learner['inserts']):,} inserts seen, "
+                     f"published at {_when(learner['time'])}")
+    return lines

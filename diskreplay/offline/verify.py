@@ -12,7 +12,12 @@ buffer and never writes):
   value");
 - the state object the commit references (sampler, generator, episode index) exists and loads,
   and so does every object of the journals it names (priorities, episode ends), at its size;
+- the ``derive_next`` side store (``final/``) passes the same checks of its own objects;
 - the buffer opens read-only and, if it keeps an episode index, lists its episodes.
+
+A sharded buffer's root (``diskreplay_shards`` in its ``zarr.json``) has every shard it declares
+checked as above (a missing one is a problem), every shard's config compared with the first's,
+and ``learner.json``, if present, parsed. Each problem and note then names its shard.
 
 Things that are harmless but worth knowing go to `VerifyReport.notes`: a writer lock left
 behind, orphaned temporary files (``*.partial``) of a writer killed mid-write.
@@ -27,16 +32,18 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
+from ..buffer.setup import finals_url
 from ..errors import CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
 from ..format.journal import JournalRef
-from ..format.keys import COMMIT_KEY, GROUP_KEY, chunk_key, read_json
+from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, chunk_key, read_json
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
+from ..format.shards import LEARNER_KEY, LearnerProgress, shard_count, shard_name, shard_url
 from ..io import ChunkStore, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
@@ -46,7 +53,9 @@ BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 
 @dataclass
 class VerifyReport:
-    """The outcome of `verify`. ``ok`` is True when ``problems`` is empty."""
+    """The outcome of `verify`. ``ok`` is True when ``problems`` is empty. Of a sharded buffer:
+    ``shards`` holds each shard's own report, and the counts, problems and notes are theirs
+    together (each problem and note begins with the shard's name)."""
 
     url: str
     ok: bool = True
@@ -55,32 +64,126 @@ class VerifyReport:
     chunks_checked: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    shards: list[VerifyReport] | None = None
 
     def problem(self, text: str) -> None:
         """Record one problem (a sentence for users); the report is then not ``ok``."""
         self.problems.append(text)
         self.ok = False
 
-    def __str__(self) -> str:
-        head = (f"{self.url}: {'OK' if self.ok else 'PROBLEMS'} - {self.rows} rows, "
-                f"{self.chunks_checked} chunks checked"
+    def summary(self) -> str:
+        """``OK`` or ``PROBLEMS``, then what was checked: shards, rows, chunks, episodes."""
+        return (f"{'OK' if self.ok else 'PROBLEMS'} - "
+                + (f"{len(self.shards)} shards, " if self.shards is not None else "")
+                + f"{self.rows} rows, {self.chunks_checked} chunks checked"
                 + (f", {self.episodes} episodes" if self.episodes is not None else ""))
-        lines = [head] + [f"  problem: {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+
+    def __str__(self) -> str:
+        lines = [f"{self.url}: {self.summary()}"]
+        lines += [f"  {shard_name(s)}: {part.summary()}" for s, part in enumerate(self.shards or [])]
+        lines += [f"  problem: {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def verify(url: str | os.PathLike, storage_options: dict | None = None) -> VerifyReport:
-    """Check the buffer at ``url`` (see the module docstring). Reads every committed chunk."""
+    """Check the buffer at ``url``, or every shard of a sharded one (see the module docstring).
+    Reads every committed chunk. Raises nothing for a damaged buffer (see the report's problems);
+    OSError or StoreUnavailableError where the store cannot be read at all."""
     url = os.fspath(url)
     report = VerifyReport(url)
     store = open_chunkstore(url, storage_options)
     commit_blob = store.get(COMMIT_KEY)
     if commit_blob is None:
+        try:
+            count = shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+        except CorruptBufferError as exc:
+            report.problem(_without_url(exc, url))
+            count = None
+        if count is not None:
+            _verify_shards(store, url, count, storage_options, report)
+            return report
+    _verify_buffer(store, url, commit_blob, storage_options, report)
+    return report
+
+
+def _verify_buffer(store: ChunkStore, url: str, commit_blob: bytes | None, storage_options: dict | None,
+                   report: VerifyReport) -> BufferConfig | None:
+    """Check the buffer (not sharded) in ``store``, whose ``commit.json`` holds ``commit_blob``;
+    its config, or None when there is no commit or the metadata or the commit is unusable."""
+    if commit_blob is None:
         report.problem(f"no {COMMIT_KEY}: not a diskreplay buffer (or its creation never finished)")
-        return report
+        return None
+    config = _verify_objects(store, url, commit_blob, report)
+    if config is None:
+        return None
+    if config.derive_next:
+        _verify_side_store(url, storage_options, report)
+    _notes(store, report)
+    if report.ok:
+        _count_episodes(url, storage_options, report)
+    return config
+
+
+def _verify_shards(store: ChunkStore, url: str, count: int, storage_options: dict | None,
+                   report: VerifyReport) -> None:
+    """Check each of the ``count`` shards under ``url`` (``store``: the root's), their configs
+    against the first usable one's, and ``learner.json``; ``report`` gets the shards' together."""
+    report.shards = []
+    first: tuple[str, dict[str, Any]] | None = None
+    for shard in range(count):
+        part, config = _verify_shard(url, shard, count, storage_options)
+        report.shards.append(part)
+        if config is not None and first is None:
+            first = (shard_name(shard), config.to_json())
+        elif config is not None and first is not None and config.to_json() != first[1]:
+            differ = [key for key, value in config.to_json().items() if first[1].get(key) != value]
+            part.problem(f"its config differs from {first[0]}'s ({', '.join(differ)})")
+        _merge(report, part, shard_name(shard))
+    episodes = [part.episodes for part in report.shards]
+    report.episodes = None if None in episodes else sum(e or 0 for e in episodes)
+    _check_learner(store, url, count, report)
+
+
+def _verify_shard(url: str, shard: int, count: int,
+                  storage_options: dict | None) -> tuple[VerifyReport, BufferConfig | None]:
+    """The report of shard ``shard`` of the ``count`` under ``url``, and its config (None if
+    unusable). A shard with no object at all is reported missing."""
+    part_url = shard_url(url, shard)
+    part = VerifyReport(part_url)
+    store = open_chunkstore(part_url, storage_options)
+    commit_blob = store.get(COMMIT_KEY)
+    if commit_blob is None and not store.sizes():
+        part.problem(f"the shard is missing ({url!r} declares {count} shards; {shard_name(shard)}/ holds nothing)")
+        return part, None
+    return part, _verify_buffer(store, part_url, commit_blob, storage_options, part)
+
+
+def _merge(report: VerifyReport, part: VerifyReport, name: str) -> None:
+    """Add shard ``name``'s report ``part`` to the sharded buffer's ``report``."""
+    report.rows += part.rows
+    report.chunks_checked += part.chunks_checked
+    for problem in part.problems:
+        report.problem(f"{name}: {_without_url_text(problem, part.url)}")
+    report.notes += [f"{name}: {note}" for note in part.notes]
+
+
+def _check_learner(store: ChunkStore, url: str, count: int, report: VerifyReport) -> None:
+    """``learner.json`` of the sharded buffer at ``url``, if present, parses (`LearnerProgress`)."""
+    blob = store.get(LEARNER_KEY, limit=MAX_METADATA_BYTES + 1)
+    if blob is None:
+        return
+    try:
+        LearnerProgress.from_bytes(blob, url, count)
+    except CorruptBufferError as exc:
+        report.problem(_without_url(exc, url))
+
+
+def _verify_objects(store: ChunkStore, url: str, commit_blob: bytes, report: VerifyReport) -> BufferConfig | None:
+    """Check the metadata, commit, chunks and state of the buffer in ``store`` (its commit
+    ``commit_blob``); its config, or None when the metadata or the commit is unusable."""
     layout_and_codec = _check_metadata(store, url, report)
     if layout_and_codec is None:
-        return report
+        return None
     config, arrays, codec = layout_and_codec
     layout = config.layout
     try:
@@ -89,16 +192,29 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
             commit.check_covered(url, lane_rows(arrays))
     except CorruptBufferError as exc:
         report.problem(str(exc))
-        return report
+        return None
     lo, hi = layout.visible(commit.lower, commit.committed)
     report.rows = int((hi - lo).sum())
     _check_chunks(store, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
                   report)
     _check_state(store, commit, report)
-    _notes(store, report)
-    if report.ok:
-        _count_episodes(url, storage_options, report)
-    return report
+    return config
+
+
+def _verify_side_store(url: str, storage_options: dict | None, report: VerifyReport) -> None:
+    """Check the ``derive_next`` side store of the buffer at ``url`` as a buffer of its own; its
+    problems join ``report``'s (naming it), its chunks are counted, its rows are not."""
+    side_url = finals_url(url)
+    side = VerifyReport(side_url)
+    store = open_chunkstore(side_url, storage_options)
+    blob = store.get(COMMIT_KEY)
+    if blob is None:
+        side.problem(f"it is missing (no {FINALS_DIR}/{COMMIT_KEY})")
+    else:
+        _verify_objects(store, side_url, blob, side)
+    report.chunks_checked += side.chunks_checked
+    for problem in side.problems:
+        report.problem(f"the side store {FINALS_DIR}/ of derive_next: {problem}")
 
 
 def _check_metadata(store: ChunkStore, url: str,
@@ -126,7 +242,12 @@ def _check_metadata(store: ChunkStore, url: str,
 
 
 def _without_url(exc: Exception, url: str) -> str:
-    return str(exc).removeprefix(f"{url!r}: ")
+    """The message of ``exc`` without the leading ``'url': `` of diskreplay's errors."""
+    return _without_url_text(str(exc), url)
+
+
+def _without_url_text(text: str, url: str) -> str:
+    return text.removeprefix(f"{url!r}: ")
 
 
 def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs: dict[str, Codec], separator: str,

@@ -38,8 +38,12 @@ def default_io_threads(url: str) -> int:
 class ChunkIO:
     """Chunk keys, codecs and the I/O threads of one buffer's store."""
 
-    def __init__(self, store: ChunkStore, config: BufferConfig, codecs: dict[str, Codec], threads: int):
+    def __init__(self, store: ChunkStore, config: BufferConfig, codecs: dict[str, Codec], threads: int,
+                 prefixes: Sequence[str] = ("",)):
+        """``prefixes``: where in ``store`` each equal group of lanes keeps its chunks (several:
+        the shards of a sharded buffer, read from its root store as one buffer's lanes)."""
         self.store = store
+        self.prefixes, self.prefix_lanes = tuple(prefixes), config.num_envs // len(prefixes)
         self.url = store.url
         self.schema = config.schema
         self.codecs = codecs
@@ -52,7 +56,10 @@ class ChunkIO:
 
     def key(self, name: str, lane: int, chunk: int) -> str:
         """The store key of a field's chunk."""
-        return chunk_key(name, self.schema[name], lane, chunk, self.separator)
+        if len(self.prefixes) == 1:
+            return self.prefixes[0] + chunk_key(name, self.schema[name], lane, chunk, self.separator)
+        group, lane = divmod(lane, self.prefix_lanes)
+        return self.prefixes[group] + chunk_key(name, self.schema[name], lane, chunk, self.separator)
 
     # ---- writes ----------------------------------------------------------------------------
 

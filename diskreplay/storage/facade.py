@@ -27,6 +27,7 @@ from .mapped import MappedChunks
 from .outputs import Rows
 from .reader import ChunkReader
 from .row_reads import RowReads
+from .union import UnionLog
 from .writer import StagingWriter
 
 
@@ -55,7 +56,7 @@ class StorageStats:
 class Storage:
     """The chunks, cache and commits of one buffer (`open_storage`, `create_storage`)."""
 
-    def __init__(self, url: str, config: BufferConfig, log: CommitLog, io: ChunkIO, cache: ChunkCache,
+    def __init__(self, url: str, config: BufferConfig, log: CommitLog | UnionLog, io: ChunkIO, cache: ChunkCache,
                  loader: ChunkLoader, reader: ChunkReader, writer: StagingWriter | None, files: FileMaps,
                  storage_options: Mapping[str, Any] | None):
         self.url = url
@@ -159,12 +160,25 @@ class Storage:
         return self.log.read_newest()
 
     def load_state(self, newest: bool) -> tuple[CommitRecord, dict[str, Any]]:
-        """The commit this storage shows (or the store's ``newest``) and the state saved with it."""
+        """The commit this storage shows (or the store's ``newest``) and the state saved with it.
+        Raises TypeError for the union of a sharded buffer's shards (each shard has its state)."""
+        if not isinstance(self.log, CommitLog):
+            raise TypeError(f"{self.url!r}: the union of a sharded buffer's shards has no state of its own")
         return self.log.load_state(newest)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this storage reads the shards of a sharded buffer together (read-only)."""
+        return isinstance(self.log, UnionLog)
+
+    @property
+    def shard_logs(self) -> list[CommitLog]:
+        """The commit log of each shard this storage reads together (one: its own)."""
+        return self.log.logs if isinstance(self.log, UnionLog) else [self.log]
 
     def adopt(self, record: CommitRecord) -> None:
         """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
-        for lane in range(self.layout.num_envs):
+        for lane in np.flatnonzero(self.log.record.committed != record.committed).tolist():
             old = min(int(self.log.record.committed[lane]), int(record.committed[lane]))
             self.forget_cached(lane, old - old % self.layout.chunk_rows, int(record.committed[lane]))
         self.log.adopt(record)
@@ -230,7 +244,7 @@ class Storage:
         replaced; the previous state object is deleted. If it raises, nothing new is committed
         and the rows stay staged."""
         writer = self._writable()
-        log = self.log
+        log = writer.log
         staged = log.stage_state(state, durable) if state is not None else None
         try:
             if side is not None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import NotABufferError
+from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
@@ -35,6 +35,7 @@ from .row_reads import RowReads
 from .shard_maps import ShardMaps
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
+from .union import UnionLog
 from .warm import Warmer
 from .writer import StagingWriter
 
@@ -85,7 +86,7 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> S
         record = CommitRecord.empty(config.num_envs, time.time())
         if commit:
             store.put(COMMIT_KEY, record.to_bytes(), durable=True)
-        return _assemble(plan.url, store, config, arrays, record, "r+", lock, options)
+        return _writable(plan.url, store, config, arrays, record, "r+", lock, options)
     except BaseException:
         lock.release()
         raise
@@ -95,9 +96,58 @@ def open_storage(url: str, mode: str, options: Options) -> Storage:
     """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``).
 
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
+    store = _store(url, options)
+    config, arrays, record = _read_buffer(url, store)
+    lock = WriterLock(url, store=store).acquire(options.break_lock) if mode != "r" else None
+    try:
+        if lock is not None:  # the commit may have moved while we waited for the lock
+            _, arrays, record = _read_buffer(url, store)
+        return _writable(url, store, config, arrays, record, mode, lock, options)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Storage:
+    """The buffers at ``parts`` (locations under ``url``, all with one config), read-only as one
+    storage whose lanes are theirs side by side: one cache, one read path, chunks read through
+    the store at ``url``; its log is a `UnionLog` of theirs.
+
+    Raises NotABufferError / CorruptBufferError naming the part (one whose config differs too)."""
+    logs: list[CommitLog] = []
+    for part in parts:
+        store = _store(part, options)
+        config, arrays, record = _read_buffer(part, store)
+        if logs and config.to_json() != logs[0].config.to_json():
+            raise CorruptBufferError(f"{part!r}: its config differs from {logs[0].url!r}'s "
+                                     f"({config.to_json()} vs {logs[0].config.to_json()})")
+        cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=True)
+        logs.append(CommitLog(part, store, config, arrays, record, cursors, "r", None))
+    first = logs[0]
+    config = replace(first.config, num_envs=len(logs) * first.config.num_envs)
+    log = UnionLog(url, logs, config.layout)
+    root = _store(url, options)
+    prefixes = [part[len(url.rstrip("/")) + 1:] + "/" for part in parts]
+    io = ChunkIO(root, config, field_codecs(buffer_codec(first.arrays, first.url), config),
+                 options.io_threads or default_io_threads(url), prefixes)
+    return _assemble(url, config, first.arrays, log, io, options)
+
+
+def _writable(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta], record: CommitRecord,
+              mode: str, lock: WriterLock | None, options: Options) -> Storage:
+    """One buffer's storage, as its writer (``mode="r+"``) or a reader of it."""
+    cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
+    log = CommitLog(url, store, config, arrays, record, cursors, mode, lock)
+    io = ChunkIO(store, config, field_codecs(buffer_codec(arrays, url), config),
+                 options.io_threads or default_io_threads(url))
+    return _assemble(url, config, arrays, log, io, options)
+
+
+def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
+    """A buffer's validated metadata and commit record. Raises NotABufferError, CorruptBufferError."""
     if is_local(url) and os.path.isfile(local_path(url)):
         raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
-    store = _store(url, options)
     read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
     blob = read_small(COMMIT_KEY)
     if blob is None:
@@ -106,26 +156,10 @@ def open_storage(url: str, mode: str, options: Options) -> Storage:
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
     config, arrays = read_layout(read_small, url)
-
-    def parse(blob: bytes) -> CommitRecord:
-        record = CommitRecord.from_bytes(blob, url, config.num_envs)
-        if config.lane_capacity is None:
-            record.check_covered(url, lane_rows(arrays))
-        return record
-
-    record = parse(blob)
-    lock = WriterLock(url, store=store).acquire(options.break_lock) if mode != "r" else None
-    try:
-        if lock is not None:  # the commit may have moved while we waited for the lock
-            blob = read_small(COMMIT_KEY)
-            if blob is None:
-                raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
-            record = parse(blob)
-        return _assemble(url, store, config, arrays, record, mode, lock, options)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
+    record = CommitRecord.from_bytes(blob, url, config.num_envs)
+    if config.lane_capacity is None:
+        record.check_covered(url, lane_rows(arrays))
+    return config, arrays, record
 
 
 def _store(url: str, options: Options) -> ChunkStore:
@@ -133,14 +167,11 @@ def _store(url: str, options: Options) -> ChunkStore:
                            concurrency=options.io_threads or default_io_threads(url), retry=options.retry)
 
 
-def _assemble(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
-              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> Storage:
+def _assemble(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: CommitLog | UnionLog,
+              io: ChunkIO, options: Options) -> Storage:
     """The parts of a storage, wired together; the read paths chosen for its size and store."""
-    layout, schema = config.layout, config.schema
-    codec = buffer_codec(arrays, url)
-    cursors = Cursors(layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
-    log = CommitLog(url, store, config, arrays, record, cursors, mode, lock)
-    io = ChunkIO(store, config, field_codecs(codec, config), options.io_threads or default_io_threads(url))
+    layout, schema, store, cursors, mode = config.layout, config.schema, io.store, log.cursors, log.mode
+    codec, record = buffer_codec(arrays, url), log.record
     stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
     fits = stored_bytes <= options.cache_bytes
     # sharded fields are read row by row on a miss, unless every field fits the cache
@@ -160,7 +191,7 @@ def _assemble(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[st
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r")
     writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=mapped is None)
-              if mode != "r" else None)
+              if mode != "r" and isinstance(log, CommitLog) else None)
     return Storage(url, config, log, io, cache, loader, reader, writer, files, options.storage_options)
 
 
