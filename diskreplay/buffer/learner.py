@@ -16,8 +16,9 @@ import numpy as np
 from ..episodes import EpisodeIndex, RowView
 from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
+from ..format.shards import shard_url
 from ..sampling import Sampler, check_sampler_state, load_sampler_state
-from ..storage import Storage, compose
+from ..storage import Storage
 from .state import check_rng_state, state_origin
 
 
@@ -76,10 +77,9 @@ class ShardAdoption:
     def __init__(self, union: Storage, finals: Storage | None, sampler: Sampler, view: RowView):
         self.union, self.finals, self.sampler, self.view = union, finals, sampler, view
         self.episodes, self.returns = view.episodes, view.returns
-        self.logs = union.shard_logs
-        self.shard_envs = union.layout.num_envs // len(self.logs)
+        self.shard_envs = union.layout.num_envs // union.shards
         self.shard_index = EpisodeIndex(self.shard_envs, view.episodes.end_fields)
-        self.shard_states: list[dict[str, Any]] = [{} for _ in self.logs]
+        self.shard_states: list[dict[str, Any]] = [{} for _ in range(union.shards)]
 
     def start(self, states: list[tuple[CommitRecord, Mapping[str, Any]]]) -> None:
         """At open: the states of the commits the shards show; every readable row is new."""
@@ -92,19 +92,17 @@ class ShardAdoption:
     def refresh(self) -> bool:
         """Adopt each shard's newest commit, all together or not at all. Returns whether any
         shard had a newer one. Raises CorruptBufferError naming the shard's object (nothing changed)."""
-        newer = {}
-        for s, log in enumerate(self.logs):
-            record, state = log.load_state(newest=True)
-            if not record.same_as(log.record):
-                newer[s] = (record, self._parse(s, record, state))
-        if not newer:
+        shown = self.union.shard_records()
+        changed = [s for s, record in enumerate(self.union.shard_records(newest=True)) if not record.same_as(shown[s])]
+        if not changed:
             return False
-        side = [] if self.finals is None else self.finals.shard_logs
-        finals = {s: side[s].read_newest() for s in newer} if side else {}
+        loaded = self.union.shard_states(changed)
+        newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(changed, loaded)}
+        finals = self.finals.shard_records(newest=True) if self.finals is not None else []
         before, last_ends = self.union.total.copy(), self.episodes.last_ends()
-        adopt_shards(self.union, {s: record for s, (record, _) in newer.items()})
+        self.union.adopt_shards({s: record for s, (record, _) in newer.items()})
         if self.finals is not None:
-            adopt_shards(self.finals, finals)
+            self.finals.adopt_shards({s: finals[s] for s in newer})
         for s, (_, parsed) in newer.items():
             self.shard_states[s] = parsed
         self._apply()
@@ -115,7 +113,7 @@ class ShardAdoption:
 
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
         """A shard's saved episode ends and ``next_*`` values, checked (the rest is its writer's)."""
-        origin = state_origin(self.logs[shard].url, record)
+        origin = state_origin(shard_url(self.union.url, shard), record)
         try:
             episodes = self.shard_index.check_state(state["episodes"], record.committed) if state else None
             last_next = state.get("last_next") or {}
@@ -157,10 +155,3 @@ class ShardAdoption:
         for lane in np.flatnonzero(newest > last_ends).tolist():
             self.union.forget_cached(lane, int(last_ends[lane]) + 1, int(committed[lane]))
 
-
-def adopt_shards(union: Storage, records: Mapping[int, CommitRecord]) -> None:
-    """Show ``records[s]``, a newer commit of shard ``s``, in the union (its cache updated)."""
-    logs = union.shard_logs
-    union.adopt(compose([records.get(s, log.record) for s, log in enumerate(logs)]))
-    for s, record in records.items():
-        logs[s].adopt(record)

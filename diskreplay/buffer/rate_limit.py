@@ -158,7 +158,7 @@ class LearnerGate:
             self.publish()
 
     def publish(self, force: bool = False) -> None:
-        inserts = self.union.total.reshape(len(self.union.shard_logs), -1).sum(axis=1)
+        inserts = self.union.total.reshape(self.union.shards, -1).sum(axis=1)
         self.progress.publish(self.state.samples, tuple(inserts.tolist()), force)
 
 

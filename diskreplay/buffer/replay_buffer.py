@@ -534,7 +534,7 @@ class ReplayBuffer:
     @property
     def shards(self) -> int:
         """Shards read together (1: a buffer that is not sharded, or one shard of one)."""
-        return len(self.storage.shard_logs)
+        return self.storage.shards
 
     def insert_allowed(self, rows: int = 1, wait: bool = False) -> bool:
         """An actor (`open_shard` with ``rate_limiter``): whether ``rows`` more rows may be added

@@ -61,8 +61,7 @@ def open_union(url: str, count: int, options: Options) -> UnionParts:
     union = open_union_storage(url, shards, options)
     finals = None
     try:
-        states: list[tuple[CommitRecord, Mapping[str, Any]]] = [
-            log.load_state(newest=False) for log in union.shard_logs]
+        states: list[tuple[CommitRecord, Mapping[str, Any]]] = list(union.shard_states(range(count)))
         if union.config.derive_next:
             bases = Schema({base: union.schema[base] for base in union.config.derive_next})
             finals = open_union_storage(url, [finals_url(shard) for shard in shards],

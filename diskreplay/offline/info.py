@@ -195,7 +195,7 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "bytes_on_disk": on_disk,
         "bytes_raw": raw,
         "compression_ratio": raw / on_disk if on_disk else None,
-        "sampler": ", ".join(dict.fromkeys(_sampler_name(log.record) for log in storage.shard_logs)),
+        "sampler": ", ".join(dict.fromkeys(_sampler_name(record) for record in storage.shard_records())),
     }
 
 
@@ -212,7 +212,7 @@ def _commit_info(record: CommitRecord) -> dict[str, Any]:
 def _shards_info(union: Storage) -> dict[str, Any]:
     """The report's shards: per shard its rows and last commit (`_shard_rows`), and the
     learner's progress (`_learner_info`)."""
-    count = len(union.shard_logs)
+    count = union.shards
     return {"sharded": True, "shards": count, "per_shard": _shard_rows(union),
             "learner": _learner_info(union, count)}
 
@@ -222,15 +222,15 @@ def _shard_rows(union: Storage) -> list[dict[str, Any]]:
     group name, the rows readable in the commit it shows, the rows ever committed to it
     (``added``, overwritten ones included), and that commit's sequence number and time (epoch
     seconds)."""
-    logs = union.shard_logs
-    envs = union.layout.num_envs // len(logs)
+    records = union.shard_records()
+    envs = union.layout.num_envs // len(records)
     lo, hi = union.window()
     rows = []
-    for shard, log in enumerate(logs):
+    for shard, record in enumerate(records):
         lanes = slice(shard * envs, (shard + 1) * envs)
         rows.append({"shard": shard, "name": shard_name(shard), "rows": int((hi[lanes] - lo[lanes]).sum()),
-                     "added": int(union.total[lanes].sum()), "commit_sequence": log.record.sequence,
-                     "last_commit_time": log.record.time})
+                     "added": int(union.total[lanes].sum()), "commit_sequence": record.sequence,
+                     "last_commit_time": record.time})
     return rows
 
 

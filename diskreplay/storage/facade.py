@@ -7,9 +7,9 @@ read paths) over one `ChunkCache`, and the `ChunkIO` they share. Not thread-safe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,8 +27,10 @@ from .mapped import MappedChunks
 from .outputs import Rows
 from .reader import ChunkReader
 from .row_reads import RowReads
-from .union import UnionLog
+from .union import UnionLog, compose
 from .writer import StagingWriter
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -166,15 +168,41 @@ class Storage:
             raise TypeError(f"{self.url!r}: the union of a sharded buffer's shards has no state of its own")
         return self.log.load_state(newest)
 
+    # ---- shards: a learner reads a sharded buffer's shards as one storage -------------------
+
     @property
     def sharded(self) -> bool:
         """Whether this storage reads the shards of a sharded buffer together (read-only)."""
         return isinstance(self.log, UnionLog)
 
     @property
-    def shard_logs(self) -> list[CommitLog]:
-        """The commit log of each shard this storage reads together (one: its own)."""
+    def shards(self) -> int:
+        """Shards read together (1: one buffer)."""
+        return len(self._logs())
+
+    def shard_records(self, newest: bool = False) -> list[CommitRecord]:
+        """The commit each shard shows (or its ``newest`` in the store, read all at once)."""
+        return self._each(CommitLog.read_newest) if newest else [log.record for log in self._logs()]
+
+    def shard_states(self, shards: Sequence[int]) -> list[tuple[CommitRecord, dict[str, Any]]]:
+        """The newest commit of each of ``shards`` and the state saved with it (see `load_state`)."""
+        logs = self._logs()
+        return self._each(_newest_state, [logs[s] for s in shards])
+
+    def adopt_shards(self, records: Mapping[int, CommitRecord]) -> None:
+        """Reader: show ``records[s]``, a newer commit of shard ``s`` (see `adopt`)."""
+        logs = self._logs()
+        self.adopt(compose([records.get(s, log.record) for s, log in enumerate(logs)]))
+        for s, record in records.items():
+            logs[s].adopt(record)
+
+    def _logs(self) -> list[CommitLog]:
         return self.log.logs if isinstance(self.log, UnionLog) else [self.log]
+
+    def _each(self, call: Callable[[CommitLog], T], logs: Sequence[CommitLog] | None = None) -> list[T]:
+        if isinstance(self.log, UnionLog):
+            return self.log.each(call, logs)
+        return [call(log) for log in (logs if logs is not None else [self.log])]
 
     def adopt(self, record: CommitRecord) -> None:
         """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
@@ -265,3 +293,7 @@ class Storage:
         self.io.close()
         self.files.close()
         self.log.close()
+
+
+def _newest_state(log: CommitLog) -> tuple[CommitRecord, dict[str, Any]]:
+    return log.load_state(newest=True)
