@@ -178,11 +178,8 @@ class ActorGate:
         return True
 
 
-class NoActorGate(ActorGate):
+class NoActorGate:
     """A shard writer opened without a rate limiter: asking raises ValueError."""
-
-    def __init__(self) -> None:
-        pass
 
     def allowed(self, count: int) -> bool:
         raise ValueError("this buffer has no rate limiter: open the shard with "

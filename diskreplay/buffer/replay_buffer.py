@@ -19,7 +19,7 @@ from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from .appending import Appender
 from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
 from .parts import LearnerOpening, make_parts
-from .rate_limit import NO_ACTOR_GATE, ActorGate, RateLimiter
+from .rate_limit import NO_ACTOR_GATE, ActorGate, NoActorGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, open_storages, plan_buffer, prepare_location
 from .sharding import create_sharded, open_learner, open_writer, sharded_root
@@ -63,7 +63,7 @@ class ReplayBuffer:
         parts = make_parts(storage, finals, sampler, rng, self.view, self.retry, learner)
         self._state, self._follower, self._appender = parts.state, parts.follower, parts.appender
         self._gate, self._finals = parts.gate, finals
-        self._actor_gate: ActorGate = NO_ACTOR_GATE
+        self._actor_gate: ActorGate | NoActorGate = NO_ACTOR_GATE
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
