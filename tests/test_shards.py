@@ -250,12 +250,24 @@ def test_rate_limited_learner_waits_and_actors_read_its_progress(sharded):
             actor.insert_allowed(1)
 
 
-def test_epoch_dataset_reads_every_row_of_the_union_once(sharded):
+def test_epoch_dataset_reads_every_row_of_the_union_once_and_resumes_in_workers(sharded):
     pytest.importorskip("torch")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader(ds):
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+
     with dr.ReplayBuffer.open(sharded, "r") as buf:
-        ds = buf.as_dataset(32, mode="epoch", seed=1)
-        seen = np.concatenate([b["index"].numpy() for b in ds])
-        np.testing.assert_array_equal(np.sort(seen), np.sort(buf.row_ids()))
+        whole = [b["index"].numpy() for b in loader(buf.as_dataset(16, mode="epoch", seed=1, rank=1, world_size=2))]
+        other = [b["index"].numpy() for b in buf.as_dataset(16, mode="epoch", seed=1, rank=0, world_size=2)]
+        np.testing.assert_array_equal(np.sort(np.concatenate(whole + other)), np.sort(buf.row_ids()))
+        it = iter(first := loader(buf.as_dataset(16, mode="epoch", seed=1, rank=1, world_size=2)))
+        head = [next(it)["index"].numpy() for _ in range(3)]
+        resumed = loader(buf.as_dataset(16, mode="epoch", seed=1, rank=1, world_size=2))
+        resumed.load_state_dict(first.state_dict())
+        tail = [b["index"].numpy() for b in resumed]
+        for got, want in zip(head + tail, whole, strict=True):
+            np.testing.assert_array_equal(got, want)
         batch = next(iter(buf.as_dataset(64, mode="sample", seed=2)))
         check_rows(buf, {k: v.numpy() for k, v in batch.items()})
 
