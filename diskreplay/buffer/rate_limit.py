@@ -5,6 +5,10 @@ buffer's location (``learner.json``) and each actor reads it there.
 With ``I`` rows inserted (every shard's committed steps) and ``S`` rows sampled, the learner may
 sample ``n`` more rows when ``I >= min_size`` and ``S + n <= spi * (I - min_size) + error_buffer``;
 an actor may insert ``k`` more rows when ``S >= spi * (I + k - min_size) - error_buffer``.
+
+The learner's bound is exact. An actor counts ``I`` from every shard's newest commit and ``S``
+as the learner last published it, so actors that decide at the same moment may together insert
+more than one of them would: the lower bound holds up to ``spi`` times the rows they insert at once.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import RateLimitTimeout
-from ..format.shards import LEARNER_KEY, LearnerProgress
+from ..errors import CorruptBufferError, RateLimitTimeout
+from ..format.commit import CommitRecord
+from ..format.keys import COMMIT_KEY
+from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name
 from ..io import ChunkStore
 from ..storage import Storage
 from .learner import LearnerState
@@ -101,11 +107,17 @@ class Progress:
             self.store.put(LEARNER_KEY, LearnerProgress(samples, inserts, now).to_bytes())
             self.published = now
 
-    def inserts_seen(self, shard: int, own_total: int) -> tuple[int, int]:
-        """``(inserts, samples)`` as actor ``shard`` with ``own_total`` rows counts them: the
-        learner's view of the other shards, its own count of its rows."""
-        progress = self.read()
-        return sum(progress.inserts) - progress.inserts[shard] + own_total, progress.samples
+    def inserts(self, shard: int, own_total: int, num_envs: int) -> int:
+        """Rows inserted as actor ``shard``, with ``own_total`` rows added, counts them: its own
+        exactly, every other shard's from that shard's newest commit (read all at once).
+        Raises CorruptBufferError for a missing or damaged ``commit.json``."""
+        keys = [f"{shard_name(s)}/{COMMIT_KEY}" for s in range(self.shards) if s != shard]
+        total = own_total
+        for key, blob in zip(keys, self.store.get_many(keys)):
+            if blob is None:
+                raise CorruptBufferError(f"{self.url!r}: {key} is missing")
+            total += int(CommitRecord.from_bytes(blob, f"{self.url}/{key.split('/')[0]}", num_envs).committed.sum())
+        return total
 
 
 class Gate(Protocol):
@@ -163,13 +175,15 @@ class LearnerGate:
 
 
 class ActorGate:
-    """An actor's side of the limit: whether its next rows may be inserted, by the learner's progress."""
+    """An actor's side of the limit: whether its next rows may be inserted, by the learner's
+    published sample count and every shard's newest commit."""
 
-    def __init__(self, limiter: RateLimiter, progress: Progress, shard: int, total: Callable[[], int]):
-        self.limiter, self.progress, self.shard, self.total = limiter, progress, shard, total
+    def __init__(self, limiter: RateLimiter, progress: Progress, shard: int, total: Callable[[], int], num_envs: int):
+        self.limiter, self.progress, self.shard, self.total, self.num_envs = limiter, progress, shard, total, num_envs
 
     def allowed(self, count: int) -> bool:
-        inserts, samples = self.progress.inserts_seen(self.shard, self.total())
+        samples = self.progress.read().samples
+        inserts = self.progress.inserts(self.shard, self.total(), self.num_envs)
         return self.limiter.insert_allowed(inserts, samples, count)
 
     def wait(self, count: int) -> bool:

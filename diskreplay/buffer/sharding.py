@@ -115,7 +115,8 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     check_shard(shard, count, url)
     buf = cls.open(shard_url(url, shard), mode, **open_options)
     if limiter is not None:
-        buf._actor_gate = ActorGate(limiter, Progress(store, url, count), shard, lambda: int(buf.storage.total.sum()))
+        buf._actor_gate = ActorGate(limiter, Progress(store, url, count), shard, lambda: int(buf.storage.total.sum()),
+                                    buf.num_envs)
     return buf
 
 
