@@ -99,3 +99,175 @@ def test_online_dqn_resume_after_sigkill_cuts_the_episode(tmp_path, capsys, capl
             assert (bool(last["truncated"][0]), bool(last["terminated"][0])) == (True, False)
         else:
             assert bool(last["truncated"][0]) or bool(last["terminated"][0])
+
+
+# ---- actors_learner.py: actor processes and a learner sharing one sharded buffer ------------------
+
+ACTORS_LEARNER = ROOT / "examples" / "actors_learner.py"
+SHORT_RUN = ["--actors", "2", "--batch-size", "64", "--learning-starts", "200", "--checkpoint-every", "50"]
+
+
+def start_actors_learner(run: Path, env: dict[str, str], stderr, *flags: str) -> subprocess.Popen:
+    """The example in a process group of its own (its actors are spawned into it), stdout piped."""
+    return subprocess.Popen([sys.executable, str(ACTORS_LEARNER), "--run-dir", str(run), *SHORT_RUN, *flags],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the example and every process it started that is still running."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while any member runs
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_summary(run: Path) -> dict:
+    import json
+
+    return json.loads((run / "summary.json").read_text())
+
+
+def committed_rows(run: Path, proc: subprocess.Popen, shard: int, more_than: int) -> int:
+    """Wait until ``shard`` holds more than ``more_than`` committed rows (as a learner sees them)."""
+    import time
+
+    with dr.ReplayBuffer.open(run / "buffer") as union:
+        deadline = time.monotonic() + 600  # only so that a hung run fails instead of hanging the suite
+        while (rows := int(union.window()[1][shard])) <= more_than:
+            assert proc.poll() is None, f"the run ended with {rows} rows in shard {shard}"
+            assert time.monotonic() < deadline, f"shard {shard} kept {rows} rows"
+            time.sleep(0.02)
+            union.refresh()
+    return rows
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, out: list[str]):
+    """Read the example's output (into ``out``) up to a line matching ``pattern``: its match."""
+    import re
+
+    while line := proc.stdout.readline():
+        out.append(line)
+        if found := re.match(pattern, line):
+            return found
+    raise AssertionError(f"the run ended without printing a line matching {pattern!r}:\n{''.join(out)}")
+
+
+def test_actors_learner_trains_the_updates_asked_from_every_shard(tmp_path):
+    pytest.importorskip("gymnasium")
+    run = tmp_path / "run"
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = start_actors_learner(run, example_env(tmp_path), err, "--updates", "300")
+        try:
+            out = proc.communicate(timeout=600)[0]
+        finally:
+            kill_group(proc)
+    assert proc.returncode == 0, out + (tmp_path / "stderr.txt").read_text()
+    assert out.startswith("starting at update 0 with 2 shards\n")
+    assert out.splitlines()[-1].startswith("done: 300 updates (this run from update 0), rows per shard [")
+    summary = run_summary(run)
+    assert (summary["updates"], summary["start_update"], summary["stopped_by_signal"]) == (300, 0, None)
+    assert summary["rows_sampled"] == 300 * 64  # the learner's own count, in its buffer state
+    assert len(summary["rows_per_shard"]) == 2 and min(summary["rows_per_shard"]) > 0, summary
+    assert summary["episodes"] > 0 and summary["mean_recent_return"] > 0
+    assert summary["actor_restarts"] == 0
+    with dr.ReplayBuffer.open(run / "buffer") as union:
+        assert union.shards == 2
+        assert union.window()[1].tolist() == summary["rows_per_shard"]  # what the actors committed
+    assert sorted(os.listdir(run / "checkpoints")) == ["update-00000250", "update-00000300"]  # the newest two
+
+
+def test_actors_learner_restarts_a_killed_actor_and_stops_on_sigterm(tmp_path):
+    pytest.importorskip("gymnasium")
+    run, out = tmp_path / "run", []
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = start_actors_learner(run, example_env(tmp_path), err, "--updates", "100000")
+        try:
+            pid = int(wait_for_line(proc, r"actor 0 \(pid (\d+)\) opened shard 0 ", out)[1])
+            committed_rows(run, proc, 0, more_than=0)
+            os.kill(pid, signal.SIGKILL)  # actor 0 dies in the midst of writing: the main process restarts it
+            wait_for_line(proc, rf"actor 0 \(pid {pid}\) exited with code -9: restarting it", out)
+            reopened = wait_for_line(proc, r"actor 0 \(pid (\d+)\) opened shard 0 \((\d+) rows were committed", out)
+            assert int(reopened[1]) != pid and int(reopened[2]) > 0  # the killed actor's commits are kept
+            committed_rows(run, proc, 0, more_than=int(reopened[2]))  # the new actor 0 writes
+            proc.send_signal(signal.SIGTERM)  # the main process only: it stops the learner, then the actors
+            out.append(proc.communicate(timeout=600)[0])
+        finally:
+            kill_group(proc)
+    out, stderr = "".join(out), (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 1, out + stderr
+    assert f"took over the writer lock left by pid {pid} " in stderr
+    summary = run_summary(run)
+    assert (summary["stopped_by_signal"], summary["actor_restarts"]) == ("SIGTERM", 1)
+    assert f"SIGTERM: stopped at update {summary['updates']}, checkpoint saved; run again to resume" in out
+    assert sorted(os.listdir(run / "checkpoints"))[-1] == f"update-{summary['updates']:08d}"
+    assert summary["rows_sampled"] == summary["updates"] * 64
+    assert min(summary["rows_per_shard"]) > 0
+
+
+def test_actors_learner_resumes_from_its_checkpoint_after_sigkill(tmp_path):
+    pytest.importorskip("gymnasium")
+    import time
+
+    run, env, first_out = tmp_path / "run", example_env(tmp_path), []
+    proc = start_actors_learner(run, env, subprocess.DEVNULL, "--updates", "100000")
+    try:
+        opened = set()
+        while len(opened) < 2:  # every actor has its shard open (and its writer lock)...
+            opened.add(wait_for_line(proc, r"actor \d+ \(pid \d+\) opened shard (\d+) ", first_out)[1])
+        deadline = time.monotonic() + 600  # only so that a hung run fails instead of hanging the suite
+        while not list((run / "checkpoints").glob("update-*")):  # ...and the learner checkpointed
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.05)
+    finally:
+        kill_group(proc)  # learner, actors and all, at no point in particular
+        proc.stdout.close()
+    saved = max(int(p.name.removeprefix("update-")) for p in (run / "checkpoints").glob("update-*"))
+    assert saved > 0 and saved % 50 == 0
+    with dr.ReplayBuffer.open(run / "buffer") as union:
+        committed = union.window()[1]  # the rows the actors had committed when killed
+
+    with open(tmp_path / "stderr.txt", "w") as err:
+        restarted = start_actors_learner(run, env, err, "--updates", str(saved + 100))
+        try:
+            out = restarted.communicate(timeout=600)[0]
+        finally:
+            kill_group(restarted)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert restarted.returncode == 0, out + stderr
+    assert f"resumed from checkpoint update-{saved:08d} at update {saved} " in out
+    summary = run_summary(run)
+    assert (summary["start_update"], summary["updates"]) == (saved, saved + 100)
+    # the learner's buffer state came back with the networks: its rows-sampled count goes on from the checkpoint's
+    assert summary["rows_sampled"] == (saved + 100) * 64
+    # every actor reopened its shard (the killed one's lock taken over) and kept its committed rows
+    assert stderr.count("took over the writer lock left by pid") == 2
+    assert (np.asarray(summary["rows_per_shard"]) >= committed).all(), (summary, committed)
+    assert sorted(os.listdir(run / "checkpoints"))[-1] == f"update-{saved + 100:08d}"
+    assert not [name for name in os.listdir(run / "checkpoints") if name.startswith(".tmp-")]
+
+
+def test_actors_learner_with_ray_actors(tmp_path):
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    run, env = tmp_path / "run", example_env(tmp_path)
+    # Ray's unix sockets live under its temp dir: keep the path short (pytest's tmp_path can be too long)
+    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    try:
+        with open(tmp_path / "stderr.txt", "w") as err:
+            proc = start_actors_learner(run, env, err, "--launcher", "ray", "--updates", "100")
+            try:
+                out = proc.communicate(timeout=600)[0]
+            finally:
+                kill_group(proc)  # the Ray processes too, if any outlived the run
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, out + (tmp_path / "stderr.txt").read_text()
+    assert "actor 0 started (ray actor)" in out and "actor 1 started (ray actor)" in out
+    summary = run_summary(run)
+    assert (summary["updates"], summary["start_update"], summary["rows_sampled"]) == (100, 0, 100 * 64)
+    assert len(summary["rows_per_shard"]) == 2 and min(summary["rows_per_shard"]) > 0, summary

@@ -250,6 +250,23 @@ def test_rate_limited_learner_waits_and_actors_read_its_progress(sharded):
             actor.insert_allowed(1)
 
 
+def test_an_actor_that_must_wait_commits_first(tmp_path):
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=1).close()
+    lim = dr.RateLimiter(samples_per_insert=1, error_buffer=10, min_size=1, timeout_s=0.05)
+    with dr.ReplayBuffer.open_shard(url, 0, rate_limiter=lim) as actor:
+        actor.extend({"obs": np.zeros((11, 2)), "reward": np.zeros(11), "done": np.zeros(11, bool)})
+        with dr.ReplayBuffer.open(url, "r", rate_limiter=lim) as learner:
+            assert actor.insert_allowed(1) is False  # 0 >= 1 * (11 + 1 - 1) - 10 is False: ask before committing
+            assert len(learner) == 0 and not learner.refresh()
+            with pytest.raises(dr.RateLimitTimeout):
+                actor.insert_allowed(1, wait=True)
+            assert learner.refresh() and len(learner) == 11  # committed before waiting: the learner can go on
+            learner.sample(20)
+            learner._gate.publish(force=True)
+            assert actor.insert_allowed(1, wait=True)
+
+
 def test_epoch_dataset_reads_every_row_of_the_union_once_and_resumes_in_workers(sharded):
     pytest.importorskip("torch")
     from torchdata.stateful_dataloader import StatefulDataLoader

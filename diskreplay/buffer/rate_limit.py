@@ -42,7 +42,7 @@ class RateLimiter:
             At least ``(batch_size + samples_per_insert * rows an actor inserts between checks) / 2``,
             or learner and actors can wait for each other.
         min_size: rows inserted before the learner may sample at all.
-        timeout_s: how long `ReplayBuffer.sample` (or an actor's `ReplayBuffer.wait_to_insert`)
+        timeout_s: how long `ReplayBuffer.sample` (or an actor's ``insert_allowed(rows, wait=True)``)
             waits before raising `RateLimitTimeout`.
         poll_s: seconds between checks while waiting.
 
@@ -178,8 +178,11 @@ class ActorGate:
     """An actor's side of the limit: whether its next rows may be inserted, by the learner's
     published sample count and every shard's newest commit."""
 
-    def __init__(self, limiter: RateLimiter, progress: Progress, shard: int, total: Callable[[], int], num_envs: int):
+    def __init__(self, limiter: RateLimiter, progress: Progress, shard: int, total: Callable[[], int], num_envs: int,
+                 commit: Callable[[], object]):
+        """``total()``: rows the actor added; ``commit()``: commits them (what a learner counts)."""
         self.limiter, self.progress, self.shard, self.total, self.num_envs = limiter, progress, shard, total, num_envs
+        self.commit = commit
 
     def allowed(self, count: int) -> bool:
         samples = self.progress.read().samples
@@ -187,8 +190,13 @@ class ActorGate:
         return self.limiter.insert_allowed(inserts, samples, count)
 
     def wait(self, count: int) -> bool:
-        """Block until ``count`` rows may be inserted (True). Raises RateLimitTimeout."""
-        self.limiter.wait(lambda: self.allowed(count), lambda: None, f"inserting {count} rows into shard {self.shard}")
+        """Block until ``count`` rows may be inserted (True), after committing the rows added so
+        far if it must wait: the learner counts committed rows only, so waiting on rows it cannot
+        see could wait for good. Raises RateLimitTimeout."""
+        if not self.allowed(count):
+            self.commit()
+            what = f"inserting {count} rows into shard {self.shard}"
+            self.limiter.wait(lambda: self.allowed(count), lambda: None, what)
         return True
 
 

@@ -229,7 +229,7 @@ class ReplayBuffer:
         its one writer, e.g. an actor. The shard is a buffer of its own (its lock, lanes, episode
         index and commits): what it commits is readable by learners at their next `refresh`, and
         a crash of its writer affects no other shard. ``rate_limiter``: the learner's, so that
-        `insert_allowed` and `wait_to_insert` can tell this actor to slow down. ``open_options``:
+        `insert_allowed` can tell this actor to slow down. ``open_options``:
         as in `open`.
 
         Raises:
@@ -538,7 +538,8 @@ class ReplayBuffer:
 
     def insert_allowed(self, rows: int = 1, wait: bool = False) -> bool:
         """An actor (`open_shard` with ``rate_limiter``): whether ``rows`` more rows may be added
-        now, as the learner's published progress says; ``wait=True`` blocks until they may (True).
+        now, as the learner's published progress says; ``wait=True`` blocks until they may (True),
+        committing the rows added so far first if it must wait (the learner counts committed rows).
 
         Raises:
             ValueError: the shard was opened without a rate limiter.

@@ -116,7 +116,7 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     buf = cls.open(shard_url(url, shard), mode, **open_options)
     if limiter is not None:
         buf._actor_gate = ActorGate(limiter, Progress(store, url, count), shard, lambda: int(buf.storage.total.sum()),
-                                    buf.num_envs)
+                                    buf.num_envs, buf.flush)
     return buf
 
 
