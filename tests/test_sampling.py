@@ -628,3 +628,21 @@ def test_prioritized_uneven_lanes(tmp_path):
     got = np.array([counts[i] for i in ids.tolist()])
     p = np.arange(1, len(ids) + 1)
     assert chisquare(got, p / p.sum() * got.sum()).pvalue > P_MIN
+
+
+@pytest.mark.parametrize("mode", ["r", "r+"])
+def test_a_sampler_of_another_type_than_the_saved_one_is_told_of_every_row(tmp_path, mode):
+    """A buffer saved with Uniform, opened with Prioritized: its rows (and, for a reader, rows
+    committed later) reach the new sampler as new rows, at the max priority."""
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=100, chunk_rows=8) as w:
+        w.extend({"obs": np.arange(50), "done": np.zeros(50, bool)})
+    buf = dr.ReplayBuffer.open(url, mode, sampler=dr.Prioritized(alpha=1.0, beta=0.0))
+    with buf:
+        counts = np.bincount(buf.sample(25_000, seed=0)["index"], minlength=50)
+        assert chisquare(counts).pvalue > 1e-3 and counts.min() > 0
+        if mode == "r":
+            with dr.ReplayBuffer.open(url, "r+") as w:
+                w.extend({"obs": np.arange(50, 150), "done": np.zeros(100, bool)})
+            assert buf.refresh()
+            np.testing.assert_array_equal(np.unique(buf.sample(25_000, seed=1)["index"]), np.arange(50, 150))

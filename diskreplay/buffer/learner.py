@@ -19,7 +19,7 @@ from ..format.commit import CommitRecord
 from ..format.shards import shard_url
 from ..sampling import Sampler, check_sampler_state, load_sampler_state
 from ..storage import Storage
-from .state import check_rng_state, state_origin
+from .state import announce, check_rng_state, state_origin
 
 
 class LearnerState:
@@ -63,12 +63,6 @@ class LearnerState:
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
             raise ValueError(f"'samples': expected an int >= 0, got {samples!r}")
         return total
-
-
-def announce(sampler: Sampler, lo: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
-    """Tell ``sampler`` of the steps ``[before, after)`` per lane that are readable (``>= lo``)."""
-    for lane in np.flatnonzero(after > before).tolist():
-        sampler.on_append(lane, max(int(before[lane]), int(lo[lane])), int(after[lane]))
 
 
 class ShardAdoption:

@@ -25,6 +25,8 @@ class BufferState:
                  view: RowView):
         self.storage, self.rng, self.sampler, self.episodes, self.view = storage, rng, sampler, episodes, view
         self.url, self.layout = storage.url, storage.layout
+        self.announced = np.zeros(self.layout.num_envs, np.int64)
+        """Per lane, the steps a sampler of another type than the saved one was told of."""
 
     def current(self) -> dict[str, Any]:
         """The state now: JSON values and numpy arrays."""
@@ -86,7 +88,10 @@ class BufferState:
             return
         if with_rng:
             self.rng.bit_generator.state = state["rng"]
-        load_sampler_state(self.sampler, state["sampler"])
+        if not load_sampler_state(self.sampler, state["sampler"]):  # a sampler of the reader's own: new rows
+            lo, hi = self.storage.window()
+            announce(self.sampler, lo, self.announced, hi)
+            self.announced = hi.copy()
         self.episodes.load_state_dict(state["episodes"])
         if state.get("last_next"):
             self.view.load_state_dict(state["last_next"])
@@ -120,3 +125,9 @@ def saved_sampler(url: str, record: CommitRecord, state: Mapping[str, Any]) -> S
         raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} field 'extra.state.sampler' (commit "
                                  f"{record.sequence}): the saved sampler settings are unreadable "
                                  f"({exc})") from None
+
+
+def announce(sampler: Sampler, lo: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+    """Tell ``sampler`` of the steps ``[before, after)`` per lane that are readable (``>= lo``)."""
+    for lane in np.flatnonzero(after > before).tolist():
+        sampler.on_append(lane, max(int(before[lane]), int(lo[lane])), int(after[lane]))

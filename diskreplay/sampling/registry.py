@@ -13,12 +13,15 @@ SAMPLER_TYPES: dict[str, type[Uniform] | type[Prioritized] | type[WithoutReplace
     "Uniform": Uniform, "Prioritized": Prioritized, "WithoutReplacement": WithoutReplacement}
 
 
-def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> None:
+def load_sampler_state(sampler: Sampler, state: dict[str, Any]) -> bool:
     """Load a saved sampler state into ``sampler``, unless it was saved by another of the built-in
-    sampler types (a reader may sample with another sampler than the writer's)."""
+    sampler types (a reader may sample with another sampler than the writer's). Returns whether
+    it was loaded."""
     saved = state.get("type")
     if saved == type(sampler).__name__ or saved not in SAMPLER_TYPES:
         sampler.load_state_dict(state)
+        return True
+    return False
 
 
 def sampler_from_state(state: dict[str, Any] | None) -> Sampler:
