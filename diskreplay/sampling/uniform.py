@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format.lanes import LaneLayout, flat_to_lane_step
+from ..format.lanes import LaneLayout
 from .protocols import Draw, Sampler
 
 
@@ -65,8 +65,11 @@ def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -
     if len(lo) == 1:
         step = rng.integers(int(lo[0]), int(hi[0]), size=n)
         return Draw(np.zeros(n, dtype=np.int64), step)
-    pos = rng.integers(0, int((hi - lo).sum()), size=n)
-    return Draw(*flat_to_lane_step(pos, lo, hi))
+    sizes = hi - lo
+    ends = sizes.cumsum()
+    pos = rng.integers(0, int(ends[-1]), size=n)
+    lane = ends.searchsorted(pos, side="right")
+    return Draw(lane, pos + (lo + sizes - ends)[lane])  # lo + the position inside the lane
 
 
 def _recent(lo: np.ndarray, hi: np.ndarray, rows: int) -> np.ndarray:
