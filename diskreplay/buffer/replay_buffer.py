@@ -192,9 +192,7 @@ class ReplayBuffer:
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         url = os.fspath(url)
-        check_open_options(io_threads, memory_map, retry, storage_options, sampler)
-        if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
-            raise ValueError(f"rate_limiter must be a dr.RateLimiter or None, got {type(rate_limiter).__name__}")
+        check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
         root = None
         try:
@@ -229,8 +227,7 @@ class ReplayBuffer:
         its one writer, e.g. an actor. The shard is a buffer of its own (its lock, lanes, episode
         index and commits): what it commits is readable by learners at their next `refresh`, and
         a crash of its writer affects no other shard. ``rate_limiter``: the learner's, so that
-        `insert_allowed` can tell this actor to slow down. ``open_options``:
-        as in `open`.
+        `insert_allowed` can tell this actor to slow down. ``open_options``: as in `open`.
 
         Raises:
             NotABufferError: ``url`` is not a sharded buffer. ValueError: ``shard`` out of range.
@@ -290,8 +287,9 @@ class ReplayBuffer:
     def __repr__(self) -> str:
         if self._closed:
             return f"ReplayBuffer({self.url!r}, closed)"
+        shards = f", shards={self.shards}" if self.storage.sharded else ""
         return (f"ReplayBuffer({self.url!r}, rows={len(self)}, capacity={self.capacity}, "
-                f"num_envs={self.num_envs}, mode={self.mode!r})")
+                f"num_envs={self.num_envs}{shards}, mode={self.mode!r})")
 
     def window(self, committed: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the readable steps ``[lo, hi)`` (new int64 arrays ``[num_envs]``);

@@ -30,6 +30,7 @@ from ..storage import (
     open_storage,
     plan_storage,
 )
+from .rate_limit import RateLimiter
 
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -76,7 +77,7 @@ def create_storages(plans: list[NewStorage], options: Options, commit: bool) -> 
 
 
 def check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_options: Any,
-                       sampler: Any = None) -> None:
+                       sampler: Any = None, rate_limiter: Any = None) -> None:
     """Raise ValueError naming the first option of `create`/`open` that is not usable."""
     if io_threads is not None and (isinstance(io_threads, bool) or not isinstance(io_threads, (int, np.integer))
                                    or not 1 <= io_threads <= 256):
@@ -85,6 +86,8 @@ def check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_opt
         raise ValueError(f"memory_map must be None, True or False, got {memory_map!r}")
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise ValueError(f"retry must be a dr.RetryPolicy or None, got {type(retry).__name__}")
+    if rate_limiter is not None and not isinstance(rate_limiter, RateLimiter):
+        raise ValueError(f"rate_limiter must be a dr.RateLimiter or None, got {type(rate_limiter).__name__}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise ValueError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
     missing = [m for m in SAMPLER_METHODS if not callable(getattr(sampler, m, None))]
