@@ -536,7 +536,8 @@ class ReplayBuffer:
 
     def insert_allowed(self, rows: int = 1, wait: bool = False) -> bool:
         """An actor (`open_shard` with ``rate_limiter``): whether ``rows`` more rows may be added
-        now, as the learner's published progress says; ``wait=True`` blocks until they may (True),
+        now, by the learner's published sample count and every shard's newest commit (see
+        `RateLimiter`); ``wait=True`` blocks until they may (True),
         committing the rows added so far first if it must wait (the learner counts committed rows).
 
         Raises:
