@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .buffer import RateLimiter, ReplayBuffer
+from .buffer import BufferSpec, RateLimiter, ReplayBuffer
 from .episodes import (
     HER,
     EpisodeTable,
@@ -29,7 +29,14 @@ from .errors import (
 )
 from .format.schema import Field
 from .io import RetryPolicy
-from .offline import export_buffer, import_dataset
+from .offline import (
+    export_buffer,
+    fields_from_env,
+    fields_from_spaces,
+    flatten_fields,
+    import_dataset,
+    spec_from_env,
+)
 from .rollout import RolloutBuffer
 from .sampling import Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows, ere_schedule
 from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
@@ -37,7 +44,8 @@ from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "RateLimiter", "Field", "import_dataset", "export_buffer", "Uniform", "Prioritized",
+    "ReplayBuffer", "RateLimiter", "Field", "BufferSpec", "fields_from_spaces", "fields_from_env", "spec_from_env",
+    "flatten_fields", "import_dataset", "export_buffer", "Uniform", "Prioritized",
     "WithoutReplacement", "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree",
     "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
@@ -54,8 +62,15 @@ __all__ += sorted(_TORCH_DATA | _DEVICE)
 
 
 def __getattr__(name: str) -> Any:
-    """torch is imported only when its parts are first used: ``import diskreplay`` stays light."""
+    """torch (and ``dr.sb3``: Stable-Baselines3) is imported only when first used: ``import diskreplay``
+    stays light."""
     if name in _TORCH_DATA or name in _DEVICE:
         from . import torch as torch_layer
         return getattr(torch_layer, name)
+    if name == "sb3":  # Stable-Baselines3 buffers: imports stable_baselines3 (and torch) when first used
+        import importlib  # not `from . import sb3`: its hasattr check would come back here
+        return importlib.import_module(".sb3", __name__)
+    if name == "torchrl":  # dr.torchrl.ZarrStorage: imports torchrl and tensordict when first used
+        from .torch import torchrl_storage
+        return torchrl_storage
     raise AttributeError(f"module 'diskreplay' has no attribute {name!r}")

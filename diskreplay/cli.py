@@ -1,4 +1,4 @@
-"""The ``diskreplay`` command: import, export, info, verify, unlock, demo, bench.
+"""The ``diskreplay`` command: create, import, export, info, verify, unlock, demo, bench.
 
 User mistakes (missing files, bad options, a path that is not a buffer, a missing optional
 package, ...) print one line on stderr, ``diskreplay: error: ...``, and exit with status 1 (2 for
@@ -72,10 +72,10 @@ def _one_line_warning(message: Warning | str, category: type[Warning], filename:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diskreplay",
-        description="Zarr-backed RL replay buffers: import datasets, inspect, verify, export, demo, bench.",
+        description="Zarr-backed RL replay buffers: create, import datasets, inspect, verify, export, demo, bench.",
         epilog="Run 'diskreplay COMMAND --help' for a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_import, _add_export, _add_inspection, _add_demo, _add_bench):
+    for add in (_add_create, _add_import, _add_export, _add_inspection, _add_demo, _add_bench):
         add(sub)
     return parser
 
@@ -83,17 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+def _add_create(sub: Subcommands) -> None:
+    p = sub.add_parser("create", help="create an empty buffer from a spec file (.yaml or .json)",
+                       description="Create an empty buffer at URL as the spec file says: its fields, capacity, "
+                                   "num_envs, chunk_rows, compression, episode_end, derive_next, episodic_return "
+                                   "and shards (dr.BufferSpec.to_yaml / to_json write one). YAML needs pyyaml.")
+    p.add_argument("url", metavar="URL", help="where to create the buffer (path or fsspec URL)")
+    p.add_argument("--config", required=True, metavar="SPEC",
+                   help="the buffer spec: a .yaml/.yml or .json file, e.g. fields: {obs: {shape: [4], dtype: float32}}")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing buffer at URL")
+    p.set_defaults(run=_cmd_create)
+
+
 def _add_import(sub: Subcommands) -> None:
     p = sub.add_parser("import",
-                       help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, zarr) into a new buffer",
+                       help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, Parquet, zarr) "
+                            "into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
                                    "slices of --batch-rows rows. DEST only becomes a buffer when the import "
                                    "finishes: an interrupted import cannot be opened (re-run with --overwrite). "
                                    + NAMING)
     p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5 or .npz, Minari dataset folder, .npz, folder of "
-                                              ".npy, or a diskreplay buffer / zarr group")
+                                              ".npy, LeRobot / HF .parquet file or folder, or a diskreplay "
+                                              "buffer / zarr group")
     p.add_argument("dest", metavar="DEST", help="where to write the buffer (path or fsspec URL)")
-    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "zarr"),
+    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "parquet", "zarr"),
                    help="source format (default: detected from SRC; .npz is 'npz'). 'd4rl' reads .hdf5 or .npz "
                         "and derives next_obs when next_observations is missing; 'npz' derives nothing")
     p.add_argument("--chunk-rows", type=_positive_int, default=None,
@@ -107,14 +121,17 @@ def _add_import(sub: Subcommands) -> None:
 
 
 def _add_export(sub: Subcommands) -> None:
-    p = sub.add_parser("export", help="write a buffer's rows to D4RL-layout .npz or .hdf5",
+    p = sub.add_parser("export", help="write a buffer's rows to D4RL-layout .npz or .hdf5, Parquet or Minari",
                        description="Export the committed rows of the buffer at URL, lane by lane, to DEST, "
                                    "one array per field; 'diskreplay import DEST' reads either format back "
                                    "with the same field names and values. " + NAMING)
     p.add_argument("url", metavar="URL", help="the buffer")
-    p.add_argument("dest", metavar="DEST", help="output file (.npz, .h5 or .hdf5)")
-    p.add_argument("--format", choices=("npz", "hdf5"), help="output format (default: from DEST's suffix)")
-    p.add_argument("--compress", action="store_true", help="deflate npz members / gzip HDF5 datasets")
+    p.add_argument("dest", metavar="DEST", help="output file (.npz, .h5 or .hdf5) or folder (.parquet, minari)")
+    p.add_argument("--format", choices=("npz", "hdf5", "parquet", "minari"),
+                   help="output format (default: from DEST's suffix). 'parquet': a folder of LeRobot / HF-style "
+                        "Parquet files; 'minari': a Minari dataset folder (arrow data format) named DEST")
+    p.add_argument("--compress", action="store_true",
+                   help="deflate npz members / gzip HDF5 datasets / zstd Parquet and Arrow data")
     p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows per slice (default 65536)")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -184,6 +201,23 @@ def _positive_int(text: str) -> int:
 
 
 # ---- commands --------------------------------------------------------------------------------
+
+
+def _cmd_create(args: argparse.Namespace) -> int:
+    from .buffer import BufferSpec, ReplayBuffer
+    from .errors import BufferExistsError
+
+    spec = BufferSpec.from_file(args.config)
+    try:
+        buf = ReplayBuffer.create(args.url, **spec, overwrite=args.overwrite)
+    except BufferExistsError as exc:
+        raise BufferExistsError(str(exc).replace("overwrite=True", "--overwrite")) from None
+    with buf:
+        fields = ", ".join(f"{n} {tuple(f.shape)} {f.dtype.name}" for n, f in buf.fields.items())
+        size = "unbounded (dataset)" if buf.capacity is None else f"capacity {buf.capacity:,} rows"
+        shards = f", {buf.shards} shards" if spec.shards else ""
+        print(f"created {args.url}: {size}, {spec.num_envs} lane{'s' * (spec.num_envs > 1)}{shards}: {fields}")
+    return 0
 
 
 def _cmd_import(args: argparse.Namespace) -> int:

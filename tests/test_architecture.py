@@ -18,7 +18,7 @@ LAYERS = {
     "storage": 2,
     "sampling": 3, "episodes": 3,
     "buffer": 4,
-    "torch": 5, "offline": 5, "rollout": 5,
+    "torch": 5, "offline": 5, "rollout": 5, "sb3": 5,
     "demo": 6,
     "cli": 7,
     "__init__": 8, "__main__": 8,
@@ -27,12 +27,20 @@ UPWARD_ALLOWED = {
     # `ReplayBuffer.as_dataset` is the torch layer's front door on the buffer: made at call time,
     # so that `import diskreplay` never loads torch (the torch layer imports the buffer, not back)
     ("diskreplay.buffer.replay_buffer", "diskreplay.torch.data"),
+    # `sample(..., format="torch" | "tensordict")`: the converters live in the torch layer, imported when asked for
+    ("diskreplay.buffer.output_format", "diskreplay.torch.formats"),
 }
 OWNERS = {  # a third-party library -> the only places that may import it
     "zarr": ("diskreplay.format", "diskreplay.offline.formats.zarr_group"),
     "fsspec": ("diskreplay.io",),
     "torch": ("diskreplay.torch", "diskreplay.rollout", "diskreplay.demo"),  # the last two: at call time
     "safetensors": ("diskreplay.format.state",),
+    "torchrl": ("diskreplay.torch",),
+    "tensordict": ("diskreplay.torch",),
+    "stable_baselines3": ("diskreplay.sb3",),
+    "gymnasium": ("diskreplay.offline.spaces", "diskreplay.demo", "diskreplay.sb3"),
+    "yaml": ("diskreplay.buffer.spec",),
+    "pyarrow": ("diskreplay.offline.formats.parquet",),
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}
 

@@ -265,7 +265,10 @@ def check_stack(w: World, batch: dict, frames: int) -> None:
 def check_her(w: World, batch: dict, her: dr.HER, batch_size: int) -> None:
     relabelled = batch["relabelled"]
     assert relabelled.dtype == np.bool_ and relabelled.shape == (batch_size,)
-    assert int(relabelled.sum()) == round(batch_size * her.k / (her.k + 1))
+    ended = np.array([w.done(lane, w.last_step(lane, t)) for lane, t in map(w.decode, batch["index"].tolist())])
+    eligible = ended if her.unfinished == "skip" else np.ones(batch_size, bool)
+    assert int(relabelled.sum()) == round(int(eligible.sum()) * her.k / (her.k + 1))
+    assert not (relabelled & ~eligible).any(), "a row of an unfinished episode was relabelled"
     for b, rid in enumerate(batch["index"].tolist()):
         lane, t = w.decode(rid)
         row = w.rows[lane][t]
@@ -422,10 +425,10 @@ def test_nstep_with_frame_stack(new_url):
 # --------------------------------------------------------------------------- #
 @SETTINGS
 @given(params=worlds, strategy=st.sampled_from(["future", "final", "episode"]), k=st.sampled_from([0, 1, 4]),
-       batch_size=st.sampled_from([1, 5, 40]))
-def test_her_relabels_from_same_episode(new_url, params, strategy, k, batch_size):
+       batch_size=st.sampled_from([1, 5, 40]), unfinished=st.sampled_from(["skip", "newest"]))
+def test_her_relabels_from_same_episode(new_url, params, strategy, k, batch_size, unfinished):
     w = build(params, new_url)
-    her = dr.HER(reward_fn=her_reward, strategy=strategy, k=k)
+    her = dr.HER(reward_fn=her_reward, strategy=strategy, k=k, unfinished=unfinished)
     batch = w.buf.sample(batch_size, her=her, seed=params["seed"])
     check_her(w, batch, her, batch_size)
 

@@ -3,5 +3,6 @@ sample-time transforms, and the parts it delegates to (setup, appending, batches
 
 from .rate_limit import RateLimiter
 from .replay_buffer import ReplayBuffer
+from .spec import BufferSpec
 
-__all__ = ["RateLimiter", "ReplayBuffer"]
+__all__ = ["BufferSpec", "RateLimiter", "ReplayBuffer"]

@@ -18,6 +18,7 @@ from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from .appending import Appender
 from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
+from .output_format import output_converter
 from .parts import LearnerOpening, make_parts
 from .rate_limit import NO_ACTOR_GATE, ActorGate, NoActorGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
@@ -371,10 +372,10 @@ class ReplayBuffer:
     # ---- reading ---------------------------------------------------------------------------
 
     def sample(self, batch_size: int, *, seed: int | None = None, rng: np.random.Generator | None = None,
-               seq_len: int | None = None, pad: bool = False, n_step: int | None = None,
+               seq_len: int | None = None, pad: bool = False, n_step: int | None = None, format: str = "numpy",
                gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
                her: HER | None = None, out: dict[str, np.ndarray] | None = None, beta: float | None = None,
-               recent_rows: int | None = None, **options: Any) -> Rows:
+               recent_rows: int | None = None, as_tensordict: bool = False, **options: Any) -> Rows | Any:
         """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
 
         Rows come from the buffer's sampler (uniform with replacement by default) over every row
@@ -404,12 +405,18 @@ class ReplayBuffer:
         gathered straight into them, and they are the arrays returned under those names. Plain
         transitions only (not with seq_len, n_step, stack or her).
 
+        ``format="torch"``: the arrays as CPU tensors sharing their memory (``torch.from_numpy``,
+        no copy); ``format="tensordict"`` or ``as_tensordict=True``: a ``tensordict.TensorDict``
+        of batch size ``[batch_size]``, ``next_x`` fields under ``("next", "x")`` as TorchRL lays
+        out transitions (see `diskreplay.torch.formats`). torch / tensordict are imported then.
+
         A reader whose rows the writer overwrote meanwhile (a ring) adopts the newest commit and
         draws again, until it succeeds or ``retry.budget_s`` seconds have passed; so does a reader
         whose commit retired every row (its writer is mid-way round the ring), waiting for rows.
 
         Raises:
-            ValueError: batch_size <= 0 or a batch larger than this machine's memory; ``out`` with
+            ValueError: an unknown ``format`` (before anything is drawn); batch_size <= 0 or a
+                batch larger than this machine's memory; ``out`` with
                 a name, dtype or shape that does not fit, or combined with seq_len/n_step/stack/her.
             EmptyBufferError: the buffer holds no rows (a reader: none for ``retry.budget_s`` s).
             StaleReadError: the writer kept overwriting the rows drawn for ``retry.budget_s`` s.
@@ -417,6 +424,7 @@ class ReplayBuffer:
             ClosedError: the buffer was closed.
         """
         self._require_open()
+        convert = output_converter(format, as_tensordict)
         check_batch_size(batch_size, self.view.schema.row_bytes)
         options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
         plain = not options and seq_len is None and n_step is None and stack is None and her is None and out is None
@@ -428,7 +436,7 @@ class ReplayBuffer:
         self._gate.before(int(batch_size))
         batch = self._follower.read_retrying(self._batches.sample, generator, int(batch_size), request)
         self._gate.after(int(batch_size))
-        return batch
+        return convert(batch)
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.
@@ -483,24 +491,25 @@ class ReplayBuffer:
         """
         return self.rows(ids)
 
-    def rows(self, ids: Any, out: dict[str, np.ndarray] | None = None) -> Rows:
-        """``buf[ids]``, optionally gathered straight into ``out`` (1-D ``ids``; as in `sample`).
+    def rows(self, ids: Any, out: dict[str, np.ndarray] | None = None, format: str = "numpy") -> Rows | Any:
+        """``buf[ids]``, optionally gathered straight into ``out`` (1-D ``ids``; as in `sample`),
+        returned as ``format`` says (``"numpy"``, ``"torch"``, ``"tensordict"``: as in `sample`;
+        a TensorDict's batch size is the first dim of ``ids``).
 
         Raises:
             IndexError: an id that is negative, not yet added, or already overwritten
                 (`StaleReadError` if the writer overwrote it after this reader's commit: the
                 reader has then adopted the newest commit).
-            ValueError: ``out`` with a name, dtype or shape that does not fit.
+            ValueError: ``out`` with a name, dtype or shape that does not fit; an unknown ``format``.
             ClosedError: the buffer was closed.
         """
         self._require_open()
+        convert = output_converter(format)
         if out is not None:
             check_out(out, np.size(ids), self.fields)
         shape, lane, step = readable_lane_steps(ids, *self.storage.window(), self.num_envs)
         rows = self._follower.read_once(lambda: self.view.gather(lane, step, out=out))
-        if len(shape) == 1:
-            return rows
-        return {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()}
+        return convert(rows if len(shape) == 1 else {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()})
 
     def latest(self, n: int) -> Rows:
         """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:

@@ -7,12 +7,12 @@ sampled step's episode and the readable window ``[lo, hi)`` of its lane.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..format.schema import Schema
+from ..format.schema import Field, Schema
 from .derived import RowView
 from .index import EpisodeIndex
 from .returns import nstep_window
@@ -126,17 +126,46 @@ def _shared_stacks(view: RowView, lane: np.ndarray, step: np.ndarray, steps: np.
     return {name: window[:, :frames], twin: window[:, 1:]}
 
 
+GOAL_PREFIXES = ("", "obs_", "observations_")
+"""How a goal field may be named: as stored by ``add``, under the Minari importer's flattening of a
+dict observation (``obs_<key>``, next twin ``next_obs_<key>``) and under the D4RL importer's naming
+of an HDF5 ``observations/<key>`` group (``observations_<key>``, ``next_observations_<key>``)."""
+
+UNFINISHED = ("skip", "newest")
+"""What `HER` does with rows of episodes that have not ended (see there)."""
+
+
+def goal_copies(name: str, fields: Mapping[str, Field]) -> tuple[str, ...]:
+    """The fields holding goal ``name`` at a step: ``name``, ``obs_<name>``, ``observations_<name>``
+    (those stored, in that order; see `GOAL_PREFIXES`)."""
+    return tuple(prefix + name for prefix in GOAL_PREFIXES if prefix + name in fields)
+
+
 @dataclass
 class HER:
     """Hindsight experience replay: relabel goals at sample time from the same episode.
 
-    For a share ``k / (k + 1)`` of each batch (rounded; the rows chosen at random) the ``goal``
-    field is replaced by an achieved goal of the same episode, and the reward recomputed with
-    ``reward_fn(achieved, goal) -> reward`` (vectorized over the batch). The new goal is the
-    achieved goal after step t' (``next_<achieved_goal>`` if stored, else ``achieved_goal``), with
-    t' drawn uniformly from [t, episode end] for ``"future"``, the episode's last step for
-    ``"final"``, or any step of the episode for ``"episode"``. Unfinished episodes use their
-    newest step as the end. Nothing extra is stored.
+    For a share ``k / (k + 1)`` (rounded; the rows chosen at random) of the batch's rows whose
+    episode has ended, the goal is replaced by an achieved goal of the same episode and the
+    reward recomputed with ``reward_fn(achieved, goal) -> reward`` (vectorized over the batch;
+    ``achieved`` is the achieved goal after step t). The new goal is the achieved goal after
+    step t' (``next_<achieved_goal>`` if stored, else ``achieved_goal``), with t' drawn uniformly
+    from [t, episode end] for ``"future"``, the episode's last step for ``"final"``, or any
+    readable step of the episode for ``"episode"``. Nothing extra is stored.
+
+    Fields relabelled, on every relabelled row: the goal field ``goal``, every stored twin of it
+    (``next_<goal>``, and the importers' flattened names ``obs_<goal>`` / ``next_obs_<goal>``
+    (Minari dict observations) and ``observations_<goal>`` / ``next_observations_<goal>`` (D4RL
+    HDF5 groups), each also when derived with ``derive_next``), all set to the new goal, and
+    ``reward``. The batch gains ``"relabelled"`` (bool ``[B]``). Every other field is left as
+    stored. ``goal`` and ``achieved_goal`` may be given bare (``"desired_goal"``): a buffer that
+    stores only the flattened names is read under them.
+
+    ``unfinished``: rows of an episode that has not ended yet (the open episode of each lane)
+    are never relabelled with ``"skip"`` (the default, as Stable-Baselines3's HerReplayBuffer,
+    which samples only ended episodes); they stay in the batch as stored and the share k/(k+1)
+    counts the other rows. ``"newest"`` relabels them too, their newest readable step standing
+    in for the episode's end (diskreplay's behaviour before this option).
     """
 
     reward_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -144,31 +173,77 @@ class HER:
     k: int = 4
     goal: str = "desired_goal"
     achieved_goal: str = "achieved_goal"
+    unfinished: str = "skip"
 
     def __post_init__(self) -> None:
         if self.strategy not in ("future", "final", "episode"):
             raise ValueError(f"HER strategy must be 'future', 'final' or 'episode', got {self.strategy!r}")
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"HER k must be an int >= 0, got {self.k!r}")
+        if self.unfinished not in UNFINISHED:
+            raise ValueError(f"HER unfinished must be 'skip' (leave rows of episodes that have not ended as "
+                             f"stored) or 'newest' (relabel them up to their newest step), got {self.unfinished!r}")
+
+    def relabelled_fields(self, schema: Schema) -> tuple[str, ...]:
+        """The goal fields a relabelled row gets the new goal in: each stored copy of ``goal``
+        (`goal_copies`) and its stored ``next_`` twin."""
+        fields = schema.fields
+        return tuple(name for copy in goal_copies(self.goal, fields) for name in (copy, f"next_{copy}")
+                     if name in fields)
 
     def relabel(self, batch: dict[str, np.ndarray], rows_from: RowSource, episodes: EpisodeIndex,
                 lane: np.ndarray, step: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                 rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Relabel ``batch`` (drawn at ``(lane, step)``) in place; adds ``"relabelled"`` (bool)."""
-        for name in (self.goal, self.achieved_goal, "reward"):
-            if name not in rows_from.schema.fields:
-                raise ValueError(f"HER needs field {name!r}; the buffer has {list(rows_from.schema.fields)}")
-        size = len(step)
-        chosen = np.zeros(size, dtype=bool)
-        chosen[rng.permutation(size)[: int(round(size * self.k / (self.k + 1)))]] = True
+        """Relabel ``batch`` (drawn at ``(lane, step)``) in place; adds ``"relabelled"`` (bool).
+
+        Raises ValueError if the buffer lacks the goal, achieved goal or reward, or the batch
+        lacks a goal field (frame-stacked)."""
+        targets = self._targets(rows_from.schema, batch)
+        achieved_name = self._achieved_name(rows_from.schema)
+        chosen = self._choose(self._eligible(episodes, lane, step, hi), rng)
         rows = np.flatnonzero(chosen)
         source = self._source_steps(episodes, lane[rows], step[rows], lo, hi, rng)
-        achieved = self._achieved_after(rows_from, lane[rows], step[rows])
-        new_goal = self._achieved_after(rows_from, lane[rows], source)
-        batch[self.goal][rows] = new_goal
+        achieved = rows_from.gather(lane[rows], step[rows], (achieved_name,))[achieved_name]
+        new_goal = rows_from.gather(lane[rows], source, (achieved_name,))[achieved_name]
+        for name in targets:
+            batch[name][rows] = new_goal
         batch["reward"][rows] = np.asarray(self.reward_fn(achieved, new_goal)).astype(batch["reward"].dtype)
         batch["relabelled"] = chosen
         return batch
+
+    def _targets(self, schema: Schema, batch: dict[str, np.ndarray]) -> tuple[str, ...]:
+        """`relabelled_fields`, checked: raises ValueError for a missing goal, reward or batch field."""
+        targets = self.relabelled_fields(schema)
+        if not targets or "reward" not in schema.fields:
+            wanted = "reward" if targets else self.goal
+            raise ValueError(f"HER needs field {wanted!r}; the buffer has {list(schema.fields)}")
+        missing = [name for name in targets if name not in batch]
+        if missing:
+            raise ValueError(f"HER relabels {missing}, which are frame-stacked here: leave them out of stack_fields")
+        return targets
+
+    def _achieved_name(self, schema: Schema) -> str:
+        """The field holding the achieved goal after a step: a stored copy's ``next_`` twin if any
+        (``next_achieved_goal``), else the copy itself. Raises ValueError if none is stored."""
+        copies = goal_copies(self.achieved_goal, schema.fields)
+        if not copies:
+            raise ValueError(f"HER needs field {self.achieved_goal!r}; the buffer has {list(schema.fields)}")
+        return next((f"next_{c}" for c in copies if f"next_{c}" in schema.fields), copies[0])
+
+    def _eligible(self, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Per row, whether it may be relabelled: its episode has ended (or ``unfinished="newest"``)."""
+        if self.unfinished == "newest":
+            return np.ones(len(step), dtype=bool)
+        ended: np.ndarray = episodes.next_end(lane, step) < hi[lane]
+        return ended
+
+    def _choose(self, eligible: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """A random share k/(k+1) (rounded) of the ``eligible`` rows, as a bool mask."""
+        candidates = np.flatnonzero(eligible)
+        count = int(round(len(candidates) * self.k / (self.k + 1)))
+        chosen = np.zeros(len(eligible), dtype=bool)
+        chosen[candidates[rng.permutation(len(candidates))[:count]]] = True
+        return chosen
 
     def _source_steps(self, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, lo: np.ndarray,
                       hi: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -178,9 +253,3 @@ class HER:
         first = step if self.strategy == "future" else episode_first_step(episodes, lane, step, lo)
         source: np.ndarray = first + np.floor(rng.random(len(step)) * (last - first + 1)).astype(np.int64)
         return source
-
-    def _achieved_after(self, rows_from: RowSource, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
-        name = f"next_{self.achieved_goal}"
-        if name not in rows_from.schema.fields:
-            name = self.achieved_goal
-        return rows_from.gather(lane, step, (name,))[name]

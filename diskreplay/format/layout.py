@@ -2,12 +2,13 @@
 
 A buffer is a Zarr v3 group with one array per field, shaped ``(num_envs, lane_rows, *field.shape)``
 and chunked ``(1, chunk_rows, *field.shape)``: one chunk holds ``chunk_rows`` consecutive steps of
-one env lane. diskreplay writes and reads the chunks itself (`Codec`, `chunk_key`) and reads and
-writes the metadata documents (``zarr.json``) through its own byte store, with its retries; no
-zarr-python call is made at run time. zarr-python is used only to produce the metadata documents
-at create (`metadata_documents`), so that they are exactly what zarr writes, and by any other
-tool that reads the buffer. Apart from the importer of plain Zarr groups, the `format` package
-is the only place that imports zarr.
+one env lane. Its axes are named by `dimension_names` (so that xarray opens the group); arrays
+of older buffers have no names and still open. diskreplay writes and reads the chunks itself
+(`Codec`, `chunk_key`) and reads and writes the metadata documents (``zarr.json``) through its
+own byte store, with its retries; no zarr-python call is made at run time. zarr-python is used
+only to produce the metadata documents at create (`metadata_documents`), so that they are
+exactly what zarr writes, and by any other tool that reads the buffer. Apart from the importer
+of plain Zarr groups, the `format` package is the only place that imports zarr.
 
 Everything read from a store is validated here before use (`read_layout`, `array_problems`):
 numbers are bounded, names and codecs checked against the buffer's own config, so a damaged or
@@ -45,9 +46,17 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
                            chunks=(1, config.chunk_rows, *field.shape), dtype=field.dtype,
                            **field_codec(Codec(config.compression, config.level), config, field).zarr_codecs(field),
                            chunk_key_encoding={"name": "default", "separator": config.chunk_key_separator},
+                           dimension_names=dimension_names(name, field, config.lane_capacity is not None),
                            fill_value=0)
     group.attrs.update({"diskreplay": config.to_json()})
     return {key: value.to_bytes() for key, value in documents.items()}
+
+
+def dimension_names(name: str, field: Field, ring: bool) -> tuple[str, ...]:
+    """The ``dimension_names`` of field ``name``'s array: ``lane`` (the env lane), then ``slot`` in
+    a ring (a step's slot is ``step % lane_capacity``) or ``step`` in a dataset, then
+    ``<name>_dim<i>`` for each axis of the field. ``lane`` and ``step`` are reserved field names."""
+    return ("lane", "slot" if ring else "step", *(f"{name}_dim{i}" for i in range(len(field.shape))))
 
 
 def field_codec(codec: Codec, config: BufferConfig, field: Field) -> Codec:
@@ -78,7 +87,6 @@ def check_schema_compatible(schema: Schema, derive_next: tuple[str, ...] = ()) -
             why = "with derive_next, each episode's final observation" if name == FINALS_DIR else "saved state objects"
             raise SchemaError(f"field name {name!r} is taken: {why} are kept under {name}/ in the buffer; "
                               f"rename the field")
-
 
 
 def read_layout(get: Callable[[str], bytes | None], url: str) -> tuple[BufferConfig, dict[str, ArrayMeta]]:
@@ -156,11 +164,11 @@ def array_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfi
         problems.append(f"{key}: chunk grid {grid!r:.200}, expected a 'regular' grid")
     elif chunks != expected:
         problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected}")
-    encoding = meta.get("chunk_key_encoding")
-    separator = config.chunk_key_separator
+    encoding, separator = meta.get("chunk_key_encoding"), config.chunk_key_separator
     if (not isinstance(encoding, dict) or encoding.get("name") != "default"
             or (encoding.get("configuration") or {}).get("separator", "/") != separator):
         problems.append(f"{key}: chunk key encoding {encoding!r:.200}, expected default with {separator!r}")
+    problems += _dimension_problems(name, field, meta, config)
     try:
         codec = Codec.from_zarr_codecs(meta.get("codecs"), field.dtype)
         if codec.compression != config.compression or (codec.compression and codec.level != config.level):
@@ -177,6 +185,16 @@ def array_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfi
     except ValueError as exc:
         problems.append(f"{key}: {exc}")
     return problems
+
+
+def _dimension_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig) -> list[str]:
+    """What is wrong with an array's ``dimension_names`` (empty: fine). Arrays written before
+    diskreplay wrote them have none (absent or null); present, they must be `dimension_names`."""
+    names = meta.get("dimension_names")
+    expected = list(dimension_names(name, field, config.lane_capacity is not None))
+    if names is None or names == expected:
+        return []
+    return [f"{array_key(name)}: dimension_names {names!r:.200}, expected {expected} (or none) for field {name!r}"]
 
 
 def buffer_codec(arrays: dict[str, ArrayMeta], url: str) -> Codec:

@@ -1,5 +1,6 @@
-"""Offline datasets: import from files (D4RL, Minari, npz, npy, Zarr), export to npz / HDF5,
-the `info` report and `verify`. Sits above the buffer: nothing below imports this package."""
+"""Offline datasets: import from files (D4RL, Minari, npz, npy, Parquet, Zarr), export to npz /
+HDF5 / Parquet / Minari, the `info` report and `verify`; fields from gymnasium spaces, named as
+the importers name them. Sits above the buffer: nothing below imports this package."""
 
 from .export import EXPORT_FORMATS, export_buffer
 from .formats import (
@@ -12,8 +13,10 @@ from .formats import (
 )
 from .formats.d4rl import D4RLSource
 from .formats.minari import MinariSource
+from .formats.minari_arrow import MinariArrowSource
 from .formats.npy import NpyFolderSource
 from .formats.npz import NpzSource
+from .formats.parquet import ParquetSource
 from .formats.zarr_group import ZarrSource
 from .importing import import_dataset
 from .info import (
@@ -28,6 +31,7 @@ from .info import (
 from .naming import EXPORT_ATTR, d4rl_field_name, d4rl_name, field_name
 from .npyfile import FORTRAN_WHOLE_BYTES
 from .source import ImportFormatError, Source
+from .spaces import fields_from_env, fields_from_spaces, flatten_fields, spec_from_env
 from .status import INCOMPLETE_KEY, describe_incomplete, import_status
 from .verify import VerifyReport, verify
 
@@ -41,9 +45,11 @@ __all__ = [
     "SOURCE_FORMATS",
     "D4RLSource",
     "ImportFormatError",
+    "MinariArrowSource",
     "MinariSource",
     "NpyFolderSource",
     "NpzSource",
+    "ParquetSource",
     "Source",
     "SourceFormat",
     "VerifyReport",
@@ -56,6 +62,9 @@ __all__ = [
     "episode_stats",
     "export_buffer",
     "field_name",
+    "fields_from_env",
+    "fields_from_spaces",
+    "flatten_fields",
     "format_info",
     "import_dataset",
     "import_status",
@@ -64,5 +73,6 @@ __all__ = [
     "open_source",
     "read_chunk",
     "readable",
+    "spec_from_env",
     "verify",
 ]

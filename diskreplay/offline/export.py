@@ -11,11 +11,16 @@ gives the buffer's field names and values. With several env lanes, a lane's last
 with ``timeouts`` set (when a ``truncated`` field exists) so that D4RL readers do not join the
 end of one lane to the start of the next. Both files are marked as written here (HDF5 attribute,
 zip comment ``diskreplay_export``), so importing them derives no ``next_obs``.
+
+Format ``"parquet"`` writes a folder of LeRobot / Hugging Face-style Parquet files instead
+(`diskreplay.offline.parquet_export`), which the ``"parquet"`` import reads back; format
+``"minari"`` a Minari dataset folder in the arrow data format (`diskreplay.offline.minari_export`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -25,10 +30,12 @@ import numpy as np
 from ..episodes import end_flags
 from .hdf5 import require_h5py
 from .info import episode_fields, iter_rows, open_readonly, readable
+from .minari_export import write_minari
 from .naming import EXPORT_ATTR, d4rl_name
+from .parquet_export import write_parquet
 from .progress import progress_bar
 
-EXPORT_FORMATS = ("npz", "hdf5")
+EXPORT_FORMATS = ("npz", "hdf5", "parquet", "minari")
 DONE_FIELDS = ("terminated", "truncated", "done")
 
 
@@ -42,10 +49,12 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     both back under the buffer's field names.
 
     Args:
-        format: ``"npz"`` or ``"hdf5"``; ``None`` picks from dest's suffix (.npz, .h5 / .hdf5).
+        format: ``"npz"``, ``"hdf5"``, ``"parquet"`` (a folder) or ``"minari"`` (a Minari
+            dataset folder, arrow data format); ``None`` picks from dest's suffix (.npz, .h5 /
+            .hdf5, .parquet).
         batch_rows: rows read per slice (bounds memory).
         progress: show a tqdm progress bar on stderr (total: rows) when tqdm is installed.
-        compress: deflate the npz members / gzip the HDF5 datasets.
+        compress: deflate the npz members / gzip the HDF5 datasets / zstd the Parquet pages.
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
@@ -60,20 +69,28 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     buf = open_readonly(url, storage_options)
     tmp = f"{dest}.partial"
     try:
-        _check_names(buf.fields)
+        if fmt in ("npz", "hdf5"):
+            _check_names(buf.fields)
+        _remove(tmp)
         with progress_bar(len(buf), f"export {fmt}", progress) as bar:
-            if fmt == "npz":
-                _write_npz(buf, tmp, batch_rows, compress, bar)
-            else:
-                _write_hdf5(buf, tmp, batch_rows, compress, bar)
+            WRITERS[fmt](buf, tmp, batch_rows, compress, bar)
+        if os.path.isdir(dest):  # os.replace cannot replace a folder (a Parquet export)
+            _remove(dest)
         os.replace(tmp, dest)
         return len(buf)
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _remove(tmp)
         raise
     finally:
         buf.close()
+
+
+def _remove(path: str) -> None:
+    """Removes the file or folder ``path`` if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _format_from_suffix(dest: str) -> str:
@@ -81,7 +98,9 @@ def _format_from_suffix(dest: str) -> str:
         return "npz"
     if dest.endswith((".h5", ".hdf5")):
         return "hdf5"
-    raise ValueError(f"cannot tell the export format from {dest!r}: use a .npz/.h5/.hdf5 name or "
+    if dest.rstrip("/").endswith(".parquet"):
+        return "parquet"
+    raise ValueError(f"cannot tell the export format from {dest!r}: use a .npz/.h5/.hdf5/.parquet name or "
                      f"format= one of {EXPORT_FORMATS}")
 
 
@@ -146,3 +165,6 @@ def _write_hdf5(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) 
             at += n
             bar.update(n)
         f.attrs[EXPORT_ATTR] = True
+
+
+WRITERS = {"npz": _write_npz, "hdf5": _write_hdf5, "parquet": write_parquet, "minari": write_minari}

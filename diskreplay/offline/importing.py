@@ -1,4 +1,4 @@
-"""Import offline datasets into a diskreplay buffer: D4RL HDF5, Minari, .npz / .npy, Zarr.
+"""Import offline datasets into a diskreplay buffer: D4RL HDF5, Minari, .npz / .npy, Parquet, Zarr.
 
 `import_dataset` streams the source in slices of ``batch_rows`` rows, so a source larger than
 RAM imports with bounded memory (about two slices plus the buffer's write staging).
@@ -27,6 +27,14 @@ Field names produced (one mapping, `d4rl_field_name`, for every format that name
 * ``.npz`` file (format ``"npz"``), folder of ``.npy`` files, plain Zarr group: one field per
   array, named by the D4RL mapping above (``observations`` -> ``obs``, ``terminals`` -> bool
   ``terminated``, ``infos/<key>`` -> ``info_<key>``, other names sanitized); no field is derived.
+* Minari's arrow / parquet data formats (``data/metadata.json`` and ``data/<id>/`` episode
+  folders): mapped as Minari HDF5 above (`diskreplay.offline.formats.minari_arrow`).
+* Parquet (format ``"parquet"``: a ``.parquet`` file or a folder of them, LeRobot v2 or Hugging
+  Face layout): rows ordered by ``episode_index`` / ``frame_index``, which become no field;
+  ``observation.state`` -> ``obs``, ``next.reward`` -> ``reward``, ``next.done`` -> ``terminated``,
+  other dotted names with ``_``; list columns become vector fields, non-numeric columns are
+  skipped with a warning; every episode's last frame ends it (``truncated`` unless ``next.done``).
+  See `diskreplay.offline.formats.parquet`.
 * Zarr: a diskreplay buffer keeps its fields and env lanes (rows re-chunked and re-compressed,
   only the readable window of a ring).
 
@@ -77,7 +85,8 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
 
     Args:
         src: a D4RL-layout ``.hdf5`` (or ``.npz``) file, a Minari dataset folder (or its
-            ``main_data.hdf5``), an ``.npz`` file, a folder of ``.npy`` files, or a diskreplay
+            ``main_data.hdf5``), an ``.npz`` file, a folder of ``.npy`` files, a ``.parquet`` file
+            or folder (LeRobot / Hugging Face), or a diskreplay
             buffer / Zarr group. Columns are named by `d4rl_field_name` (see the module docstring).
         dest: where the buffer is written (a local path or an fsspec URL).
         format: one of `FORMATS`; ``None`` detects it from ``src`` (an ``.npz`` file is
@@ -98,7 +107,8 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         ValueError: ``format`` is not one of `FORMATS`, or ``batch_rows`` is not a positive int.
         ImportFormatError: the source format is unknown or the file does not follow it.
         FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists.
-        ImportError: h5py is needed (HDF5 / Minari sources) and not installed.
+        ImportError: h5py is needed (HDF5 / Minari sources) or pyarrow (Parquet, Minari arrow)
+            and not installed.
     """
     src, dest = os.fspath(src), os.fspath(dest)
     if not isinstance(batch_rows, (int, np.integer)) or batch_rows < 1:

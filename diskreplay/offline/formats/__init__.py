@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from ...io import is_local, local_path
 from ..source import ImportFormatError, Source, require_source
 from .d4rl import is_d4rl, open_d4rl
-from .minari import MinariSource, is_minari
+from .minari import is_minari, open_minari
 from .npy import NpyFolderSource, is_npy_folder
 from .npz import NpzSource, is_npz
+from .parquet import ParquetSource, is_parquet
 from .zarr_group import ZarrSource, is_zarr
 
 
@@ -30,14 +31,15 @@ class SourceFormat:
 
 SOURCE_FORMATS: dict[str, SourceFormat] = {
     "d4rl": SourceFormat(open_d4rl, is_d4rl),
-    "minari": SourceFormat(MinariSource, is_minari),
+    "minari": SourceFormat(open_minari, is_minari),
     "npz": SourceFormat(NpzSource, is_npz),
     "npy": SourceFormat(NpyFolderSource, is_npy_folder),
     "zarr": SourceFormat(ZarrSource, is_zarr),
+    "parquet": SourceFormat(ParquetSource, is_parquet),
 }
 FORMATS = tuple(SOURCE_FORMATS)
 # folders: a Minari dataset or a Zarr group may also hold .npy files; files: HDF5 before a zip suffix
-DETECT_ORDER = ("minari", "zarr", "npy", "d4rl", "npz")
+DETECT_ORDER = ("minari", "zarr", "parquet", "npy", "d4rl", "npz")
 
 
 def detect_format(src: str) -> str:
@@ -55,9 +57,9 @@ def detect_format(src: str) -> str:
             return name
     if os.path.isdir(path):
         raise ImportFormatError(f"cannot tell the format of folder {src!r}: expected a Minari dataset "
-                                f"(data/main_data.hdf5), a Zarr group (zarr.json) or .npy files")
+                                f"(data/main_data.hdf5), a Zarr group (zarr.json), .parquet files or .npy files")
     raise ImportFormatError(f"cannot tell the format of {src!r}: expected .hdf5/.h5 (D4RL or Minari), "
-                            f".npz, a folder of .npy files, a Minari folder or a Zarr store; "
+                            f".npz, .parquet, a folder of .npy files, a Minari folder or a Zarr store; "
                             f"pass format= one of {FORMATS}")
 
 

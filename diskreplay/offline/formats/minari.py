@@ -1,4 +1,5 @@
-"""A Minari dataset (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order).
+"""A Minari dataset (``<dir>/data/main_data.hdf5``, one ``episode_<id>`` group per episode, in id order;
+the arrow and parquet data formats are read by `MinariArrowSource`).
 
 ``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` -> ``action``,
 ``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` -> ``truncated``,
@@ -25,6 +26,7 @@ from ..hdf5 import (
 )
 from ..naming import field_name
 from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for
+from .minari_arrow import MinariArrowSource, arrow_metadata
 
 MINARI_NAMES = {"actions": "action", "rewards": "reward", "terminations": "terminated",
                 "truncations": "truncated"}
@@ -40,8 +42,8 @@ class MinariSource(Source):
         path = local_path(src)
         file = minari_file(path) if os.path.isdir(path) else path
         if file is None:
-            raise ImportFormatError(f"{src!r}: not a Minari dataset (no data/main_data.hdf5; Minari's "
-                                    f"arrow data format is not supported, convert it to hdf5)")
+            raise ImportFormatError(f"{src!r}: not a Minari dataset (no data/main_data.hdf5, and no "
+                                    f"data/metadata.json of the arrow or parquet data format)")
         self.file = open_hdf5(h5py, file, src, "a Minari dataset (folder or its main_data.hdf5)")
         self.episodes = self._checked_episodes(src, file)
         self.rows = 0
@@ -151,8 +153,17 @@ def minari_file(path: str) -> str | None:
     return None
 
 
+def open_minari(src: str, batch_rows: int) -> Source:
+    """The source of a Minari dataset: `MinariArrowSource` for the arrow / parquet data formats,
+    else `MinariSource` (HDF5)."""
+    path = local_path(src)
+    if os.path.isdir(path) and minari_file(path) is None and arrow_metadata(path) is not None:
+        return MinariArrowSource(src, batch_rows)
+    return MinariSource(src, batch_rows)
+
+
 def is_minari(path: str) -> bool:
-    """``path`` is a Minari dataset folder, or an HDF5 file with ``episode_*`` groups."""
+    """``path`` is a Minari dataset folder (any data format), or an HDF5 file with ``episode_*`` groups."""
     if os.path.isdir(path):
-        return minari_file(path) is not None
+        return minari_file(path) is not None or arrow_metadata(path) is not None
     return os.path.isfile(path) and looks_like_hdf5(path) and has_episode_groups(path)

@@ -1,0 +1,133 @@
+"""Batches in torch formats: ``{name: numpy array}`` -> CPU tensors or a ``tensordict.TensorDict``.
+
+Tensors share memory with the gathered arrays (``torch.from_numpy``): no row is copied again.
+Field names map to TensorDict keys as TorchRL lays them out (`name_to_key`): ``next_obs`` ->
+``("next", "obs")``, ``a__b`` -> ``("a", "b")``, every other name stays a root key. `key_to_name`
+is its inverse, used by `diskreplay.torch.torchrl_storage` to store TensorDicts as fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..buffer.output_format import FORMATS
+
+NEXT = "next"
+"""The sub-TensorDict TorchRL keeps a transition's next step in."""
+SEPARATOR = "__"
+"""Joins the levels of other nested keys in a field name: ``("a", "b")`` <-> ``a__b``."""
+
+Key = str | tuple[str, ...]
+
+
+def as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A CPU tensor viewing ``array``'s memory (same shape and dtype, bool included); a tensor
+    is returned as it is (so that batches a dataset yielded convert too, on any device).
+
+    Copied only where torch cannot view the array: a read-only, byte-swapped or negatively
+    strided array becomes a native, C-contiguous copy first.
+
+    Raises:
+        TypeError: a dtype torch has no tensor type for (strings, objects, ...).
+    """
+    if isinstance(array, torch.Tensor):
+        return array
+    array = np.asarray(array)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if not array.flags.writeable or any(s < 0 for s in array.strides):
+        array = np.array(array, order="C")
+    try:
+        return torch.from_numpy(array)
+    except TypeError as err:
+        raise TypeError(f"an array of dtype {array.dtype} has no torch tensor type: {err}") from None
+
+
+def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """``{name: array}`` -> ``{name: CPU tensor}`` sharing the arrays' memory (see `as_tensor`)."""
+    return {name: as_tensor(array) for name, array in batch.items()}
+
+
+def name_to_key(name: str) -> Key:
+    """The TensorDict key of field ``name``: ``next_x`` -> ``("next", x)``, ``a__b`` ->
+    ``("a", "b")`` (both: ``next_a__b`` -> ``("next", "a", "b")``), else ``name`` itself."""
+    parts: tuple[str, ...] = ()
+    if name.startswith(NEXT + "_") and len(name) > len(NEXT) + 1:
+        parts, name = (NEXT,), name[len(NEXT) + 1:]
+    parts += tuple(name.split(SEPARATOR))
+    return parts[0] if len(parts) == 1 else parts
+
+
+def key_to_name(key: Key) -> str:
+    """The field name of TensorDict key ``key``, the inverse of `name_to_key`.
+
+    Raises:
+        ValueError: a key level that is empty or holds ``"__"`` (the names could not be told apart).
+    """
+    parts = (key,) if isinstance(key, str) else tuple(key)
+    bad = [p for p in parts if not isinstance(p, str) or not p or SEPARATOR in p]
+    if bad:
+        raise ValueError(f"TensorDict key {key!r} cannot be a field name: levels must be non-empty "
+                         f"strings without {SEPARATOR!r}")
+    if len(parts) > 1 and parts[0] == NEXT:
+        return f"{NEXT}_{SEPARATOR.join(parts[1:])}"
+    return SEPARATOR.join(parts)
+
+
+def to_tensordict(batch: Mapping[str, np.ndarray | torch.Tensor], batch_dims: int = 1) -> Any:
+    """``{name: array [B, ...]}`` -> ``tensordict.TensorDict`` with ``batch_size`` the first
+    ``batch_dims`` dims of the arrays (``[B]``) and keys by `name_to_key`; no copy (`as_tensor`).
+    Also for the batches of `diskreplay.torch.data.make_dataset` (tensors, e.g. on a GPU after
+    `to_device`): ``to_tensordict(batch)`` puts them in TorchRL's layout.
+
+    Raises:
+        ImportError: the ``tensordict`` package is not installed.
+        ValueError: two names for one key, or a name that is both a tensor and a nested key
+            (``next`` and ``next_obs``).
+    """
+    TensorDict = tensordict_class()
+    arrays = {name_to_key(name): array for name, array in batch.items()}
+    roots = {key for key in arrays if isinstance(key, str)}
+    clashes = sorted({key[0] for key in arrays if isinstance(key, tuple) and key[0] in roots})
+    if len(arrays) != len(batch):
+        raise ValueError(f"fields {sorted(batch)} do not make one TensorDict: two of them map to one key "
+                         f"(see name_to_key); use format='torch'")
+    if clashes:
+        raise ValueError(f"fields {sorted(batch)} do not make one TensorDict: {clashes} would be both a tensor "
+                         f"and a nested TensorDict; use format='torch'")
+    first = next(iter(batch.values()), np.empty(0))
+    out = TensorDict({}, batch_size=tuple(first.shape[:batch_dims]))
+    for key, array in arrays.items():
+        out.set(key, as_tensor(array))
+    return out
+
+
+def tensordict_class() -> Any:
+    """``tensordict.TensorDict``, imported now.
+
+    Raises:
+        ImportError: tensordict is not installed (naming the package to install)."""
+    try:
+        from tensordict import TensorDict
+    except ImportError as err:
+        raise ImportError("format='tensordict' needs the tensordict package: pip install tensordict") from err
+    return TensorDict
+
+
+def to_format(batch: Mapping[str, np.ndarray], format: str) -> Any:
+    """``batch`` in ``format`` (one of `FORMATS`): the arrays themselves, `to_torch` or `to_tensordict`.
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    if format == "numpy":
+        return batch
+    if format == "torch":
+        return to_torch(batch)
+    if format == "tensordict":
+        return to_tensordict(batch)
+    raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
