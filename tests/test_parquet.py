@@ -318,6 +318,7 @@ def test_minari_arrow_dataset_from_data_collector_imports_exactly(tmp_path, mina
 
 def test_minari_export_loads_in_minari_and_imports_back(tmp_path, minari_home):
     minari = pytest.importorskip("minari")
+    pytest.importorskip("PIL", reason="Minari's arrow storage needs Pillow")
     buf = two_lane_buffer(tmp_path / "b")
     with pytest.warns(UserWarning, match="info_cost"):
         assert export_buffer(tmp_path / "b", minari_home / "exported-v0", format="minari", progress=False,
