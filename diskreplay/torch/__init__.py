@@ -18,6 +18,7 @@ from .data import dataset_state_from_loader, make_dataset, merge_worker_states
 from .datasets import EpochDataset, SampleDataset
 from .device import DevicePrefetcher, to_device
 from .epoch_order import SHUFFLES, EpochOrder, Shard, chunk_pieces, expand_pieces, shard_range, slice_pieces
+from .formats import to_tensordict
 from .reader import committed_window, current_shard, resolve_rank
 from .rows import IndexBatch, IndexBatchSampler, RowDataset
 from .shared_ring import FREE, HELD, SENT, ArraySpec, SlotBatch, WorkerRing, plan_slot
@@ -26,7 +27,7 @@ from .tensors import Batch, packed_tensors, to_tensors
 __all__ = [
     "make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
     "merge_worker_states", "dataset_state_from_loader", "resolve_rank", "current_shard", "committed_window",
-    "Batch", "to_tensors", "packed_tensors",
+    "Batch", "to_tensors", "packed_tensors", "to_tensordict",
     "to_device", "DevicePrefetcher",
     "WorkerRing", "SlotBatch", "ArraySpec", "plan_slot", "FREE", "SENT", "HELD",
     "BatchRngs",
