@@ -27,8 +27,9 @@ class DiskHerReplayBuffer(DiskReplayBuffer, HerReplayBuffer):
     goal (in the observation and the next observation): the next achieved goal at a step of the
     same episode, ``"future"`` (this step or a later one), ``"final"`` or ``"episode"``, and the
     reward ``env.compute_reward(next_achieved_goal, new_goal, {})`` of the env's first copy.
-    Episodes are the disk buffer's (ended by ``done``); unlike SB3's, an episode still running is
-    sampled too, its newest step standing in for its end. ``copy_info_dict`` is not supported.
+    Episodes are the disk buffer's (ended by ``done``); unlike SB3's, rows of an episode still
+    running are sampled too, but never relabelled (as SB3 never relabels them). ``copy_info_dict``
+    is not supported.
     """
 
     def __init__(self, buffer_size: int, observation_space: spaces.Dict, action_space: spaces.Space,
@@ -45,9 +46,8 @@ class DiskHerReplayBuffer(DiskReplayBuffer, HerReplayBuffer):
         if isinstance(goal_selection_strategy, str):
             goal_selection_strategy = KEY_TO_GOAL_STRATEGY[goal_selection_strategy.lower()]
         self.goal_selection_strategy = GoalSelectionStrategy(goal_selection_strategy)
-        self.her = HER(self.compute_reward, self.goal_selection_strategy.name.lower(), int(n_sampled_goal),
-                       goal="obs_desired_goal", achieved_goal="obs_achieved_goal")
         self.n_sampled_goal = n_sampled_goal
+        self.her = self._relabelling()
         self.her_ratio = 1 - (1.0 / (n_sampled_goal + 1))
         self.copy_info_dict = False
         DiskReplayBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs,
@@ -61,11 +61,13 @@ class DiskHerReplayBuffer(DiskReplayBuffer, HerReplayBuffer):
         rewards = self.env.env_method("compute_reward", achieved_goal, desired_goal, infos, indices=[0])[0]
         return np.asarray(rewards).astype(np.float32)
 
+    def _relabelling(self) -> HER:
+        """The disk buffer's HER for these settings (it relabels ``next_obs_desired_goal`` too)."""
+        return HER(self.compute_reward, self.goal_selection_strategy.name.lower(), int(self.n_sampled_goal),
+                   goal="obs_desired_goal", achieved_goal="obs_achieved_goal")
+
     def _draw(self, batch_size: int) -> dict[str, np.ndarray]:
-        rows = self.disk.sample(batch_size, her=self.her)
-        chosen = rows["relabelled"]  # the next observation's desired goal is the new goal too
-        rows["next_obs_desired_goal"][chosen] = rows["obs_desired_goal"][chosen]
-        return rows
+        return self.disk.sample(batch_size, her=self.her)
 
     def truncate_last_trajectory(self) -> None:
         """Nothing to do: reopening the disk buffer (``mode="r+"``) already ends the episode each
@@ -81,5 +83,4 @@ class DiskHerReplayBuffer(DiskReplayBuffer, HerReplayBuffer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restores the pickled state; the env is set by ``set_env``."""
         super().__setstate__(state)
-        self.her = HER(self.compute_reward, self.goal_selection_strategy.name.lower(), int(self.n_sampled_goal),
-                       goal="obs_desired_goal", achieved_goal="obs_achieved_goal")
+        self.her = self._relabelling()
