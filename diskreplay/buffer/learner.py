@@ -92,11 +92,11 @@ class ShardAdoption:
             return False
         loaded = self.union.shard_states(changed)
         newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(changed, loaded)}
-        finals = self.finals.shard_records(newest=True) if self.finals is not None else []
+        finals = self.finals.shard_records(newest=True, shards=changed) if self.finals is not None else []
         before, last_ends = self.union.total.copy(), self.episodes.last_ends()
         self.union.adopt_shards({s: record for s, (record, _) in newer.items()})
         if self.finals is not None:
-            self.finals.adopt_shards({s: finals[s] for s in newer})
+            self.finals.adopt_shards(dict(zip(changed, finals)))
         for s, (_, parsed) in newer.items():
             self.shard_states[s] = parsed
         self._apply()

@@ -180,9 +180,11 @@ class Storage:
         """Shards read together (1: one buffer)."""
         return len(self._logs())
 
-    def shard_records(self, newest: bool = False) -> list[CommitRecord]:
-        """The commit each shard shows (or its ``newest`` in the store, read all at once)."""
-        return self._each(CommitLog.read_newest) if newest else [log.record for log in self._logs()]
+    def shard_records(self, newest: bool = False, shards: Sequence[int] | None = None) -> list[CommitRecord]:
+        """The commit each shard (or each of ``shards``) shows, or its ``newest`` in the store
+        (read all at once)."""
+        logs = self._logs() if shards is None else [self._logs()[s] for s in shards]
+        return self._each(CommitLog.read_newest, logs) if newest else [log.record for log in logs]
 
     def shard_states(self, shards: Sequence[int]) -> list[tuple[CommitRecord, dict[str, Any]]]:
         """The newest commit of each of ``shards`` and the state saved with it (see `load_state`)."""
