@@ -19,7 +19,7 @@ from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
 from ..format.shards import shard_count, shard_url
-from ..io import RetryPolicy, is_local, local_path, open_chunkstore
+from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
 from ..storage import (
     NewStorage,
@@ -145,10 +145,16 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
     else:
         return
     options = dict(storage_options) if storage_options else None
-    count = shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+    count = declared_shards(store, url)
     for location in [url] if count is None else [shard_url(url, shard) for shard in range(count)]:
         check_unlocked(location, options, break_lock)
     store.clear()
+
+
+def declared_shards(store: ChunkStore, url: str) -> int | None:
+    """The shard count the root group at ``url`` declares (None: not a sharded buffer).
+    Raises CorruptBufferError for a damaged declaration."""
+    return shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
 
 
 def _require_buffer_or_empty(path: str) -> None:

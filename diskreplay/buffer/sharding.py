@@ -12,15 +12,14 @@ import numpy as np
 
 from ..errors import NotABufferError
 from ..format.commit import CommitRecord
-from ..format.keys import GROUP_KEY, MAX_METADATA_BYTES
 from ..format.schema import Schema
-from ..format.shards import check_shards, root_documents, shard_count, shard_url
+from ..format.shards import check_shards, root_documents, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
 from ..storage import NewStorage, Options, Storage, open_union_storage
 from .parts import LearnerOpening
 from .rate_limit import ActorGate, Progress, RateLimiter
-from .setup import close_all, create_storages, finals_cache, finals_url, prepare_location
+from .setup import close_all, create_storages, declared_shards, finals_cache, finals_url, prepare_location
 
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
@@ -30,12 +29,6 @@ UnionParts = tuple[Storage, Storage | None, list[tuple[CommitRecord, Mapping[str
 
 def root_store(url: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None) -> ChunkStore:
     return open_chunkstore(url, storage_options, retry=retry)
-
-
-def declared_shards(store: ChunkStore, url: str) -> int | None:
-    """The shard count the root group at ``url`` declares (None: not a sharded buffer).
-    Raises CorruptBufferError for a damaged declaration."""
-    return shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
 
 
 def declare_shards(store: ChunkStore, count: int) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..buffer.setup import finals_url
+from ..buffer.setup import declared_shards, finals_url
 from ..errors import CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
@@ -43,7 +43,7 @@ from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES,
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
-from ..format.shards import LEARNER_KEY, LearnerProgress, shard_count, shard_name, shard_url
+from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name, shard_url
 from ..io import ChunkStore, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
@@ -95,7 +95,7 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     commit_blob = store.get(COMMIT_KEY)
     if commit_blob is None:
         try:
-            count = shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+            count = declared_shards(store, url)
         except CorruptBufferError as exc:
             report.problem(_without_url(exc, url))
             count = None
