@@ -268,8 +268,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
     from .io.lock import break_lock, lock_holder
+    from .storage import own_stores
 
-    holder = lock_holder(args.url)
+    stores = own_stores(args.url)
+    holder = lock_holder(args.url, stores)
     if holder is None:
         print(f"{args.url}: no writer lock")
         return 0
@@ -277,7 +279,7 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     if not stale and not args.force:
         raise ValueError(f"{args.url} is locked by {holder.describe()}, which looks alive; "
                          f"pass --force only if you know that writer is gone")
-    break_lock(args.url)
+    break_lock(args.url, stores)
     print(f"{args.url}: removed the writer lock held by {holder.describe()}" + (f" ({stale})" if stale else ""))
     return 0
 

@@ -49,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     q, target = qnet(), qnet()
     optimizer = torch.optim.Adam(q.parameters(), lr=5e-4)
     step, returns = 0, []
-    if os.path.exists(os.path.join(buffer_path, "commit.json")):
+    try:
         buf = dr.ReplayBuffer.open(buffer_path, mode="r+", continue_episodes=False)
+    except dr.NotABufferError:
+        buf = dr.ReplayBuffer.create(buffer_path, FIELDS, capacity=100_000, chunk_rows=1024, seed=args.seed)
+        target.load_state_dict(q.state_dict())
+    else:
         if os.path.exists(ckpt_path):
             ckpt = torch.load(ckpt_path)
             q.load_state_dict(ckpt["q"]), target.load_state_dict(ckpt["target"])
@@ -58,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
             step, returns = ckpt["step"], ckpt["returns"]
         print(f"resumed at step {step} with {len(buf):,} rows in the buffer; a new episode starts "
               f"(the one the stop cut is closed as truncated)")
-    else:
-        buf = dr.ReplayBuffer.create(buffer_path, FIELDS, capacity=100_000, chunk_rows=1024, seed=args.seed)
-        target.load_state_dict(q.state_dict())
 
     def checkpoint() -> None:
         buf.flush()  # rows first: a checkpoint never refers to rows the buffer lost

@@ -25,6 +25,9 @@ import diskreplay as dr
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+OWN = "diskreplay/objects/"
+"""Where a buffer keeps its own objects (commit record, state, writer lock): docs/format.md, section 1."""
+
 # A small schema touching several dtypes and ranks; `row_values` fills it from a row counter so
 # every row ever added is distinguishable.
 SMALL_FIELDS = {

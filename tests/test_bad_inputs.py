@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from conftest import dir_snapshot
+from conftest import OWN, dir_snapshot
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -124,12 +124,12 @@ def edit_doc(key: str, changes: dict[str, Any]) -> Callable[[str], None]:
 
 def edit_commit(**changes: Any) -> Callable[[str], None]:
     """``edit_commit(lower=[21, 0])``; nested keys with ``**{"extra.state_arrays": ...}``."""
-    return edit_doc("commit.json", changes)
+    return edit_doc(OWN + "commit.json", changes)
 
 
 def edit_state_json(**changes: Any) -> Callable[[str], None]:
     """The JSON part of the saved state (commit.json ``extra.state``), by dotted path."""
-    return edit_doc("commit.json", {f"extra.state.{k}": v for k, v in changes.items()})
+    return edit_doc(OWN + "commit.json", {f"extra.state.{k}": v for k, v in changes.items()})
 
 
 def edit_config(**changes: Any) -> Callable[[str], None]:
@@ -146,7 +146,7 @@ def edit_array(field: str, **changes: Any) -> Callable[[str], None]:
 
 
 def state_key(p: str) -> str:
-    with open(os.path.join(p, "commit.json")) as fh:
+    with open(os.path.join(p, OWN, "commit.json")) as fh:
         return json.load(fh)["extra"]["state_arrays"]
 
 
@@ -165,12 +165,12 @@ def edit_arrays(path: str, **changes: Any) -> None:
 
 def journal_file(p: str, path: str, name: str | None = None) -> str:
     """The file of one object of the journal at state ``path`` (default: its tail)."""
-    with open(os.path.join(p, "commit.json")) as fh:
+    with open(os.path.join(p, OWN, "commit.json")) as fh:
         ref = json.load(fh)["extra"]["state"]
     for part in path.split("."):
         ref = ref[part]
     ref = ref["__journal__"]
-    return os.path.join(p, "state", path, ref["generation"], name or f"tail-{ref['tail']}")
+    return os.path.join(p, OWN, "state", path, ref["generation"], name or f"tail-{ref['tail']}")
 
 
 def edit_journal(path: str, dtype: np.dtype, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[str], None]:
@@ -189,13 +189,13 @@ def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarra
 
 def edit_state(**changes: Any) -> Callable[[str], None]:
     """The buffer's state object, rewritten by `edit_arrays`."""
-    return lambda p: edit_arrays(os.path.join(p, state_key(p)), **changes)
+    return lambda p: edit_arrays(os.path.join(p, OWN, state_key(p)), **changes)
 
 
 def damage_state(data: bytes | Callable[[bytes], bytes]) -> Callable[[str], None]:
     """Replace the state object's bytes (or transform them)."""
     def prepare(p: str) -> None:
-        path = os.path.join(p, state_key(p))
+        path = os.path.join(p, OWN, state_key(p))
         with open(path, "rb") as fh:
             old = fh.read()
         write(path, data(old) if callable(data) else data)
@@ -203,6 +203,7 @@ def damage_state(data: bytes | Callable[[bytes], bytes]) -> Callable[[str], None
 
 
 def write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as fh:
         fh.write(data)
 
@@ -300,13 +301,13 @@ def open_and_flush(p: str) -> None:
 
 def victim_path(p: str) -> str:
     """Where the crafted key ``../../victim.safetensors`` of the store at ``p`` points."""
-    return os.path.normpath(os.path.join(p, "..", "..", "victim.safetensors"))
+    return os.path.normpath(os.path.join(p, OWN, "..", "..", "victim.safetensors"))
 
 
 def plant_victim(p: str) -> None:
     """A copy of the real state object outside the store: if a crafted key made the library read
     it, open would succeed; if it made a writer delete it, it would be gone."""
-    shutil.copyfile(os.path.join(p, state_key(p)), victim_path(p))
+    shutil.copyfile(os.path.join(p, OWN, state_key(p)), victim_path(p))
 
 
 def victim_intact(p: str) -> None:
@@ -322,7 +323,7 @@ def reader_still_opens(p: str) -> None:
 def lock_record(**record: Any) -> Callable[[str], None]:
     """A lock object whose holder looks alive (this host), with ``record`` overriding fields."""
     data = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "token": "t" * 32, **record}
-    return write_key("writer.lock", json.dumps(data).encode())
+    return write_key(OWN + "writer.lock", json.dumps(data).encode())
 
 
 # ---- helpers for snapshots and states -------------------------------------------------------
@@ -468,20 +469,21 @@ CASES = [
          dr.SchemaError, r"field name 'index' is reserved"),
     # not a buffer
     Case("open-missing-path", lambda p: dr.ReplayBuffer.open(p + "-nowhere"), dr.NotABufferError,
-         r"-nowhere' is not a diskreplay buffer \(no commit.json\)"),
+         r"-nowhere' is not a diskreplay buffer \(no zarr.json\)"),
     Case("open-empty-dir", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
-         r"is not a diskreplay buffer \(no commit.json\)", prepare=empty_dir),
+         r"is not a diskreplay buffer \(no zarr.json\)", prepare=empty_dir),
     Case("open-plain-zarr-group", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
-         r"is not a diskreplay buffer \(no commit.json\)", prepare=plain_zarr_group),
+         r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 or diskreplay/2 attributes\)",
+         prepare=plain_zarr_group),
     Case("open-zarr-group-with-commit", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.NotABufferError,
-         r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 attributes\)",
-         prepare=lambda p: (plain_zarr_group(p), write(os.path.join(p, "commit.json"), b"{}"))),
+         r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 or diskreplay/2 attributes\)",
+         prepare=lambda p: (plain_zarr_group(p), write(os.path.join(p, OWN, "commit.json"), b"{}"))),
     # damaged metadata and chunks
     Case("garbage-commit-json", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.CorruptBufferError,
-         r"commit.json is not valid JSON", prepare=lambda p: write(os.path.join(p, "commit.json"), b"\x00{not json")),
+         r"commit.json is not valid JSON", prepare=write_key(OWN + "commit.json", b"\x00{not json")),
     Case("commit-wrong-lanes", lambda p: dr.ReplayBuffer.open(p), dr.CorruptBufferError,
          r"commit.json field 'committed': expected 2 ints in \[0, \d+\] \(one per lane\), got \[1\]",
-         prepare=lambda p: edit_json(os.path.join(p, "commit.json"), lambda d: d.update(committed=[1], lower=[0]))),
+         prepare=edit_commit(committed=[1], lower=[0])),
     Case("garbage-group-zarr-json", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.CorruptBufferError,
          r"zarr.json is not valid JSON", prepare=lambda p: write(os.path.join(p, "zarr.json"), b"garbage")),
     Case("array-dtype-rewritten", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.CorruptBufferError,
@@ -504,7 +506,7 @@ CASES = [
          prepare=lambda p: os.remove(os.path.join(p, "done", "c.0.1"))),
     Case("missing-state-object", lambda p: dr.ReplayBuffer.open(p), dr.CorruptBufferError,
          r"state object 'state/episodes\.ends/\d{12}-[0-9a-f]{16}/tail-\d{12}-[0-9a-f]{16}' is missing",
-         prepare=lambda p: shutil.rmtree(os.path.join(p, "state"))),
+         prepare=lambda p: shutil.rmtree(os.path.join(p, OWN, "state"))),
 ]
 
 # ---- tampered commit.json: every field validated before use, naming commit.json and the field ----
@@ -592,19 +594,19 @@ CASES += [
          COMMIT + r"'committed': 21 steps in a lane, but the arrays hold 20", template="raw",
          prepare=edit_commit(committed=[21, 20])),
     Case("commit-too-large", open_rw, dr.CorruptBufferError,
-         r"commit\.json has \d+ bytes, expected at most 16777216", prepare=oversize_key("commit.json")),
+         r"commit\.json has \d+ bytes, expected at most 16777216", prepare=oversize_key(OWN + "commit.json")),
     Case("commit-empty-file", open_ro, dr.CorruptBufferError, r"commit\.json is not valid JSON",
-         prepare=write_key("commit.json", b"")),
+         prepare=write_key(OWN + "commit.json", b"")),
     Case("commit-truncated", open_rw, dr.CorruptBufferError, r"commit\.json is not valid JSON",
-         prepare=truncate_key("commit.json", 40)),
+         prepare=truncate_key(OWN + "commit.json", 40)),
     Case("commit-not-an-object", open_ro, dr.CorruptBufferError, r"commit\.json is not a JSON object, got list",
-         prepare=write_key("commit.json", b"[20, 20]")),
+         prepare=write_key(OWN + "commit.json", b"[20, 20]")),
     Case("commit-deeply-nested", open_ro, dr.CorruptBufferError, r"commit\.json is not valid JSON",
-         prepare=write_key("commit.json", b"[" * 100_000 + b"]" * 100_000)),
+         prepare=write_key(OWN + "commit.json", b"[" * 100_000 + b"]" * 100_000)),
     Case("commit-is-a-directory", open_ro, dr.NotABufferError, r"is not a diskreplay buffer \(no commit\.json\)",
-         prepare=replace_by_dir("commit.json")),
+         prepare=replace_by_dir(OWN + "commit.json")),
     Case("commit-deleted", open_rw, dr.NotABufferError, r"is not a diskreplay buffer \(no commit\.json\)",
-         prepare=lambda p: os.remove(os.path.join(p, "commit.json"))),
+         prepare=lambda p: os.remove(os.path.join(p, OWN, "commit.json"))),
 ]
 
 # ---- tampered group zarr.json (attributes.diskreplay): CorruptBufferError naming zarr.json and the field ----
@@ -709,7 +711,7 @@ CASES += [
          r"obs/zarr\.json: chunk key encoding .* expected default with '/'",
          prepare=edit_config(chunk_key_separator="/")),
     Case("config-format-missing", open_ro, dr.NotABufferError,
-         r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 attributes\)",
+         r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 or diskreplay/2 attributes\)",
          prepare=edit_config(format=DELETE)),
     Case("group-node-type-array", open_ro, dr.NotABufferError,
          r"is not a diskreplay buffer \(zarr\.json is not a Zarr v3 group\)",
@@ -717,7 +719,7 @@ CASES += [
     Case("group-zarr-format-2", open_ro, dr.NotABufferError, r"zarr\.json is not a Zarr v3 group",
          prepare=edit_group(zarr_format=2)),
     Case("group-attributes-not-object", open_ro, dr.NotABufferError,
-         r"not a diskreplay buffer \(no diskreplay/1 attributes\)",
+         r"not a diskreplay buffer \(no diskreplay/1 or diskreplay/2 attributes\)",
          prepare=edit_group(attributes=[1])),
     Case("group-zarr-json-truncated", open_rw, dr.CorruptBufferError, r"zarr\.json is not valid JSON",
          prepare=truncate_key("zarr.json", 50)),
@@ -823,7 +825,7 @@ CASES += [
     Case("state-header-huge-length", open_ro, dr.CorruptBufferError, STATE_OBJECT + r" does not load",
          template="wor", prepare=damage_state(lambda b: (2**62).to_bytes(8, "little") + b[8:])),
     Case("state-object-is-a-directory", open_ro, dr.CorruptBufferError, STATE_OBJECT, template="wor",
-         prepare=lambda p: replace_by_dir(state_key(p))(p)),
+         prepare=lambda p: replace_by_dir(OWN + state_key(p))(p)),
     Case("state-array-missing", open_ro, dr.CorruptBufferError,
          STATE_OBJECT + r" does not load \(.*'sampler\.epoch_lo', which its array file lacks",
          template="wor", prepare=edit_state(**{"sampler.epoch_lo": DELETE})),
@@ -935,14 +937,16 @@ CASES += [
 # ---- lock files: never trusted; a second writer gets LockedError (never OverflowError), readers open ----
 
 CASES += [
-    Case("lock-garbage", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=write_key("writer.lock", b"\x00\xffgarbage"),
+    Case("lock-garbage", open_rw, dr.LockedError, UNREADABLE_LOCK,
+         prepare=write_key(OWN + "writer.lock", b"\x00\xffgarbage"),
          after=reader_still_opens),
-    Case("lock-empty", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=write_key("writer.lock", b""),
+    Case("lock-empty", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=write_key(OWN + "writer.lock", b""),
          after=reader_still_opens),
-    Case("lock-not-an-object", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=write_key("writer.lock", b"[4242]"),
+    Case("lock-not-an-object", open_rw, dr.LockedError, UNREADABLE_LOCK,
+         prepare=write_key(OWN + "writer.lock", b"[4242]"),
          after=reader_still_opens),
     Case("lock-deeply-nested", open_rw, dr.LockedError, UNREADABLE_LOCK,
-         prepare=write_key("writer.lock", b"[" * 100_000 + b"]" * 100_000), after=reader_still_opens),
+         prepare=write_key(OWN + "writer.lock", b"[" * 100_000 + b"]" * 100_000), after=reader_still_opens),
     Case("lock-huge-pid", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=lock_record(pid=2**80),
          after=reader_still_opens),
     Case("lock-string-pid", open_rw, dr.LockedError, UNREADABLE_LOCK, prepare=lock_record(pid="4242"),
@@ -955,7 +959,7 @@ CASES += [
          prepare=lock_record(time=1e300), after=reader_still_opens),
     Case("lock-time-string", open_rw, dr.LockedError, r"already open for writing by this process on host .* since \?",
          prepare=lock_record(time="soon", start_ticks=2**80), after=reader_still_opens),
-    Case("lock-is-a-directory", open_rw, dr.LockedError, r"writer\.lock", prepare=replace_by_dir("writer.lock"),
+    Case("lock-is-a-directory", open_rw, dr.LockedError, r"writer\.lock", prepare=replace_by_dir(OWN + "writer.lock"),
          after=reader_still_opens),
     Case("lock-create-over", create_over(), dr.LockedError, UNREADABLE_LOCK, prepare=lock_record(pid=2**80),
          after=reader_still_opens),
@@ -1045,8 +1049,8 @@ CASES += [
          r"field 'z': expected a dr\.Field, got tuple"),
     Case("create-zero-size-field", create_over(fields_with(z=dr.Field((0, 3), "float32"))), dr.SchemaError,
          r"field 'z': zero-sized fields cannot be stored, got shape \(0, 3\)"),
-    Case("create-field-named-state", create_over(fields_with(state=dr.Field((), "float32"))), dr.SchemaError,
-         r"field name 'state' is taken: saved state objects are kept under state/"),
+    Case("create-field-named-diskreplay", create_over(fields_with(diskreplay=dr.Field((), "float32"))),
+         dr.SchemaError, r"field name 'diskreplay' is taken: diskreplay's own objects are kept under diskreplay/"),
     Case("create-field-named-final",
          create_over({**NEXT_FIELDS, "final": dr.Field((), "float32")}, derive_next=("obs",)),
          dr.SchemaError, r"field name 'final' is taken: with derive_next"),
@@ -1174,9 +1178,9 @@ CASES += [
     Case("open-regular-file", open_rw, dr.NotABufferError,
          r"buf' is a file, not a diskreplay buffer \(a buffer is a directory\)",
          prepare=regular_file),
-    Case("open-file-in-buffer", lambda p: open_ro(os.path.join(p, "commit.json")), dr.NotABufferError,
+    Case("open-file-in-buffer", lambda p: open_ro(os.path.join(p, OWN, "commit.json")), dr.NotABufferError,
          r"commit\.json' is a file, not a diskreplay buffer"),
-    Case("open-dir-of-other-files", open_rw, dr.NotABufferError, r"is not a diskreplay buffer \(no commit\.json\)",
+    Case("open-dir-of-other-files", open_rw, dr.NotABufferError, r"is not a diskreplay buffer \(no zarr\.json\)",
          prepare=lambda p: (empty_dir(p), write(os.path.join(p, "notes.txt"), b"mine"))),
     Case("open-url-not-a-path", lambda p: dr.ReplayBuffer.open(42), TypeError,
          r"expected str, bytes or os\.PathLike object"),
@@ -1276,7 +1280,7 @@ VERIFY_CASES = {
     "truncated-zstd-chunk": r"chunk 'act/c.1.0' does not decode",
     "deleted-chunk": r"chunk 'done/c.0.1' is missing, but commit.json says it holds rows",
     "missing-state-object": r"state object 'state/episodes\.ends/[^']+' referenced by commit.json is missing",
-    "open-empty-dir": r"no commit.json: not a diskreplay buffer",
+    "open-empty-dir": r"no zarr.json: not a diskreplay buffer",
     "open-zarr-group-with-commit": r"a zarr group but not a diskreplay buffer",
     # commit.json
     "commit-committed-negative": COMMIT + r"'committed': expected 2 ints",

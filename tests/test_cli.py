@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import OWN
 
 import diskreplay as dr
 from diskreplay import cli
@@ -177,7 +178,7 @@ def test_interrupted_import_is_reported(tmp_path):
     buf = dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")})
     buf.close()
     (tmp_path / "b" / INCOMPLETE_KEY).write_text(json.dumps({"source": "big.hdf5", "started": 0, "pid": 7}))
-    os.remove(tmp_path / "b" / "commit.json")
+    os.remove(tmp_path / "b" / OWN / "commit.json")
     assert_one_line_error(run("info", str(tmp_path / "b")), "interrupted import", "big.hdf5")
     proc = run("verify", str(tmp_path / "b"))
     assert proc.returncode == 1 and "interrupted import" in proc.stderr

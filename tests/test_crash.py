@@ -32,6 +32,7 @@ from s3server import s3
 import diskreplay as dr
 from diskreplay.io import lock as drlock
 from diskreplay.offline import verify
+from diskreplay.storage import own_stores
 
 ROWS_CODE = """
 import numpy as np
@@ -194,7 +195,7 @@ def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chun
             stats["mid_flush"] += high != low
             where = f"{label} kill {k} (pid {pid}, last events {events[-3:]})"
 
-            holder = drlock.lock_holder(url, storage_options)
+            holder = drlock.lock_holder(url, own_stores(url, storage_options))
             if holder is not None:
                 assert holder.stale_reason() is not None, where  # the next writer takes it over
                 stats["stale_locks"] += 1

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import OWN
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
 
 import diskreplay as dr
@@ -130,7 +131,7 @@ class View:
 
 
 def committed_record(url: str, so: dict | None) -> bytes:
-    blob = open_chunkstore(url, so).get("commit.json")
+    blob = open_chunkstore(url, so).get(OWN + "commit.json")
     assert blob is not None
     return blob
 
@@ -207,7 +208,7 @@ def check_recovered(buf: dr.ReplayBuffer, steps_per_lane: int, so: dict | None =
     assert report.rows == len(want)
     assert not any("orphaned" in note for note in report.notes), report.notes
     assert partial_files(buf.url) == []
-    stored_states = sorted(k for k in stored_keys(buf.url, so) if k.startswith("state/"))
+    stored_states = sorted(k.removeprefix(OWN) for k in stored_keys(buf.url, so) if k.startswith(OWN + "state/"))
     assert stored_states == named_state_keys(view.commit), stored_states  # failed flushes' objects collected
 
 
@@ -811,12 +812,12 @@ def test_s3_commit_put_failing_during_flush(s3, opened, fault_proxy, faults, mod
     buf, so = s3_buffer(s3, fault_proxy, opened, mode, lanes)
     before = look(buf, so, s3_rows)
     fault_proxy.reset_stats()
-    fault_proxy.fail("503", "/commit.json", times=10**6, method="PUT")
+    fault_proxy.fail("503", "/" + OWN + "commit.json", times=10**6, method="PUT")
     _, error = outcome(buf.flush)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, "write of 'commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
+    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
                      str(error)), str(error)
-    assert fault_proxy.faults["503"] == 2 and fault_proxy.count("/commit.json", "PUT") == 2
+    assert fault_proxy.faults["503"] == 2 and fault_proxy.count("/" + OWN + "commit.json", "PUT") == 2
     faults.injected("S3 HTTP error", 2)
     after = check_failed_call(buf, before, before.total.copy(), 0, so, s3_rows)
     assert after.commit == before.commit  # not even a retire commit landed
@@ -843,10 +844,10 @@ def test_s3_retire_commit_of_a_full_ring_failing(s3, opened, fault_proxy, faults
         call, count = (lambda: buf.add(**one_step(step, 1, s3_rows))), 1
     before = look(buf, so, s3_rows)
     fault_proxy.reset_stats()
-    fault_proxy.fail("503", "/commit.json", times=10**6, method="PUT")
+    fault_proxy.fail("503", "/" + OWN + "commit.json", times=10**6, method="PUT")
     _, error = outcome(call)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, "write of 'commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
+    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 2
     assert fault_proxy.count("/c.", "PUT") == 0  # no chunk was overwritten
@@ -880,12 +881,13 @@ def test_s3_blackholed_flush_fails_at_the_retry_deadline(s3, opened, fault_proxy
     fault_proxy.fail("blackhole", prefix, times=10**6)  # every request for the buffer
     _, error = outcome(buf.flush)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, r"read of 'writer\.lock'", 1, rf"the retry deadline of {budget:g} s was reached",
+    assert re.search(give_up(buf.url, rf"read of '{OWN}writer\.lock'", 1,
+                             rf"the retry deadline of {budget:g} s was reached",
                              r"TimeoutError: no answer within [\d.]+ s: the request was cancelled$"),
                      str(error)), str(error)
     # the proxy held that one request until the client gave up on it and closed the connection
     assert fault_proxy.holds == 1
-    assert fault_proxy.count(prefix) == 1 == fault_proxy.count(prefix + "writer.lock", "GET")
+    assert fault_proxy.count(prefix) == 1 == fault_proxy.count(prefix + OWN + "writer.lock", "GET")
     assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == 1, SAFETY_S), fault_proxy.abandoned
     faults.injected("S3 request held")
     after = check_failed_call(buf, before, before.total.copy(), 0, so, s3_rows)
@@ -902,7 +904,7 @@ def test_s3_blackholed_flush_fails_at_the_retry_deadline(s3, opened, fault_proxy
 
 # which object open() reads: (its key, a request path suffix that names only it)
 METADATA = {"group": ("zarr.json", "/zarr.json"), "array": ("obs/zarr.json", "/obs/zarr.json"),
-            "commit": ("commit.json", "/commit.json"), "state": ("state/", "/state/")}
+            "commit": (OWN + "commit.json", "/" + OWN + "commit.json"), "state": (OWN + "state/", "/" + OWN + "state/")}
 OPEN_ROWS = 20
 
 
@@ -950,7 +952,7 @@ def test_s3_open_retries_a_transient_503_on_each_metadata_object(s3, fault_proxy
 def test_s3_open_with_a_persistent_503_is_store_unavailable(s3, fault_proxy, faults, committed_url, obj, mode):
     """Never NotABufferError: the store did not say the object is missing. A writer (r+) reads
     the state object after taking the writer lock: it gives the lock back."""
-    state = [k for k in s3.keys(committed_url) if k.startswith("state/")]
+    state = [k for k in s3.keys(committed_url) if k.startswith(OWN + "state/")]
     assert len(state) == 1, state
     key = state[0] if obj == "state" else METADATA[obj][0]
     path = object_path(s3, committed_url, METADATA[obj][1])
@@ -963,7 +965,7 @@ def test_s3_open_with_a_persistent_503_is_store_unavailable(s3, fault_proxy, fau
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 3 and fault_proxy.count(path, "GET") == 3
     faults.injected("S3 HTTP error", 3)
-    assert "writer.lock" not in s3.keys(committed_url)
+    assert OWN + "writer.lock" not in s3.keys(committed_url)
     clear_faults(fault_proxy)
     buf = dr.ReplayBuffer.open(committed_url, mode, storage_options=options)
     try:

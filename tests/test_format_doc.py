@@ -2,8 +2,8 @@
 with plain zarr-python and json, and must read exactly the rows `ReplayBuffer` returns for every
 valid row id (a wrapped, cleared, compressed multi-lane ring with sharded image chunks; datasets;
 a sharded buffer). Also: xarray opens new buffers (their arrays carry ``dimension_names``),
-buffers without ``dimension_names`` still open, and the zarr-python warnings about diskreplay's
-own objects are pinned, so that a change of them is deliberate.
+buffers without ``dimension_names`` still open, and listing a buffer with zarr-python or xarray
+warns of none of diskreplay's own objects.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from format_v1 import downgrade
 
 import diskreplay as dr
 from diskreplay.offline import verify
-
-NOT_RECOGNIZED = "ignore:Object at .* is not recognized as a component of a Zarr hierarchy"
 
 
 @pytest.fixture
@@ -40,8 +39,8 @@ class FormatReader:
         self.path = path
         self.group = zarr.open_group(str(path), mode="r")
         self.config: dict[str, Any] = self.group.attrs["diskreplay"]
-        assert self.config["format"] == "diskreplay/1"
-        self.commit: dict[str, Any] = json.loads((path / "commit.json").read_text())
+        own = {"diskreplay/2": path / "diskreplay" / "objects", "diskreplay/1": path}[self.config["format"]]
+        self.commit: dict[str, Any] = json.loads((own / "commit.json").read_text())
 
     def valid_steps(self, lane: int) -> np.ndarray:
         """Section 5: steps ``[max(lower, committed - lane_capacity), committed)`` (dataset: ``[lower, ...)``)."""
@@ -174,7 +173,6 @@ def test_a_reader_of_the_document_reads_a_sharded_buffer(tmp_path):
 
 # ---- xarray and dimension_names ----------------------------------------------------------------
 
-@pytest.mark.filterwarnings(NOT_RECOGNIZED)
 def test_xarray_opens_a_dataset_buffer(tmp_path, xr):
     path = tmp_path / "dataset"
     with dr.ReplayBuffer.create(path, FIELDS, num_envs=2, chunk_rows=4) as buf:
@@ -189,7 +187,6 @@ def test_xarray_opens_a_dataset_buffer(tmp_path, xr):
         np.testing.assert_array_equal(np.concatenate([lane0, lane1]), expected[name], err_msg=name)
 
 
-@pytest.mark.filterwarnings(NOT_RECOGNIZED)
 def test_xarray_opens_a_ring_with_rows_at_their_slots(tmp_path, xr):
     path = tmp_path / "ring"
     with dr.ReplayBuffer.create(path, FIELDS, capacity=16, num_envs=2, chunk_rows=4) as buf:
@@ -236,7 +233,7 @@ def test_new_arrays_name_their_dimensions(tmp_path):
                      "img": ["lane", "slot", "img_dim0", "img_dim1"]}
 
 
-# ---- zarr-python's warnings about diskreplay's own objects (docs/format.md, section 10) --------
+# ---- no zarr-python warnings about diskreplay's own objects (docs/format.md, section 10) ----
 
 def warned(call: Any) -> tuple[Any, list[str]]:
     """``call()`` and the names zarr-python warned were not Zarr nodes, sorted (other warnings,
@@ -250,39 +247,54 @@ def warned(call: Any) -> tuple[Any, list[str]]:
     return result, sorted(m[len(prefix):-len(suffix)] for m in names)
 
 
-def test_listing_a_buffer_warns_of_exactly_its_own_objects(tmp_path, xr):
-    """zarr-python warns once per listing for each non-Zarr object in the group: commit.json,
-    state/ (when it exists), writer.lock (while a writer holds it). Opening by name warns of none."""
+def test_listing_a_buffer_finds_only_zarr_nodes(tmp_path, xr):
+    """With a live writer, state objects and a side store, listing the group (recursively too,
+    and through xarray) finds the fields, ``final/`` and the ``diskreplay`` group, and warns of nothing."""
     path = str(tmp_path / "buf")
     fields = {**FIELDS, "next_obs": FIELDS["obs"]}
     buf = dr.ReplayBuffer.create(path, fields, capacity=16, chunk_rows=4, derive_next=("obs",))
     buf.extend({**one_lane(6, 0), "next_obs": one_lane(6, 1)["obs"]})  # done at step 0: state/ has an end
     buf.flush()
-    assert (tmp_path / "buf" / "state").is_dir()
+    own = tmp_path / "buf" / "diskreplay" / "objects"
+    assert {p.name for p in own.iterdir()} == {"zarr.json", "commit.json", "state", "writer.lock"}
     group, names = warned(lambda: zarr.open_group(path, mode="r"))
     assert names == [] and warned(lambda: group["obs"][...].shape) == ((1, 16, 3), [])
-    assert warned(lambda: sorted(group.array_keys())) == (sorted(FIELDS), ["commit.json", "state", "writer.lock"])
-    assert warned(lambda: sorted(group.group_keys())) == (["final"], ["commit.json", "state", "writer.lock"])
-    _, deep = warned(lambda: list(group.members(max_depth=None)))
-    assert Counter(deep) == Counter({"commit.json": 2, "writer.lock": 2, "state": 1})  # and final/'s own
-    _, opened = warned(lambda: xr.open_zarr(path, consolidated=False))
-    assert opened == ["commit.json", "state", "writer.lock"]
+    assert warned(lambda: sorted(group.array_keys())) == (sorted(FIELDS), [])
+    assert warned(lambda: sorted(group.group_keys())) == (["diskreplay", "final"], [])
+    nodes = sorted([*FIELDS, "diskreplay", "diskreplay/objects", "final", "final/obs", "final/diskreplay",
+                    "final/diskreplay/objects"])
+    assert warned(lambda: sorted(k for k, _ in group.members(max_depth=None))) == (nodes, [])
+    ds, opened = warned(lambda: xr.open_zarr(path, consolidated=False))
+    assert opened == [] and sorted(ds.data_vars) == sorted(FIELDS)
+    tree, opened = warned(lambda: xr.open_datatree(path, engine="zarr", consolidated=False))
+    assert opened == [] and sorted(tree.children) == ["diskreplay", "final"]
+    assert tree["diskreplay"]["objects"].shape == (0,) and sorted(tree["final"].children) == ["diskreplay"]
     buf.close()
-    assert warned(lambda: sorted(group.array_keys()))[1] == ["commit.json", "state"]
+    assert not (own / "writer.lock").exists()
 
 
-def test_listing_a_sharded_root_warns_of_learner_json_only(tmp_path):
-    """At a sharded root, only ``learner.json`` (once a rate-limited learner wrote it); listing
-    recursively, each shard's own objects as in a buffer."""
+def test_listing_a_sharded_root_finds_only_zarr_nodes(tmp_path):
+    """A sharded root with a learner's ``learner.json`` and a live actor: no warning either."""
     path = str(tmp_path / "sharded")
     dr.ReplayBuffer.create(path, FIELDS, capacity=8, chunk_rows=4, shards=2).close()
+    limiter = dr.RateLimiter(samples_per_insert=1.0, error_buffer=100.0)
     with dr.ReplayBuffer.open_shard(path, shard=0) as actor:
         actor.extend(one_lane(3, 0))
-    root = zarr.open_group(path, mode="r")
-    assert warned(lambda: sorted(root.group_keys())) == (["shard-00000", "shard-00001"], [])
-    assert warned(lambda: list(root.members(max_depth=None)))[1] == ["commit.json", "commit.json", "state"]
-    limiter = dr.RateLimiter(samples_per_insert=1.0, error_buffer=100.0)
-    with dr.ReplayBuffer.open(path, "r", rate_limiter=limiter) as learner:
-        learner.sample(2)
-    assert (tmp_path / "sharded" / "learner.json").is_file()
-    assert warned(lambda: sorted(root.group_keys())) == (["shard-00000", "shard-00001"], ["learner.json"])
+        actor.flush()
+        with dr.ReplayBuffer.open(path, "r", rate_limiter=limiter) as learner:
+            learner.sample(2)
+        assert (tmp_path / "sharded" / "diskreplay" / "objects" / "learner.json").is_file()
+        root = zarr.open_group(path, mode="r")
+        assert warned(lambda: sorted(root.group_keys())) == (["diskreplay", "shard-00000", "shard-00001"], [])
+        members, names = warned(lambda: [k for k, _ in root.members(max_depth=None)])
+        assert names == [] and "shard-00000/diskreplay/objects" in members
+
+
+def test_a_diskreplay_1_buffer_warns_of_its_own_objects(tmp_path):
+    """Pinned: format ``diskreplay/1`` kept its own objects at the root, where zarr warns of each."""
+    path = tmp_path / "old"
+    with dr.ReplayBuffer.create(path, FIELDS, capacity=16, chunk_rows=4) as buf:
+        buf.extend(one_lane(6, 0))
+    downgrade(path)
+    group = zarr.open_group(str(path), mode="r")
+    assert warned(lambda: sorted(group.array_keys())) == (sorted(FIELDS), ["commit.json", "state"])

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import OWN
 from s3server import s3
 
 import diskreplay as dr
@@ -37,7 +38,7 @@ def written_bytes() -> int:
 
 
 def state_files(path) -> list[str]:
-    root = os.path.join(path, "state")
+    root = os.path.join(path, OWN, "state")
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
 
 
@@ -123,7 +124,7 @@ def test_a_ring_keeps_its_episode_journal_bounded(tmp_path):
             buf.flush(durable=False)
         table = buf.episodes()
     objects = [f for f in state_files(path) if f.startswith("episodes.ends/")]
-    size = sum(os.path.getsize(os.path.join(path, "state", f)) for f in objects)
+    size = sum(os.path.getsize(os.path.join(path, OWN, "state", f)) for f in objects)
     assert size <= 16 * (2 * 667 + 2 * LOG_CHUNK), size  # not the 33,000 ends of all 200 flushes
     with dr.ReplayBuffer.open(path, "r") as reader:
         for name in ("lane", "start", "length", "complete"):
@@ -134,7 +135,7 @@ def test_a_failed_commit_writes_its_records_again_first(tmp_path, monkeypatch):
     path = tmp_path / "b"
     buf = per_buffer(path, 1 << 14, 6000)
     real_put = LocalChunkStore.put
-    fail = {"commit.json": 1}
+    fail = {OWN + "commit.json": 1}
 
     def put(store, key, data, durable=False):
         if fail.get(key):
@@ -159,7 +160,7 @@ def test_the_commit_record_stays_small(tmp_path):
     with per_buffer(tmp_path / "b", 1 << 22, 1 << 16) as buf:
         buf.update_priorities(buf.row_ids()[:5000], np.random.default_rng(5).random(5000))
         buf.flush(durable=False)
-    assert os.path.getsize(tmp_path / "b" / "commit.json") < 4096
+    assert os.path.getsize(tmp_path / "b" / OWN / "commit.json") < 4096
 
 
 WRITER = textwrap.dedent("""
@@ -256,12 +257,13 @@ def test_journals_on_s3_commit_reopen_and_collect(s3):
     with dr.ReplayBuffer.open(url, "r", storage_options=options) as reader:
         np.testing.assert_array_equal(leaves(reader), expected)
         np.testing.assert_array_equal(reader.episodes().start, episodes.start)
-    record = json.loads(s3.keys(url)["commit.json"])
+    record = json.loads(s3.keys(url)[OWN + "commit.json"])
     state = record["extra"]["state"]
     named = set()
     for path, part in (("sampler.leaves", state["sampler"]["leaves"]), ("episodes.ends", state["episodes"]["ends"])):
         named |= set(JournalRef.from_json(path, part["__journal__"], record["sequence"]).keys())
-    stored = {k for k in s3.keys(url) if k.startswith("state/") and not k.endswith(".safetensors")}
+    stored = {k.removeprefix(OWN) for k in s3.keys(url)
+              if k.startswith(OWN + "state/") and not k.endswith(".safetensors")}
     assert stored == named
 
 
@@ -276,15 +278,16 @@ def test_a_buffer_committed_before_journals_opens_and_moves_to_them(tmp_path):
         buf.update_priorities(buf.row_ids()[:500], np.random.default_rng(8).random(500) * 4)
         full = buf.state_dict()
         buf.flush()
-    record = json.loads((path / "commit.json").read_text())
+    own = path / OWN
+    record = json.loads((own / "commit.json").read_text())
     meta, arrays = saved.split({k: v for k, v in full.items() if k != "total"})
     arrays["sampler.leaves"] = arrays["sampler.leaves"].astype(np.float64)
     key = state_key(record["sequence"])
-    (path / key).write_bytes(saved.arrays_to_bytes(arrays))
+    (own / key).write_bytes(saved.arrays_to_bytes(arrays))
     record["extra"] = {"state": meta, "state_arrays": key}
-    (path / "commit.json").write_text(json.dumps(record))
+    (own / "commit.json").write_text(json.dumps(record))
     for journal in ("sampler.leaves", "episodes.ends"):
-        shutil.rmtree(path / "state" / journal)
+        shutil.rmtree(own / "state" / journal)
     with dr.ReplayBuffer.open(path, "r+") as buf:
         np.testing.assert_array_equal(leaves(buf), full["sampler"]["leaves"])
         assert len(buf.episodes()) == 3000 // 7 + 1

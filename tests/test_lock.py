@@ -14,13 +14,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import logged
+from conftest import OWN, logged
 from s3server import s3
 
 import diskreplay as dr
 from diskreplay.io import lock as drlock
 from diskreplay.io import open_chunkstore
-from diskreplay.storage import Options, open_storage
+from diskreplay.storage import Options, open_storage, own_stores
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
 
@@ -58,7 +58,7 @@ def test_second_writer_is_refused_and_readers_are_not(tmp_path):
     assert len(reader) == 20
     reader.close()
     writer.close()
-    assert not os.path.exists(os.path.join(url, drlock.LOCK_KEY))
+    assert not os.path.exists(os.path.join(url, OWN, drlock.LOCK_KEY))
     again = dr.ReplayBuffer.open(url, "r+")  # released on close
     again.extend(rows(3, 20))
     again.close()
@@ -68,13 +68,13 @@ def test_second_writer_is_refused_and_readers_are_not(tmp_path):
 def test_lock_file_records_the_holder(tmp_path):
     url = str(tmp_path / "b")
     buf = make(url)
-    info = json.loads(open(os.path.join(url, drlock.LOCK_KEY)).read())
+    info = json.loads(open(os.path.join(url, OWN, drlock.LOCK_KEY)).read())
     assert info["pid"] == os.getpid() and info["host"] == socket.gethostname()
     assert isinstance(info["time"], float) and info["token"]
-    holder = drlock.lock_holder(url)
+    holder = drlock.lock_holder(url, own_stores(url))
     assert holder.pid == os.getpid() and holder.stale_reason() is None
     buf.close()
-    assert drlock.lock_holder(url) is None
+    assert drlock.lock_holder(url, own_stores(url)) is None
 
 
 def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_path, caplog):
@@ -93,27 +93,28 @@ def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_p
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert drlock.lock_holder(url).stale_reason() == f"process {proc.pid} is no longer running on this host"
+    holder = drlock.lock_holder(url, own_stores(url))
+    assert holder.stale_reason() == f"process {proc.pid} is no longer running on this host"
     with logged(caplog, rf"took over the writer lock left by pid {proc.pid} .*no longer running "
                                          r"on this host.*unflushed rows are lost"):
         buf = dr.ReplayBuffer.open(url, "r+")
     assert len(buf) == 20
     buf.close()
-    assert drlock.lock_holder(url) is None
+    assert drlock.lock_holder(url, own_stores(url)) is None
 
 
 def test_storage_break_lock_takes_over(tmp_path):
     url = str(tmp_path / "b")
     first = make(url)
     second = open_storage(url, "r+", Options(cache_bytes=1 << 20, io_threads=1, break_lock=True))
-    assert drlock.lock_holder(url).token == second.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == second.log.lock.token
     with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock 'writer.lock' \(it is now "
                                              r"held by this process .*it stopped writing"):
         first.close()  # the broken writer must neither commit nor delete its successor's lock
     assert first.closed
-    assert drlock.lock_holder(url).token == second.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == second.log.lock.token
     second.close()
-    assert drlock.lock_holder(url) is None
+    assert drlock.lock_holder(url, own_stores(url)) is None
 
 
 @buffer_threads_break_lock
@@ -138,12 +139,12 @@ def test_reused_pid_is_stale_and_taken_over(tmp_path, caplog):
     url = str(tmp_path / "b")
     make(url).close()
     fake = {"pid": os.getpid(), "host": socket.gethostname(), "time": 1.0e9, "token": "x", "start_ticks": -5}
-    open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
-    assert drlock.lock_holder(url).stale_reason() == (f"pid {os.getpid()} now belongs to another process "
-                                                       "(the holder exited)")
+    open_chunkstore(url).put(OWN + drlock.LOCK_KEY, json.dumps(fake).encode())
+    assert drlock.lock_holder(url, own_stores(url)).stale_reason() == (
+        f"pid {os.getpid()} now belongs to another process (the holder exited)")
     with logged(caplog, r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
-    assert drlock.lock_holder(url).token == buf.storage.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == buf.storage.log.lock.token
     buf.close()
 
 
@@ -151,7 +152,7 @@ def test_lock_of_another_host_is_not_called_stale(tmp_path):
     url = str(tmp_path / "b")
     make(url).close()
     fake = {"pid": 1, "host": "some-other-machine", "time": 1.0e9, "token": "x"}
-    open_chunkstore(url).put(drlock.LOCK_KEY, json.dumps(fake).encode())
+    open_chunkstore(url).put(OWN + drlock.LOCK_KEY, json.dumps(fake).encode())
     with pytest.raises(dr.LockedError, match=r"pid 1 on host 'some-other-machine' since 2001-.*days ago; "
                                              r"if that writer is gone"):
         dr.ReplayBuffer.open(url, "r+")
@@ -160,10 +161,10 @@ def test_lock_of_another_host_is_not_called_stale(tmp_path):
 def test_unreadable_lock_still_refuses(tmp_path):
     url = str(tmp_path / "b")
     make(url).close()
-    open_chunkstore(url).put(drlock.LOCK_KEY, b"\x00garbage")
+    open_chunkstore(url).put(OWN + drlock.LOCK_KEY, b"\x00garbage")
     with pytest.raises(dr.LockedError, match="unreadable lock object"):
         dr.ReplayBuffer.open(url, "r+")
-    drlock.break_lock(url)
+    drlock.break_lock(url, own_stores(url))
     dr.ReplayBuffer.open(url, "r+").close()
 
 
@@ -176,7 +177,7 @@ def test_unclosed_writer_releases_at_exit(tmp_path):
         buf.extend({"obs": np.zeros((2, 2), np.float32), "done": np.zeros(2, bool)})
         """, url)  # exits without close()
     assert done.returncode == 0, done.stderr
-    assert drlock.lock_holder(url) is None
+    assert drlock.lock_holder(url, own_stores(url)) is None
     dr.ReplayBuffer.open(url, "r+").close()
 
 
@@ -184,9 +185,9 @@ def test_check_unlocked(tmp_path):
     url = str(tmp_path / "b")
     buf = make(url)
     with pytest.raises(dr.LockedError):
-        drlock.check_unlocked(url)
-    drlock.check_unlocked(url, break_lock=True)
-    assert drlock.lock_holder(url) is None
+        drlock.check_unlocked(url, own_stores(url))
+    drlock.check_unlocked(url, own_stores(url), break_lock=True)
+    assert drlock.lock_holder(url, own_stores(url)) is None
     buf.storage.close()
 
 
@@ -203,7 +204,7 @@ def test_s3_conditional_put_and_second_writer(s3):
     reader = dr.ReplayBuffer.open(url, "r", storage_options=so)
     assert len(reader) == 20
     buf.close()
-    assert drlock.lock_holder(url, so) is None
+    assert drlock.lock_holder(url, own_stores(url, so)) is None
     buf = dr.ReplayBuffer.open(url, "r+", storage_options=so)
     buf.close()
 
@@ -221,4 +222,4 @@ def test_s3_lock_across_processes(s3):
         """, url, json.dumps(so))
     assert f"refused: {url!r} is already open for writing by pid {os.getpid()}" in child.stdout, child
     holder.close()
-    assert drlock.lock_holder(url, so) is None
+    assert drlock.lock_holder(url, own_stores(url, so)) is None

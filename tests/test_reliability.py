@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import zarr
-from conftest import logged
+from conftest import OWN, logged
 
 import diskreplay as dr
 from diskreplay.offline import verify
@@ -105,15 +105,15 @@ def test_writer_whose_lock_was_broken_stops_writing(tmp_path):
     second = dr.ReplayBuffer.open(url, "r+", break_lock=True)
     second.extend(steps(10, 20))
     second.flush()
-    committed = open(os.path.join(url, "commit.json"), "rb").read()
-    states = sorted(os.listdir(os.path.join(url, "state")))
+    committed = open(os.path.join(url, OWN, "commit.json"), "rb").read()
+    states = sorted(os.listdir(os.path.join(url, OWN, "state")))
     first.extend(steps(10, 3))  # staged in RAM only: no chunk is full yet
     with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock.*it stopped writing"):
         first.flush()
     with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock"):
         first.extend(steps(13, 30))  # fills chunks: refused before any is written, and undone
-    assert open(os.path.join(url, "commit.json"), "rb").read() == committed
-    assert sorted(os.listdir(os.path.join(url, "state"))) == states
+    assert open(os.path.join(url, OWN, "commit.json"), "rb").read() == committed
+    assert sorted(os.listdir(os.path.join(url, OWN, "state"))) == states
     with pytest.raises(dr.LockedError):
         first.close()
     second.extend(steps(30, 5))

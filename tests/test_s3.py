@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import logged
+from conftest import OWN, logged
 from s3server import FaultProxy, fault_proxy, proxy_options, s3
 
 import diskreplay as dr
@@ -133,7 +133,7 @@ def test_transient_write_failures_are_retried(s3, fault_proxy):
     so = proxy_options(s3, fault_proxy)
     url = s3.new_url()
     buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8, storage_options=so)
-    fault_proxy.fail("503", "commit.json", times=2, method="PUT")
+    fault_proxy.fail("503", OWN + "commit.json", times=2, method="PUT")
     fault_proxy.fail("reset", "obs/c.0.1.0", times=1, method="PUT")
     buf.extend(rows(0, 12))
     buf.flush()

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import OWN
 from s3server import s3
 
 import diskreplay as dr
@@ -51,8 +52,9 @@ def sharded(tmp_path):
 
 def test_create_lays_out_a_zarr_group_of_complete_shard_buffers(sharded):
     root = json.load(open(os.path.join(sharded, "zarr.json")))
-    assert root["node_type"] == "group" and root["attributes"]["diskreplay_shards"] == {"count": 3}
-    assert sorted(os.listdir(sharded)) == ["shard-00000", "shard-00001", "shard-00002", "zarr.json"]
+    assert root["node_type"] == "group"
+    assert root["attributes"]["diskreplay_shards"] == {"count": 3, "format": "diskreplay/2"}
+    assert sorted(os.listdir(sharded)) == ["diskreplay", "shard-00000", "shard-00001", "shard-00002", "zarr.json"]
     with dr.ReplayBuffer.open(shard_url(sharded, 1)) as one:  # a shard is a buffer of its own
         assert len(one) == 80 and one.num_envs == 2 and one.capacity == 200
 
@@ -231,7 +233,7 @@ def test_rate_limited_learner_waits_and_actors_read_its_progress(sharded):
         with pytest.raises(dr.RateLimitTimeout, match=r"sample\(30\) waited 0.05 s.*samples_per_insert=2"):
             buf.sample(30)
         buf.sample(20)
-        progress = json.load(open(os.path.join(sharded, LEARNER_KEY)))
+        progress = json.load(open(os.path.join(sharded, OWN, LEARNER_KEY)))
         assert progress["samples"] in (100, 120) and progress["inserts"] == [60, 80, 100]
         with dr.ReplayBuffer.open_shard(sharded, 0, rate_limiter=lim) as actor:
             buf._gate.publish(force=True)
@@ -243,7 +245,7 @@ def test_rate_limited_learner_waits_and_actors_read_its_progress(sharded):
             with pytest.raises(ValueError, match="no rate limiter"):
                 plain.insert_allowed(1)
     assert PUBLISH_EVERY_S > 0
-    with open(os.path.join(sharded, LEARNER_KEY), "w") as fh:
+    with open(os.path.join(sharded, OWN, LEARNER_KEY), "w") as fh:
         fh.write('{"samples": -1, "inserts": [0, 0, 0], "time": 0}')
     with dr.ReplayBuffer.open_shard(sharded, 0, rate_limiter=lim) as actor:
         with pytest.raises(dr.CorruptBufferError, match="learner.json field 'samples'"):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import OWN
 
 import diskreplay as dr
 from diskreplay import cli
@@ -44,7 +45,7 @@ def make_sharded(path: Path, counts: tuple[int, ...] = STEPS, capacity: int = 64
 
 
 def commit_time(url: str, shard: int) -> float:
-    return json.loads((Path(url) / f"shard-{shard:05d}" / "commit.json").read_text())["time"]
+    return json.loads((Path(url) / f"shard-{shard:05d}" / OWN / "commit.json").read_text())["time"]
 
 
 def when(seconds: float) -> str:
@@ -111,7 +112,8 @@ def test_info_counts_rows_added_beyond_the_ring(tmp_path):
         actor.extend(steps(3, 17))  # 20 steps per lane: the oldest chunk of each lane retired
     info = buffer_info(url, episodes=False)
     assert [(s["rows"], s["added"]) for s in info["per_shard"]] == [(6, 6), (16, 40)]
-    sequences = [json.loads((Path(url) / f"shard-{s:05d}" / "commit.json").read_text())["sequence"] for s in (0, 1)]
+    sequences = [json.loads((Path(url) / f"shard-{s:05d}" / OWN / "commit.json").read_text())["sequence"]
+                 for s in (0, 1)]
     assert [s["commit_sequence"] for s in info["per_shard"]] == sequences == [2, 4]  # the ring's extend commits too
     assert info["rows"] == 22 and info["rows_per_lane"] == [3, 3, 8, 8] and info["episodes"] is None
 
@@ -121,7 +123,7 @@ def test_info_shows_the_learners_progress(tmp_path, capsys):
     limiter = dr.RateLimiter(samples_per_insert=1.0, error_buffer=100.0)
     with dr.ReplayBuffer.open(url, "r", rate_limiter=limiter, seed=0) as learner:
         learner.sample(7)
-    progress = LearnerProgress.from_bytes((Path(url) / LEARNER_KEY).read_bytes(), url, 3)
+    progress = LearnerProgress.from_bytes((Path(url) / OWN / LEARNER_KEY).read_bytes(), url, 3)
     assert (progress.samples, progress.inserts) == (7, (10, 24, 0))
     info = buffer_info(url)
     assert info["learner"] == {"samples": 7, "inserts": [10, 24, 0], "time": progress.time}
@@ -140,7 +142,7 @@ def test_info_shows_the_learners_progress(tmp_path, capsys):
 
 def test_info_says_the_learner_file_is_damaged(tmp_path, capsys):
     url = make_sharded(tmp_path)
-    (Path(url) / LEARNER_KEY).write_text('{"samples": 3, "inserts": [1, 2], "time": 5.0}')
+    (Path(url) / OWN / LEARNER_KEY).write_text('{"samples": 3, "inserts": [1, 2], "time": 5.0}')
     code, out, err = run_cli(capsys, "info", url)
     assert (code, err) == (0, "")
     assert out.splitlines()[-1] == ("learner     damaged: learner.json field 'inserts': expected 3 ints >= 0, "
@@ -205,7 +207,7 @@ def test_verify_reports_a_missing_shard(tmp_path, capsys):
 
 def test_verify_reports_a_shard_without_commit(tmp_path):
     url = make_sharded(tmp_path)
-    (Path(url) / "shard-00000" / "commit.json").unlink()
+    (Path(url) / "shard-00000" / OWN / "commit.json").unlink()
     assert verify(url).problems == ["shard-00000: no commit.json: not a diskreplay buffer (or its creation never "
                                     "finished)"]
 
@@ -221,9 +223,9 @@ def test_verify_reports_a_shard_without_commit(tmp_path):
 ])
 def test_verify_reports_a_damaged_learner_file(tmp_path, capsys, blob, problem):
     url = make_sharded(tmp_path)
-    (Path(url) / LEARNER_KEY).write_bytes(LearnerProgress(4, (1, 2, 3), 1.0).to_bytes())
+    (Path(url) / OWN / LEARNER_KEY).write_bytes(LearnerProgress(4, (1, 2, 3), 1.0).to_bytes())
     assert verify(url).ok
-    (Path(url) / LEARNER_KEY).write_bytes(blob)
+    (Path(url) / OWN / LEARNER_KEY).write_bytes(blob)
     report = verify(url)
     assert not report.ok and len(report.problems) == 1 and report.problems[0].startswith(problem)
     code, _, err = run_cli(capsys, "verify", url)
@@ -238,7 +240,7 @@ def test_verify_reports_a_damaged_side_store_of_one_shard(tmp_path):
                                "but commit.json says it holds rows"]
     shutil.rmtree(Path(url) / "shard-00000" / "final")
     assert verify(url).problems == [
-        "shard-00000: the side store final/ of derive_next: it is missing (no final/commit.json)",
+        "shard-00000: the side store final/ of derive_next: it is missing (final/ holds nothing)",
         "shard-00001: the side store final/ of derive_next: chunk 'obs/c.1.0.0' is missing, "
         "but commit.json says it holds rows"]
 

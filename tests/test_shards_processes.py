@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import logged
+from conftest import OWN, logged
 from s3server import s3
 from shard_actor import content, fields, steps_rows
 
@@ -405,7 +405,7 @@ def test_rate_limiter_fast_and_slow_actor(tmp_path):
     actors = {name: start("rl_actor", {"url": url, "shard": shard, "lanes": RL_LANES, "steps": INSERT_STEPS,
                                        "pause_s": pause, "timeout_s": SAFETY_S, "stop": str(stop_actors), **limits})
               for name, shard, pause in (("fast", 0, 0.0), ("slow", 1, 0.2))}
-    progress = Path(url) / "learner.json"
+    progress = Path(url) / OWN / "learner.json"
     try:
         # run until the learner sampled 32,000 rows (~500 inserted at 64 samples per insert)
         wait_until(lambda: (read_json(progress) or {"samples": 0})["samples"] >= 32_000,

@@ -264,7 +264,7 @@ def bench_extend(data, work: str, repeats: int) -> dict[str, bl.Stats]:
 def big_buffer(work: str, rows: int) -> tuple[str, float | None]:
     """Path of an uncompressed ``rows``-row buffer under ``work``; written (in a child) if missing."""
     path = os.path.join(work, f"big_{rows}")
-    if os.path.exists(os.path.join(path, "commit.json")):
+    if os.path.exists(os.path.join(path, "zarr.json")):
         try:
             with dr.ReplayBuffer.open(path, "r", cache_bytes=0) as buf:
                 if len(buf) == rows and buf.fields == FIELDS:

@@ -21,8 +21,8 @@ from typing import Protocol
 
 from ..errors import CorruptBufferError, RateLimitTimeout
 from ..format.commit import CommitRecord
-from ..format.keys import COMMIT_KEY
-from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name
+from ..format.keys import COMMIT_KEY, objects_prefix
+from ..format.shards import LEARNER_KEY, LearnerProgress, ShardedRoot, shard_name
 from ..io import ChunkStore
 from ..storage import Storage
 from .learner import LearnerState
@@ -86,16 +86,17 @@ class RateLimiter:
 
 
 class Progress:
-    """``learner.json`` in a sharded buffer's root store: written by the learner, read by actors."""
+    """``learner.json`` among a sharded buffer's root objects: written by the learner, read by actors."""
 
-    def __init__(self, store: ChunkStore, url: str, shards: int):
-        self.store, self.url, self.shards = store, url, shards
+    def __init__(self, store: ChunkStore, url: str, root: ShardedRoot):
+        self.store, self.url, self.shards = store, url, root.count
+        self.own = objects_prefix(root.format)
         self.published = 0.0
 
     def read(self) -> LearnerProgress:
         """The learner's last published progress (nothing sampled or seen before it publishes).
         Raises CorruptBufferError for a damaged ``learner.json``."""
-        blob = self.store.get(LEARNER_KEY, limit=1 << 20)
+        blob = self.store.get(self.own + LEARNER_KEY, limit=1 << 20)
         if blob is None:
             return LearnerProgress(0, (0,) * self.shards, 0.0)
         return LearnerProgress.from_bytes(blob, self.url, self.shards)
@@ -104,14 +105,14 @@ class Progress:
         """Write the learner's progress, at most every `PUBLISH_EVERY_S` seconds unless ``force``."""
         now = time.time()
         if force or now - self.published >= PUBLISH_EVERY_S:
-            self.store.put(LEARNER_KEY, LearnerProgress(samples, inserts, now).to_bytes())
+            self.store.put(self.own + LEARNER_KEY, LearnerProgress(samples, inserts, now).to_bytes())
             self.published = now
 
     def inserts(self, shard: int, own_total: int, num_envs: int) -> int:
         """Rows inserted as actor ``shard``, with ``own_total`` rows added, counts them: its own
         exactly, every other shard's from that shard's newest commit (read all at once).
         Raises CorruptBufferError for a missing or damaged ``commit.json``."""
-        keys = [f"{shard_name(s)}/{COMMIT_KEY}" for s in range(self.shards) if s != shard]
+        keys = [f"{shard_name(s)}/{self.own}{COMMIT_KEY}" for s in range(self.shards) if s != shard]
         total = own_total
         for key, blob in zip(keys, self.store.get_many(keys)):
             if blob is None:

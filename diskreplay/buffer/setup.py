@@ -15,10 +15,10 @@ from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, Sch
 from ..format import keys
 from ..format.commit import CommitRecord
 from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
-from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES
+from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, own_keys
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
-from ..format.shards import shard_count, shard_url
+from ..format.shards import ShardedRoot, read_root, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
 from ..storage import (
@@ -28,6 +28,7 @@ from ..storage import (
     create_storage,
     default_chunk_rows,
     open_storage,
+    own_stores,
     plan_storage,
 )
 from .rate_limit import RateLimiter
@@ -139,27 +140,26 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
         if not overwrite:
             raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
         _require_buffer_or_empty(path)
-    elif store.exists(COMMIT_KEY) or store.exists(GROUP_KEY):
+    elif any(store.exists(key) for key in (GROUP_KEY, *own_keys(COMMIT_KEY))):
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
     else:
         return
-    options = dict(storage_options) if storage_options else None
-    count = declared_shards(store, url)
-    for location in [url] if count is None else [shard_url(url, shard) for shard in range(count)]:
-        check_unlocked(location, options, break_lock)
+    root = read_sharded_root(store, url)
+    for location in [url] if root is None else [shard_url(url, shard) for shard in range(root.count)]:
+        check_unlocked(location, own_stores(location, storage_options), break_lock)
     store.clear()
 
 
-def declared_shards(store: ChunkStore, url: str) -> int | None:
-    """The shard count the root group at ``url`` declares (None: not a sharded buffer).
+def read_sharded_root(store: ChunkStore, url: str) -> ShardedRoot | None:
+    """What the root group at ``url`` declares of its shards (None: not a sharded buffer).
     Raises CorruptBufferError for a damaged declaration."""
-    return shard_count(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
+    return read_root(store.get(GROUP_KEY, limit=MAX_METADATA_BYTES + 1), url)
 
 
 def _require_buffer_or_empty(path: str) -> None:
-    if not os.path.isdir(path) or (not os.path.exists(os.path.join(path, COMMIT_KEY))
-                                   and not os.path.exists(os.path.join(path, GROUP_KEY))):
+    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, key))
+                                          for key in (GROUP_KEY, *own_keys(COMMIT_KEY))):
         raise BufferExistsError(f"{path!r} exists and is not a diskreplay buffer; refusing to delete it")
 
 

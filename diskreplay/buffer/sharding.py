@@ -13,13 +13,13 @@ import numpy as np
 from ..errors import NotABufferError
 from ..format.commit import CommitRecord
 from ..format.schema import Schema
-from ..format.shards import check_shards, root_documents, shard_url
+from ..format.shards import ShardedRoot, check_shards, root_documents, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
 from ..storage import NewStorage, Options, Storage, open_union_storage
 from .parts import LearnerOpening
 from .rate_limit import ActorGate, Progress, RateLimiter
-from .setup import close_all, create_storages, declared_shards, finals_cache, finals_url, prepare_location
+from .setup import close_all, create_storages, finals_cache, finals_url, prepare_location, read_sharded_root
 
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
@@ -66,14 +66,14 @@ def open_union(url: str, count: int, options: Options) -> UnionParts:
 
 
 def sharded_root(url: str, storage_options: Mapping[str, Any] | None,
-                 retry: RetryPolicy | None) -> tuple[int, ChunkStore] | None:
-    """``(shard count, root store)`` when ``url`` is a sharded buffer's root, else None. Raises
-    CorruptBufferError for a damaged declaration."""
+                 retry: RetryPolicy | None) -> tuple[ShardedRoot, ChunkStore] | None:
+    """``(its declaration, root store)`` when ``url`` is a sharded buffer's root, else None.
+    Raises CorruptBufferError for a damaged declaration."""
     if is_local(url) and not os.path.isdir(local_path(url)):
         return None
     store = root_store(url, storage_options, retry)
-    count = declared_shards(store, url)
-    return None if count is None else (count, store)
+    root = read_sharded_root(store, url)
+    return None if root is None else (root, store)
 
 
 def shard_plans(plans: list[NewStorage], url: str, shard: int) -> list[NewStorage]:
@@ -82,17 +82,18 @@ def shard_plans(plans: list[NewStorage], url: str, shard: int) -> list[NewStorag
     return [replace(plan, url=inside + plan.url[len(root):]) for plan in plans]
 
 
-def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[int, ChunkStore], options: Options,
-                 sampler: Sampler | None, seed: int | None, limiter: RateLimiter | None) -> ReplayBuffer:
+def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[ShardedRoot, ChunkStore],
+                 options: Options, sampler: Sampler | None, seed: int | None,
+                 limiter: RateLimiter | None) -> ReplayBuffer:
     """The union of every shard of the sharded buffer at ``url``, for a learner (`ReplayBuffer.open`)."""
-    count, store = root
+    declared, store = root
     if mode != "r":
         raise ValueError(f"{url!r} is a sharded buffer: open it with mode='r' (the union of its shards) "
                          f"or write one shard with dr.ReplayBuffer.open_shard(url, shard=i)")
-    union, finals, states = open_union(url, count, options)
+    union, finals, states = open_union(url, declared.count, options)
     try:
         return cls(union, sampler or Uniform(), np.random.default_rng(seed), finals, options.retry,
-                   LearnerOpening(states, Progress(store, url, count), limiter))
+                   LearnerOpening(states, Progress(store, url, declared), limiter))
     except BaseException:
         close_all(union, finals)
         raise
@@ -104,12 +105,12 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     root = sharded_root(url, open_options.get("storage_options"), open_options.get("retry"))
     if root is None:
         raise NotABufferError(f"{url!r} is not a sharded buffer (made by dr.ReplayBuffer.create(..., shards=N))")
-    count, store = root
-    check_shard(shard, count, url)
+    declared, store = root
+    check_shard(shard, declared.count, url)
     buf = cls.open(shard_url(url, shard), mode, **open_options)
     if limiter is not None:
-        buf._actor_gate = ActorGate(limiter, Progress(store, url, count), shard, lambda: int(buf.storage.total.sum()),
-                                    buf.num_envs, buf.flush)
+        buf._actor_gate = ActorGate(limiter, Progress(store, url, declared), shard,
+                                    lambda: int(buf.storage.total.sum()), buf.num_envs, buf.flush)
     return buf
 
 
@@ -125,4 +126,4 @@ def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, s
         cls(storage, Uniform(), np.random.default_rng(), finals, options.retry).close()
     store = root_store(url, options.storage_options, options.retry)
     declare_shards(store, count)
-    return open_learner(cls, url, "r", (count, store), options, sampler, seed, None)
+    return open_learner(cls, url, "r", (ShardedRoot(count), store), options, sampler, seed, None)

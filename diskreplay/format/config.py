@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptBufferError, NotABufferError, SchemaError
 from .codecs import COMPRESSIONS
-from .keys import CHUNK_KEY_SEPARATOR, GROUP_KEY
+from .keys import CHUNK_KEY_SEPARATOR, FORMAT, FORMATS, GROUP_KEY
 from .lanes import LaneLayout
 from .schema import Field, Schema
 
-FORMAT = "diskreplay/1"
 MAX_LANES = 1 << 16
 MAX_STEPS = 1 << 46
 """Bounds on lanes and on the steps a lane may ever count: a row id ``step * num_envs + lane``
@@ -43,6 +42,7 @@ class BufferConfig:
     big rows are stored as shards read row by row. ``episode_end``: the bool fields whose OR
     ends an episode. ``derive_next``: fields whose ``next_`` twin is read from the next step.
     ``episodic_return``: the settings of a stored return-to-go field (`EpisodicReturn.to_json`).
+    ``format``: one of `FORMATS` (where diskreplay's own objects live, `objects_prefix`).
     """
 
     schema: Schema
@@ -56,6 +56,7 @@ class BufferConfig:
     episode_end: tuple[str, ...] = ()
     derive_next: tuple[str, ...] = ()
     episodic_return: Mapping[str, Any] | None = field(default=None, hash=False)
+    format: str = FORMAT
 
     @property
     def layout(self) -> LaneLayout:
@@ -64,7 +65,7 @@ class BufferConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The ``attributes.diskreplay`` object of the group's ``zarr.json``."""
-        return {"format": FORMAT, "fields": self.schema.to_json(), "num_envs": self.num_envs,
+        return {"format": self.format, "fields": self.schema.to_json(), "num_envs": self.num_envs,
                 "lane_capacity": self.lane_capacity, "chunk_rows": self.chunk_rows,
                 "compression": self.compression, "level": self.level,
                 "chunk_key_separator": self.chunk_key_separator, "row_access": self.row_access,
@@ -81,9 +82,14 @@ class BufferConfig:
             raise NotABufferError(f"{url!r} is not a diskreplay buffer ({GROUP_KEY} is not a Zarr v3 group)")
         attrs = group.get("attributes")
         config = attrs.get("diskreplay") if isinstance(attrs, dict) else None
-        if not isinstance(config, dict) or config.get("format") != FORMAT:
-            raise NotABufferError(f"{url!r} is a zarr group but not a diskreplay buffer (no {FORMAT} attributes)")
-        return _parse(_ConfigCheck(config, url))
+        version = config.get("format") if isinstance(config, dict) else None
+        if isinstance(version, str) and version.startswith("diskreplay/") and version not in FORMATS:
+            raise NotABufferError(f"{url!r}: a buffer of format {version!r:.40}, this diskreplay reads {list(FORMATS)} "
+                                  f"(upgrade diskreplay)")
+        if not isinstance(config, dict) or version not in FORMATS:
+            raise NotABufferError(f"{url!r} is a zarr group but not a diskreplay buffer (no {' or '.join(FORMATS)} "
+                                  f"attributes)")
+        return replace(_parse(_ConfigCheck(config, url)), format=version)
 
 
 def _parse(check: _ConfigCheck) -> BufferConfig:

@@ -21,11 +21,33 @@ MAX_METADATA_BYTES = 16 << 20
 """The largest metadata document (``zarr.json``, ``commit.json``) diskreplay reads."""
 STATE_DIR = "state"
 FINALS_DIR = "final"
+FORMAT_1 = "diskreplay/1"
+FORMAT = "diskreplay/2"
+"""The format new buffers are written in: `FORMAT_1` with diskreplay's own objects moved from the
+buffer's root into `OBJECTS_DIR`. Buffers of both formats open, and keep their format."""
+FORMATS = (FORMAT_1, FORMAT)
+OWN_GROUP = "diskreplay"
+OBJECTS_DIR = f"{OWN_GROUP}/objects"
+"""Where a `FORMAT` buffer keeps its own objects (``commit.json``, ``state/``, ``writer.lock``,
+``learner.json``), keyed as `FORMAT_1` keeps them at the root. ``diskreplay/`` is a Zarr group
+and ``diskreplay/objects/`` an empty Zarr array (`own_documents`): Zarr tools never list inside
+an array, so none of these objects is taken for a broken Zarr node."""
+
+
+def objects_prefix(format_name: str) -> str:
+    """The key prefix of diskreplay's own objects in a buffer of ``format_name`` (one of `FORMATS`)."""
+    return "" if format_name == FORMAT_1 else f"{OBJECTS_DIR}/"
+
+
+def own_keys(key: str) -> tuple[str, str]:
+    """Where diskreplay's own object ``key`` may be in a location of either format, newest first:
+    for questions that come before the format is known (is there a commit record, a writer lock?)."""
+    return f"{OBJECTS_DIR}/{key}", key
 
 
 def side_stores(derive_next: bool) -> tuple[str, ...]:
     """Names inside a buffer's location that belong to diskreplay, not to a field's array."""
-    return (STATE_DIR, FINALS_DIR) if derive_next else (STATE_DIR,)
+    return (OWN_GROUP, FINALS_DIR) if derive_next else (OWN_GROUP,)
 
 
 def chunk_key(field_name: str, field: Field, lane: int, chunk: int, separator: str) -> str:

@@ -29,7 +29,7 @@ import zarr.storage
 from ..errors import CorruptBufferError, NotABufferError, SchemaError
 from .codecs import Codec, inner_rows_for
 from .config import MAX_CHUNKS, MAX_STEPS, BufferConfig
-from .keys import FINALS_DIR, GROUP_KEY, array_key, read_json, side_stores
+from .keys import FINALS_DIR, FORMAT_1, GROUP_KEY, OWN_GROUP, array_key, read_json, side_stores
 from .schema import Field, Schema
 
 ArrayMeta = dict[str, Any]
@@ -49,7 +49,17 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
                            dimension_names=dimension_names(name, field, config.lane_capacity is not None),
                            fill_value=0)
     group.attrs.update({"diskreplay": config.to_json()})
+    if config.format != FORMAT_1:
+        add_own_nodes(group)
     return {key: value.to_bytes() for key, value in documents.items()}
+
+
+def add_own_nodes(group: zarr.Group) -> None:
+    """Add to ``group`` the Zarr nodes around diskreplay's own objects (`OBJECTS_DIR`): the group
+    ``diskreplay`` and in it the empty array ``objects``, under which Zarr tools never list."""
+    own = group.create_group(OWN_GROUP, attributes={
+        "description": "diskreplay's own objects (commit record, state, writer lock) under objects/; not data"})
+    own.create_array("objects", shape=(0,), dtype="uint8", dimension_names=("object",), fill_value=0)
 
 
 def dimension_names(name: str, field: Field, ring: bool) -> tuple[str, ...]:
@@ -84,7 +94,8 @@ def check_schema_compatible(schema: Schema, derive_next: tuple[str, ...] = ()) -
         if field.row_bytes == 0:
             raise SchemaError(f"field {name!r}: zero-sized fields cannot be stored, got shape {field.shape}")
         if name in side_stores(bool(derive_next)):
-            why = "with derive_next, each episode's final observation" if name == FINALS_DIR else "saved state objects"
+            why = ("with derive_next, each episode's final observation" if name == FINALS_DIR
+                   else "diskreplay's own objects")
             raise SchemaError(f"field name {name!r} is taken: {why} are kept under {name}/ in the buffer; "
                               f"rename the field")
 
@@ -97,14 +108,25 @@ def read_layout(get: Callable[[str], bytes | None], url: str) -> tuple[BufferCon
         CorruptBufferError: a document that is unreadable or contradicts the buffer's config,
             naming the document and the field.
     """
+    config = read_config(get, url)
+    return config, checked_arrays(get, url, config)
+
+
+def read_config(get: Callable[[str], bytes | None], url: str) -> BufferConfig:
+    """The buffer's validated config, from its group's ``zarr.json``. Raises NotABufferError or
+    CorruptBufferError (see `read_layout`)."""
     group = read_json(get, GROUP_KEY, url)
     if group is None:
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {GROUP_KEY})")
-    config = BufferConfig.from_group(group, url)
+    return BufferConfig.from_group(group, url)
+
+
+def checked_arrays(get: Callable[[str], bytes | None], url: str, config: BufferConfig) -> dict[str, ArrayMeta]:
+    """Each field's array metadata; raises CorruptBufferError naming the first problem."""
     arrays, problems = read_arrays(get, url, config)
     if problems:
         raise CorruptBufferError(f"{url!r}: {problems[0]}")
-    return config, arrays
+    return arrays
 
 
 def read_arrays(get: Callable[[str], bytes | None], url: str,

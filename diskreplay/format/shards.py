@@ -21,7 +21,8 @@ import zarr.storage
 
 from ..errors import CorruptBufferError
 from .config import MAX_STEPS
-from .keys import GROUP_KEY, json_object
+from .keys import FORMAT, FORMAT_1, FORMATS, GROUP_KEY, json_object
+from .layout import add_own_nodes
 
 SHARDS_ATTRIBUTE = "diskreplay_shards"
 MAX_SHARDS = 4096
@@ -48,16 +49,27 @@ def check_shards(shards: Any, commit: bool = True) -> int:
     return shards
 
 
+@dataclass(frozen=True)
+class ShardedRoot:
+    """What a sharded buffer's root declares: its shard count, and the format its own objects
+    (``learner.json``) follow (`FORMATS`; roots from before the format was declared: `FORMAT_1`)."""
+
+    count: int
+    format: str = FORMAT
+
+
 def root_documents(count: int) -> dict[str, bytes]:
-    """``{key: bytes}``: the root group's ``zarr.json`` of a buffer of ``count`` shards."""
+    """``{key: bytes}``: the root group's ``zarr.json`` of a buffer of ``count`` shards, and the
+    nodes around its own objects."""
     documents: dict[str, Any] = {}
     group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=documents), mode="w")
-    group.attrs.update({SHARDS_ATTRIBUTE: {"count": count}})
+    group.attrs.update({SHARDS_ATTRIBUTE: {"count": count, "format": FORMAT}})
+    add_own_nodes(group)
     return {key: value.to_bytes() for key, value in documents.items()}
 
 
-def shard_count(blob: bytes | None, url: str) -> int | None:
-    """The shard count a root ``zarr.json`` declares (None: not a sharded buffer's root).
+def read_root(blob: bytes | None, url: str) -> ShardedRoot | None:
+    """What a root ``zarr.json`` declares (None: not a sharded buffer's root).
 
     Raises CorruptBufferError naming the field when the declaration is damaged."""
     if blob is None:
@@ -70,7 +82,11 @@ def shard_count(blob: bytes | None, url: str) -> int | None:
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
         raise CorruptBufferError(f"{url!r}: {GROUP_KEY} field 'attributes.{SHARDS_ATTRIBUTE}.count': expected an "
                                  f"int in [1, {MAX_SHARDS}], got {count!r}")
-    return count
+    version = declared.get("format", FORMAT_1)
+    if version not in FORMATS:
+        raise CorruptBufferError(f"{url!r}: {GROUP_KEY} field 'attributes.{SHARDS_ATTRIBUTE}.format': expected one "
+                                 f"of {list(FORMATS)}, got {version!r:.40}")
+    return ShardedRoot(count, version)
 
 
 @dataclass(frozen=True)

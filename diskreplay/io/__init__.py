@@ -10,7 +10,7 @@ from .backends import open_chunkstore
 from .local import LocalChunkStore
 from .remote import FsspecChunkStore
 from .retry import RetryPolicy, is_transient
-from .store import ChunkStore, Data, is_local, local_path
+from .store import ChunkStore, Data, PrefixedStore, is_local, local_path, objects_at
 
-__all__ = ["ChunkStore", "Data", "FsspecChunkStore", "LocalChunkStore", "RetryPolicy", "is_local", "is_transient",
-           "local_path", "open_chunkstore"]
+__all__ = ["ChunkStore", "Data", "FsspecChunkStore", "LocalChunkStore", "PrefixedStore", "RetryPolicy", "is_local",
+           "is_transient", "local_path", "objects_at", "open_chunkstore"]

@@ -1,4 +1,5 @@
-"""The writer lock: one writer per buffer, enforced with a ``writer.lock`` object in the store.
+"""The writer lock: one writer per buffer, enforced with a ``writer.lock`` object among the
+buffer's own objects.
 
 A writer (``create``, ``open(mode="r+")``) creates the lock object *only if it does not exist*
 and removes it on close; a second writer finds it and gets `LockedError` naming the holder.
@@ -37,12 +38,11 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LockedError
-from .backends import open_chunkstore
 from .store import ChunkStore, is_local, local_path
 
 LOCK_KEY = "writer.lock"
@@ -105,9 +105,10 @@ class LockInfo:
 class WriterLock:
     """The lock of one buffer, held by this process after `acquire` until `release`."""
 
-    def __init__(self, url: str, storage_options: dict | None = None, store: ChunkStore | None = None):
+    def __init__(self, url: str, store: ChunkStore):
+        """The lock of the buffer at ``url``, kept as `LOCK_KEY` in ``store`` (its own objects)."""
         self.url = url
-        self.store = store if store is not None else open_chunkstore(url, storage_options)
+        self.store = store
         self.token = uuid.uuid4().hex
         self.held = False
 
@@ -191,33 +192,34 @@ def locked_message(url: str, holder: LockInfo | None) -> str:
             f"ReplayBuffer.open(url, 'r+', break_lock=True) or `diskreplay unlock {url}`")
 
 
-def lock_holder(url: str, storage_options: dict | None = None) -> LockInfo | None:
-    """Who holds the writer lock of ``url``, or None if nobody does."""
-    return WriterLock(url, storage_options).holder()
+def lock_holder(url: str, stores: Sequence[ChunkStore]) -> LockInfo | None:
+    """Who holds the writer lock of ``url`` kept in any of ``stores``, or None if nobody does."""
+    holders = [WriterLock(url, store).holder() for store in stores]
+    return next((holder for holder in holders if holder is not None), None)
 
 
-def break_lock(url: str, storage_options: dict | None = None) -> LockInfo | None:
-    """Remove the writer lock of ``url`` whoever holds it; returns the holder it removed (or None).
+def break_lock(url: str, stores: Sequence[ChunkStore]) -> LockInfo | None:
+    """Remove the writer lock of ``url`` from ``stores`` whoever holds it; returns the holder it
+    removed (or None).
 
     Only for a writer known to be gone: a live writer that loses its lock keeps writing.
     """
-    lock = WriterLock(url, storage_options)
-    holder = lock.holder()
-    if holder is not None:
-        lock.store.delete(LOCK_KEY)
+    holder = lock_holder(url, stores)
+    for store in stores:
+        store.delete(LOCK_KEY)
     return holder
 
 
-def check_unlocked(url: str, storage_options: dict | None = None, break_lock: bool = False) -> None:
-    """Raise `LockedError` if a live writer holds ``url`` (before replacing a buffer). A stale
-    lock is no obstacle; ``break_lock`` removes any lock."""
-    lock = WriterLock(url, storage_options)
-    holder = lock.holder()
-    if holder is None or holder.stale_reason():
-        return
-    if not break_lock:
-        raise LockedError(locked_message(url, holder))
-    lock.store.delete(LOCK_KEY)
+def check_unlocked(url: str, stores: Sequence[ChunkStore], break_lock: bool = False) -> None:
+    """Raise `LockedError` if a live writer holds ``url`` (its lock kept in any of ``stores``),
+    before replacing a buffer. A stale lock is no obstacle; ``break_lock`` removes any lock."""
+    for store in stores:
+        holder = WriterLock(url, store).holder()
+        if holder is None or holder.stale_reason():
+            continue
+        if not break_lock:
+            raise LockedError(locked_message(url, holder))
+        store.delete(LOCK_KEY)
 
 
 @contextlib.contextmanager

@@ -101,3 +101,58 @@ def is_local(url: str) -> bool:
 def local_path(url: str) -> str:
     """The absolute local path of a local ``url``."""
     return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
+
+
+class PrefixedStore:
+    """The objects of ``store`` whose keys start with ``prefix`` (``"a/b/"``), keyed without it: a
+    `ChunkStore` for one directory of another."""
+
+    def __init__(self, store: ChunkStore, prefix: str):
+        self.store, self.prefix = store, prefix
+        self.url = f"{store.url.rstrip('/')}/{prefix.rstrip('/')}"
+        self.supports_mmap, self.needs_sync = store.supports_mmap, store.needs_sync
+
+    def path(self, key: str) -> str:
+        return self.store.path(self.prefix + key)
+
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        return self.store.get(self.prefix + key, limit)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self.store.get_many([self.prefix + key for key in keys])
+
+    def read_into(self, key: str, out: list[memoryview]) -> int | None:
+        return self.store.read_into(self.prefix + key, out)
+
+    def prefetch(self, keys: list[str]) -> None:
+        self.store.prefetch([self.prefix + key for key in keys])
+
+    def put(self, key: str, data: Data, durable: bool = False) -> None:
+        self.store.put(self.prefix + key, data, durable)
+
+    def put_in_place(self, key: str, data: Data) -> None:
+        self.store.put_in_place(self.prefix + key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.store.put_if_absent(self.prefix + key, data)
+
+    def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
+        self.store.sync([self.prefix + key for key in keys], parallel_map)
+
+    def delete(self, key: str) -> None:
+        self.store.delete(self.prefix + key)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(self.prefix + key)
+
+    def sizes(self) -> dict[str, int]:
+        return {key[len(self.prefix):]: size for key, size in self.store.sizes().items() if key.startswith(self.prefix)}
+
+    def clear(self) -> None:
+        for key in self.sizes():
+            self.delete(key)
+
+
+def objects_at(store: ChunkStore, prefix: str) -> ChunkStore:
+    """``store`` itself for an empty ``prefix``, else the `PrefixedStore` of ``prefix``."""
+    return PrefixedStore(store, prefix) if prefix else store

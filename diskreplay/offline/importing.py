@@ -70,7 +70,7 @@ from ..errors import BufferExistsError
 from ..format.schema import Schema
 from ..io import open_chunkstore
 from ..io.lock import break_lock, lock_holder
-from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows
+from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows, own_stores
 from .formats import detect_format, open_source
 from .progress import progress_bar
 from .source import Source, require_source
@@ -145,7 +145,7 @@ def _copy_rows(source: Source, buf: ReplayBuffer, dest: str, marker: dict, progr
                storage_options: dict | None) -> None:
     """Writes every slice of ``source`` into ``buf`` (at ``dest``) under the incomplete-import
     ``marker``, then commits (``dest`` becomes a buffer) and closes it; on any failure removes ``dest``."""
-    store = open_chunkstore(dest, storage_options)
+    store = own_stores(dest, storage_options)[0]  # the new buffer's own objects
     store.put(INCOMPLETE_KEY, json.dumps(marker).encode(), durable=True)
     try:
         with progress_bar(source.rows, f"import {marker['format']}", progress) as bar:
@@ -173,9 +173,10 @@ def _check_destination(dest: str, overwrite: bool, storage_options: dict | None)
         return
     if not overwrite:
         raise BufferExistsError(describe_incomplete(dest, marker))
-    holder = lock_holder(dest, storage_options)
+    stores = own_stores(dest, storage_options)
+    holder = lock_holder(dest, stores)
     if holder is not None and holder.stale_reason():
-        break_lock(dest, storage_options)
+        break_lock(dest, stores)
 
 
 def _remove_failed(dest: str, storage_options: dict | None) -> None:

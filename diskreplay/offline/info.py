@@ -17,6 +17,7 @@ from ..buffer import ReplayBuffer
 from ..episodes import end_flags, episode_end_fields
 from ..errors import CorruptBufferError, NotABufferError
 from ..format.commit import CommitRecord
+from ..format.keys import objects_prefix
 from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name
 from ..sampling import Uniform
 from ..storage import Storage
@@ -237,7 +238,7 @@ def _shard_rows(union: Storage) -> list[dict[str, Any]]:
 def _learner_info(union: Storage, shards: int) -> dict[str, Any] | None:
     """``learner.json`` in the root of ``union``: rows sampled, inserts seen per shard and the
     time it was published (None if no learner published; ``{"error": why}`` if it is damaged)."""
-    blob = union.store.get(LEARNER_KEY, limit=1 << 20)
+    blob = union.store.get(objects_prefix(union.config.format) + LEARNER_KEY, limit=1 << 20)
     if blob is None:
         return None
     try:

@@ -1,5 +1,5 @@
-"""The marker of an unfinished import: until an import ends, ``dest`` holds `INCOMPLETE_KEY`
-instead of ``commit.json``, so it does not open as a buffer."""
+"""The marker of an unfinished import: until an import ends, ``dest``'s own objects hold
+`INCOMPLETE_KEY` instead of ``commit.json``, so it does not open as a buffer."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import time
 from typing import Any
 
 from ..format.keys import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
-from ..io import open_chunkstore
+from ..storage import own_stores
 
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
 
 
 def import_status(url: str, storage_options: dict | None = None) -> dict[str, Any] | None:
     """The marker of an interrupted import at ``url`` (source, format, started, pid, host), or None."""
-    store = open_chunkstore(url, storage_options)
-    if store.get(COMMIT_KEY) is not None:
+    stores = own_stores(url, storage_options)
+    if any(store.exists(COMMIT_KEY) for store in stores):
         return None
-    blob = store.get(INCOMPLETE_KEY)
+    blob = next((blob for blob in (store.get(INCOMPLETE_KEY) for store in stores) if blob is not None), None)
     if blob is None:
         return None
     try:

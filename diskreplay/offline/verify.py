@@ -32,19 +32,19 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..buffer.setup import declared_shards, finals_url
+from ..buffer.setup import finals_url, read_sharded_root
 from ..errors import CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
 from ..format.journal import JournalRef
-from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, chunk_key, read_json
+from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, chunk_key, objects_prefix, read_json
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
-from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name, shard_url
-from ..io import ChunkStore, open_chunkstore
+from ..format.shards import LEARNER_KEY, LearnerProgress, ShardedRoot, shard_name, shard_url
+from ..io import ChunkStore, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
 
@@ -92,44 +92,41 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     url = os.fspath(url)
     report = VerifyReport(url)
     store = open_chunkstore(url, storage_options)
-    commit_blob = store.get(COMMIT_KEY)
-    if commit_blob is None:
-        try:
-            count = declared_shards(store, url)
-        except CorruptBufferError as exc:
-            report.problem(_without_url(exc, url))
-            count = None
-        if count is not None:
-            _verify_shards(store, url, count, storage_options, report)
-            return report
-    _verify_buffer(store, url, commit_blob, storage_options, report)
+    try:
+        root = read_sharded_root(store, url)
+    except CorruptBufferError as exc:
+        report.problem(_without_url(exc, url))
+        return report
+    if root is not None:
+        _verify_shards(store, url, root, storage_options, report)
+    else:
+        _verify_buffer(store, url, storage_options, report)
     return report
 
 
-def _verify_buffer(store: ChunkStore, url: str, commit_blob: bytes | None, storage_options: dict | None,
+def _verify_buffer(store: ChunkStore, url: str, storage_options: dict | None,
                    report: VerifyReport) -> BufferConfig | None:
-    """Check the buffer (not sharded) in ``store``, whose ``commit.json`` holds ``commit_blob``;
-    its config, or None when there is no commit or the metadata or the commit is unusable."""
-    if commit_blob is None:
-        report.problem(f"no {COMMIT_KEY}: not a diskreplay buffer (or its creation never finished)")
+    """Check the buffer (not sharded) in ``store``; its config, or None when the metadata or
+    the commit is missing or unusable."""
+    checked = _verify_objects(store, url, report)
+    if checked is None:
         return None
-    config = _verify_objects(store, url, commit_blob, report)
-    if config is None:
-        return None
+    config, objects = checked
     if config.derive_next:
         _verify_side_store(url, storage_options, report)
-    _notes(store, report)
+    _notes(store, objects, report)
     if report.ok:
         _count_episodes(url, storage_options, report)
     return config
 
 
-def _verify_shards(store: ChunkStore, url: str, count: int, storage_options: dict | None,
+def _verify_shards(store: ChunkStore, url: str, root: ShardedRoot, storage_options: dict | None,
                    report: VerifyReport) -> None:
     """Check each of the ``count`` shards under ``url`` (``store``: the root's), their configs
     against the first usable one's, and ``learner.json``; ``report`` gets the shards' together."""
     report.shards = []
     first: tuple[str, dict[str, Any]] | None = None
+    count = root.count
     for shard in range(count):
         part, config = _verify_shard(url, shard, count, storage_options)
         report.shards.append(part)
@@ -141,7 +138,7 @@ def _verify_shards(store: ChunkStore, url: str, count: int, storage_options: dic
         _merge(report, part, shard_name(shard))
     episodes = [part.episodes for part in report.shards]
     report.episodes = None if None in episodes else sum(e or 0 for e in episodes)
-    _check_learner(store, url, count, report)
+    _check_learner(objects_at(store, objects_prefix(root.format)), url, count, report)
 
 
 def _verify_shard(url: str, shard: int, count: int,
@@ -151,11 +148,10 @@ def _verify_shard(url: str, shard: int, count: int,
     part_url = shard_url(url, shard)
     part = VerifyReport(part_url)
     store = open_chunkstore(part_url, storage_options)
-    commit_blob = store.get(COMMIT_KEY)
-    if commit_blob is None and not store.sizes():
+    if not store.sizes():
         part.problem(f"the shard is missing ({url!r} declares {count} shards; {shard_name(shard)}/ holds nothing)")
         return part, None
-    return part, _verify_buffer(store, part_url, commit_blob, storage_options, part)
+    return part, _verify_buffer(store, part_url, storage_options, part)
 
 
 def _merge(report: VerifyReport, part: VerifyReport, name: str) -> None:
@@ -168,7 +164,8 @@ def _merge(report: VerifyReport, part: VerifyReport, name: str) -> None:
 
 
 def _check_learner(store: ChunkStore, url: str, count: int, report: VerifyReport) -> None:
-    """``learner.json`` of the sharded buffer at ``url``, if present, parses (`LearnerProgress`)."""
+    """``learner.json`` of the sharded buffer at ``url`` (in ``store``, its root's own objects),
+    if present, parses (`LearnerProgress`)."""
     blob = store.get(LEARNER_KEY, limit=MAX_METADATA_BYTES + 1)
     if blob is None:
         return
@@ -178,14 +175,19 @@ def _check_learner(store: ChunkStore, url: str, count: int, report: VerifyReport
         report.problem(_without_url(exc, url))
 
 
-def _verify_objects(store: ChunkStore, url: str, commit_blob: bytes, report: VerifyReport) -> BufferConfig | None:
-    """Check the metadata, commit, chunks and state of the buffer in ``store`` (its commit
-    ``commit_blob``); its config, or None when the metadata or the commit is unusable."""
+def _verify_objects(store: ChunkStore, url: str, report: VerifyReport) -> tuple[BufferConfig, ChunkStore] | None:
+    """Check the metadata, commit, chunks and state of the buffer in ``store``; its config and
+    own objects' store, or None when the metadata or the commit is missing or unusable."""
     layout_and_codec = _check_metadata(store, url, report)
     if layout_and_codec is None:
         return None
     config, arrays, codec = layout_and_codec
     layout = config.layout
+    objects = objects_at(store, objects_prefix(config.format))
+    commit_blob = objects.get(COMMIT_KEY)
+    if commit_blob is None:
+        report.problem(f"no {COMMIT_KEY}: not a diskreplay buffer (or its creation never finished)")
+        return None
     try:
         commit = CommitRecord.from_bytes(commit_blob, url, layout.num_envs)
         if layout.lane_capacity is None:
@@ -197,8 +199,8 @@ def _verify_objects(store: ChunkStore, url: str, commit_blob: bytes, report: Ver
     report.rows = int((hi - lo).sum())
     _check_chunks(store, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
                   report)
-    _check_state(store, commit, report)
-    return config
+    _check_state(objects, commit, report)
+    return config, objects
 
 
 def _verify_side_store(url: str, storage_options: dict | None, report: VerifyReport) -> None:
@@ -207,11 +209,10 @@ def _verify_side_store(url: str, storage_options: dict | None, report: VerifyRep
     side_url = finals_url(url)
     side = VerifyReport(side_url)
     store = open_chunkstore(side_url, storage_options)
-    blob = store.get(COMMIT_KEY)
-    if blob is None:
-        side.problem(f"it is missing (no {FINALS_DIR}/{COMMIT_KEY})")
+    if not store.sizes():
+        side.problem(f"it is missing ({FINALS_DIR}/ holds nothing)")
     else:
-        _verify_objects(store, side_url, blob, side)
+        _verify_objects(store, side_url, side)
     report.chunks_checked += side.chunks_checked
     for problem in side.problems:
         report.problem(f"the side store {FINALS_DIR}/ of derive_next: {problem}")
@@ -223,7 +224,7 @@ def _check_metadata(store: ChunkStore, url: str,
     try:
         group = read_json(store.get, GROUP_KEY, url)
         if group is None:
-            report.problem(f"{GROUP_KEY} is missing")
+            report.problem(f"no {GROUP_KEY}: not a diskreplay buffer (or its creation never finished)")
             return None
         config = BufferConfig.from_group(group, url)
     except (CorruptBufferError, NotABufferError) as exc:
@@ -299,8 +300,8 @@ def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) 
         report.problem(f"{what} does not load ({why})")
 
 
-def _notes(store: ChunkStore, report: VerifyReport) -> None:
-    lock = store.get(LOCK_KEY)
+def _notes(store: ChunkStore, objects: ChunkStore, report: VerifyReport) -> None:
+    lock = objects.get(LOCK_KEY)
     if lock is not None:
         holder = LockInfo.from_bytes(lock)
         stale = holder.stale_reason()

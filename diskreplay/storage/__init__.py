@@ -5,12 +5,20 @@
 """
 
 from .facade import Storage, StorageStats
-from .opening import NewStorage, Options, create_storage, open_storage, open_union_storage, plan_storage
+from .opening import (
+    NewStorage,
+    Options,
+    create_storage,
+    open_storage,
+    open_union_storage,
+    own_stores,
+    plan_storage,
+)
 from .outputs import output_rows
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots, default_chunk_rows
 from .warm import physical_memory
 
 __all__ = ["DEFAULT_CACHE_BYTES", "NewStorage", "Options", "Storage", "StorageStats", "cache_slots",
            "create_storage", "default_chunk_rows", "open_storage", "output_rows", "physical_memory",
-           "open_union_storage", "plan_storage"]
+           "open_union_storage", "own_stores", "plan_storage"]
 

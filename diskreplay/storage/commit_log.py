@@ -10,6 +10,9 @@ its own) and deleted once no commit names it.
 Before every commit, state object and growth of the arrays the log checks that this writer still
 holds the writer lock: a writer whose lock was broken and taken stops writing for good.
 
+The record, the state objects and the lock are diskreplay's own objects (``objects``: their
+directory, `objects_prefix`); the arrays' metadata is in the buffer's ``store``.
+
 A log owns the objects of one store: a buffer made of several independently committed parts
 (one per writer) gives each its own store under the buffer's location, as the ``derive_next`` side
 store already is, and its readers union them.
@@ -54,10 +57,12 @@ class StagedState:
 class CommitLog:
     """The commit record, its state objects, the arrays' growth and the writer lock of one buffer."""
 
-    def __init__(self, url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
-                 record: CommitRecord, cursors: Cursors, mode: str, lock: WriterLock | None):
+    def __init__(self, url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig,
+                 arrays: dict[str, ArrayMeta], record: CommitRecord, cursors: Cursors, mode: str,
+                 lock: WriterLock | None):
         self.url = url
         self.store = store
+        self.objects = objects
         self.config = config
         self.arrays = arrays
         self.lane_rows = lane_rows(arrays)
@@ -104,7 +109,7 @@ class CommitLog:
         self.check_lock()
         state = {} if staged is None else {"state": staged.meta, "state_arrays": staged.key}
         record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
-        self.store.put(COMMIT_KEY, record.to_bytes(), durable)
+        self.objects.put(COMMIT_KEY, record.to_bytes(), durable)
         previous, self.record = self.record.state_arrays, record
         if staged is not None and previous and previous != staged.key:
             self._garbage.append(previous)
@@ -135,7 +140,7 @@ class CommitLog:
     def read_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
         read_small = functools.partial(self.store.get, limit=MAX_METADATA_BYTES + 1)
-        blob = read_small(COMMIT_KEY)
+        blob = self.objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
         if blob is None:
             raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
         record = CommitRecord.from_bytes(blob, self.url, self.config.num_envs)
@@ -168,7 +173,7 @@ class CommitLog:
             key = state_key(sequence) if arrays else None
             if key is not None:
                 self.check_lock()
-                self.store.put(key, state_files.arrays_to_bytes(arrays), durable)
+                self.objects.put(key, state_files.arrays_to_bytes(arrays), durable)
         except BaseException:
             self.discard(StagedState({}, None, tuple(journals)))
             raise
@@ -184,7 +189,7 @@ class CommitLog:
 
     def _journal(self, path: str) -> Journal:
         if path not in self.journals:
-            self.journals[path] = Journal(self.store, self.url, path)
+            self.journals[path] = Journal(self.objects, self.url, path)
         return self.journals[path]
 
     def collect_garbage(self) -> None:
@@ -195,7 +200,7 @@ class CommitLog:
                 live = key == self.record.state_arrays or any(j.holds(key) for j in self.journals.values())
                 if not live and (is_state_key(key) or is_journal_key(key)):
                     self.check_lock()
-                    self.store.delete(key)
+                    self.objects.delete(key)
             except OSError:
                 keep.append(key)
         self._garbage = keep
@@ -237,7 +242,7 @@ class CommitLog:
     def _get_state(self, key: str) -> bytes | None:
         if not is_state_key(key):  # the record was validated; this guards other callers
             raise CorruptBufferError(f"{self.url!r}: {key!r} is not a state object name")
-        return self.store.get(key)
+        return self.objects.get(key)
 
     def close(self) -> None:
         """Release the writer lock (once)."""

@@ -14,14 +14,23 @@ from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
-from ..format.keys import COMMIT_KEY, GROUP_KEY, INCOMPLETE_IMPORT_KEY, MAX_METADATA_BYTES
-from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, metadata_documents, read_layout
+from ..format.keys import COMMIT_KEY, FORMATS, GROUP_KEY, INCOMPLETE_IMPORT_KEY, MAX_METADATA_BYTES, objects_prefix
+from ..format.layout import (
+    ArrayMeta,
+    buffer_codec,
+    checked_arrays,
+    field_codecs,
+    lane_rows,
+    metadata_documents,
+    read_config,
+    read_layout,
+)
 from ..io.backends import open_chunkstore
 from ..io.lock import WriterLock
 from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
-from ..io.store import ChunkStore, is_local, local_path
+from ..io.store import ChunkStore, is_local, local_path, objects_at
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
 from .commit_log import CommitLog
@@ -78,15 +87,16 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> S
     the first flush)."""
     store = _store(plan.url, options)
     config, arrays = read_layout(plan.documents.get, plan.url)
-    lock = WriterLock(plan.url, store=store).acquire(options.break_lock)
+    objects = objects_at(store, objects_prefix(config.format))
+    lock = WriterLock(plan.url, objects).acquire(options.break_lock)
     try:
-        store.delete(COMMIT_KEY)
+        objects.delete(COMMIT_KEY)
         for key, blob in sorted(plan.documents.items(), key=lambda kv: kv[0] == GROUP_KEY):
             store.put(key, blob, durable=True)  # the arrays, then the group
         record = CommitRecord.empty(config.num_envs, time.time())
         if commit:
-            store.put(COMMIT_KEY, record.to_bytes(), durable=True)
-        return _writable(plan.url, store, config, arrays, record, "r+", lock, options)
+            objects.put(COMMIT_KEY, record.to_bytes(), durable=True)
+        return _writable(plan.url, store, objects, config, arrays, record, "r+", lock, options)
     except BaseException:
         lock.release()
         raise
@@ -98,11 +108,12 @@ def open_storage(url: str, mode: str, options: Options) -> Storage:
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
     store = _store(url, options)
     config, arrays, record = _read_buffer(url, store)
-    lock = WriterLock(url, store=store).acquire(options.break_lock) if mode != "r" else None
+    objects = objects_at(store, objects_prefix(config.format))
+    lock = WriterLock(url, objects).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
             _, arrays, record = _read_buffer(url, store)
-        return _writable(url, store, config, arrays, record, mode, lock, options)
+        return _writable(url, store, objects, config, arrays, record, mode, lock, options)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -123,7 +134,8 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Stor
             raise CorruptBufferError(f"{part!r}: its config differs from {logs[0].url!r}'s "
                                      f"({config.to_json()} vs {logs[0].config.to_json()})")
         cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=True)
-        logs.append(CommitLog(part, store, config, arrays, record, cursors, "r", None))
+        objects = objects_at(store, objects_prefix(config.format))
+        logs.append(CommitLog(part, store, objects, config, arrays, record, cursors, "r", None))
     first = logs[0]
     config = replace(first.config, num_envs=len(logs) * first.config.num_envs)
     log = UnionLog(url, logs, config.layout)
@@ -134,11 +146,11 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Stor
     return _assemble(url, config, first.arrays, log, io, options)
 
 
-def _writable(url: str, store: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta], record: CommitRecord,
-              mode: str, lock: WriterLock | None, options: Options) -> Storage:
+def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
+              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> Storage:
     """One buffer's storage, as its writer (``mode="r+"``) or a reader of it."""
     cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
-    log = CommitLog(url, store, config, arrays, record, cursors, mode, lock)
+    log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock)
     io = ChunkIO(store, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
     return _assemble(url, config, arrays, log, io, options)
@@ -149,13 +161,15 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     if is_local(url) and os.path.isfile(local_path(url)):
         raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
     read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
-    blob = read_small(COMMIT_KEY)
+    config = read_config(read_small, url)
+    objects = objects_at(store, objects_prefix(config.format))
+    blob = objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
     if blob is None:
-        if store.exists(INCOMPLETE_IMPORT_KEY):
+        if objects.exists(INCOMPLETE_IMPORT_KEY):
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
-    config, arrays = read_layout(read_small, url)
+    arrays = checked_arrays(read_small, url, config)  # after the commit: they cover its rows
     record = CommitRecord.from_bytes(blob, url, config.num_envs)
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
@@ -202,3 +216,10 @@ def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: 
     inner_bytes = {name: int(codecs[name].inner_rows or 0) * schema[name].row_bytes for name in names}
     maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)))
     return RowReads(names, schema, cache, io, maps, retired)
+
+
+def own_stores(url: str, storage_options: Mapping[str, Any] | None = None) -> list[ChunkStore]:
+    """Every place the buffer at ``url`` may keep its own objects (commit record, writer lock),
+    one per format, newest first: for questions asked before its format is known."""
+    store = open_chunkstore(url, storage_options)
+    return [objects_at(store, objects_prefix(version)) for version in reversed(FORMATS)]

@@ -12,9 +12,9 @@ import zarr
 
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
-from ...format.keys import COMMIT_KEY
-from ...io import open_chunkstore
+from ...format.keys import COMMIT_KEY, GROUP_KEY, own_keys
 from ...sampling import Uniform
+from ...storage import own_stores
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
 from ..status import describe_incomplete, import_status
 
@@ -25,7 +25,7 @@ class ZarrSource(ColumnsSource):
     def __init__(self, src: str, batch_rows: int):
         self.batch_rows = batch_rows
         self.buffer: ReplayBuffer | None = None
-        if open_chunkstore(src).get(COMMIT_KEY) is not None:
+        if any(store.exists(COMMIT_KEY) for store in own_stores(src)):
             self.buffer = ReplayBuffer.open(src, "r", sampler=Uniform(), cache_bytes=8 * 2**20)
             self.fields = self.buffer.fields
             self.num_envs = self.buffer.num_envs
@@ -64,5 +64,5 @@ class ZarrSource(ColumnsSource):
 
 def is_zarr(path: str) -> bool:
     """``path`` is a folder holding a Zarr group (``zarr.json``) or a diskreplay commit record."""
-    return os.path.isdir(path) and (os.path.exists(os.path.join(path, "zarr.json"))
-                                    or os.path.exists(os.path.join(path, COMMIT_KEY)))
+    keys = (GROUP_KEY, *own_keys(COMMIT_KEY))
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, key)) for key in keys)
