@@ -126,6 +126,8 @@ def test_field_names_and_tensordict_keys_map_both_ways():
             key_to_name(bad)
     with pytest.raises(ValueError, match="both a tensor and a nested TensorDict"):
         to_tensordict({"next": np.zeros(2), "next_obs": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"\[\('a', 'b'\)\] would be both a tensor and a nested TensorDict"):
+        to_tensordict({"a__b": np.zeros(2), "a__b__c": np.zeros(2)})
 
 
 def test_importing_diskreplay_imports_neither_torchrl_nor_tensordict():

@@ -2,7 +2,8 @@
 
 Importing this package imports torch (``import diskreplay`` alone does not). Modules:
 
-* `data` - `make_dataset` and the resume helpers; `datasets` - `SampleDataset` / `EpochDataset`;
+* `data` - `make_dataset`, the resume helpers and `keep_batch` (the DataLoader ``collate_fn``
+  for TensorDict batches); `datasets` - `SampleDataset` / `EpochDataset`;
   `rows` - `IndexBatchSampler` + `RowDataset`; `reader`, `tensors` - their shared parts;
 * `device` - `to_device`: batches copied to a device through pinned host slots;
 * `shared_ring` - the shared-memory slots fork DataLoader workers gather batches into;
@@ -14,7 +15,7 @@ Tunables read at run time (e.g. ``shared_ring.DEFAULT_WORKERS``) stay in their m
 """
 
 from .batch_rng import BatchRngs
-from .data import dataset_state_from_loader, make_dataset, merge_worker_states
+from .data import dataset_state_from_loader, keep_batch, make_dataset, merge_worker_states
 from .datasets import EpochDataset, SampleDataset
 from .device import DevicePrefetcher, to_device
 from .epoch_order import SHUFFLES, EpochOrder, Shard, chunk_pieces, expand_pieces, shard_range, slice_pieces
@@ -26,7 +27,8 @@ from .tensors import Batch, packed_tensors, to_tensors
 
 __all__ = [
     "make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
-    "merge_worker_states", "dataset_state_from_loader", "resolve_rank", "current_shard", "committed_window",
+    "merge_worker_states", "dataset_state_from_loader", "keep_batch",
+    "resolve_rank", "current_shard", "committed_window",
     "Batch", "to_tensors", "packed_tensors", "to_tensordict",
     "to_device", "DevicePrefetcher",
     "WorkerRing", "SlotBatch", "ArraySpec", "plan_slot", "FREE", "SENT", "HELD",

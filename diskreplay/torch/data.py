@@ -23,6 +23,11 @@ slot, which is reused once they all died. Shared memory: up to ``32 * 8`` slots 
 workers (spawn, no free slot, a batch bigger than a slot) send tensors through torch's shared
 memory as before; the values are the same either way.
 
+TensorDicts. ``make_dataset(..., as_tensordict=True)`` yields ``tensordict.TensorDict`` batches
+(TorchRL's layout, `diskreplay.torch.formats.to_tensordict`), also through the ring (a slot handle
+unpickles into a TensorDict of the slot's views). Pass ``collate_fn=keep_batch`` to the
+DataLoader: its default collate cannot take a TensorDict.
+
 Resume. ``state_dict()`` is plain data (a few ints). It follows torchdata's
 ``StatefulDataLoader`` protocol: each worker's dataset copy saves and restores its own position.
 With ``num_workers=0`` call ``ds.state_dict()`` / ``ds.load_state_dict()`` directly (or wrap in
@@ -35,7 +40,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,8 +50,11 @@ from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
 from .datasets import EpochDataset, SampleDataset
 from .epoch_order import SHUFFLES
+from .formats import tensordict_class, tensordict_keys
 from .reader import Reader, committed_window, resolve_rank
 from .shared_ring import WorkerRing
+
+_B = TypeVar("_B")
 
 
 def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: str = "sample", *,
@@ -55,8 +63,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  world_size: int | None = None, refresh_every: int | None = None,
                  refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int | None = None,
                  storage_options: dict | None = None, sampler: Any = None,
-                 sample_options: dict[str, Any] | None = None, worker_ring: bool = True
-                 ) -> SampleDataset | EpochDataset:
+                 sample_options: dict[str, Any] | None = None, worker_ring: bool = True,
+                 as_tensordict: bool = False) -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
     batch_size=None, ...)``).
 
@@ -89,13 +97,21 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             tensor through a new shared-memory segment. Virtual size ``32 workers * 8 slots *
             slot bytes`` (slot: one batch of every field, index and weight, + ``max(4 KiB, 16 B *
             batch_size)``, in whole pages); only slots in use are touched: about
-            ``num_workers * (prefetch_factor + 2)`` of them. Batches reach the loop as dicts of
-            tensors either way (use ``batch_size=None`` and the default ``collate_fn``; a custom
-            collate_fn sees a worker's `SlotBatch`: pass ``worker_ring=False``).
+            ``num_workers * (prefetch_factor + 2)`` of them. Batches reach the loop the same way
+            either way (use ``batch_size=None`` and the default ``collate_fn`` or `keep_batch`;
+            another collate_fn sees a worker's `SlotBatch`: pass ``worker_ring=False``).
+        as_tensordict: yield ``tensordict.TensorDict`` batches (batch size ``[B]``, keys as
+            `diskreplay.torch.formats.to_tensordict` lays out the dict batch: ``next_obs`` ->
+            ``("next", "obs")``; the same tensors, not copied) instead of dicts of tensors; the
+            rows, their order and the resume states are the same. A DataLoader needs
+            ``collate_fn=keep_batch`` for them: its default collate takes a TensorDict for a dict
+            and fails (``TypeError: Multiple dispatch failed for 'torch.Tensor.__getitem__'``).
 
     Raises:
         ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, rank or world size; epoch
-            mode with a chunk cache smaller than 2 * shuffle_window chunks.
+            mode with a chunk cache smaller than 2 * shuffle_window chunks; ``as_tensordict`` with
+            fields that do not make one TensorDict (`diskreplay.torch.formats.tensordict_keys`).
+        ImportError: ``as_tensordict=True`` without the tensordict package.
         NotABufferError: ``buf`` is a URL that holds no buffer.
     """
     if mode not in ("sample", "epoch"):
@@ -110,11 +126,13 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         options = storage_options if storage_options is not None else buf.storage_options
         layout, lo, hi = buf.layout, *committed_window(buf)
         _warn_if_uncommitted(buf, lo, hi, mode)
+        if as_tensordict:
+            _check_tensordict(buf)
         ring = _worker_ring(buf, int(batch_size)) if worker_ring else None
         if mode == "sample":
             reader = Reader(buf.url, options, cache_bytes, io_threads, sampler)
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
-                                 refresh_every, refresh_seconds, sample_options, ring)
+                                 refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict))
         shuffle = _shuffle_name(shuffle)
         if not isinstance(shuffle_window, (int, np.integer)) or shuffle_window < 1:
             raise ValueError(f"shuffle_window must be a positive int, got {shuffle_window!r}")
@@ -122,7 +140,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
-                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring)
+                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict))
     finally:
         if opened:
             buf.close()
@@ -138,6 +156,28 @@ def _warn_if_uncommitted(buf: ReplayBuffer, lo: np.ndarray, hi: np.ndarray, mode
     elif mode == "epoch" and not (hi - lo).any():
         warnings.warn(f"{buf.url!r} holds no committed rows: this epoch yields no batches (a writer's rows "
                       f"become readable when it calls flush())", stacklevel=3)
+
+
+def keep_batch(batch: _B) -> _B:
+    """A DataLoader ``collate_fn`` that hands each batch on unchanged: ``DataLoader(ds,
+    batch_size=None, collate_fn=keep_batch, num_workers=...)``.
+
+    Needed for TensorDict batches (``make_dataset(..., as_tensordict=True)``): torch's default
+    (``default_convert``) takes a TensorDict for a dict of samples and fails with ``TypeError:
+    Multiple dispatch failed for 'torch.Tensor.__getitem__'``. Works for dict batches and worker
+    `SlotBatch` handles too; a module-level function, so spawn workers can unpickle it.
+    """
+    return batch
+
+
+def _check_tensordict(buf: ReplayBuffer) -> None:
+    """Check that tensordict imports and that the buffer's fields (+ batch extras) make one TensorDict.
+
+    Raises:
+        ImportError: no tensordict package. ValueError: see `tensordict_keys`.
+    """
+    tensordict_class("make_dataset(as_tensordict=True)")
+    tensordict_keys([*buf.fields, *BATCH_EXTRAS])
 
 
 def _worker_ring(buf: ReplayBuffer, batch_size: int) -> WorkerRing | None:

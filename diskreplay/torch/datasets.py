@@ -3,12 +3,12 @@ every committed row once per epoch (`EpochDataset`), each sharded over ranks and
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
@@ -18,18 +18,20 @@ from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from .batch_rng import BatchRngs
 from .epoch_order import EpochOrder, Shard
+from .formats import Key, key_to_name, to_tensordict
 from .reader import Reader, current_shard
-from .shared_ring import WorkerRing
+from .shared_ring import SlotBatch, WorkerRing
 from .tensors import Sink, sink_for, to_tensors
 
 
 class _BufferDataset(tud.IterableDataset):
-    """What sample and epoch mode share: the reader, the shard, plain-data state."""
+    """What sample and epoch mode share: the reader, the shard, plain-data state, the batch format
+    (``as_tensordict``: TensorDicts laid out by `to_tensordict` instead of dicts of tensors)."""
 
     mode = ""
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
-                 world_size: int, ring: WorkerRing | None = None):
+                 world_size: int, ring: WorkerRing | None = None, as_tensordict: bool = False):
         self.reader = reader
         self.layout = layout
         self.batch_size = batch_size
@@ -38,6 +40,7 @@ class _BufferDataset(tud.IterableDataset):
         self._shard = Shard(rank, world_size)  # shard of the saved/current position
         self._batch = 0
         self._ring = ring
+        self.as_tensordict = as_tensordict
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only)."""
@@ -61,17 +64,21 @@ class _BufferDataset(tud.IterableDataset):
         n = self.reader.chunk_fetches
         return {"chunk_fetches": n, "bytes_decoded": n * self.reader.chunk_bytes()}
 
-    def iter_into(self, destination: Callable[[], dict[str, np.ndarray] | None]
-                  ) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_into(self, destination: Callable[[], Mapping[Key, np.ndarray] | None]) -> Iterator[Any]:
         """Iterate in this process, gathering each batch into the arrays ``destination()``
-        returns just before it (``[>= B, *shape]`` per name; None: new arrays): how `to_device`
-        fills its pinned host slots without a copy. The yielded tensors share their memory."""
-        return self._iterate(Sink(destination, to_tensors))
+        returns just before it (``[>= B, *shape]`` per name, or per TensorDict key for an
+        ``as_tensordict`` dataset; None: new arrays): how `to_device` fills its pinned host slots
+        without a copy. Yields what `__iter__` yields, its tensors sharing those arrays' memory."""
+        return self._iterate(self._formatted(Sink(functools.partial(_by_name, destination), to_tensors)))
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches as dicts of tensors; in a fork DataLoader worker, `SlotBatch` handles that
-        become such dicts when the DataLoader's process receives them."""
-        return self._iterate(sink_for(self._ring))
+    def __iter__(self) -> Iterator[Any]:
+        """Batches as dicts of tensors ``{name: [B, *shape]}`` (``as_tensordict``: TensorDicts of
+        batch size ``[B]``, see `to_tensordict`); in a fork DataLoader worker, `SlotBatch` handles
+        that become such batches when the DataLoader's process receives them."""
+        return self._iterate(self._formatted(sink_for(self._ring)))
+
+    def _formatted(self, sink: Sink) -> Sink:
+        return _TensorDictSink(sink) if self.as_tensordict else sink
 
     def _iterate(self, sink: Sink) -> Iterator[Any]:
         """This copy's batches, each gathered as ``sink`` says and yielded as ``sink.emit`` makes it
@@ -98,7 +105,8 @@ class _BufferDataset(tud.IterableDataset):
 
 
 class SampleDataset(_BufferDataset):
-    """Endless sampled batches: ``{field: [B, *shape], "index": [B] int64 (+ "weight")}`` tensors.
+    """Endless sampled batches: ``{field: [B, *shape], "index": [B] int64 (+ "weight")}`` tensors
+    (``as_tensordict``: a TensorDict of them, batch size ``[B]``, keys as `to_tensordict` makes them).
 
     Batch ``b`` of rank ``r`` draws from ``numpy.random.default_rng([seed, r, b])``, and worker ``w``
     of ``W`` produces batches ``b = w, w + W, ...``; the DataLoader interleaves workers round-robin,
@@ -117,8 +125,9 @@ class SampleDataset(_BufferDataset):
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, refresh_every: int | None, refresh_seconds: float | None,
-                 sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
+                 sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None,
+                 as_tensordict: bool = False):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict)
         self.refresh_every = refresh_every
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
@@ -190,7 +199,8 @@ class SampleDataset(_BufferDataset):
 
 class EpochDataset(_BufferDataset):
     """Every committed row once per epoch (see `make_dataset` for the options), as batches
-    ``{field: [<=B, *shape], "index": [<=B] int64}`` of tensors.
+    ``{field: [<=B, *shape], "index": [<=B] int64}`` of tensors (``as_tensordict``: a TensorDict
+    of them, batch size ``[<=B]``, keys as `to_tensordict` makes them).
 
     Rows of an epoch are the window saved in the state (taken at `make_dataset` or `set_epoch(...,
     refresh=True)`); its order is a pure function of (seed, epoch, those rows, shard layout). They
@@ -209,8 +219,8 @@ class EpochDataset(_BufferDataset):
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
-                 pad: bool, drop_last: bool, ring: WorkerRing | None = None):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring)
+                 pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
@@ -330,6 +340,30 @@ def _out(names: frozenset[str], into: dict[str, np.ndarray] | None, rows: int) -
         return None
     return {k: v[:rows] for k, v in into.items() if k in names}
 
+
+
+class _TensorDictSink(Sink):
+    """Another sink's batches as TensorDicts (`to_tensordict`; slot handles flagged to unpickle
+    into one)."""
+
+    def __init__(self, inner: Sink):
+        self.inner = inner
+
+    def destination(self) -> dict[str, np.ndarray] | None:
+        return self.inner.destination()
+
+    def emit(self, batch: Mapping[str, np.ndarray]) -> Any:
+        out = self.inner.emit(batch)
+        return out.received_as_tensordict() if isinstance(out, SlotBatch) else to_tensordict(out)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _by_name(destination: Callable[[], Mapping[Key, np.ndarray] | None]) -> dict[str, np.ndarray] | None:
+    """``destination()`` keyed by field names (a TensorDict key becomes its name, `key_to_name`)."""
+    into = destination()
+    return None if into is None else {k if isinstance(k, str) else key_to_name(k): v for k, v in into.items()}
 
 
 def _raising(exc: Exception) -> Iterator[Any]:

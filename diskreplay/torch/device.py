@@ -1,15 +1,16 @@
 """Device prefetch: batches copied to a device through a fixed ring of page-locked host slots.
 
 ``for batch in to_device(loader, "cuda", prefetch=2): ...``. Each incoming batch (a dict of
-tensors or numpy arrays with a leading batch axis) lands in the next of ``prefetch + 2`` host
-slots, allocated once at the size of the first batch (pinned on CUDA; never pinned per batch).
-A source with ``iter_into`` (a diskreplay dataset iterated in this process) gathers its rows
-straight into the slot; batches from anything else (a DataLoader, whose workers hand batches over
-in shared memory) are copied into it. Each slot is then copied to the device with
-``non_blocking=True`` on a side CUDA stream, and an event is recorded. The consumer's current
-stream waits on that event when the batch is handed out, and a slot is refilled only after the
-event of its previous copy has fired. ``prefetch=k`` keeps the
-next ``k`` batches copying while the consumer works on one.
+tensors or numpy arrays with a leading batch axis, or a TensorDict: its leaves, by nested key)
+lands in the next of ``prefetch + 2`` host slots, allocated once at the size of the first batch
+(pinned on CUDA; never pinned per batch). A source with ``iter_into`` (a diskreplay dataset
+iterated in this process) gathers its rows straight into the slot; batches from anything else (a
+DataLoader, whose workers hand batches over in shared memory) are copied into it. Each slot is
+then copied to the device with ``non_blocking=True`` on a side CUDA stream, and an event is
+recorded. The consumer's current stream waits on that event when the batch is handed out, and a
+slot is refilled only after the event of its previous copy has fired. ``prefetch=k`` keeps the
+next ``k`` batches copying while the consumer works on one. A TensorDict batch is handed out as a
+TensorDict of the same keys and batch size, holding the device tensors.
 
 Without CUDA (device "cpu", or CUDA unavailable) the same code runs with pinning off and a plain
 ``.to(device)``; for device "cpu" that returns the slot's own tensors.
@@ -26,21 +27,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from .formats import Key, from_leaves, is_tensordict, leaves_of
+
 
 @dataclass
 class _Slot:
     """One host buffer per field, its capacity (rows) and the event of its last device copy."""
 
-    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    host: dict[Key, torch.Tensor] = field(default_factory=dict)
     event: Any = None
     copies: int = 0  # times a batch was copied into this slot (tests and diagnostics)
     gathers: int = 0  # times a source gathered a batch straight into it
 
-    def arrays(self) -> dict[str, np.ndarray] | None:
+    def arrays(self) -> dict[Key, np.ndarray] | None:
         """The slot's memory as numpy arrays, for a source to gather into (None before allocation)."""
         return {k: t.numpy() for k, t in self.host.items()} if self.host else None
 
-    def fits(self, batch: Mapping[str, torch.Tensor]) -> bool:
+    def fits(self, batch: Mapping[Key, torch.Tensor]) -> bool:
         if set(batch) != set(self.host):
             return False
         return all(self.host[k].dtype == t.dtype and self.host[k].shape[1:] == t.shape[1:]
@@ -61,10 +64,10 @@ class _HostCopier:
     def wait(self, event: Any) -> None:
         pass
 
-    def copy(self, views: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+    def copy(self, views: dict[Key, torch.Tensor], event: Any) -> dict[Key, torch.Tensor]:
         return {k: v.to(self.device) for k, v in views.items()}
 
-    def hand_over(self, out: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+    def hand_over(self, out: dict[Key, Any], event: Any) -> dict[Key, Any]:
         return out
 
 
@@ -84,13 +87,13 @@ class _CudaCopier:
     def wait(self, event: Any) -> None:
         event.synchronize()
 
-    def copy(self, views: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+    def copy(self, views: dict[Key, torch.Tensor], event: Any) -> dict[Key, torch.Tensor]:
         with torch.cuda.stream(self.stream):
             out = {k: v.to(self.device, non_blocking=True) for k, v in views.items()}
             event.record(self.stream)
         return out
 
-    def hand_over(self, out: dict[str, torch.Tensor], event: Any) -> dict[str, torch.Tensor]:
+    def hand_over(self, out: dict[Key, Any], event: Any) -> dict[Key, Any]:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
         for t in out.values():
@@ -102,7 +105,7 @@ class _CudaCopier:
 class DevicePrefetcher:
     """Iterator of batches on ``device``; see `to_device`."""
 
-    def __init__(self, iterable: Iterable[Mapping[str, Any]], device: str | torch.device = "cuda",
+    def __init__(self, iterable: Iterable[Any], device: str | torch.device = "cuda",
                  prefetch: int = 2, pin_memory: bool | None = None, state_source: Any = None):
         if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -134,9 +137,10 @@ class DevicePrefetcher:
         """Itself: batches come from `__next__`, already on the device."""
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        """The next batch on the device (non-array values passed through); the first call starts
-        the source and stages ``prefetch + 1`` batches. Raises StopIteration when the source ends."""
+    def __next__(self) -> Any:
+        """The next batch on the device, a dict or TensorDict as the source yielded it (non-array
+        values passed through); the first call starts the source and stages ``prefetch + 1``
+        batches. Raises StopIteration when the source ends."""
         if self._it is None:
             gathers_into = getattr(self.iterable, "iter_into", None)
             self._it = gathers_into(self._destination) if callable(gathers_into) else iter(self.iterable)
@@ -146,9 +150,10 @@ class DevicePrefetcher:
             self._stage(1)
         if not self._queue:
             raise StopIteration
-        out, event, state = self._queue.popleft()
+        out, event, batch_size, state = self._queue.popleft()
         self._state = state
-        return self.copier.hand_over(out, event)
+        out = self.copier.hand_over(out, event)
+        return out if batch_size is None else from_leaves(out, batch_size)
 
     def state_dict(self) -> Any:
         """The source's state as of the last batch handed out (prefetched batches not counted).
@@ -180,15 +185,19 @@ class DevicePrefetcher:
             self._staged += 1
             self._queue.append((*self._fill(slot, batch), self._source_state()))
 
-    def _destination(self) -> dict[str, np.ndarray] | None:
+    def _destination(self) -> dict[Key, np.ndarray] | None:
         """For sources with ``iter_into``: the host slot the next batch should be gathered into."""
         assert self._filling is not None  # the source asks while `_stage` draws a batch into a slot
         return self._filling.arrays()
 
-    def _fill(self, slot: _Slot, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-        """Put the batch in ``slot`` (arrays already gathered there stay), start its device copy."""
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"to_device expects dict batches, got {type(batch).__name__}")
+    def _fill(self, slot: _Slot, batch: Any) -> tuple[dict[Key, Any], Any, torch.Size | None]:
+        """Put the batch in ``slot`` (arrays already gathered there stay), start its device copy;
+        with the event and, for a TensorDict, its batch size."""
+        batch_size = batch.batch_size if is_tensordict(batch) else None
+        if batch_size is not None:
+            batch = leaves_of(batch)
+        elif not isinstance(batch, Mapping):
+            raise TypeError(f"to_device expects dict or TensorDict batches, got {type(batch).__name__}")
         arrays = {k: torch.as_tensor(v) for k, v in batch.items() if isinstance(v, (torch.Tensor, np.ndarray))}
         others = {k: v for k, v in batch.items() if k not in arrays}
         if any(t.dim() == 0 for t in arrays.values()):
@@ -206,19 +215,21 @@ class DevicePrefetcher:
         slot.copies += not gathered
         out = self.copier.copy(views, slot.event)
         out.update(others)
-        return out, slot.event
+        return out, slot.event, batch_size
 
 
-def to_device(iterable: Iterable[Mapping[str, Any]], device: str | torch.device = "cuda", prefetch: int = 2,
+def to_device(iterable: Iterable[Any], device: str | torch.device = "cuda", prefetch: int = 2,
               pin_memory: bool | None = None, state_source: Any = None) -> DevicePrefetcher:
-    """Iterate ``iterable``'s dict batches on ``device``, ``prefetch`` batches ahead.
+    """Iterate ``iterable``'s dict or TensorDict batches on ``device``, ``prefetch`` batches ahead.
 
     Args:
         iterable: yields dicts of tensors / numpy arrays with a leading batch axis (other values
-            pass through untouched). Host slots take the shapes of the first batch; a later
-            shorter batch uses the front of a slot, a larger or differently shaped one reallocates
-            that slot (once). A diskreplay dataset passed directly (not through a DataLoader)
-            gathers its batches into the slots (``iter_into``): no copy on the host.
+            pass through untouched), or TensorDicts (handed out as TensorDicts with the same keys
+            and batch size, e.g. from ``make_dataset(..., as_tensordict=True)``). Host slots take
+            the shapes of the first batch; a later shorter batch uses the front of a slot, a
+            larger or differently shaped one reallocates that slot (once). A diskreplay dataset
+            passed directly (not through a DataLoader) gathers its batches into the slots
+            (``iter_into``): no copy on the host.
         device: target device ("cuda", "cuda:1", "cpu", ...).
         prefetch: batches kept in flight beyond the one handed out (>= 0); the ring has
             ``prefetch + 2`` slots.
@@ -234,7 +245,7 @@ def to_device(iterable: Iterable[Mapping[str, Any]], device: str | torch.device 
     Clone what you keep longer.
 
     Raises:
-        ValueError: prefetch < 0; TypeError: a non-dict batch; RuntimeError: CUDA asked for but
-        unavailable.
+        ValueError: prefetch < 0; TypeError: a batch that is neither a dict nor a TensorDict;
+        RuntimeError: CUDA asked for but unavailable.
     """
     return DevicePrefetcher(iterable, device, prefetch, pin_memory, state_source)

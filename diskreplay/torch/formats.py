@@ -8,7 +8,8 @@ is its inverse, used by `diskreplay.torch.torchrl_storage` to store TensorDicts 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,43 +79,78 @@ def key_to_name(key: Key) -> str:
     return SEPARATOR.join(parts)
 
 
+def tensordict_keys(names: Iterable[str]) -> dict[str, Key]:
+    """The TensorDict key of each field name (`name_to_key`), checked to make one TensorDict.
+
+    Raises:
+        ValueError: two names for one key, or a key that would be both a tensor and a nested
+            TensorDict (``next`` and ``next_obs``).
+    """
+    keys = {name: name_to_key(name) for name in names}
+    paths = {(key,) if isinstance(key, str) else key for key in keys.values()}
+    if len(paths) != len(keys):
+        raise ValueError(f"fields {sorted(keys)} do not make one TensorDict: two of them map to one key "
+                         f"(see name_to_key); use format='torch'")
+    clashes = sorted({path[:n] for path in paths for n in range(1, len(path)) if path[:n] in paths})
+    if clashes:
+        shown = [c[0] if len(c) == 1 else c for c in clashes]
+        raise ValueError(f"fields {sorted(keys)} do not make one TensorDict: {shown} would be both a tensor "
+                         f"and a nested TensorDict; use format='torch'")
+    return keys
+
+
 def to_tensordict(batch: Mapping[str, np.ndarray | torch.Tensor], batch_dims: int = 1) -> Any:
     """``{name: array [B, ...]}`` -> ``tensordict.TensorDict`` with ``batch_size`` the first
     ``batch_dims`` dims of the arrays (``[B]``) and keys by `name_to_key`; no copy (`as_tensor`).
     Also for the batches of `diskreplay.torch.data.make_dataset` (tensors, e.g. on a GPU after
-    `to_device`): ``to_tensordict(batch)`` puts them in TorchRL's layout.
+    `to_device`): ``to_tensordict(batch)`` puts them in TorchRL's layout (what
+    ``make_dataset(..., as_tensordict=True)`` yields).
 
     Raises:
         ImportError: the ``tensordict`` package is not installed.
-        ValueError: two names for one key, or a name that is both a tensor and a nested key
-            (``next`` and ``next_obs``).
+        ValueError: see `tensordict_keys`.
     """
-    TensorDict = tensordict_class()
-    arrays = {name_to_key(name): array for name, array in batch.items()}
-    roots = {key for key in arrays if isinstance(key, str)}
-    clashes = sorted({key[0] for key in arrays if isinstance(key, tuple) and key[0] in roots})
-    if len(arrays) != len(batch):
-        raise ValueError(f"fields {sorted(batch)} do not make one TensorDict: two of them map to one key "
-                         f"(see name_to_key); use format='torch'")
-    if clashes:
-        raise ValueError(f"fields {sorted(batch)} do not make one TensorDict: {clashes} would be both a tensor "
-                         f"and a nested TensorDict; use format='torch'")
+    keys = tensordict_keys(batch)
     first = next(iter(batch.values()), np.empty(0))
-    out = TensorDict({}, batch_size=tuple(first.shape[:batch_dims]))
-    for key, array in arrays.items():
-        out.set(key, as_tensor(array))
+    return from_leaves({keys[name]: as_tensor(array) for name, array in batch.items()},
+                       tuple(first.shape[:batch_dims]))
+
+
+def from_leaves(leaves: Mapping[Key, Any], batch_size: Sequence[int]) -> Any:
+    """A ``tensordict.TensorDict`` of batch size ``batch_size`` holding each value of ``leaves``
+    (tensors ``[*batch_size, ...]``, not copied) at its key (a tuple key: nested); the inverse of
+    `leaves_of`.
+
+    Raises:
+        ImportError: the ``tensordict`` package is not installed.
+    """
+    out = tensordict_class()({}, batch_size=tuple(batch_size))
+    for key, value in leaves.items():
+        out.set(key, value)
     return out
 
 
-def tensordict_class() -> Any:
+def leaves_of(td: Any) -> dict[Key, Any]:
+    """``{key: leaf}`` for every leaf of TensorDict ``td`` (nested keys as tuples), in its order."""
+    return dict(td.items(include_nested=True, leaves_only=True))
+
+
+def is_tensordict(obj: Any) -> bool:
+    """Whether ``obj`` is a TensorDict (any ``tensordict.TensorDictBase``); never imports tensordict."""
+    module = sys.modules.get("tensordict")
+    return module is not None and isinstance(obj, module.TensorDictBase)
+
+
+def tensordict_class(needed_by: str = "format='tensordict'") -> Any:
     """``tensordict.TensorDict``, imported now.
 
     Raises:
-        ImportError: tensordict is not installed (naming the package to install)."""
+        ImportError: tensordict is not installed (naming the package to install and ``needed_by``,
+            what asked for it)."""
     try:
         from tensordict import TensorDict
     except ImportError as err:
-        raise ImportError("format='tensordict' needs the tensordict package: pip install tensordict") from err
+        raise ImportError(f"{needed_by} needs the tensordict package: pip install tensordict") from err
     return TensorDict
 
 

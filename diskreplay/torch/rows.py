@@ -9,12 +9,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
 from ..errors import EmptyBufferError
 from ..format.lanes import is_empty, row_ids, split_row_ids
+from .formats import tensordict_class, to_tensordict
 from .reader import Reader, committed_window
 from .tensors import emit_tensors
 
@@ -99,7 +99,9 @@ class IndexBatchSampler(tud.Sampler):
 
 class RowDataset(tud.Dataset):
     """Map-style dataset whose item is a batch of row ids (an `IndexBatch` or an int array):
-    returns ``{field: [B, *shape], "index": [B] int64 (+ "weight": [B])}`` tensors.
+    returns ``{field: [B, *shape], "index": [B] int64 (+ "weight": [B])}`` tensors
+    (``as_tensordict``: a TensorDict of them, laid out by `to_tensordict`; give the DataLoader
+    ``collate_fn=keep_batch``).
 
     Pickles to URL + options; each worker opens the buffer read-only. Rows newer than the
     worker's view trigger a refresh; rows still missing (never committed) or overwritten since
@@ -107,7 +109,12 @@ class RowDataset(tud.Dataset):
     """
 
     def __init__(self, buf: ReplayBuffer | str | os.PathLike, *, storage_options: dict | None = None,
-                 cache_bytes: int | None = None, io_threads: int | None = None, refresh_seconds: float | None = 1.0):
+                 cache_bytes: int | None = None, io_threads: int | None = None, refresh_seconds: float | None = 1.0,
+                 as_tensordict: bool = False):
+        """Raises ImportError: ``as_tensordict`` without the tensordict package."""
+        if as_tensordict:
+            tensordict_class("RowDataset(as_tensordict=True)")
+        self.as_tensordict = as_tensordict
         if isinstance(buf, ReplayBuffer):
             url, options = buf.url, storage_options if storage_options is not None else buf.storage_options
         else:
@@ -116,9 +123,9 @@ class RowDataset(tud.Dataset):
         self.refresh_seconds = refresh_seconds
         self._last_refresh = 0.0
 
-    def __getitem__(self, item: IndexBatch | np.ndarray | Sequence[int]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item: IndexBatch | np.ndarray | Sequence[int]) -> Any:
         """The rows of an `IndexBatch` (or of row ids): ``{field: [B, *shape], "index": [B]}``
-        tensors, and ``"weight"`` when the batch has weights."""
+        tensors, and ``"weight"`` when the batch has weights (``as_tensordict``: a TensorDict)."""
         batch = item if isinstance(item, IndexBatch) else IndexBatch(np.asarray(item, dtype=np.int64))
         ids = np.asarray(batch.index, dtype=np.int64)
         buf = self.reader.get()
@@ -133,7 +140,8 @@ class RowDataset(tud.Dataset):
         if batch.weight is not None:
             rows["weight"] = np.asarray(batch.weight)
         rows.update(batch.extra or {})
-        return emit_tensors(rows)
+        tensors = emit_tensors(rows)
+        return to_tensordict(tensors) if self.as_tensordict else tensors
 
     def _maybe_refresh(self, buf: ReplayBuffer, ids: np.ndarray) -> None:
         now = time.monotonic()

@@ -9,11 +9,12 @@ of per-slot flags, claimant pids and hand-over counters.
 Worker ``w`` gathers a batch straight into the lowest free slot of its own ``slots_per_worker``
 and yields a `SlotBatch`: a tiny object that pickles to (ring token, slot, array layout). The main
 process unpickles it (through the DataLoader's result queue) into a ``dict[str, torch.Tensor]`` of
-zero-copy views of its own mapping, marks the slot held, and frees it when the last of those
-tensors dies (a `weakref.finalize` on the one ndarray every view shares). A worker never waits
-and never overwrites a held slot: with none of its slots free it yields a plain dict of tensors
-(torch's per-tensor shared-memory path), as it does for spawn/forkserver workers (the ring is not
-pickled), worker ids beyond the ring and batches that do not fit a slot.
+zero-copy views of its own mapping (a TensorDict of them for ``as_tensordict`` datasets), marks the
+slot held, and frees it when the last of those tensors dies (a `weakref.finalize` on the one
+ndarray every view shares). A worker never waits and never overwrites a held slot: with none of
+its slots free it yields a plain dict (or TensorDict) of tensors (torch's per-tensor shared-memory
+path), as it does for spawn/forkserver workers (the ring is not pickled), worker ids beyond the
+ring and batches that do not fit a slot.
 
 Slot states: FREE -> SENT (a worker claimed it, under a fork-shared lock: two loaders over one
 dataset have workers with the same id) -> HELD (the main process received it) -> FREE (its
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from ..io.lock import pid_alive
+from .formats import to_tensordict
 
 FREE, SENT, HELD = 0, 1, 2
 ALIGN = 64
@@ -273,29 +275,36 @@ class WorkerRing:
 
 
 class SlotBatch:
-    """What a worker yields instead of a batch: pickles to (ring token, slot, layout) and unpickles,
-    in the ring's owner process, to ``dict[str, torch.Tensor]`` views of the slot. Not a Mapping,
-    so the DataLoader's ``default_convert`` passes it through unchanged."""
+    """What a worker yields instead of a batch: pickles to (ring token, slot, layout, format) and
+    unpickles, in the ring's owner process, to ``dict[str, torch.Tensor]`` views of the slot (a
+    ``tensordict.TensorDict`` of them when ``tensordict``: `to_tensordict`'s layout). Not a
+    Mapping, so the DataLoader's ``default_convert`` passes it through unchanged."""
 
-    __slots__ = ("token", "slot", "specs")
+    __slots__ = ("token", "slot", "specs", "tensordict")
 
-    def __init__(self, token: str, slot: int, specs: tuple[ArraySpec, ...]):
-        self.token, self.slot, self.specs = token, slot, specs
+    def __init__(self, token: str, slot: int, specs: tuple[ArraySpec, ...], tensordict: bool = False):
+        self.token, self.slot, self.specs, self.tensordict = token, slot, specs, tensordict
+
+    def received_as_tensordict(self) -> SlotBatch:
+        """This handle, made to unpickle into a TensorDict of the slot's views instead of a dict."""
+        return SlotBatch(self.token, self.slot, self.specs, tensordict=True)
 
     def __reduce__(self) -> Any:
-        return _receive, (self.token, self.slot, tuple(tuple(s) for s in self.specs))
+        return _receive, (self.token, self.slot, tuple(tuple(s) for s in self.specs), self.tensordict)
 
     def __repr__(self) -> str:
-        return f"SlotBatch(slot={self.slot}, arrays={[s.name for s in self.specs]})"
+        kind = ", tensordict" if self.tensordict else ""
+        return f"SlotBatch(slot={self.slot}, arrays={[s.name for s in self.specs]}{kind})"
 
 
-def _receive(token: str, slot: int, specs: tuple[_SpecFields, ...]) -> dict[str, torch.Tensor]:
+def _receive(token: str, slot: int, specs: tuple[_SpecFields, ...], tensordict: bool = False) -> Any:
     ring = _RINGS.get(token)
     if ring is None or ring.owner != os.getpid():
         raise RuntimeError(f"a diskreplay worker batch (ring {token}, slot {slot}) reached a process that "
                            f"does not own its ring: slot batches go only from fork workers to their "
                            f"DataLoader's process")
-    return ring.receive(slot, specs)
+    batch = ring.receive(slot, specs)
+    return to_tensordict(batch) if tensordict else batch
 
 
 def _address(array: np.ndarray) -> int:
