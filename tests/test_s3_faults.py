@@ -21,7 +21,7 @@ import pytest
 from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3
 
 from diskreplay import RetryPolicy, StoreUnavailableError
-from diskreplay.io import FsspecChunkStore, LocalChunkStore
+from diskreplay.io import ChunkStore, FsspecChunkStore, LocalChunkStore, PrefixedStore
 
 BUDGET_S = 1.5
 KEY, OTHER, NEW = "obs/c.0.1.0", "obs/c.0.0.0", "obs/c.0.2.0"
@@ -223,3 +223,24 @@ def test_retry_policy_accepts_edge_values():
     policy = RetryPolicy(attempts=1, base_delay=0, max_delay=0.0, budget_s=0.001)
     assert (policy.attempts, policy.base_delay, policy.max_delay, policy.budget_s) == (1, 0, 0.0, 0.001)
     assert policy.delay(3) == 0
+
+
+def test_a_prefixed_store_is_one_directory_of_its_store(tmp_path, memory_url):
+    """`PrefixedStore`: keys without the prefix, everything else of the store untouched."""
+    for root in (LocalChunkStore(str(tmp_path / "b")), FsspecChunkStore(memory_url, {})):
+        root.put("commit.json", b"root")
+        own = PrefixedStore(root, "diskreplay/objects/")
+        assert isinstance(own, ChunkStore) and own.supports_mmap == root.supports_mmap
+        own.put("commit.json", b"mine", durable=True)
+        assert own.put_if_absent("writer.lock", b"L") and not own.put_if_absent("writer.lock", b"M")
+        own.put_in_place("state/a", b"12345")
+        assert own.get_many(["commit.json", "missing"]) == [b"mine", None] and own.get("state/a", limit=2) == b"12"
+        out = [memoryview(bytearray(3)), memoryview(bytearray(2))]
+        assert own.read_into("state/a", out) == 5 and bytes(out[0]) + bytes(out[1]) == b"12345"
+        assert own.sizes() == {"commit.json": 4, "writer.lock": 1, "state/a": 5}
+        assert own.path("state/a").endswith("/diskreplay/objects/state/a")
+        own.delete("writer.lock")
+        assert not own.exists("writer.lock") and root.exists("diskreplay/objects/commit.json")
+        own.clear()
+        assert own.sizes() == {} and root.get("commit.json") == b"root"
+        root.clear()

@@ -148,7 +148,7 @@ def _verify_shard(url: str, shard: int, count: int,
     part_url = shard_url(url, shard)
     part = VerifyReport(part_url)
     store = open_chunkstore(part_url, storage_options)
-    if not store.sizes():
+    if not store.exists(GROUP_KEY) and not store.sizes():
         part.problem(f"the shard is missing ({url!r} declares {count} shards; {shard_name(shard)}/ holds nothing)")
         return part, None
     return part, _verify_buffer(store, part_url, storage_options, part)
@@ -209,7 +209,7 @@ def _verify_side_store(url: str, storage_options: dict | None, report: VerifyRep
     side_url = finals_url(url)
     side = VerifyReport(side_url)
     store = open_chunkstore(side_url, storage_options)
-    if not store.sizes():
+    if not store.exists(GROUP_KEY) and not store.sizes():
         side.problem(f"it is missing ({FINALS_DIR}/ holds nothing)")
     else:
         _verify_objects(store, side_url, side)
