@@ -346,8 +346,13 @@ def grow(n: int) -> Callable[[str], None]:
 
 
 def snapshot_file(name: str, fn: Callable[[str], None]) -> Callable[[str], None]:
-    """Take a snapshot of the store, then damage its file ``name`` with ``fn(path)``."""
-    return chain(take_snapshot, lambda p: fn(os.path.join(snap(p), name)))
+    """Take a snapshot of the store, then damage its file ``name`` (``"state.json"``, or
+    ``"arrays"``: the arrays file it names) with ``fn(path)``."""
+    def damage(p: str) -> None:
+        with open(os.path.join(snap(p), "state.json")) as fh:
+            arrays = json.load(fh)["arrays"]
+        fn(os.path.join(snap(p), arrays if name == "arrays" else name))
+    return chain(take_snapshot, damage)
 
 
 def load_snapshot(p: str, **options: Any) -> dr.ReplayBuffer:
@@ -968,13 +973,19 @@ CASES += [
 # ---- snapshots: ReplayBuffer.load_snapshot(dir) and load_state_dict ----
 
 SNAP_FILE = r"snapshot file '[^']*buf-snap/"
-SNAP_DIR = r"snapshot '[^']*buf-snap' \(state\.json, state\.safetensors\)"
+SNAP_ARRAYS = r"state-[0-9a-f]{16}\.safetensors"
+SNAP_DIR = r"snapshot '[^']*buf-snap' \(state\.json, " + SNAP_ARRAYS + r"\)"
 CASES += [
     Case("snapshot-missing-dir", load_snapshot, FileNotFoundError, r"buf-snap/state\.json"),
     Case("snapshot-missing-json", load_snapshot, FileNotFoundError, r"buf-snap/state\.json",
          prepare=snapshot_file("state.json", os.remove)),
-    Case("snapshot-missing-arrays", load_snapshot, FileNotFoundError, r"buf-snap/state\.safetensors",
-         prepare=snapshot_file("state.safetensors", os.remove)),
+    Case("snapshot-missing-arrays", load_snapshot, FileNotFoundError, r"buf-snap/" + SNAP_ARRAYS,
+         prepare=snapshot_file("arrays", os.remove)),
+    Case("snapshot-arrays-name-outside", load_snapshot, dr.CorruptBufferError,
+         SNAP_FILE + r"state\.json' field 'arrays': expected a file name like 'state-<16 hex>\.safetensors', "
+                     r"got '\.\./\.\./victim\.safetensors'",
+         prepare=snapshot_file("state.json",
+                               lambda f: edit_json(f, lambda d: d.update(arrays="../../victim.safetensors")))),
     Case("snapshot-garbage-json", load_snapshot, dr.CorruptBufferError, SNAP_FILE + r"state\.json' is unreadable",
          prepare=snapshot_file("state.json", lambda f: write(f, b"\x00garbage"))),
     Case("snapshot-json-not-object", load_snapshot, dr.CorruptBufferError,
@@ -987,16 +998,15 @@ CASES += [
          SNAP_FILE + r"state\.json' is unreadable \(.*'state' \(an object\)",
          prepare=snapshot_file("state.json", lambda f: edit_json(f, lambda d: d.update(state="x")))),
     Case("snapshot-garbage-arrays", load_snapshot, dr.CorruptBufferError,
-         SNAP_FILE + r"state\.safetensors' is unreadable",
-         prepare=snapshot_file("state.safetensors", lambda f: write(f, b"\x00garbage"))),
+         SNAP_FILE + SNAP_ARRAYS + r"' is unreadable",
+         prepare=snapshot_file("arrays", lambda f: write(f, b"\x00garbage"))),
     Case("snapshot-json-names-missing-array", load_snapshot, dr.CorruptBufferError,
-         SNAP_FILE + r"state\.safetensors' is unreadable \(.*'nope'",
+         SNAP_FILE + SNAP_ARRAYS + r"' is unreadable \(.*'nope'",
          prepare=snapshot_file("state.json", lambda f: edit_json(
              f, lambda d: set_path(d, "state.episodes.ends", {"__array__": "nope"})))),
     Case("snapshot-arrays-do-not-fit", load_snapshot, dr.CorruptBufferError,
          SNAP_DIR + r": 'episodes\.count': expected 2 ints >= 0, got float64",
-         prepare=snapshot_file("state.safetensors",
-                               lambda f: edit_arrays(f, **{"episodes.count": np.array([1.5, 2.5])}))),
+         prepare=snapshot_file("arrays", lambda f: edit_arrays(f, **{"episodes.count": np.array([1.5, 2.5])}))),
     Case("snapshot-of-another-point", load_snapshot, ValueError,
          r"state is for a buffer with \[20, 20\] steps per lane; this buffer has \[22, 22\]",
          prepare=chain(take_snapshot, grow(2))),

@@ -10,12 +10,12 @@ import numpy as np
 
 from ..episodes import HER, EpisodeTable, EpisodicReturn, row_view
 from ..errors import ClosedError, NotABufferError
-from ..format import state as state_files
 from ..format.lanes import LaneLayout, row_ids
 from ..format.schema import Field
 from ..io import RetryPolicy
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
+from . import snapshot
 from .appending import Appender
 from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
 from .output_format import output_converter
@@ -580,9 +580,11 @@ class ReplayBuffer:
         self._state.load(state, origin=None)
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> None:
-        """Write `state_dict` to ``directory``: ``state.safetensors`` (arrays) + ``state.json``."""
+        """Write `state_dict` to the local ``directory``: ``state.json`` and the arrays file it
+        names. The snapshot there is replaced only once the new one is durable: a save killed at
+        any moment leaves the old snapshot or the new one, whole (`diskreplay.buffer.snapshot`)."""
         state = self.state_dict()  # raises ClosedError before anything is written
-        state_files.save_directory(os.fspath(directory), self.url, state)
+        snapshot.save(os.fspath(directory), self.url, state)
 
     @classmethod
     def load_snapshot(cls, directory: str | os.PathLike[str], mode: str = "r+", *, url: str | None = None,
@@ -594,10 +596,10 @@ class ReplayBuffer:
             ValueError: the snapshot is of another state of the buffer (see `load_state_dict`).
         """
         directory = os.fspath(directory)
-        state, saved_url = state_files.load_directory(directory)
+        state, saved_url, arrays = snapshot.load(directory)
         buf = cls.open(url or saved_url, mode, **open_options)
         try:
-            buf._state.load(state, origin=f"snapshot {directory!r} (state.json, state.safetensors)")
+            buf._state.load(state, origin=f"snapshot {directory!r} (state.json, {arrays})")
         except BaseException:
             buf._release()  # nothing was written: release without flushing
             raise

@@ -30,7 +30,7 @@ OWN_GROUP = "diskreplay"
 OBJECTS_DIR = f"{OWN_GROUP}/objects"
 """Where a `FORMAT` buffer keeps its own objects (``commit.json``, ``state/``, ``writer.lock``,
 ``learner.json``), keyed as `FORMAT_1` keeps them at the root. ``diskreplay/`` is a Zarr group
-and ``diskreplay/objects/`` an empty Zarr array (`own_documents`): Zarr tools never list inside
+and ``diskreplay/objects/`` an empty Zarr array (`layout.add_own_nodes`): Zarr tools never list inside
 an array, so none of these objects is taken for a broken Zarr node."""
 
 
