@@ -44,7 +44,9 @@ class RateLimiter:
         min_size: rows inserted before the learner may sample at all.
         timeout_s: how long `ReplayBuffer.sample` (or an actor's ``insert_allowed(rows, wait=True)``)
             waits before raising `RateLimitTimeout`.
-        poll_s: seconds between checks while waiting.
+        poll_s: seconds between checks while waiting. An actor's check reads the learner's
+            progress and every other shard's newest commit (all in flight at once): on an object
+            store that is ``shards`` GETs per check, so raise ``poll_s`` there (e.g. 0.05-0.2).
 
     Raises ValueError naming the first argument out of range.
     """
