@@ -64,6 +64,13 @@ CHECKPOINT_PREFIX = "update-"
 KEEP_CHECKPOINTS = 2
 
 
+def say(line: str) -> None:
+    """Print one line in one write: the actors and the learner share stdout, and a ``print``
+    there (unbuffered) writes the text and its newline apart, so lines could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def qnet() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
 
@@ -137,7 +144,7 @@ def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | N
     buf = dr.ReplayBuffer.open_shard(where["buffer"], shard, rate_limiter=limiter)
     # a restarted actor draws new random numbers: the steps its shard holds are part of the seed
     steps = int(buf.window()[1].sum())
-    print(f"actor {shard} (pid {os.getpid()}) opened shard {shard} ({steps} rows were committed before)", flush=True)
+    say(f"actor {shard} (pid {os.getpid()}) opened shard {shard} ({steps} rows were committed before)")
     rng = np.random.default_rng([cfg["seed"], shard, steps])
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
@@ -208,7 +215,7 @@ class ProcessActors:
                                 name=f"actor-{shard}", daemon=True)
         proc.start()
         self.procs[shard] = proc
-        print(f"actor {shard} started (pid {proc.pid})", flush=True)
+        say(f"actor {shard} started (pid {proc.pid})")
 
     def start_all(self) -> None:
         for shard in range(len(self.procs)):
@@ -218,7 +225,7 @@ class ProcessActors:
         """Restart every actor that died."""
         for shard, proc in enumerate(self.procs):
             if not proc.is_alive():
-                print(f"actor {shard} (pid {proc.pid}) exited with code {proc.exitcode}: restarting it", flush=True)
+                say(f"actor {shard} (pid {proc.pid}) exited with code {proc.exitcode}: restarting it")
                 self.restarts += 1
                 if self.restarts > self.cfg["max_actor_restarts"]:
                     raise RuntimeError(f"actors were restarted {self.restarts - 1} times: giving up")
@@ -260,7 +267,7 @@ class RayActors:
     def start(self, shard: int) -> None:
         self.handles[shard] = self.remote_class.remote()
         self.runs[shard] = self.handles[shard].run.remote(self.run_dir, shard, self.cfg)
-        print(f"actor {shard} started (ray actor)", flush=True)
+        say(f"actor {shard} started (ray actor)")
 
     def start_all(self) -> None:
         for shard in range(len(self.handles)):
@@ -274,7 +281,7 @@ class RayActors:
                     result = f"returned {self.ray.get(run)}"
                 except Exception as exc:  # the actor died (killed, or raised)
                     result = f"failed ({type(exc).__name__})"
-                print(f"actor {shard} {result}: restarting it", flush=True)
+                say(f"actor {shard} {result}: restarting it")
                 self.restarts += 1
                 if self.restarts > self.cfg["max_actor_restarts"]:
                     raise RuntimeError(f"actors were restarted {self.restarts - 1} times: giving up")
@@ -330,13 +337,13 @@ class Learner:
             self.buf = dr.ReplayBuffer.load_snapshot(os.path.join(saved[-1], "buffer"), mode="r",
                                                      url=self.where["buffer"], sampler=self.sampler(),
                                                      rate_limiter=self.limiter)
-            print(f"resumed from checkpoint {os.path.basename(saved[-1])} at update {self.update} "
-                  f"({len(self.buf):,} rows committed in {self.buf.shards} shards)", flush=True)
+            say(f"resumed from checkpoint {os.path.basename(saved[-1])} at update {self.update} "
+                f"({len(self.buf):,} rows committed in {self.buf.shards} shards)")
         else:
             self.target.load_state_dict(self.q.state_dict())
             self.buf = dr.ReplayBuffer.open(self.where["buffer"], "r", sampler=self.sampler(), seed=args.seed,
                                             rate_limiter=self.limiter)
-            print(f"starting at update 0 with {self.buf.shards} shards", flush=True)
+            say(f"starting at update 0 with {self.buf.shards} shards")
         self.saved_update = self.update
         self.losses: list[float] = []
         self.publish_weights()
@@ -395,9 +402,8 @@ class Learner:
                 self.publish_weights()
             if self.update % args.checkpoint_every == 0:
                 self.checkpoint()
-                print(f"update {self.update:6d}  loss {np.mean(self.losses[-100:]):8.4f}  "
-                      f"rows {len(self.buf):,}  {recent_returns(args.run_dir, args.actors)}  checkpoint saved",
-                      flush=True)
+                say(f"update {self.update:6d}  loss {np.mean(self.losses[-100:]):8.4f}  "
+                    f"rows {len(self.buf):,}  {recent_returns(args.run_dir, args.actors)}  checkpoint saved")
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -523,8 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if learner.update != learner.saved_update:
         learner.checkpoint()
     if stop.signal:
-        print(f"{signal.Signals(stop.signal).name}: stopped at update {learner.update}, checkpoint saved; "
-              f"run again to resume", flush=True)
+        say(f"{signal.Signals(stop.signal).name}: stopped at update {learner.update}, checkpoint saved; "
+            f"run again to resume")
     learner.publish_weights()
     rows_sampled = int(learner.buf.state_dict()["samples"])
     learner.buf.close()
@@ -539,8 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(where["summary"] + ".tmp", "w") as f:
         json.dump(summary, f)
     os.replace(where["summary"] + ".tmp", where["summary"])
-    print(f"done: {learner.update} updates (this run from update {learner.start_update}), rows per shard {rows}, "
-          f"{recent_returns(args.run_dir, args.actors)}", flush=True)
+    say(f"done: {learner.update} updates (this run from update {learner.start_update}), rows per shard {rows}, "
+        f"{recent_returns(args.run_dir, args.actors)}")
     return summary
 
 

@@ -143,12 +143,14 @@ def committed_rows(run: Path, proc: subprocess.Popen, shard: int, more_than: int
 
 
 def wait_for_line(proc: subprocess.Popen, pattern: str, out: list[str]):
-    """Read the example's output (into ``out``) up to a line matching ``pattern``: its match."""
+    """Read the example's output (into ``out``) up to a line holding ``pattern``: its match. Its
+    processes share one unbuffered stdout, where ``print`` writes the text and its newline
+    separately: two processes' lines can come out as one, so the pattern is searched, not matched."""
     import re
 
     while line := proc.stdout.readline():
         out.append(line)
-        if found := re.match(pattern, line):
+        if found := re.search(pattern, line):
             return found
     raise AssertionError(f"the run ended without printing a line matching {pattern!r}:\n{''.join(out)}")
 
