@@ -237,7 +237,10 @@ def test_slots_of_a_dead_loader_are_reclaimed(buf, monkeypatch):
     before = ring.stats()
     want = reference(buf, 30)
     assert_same(as_numpy(itertools.islice(fork_loader(ds, workers=1), 30)), want)
-    assert ring.stats()["received"] - before["received"] >= 25  # slots of dead workers were taken back
+    # the dead claimant's slots were taken back and used; how many batches fit the 3 slots rather
+    # than falling back depends on how fast this process frees them (prefetch 2 + the batch held)
+    assert all(ring._pids()[slot] != gone.pid for slot in range(3))
+    assert ring.stats()["received"] - before["received"] >= 10
 
 
 # ---- the rest of the DataLoader feature set ---------------------------------------------------
