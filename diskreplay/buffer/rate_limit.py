@@ -22,7 +22,7 @@ from typing import Protocol
 from ..errors import CorruptBufferError, RateLimitTimeout
 from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY, objects_prefix
-from ..format.shards import LEARNER_KEY, LearnerProgress, ShardedRoot, shard_name
+from ..format.shards import LearnerProgress, ShardedRoot, shard_name
 from ..io import ChunkStore
 from ..storage import Storage
 from .learner import LearnerState
@@ -91,14 +91,14 @@ class Progress:
     """``learner.json`` among a sharded buffer's root objects: written by the learner, read by actors."""
 
     def __init__(self, store: ChunkStore, url: str, root: ShardedRoot):
-        self.store, self.url, self.shards = store, url, root.count
+        self.store, self.url, self.shards, self.key = store, url, root.count, root.learner_key
         self.own = objects_prefix(root.format)
         self.published = 0.0
 
     def read(self) -> LearnerProgress:
         """The learner's last published progress (nothing sampled or seen before it publishes).
         Raises CorruptBufferError for a damaged ``learner.json``."""
-        blob = self.store.get(self.own + LEARNER_KEY, limit=1 << 20)
+        blob = self.store.get(self.key, limit=1 << 20)
         if blob is None:
             return LearnerProgress(0, (0,) * self.shards, 0.0)
         return LearnerProgress.from_bytes(blob, self.url, self.shards)
@@ -107,7 +107,7 @@ class Progress:
         """Write the learner's progress, at most every `PUBLISH_EVERY_S` seconds unless ``force``."""
         now = time.time()
         if force or now - self.published >= PUBLISH_EVERY_S:
-            self.store.put(self.own + LEARNER_KEY, LearnerProgress(samples, inserts, now).to_bytes())
+            self.store.put(self.key, LearnerProgress(samples, inserts, now).to_bytes())
             self.published = now
 
     def inserts(self, shard: int, own_total: int, num_envs: int) -> int:

@@ -39,10 +39,10 @@ def objects_prefix(format_name: str) -> str:
     return "" if format_name == FORMAT_1 else f"{OBJECTS_DIR}/"
 
 
-def own_keys(key: str) -> tuple[str, str]:
-    """Where diskreplay's own object ``key`` may be in a location of either format, newest first:
+def own_keys(key: str) -> tuple[str, ...]:
+    """Where diskreplay's own object ``key`` may be in a location of any format, newest first:
     for questions that come before the format is known (is there a commit record, a writer lock?)."""
-    return f"{OBJECTS_DIR}/{key}", key
+    return tuple(objects_prefix(version) + key for version in reversed(FORMATS))
 
 
 def side_stores(derive_next: bool) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import zarr.storage
 
 from ..errors import CorruptBufferError
 from .config import MAX_STEPS
-from .keys import FORMAT, FORMAT_1, FORMATS, GROUP_KEY, json_object
+from .keys import FORMAT, FORMAT_1, FORMATS, GROUP_KEY, json_object, objects_prefix
 from .layout import add_own_nodes
 
 SHARDS_ATTRIBUTE = "diskreplay_shards"
@@ -56,6 +56,11 @@ class ShardedRoot:
 
     count: int
     format: str = FORMAT
+
+    @property
+    def learner_key(self) -> str:
+        """Where a learner's progress (`LEARNER_KEY`) is kept, in the root's store."""
+        return objects_prefix(self.format) + LEARNER_KEY
 
 
 def root_documents(count: int) -> dict[str, bytes]:

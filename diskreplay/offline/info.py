@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
+from ..buffer.setup import read_sharded_root
 from ..episodes import end_flags, episode_end_fields
 from ..errors import CorruptBufferError, NotABufferError
 from ..format.commit import CommitRecord
-from ..format.keys import objects_prefix
-from ..format.shards import LEARNER_KEY, LearnerProgress, shard_name
+from ..format.shards import LearnerProgress, shard_name
 from ..sampling import Uniform
 from ..storage import Storage
 from .status import describe_incomplete, import_status
@@ -213,9 +213,8 @@ def _commit_info(record: CommitRecord) -> dict[str, Any]:
 def _shards_info(union: Storage) -> dict[str, Any]:
     """The report's shards: per shard its rows and last commit (`_shard_rows`), and the
     learner's progress (`_learner_info`)."""
-    count = union.shards
-    return {"sharded": True, "shards": count, "per_shard": _shard_rows(union),
-            "learner": _learner_info(union, count)}
+    return {"sharded": True, "shards": union.shards, "per_shard": _shard_rows(union),
+            "learner": _learner_info(union)}
 
 
 def _shard_rows(union: Storage) -> list[dict[str, Any]]:
@@ -235,14 +234,15 @@ def _shard_rows(union: Storage) -> list[dict[str, Any]]:
     return rows
 
 
-def _learner_info(union: Storage, shards: int) -> dict[str, Any] | None:
+def _learner_info(union: Storage) -> dict[str, Any] | None:
     """``learner.json`` in the root of ``union``: rows sampled, inserts seen per shard and the
     time it was published (None if no learner published; ``{"error": why}`` if it is damaged)."""
-    blob = union.store.get(objects_prefix(union.config.format) + LEARNER_KEY, limit=1 << 20)
+    root = read_sharded_root(union.store, union.url)
+    blob = None if root is None else union.store.get(root.learner_key, limit=1 << 20)
     if blob is None:
         return None
     try:
-        progress = LearnerProgress.from_bytes(blob, union.url, shards)
+        progress = LearnerProgress.from_bytes(blob, union.url, union.shards)
     except CorruptBufferError as exc:
         return {"error": str(exc).removeprefix(f"{union.url!r}: ")}
     return {"samples": progress.samples, "inserts": list(progress.inserts), "time": progress.time}

@@ -43,7 +43,7 @@ from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES,
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
-from ..format.shards import LEARNER_KEY, LearnerProgress, ShardedRoot, shard_name, shard_url
+from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
 from ..io import ChunkStore, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
@@ -138,7 +138,7 @@ def _verify_shards(store: ChunkStore, url: str, root: ShardedRoot, storage_optio
         _merge(report, part, shard_name(shard))
     episodes = [part.episodes for part in report.shards]
     report.episodes = None if None in episodes else sum(e or 0 for e in episodes)
-    _check_learner(objects_at(store, objects_prefix(root.format)), url, count, report)
+    _check_learner(store, url, root, report)
 
 
 def _verify_shard(url: str, shard: int, count: int,
@@ -163,14 +163,14 @@ def _merge(report: VerifyReport, part: VerifyReport, name: str) -> None:
     report.notes += [f"{name}: {note}" for note in part.notes]
 
 
-def _check_learner(store: ChunkStore, url: str, count: int, report: VerifyReport) -> None:
-    """``learner.json`` of the sharded buffer at ``url`` (in ``store``, its root's own objects),
-    if present, parses (`LearnerProgress`)."""
-    blob = store.get(LEARNER_KEY, limit=MAX_METADATA_BYTES + 1)
+def _check_learner(store: ChunkStore, url: str, root: ShardedRoot, report: VerifyReport) -> None:
+    """``learner.json`` of the sharded buffer at ``url`` (``store``: its root's), if present,
+    parses (`LearnerProgress`)."""
+    blob = store.get(root.learner_key, limit=MAX_METADATA_BYTES + 1)
     if blob is None:
         return
     try:
-        LearnerProgress.from_bytes(blob, url, count)
+        LearnerProgress.from_bytes(blob, url, root.count)
     except CorruptBufferError as exc:
         report.problem(_without_url(exc, url))
 
