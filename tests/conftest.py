@@ -28,6 +28,19 @@ sys.dont_write_bytecode = False
 OWN = "diskreplay/objects/"
 """Where a buffer keeps its own objects (commit record, state, writer lock): docs/format.md, section 1."""
 
+
+def writers(buf: dr.ReplayBuffer) -> list:
+    """The `StagingWriter` of a writer's storage and of its ``derive_next`` side store."""
+    return [storage.writer for storage in (buf.storage, buf._finals) if storage is not None and storage.writer]
+
+
+def writes_done(buf: dr.ReplayBuffer) -> None:
+    """Wait until a writer's sealed chunks are written: they are written behind its appends, on a
+    background thread, so a reader opened right after an append may find them still being written.
+    A failed write is not raised here: the writer's next call raises it."""
+    for writer in writers(buf):
+        writer.wait()
+
 # A small schema touching several dtypes and ranks; `row_values` fills it from a row counter so
 # every row ever added is distinguishable.
 SMALL_FIELDS = {

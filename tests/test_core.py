@@ -21,6 +21,7 @@ from conftest import (
     dir_snapshot,
     min_cache,
     stack_rows,
+    writes_done,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -352,6 +353,7 @@ def test_random_ops_match_reference_model(tmp_path_factory, scenario):
                     own = steps[lanes == lane]
                     model.floor[lane] = int(own.min()) if own.size else model.committed[lane]
             elif op[0] == "reader":
+                writes_done(buf)
                 reader.refresh()
                 check_buffer_against(reader, model, committed=True, exact=clean)
             check_buffer_against(buf, model)
@@ -418,6 +420,7 @@ def test_unflushed_rows_lost_when_writer_abandoned(url, capacity):
     buf.flush()
     model.flush()
     do_extend(buf, model, 6)  # some full chunks get written, but never committed
+    writes_done(buf)
     with dr.ReplayBuffer.open(url, mode="r") as reader:  # a second process, before close
         # a ring writer retires the rows its chunk writes destroy, so a reader may see fewer
         assert reader.row_ids().max() == 6 and len(reader) <= 7
@@ -693,6 +696,7 @@ def live_buffer(tmp_path):
     buf.extend({k: random_values(f, 9, rng) for k, f in BAD_FIELDS.items()})
     buf.flush()
     buf.extend({k: random_values(f, 6, rng) for k, f in BAD_FIELDS.items()})  # wraps, partly staged
+    writes_done(buf)
 
     before = (len(buf), buf.row_ids(), buf[buf.row_ids()], dir_snapshot(path))
 
@@ -792,6 +796,7 @@ def multi_env(tmp_path):
     buf.extend(_good_batch(3, 3))
     buf.flush()
     buf.add(env_ids=[1], **_good_batch(1))
+    writes_done(buf)
     before = (len(buf), dir_snapshot(path))
     yield buf, lambda: (len(buf), dir_snapshot(path)) == before
     buf.close()

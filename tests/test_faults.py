@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import OWN
+from conftest import OWN, writers, writes_done
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
 
 import diskreplay as dr
@@ -138,6 +138,7 @@ def committed_record(url: str, so: dict | None) -> bytes:
 
 def look(buf: dr.ReplayBuffer, so: dict | None = None, rows: Callable = f) -> View:
     """The writer's and a fresh reader's view, every readable row checked against ``rows``."""
+    writes_done(buf)  # a reader opened meanwhile would race the chunk writes behind the last call
     lanes = buf.num_envs
     total = buf.state_dict()["total"]
     ids = buf.row_ids()
@@ -410,16 +411,22 @@ def disk(request, tmp_path, monkeypatch):
 FREE_PAGES = sorted(set(range(16)) | {int(16 * 1.5 ** k) for k in range(12)})
 
 
-def until_it_fits(disk, call: Callable[[], Any], on_failure: Callable[[], Any], faults: Faults) -> int:
+def until_it_fits(disk, buf: dr.ReplayBuffer, call: Callable[[], Any], on_failure: Callable[[], Any],
+                  faults: Faults) -> int:
     """Try ``call`` with `FREE_PAGES` free pages until it succeeds (then free the disk): every
     failure point of the call is met on the way. After each failure, ``on_failure()`` checks the
-    writer. Returns the failures."""
+    writer. Returns the failures.
+
+    The chunks a call seals are written behind it, on the same disk (waited for before the disk
+    changes): when that write fails, the writer's next call raises the error and changes nothing
+    (`raise_deferred`)."""
     failures = 0
     try:
         for pages in FREE_PAGES:
             disk.leave(pages)
             try:
                 call()
+                writes_done(buf)
             except OSError as exc:
                 assert type(exc) is OSError and exc.errno == errno.ENOSPC, repr(exc)
                 assert ENOSPC_MESSAGE in str(exc), str(exc)
@@ -432,6 +439,21 @@ def until_it_fits(disk, call: Callable[[], Any], on_failure: Callable[[], Any], 
         raise AssertionError(f"the call still failed with {FREE_PAGES[-1]} pages free")
     finally:
         disk.free()
+
+
+def raise_deferred(buf: dr.ReplayBuffer, call: Callable[[], Any], rows: Callable = f) -> int:
+    """If a chunk write behind the writer's last call failed, ``call`` raises that error, once,
+    and changes nothing. Returns the failures (0 or 1)."""
+    if all(writer.failure is None for writer in writers(buf)):
+        return 0
+    before = look(buf, rows=rows)
+    with pytest.raises(OSError, match=ENOSPC_MESSAGE):
+        call()
+    after = look(buf, rows=rows)
+    np.testing.assert_array_equal(after.total, before.total)
+    np.testing.assert_array_equal(after.ids, before.ids)
+    assert after.commit == before.commit
+    return 1
 
 
 # ---- disk full: the matrix -----------------------------------------------------------------
@@ -484,7 +506,7 @@ def run_disk_full(disk, faults: Faults, opened: list, mode: str, compression: st
             check_failed_call(buf, before, start, count)
             check_reader()
 
-        failures += until_it_fits(disk, call, on_failure, faults)
+        failures += until_it_fits(disk, buf, call, on_failure, faults)
 
     if op == "extend":  # a partial chunk sealed, a whole chunk straight from the arrays, a tail staged
         attempt(lambda: buf.extend(steps(step, EXTEND, lanes)), EXTEND)
@@ -495,8 +517,9 @@ def run_disk_full(disk, faults: Faults, opened: list, mode: str, compression: st
             step += 1
     else:  # the tail chunk of every lane, the state object, the metadata of grown arrays, the commit
         attempt(buf.flush, 0)
-    assert failures >= (2 if op == "add" else 1), failures
     # the same writer goes on, on a disk with room again
+    failures += raise_deferred(buf, lambda: buf.extend(steps(step, AFTER, lanes)))
+    assert failures >= (2 if op == "add" else 1), failures
     buf.extend(steps(step, AFTER, lanes))
     step += AFTER
     check_recovered(buf, step)
@@ -687,7 +710,7 @@ def test_disk_full_with_derived_fields_and_priorities(disk, opened, faults, mode
             check_failed_call(buf, before, start, count, rows=rows)
             check_derived(buf, ref, with_reader=False)
 
-        failures += until_it_fits(disk, call, on_failure, faults)
+        failures += until_it_fits(disk, buf, call, on_failure, faults)
         ref.added(count)
 
     step = ref.total
@@ -698,6 +721,7 @@ def test_disk_full_with_derived_fields_and_priorities(disk, opened, faults, mode
             attempt(lambda k=k: buf.add(**one_step(step + k, lanes, rows)), 1)
     else:
         attempt(buf.flush, 0)
+    failures += raise_deferred(buf, lambda: buf.extend(steps(ref.total, AFTER, lanes, rows)), rows)
     assert failures >= 1
     buf.extend(steps(ref.total, AFTER, lanes, rows))
     ref.added(AFTER)
@@ -845,6 +869,11 @@ def test_s3_retire_commit_of_a_full_ring_failing(s3, opened, fault_proxy, faults
     before = look(buf, so, s3_rows)
     fault_proxy.reset_stats()
     fault_proxy.fail("503", "/" + OWN + "commit.json", times=10**6, method="PUT")
+    if op == "add":  # it returns: the retire commit fails behind it, and the next add raises that
+        call()
+        step += 1
+        before = look(buf, so, s3_rows)
+        call = lambda: buf.add(**one_step(step, 1, s3_rows))  # noqa: E731
     _, error = outcome(call)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
     assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),

@@ -82,6 +82,8 @@ class Appender:
         finals, derived = self.finals, self.view.derived
         done: list[tuple[int, int, int, dict[str, np.ndarray]]] = []  # (lane, start, finals start, newest next_*)
         stored: list[tuple[int, int, int]] = []
+        for storage in self.storages():
+            storage.settle()
         try:
             for j, lane in enumerate(lanes.tolist()):
                 lane_rows = {k: v[:, j] for k, v in rows.items()}
@@ -100,8 +102,7 @@ class Appender:
                 self.episodes.on_append(lane, end - count, lane_rows)
                 self.view.record(lane, end - count, lane_rows)
             for storage in self.storages():
-                if storage.has_sealed:
-                    storage.write_sealed(durable=False)
+                storage.write_behind()
         except BaseException:
             self._undo(done, count)
             raise

@@ -318,10 +318,16 @@ class ReplayBuffer:
         if it raises (bad input, a full disk, an unreachable store), the buffer is as before the
         call (in a ring, the oldest rows it would have overwritten may be retired).
 
+        A chunk the step fills is written behind the call, on the writer's background thread (with
+        a full ring's retire commit): the call does not wait for the disk. If that write fails,
+        the next `add`, `extend` or `flush` raises its error, once, before doing anything; the
+        chunk stays staged and is written again with the next one.
+
         Raises:
             SchemaError: missing/unknown field, wrong shape, unsafe or lossy dtype, bad env_ids.
             ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
-            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
+            OSError / StoreUnavailableError / LockedError: writing chunks failed, in this call or
+                behind an earlier one; nothing of the call remains.
         """
         self._writer().add(step, env_ids)
 
@@ -334,7 +340,8 @@ class ReplayBuffer:
             SchemaError: not a mapping, missing/unknown field, wrong shape, unsafe or lossy dtype,
                 mismatched leading axes.
             ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
-            OSError / StoreUnavailableError: writing chunks failed; nothing of the call remains.
+            OSError / StoreUnavailableError / LockedError: writing chunks failed, in this call or
+                behind an earlier one (see `add`); nothing of the call remains.
         """
         self._writer().extend(data, env_ids)
 
@@ -353,7 +360,8 @@ class ReplayBuffer:
         Raises:
             ReadOnlyError: the buffer was opened with mode="r". ClosedError: it was closed.
             LockedError: another writer took this buffer's lock (this one stops writing).
-            OSError / StoreUnavailableError: writing failed.
+            OSError / StoreUnavailableError: writing failed (or a chunk write behind an earlier
+                `add` or `extend` did).
         """
         self._writer().flush(durable)
 

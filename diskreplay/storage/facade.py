@@ -233,11 +233,6 @@ class Storage:
         assert self.writer is not None
         return self.writer
 
-    @property
-    def has_sealed(self) -> bool:
-        """Whether full chunks wait to be written."""
-        return bool(self.writer is not None and self.writer.sealed)
-
     def append(self, lane: int, rows: Mapping[str, np.ndarray], count: int) -> tuple[int, int]:
         """Stage ``count`` steps for one lane; the steps stored ``[first, end)`` (`StagingWriter.append`)."""
         return self._writable().append(lane, rows, count)
@@ -257,12 +252,16 @@ class Storage:
     def retire_all(self) -> None:
         """Writer: every row added so far stops being readable (at once for this writer, for
         readers at the next commit). Steps go on counting."""
-        self._writable()
+        self._writable().drain()
         self.log.cursors.lower = self.log.cursors.total.copy()
 
-    def write_sealed(self, durable: bool) -> None:
-        """Write the full chunks waiting, and nothing else."""
-        self._writable().write_sealed(durable)
+    def write_behind(self) -> None:
+        """Start writing the full chunks waiting on the background thread (`StagingWriter.write_behind`)."""
+        self._writable().write_behind()
+
+    def settle(self) -> None:
+        """Raise the error of a failed background write, once (`StagingWriter.settle`)."""
+        self._writable().settle()
 
     def flush(self, durable: bool = True, state: dict[str, Any] | None = None,
               side: Storage | None = None) -> None:
@@ -274,6 +273,7 @@ class Storage:
         replaced; the previous state object is deleted. If it raises, nothing new is committed
         and the rows stay staged."""
         writer = self._writable()
+        writer.drain()
         log = writer.log
         staged = log.stage_state(state, durable) if state is not None else None
         try:
@@ -292,6 +292,8 @@ class Storage:
         """Release threads, maps and the writer lock (idempotent). Nothing is written."""
         if self.log.closed:
             return
+        if self.writer is not None:
+            self.writer.close()
         self.io.close()
         self.files.close()
         self.log.close()

@@ -14,6 +14,13 @@ the rows staged; the next one writes them again.
 In a full ring, writing a chunk destroys the oldest rows of its slots: before any such write the
 writer has the commit log commit a raised lower bound (`CommitLog.retire`), so a reader never reads
 a row that is being overwritten.
+
+Writes behind the appends. The chunks an ``add`` or ``extend`` seals are written on a background
+thread (`WriteBehind`), retire commit included, while the caller goes on. Until a chunk is
+written it stays pinned in the cache, where this process reads it. A background write that fails
+leaves its chunks sealed, to be written again; its error is raised once, by the next append
+(before it stages anything) or flush. Everything else that writes, or changes a chunk in flight,
+waits for the batch first (`drain`).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from .chunk_io import ChunkIO, ChunkWrite
 from .commit_log import CommitLog
 from .cursors import Cursors
 from .loading import ChunkLoader
+from .write_behind import Sealed, WriteBehind
 
-Sealed = tuple[int, int, int]
-"""``(lane, chunk, slot)``: a staged chunk complete (or patched) and waiting to be written."""
+BACKLOG_ROUNDS = 4
+"""Sealed chunks per lane that may wait for the batch in flight before an append waits for it."""
 
 
 class StagingWriter:
@@ -46,6 +54,10 @@ class StagingWriter:
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
         self.sealed: list[Sealed] = []
+        """Sealed chunks not yet written, nor being written (`behind` holds those)."""
+        self.behind = WriteBehind()
+        self.failure: BaseException | None = None
+        """The error of the last background write, not raised yet."""
 
     # ---- appends ---------------------------------------------------------------------------
 
@@ -79,7 +91,7 @@ class StagingWriter:
                 if offset + piece == layout.chunk_rows or layout.slot(step + piece) == 0:
                     self._seal(lane)
                 self.cursors.total[lane] = step + piece
-                if len(self.sealed) * 2 > self.cache.full_slots:
+                if (len(self.sealed) + len(self.behind.in_flight)) * 2 > self.cache.full_slots:
                     self.write_sealed(durable=False)
             i += piece
             step += piece
@@ -94,6 +106,7 @@ class StagingWriter:
         In a ring, the rows whose slots the call reached are retired (``lower``), as their bytes
         may already be gone. Chunk files written beyond the cursor stay, unseen, until rewritten.
         """
+        self.wait()
         layout, cursors = self.layout, self.cursors
         cursors.total[lane] = start
         if layout.lane_capacity is not None:
@@ -133,6 +146,7 @@ class StagingWriter:
         Done before `append` returns, as the caller may reuse its arrays."""
         if not whole:
             return
+        self.drain()
         self.log.retire(self.cursors.first_kept())
         n = self.layout.chunk_rows
         self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], rows[name][i:i + n],
@@ -145,6 +159,8 @@ class StagingWriter:
             return self.cache.slot_of(lane, chunk)
         if self.staging[lane] >= 0:
             self._seal(lane)
+        if self.behind.holds(lane, chunk):  # a small ring came round to a chunk still being written
+            self.drain()
         self.cache.ensure_chunks(chunk + 1)
         slot = self._complete_slot(lane, chunk)
         if slot >= 0:
@@ -202,6 +218,8 @@ class StagingWriter:
             self.cache.write_rows(slot, offset, values, i, piece)
 
     def _patchable_slot(self, lane: int, chunk: int) -> int:
+        if self.behind.holds(lane, chunk):
+            self.drain()
         if self.staging[lane] == chunk:
             self.dirty[lane] = True
             return self.cache.slot_of(lane, chunk)
@@ -229,12 +247,65 @@ class StagingWriter:
 
     def write_sealed(self, durable: bool) -> None:
         """Write every sealed chunk (and nothing else), after retiring the rows they overwrite."""
+        self.drain()
         self._write_chunks(self.sealed, durable)
         self._release_sealed()
+
+    def write_behind(self) -> None:
+        """Start writing the sealed chunks on the background thread, unless a batch is in flight
+        (they go with the next one) or the last one failed (`settle` raises its error first)."""
+        self._reap(wait=False)
+        if self.behind.busy and len(self.sealed) > BACKLOG_ROUNDS * self.layout.num_envs:
+            self.drain()  # the store falls behind the appends: they wait for it one batch at a time
+        if not self.sealed or self.behind.busy or self.failure is not None:
+            return
+        if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
+            return self.write_sealed(durable=False)  # a ring wrapped within the append: its rows change on
+        chunks, self.sealed = self.sealed, []
+        work, first_kept = self._work(chunks), self.cursors.first_kept()
+
+        def write() -> None:
+            self.log.retire(first_kept)
+            self._put(work, durable=False)
+        self.behind.start(chunks, write)
+
+    def settle(self) -> None:
+        """Take back a finished background write; raise its error, once, if it failed (its
+        chunks are sealed again and written with the next batch)."""
+        self._reap(wait=False)
+        self._raise_failure()
+
+    def wait(self) -> None:
+        """Wait for the background write in flight; a failure is kept for the next call to raise."""
+        self._reap(wait=True)
+
+    def drain(self) -> None:
+        """Wait for the background write in flight; then as `settle`."""
+        self._reap(wait=True)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        error, self.failure = self.failure, None
+        if error is not None:
+            raise error
+
+    def _reap(self, wait: bool) -> None:
+        ended = self.behind.finish(wait)
+        if ended is None:
+            return
+        chunks, error = ended
+        for lane, chunk, _ in chunks:  # some may have been rewritten before a failure
+            self.forget_files(lane, np.array([chunk]))
+        if error is None:
+            self._release(chunks)
+        else:
+            self.sealed = chunks + self.sealed
+            self.failure = error
 
     def write_all(self, durable: bool) -> None:
         """Write sealed chunks and every lane's partial tail chunk (fsynced if ``durable``). If it
         raises, the rows stay staged."""
+        self.drain()
         tails = [(lane, int(self.staging[lane]), self.cache.slot_of(lane, int(self.staging[lane])))
                  for lane in np.flatnonzero(self.dirty).tolist()]
         self._write_chunks(self.sealed + tails, durable)
@@ -244,12 +315,15 @@ class StagingWriter:
             self.io.sync()
 
     def _release_sealed(self) -> None:
-        """Unpin written sealed chunks, except a lane's current staging chunk (a ring that wraps
-        within one append re-stages a chunk it already sealed). With memory maps, the maps serve
-        written chunks: the cache then holds only the chunks not written yet."""
-        written = np.array([slot for _, _, slot in self.sealed], dtype=np.int64)
-        self.cache.unpin(written)
+        self._release(self.sealed)
         self.sealed = []
+
+    def _release(self, chunks: list[Sealed]) -> None:
+        """Unpin written chunks, except a lane's current staging chunk (a ring that wraps within
+        one append re-stages a chunk it already sealed). With memory maps, the maps serve written
+        chunks: the cache then holds only the chunks not written yet."""
+        written = np.array([slot for _, _, slot in chunks], dtype=np.int64)
+        self.cache.unpin(written)
         lanes = np.flatnonzero(self.staging >= 0)
         self.cache.pin(self.cache.slots_of(lanes, self.staging[lanes]))
         if not self.keep_written:
@@ -259,11 +333,13 @@ class StagingWriter:
         if not chunks:
             return
         self.log.retire(self.cursors.first_kept())
-        self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], self.cache.chunk_rows_of(name, slot),
-                    self._never_committed(lane, chunk))
-                   for lane, chunk, slot in chunks for name in self.io.schema.fields], durable)
+        self._put(self._work(chunks), durable)
         for lane, chunk, _ in chunks:
             self.forget_files(lane, np.array([chunk]))
+    def _work(self, chunks: list[Sealed]) -> list[ChunkWrite]:
+        return [(self.io.key(name, lane, chunk), self.io.codecs[name], self.cache.chunk_rows_of(name, slot),
+                 self._never_committed(lane, chunk))
+                for lane, chunk, slot in chunks for name in self.io.schema.fields]
 
     def _put(self, work: list[ChunkWrite], durable: bool) -> None:
         self.log.check_lock()
@@ -272,3 +348,7 @@ class StagingWriter:
     def _never_committed(self, lane: int, chunk: int) -> bool:
         """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
         return int(self.log.record.committed[lane]) <= chunk * self.layout.chunk_rows
+
+    def close(self) -> None:
+        """Wait for the background write in flight and end its thread. Nothing more is written."""
+        self.behind.close()

@@ -1,0 +1,235 @@
+"""Sealed chunks are written behind the appends (issue #13: a single add never waits for a chunk
+write, its retire commit or the disk).
+
+A wrapper around `LocalChunkStore`'s writes holds chosen writes until the test lets them go, or
+fails them: what is shown is what the writer did while a write was held (calls returned, rows
+read, commits on disk), never how long anything took.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import OWN
+
+import diskreplay as dr
+from diskreplay.io import LocalChunkStore
+from diskreplay.offline import verify
+from diskreplay.storage.writer import BACKLOG_ROUNDS, StagingWriter
+
+CHUNK = 8
+SAFETY_S = 30
+FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
+
+
+def rows(ids) -> dict[str, np.ndarray]:
+    ids = np.asarray(ids, dtype=np.int64)
+    return {"obs": np.stack([ids, ids + 0.5, -ids], -1).astype(np.float32), "act": ids * 3}
+
+
+def add(buf: dr.ReplayBuffer, first: int, n: int) -> None:
+    for i in range(first, first + n):
+        buf.add(**{k: v[0] for k, v in rows([i]).items()})
+
+
+class Writes:
+    """Every `LocalChunkStore` write (``put`` and ``put_in_place``) under a root, seen, and held
+    or failed while a rule says so."""
+
+    def __init__(self, root: str, monkeypatch: pytest.MonkeyPatch):
+        self.root = root
+        self.hold: Callable[[str], bool] = lambda key: False
+        self.fail: Callable[[str], bool] = lambda key: False
+        self.released = threading.Event()
+        self.held = threading.Event()
+        self.failed: list[str] = []
+        self.keys: list[str] = []
+        put, put_in_place = LocalChunkStore.put, LocalChunkStore.put_in_place
+
+        def check(store: LocalChunkStore, key: str) -> None:
+            if not store.root.startswith(root):
+                return
+            key = os.path.relpath(store.path(key), root)
+            self.keys.append(key)
+            if self.hold(key):
+                self.held.set()
+                assert self.released.wait(SAFETY_S), "held write never released"
+            if self.fail(key):
+                self.fail = lambda key: False  # once
+                self.failed.append(key)
+                raise OSError(errno.EIO, os.strerror(errno.EIO), key)
+
+        def wrapped_put(store, key, data, durable=False):
+            check(store, key)
+            return put(store, key, data, durable)
+
+        def wrapped_put_in_place(store, key, data):
+            check(store, key)
+            return put_in_place(store, key, data)
+
+        monkeypatch.setattr(LocalChunkStore, "put", wrapped_put)
+        monkeypatch.setattr(LocalChunkStore, "put_in_place", wrapped_put_in_place)
+
+
+def is_chunk(key: str) -> bool:
+    return key.startswith(("obs/c", "act/c"))
+
+
+def committed_ids(url: str) -> np.ndarray:
+    with dr.ReplayBuffer.open(url, "r") as reader:
+        ids = reader.row_ids()
+        got = reader[ids]
+        np.testing.assert_array_equal(got["obs"], rows(ids)["obs"])
+        np.testing.assert_array_equal(got["act"], rows(ids)["act"])
+        return np.sort(ids)
+
+
+@pytest.fixture
+def writes(tmp_path, monkeypatch) -> Writes:
+    return Writes(str(tmp_path / "buf"), monkeypatch)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_adds_go_on_while_a_sealed_chunk_is_written(writes, compression):
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=4 * CHUNK, chunk_rows=CHUNK,
+                                 compression=compression, seed=0)
+    try:
+        writes.hold = is_chunk
+        add(buf, 0, CHUNK)  # the last add seals chunk 0: its write starts and is held
+        assert writes.held.wait(SAFETY_S)
+        add(buf, CHUNK, CHUNK - 1)  # more adds return while it is held
+        ids = buf.row_ids()
+        np.testing.assert_array_equal(ids, np.arange(2 * CHUNK - 1))
+        np.testing.assert_array_equal(buf[ids]["act"], rows(ids)["act"])  # chunk 0 read from the cache
+        assert not any(key.startswith(("obs/c.0.1", "act/c.0.1")) for key in writes.keys)  # chunk 1: staged
+        writes.released.set()
+        buf.flush()
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(2 * CHUNK - 1))
+    finally:
+        writes.released.set()
+        buf.close()
+    assert verify(writes.root).ok
+
+
+def test_the_retire_commit_of_a_full_ring_is_behind_the_add_too(writes):
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=2 * CHUNK, chunk_rows=CHUNK, seed=0)
+    try:
+        add(buf, 0, 2 * CHUNK)
+        buf.flush()
+        writes.hold = lambda key: key == OWN + "commit.json"
+        commits = len([k for k in writes.keys if k == OWN + "commit.json"])
+        add(buf, 2 * CHUNK, CHUNK)  # overwrites chunk 0: retire commit first, held
+        assert writes.held.wait(SAFETY_S)
+        add(buf, 3 * CHUNK, 3)
+        np.testing.assert_array_equal(buf.row_ids(), np.arange(CHUNK + 3, 3 * CHUNK + 3))
+        assert len([k for k in writes.keys if k == OWN + "commit.json"]) == commits + 1  # the held one
+        writes.released.set()
+        buf.flush()
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(CHUNK + 3, 3 * CHUNK + 3))
+    finally:
+        writes.released.set()
+        buf.close()
+
+
+def background_job(buf: dr.ReplayBuffer):
+    writer = buf.storage.writer
+    assert writer is not None
+    return writer.behind._job
+
+
+def test_a_failed_background_write_is_raised_once_by_the_next_add_and_written_again(writes):
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=4 * CHUNK, chunk_rows=CHUNK, seed=0)
+    try:
+        add(buf, 0, 3)
+        buf.flush()
+        writes.fail = is_chunk
+        add(buf, 3, CHUNK - 3)  # seals chunk 0: its write fails in the background
+        job = background_job(buf)
+        assert job is not None and isinstance(job.exception(SAFETY_S), OSError)
+        before = buf.state_dict()["total"]
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)) as info:
+            add(buf, CHUNK, 1)
+        assert info.value.filename in writes.failed
+        np.testing.assert_array_equal(buf.state_dict()["total"], before)  # that add stored nothing
+        np.testing.assert_array_equal(buf.row_ids(), np.arange(CHUNK))
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(3))
+        add(buf, CHUNK, 2)  # raised once: the writer goes on, chunk 0 is written again
+        buf.flush()
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(CHUNK + 2))
+    finally:
+        buf.close()
+    assert verify(writes.root).ok
+
+
+def test_a_failed_background_write_fails_the_flush_which_commits_nothing(writes):
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    try:
+        writes.hold = writes.fail = is_chunk
+        add(buf, 0, CHUNK + 2)  # chunk 0's write is held, then fails
+        assert writes.held.wait(SAFETY_S)
+        writes.released.set()
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+            buf.flush()
+        assert len(committed_ids(writes.root)) == 0
+        buf.flush()  # the rows stayed staged
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(CHUNK + 2))
+    finally:
+        buf.close()
+    assert verify(writes.root).ok
+
+
+def test_close_waits_for_the_write_in_flight(writes):
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    before = set(threading.enumerate())
+    writes.hold = is_chunk
+    add(buf, 0, CHUNK)
+    assert writes.held.wait(SAFETY_S)
+    job = background_job(buf)
+    assert job is not None and not job.done()
+    threads = [t for t in set(threading.enumerate()) - before if t.name.startswith("diskreplay-write-behind")]
+    assert len(threads) == 1
+    threading.Timer(0.05, writes.released.set).start()  # close must wait for it
+    buf.close()
+    assert writes.released.is_set() and job.done() and job.exception() is None
+    assert not threads[0].is_alive()
+    np.testing.assert_array_equal(committed_ids(writes.root), np.arange(CHUNK))  # close flushed
+    dr.ReplayBuffer.open(writes.root, "r+").close()  # and released the lock
+
+
+def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
+    """While one batch is held, sealed chunks pile up: past `BACKLOG_ROUNDS` per lane, the add
+    that seals one more waits for the batch (not for half the cache, which would be one long stall)."""
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    added, seen = [], []
+    drain = StagingWriter.drain
+
+    def spied(writer: StagingWriter) -> None:
+        seen.append((len(added), len(writer.sealed), writes.released.is_set()))
+        drain(writer)
+    monkeypatch.setattr(StagingWriter, "drain", spied)
+    writes.hold = lambda key: is_chunk(key) and not writes.released.is_set()
+
+    def adds() -> None:
+        for i in range(8 * CHUNK):
+            add(buf, i, 1)
+            added.append(i)
+    thread = threading.Thread(target=adds)
+    try:
+        thread.start()
+        assert writes.held.wait(SAFETY_S)
+        deadline = threading.Event()
+        while not seen and thread.is_alive() and not deadline.wait(0.01):
+            pass
+        assert seen[0] == ((BACKLOG_ROUNDS + 2) * CHUNK - 1, BACKLOG_ROUNDS + 1, False)  # chunk 0 held, 1-5 sealed
+    finally:
+        writes.released.set()
+        thread.join(SAFETY_S)
+    assert not thread.is_alive() and len(added) == 8 * CHUNK
+    buf.flush()
+    buf.close()
+    np.testing.assert_array_equal(committed_ids(writes.root), np.arange(8 * CHUNK))
