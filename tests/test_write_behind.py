@@ -20,7 +20,7 @@ from conftest import OWN
 import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
-from diskreplay.storage.writer import BACKLOG_ROUNDS, StagingWriter
+from diskreplay.storage.writer import BACKLOG_SHARE, StagingWriter
 
 CHUNK = 8
 SAFETY_S = 30
@@ -202,9 +202,15 @@ def test_close_waits_for_the_write_in_flight(writes):
 
 
 def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
-    """While one batch is held, sealed chunks pile up: past `BACKLOG_ROUNDS` per lane, the add
-    that seals one more waits for the batch (not for half the cache, which would be one long stall)."""
-    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    """While one batch is held, sealed chunks pile up: past 1/`BACKLOG_SHARE` of the cache, the
+    add that seals one more waits for the batch in flight (not for half the cache, which would be
+    one long stall). Batches are short: the next one takes a few chunks, not the whole pile."""
+    row_bytes = sum(field.row_bytes for field in FIELDS.values())
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0,
+                                 cache_bytes=40 * CHUNK * row_bytes)
+    writer = buf.storage.writer
+    limit, batch = writer.cache.full_slots // BACKLOG_SHARE, 2 * writer.io.threads
+    assert 4 <= limit and batch < limit
     added, seen = [], []
     drain = StagingWriter.drain
 
@@ -213,9 +219,10 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
         drain(writer)
     monkeypatch.setattr(StagingWriter, "drain", spied)
     writes.hold = lambda key: is_chunk(key) and not writes.released.is_set()
+    total = (limit + 4) * CHUNK
 
     def adds() -> None:
-        for i in range(8 * CHUNK):
+        for i in range(total):
             add(buf, i, 1)
             added.append(i)
     thread = threading.Thread(target=adds)
@@ -225,11 +232,12 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
         deadline = threading.Event()
         while not seen and thread.is_alive() and not deadline.wait(0.01):
             pass
-        assert seen[0] == ((BACKLOG_ROUNDS + 2) * CHUNK - 1, BACKLOG_ROUNDS + 1, False)  # chunk 0 held, 1-5 sealed
+        assert seen[0] == ((limit + 2) * CHUNK - 1, limit + 1, False)  # chunk 0 held, 1..limit+1 sealed
     finally:
         writes.released.set()
         thread.join(SAFETY_S)
-    assert not thread.is_alive() and len(added) == 8 * CHUNK
+    assert not thread.is_alive() and len(added) == total
+    assert len(writer.sealed) <= limit + 1 and len(writer.behind.in_flight) <= batch
     buf.flush()
     buf.close()
-    np.testing.assert_array_equal(committed_ids(writes.root), np.arange(8 * CHUNK))
+    np.testing.assert_array_equal(committed_ids(writes.root), np.arange(total))

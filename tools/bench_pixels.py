@@ -663,8 +663,9 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
         f"- add: {args.adds:,} single adds per contestant into its full ring (capacity {live.rows:,}) in 4 "
         "interleaved rounds, inputs prebuilt in each library's native form (numpy rows; TensorDict rows for "
         "TorchRL); each call timed with perf_counter_ns, the garbage collector left on. diskreplay writes a "
-        f"chunk when it fills (every {chunk_rows:,} adds, synchronously in that add) and, going round the "
-        "ring, reads the chunk it is about to overwrite into its staging slot when it starts one.",
+        f"chunk when it fills (every {chunk_rows:,} adds) behind the add, on its background thread (with the "
+        "fsynced retire commit first), and, going round the ring, reads the chunk it is about to overwrite "
+        "into its staging slot in the add that starts one.",
         f"- noise, worst (max−min)/median of the repeats: extend {spread(ext)}, sample {spread(main)}, "
         f"stack {spread(st)}. Ratios hold better than absolute times on this shared machine.",
     ]

@@ -36,8 +36,9 @@ from .cursors import Cursors
 from .loading import ChunkLoader
 from .write_behind import Sealed, WriteBehind
 
-BACKLOG_ROUNDS = 4
-"""Sealed chunks per lane that may wait for the batch in flight before an append waits for it."""
+BACKLOG_SHARE = 4
+"""Sealed chunks may wait for the background write up to 1/4 of the cache's slots (riding out the
+store's stalls); past that an append waits for the batch in flight."""
 
 
 class StagingWriter:
@@ -255,13 +256,14 @@ class StagingWriter:
         """Start writing the sealed chunks on the background thread, unless a batch is in flight
         (they go with the next one) or the last one failed (`settle` raises its error first)."""
         self._reap(wait=False)
-        if self.behind.busy and len(self.sealed) > BACKLOG_ROUNDS * self.layout.num_envs:
-            self.drain()  # the store falls behind the appends: they wait for it one batch at a time
+        if self.behind.busy and len(self.sealed) > self.cache.full_slots // BACKLOG_SHARE:
+            self.drain()  # the store falls behind the appends: they wait for it, a short batch at a time
         if not self.sealed or self.behind.busy or self.failure is not None:
             return
         if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
             return self.write_sealed(durable=False)  # a ring wrapped within the append: its rows change on
-        chunks, self.sealed = self.sealed, []
+        batch = max(2 * self.io.threads, self.layout.num_envs)
+        chunks, self.sealed = self.sealed[:batch], self.sealed[batch:]
         work, first_kept = self._work(chunks), self.cursors.first_kept()
 
         def write() -> None:
