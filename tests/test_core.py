@@ -578,6 +578,7 @@ def test_plain_zarr_reader_sees_committed_rows_ring(url, compression):
     for staged in (0, 2, 5):
         if staged:  # uncommitted rows: chunk writes may already destroy old committed rows
             do_extend(buf, model, staged)
+            writes_done(buf)
         group = zarr.open_group(url, mode="r")
         with dr.ReplayBuffer.open(url, mode="r") as reader:
             visible = reader.row_ids()

@@ -15,11 +15,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import OWN
+from conftest import OWN, dir_snapshot
 
 import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
+from diskreplay.storage.chunk_io import ChunkIO
 from diskreplay.storage.writer import BACKLOG_SHARE, StagingWriter
 
 CHUNK = 8
@@ -212,12 +213,13 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
     limit, batch = writer.cache.full_slots // BACKLOG_SHARE, 2 * writer.io.threads
     assert 4 <= limit and batch < limit
     added, seen = [], []
-    drain = StagingWriter.drain
+    settle = StagingWriter.settle
 
-    def spied(writer: StagingWriter) -> None:
-        seen.append((len(added), len(writer.sealed), writes.released.is_set()))
-        drain(writer)
-    monkeypatch.setattr(StagingWriter, "drain", spied)
+    def spied(writer: StagingWriter, wait: bool = False) -> None:
+        if wait:
+            seen.append((len(added), len(writer.sealed), writes.released.is_set()))
+        settle(writer, wait)
+    monkeypatch.setattr(StagingWriter, "settle", spied)
     writes.hold = lambda key: is_chunk(key) and not writes.released.is_set()
     total = (limit + 4) * CHUNK
 
@@ -241,3 +243,72 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
     buf.flush()
     buf.close()
     np.testing.assert_array_equal(committed_ids(writes.root), np.arange(total))
+
+
+# ---- reading ahead ---------------------------------------------------------------------------
+
+RING = 32  # chunks per lane: more than the caches below hold
+
+EPISODIC = {"obs": dr.Field((4, 4), "uint8"), "next_obs": dr.Field((4, 4), "uint8"),
+            "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
+
+
+def episodic_steps(first: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(first, first + n)
+    obs = (ids[:, None, None] * 7 + np.arange(16).reshape(4, 4)).astype(np.uint8)
+    return {"obs": obs, "next_obs": obs + 7, "reward": (ids % 5).astype(np.float32), "done": ids % 23 == 22}
+
+
+def go_round(path: str, read_ahead: bool, flush_every: int = 37) -> dr.ReplayBuffer:
+    """A compressed ring with episodic returns (which patch rows already added) and next_obs,
+    going round 3 times with single adds and flushes mid-chunk."""
+    buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK, chunk_rows=CHUNK, compression="zstd",
+                                 seed=0, derive_next=("obs",), episodic_return=dr.EpisodicReturn(gamma=0.5),
+                                 cache_bytes=4608)  # 23 of the ring's 32 chunks; what the side store's staging needs
+    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING
+    buf.storage.writer.read_ahead = read_ahead
+    for i in range(3 * RING * CHUNK + 5):
+        buf.add(**{k: v[0] for k, v in episodic_steps(i, 1).items()})
+        if i % flush_every == flush_every - 1:
+            buf.flush()
+    return buf
+
+
+def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path):
+    files = []
+    for read_ahead in (True, False):
+        path = str(tmp_path / f"ahead-{read_ahead}")
+        buf = go_round(path, read_ahead)
+        ids = buf.row_ids()
+        rows = buf[ids]
+        buf.close()
+        files.append(({k: v for k, v in dir_snapshot(path).items() if OWN not in k}, ids, rows))
+    (got, got_ids, got_rows), (want, want_ids, want_rows) = files
+    assert got == want
+    np.testing.assert_array_equal(got_ids, want_ids)
+    for name in want_rows:
+        np.testing.assert_array_equal(got_rows[name], want_rows[name], err_msg=name)
+
+
+def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monkeypatch):
+    """No add reads a stored chunk itself: the read-ahead thread has read it, as the lane started
+    the chunk before (the add waits for that read if it has not ended)."""
+    row_bytes = sum(field.row_bytes for field in FIELDS.values())
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
+                                 compression="zstd", seed=0, cache_bytes=10 * CHUNK * row_bytes)
+    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING
+    add(buf, 0, RING * CHUNK)
+    buf.flush()
+    readers: list[tuple[str, int]] = []
+    read = ChunkIO.read
+
+    def spied(io: ChunkIO, work, must_exist):
+        readers.append((threading.current_thread().name, len(work)))
+        return read(io, work, must_exist)
+    monkeypatch.setattr(ChunkIO, "read", spied)
+    add(buf, RING * CHUNK, 2 * RING * CHUNK)  # round two and three
+    names = [name for name, _ in readers]  # (chunks still cached are not read at all)
+    assert len(names) >= RING and all(n.startswith("diskreplay-read-ahead") for n in names), names
+    assert all(fields == len(FIELDS) for _, fields in readers)
+    np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(buf.row_ids())["act"])
+    buf.close()

@@ -148,6 +148,9 @@ class Codec:
         """Decode inner chunks (checksums already checked and cut off) into ``out[i]``, one per
         body; None: stored empty, zeros. zstd frames are decoded in one call on ``threads``
         threads, each into exactly the bytes of its ``out[i]``. Raises ValueError."""
+        self._decode_bodies(bodies, out, threads)
+
+    def _decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, threads: int = 1) -> None:
         flat = out.reshape(len(bodies), -1).view(np.uint8)
         present = [i for i, body in enumerate(bodies) if body is not None]
         if len(present) < len(bodies):
@@ -199,15 +202,14 @@ class Codec:
         head = self.index_bytes(len(out))
         if len(blob) < head:
             raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
-        rows, entries = self._inner_rows, self.verified_body(blob[:head])
-        for inner in range(len(out) // rows):
+        entries = self.verified_body(blob[:head])
+        bodies: list[memoryview | None] = []
+        for inner in range(len(out) // self._inner_rows):
             span = self._span(entries, inner, head, len(blob))
-            if span is None:
-                out[inner * rows:(inner + 1) * rows] = 0
-            elif span[0] + span[1] > len(blob):
+            if span is not None and span[0] + span[1] > len(blob):
                 raise ValueError(f"inner chunk {inner}: span {span} past the shard's {len(blob)} bytes")
-            else:
-                self.decode_inner(blob[span[0]:span[0] + span[1]], out[inner * rows:(inner + 1) * rows])
+            bodies.append(None if span is None else memoryview(self.verified_body(blob[span[0]:span[0] + span[1]])))
+        self._decode_bodies(bodies, out)
 
     @staticmethod
     def verified_body(blob: bytes | memoryview) -> bytes | memoryview:

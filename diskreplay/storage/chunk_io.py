@@ -52,6 +52,7 @@ class ChunkIO:
         self.trailer = max((codec.trailer for codec in codecs.values()), default=0)
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diskreplay-io")
+        self.behind_pool: ThreadPoolExecutor | None = None
         self.unsynced: set[str] = set()
 
     def key(self, name: str, lane: int, chunk: int) -> str:
@@ -63,16 +64,23 @@ class ChunkIO:
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def put(self, work: list[ChunkWrite], durable: bool) -> None:
+    def put(self, work: list[ChunkWrite], durable: bool, behind: bool = False) -> None:
         """Write chunks on the I/O threads, a few long jobs rather than one per chunk (queueing a
         job costs about as much as writing a small chunk). Every job ends before this returns or
-        raises: none writes on behind a failure."""
+        raises: none writes on behind a failure. ``behind``: writes behind the appends, on threads
+        of their own, so that reads meanwhile do not queue behind their encoding."""
+        pool = self._behind_pool() if behind else self.pool
         batches = [work[k::self.threads] for k in range(min(self.threads, len(work)))]
-        jobs = [self.pool.submit(self._put_batch, batch, durable) for batch in batches]
+        jobs = [pool.submit(self._put_batch, batch, durable) for batch in batches]
         for job in jobs:
             job.exception()
         for job in jobs:
             job.result()
+
+    def _behind_pool(self) -> ThreadPoolExecutor:
+        if self.behind_pool is None:
+            self.behind_pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="diskreplay-io-behind")
+        return self.behind_pool
 
     def _put_batch(self, work: list[ChunkWrite], durable: bool) -> None:
         for key, codec, rows, fresh in work:
@@ -153,3 +161,5 @@ class ChunkIO:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.behind_pool is not None:
+            self.behind_pool.shutdown(wait=True)

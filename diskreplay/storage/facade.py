@@ -252,7 +252,7 @@ class Storage:
     def retire_all(self) -> None:
         """Writer: every row added so far stops being readable (at once for this writer, for
         readers at the next commit). Steps go on counting."""
-        self._writable().drain()
+        self._writable().settle(wait=True)
         self.log.cursors.lower = self.log.cursors.total.copy()
 
     def write_behind(self) -> None:
@@ -273,7 +273,7 @@ class Storage:
         replaced; the previous state object is deleted. If it raises, nothing new is committed
         and the rows stay staged."""
         writer = self._writable()
-        writer.drain()
+        writer.settle(wait=True)
         log = writer.log
         staged = log.stage_state(state, durable) if state is not None else None
         try:

@@ -30,6 +30,14 @@ class ChunkLoader:
         """A slot holding one stored chunk, pinned (see `load_pinned`)."""
         return int(self.load_pinned(np.array([lane]), np.array([chunk]), must_exist)[0])
 
+    def place_read(self, lane: int, chunk: int, rows: dict[str, np.ndarray]) -> int:
+        """A pinned slot holding one chunk's ``rows`` of every field, read elsewhere."""
+        slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
+        for name, values in rows.items():
+            self.cache.chunk_rows_of(name, slot)[...] = values
+        self.chunks_loaded += 1
+        return slot
+
     def load_pinned(self, lanes: np.ndarray, chunks: np.ndarray, must_exist: bool,
                     slots: np.ndarray | None = None, whole: bool = True) -> np.ndarray:
         """Slots holding these stored chunks, pinned; a missing chunk is zeros unless

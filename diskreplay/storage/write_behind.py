@@ -4,12 +4,21 @@ The call that fills a chunk only hands it over: encoding it, the retire commit a
 before overwriting old rows (an fsync) and the chunk's write happen on this thread, so a single
 ``add`` never waits for them, nor for the disk's stalls. One batch is in flight at a time; chunks
 sealed meanwhile wait in the cache, pinned, and go with the next batch.
+
+A thread of its own reads ahead: a compressed ring keeps the old rows of the chunk it is about to
+overwrite (they stay readable until then), so as a lane starts a chunk, the next one is read and
+decoded there, to be taken when the lane reaches it instead of decoding it in that add.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .chunk_io import ChunkIO
 
 Sealed = tuple[int, int, int]
 """``(lane, chunk, slot)``: a staged chunk complete (or patched) and waiting to be written."""
@@ -22,6 +31,8 @@ class WriteBehind:
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future[None] | None = None
         self.in_flight: list[Sealed] = []
+        self._reader: ThreadPoolExecutor | None = None
+        self._reads: dict[int, tuple[int, Future[Any]]] = {}  # lane: (chunk, its rows read ahead)
 
     @property
     def busy(self) -> bool:
@@ -40,6 +51,32 @@ class WriteBehind:
         self.in_flight = chunks
         self._job = self._pool.submit(write)
 
+    def read_ahead(self, io: ChunkIO, lane: int, chunk: int, like: Mapping[str, np.ndarray], must_exist: bool) -> None:
+        """Read a stored chunk's rows into new arrays shaped as ``like`` (every field) on the
+        read-ahead thread (`ChunkIO.read`); the lane's earlier read ahead is dropped."""
+        def read() -> dict[str, np.ndarray]:
+            rows = {name: np.empty_like(template) for name, template in like.items()}
+            io.read([(io.key(name, lane, chunk), io.codecs[name], rows[name]) for name in rows], must_exist)
+            return rows
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-read-ahead")
+        self._reads[lane] = (chunk, self._reader.submit(read))
+
+    def take_read(self, lane: int, chunk: int) -> Any:
+        """What the read ahead of this chunk returned (waited for), or None: none was started,
+        it was forgotten or it failed (the caller reads again, and meets the error itself)."""
+        ahead = self._reads.get(lane)
+        if ahead is None or ahead[0] != chunk:
+            return None
+        del self._reads[lane]
+        return None if ahead[1].exception() is not None else ahead[1].result()
+
+    def forget_reads(self, lane: int, chunks: Iterable[int]) -> None:
+        """These chunks were rewritten: drop their reads ahead."""
+        ahead = self._reads.get(lane)
+        if ahead is not None and ahead[0] in set(chunks):
+            del self._reads[lane]
+
     def finish(self, wait: bool) -> tuple[list[Sealed], BaseException | None] | None:
         """The batch's chunks and its error (None: written), once it ended; None while it runs
         (``wait``: it is waited for) or if none was started."""
@@ -53,6 +90,8 @@ class WriteBehind:
     def close(self) -> None:
         """Wait for the batch in flight (its outcome is dropped) and end the thread."""
         self.finish(wait=True)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._reads.clear()
+        for pool in (self._pool, self._reader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._reader = None

@@ -20,7 +20,7 @@ thread (`WriteBehind`), retire commit included, while the caller goes on. Until 
 written it stays pinned in the cache, where this process reads it. A background write that fails
 leaves its chunks sealed, to be written again; its error is raised once, by the next append
 (before it stages anything) or flush. Everything else that writes, or changes a chunk in flight,
-waits for the batch first (`drain`).
+waits for the batch first (`settle`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ class StagingWriter:
         self.behind = WriteBehind()
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
+        self.read_ahead = cursors.layout.lane_capacity is not None and not io.raw \
+            and 8 * cursors.layout.num_envs <= cache.full_slots
+        """Whether a lane starting a chunk reads the next one ahead (`WriteBehind.read_ahead`): a
+        compressed ring whose cache holds 8 times the chunk per lane that takes."""
 
     # ---- appends ---------------------------------------------------------------------------
 
@@ -118,7 +122,7 @@ class StagingWriter:
             keep = int(layout.slot(start) // layout.chunk_rows)
         self.sealed = [(ln, c, s) for ln, c, s in self.sealed if ln != lane or c not in touched]
         self.cache.drop(lane, touched[touched != keep])
-        self.forget_files(lane, touched)
+        self._rewritten(lane, touched)
         slot = self._complete_slot(lane, keep) if keep >= 0 else -1
         if slot >= 0:  # staged again: its rows before ``start`` are written with the next chunks
             self.staging[lane], self.dirty[lane] = keep, True
@@ -147,13 +151,13 @@ class StagingWriter:
         Done before `append` returns, as the caller may reuse its arrays."""
         if not whole:
             return
-        self.drain()
+        self.settle(wait=True)
         self.log.retire(self.cursors.first_kept())
         n = self.layout.chunk_rows
         self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], rows[name][i:i + n],
                     self._never_committed(lane, chunk))
                    for chunk, i in whole for name in self.io.schema.fields], durable=False)
-        self.forget_files(lane, np.array([chunk for chunk, _ in whole]))
+        self._rewritten(lane, np.array([chunk for chunk, _ in whole]))
 
     def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
         if self.staging[lane] == chunk:
@@ -161,17 +165,34 @@ class StagingWriter:
         if self.staging[lane] >= 0:
             self._seal(lane)
         if self.behind.holds(lane, chunk):  # a small ring came round to a chunk still being written
-            self.drain()
+            self.settle(wait=True)
         self.cache.ensure_chunks(chunk + 1)
         slot = self._complete_slot(lane, chunk)
         if slot >= 0:
             self.cache.pin(slot)
         elif self._holds_data(lane, chunk_first_step):
-            slot = self.loader.load_one(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+            slot = self._load_stored(lane, chunk, chunk_first_step)
         else:
             slot = self.cache.assign_zeroed(lane, chunk)
         self.staging[lane] = chunk
+        if self.read_ahead:
+            self._read_next(lane, chunk_first_step + self.layout.piece_length(chunk_first_step, self.layout.chunk_rows))
         return slot
+
+    def _load_stored(self, lane: int, chunk: int, chunk_first_step: int) -> int:
+        """A pinned slot holding the stored rows of a chunk about to be staged: read ahead, or now."""
+        rows = self.behind.take_read(lane, chunk)
+        if rows is not None:
+            return self.loader.place_read(lane, chunk, rows)
+        return self.loader.load_one(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+
+    def _read_next(self, lane: int, first: int) -> None:
+        """Read the chunk starting at step ``first`` ahead if it holds stored rows and is not cached."""
+        chunk = int(self.layout.slot(first)) // self.layout.chunk_rows
+        if not self._holds_data(lane, first) or self.cache.slot_of(lane, chunk) >= 0:
+            return
+        like = {name: self.cache.chunk_rows_of(name, 0) for name in self.io.schema.fields}
+        self.behind.read_ahead(self.io, lane, chunk, like, self._holds_visible(lane, first))
 
     def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
         """Whether the chunk starting at this step already has stored rows (to keep on rewrite)."""
@@ -220,7 +241,7 @@ class StagingWriter:
 
     def _patchable_slot(self, lane: int, chunk: int) -> int:
         if self.behind.holds(lane, chunk):
-            self.drain()
+            self.settle(wait=True)
         if self.staging[lane] == chunk:
             self.dirty[lane] = True
             return self.cache.slot_of(lane, chunk)
@@ -248,16 +269,17 @@ class StagingWriter:
 
     def write_sealed(self, durable: bool) -> None:
         """Write every sealed chunk (and nothing else), after retiring the rows they overwrite."""
-        self.drain()
+        self.settle(wait=True)
         self._write_chunks(self.sealed, durable)
-        self._release_sealed()
+        self._release(self.sealed)
+        self.sealed = []
 
     def write_behind(self) -> None:
         """Start writing the sealed chunks on the background thread, unless a batch is in flight
         (they go with the next one) or the last one failed (`settle` raises its error first)."""
         self._reap(wait=False)
         if self.behind.busy and len(self.sealed) > self.cache.full_slots // BACKLOG_SHARE:
-            self.drain()  # the store falls behind the appends: they wait for it, a short batch at a time
+            self.settle(wait=True)  # the store falls behind the appends: they wait for it, a short batch at a time
         if not self.sealed or self.behind.busy or self.failure is not None:
             return
         if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
@@ -268,28 +290,20 @@ class StagingWriter:
 
         def write() -> None:
             self.log.retire(first_kept)
-            self._put(work, durable=False)
+            self._put(work, durable=False, behind=True)
         self.behind.start(chunks, write)
 
-    def settle(self) -> None:
-        """Take back a finished background write; raise its error, once, if it failed (its
-        chunks are sealed again and written with the next batch)."""
-        self._reap(wait=False)
-        self._raise_failure()
+    def settle(self, wait: bool = False) -> None:
+        """Take back a background write that ended (``wait``: wait for the one in flight); raise
+        its error, once, if it failed (its chunks are sealed again, written with the next batch)."""
+        self._reap(wait)
+        error, self.failure = self.failure, None
+        if error is not None:
+            raise error
 
     def wait(self) -> None:
         """Wait for the background write in flight; a failure is kept for the next call to raise."""
         self._reap(wait=True)
-
-    def drain(self) -> None:
-        """Wait for the background write in flight; then as `settle`."""
-        self._reap(wait=True)
-        self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        error, self.failure = self.failure, None
-        if error is not None:
-            raise error
 
     def _reap(self, wait: bool) -> None:
         ended = self.behind.finish(wait)
@@ -297,7 +311,7 @@ class StagingWriter:
             return
         chunks, error = ended
         for lane, chunk, _ in chunks:  # some may have been rewritten before a failure
-            self.forget_files(lane, np.array([chunk]))
+            self._rewritten(lane, np.array([chunk]))
         if error is None:
             self._release(chunks)
         else:
@@ -307,18 +321,15 @@ class StagingWriter:
     def write_all(self, durable: bool) -> None:
         """Write sealed chunks and every lane's partial tail chunk (fsynced if ``durable``). If it
         raises, the rows stay staged."""
-        self.drain()
+        self.settle(wait=True)
         tails = [(lane, int(self.staging[lane]), self.cache.slot_of(lane, int(self.staging[lane])))
                  for lane in np.flatnonzero(self.dirty).tolist()]
         self._write_chunks(self.sealed + tails, durable)
-        self._release_sealed()
+        self._release(self.sealed)
+        self.sealed = []
         self.dirty[:] = False
         if durable:
             self.io.sync()
-
-    def _release_sealed(self) -> None:
-        self._release(self.sealed)
-        self.sealed = []
 
     def _release(self, chunks: list[Sealed]) -> None:
         """Unpin written chunks, except a lane's current staging chunk (a ring that wraps within
@@ -337,15 +348,21 @@ class StagingWriter:
         self.log.retire(self.cursors.first_kept())
         self._put(self._work(chunks), durable)
         for lane, chunk, _ in chunks:
-            self.forget_files(lane, np.array([chunk]))
+            self._rewritten(lane, np.array([chunk]))
+
+    def _rewritten(self, lane: int, chunks: np.ndarray) -> None:
+        """These chunks of a lane were (or may have been) rewritten: maps and reads ahead of them go."""
+        self.forget_files(lane, chunks)
+        self.behind.forget_reads(lane, chunks.tolist())
+
     def _work(self, chunks: list[Sealed]) -> list[ChunkWrite]:
         return [(self.io.key(name, lane, chunk), self.io.codecs[name], self.cache.chunk_rows_of(name, slot),
                  self._never_committed(lane, chunk))
                 for lane, chunk, slot in chunks for name in self.io.schema.fields]
 
-    def _put(self, work: list[ChunkWrite], durable: bool) -> None:
+    def _put(self, work: list[ChunkWrite], durable: bool, behind: bool = False) -> None:
         self.log.check_lock()
-        self.io.put(work, durable)
+        self.io.put(work, durable, behind)
 
     def _never_committed(self, lane: int, chunk: int) -> bool:
         """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
