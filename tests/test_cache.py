@@ -11,6 +11,7 @@ from diskreplay.format.lanes import LaneLayout
 from diskreplay.format.schema import Field, Schema
 from diskreplay.storage import cache_slots
 from diskreplay.storage.cache import ChunkCache
+from diskreplay.storage.sizing import BEHIND_CHUNKS
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 
@@ -147,6 +148,9 @@ def test_row_fields_have_room_in_the_staging_slots_only():
     staging = 6 * 128 * schema.row_bytes
     assert cache_slots(schema, layout, staging + 100 * 128 * 4, writer=True, row_fields=("obs",)) == (106, 6)
     assert cache_slots(schema, layout, 1 << 20, writer=False, row_fields=("obs",)) == (2048, 0)
+    # a bigger budget: 16 more per lane for chunks written behind and read ahead, if half holds them
+    assert cache_slots(schema, layout, 1 << 30, writer=True, row_fields=("obs",))[1] == 6 + 2 * BEHIND_CHUNKS
+    assert cache_slots(schema, layout, 40 * 128 * schema.row_bytes, writer=True, row_fields=("obs",))[1] == 20
     cache = ChunkCache(schema, 2, 128, 106, 8, full_slots=6, row_fields=("obs",))
     assert cache.slabs["obs"].shape == (6 * 128, 84, 84) and cache.slabs["reward"].shape == (106 * 128,)
     partial = cache.assign(np.array([0, 1]), np.array([0, 0]), whole=False)

@@ -210,7 +210,7 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
     buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0,
                                  cache_bytes=40 * CHUNK * row_bytes)
     writer = buf.storage.writer
-    limit, batch = writer.cache.full_slots // BACKLOG_SHARE, 2 * writer.io.threads
+    limit, batch = writer.cache.full_slots // BACKLOG_SHARE, writer.io.threads
     assert 4 <= limit and batch < limit
     added, seen = [], []
     settle = StagingWriter.settle

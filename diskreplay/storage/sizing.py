@@ -39,12 +39,18 @@ def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cach
     return rows
 
 
+BEHIND_CHUNKS = 16
+"""Chunks per lane with room for row-read fields that a writer keeps besides its staging: sealed
+chunks waiting to be written behind the appends, and chunks read ahead (`storage.write_behind`)."""
+
+
 def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bool,
                 row_fields: tuple[str, ...] = ()) -> tuple[int, int]:
     """Chunk slots that fit ``cache_bytes``: ``(slots, full_slots)``. A writer stages a chunk per
     lane and seals as many again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least
-    one. With ``row_fields`` (read row by row) only the first ``full_slots`` (the staging) have
-    room for them; the other slots, sized by the remaining fields, cache those.
+    one. With ``row_fields`` (read row by row) only the first ``full_slots`` (a writer's staging,
+    and `BEHIND_CHUNKS` per lane if half the budget holds them) have room for them; the other
+    slots, sized by the remaining fields, cache those.
 
     Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
     """
@@ -59,6 +65,8 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
     slots = max(need, min(cache_bytes // chunk_bytes, ChunkCache.MAX_SLOTS))
     ring_chunks = layout.num_envs * layout.chunks_per_lane() if layout.lane_capacity is not None else None
     full = need if writer else 0
+    if row_fields and writer:  # room for chunks written behind the appends, or read ahead, within half the budget
+        full = max(need, min(need + BEHIND_CHUNKS * layout.num_envs, cache_bytes // 2 // chunk_bytes))
     if row_fields:
         small_bytes = layout.chunk_rows * sum(f.row_bytes for n, f in schema.items() if n not in row_fields)
         slots = full + max(cache_bytes - full * chunk_bytes, 0) // max(small_bytes, 1)

@@ -284,7 +284,7 @@ class StagingWriter:
             return
         if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
             return self.write_sealed(durable=False)  # a ring wrapped within the append: its rows change on
-        batch = max(2 * self.io.threads, self.layout.num_envs)
+        batch = max(self.io.threads, self.layout.num_envs)
         chunks, self.sealed = self.sealed[:batch], self.sealed[batch:]
         work, first_kept = self._work(chunks), self.cursors.first_kept()
 
