@@ -148,7 +148,7 @@ def test_row_fields_have_room_in_the_staging_slots_only():
     staging = 6 * 128 * schema.row_bytes
     assert cache_slots(schema, layout, staging + 100 * 128 * 4, writer=True, row_fields=("obs",)) == (106, 6)
     assert cache_slots(schema, layout, 1 << 20, writer=False, row_fields=("obs",)) == (2048, 0)
-    # a bigger budget: 16 more per lane for chunks written behind and read ahead, if half holds them
+    # a bigger budget: `BEHIND_CHUNKS` more per lane for chunks written behind and read ahead, if half holds them
     assert cache_slots(schema, layout, 1 << 30, writer=True, row_fields=("obs",))[1] == 6 + 2 * BEHIND_CHUNKS
     assert cache_slots(schema, layout, 40 * 128 * schema.row_bytes, writer=True, row_fields=("obs",))[1] == 20
     cache = ChunkCache(schema, 2, 128, 106, 8, full_slots=6, row_fields=("obs",))

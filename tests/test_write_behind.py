@@ -259,10 +259,10 @@ def episodic_steps(first: int, n: int) -> dict[str, np.ndarray]:
     return {"obs": obs, "next_obs": obs + 7, "reward": (ids % 5).astype(np.float32), "done": ids % 23 == 22}
 
 
-def go_round(path: str, read_ahead: bool, flush_every: int = 37) -> dr.ReplayBuffer:
-    """A compressed ring with episodic returns (which patch rows already added) and next_obs,
+def go_round(path: str, read_ahead: bool, compression: str | None, flush_every: int = 37) -> dr.ReplayBuffer:
+    """A ring with episodic returns (which patch rows already added) and next_obs,
     going round 3 times with single adds and flushes mid-chunk."""
-    buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK, chunk_rows=CHUNK, compression="zstd",
+    buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK, chunk_rows=CHUNK, compression=compression,
                                  seed=0, derive_next=("obs",), episodic_return=dr.EpisodicReturn(gamma=0.5),
                                  cache_bytes=4608)  # 23 of the ring's 32 chunks; what the side store's staging needs
     assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING
@@ -274,11 +274,12 @@ def go_round(path: str, read_ahead: bool, flush_every: int = 37) -> dr.ReplayBuf
     return buf
 
 
-def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, compression):
     files = []
     for read_ahead in (True, False):
         path = str(tmp_path / f"ahead-{read_ahead}")
-        buf = go_round(path, read_ahead)
+        buf = go_round(path, read_ahead, compression)
         ids = buf.row_ids()
         rows = buf[ids]
         buf.close()

@@ -5,9 +5,10 @@ before overwriting old rows (an fsync) and the chunk's write happen on this thre
 ``add`` never waits for them, nor for the disk's stalls. One batch is in flight at a time; chunks
 sealed meanwhile wait in the cache, pinned, and go with the next batch.
 
-A thread of its own reads ahead: a compressed ring keeps the old rows of the chunk it is about to
-overwrite (they stay readable until then), so as a lane starts a chunk, the next one is read and
-decoded there, to be taken when the lane reaches it instead of decoding it in that add.
+A thread of its own reads ahead: a ring keeps the old rows of the chunk it is about to overwrite
+(they stay readable until then), so as a lane starts a chunk, the next one is read (from disk if
+the page cache let it go) and decoded there, to be taken when the lane reaches it instead of
+reading it in that add.
 """
 
 from __future__ import annotations

@@ -59,10 +59,9 @@ class StagingWriter:
         self.behind = WriteBehind()
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
-        self.read_ahead = cursors.layout.lane_capacity is not None and not io.raw \
-            and 8 * cursors.layout.num_envs <= cache.full_slots
+        self.read_ahead = cursors.layout.lane_capacity is not None and 8 * cursors.layout.num_envs <= cache.full_slots
         """Whether a lane starting a chunk reads the next one ahead (`WriteBehind.read_ahead`): a
-        compressed ring whose cache holds 8 times the chunk per lane that takes."""
+        ring whose cache holds 8 times the chunk per lane that takes."""
 
     # ---- appends ---------------------------------------------------------------------------
 
