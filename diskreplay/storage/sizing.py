@@ -39,7 +39,7 @@ def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cach
     return rows
 
 
-BEHIND_CHUNKS = 64
+BEHIND_CHUNKS = 128
 """Chunks per lane with room for row-read fields that a writer keeps besides its staging: sealed
 chunks waiting to be written behind the appends, and chunks read ahead (`storage.write_behind`)."""
 
