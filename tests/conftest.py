@@ -35,11 +35,12 @@ def writers(buf: dr.ReplayBuffer) -> list:
 
 
 def writes_done(buf: dr.ReplayBuffer) -> None:
-    """Wait until a writer's sealed chunks are written: they are written behind its appends, on a
-    background thread, so a reader opened right after an append may find them still being written.
-    A failed write is not raised here: the writer's next call raises it."""
+    """Wait for the chunk writes in flight behind a writer's appends (on its background thread): a
+    reader opened right after an append could find them half done. Starts no write (chunks sealed
+    meanwhile wait for the writer's next call) and raises nothing (the next call raises a failure)."""
     for writer in writers(buf):
         writer.wait()
+
 
 # A small schema touching several dtypes and ranks; `row_values` fills it from a row counter so
 # every row ever added is distinguishable.

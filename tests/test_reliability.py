@@ -132,7 +132,9 @@ buf = dr.ReplayBuffer.create(sys.argv[1], FIELDS, chunk_rows=4, compression=None
 buf.extend(steps(0, 10))  # one open episode, committed
 buf.flush()
 buf.extend(steps(10, 3, end_every=13))  # ends it at step 12: rows 0-9 are patched and written...
-buf.storage.writer.wait()                # (behind the extend, on the writer's background thread)
+w = buf.storage.writer                   # (behind the extend, on the writer's background thread)
+while w.sealed or w.behind.busy:
+    w.write_behind(); w.wait()
 print("ready", flush=True)               # ...but the end is never committed
 sys.stdin.readline()
 """

@@ -3,7 +3,8 @@
 The call that fills a chunk only hands it over: encoding it, the retire commit a full ring needs
 before overwriting old rows (an fsync) and the chunk's write happen on this thread, so a single
 ``add`` never waits for them, nor for the disk's stalls. One batch is in flight at a time; chunks
-sealed meanwhile wait in the cache, pinned, and go with the next batch.
+sealed meanwhile wait in the cache, pinned, and go with a later batch (the writer starts one as an
+append ends with none in flight).
 
 A thread of its own reads ahead: a ring keeps the old rows of the chunk it is about to overwrite
 (they stay readable until then), so as a lane starts a chunk, the next one is read (from disk if

@@ -16,8 +16,10 @@ writer has the commit log commit a raised lower bound (`CommitLog.retire`), so a
 a row that is being overwritten.
 
 Writes behind the appends. The chunks an ``add`` or ``extend`` seals are written on a background
-thread (`WriteBehind`), retire commit included, while the caller goes on. Until a chunk is
-written it stays pinned in the cache, where this process reads it. A background write that fails
+thread (`WriteBehind`), retire commit included, while the caller goes on: a short batch at a time,
+each started as an append ends with none in flight (an idle writer's last sealed chunks wait for
+its next append or flush). Until a chunk is written it stays pinned in the cache, where this
+process reads it. A background write that fails
 leaves its chunks sealed, to be written again; its error is raised once, by the next append
 (before it stages anything) or flush. Everything else that writes, or changes a chunk in flight,
 waits for the batch first (`settle`).
