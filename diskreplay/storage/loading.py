@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from .cache import ChunkCache
@@ -30,7 +32,7 @@ class ChunkLoader:
         """A slot holding one stored chunk, pinned (see `load_pinned`)."""
         return int(self.load_pinned(np.array([lane]), np.array([chunk]), must_exist)[0])
 
-    def place_read(self, lane: int, chunk: int, rows: dict[str, np.ndarray]) -> int:
+    def place_read(self, lane: int, chunk: int, rows: Mapping[str, np.ndarray]) -> int:
         """A pinned slot holding one chunk's ``rows`` of every field, read elsewhere."""
         slot = int(self.cache.assign(np.array([lane]), np.array([chunk]))[0])
         for name, values in rows.items():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -24,17 +23,18 @@ from .chunk_io import ChunkIO
 
 Sealed = tuple[int, int, int]
 """``(lane, chunk, slot)``: a staged chunk complete (or patched) and waiting to be written."""
+Rows = dict[str, np.ndarray]
 
 
 class WriteBehind:
-    """The background thread of one writer and the batch it is writing."""
+    """The background threads of one writer: the batch it is writing, and its reads ahead."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future[None] | None = None
         self.in_flight: list[Sealed] = []
         self._reader: ThreadPoolExecutor | None = None
-        self._reads: dict[int, tuple[int, Future[Any]]] = {}  # lane: (chunk, its rows read ahead)
+        self._reads: dict[int, tuple[int, Future[Rows]]] = {}  # lane: (chunk, its rows read ahead)
 
     @property
     def busy(self) -> bool:
@@ -56,7 +56,7 @@ class WriteBehind:
     def read_ahead(self, io: ChunkIO, lane: int, chunk: int, like: Mapping[str, np.ndarray], must_exist: bool) -> None:
         """Read a stored chunk's rows into new arrays shaped as ``like`` (every field) on the
         read-ahead thread (`ChunkIO.read`); the lane's earlier read ahead is dropped."""
-        def read() -> dict[str, np.ndarray]:
+        def read() -> Rows:
             rows = {name: np.empty_like(template) for name, template in like.items()}
             io.read([(io.key(name, lane, chunk), io.codecs[name], rows[name]) for name in rows], must_exist)
             return rows
@@ -64,7 +64,7 @@ class WriteBehind:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-read-ahead")
         self._reads[lane] = (chunk, self._reader.submit(read))
 
-    def take_read(self, lane: int, chunk: int) -> Any:
+    def take_read(self, lane: int, chunk: int) -> Rows | None:
         """What the read ahead of this chunk returned (waited for), or None: none was started,
         it was forgotten or it failed (the caller reads again, and meets the error itself)."""
         ahead = self._reads.get(lane)

@@ -19,10 +19,10 @@ Writes behind the appends. The chunks an ``add`` or ``extend`` seals are written
 thread (`WriteBehind`), retire commit included, while the caller goes on: a short batch at a time,
 each started as an append ends with none in flight (an idle writer's last sealed chunks wait for
 its next append or flush). Until a chunk is written it stays pinned in the cache, where this
-process reads it. A background write that fails
-leaves its chunks sealed, to be written again; its error is raised once, by the next append
-(before it stages anything) or flush. Everything else that writes, or changes a chunk in flight,
-waits for the batch first (`settle`).
+process reads it. A background write that fails leaves its chunks sealed, to be written again;
+its error is raised once, by the next append (before it stages anything) or flush. Everything
+else that writes, or changes a chunk in flight, waits for the batch first (`settle`). A ring
+reads the chunk it will overwrite next ahead, on another thread (`WriteBehind.read_ahead`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from .loading import ChunkLoader
 from .write_behind import Sealed, WriteBehind
 
 BACKLOG_SHARE = 4
-"""Sealed chunks may wait for the background write up to 1/4 of the cache's slots (riding out the
-store's stalls); past that an append waits for the batch in flight."""
+"""Sealed chunks may wait for the background write up to 1/4 of the cache's full slots (riding out
+the store's stalls); past that an append waits for the batch in flight."""
 
 
 class StagingWriter:
@@ -284,7 +284,7 @@ class StagingWriter:
         if not self.sealed or self.behind.busy or self.failure is not None:
             return
         if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
-            return self.write_sealed(durable=False)  # a ring wrapped within the append: its rows change on
+            return self.write_sealed(durable=False)  # a ring wrapped within the append, staging a sealed chunk again
         batch = max(self.io.threads, self.layout.num_envs)
         chunks, self.sealed = self.sealed[:batch], self.sealed[batch:]
         work, first_kept = self._work(chunks), self.cursors.first_kept()
@@ -370,5 +370,5 @@ class StagingWriter:
         return int(self.log.record.committed[lane]) <= chunk * self.layout.chunk_rows
 
     def close(self) -> None:
-        """Wait for the background write in flight and end its thread. Nothing more is written."""
+        """Wait for the background write in flight and end the background threads. Nothing more is written."""
         self.behind.close()
