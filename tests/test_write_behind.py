@@ -259,27 +259,34 @@ def episodic_steps(first: int, n: int) -> dict[str, np.ndarray]:
     return {"obs": obs, "next_obs": obs + 7, "reward": (ids % 5).astype(np.float32), "done": ids % 23 == 22}
 
 
-def go_round(path: str, read_ahead: bool, compression: str | None, flush_every: int = 37) -> dr.ReplayBuffer:
-    """A ring with episodic returns (which patch rows already added) and next_obs,
-    going round 3 times with single adds and flushes mid-chunk."""
-    buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK, chunk_rows=CHUNK, compression=compression,
-                                 seed=0, derive_next=("obs",), episodic_return=dr.EpisodicReturn(gamma=0.5),
-                                 cache_bytes=4608)  # 23 of the ring's 32 chunks; what the side store's staging needs
-    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING
+def go_round(path: str, read_ahead: bool, compression: str | None, lanes: int) -> dr.ReplayBuffer:
+    """A ring with episodic returns (which patch rows already added) and next_obs, going round 3
+    times with single adds (every 5th of lane 0 only, so lanes start chunks apart) and flushes
+    mid-chunk."""
+    buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK * lanes, num_envs=lanes, chunk_rows=CHUNK,
+                                 compression=compression, seed=0, derive_next=("obs",),
+                                 episodic_return=dr.EpisodicReturn(gamma=0.5),
+                                 cache_bytes=4608 * lanes)  # fewer chunks than the ring; the side store's staging
+    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING * lanes
     buf.storage.writer.read_ahead = read_ahead
     for i in range(3 * RING * CHUNK + 5):
-        buf.add(**{k: v[0] for k, v in episodic_steps(i, 1).items()})
-        if i % flush_every == flush_every - 1:
+        step = {k: v.reshape(lanes, *v.shape[1:]) for k, v in episodic_steps(i * lanes, lanes).items()}
+        if lanes > 1 and i % 5 == 4:
+            buf.add(env_ids=[0], **{k: v[:1] for k, v in step.items()})
+        else:
+            buf.add(**({k: v[0] for k, v in step.items()} if lanes == 1 else step))
+        if i % 37 == 36:
             buf.flush()
     return buf
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, compression):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, compression, lanes):
     files = []
     for read_ahead in (True, False):
         path = str(tmp_path / f"ahead-{read_ahead}")
-        buf = go_round(path, read_ahead, compression)
+        buf = go_round(path, read_ahead, compression, lanes)
         ids = buf.row_ids()
         rows = buf[ids]
         buf.close()
