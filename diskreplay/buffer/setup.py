@@ -15,7 +15,7 @@ from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, Sch
 from ..format import keys
 from ..format.commit import CommitRecord
 from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
-from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, own_keys
+from ..format.keys import BUFFER_MARKERS, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
 from ..format.shards import ShardedRoot, read_root, shard_url
@@ -140,7 +140,7 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
         if not overwrite:
             raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
         _require_buffer_or_empty(path)
-    elif any(store.exists(key) for key in (GROUP_KEY, *own_keys(COMMIT_KEY))):
+    elif any(store.exists(key) for key in BUFFER_MARKERS):
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
     else:
@@ -159,7 +159,7 @@ def read_sharded_root(store: ChunkStore, url: str) -> ShardedRoot | None:
 
 def _require_buffer_or_empty(path: str) -> None:
     if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, key))
-                                          for key in (GROUP_KEY, *own_keys(COMMIT_KEY))):
+                                          for key in BUFFER_MARKERS):
         raise BufferExistsError(f"{path!r} exists and is not a diskreplay buffer; refusing to delete it")
 
 

@@ -39,10 +39,12 @@ def objects_prefix(format_name: str) -> str:
     return "" if format_name == FORMAT_1 else f"{OBJECTS_DIR}/"
 
 
-def own_keys(key: str) -> tuple[str, ...]:
-    """Where diskreplay's own object ``key`` may be in a location of any format, newest first:
-    for questions that come before the format is known (is there a commit record, a writer lock?)."""
-    return tuple(objects_prefix(version) + key for version in reversed(FORMATS))
+OWN_PREFIXES = tuple(objects_prefix(version) for version in reversed(FORMATS))
+"""Where diskreplay's own objects may be in a location of any format, newest first: for questions
+that come before the format is known (is there a commit record, a writer lock?)."""
+
+BUFFER_MARKERS = (GROUP_KEY, *(prefix + COMMIT_KEY for prefix in OWN_PREFIXES))
+"""Keys whose presence marks a location as a buffer's: its Zarr group, or a commit record of any format."""
 
 
 def side_stores(derive_next: bool) -> tuple[str, ...]:

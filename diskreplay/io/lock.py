@@ -194,8 +194,11 @@ def locked_message(url: str, holder: LockInfo | None) -> str:
 
 def lock_holder(url: str, stores: Sequence[ChunkStore]) -> LockInfo | None:
     """Who holds the writer lock of ``url`` kept in any of ``stores``, or None if nobody does."""
-    holders = [WriterLock(url, store).holder() for store in stores]
-    return next((holder for holder in holders if holder is not None), None)
+    for store in stores:
+        holder = WriterLock(url, store).holder()
+        if holder is not None:
+            return holder
+    return None
 
 
 def break_lock(url: str, stores: Sequence[ChunkStore]) -> LockInfo | None:

@@ -14,7 +14,14 @@ from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
-from ..format.keys import COMMIT_KEY, FORMATS, GROUP_KEY, INCOMPLETE_IMPORT_KEY, MAX_METADATA_BYTES, objects_prefix
+from ..format.keys import (
+    COMMIT_KEY,
+    GROUP_KEY,
+    INCOMPLETE_IMPORT_KEY,
+    MAX_METADATA_BYTES,
+    OWN_PREFIXES,
+    objects_prefix,
+)
 from ..format.layout import (
     ArrayMeta,
     buffer_codec,
@@ -222,4 +229,4 @@ def own_stores(url: str, storage_options: Mapping[str, Any] | None = None) -> li
     """Every place the buffer at ``url`` may keep its own objects (commit record, writer lock),
     one per format, newest first: for questions asked before its format is known."""
     store = open_chunkstore(url, storage_options)
-    return [objects_at(store, objects_prefix(version)) for version in reversed(FORMATS)]
+    return [objects_at(store, prefix) for prefix in OWN_PREFIXES]

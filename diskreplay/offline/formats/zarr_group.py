@@ -12,7 +12,7 @@ import zarr
 
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
-from ...format.keys import COMMIT_KEY, GROUP_KEY, own_keys
+from ...format.keys import BUFFER_MARKERS, COMMIT_KEY
 from ...sampling import Uniform
 from ...storage import own_stores
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
@@ -64,5 +64,4 @@ class ZarrSource(ColumnsSource):
 
 def is_zarr(path: str) -> bool:
     """``path`` is a folder holding a Zarr group (``zarr.json``) or a diskreplay commit record."""
-    keys = (GROUP_KEY, *own_keys(COMMIT_KEY))
-    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, key)) for key in keys)
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, key)) for key in BUFFER_MARKERS)
