@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from diskreplay.format.lanes import LaneLayout, flat_to_lane_step, row_ids, split_row_ids
@@ -74,6 +74,13 @@ def test_chunks_between(layout, first, length):
     assert got.dtype.kind == "i"
     assert got.tolist() == want
     assert layout.chunks_between(last, first).size == 0 or length == 0
+
+
+@given(layouts(), st.integers(0, 300), st.integers(0, 40))
+def test_newest_in_chunk(layout, total, chunk):
+    assume(layout.lane_capacity is None or chunk < layout.chunks_per_lane())
+    want = max((s for s in range(total) if brute_slot(layout, s) // layout.chunk_rows == chunk), default=-1)
+    assert layout.newest_in_chunk(total, chunk) == want
 
 
 @given(st.integers(1, 6), st.lists(st.integers(0, 10**12), min_size=0, max_size=30))

@@ -21,7 +21,8 @@ import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
 from diskreplay.storage.chunk_io import ChunkIO
-from diskreplay.storage.writer import BACKLOG_SHARE, StagingWriter
+from diskreplay.storage.write_behind import WriteBehind
+from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, StagingWriter
 
 CHUNK = 8
 SAFETY_S = 30
@@ -243,6 +244,79 @@ def test_appends_wait_for_a_store_that_falls_behind(writes, monkeypatch):
     buf.flush()
     buf.close()
     np.testing.assert_array_equal(committed_ids(writes.root), np.arange(total))
+
+
+ROUND = 48 * CHUNK
+
+
+def backlog_ring(writes: Writes) -> tuple[dr.ReplayBuffer, StagingWriter]:
+    """A full ring of `ROUND` rows, committed; its cache lets sealed chunks wait."""
+    row_bytes = sum(field.row_bytes for field in FIELDS.values())
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=ROUND, chunk_rows=CHUNK, seed=0,
+                                 cache_bytes=80 * CHUNK * row_bytes)
+    add(buf, 0, ROUND)
+    buf.flush()
+    return buf, buf.storage.writer
+
+
+def commits(writes: Writes) -> int:
+    return writes.keys.count(OWN + "commit.json")
+
+
+def test_one_retire_commit_covers_the_chunks_sealed_before_it(writes):
+    """After a stall, the chunks that piled up go in several batches, but the rows they overwrite
+    were all retired by the first batch's commit: one fsync, not one per batch."""
+    buf, writer = backlog_ring(writes)
+    limit, batch = writer.cache.full_slots // BACKLOG_SHARE, max(writer.io.threads, 1)
+    assert limit > 2 * batch
+    try:
+        writes.hold = lambda key: is_chunk(key) and not writes.released.is_set()
+        add(buf, ROUND, CHUNK)  # seals chunk 0 of the next round: retired, then its write held
+        assert writes.held.wait(SAFETY_S)
+        add(buf, ROUND + CHUNK, limit * CHUNK)  # seals chunks 1..limit meanwhile
+        assert len(writer.sealed) == limit
+        before = commits(writes)
+        writes.released.set()
+        batches, step = 0, ROUND + (limit + 1) * CHUNK
+        while writer.sealed:  # an add per batch: each moves the lower bound a retire would commit
+            writer.wait()
+            add(buf, step, 1)
+            step, batches = step + 1, batches + 1
+        assert step < ROUND + (limit + 2) * CHUNK  # no add sealed another chunk
+        writer.wait()
+        assert batches >= limit // batch and commits(writes) == before + 1
+        buf.flush()
+    finally:
+        writes.released.set()
+        buf.close()
+    end = step
+    np.testing.assert_array_equal(committed_ids(writes.root), np.arange(end - ROUND, end))
+    assert verify(writes.root).ok
+
+
+def test_appends_past_a_part_of_the_backlog_give_the_write_a_moment(writes, monkeypatch):
+    """Between 1/`PACE_SHARE` of the backlog and all of it, each append gives the batch in flight
+    `PACE_S` (it returns while the write is still held): a store falling behind slows the appends
+    a little at a time instead of stopping one of them for a whole batch."""
+    buf, writer = backlog_ring(writes)
+    limit = writer.cache.full_slots // BACKLOG_SHARE
+    paced: list[tuple[int, float]] = []
+    wait = WriteBehind.wait
+    monkeypatch.setattr(WriteBehind, "wait", lambda behind, timeout: (paced.append((len(writer.sealed), timeout)),
+                                                                       wait(behind, timeout)))
+    try:
+        writes.hold = lambda key: is_chunk(key) and not writes.released.is_set()
+        add(buf, ROUND, CHUNK)
+        assert writes.held.wait(SAFETY_S)
+        add(buf, ROUND + CHUNK, limit * CHUNK)
+        assert writer.behind.busy and len(writer.sealed) == limit  # nothing was waited for to the end
+        soft = limit // PACE_SHARE
+        # the add sealing a chunk and the ones after it until the next chunk seals see the same backlog
+        want = [(sealed, PACE_S) for sealed in range(soft + 1, limit) for _ in range(CHUNK)]
+        assert paced == want + [(limit, PACE_S)]
+    finally:
+        writes.released.set()
+        buf.close()
 
 
 # ---- reading ahead ---------------------------------------------------------------------------

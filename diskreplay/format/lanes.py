@@ -71,6 +71,18 @@ class LaneLayout:
             room = min(room, self.lane_capacity - slot)
         return min(room, remaining)
 
+    def newest_in_chunk(self, total: int, chunk: int) -> int:
+        """The newest of a lane's first ``total`` steps stored in ``chunk`` (-1: none is). In a
+        ring, ``chunk`` is one of its `chunks_per_lane`."""
+        first_slot, rows = chunk * self.chunk_rows, self.chunk_rows
+        last = total - 1
+        if self.lane_capacity is None:
+            return min(last, first_slot + rows - 1) if last >= first_slot else -1
+        cap = self.lane_capacity
+        end = min(first_slot + rows, cap) - 1  # the chunk's last slot
+        newest = last if first_slot <= last % cap <= end else last - (last % cap - end) % cap
+        return max(newest, -1)
+
     def chunks_between(self, first: int, last: int) -> np.ndarray:
         """Distinct chunk indices holding steps ``[first, last)`` of one lane, sorted."""
         if last <= first:

@@ -117,13 +117,15 @@ class CommitLog:
             self._garbage += journal.committed()
         self.cursors.lower = np.maximum(self.cursors.lower, lower)
 
-    def retire(self, first_kept: np.ndarray) -> None:
-        """Before chunk writes: commit the raised lower bound of the rows they may overwrite, if
-        the last commit still shows any of them (the writer's own bound may be higher already:
-        a failed call retires rows in RAM only). Always durable: a chunk overwrite that reaches
-        the disk before this commit would, after a power loss, show new rows under old step
-        numbers. One small fsync per chunk write batch."""
-        if np.any(np.minimum(first_kept, self.record.committed) > self.record.lower):
+    def retire(self, first_kept: np.ndarray, needed: np.ndarray | None = None) -> None:
+        """Before chunk writes: commit the raised lower bound ``first_kept`` (per lane) if the last
+        commit still shows a step below ``needed`` (default ``first_kept``), the first step the
+        writes keep (the writer's own bound may be higher already: a failed call retires rows in
+        RAM only). Always durable: a chunk overwrite that reaches the disk before this commit
+        would, after a power loss, show new rows under old step numbers. One small fsync per
+        chunk write batch whose rows an earlier retire did not cover."""
+        needed = first_kept if needed is None else needed
+        if np.any(np.minimum(needed, self.record.committed) > self.record.lower):
             self.commit(self.record.committed, first_kept, True)
 
     def grow_arrays(self, rows: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import numpy as np
 
@@ -52,6 +53,11 @@ class WriteBehind:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-write-behind")
         self.in_flight = chunks
         self._job = self._pool.submit(write)
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the batch in flight to end (it is not taken back)."""
+        if self._job is not None:
+            wait_for([self._job], timeout)
 
     def read_ahead(self, io: ChunkIO, lane: int, chunk: int, like: Mapping[str, np.ndarray], must_exist: bool) -> None:
         """Read a stored chunk's rows into new arrays shaped as ``like`` (every field) on the

@@ -18,7 +18,9 @@ a row that is being overwritten.
 Writes behind the appends. The chunks an ``add`` or ``extend`` seals are written on a background
 thread (`WriteBehind`), retire commit included, while the caller goes on: a short batch at a time,
 each started as an append ends with none in flight (an idle writer's last sealed chunks wait for
-its next append or flush). Until a chunk is written it stays pinned in the cache, where this
+its next append or flush). A retire commit covers every row added so far: the batches after it
+whose chunks were sealed before it make none. A store that falls behind slows the appends down
+(`_pace`). Until a chunk is written it stays pinned in the cache, where this
 process reads it. A background write that fails leaves its chunks sealed, to be written again;
 its error is raised once, by the next append (before it stages anything) or flush. Everything
 else that writes, or changes a chunk in flight, waits for the batch first (`settle`). A ring
@@ -36,11 +38,15 @@ from .chunk_io import ChunkIO, ChunkWrite
 from .commit_log import CommitLog
 from .cursors import Cursors
 from .loading import ChunkLoader
+from .stored_chunks import StoredChunks
 from .write_behind import Sealed, WriteBehind
 
 BACKLOG_SHARE = 4
 """Sealed chunks may wait for the background write up to 1/4 of the cache's full slots (riding out
 the store's stalls); past that an append waits for the batch in flight."""
+PACE_SHARE = 4
+"""Past 1/PACE_SHARE of that backlog, each append gives the batch in flight up to `PACE_S`."""
+PACE_S = 0.001
 
 
 class StagingWriter:
@@ -52,6 +58,7 @@ class StagingWriter:
         ``keep_written``: keep written chunks in the cache (False when memory maps serve them)."""
         self.cursors, self.log, self.io, self.cache, self.loader = cursors, log, io, cache, loader
         self.layout = cursors.layout
+        self.stored = StoredChunks(cursors, log)
         self.forget_files = forget_files
         self.keep_written = keep_written
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
@@ -156,7 +163,7 @@ class StagingWriter:
         self.log.retire(self.cursors.first_kept())
         n = self.layout.chunk_rows
         self._put([(self.io.key(name, lane, chunk), self.io.codecs[name], rows[name][i:i + n],
-                    self._never_committed(lane, chunk))
+                    self.stored.never_committed(lane, chunk))
                    for chunk, i in whole for name in self.io.schema.fields], durable=False)
         self._rewritten(lane, np.array([chunk for chunk, _ in whole]))
 
@@ -171,7 +178,7 @@ class StagingWriter:
         slot = self._complete_slot(lane, chunk)
         if slot >= 0:
             self.cache.pin(slot)
-        elif self._holds_data(lane, chunk_first_step):
+        elif self.stored.holds_data(lane, chunk_first_step):
             slot = self._load_stored(lane, chunk, chunk_first_step)
         else:
             slot = self.cache.assign_zeroed(lane, chunk)
@@ -185,30 +192,15 @@ class StagingWriter:
         rows = self.behind.take_read(lane, chunk)
         if rows is not None:
             return self.loader.place_read(lane, chunk, rows)
-        return self.loader.load_one(lane, chunk, must_exist=self._holds_visible(lane, chunk_first_step))
+        return self.loader.load_one(lane, chunk, must_exist=self.stored.holds_visible(lane, chunk_first_step))
 
     def _read_next(self, lane: int, first: int) -> None:
         """Read the chunk starting at step ``first`` ahead if it holds stored rows and is not cached."""
         chunk = int(self.layout.slot(first)) // self.layout.chunk_rows
-        if not self._holds_data(lane, first) or self.cache.slot_of(lane, chunk) >= 0:
+        if not self.stored.holds_data(lane, first) or self.cache.slot_of(lane, chunk) >= 0:
             return
         like = {name: self.cache.chunk_rows_of(name, 0) for name in self.io.schema.fields}
-        self.behind.read_ahead(self.io, lane, chunk, like, self._holds_visible(lane, first))
-
-    def _holds_data(self, lane: int, chunk_first_step: int) -> bool:
-        """Whether the chunk starting at this step already has stored rows (to keep on rewrite)."""
-        cap = self.layout.lane_capacity
-        earlier_round = cap is not None and chunk_first_step >= cap
-        return earlier_round or bool(self.cursors.total[lane] > chunk_first_step)
-
-    def _holds_visible(self, lane: int, chunk_first_step: int) -> bool:
-        cap = self.layout.lane_capacity or 0
-        committed = int(self.log.record.committed[lane])
-        lo = max(int(self.cursors.lower[lane]), int(self.layout.oldest(committed)))
-        spans = [(chunk_first_step, chunk_first_step + self.layout.chunk_rows)]
-        if cap:
-            spans.append((chunk_first_step - cap, chunk_first_step - cap + self.layout.chunk_rows))
-        return any(a < committed and b > lo for a, b in spans)
+        self.behind.read_ahead(self.io, lane, chunk, like, self.stored.holds_visible(lane, first))
 
     def _seal(self, lane: int) -> None:
         chunk = int(self.staging[lane])
@@ -279,8 +271,7 @@ class StagingWriter:
         """Start writing the sealed chunks on the background thread, unless a batch is in flight
         (they go with the next one) or the last one failed (`settle` raises its error first)."""
         self._reap(wait=False)
-        if self.behind.busy and len(self.sealed) > self.cache.full_slots // BACKLOG_SHARE:
-            self.settle(wait=True)  # the store falls behind the appends: they wait for it, a short batch at a time
+        self._pace()
         if not self.sealed or self.behind.busy or self.failure is not None:
             return
         if any(self.staging[lane] == chunk for lane, chunk, _ in self.sealed):
@@ -288,11 +279,25 @@ class StagingWriter:
         batch = max(self.io.threads, self.layout.num_envs)
         chunks, self.sealed = self.sealed[:batch], self.sealed[batch:]
         work, first_kept = self._work(chunks), self.cursors.first_kept()
+        needed = self.stored.first_kept_after([(lane, chunk) for lane, chunk, _ in chunks])
 
         def write() -> None:
-            self.log.retire(first_kept)
+            self.log.retire(first_kept, needed)
             self._put(work, durable=False, behind=True)
         self.behind.start(chunks, write)
+
+    def _pace(self) -> None:
+        """A store that falls behind the appends slows them down, a little at a time: past
+        1/`PACE_SHARE` of the backlog each append waits up to `PACE_S` for the batch in flight
+        (the thread writing it gets the CPU); past the backlog, for the whole batch."""
+        if not self.behind.busy:
+            return
+        backlog = self.cache.full_slots // BACKLOG_SHARE
+        if len(self.sealed) > backlog:
+            self.settle(wait=True)
+        elif len(self.sealed) > max(backlog // PACE_SHARE, 1):
+            self.behind.wait(PACE_S)
+            self._reap(wait=False)
 
     def settle(self, wait: bool = False) -> None:
         """Take back a background write that ended (``wait``: wait for the one in flight); raise
@@ -358,16 +363,12 @@ class StagingWriter:
 
     def _work(self, chunks: list[Sealed]) -> list[ChunkWrite]:
         return [(self.io.key(name, lane, chunk), self.io.codecs[name], self.cache.chunk_rows_of(name, slot),
-                 self._never_committed(lane, chunk))
+                 self.stored.never_committed(lane, chunk))
                 for lane, chunk, slot in chunks for name in self.io.schema.fields]
 
     def _put(self, work: list[ChunkWrite], durable: bool, behind: bool = False) -> None:
         self.log.check_lock()
         self.io.put(work, durable, behind)
-
-    def _never_committed(self, lane: int, chunk: int) -> bool:
-        """No commit ever covered a row of this chunk (its first-round steps are all newer)."""
-        return int(self.log.record.committed[lane]) <= chunk * self.layout.chunk_rows
 
     def close(self) -> None:
         """Wait for the background write in flight and end the background threads. Nothing more is written."""
