@@ -24,8 +24,10 @@ Contestants, side by side in one process, repeats interleaved (rotating order), 
 - numpy: every field (obs and next_obs) in RAM arrays, ``np.take`` (only where it fits in RAM).
 
 Measured:
-1. bytes per transition: ``du`` of the store / capacity; cpprb: growth of private memory
-   (RssAnon) when it is built (it allocates and zeroes its arrays then) / size;
+1. bytes per transition: ``du`` of the store / capacity; cpprb: the bytes its arrays allocate
+   (traced by ``tracemalloc`` while it is built) / size. cpprb is fed as a plain stream, without
+   ``on_episode_end()``, so it keeps no episode's last next_obs (it returns the next episode's
+   first frame there); keeping them costs it one slot per episode;
 2. extend of every transition in pieces of 1,000 (construction included; diskreplay also the
    flush that writes and commits the rest, not fsynced);
 3. ``sample(256)`` once full (diskreplay returns obs and next_obs, like the others);
@@ -58,6 +60,7 @@ import os
 import shutil
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -251,9 +254,10 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
 
     def cpprb_case():
         live.drop(CPPRB)
-        before = bl.self_status()["RssAnon"]
+        tracemalloc.start()  # numpy reports its allocations: exactly the arrays cpprb allocates
         secs, rb = bl.timed(lambda: cpprb_buffer(rows))
-        live.cpprb_bytes = bl.self_status()["RssAnon"] - before
+        live.cpprb_bytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
         for t0 in range(0, rows, PIECE):
             piece = frames.rows(t0, min(PIECE, rows - t0))
             secs += bl.timed(lambda piece=piece: rb.add(**piece))[0]
@@ -428,10 +432,11 @@ def bench_stack(live: Live, readers: dict[str, dr.ReplayBuffer], frames: Frames,
     b = live.bufs
     res: dict[str, Any] = {}
     live.drop(CPPRB)  # its job is done: room for cpprb's stack buffer
-    before = bl.self_status()["RssAnon"]
     start = time.perf_counter()
+    tracemalloc.start()
     stacked = cpprb_buffer(live.rows, stacked=True)
-    res["cpprb_stack_bytes"] = bl.self_status()["RssAnon"] - before
+    res["cpprb_stack_bytes"] = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
     for t0 in range(0, live.rows, PIECE):
         stacked.add(**frames.stacked(t0, min(PIECE, live.rows - t0)))
     res["cpprb_stack_build"] = time.perf_counter() - start
@@ -553,7 +558,7 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
     cols = [c for c in COLUMNS if c != NUMPY or live.with_numpy]
     t = bl.Table(cols)
     us = lambda s: bl.format_seconds(s, "us")  # noqa: E731
-    with_trl(t, "bytes per transition (disk: du / capacity; cpprb: RssAnon growth / size)",
+    with_trl(t, "bytes per transition (disk: du / capacity; cpprb: its arrays' bytes / size)",
              {c: sizes.get(c) for c in cols}, kind="count")
     with_trl(t, f"extend {live.rows:,} transitions in pieces of {PIECE:,} (+ flush for diskreplay)",
              {c: ext[c].median for c in cols}, unit="s")
@@ -633,9 +638,10 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
         f"(default).",
         f"- bytes: diskreplay's du covers the whole store directory (the obs/scalar chunks with their checksums, "
         f"the side store of each episode's final next_obs, metadata); TorchRL's its scratch_dir (obs and "
-        f"next_obs both stored); cpprb's is the RssAnon growth when it is constructed (it zeroes every array "
-        f"then): obs stored once with next_of (its stack_compress buffer: "
-        f"{stack['cpprb_stack_bytes'] / live.rows:,.0f} bytes per transition); numpy stores obs and next_obs.",
+        f"next_obs both stored); cpprb's is the bytes of the arrays it allocates (tracemalloc): obs stored once "
+        f"with next_of, without any episode's last next_obs (fed without on_episode_end(), which would keep "
+        f"them in a slot per episode); its stack_compress buffer: "
+        f"{stack['cpprb_stack_bytes'] / live.rows:,.0f} bytes per transition. numpy stores obs and next_obs.",
         f"- extend: median of {args.extend_repeats} interleaved repeats, each into fresh buffers, "
         f"construction included; generating the frames is outside the timing. diskreplay: extend calls + "
         f"`flush(durable=False)` (every row written and committed, not fsynced; none of the others syncs). "
