@@ -6,6 +6,7 @@ Real DataLoaders with fork (and spawn) worker processes; buffers of a few thousa
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import os
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
-from diskreplay.torch import shared_ring
+from diskreplay.torch import batch_rng, shared_ring
 from diskreplay.torch.batch_rng import BatchRngs
 from diskreplay.torch.data import make_dataset
 from diskreplay.torch.shared_ring import FREE, HELD, SENT, SlotBatch, WorkerRing
@@ -88,14 +89,55 @@ def sample_ds(buf, **kw):
 # ---- the per-batch generators --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pool", [32, 1, 5])
 @pytest.mark.parametrize("seed,rank,stride", [(0, 0, 1), (5, 1, 2), (2**40 + 3, 3, 3), (123456789, 0, 7)])
-def test_batch_rngs_equal_default_rng(seed, rank, stride):
-    rngs = BatchRngs(seed, rank, stride)
-    for b in [*range(rank, 3000, stride), 2**32 - 5, 2**33, 7]:
+def test_batch_rngs_equal_default_rng(seed, rank, stride, pool):
+    rngs = BatchRngs(seed, rank, stride, pool=pool)
+    for b in [*range(rank, 3000, stride), rank + 40 * stride, 2**32 - 5, 2**33, 7, 3000 + stride * 4090]:
         want = np.random.default_rng([seed, rank, b])
         got = rngs(b)
         assert got.bit_generator.state == want.bit_generator.state
         np.testing.assert_array_equal(got.integers(0, 10**9, 8), want.integers(0, 10**9, 8))
+
+
+def test_batch_rngs_asked_again_start_afresh():
+    """Asking for a batch's generator again (a retried draw) gives it in its initial state again."""
+    rngs = BatchRngs(4, 0, 1, pool=8)
+    for b in (0, 0, 1, 5, 5, 3, 3, 9):
+        want = np.random.default_rng([4, 0, b]).integers(0, 10**9, 8)
+        np.testing.assert_array_equal(rngs(b).integers(0, 10**9, 8), want)
+
+
+def test_batch_rngs_pickle_and_copy_to_working_copies():
+    """A copy has its own generators (a copy shares none of them with the original)."""
+    rngs = BatchRngs(3, 1, 2)
+    rngs(1)
+    for twin in (pickle.loads(pickle.dumps(rngs)), copy.deepcopy(rngs), copy.copy(rngs)):
+        for b in (1, 5, 99):
+            want = np.random.default_rng([3, 1, b]).integers(0, 10**9, 8)
+            assert twin(b) is not rngs(b)
+            np.testing.assert_array_equal(twin(b).integers(0, 10**9, 8), want)
+
+
+class _GivenWords(np.random.bit_generator.ISeedSequence):
+    """A seed sequence that hands PCG64 the words it was given (to seed numpy's PCG64 directly)."""
+
+    def __init__(self, words):
+        self.words = np.asarray(words, np.uint64)
+
+    def generate_state(self, n_words, dtype=np.uint32):
+        return self.words[:n_words].astype(dtype)
+
+
+def test_pcg64_states_equal_numpy_seeding_with_carries():
+    """The vectorised 128-bit seeding equals numpy's for words that carry through every limb."""
+    rng = np.random.default_rng(0)
+    words = [[0, 0, 0, 0], [2**64 - 1] * 4, [2**64 - 1, 0, 2**63, 2**32 - 1], [2**32, 2**32 - 1, 1, 2**64 - 2],
+             *rng.integers(0, 2**64, size=(200, 4), dtype=np.uint64, endpoint=False).tolist()]
+    got = batch_rng._pcg64_states(np.array(words, np.uint64).T)
+    for w, (state_hi, state_lo, inc_hi, inc_lo) in zip(words, got.tolist()):
+        want = np.random.PCG64(_GivenWords(w)).state["state"]
+        assert (state_hi << 64 | state_lo, inc_hi << 64 | inc_lo) == (want["state"], want["inc"])
 
 
 # ---- fork workers use the ring, values exact -----------------------------------------------

@@ -170,10 +170,12 @@ class SampleDataset(_BufferDataset):
         return self._generate(shard, start, sink)
 
     def _generate(self, shard: Shard, b: int, sink: Sink) -> Iterator[Any]:
+        """Batches ``b, b + W, ...`` (W: the shard's workers); what varies per batch is the
+        generator, the destination arrays and the refresh clock, the rest is decided here."""
         buf = self.reader.get()
-        plain = all(self.sample_options.get(k) is None for k in ("seq_len", "n_step", "stack", "her"))
-        names, size, options = _out_names(buf), self.batch_size, self.sample_options
-        rngs = BatchRngs(self.seed, self.rank, shard.num_workers)
+        rngs, stride, emit = BatchRngs(self.seed, self.rank, shard.num_workers), shard.num_workers, sink.emit
+        size, options = self.batch_size, self.sample_options
+        into = self._destination(buf, sink)
         every, seconds = self.refresh_every, self.refresh_seconds
         last_refresh, since = time.monotonic(), 0
         try:
@@ -183,18 +185,28 @@ class SampleDataset(_BufferDataset):
                         seconds is not None and time.monotonic() - last_refresh >= seconds):
                     buf.refresh()
                     last_refresh, since = time.monotonic(), 0
-                out = _out(names, sink.destination(), size) if plain else None
+                out = None if into is None else into()
                 try:
                     batch = buf.sample(size, rng=rngs(b), out=out, **options)
                 except EmptyBufferError:  # nothing committed when this reader opened or refreshed
                     buf.refresh()
                     last_refresh, since = time.monotonic(), 0
                     batch = buf.sample(size, rng=rngs(b), out=out, **options)
-                b += shard.num_workers
+                b += stride
                 self._batch = b
-                yield sink.emit(batch)
+                yield emit(batch)
         finally:
             sink.close()
+
+    def _destination(self, buf: ReplayBuffer, sink: Sink) -> Callable[[], dict[str, np.ndarray] | None] | None:
+        """What gives each batch's ``out`` arrays (`_out` of ``sink.destination()``), or None
+        when batches are never gathered into given arrays: a sink that gives none, or sample
+        options that transform batches (``out`` is for plain transitions only)."""
+        transformed = any(self.sample_options.get(k) is not None for k in ("seq_len", "n_step", "stack", "her"))
+        if transformed or not sink.gathers:
+            return None
+        names, size, destination = _out_names(buf), self.batch_size, sink.destination
+        return lambda: _out(names, destination(), size)
 
 
 class EpochDataset(_BufferDataset):
@@ -348,6 +360,7 @@ class _TensorDictSink(Sink):
 
     def __init__(self, inner: Sink):
         self.inner = inner
+        self.gathers = inner.gathers
 
     def destination(self) -> dict[str, np.ndarray] | None:
         return self.inner.destination()

@@ -68,12 +68,16 @@ def emit_tensors(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
 class Sink:
     """Where this process's batches go: ``destination()`` gives the arrays the next batch is
     gathered into (None: new arrays), ``emit(batch)`` what is yielded for it, ``close()`` gives
-    back what an unfinished batch held."""
+    back what an unfinished batch held. ``gathers``: False when ``destination()`` is always None
+    (a dataset then skips asking)."""
+
+    gathers = True
 
     def __init__(self, destination: Callable[[], dict[str, np.ndarray] | None],
                  emit: Callable[[Mapping[str, np.ndarray]], Any]):
         self.destination = destination
         self.emit = emit
+        self.gathers = destination is not _nowhere
 
     def close(self) -> None:
         """Nothing to give back: a plain sink holds no slot."""
@@ -121,7 +125,7 @@ def sink_for(ring: WorkerRing | None) -> Sink:
     info = tud.get_worker_info()
     if info is not None and ring is not None and ring.usable_in(info.id):
         return RingSink(ring, info.id)
-    return Sink(_nowhere, emit_tensors)
+    return Sink(_nowhere, to_tensors if info is None else packed_tensors)
 
 
 def _nowhere() -> None:
