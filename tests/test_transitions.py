@@ -207,8 +207,13 @@ def new_url():
     gc.collect()  # unclosed buffers release their locks now, not mid-way through rm
     fs = fsspec.filesystem("memory")
     for name in names:
-        if fs.exists(f"/{name}"):
-            fs.rm(f"/{name}", recursive=True)
+        for _ in range(3):  # an unclosed buffer's chunk write behind may race the removal: again
+            try:
+                if fs.exists(f"/{name}"):
+                    fs.rm(f"/{name}", recursive=True)
+                break
+            except FileNotFoundError:
+                continue
 
 
 # --------------------------------------------------------------------------- #

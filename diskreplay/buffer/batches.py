@@ -66,6 +66,8 @@ class Batches:
         self.sampler, self.view, self.episodes = sampler, view, view.episodes
         self.num_envs = view.layout.num_envs
         self.window, self.empty_hint = window, empty_hint
+        self._unstacked_by: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._stack_plans: dict[tuple[int, tuple[str, ...]], transforms.StackPlan] = {}
 
     def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest) -> Batch:
         """One batch from the rows readable now. Raises EmptyBufferError when there are none;
@@ -78,9 +80,12 @@ class Batches:
         if request.options:
             check_options(self.sampler, request.options)
         draw = self.sampler.sample(rng, batch_size, lo, hi, **request.options)
-        batch = self.view.gather(draw.lane, draw.step, self._unstacked(request), out=request.out)
-        if request.transformed:
-            self._transform(batch, draw, rng, lo, hi, request)
+        if request.stack is not None and request.n_step is None and request.her is None:
+            batch = self._stacks(draw, lo, hi, request.stack, request.stack_fields)
+        else:
+            batch = self.view.gather(draw.lane, draw.step, self._unstacked(request), out=request.out)
+            if request.transformed:
+                self._transform(batch, draw, rng, lo, hi, request)
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
             batch["weight"] = draw.weight
@@ -92,14 +97,33 @@ class Batches:
         """The fields a batch gathers before its frame stacks replace the stacked ones (None: all).
 
         Raises ValueError naming a stack field the buffer does not have."""
-        if request.stack is None:
-            return None
+        return None if request.stack is None else self._unstacked_fields(tuple(request.stack_fields))
+
+    def _unstacked_fields(self, stack_fields: tuple[str, ...]) -> tuple[str, ...]:
+        """The fields but ``stack_fields`` and their ``next_`` twins, in schema order (remembered
+        per ``stack_fields``). Raises ValueError naming a stack field the buffer does not have."""
+        known = self._unstacked_by.get(stack_fields)
+        if known is not None:
+            return known
         fields = self.view.schema.fields
-        for name in request.stack_fields:
+        for name in stack_fields:
             if name not in fields:
                 raise ValueError(f"stack_fields: {name!r} is not a field; the buffer has {list(fields)}")
-        stacked = {*request.stack_fields, *(f"next_{name}" for name in request.stack_fields)}
-        return tuple(name for name in fields if name not in stacked)
+        stacked = {*stack_fields, *(f"next_{name}" for name in stack_fields)}
+        self._unstacked_by[stack_fields] = tuple(name for name in fields if name not in stacked)
+        return self._unstacked_by[stack_fields]
+
+    def _stacks(self, draw: Draw, lo: np.ndarray, hi: np.ndarray, stack: int, stack_fields: tuple[str, ...]) -> Batch:
+        """Frame stacks alone (no n-step, no HER): the rows of the other fields and the stacks,
+        from as few gathers as `transforms.stacked_rows` can."""
+        plan = self._stack_plans.get((stack, stack_fields)) if isinstance(stack, (int, np.integer)) else None
+        if plan is None:  # checked (stack_fields, episodes, stack) and remembered
+            others = self._unstacked_fields(stack_fields)
+            if not self.episodes.enabled:
+                raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+            plan = self._stack_plans[(stack, stack_fields)] = transforms.stack_plan(self.view, stack, stack_fields,
+                                                                                  others)
+        return transforms.stacked_rows(plan, self.view, self.episodes, draw.lane, draw.step, lo, hi)
 
     def _transform(self, batch: Batch, draw: Draw, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray,
                    request: SampleRequest) -> None:

@@ -89,6 +89,9 @@ class RowView:
         """Rows of the logical fields ``names`` (all by default); ``out`` as in `RowSource.gather`."""
         if not self.derived and self.returns is None:
             return self.storage.gather(lane, step, names, out)
+        if names and self.derived.keys().isdisjoint(names) and (
+                self.returns is None or self.returns.name not in names):
+            return self.storage.gather(lane, step, names, out)  # stored fields only, as stored
         names = tuple(self.schema.fields) if names is None else names
         wanted = [twin for twin in names if twin in self.derived]
         joint = () if out else tuple(self.derived[t] for t in wanted if self.derived[t] in names)
@@ -108,6 +111,14 @@ class RowView:
         is_end, newest = self._kept_apart(lane, step)
         following: np.ndarray = ~is_end & ~newest
         return following
+
+    def last_following(self, lane: np.ndarray, next_end: np.ndarray, hi: np.ndarray | None = None) -> np.ndarray:
+        """Per row, the last readable step of its episode: its end ``next_end``
+        (`EpisodeIndex.next_end`), or the lane's newest step (``hi - 1``) if that comes first. A
+        step before it has each derived ``next_*`` in the following step (`next_is_following`)."""
+        hi = self.storage.window()[1] if hi is None else hi
+        last: np.ndarray = np.minimum(next_end, hi[lane] - 1)
+        return last
 
     def _kept_apart(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Steps whose next values are not the following step's: episode ends (their final

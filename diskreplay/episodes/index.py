@@ -78,6 +78,13 @@ class EpisodeTable:
         return int(self.lane[k]), np.arange(start, start + int(self.length[k]))
 
 
+def _bounds(ends: np.ndarray, starts: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(episode_start, next_end)`` of steps >= 0 from a lane's ``[-1, *ends, NO_END]`` and the
+    matching episode starts (see `EpisodeIndex._store`)."""
+    after = ends.searchsorted(step)  # the first end >= step is at `after` (-1 comes before every step)
+    return starts.take(after), ends.take(after)
+
+
 class EpisodeIndex:
     """End steps per lane, appended as rows arrive. Plain arrays: trivially saved.
 
@@ -89,7 +96,10 @@ class EpisodeIndex:
     def __init__(self, num_envs: int, end_fields: tuple[str, ...]):
         self.end_fields = end_fields
         self._ends = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
+        self._starts = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
         self._count = np.zeros(num_envs, dtype=np.int64)
+        for lane in range(num_envs):
+            self._store(lane, np.zeros(0, dtype=np.int64))
         self._pruned = np.zeros(num_envs, dtype=np.int64)
         self._saved: np.ndarray | None = None  # per lane, ends the journal holds; None: write a base
         self._journal_size = 0  # records and base ends in the journal
@@ -103,7 +113,11 @@ class EpisodeIndex:
 
     def ends(self, lane: int) -> np.ndarray:
         """Sorted end steps of one lane (a view)."""
-        return self._ends[lane][: self._count[lane]]
+        return self._ends[lane][1: self._count[lane] + 1]
+
+    def _bracketed(self, lane: int) -> np.ndarray:
+        """The lane's ends between -1 and NO_END (a view): ``[-1, *ends, NO_END]``."""
+        return self._ends[lane][: self._count[lane] + 2]
 
     def on_append(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:
         """Record the episode ends among steps ``first, first+1, ...`` (``rows`` of one lane)."""
@@ -124,17 +138,23 @@ class EpisodeIndex:
     def rewind(self, lane: int, step: int) -> None:
         """Forget the lane's ends at or after ``step`` (steps a failed call had added)."""
         self._count[lane] = np.searchsorted(self.ends(lane), step)
+        self._ends[lane][self._count[lane] + 1] = NO_END
 
     def end_flags(self, rows: Mapping[str, np.ndarray]) -> np.ndarray:
         """Per row, whether it ends an episode (OR of the end fields)."""
         return end_flags(rows, self.end_fields)
 
     def _store(self, lane: int, ends: np.ndarray) -> None:
-        if len(ends) > len(self._ends[lane]):
-            grown = np.zeros(max(2 * len(self._ends[lane]), len(ends)), dtype=np.int64)
-            self._ends[lane] = grown
-        self._ends[lane][: len(ends)] = ends
-        self._count[lane] = len(ends)
+        """Keep ``ends`` as the lane's ``[-1, *ends, NO_END]`` (`_bracketed`) and, at the same
+        places plus one, the first step of the episode each end closes (``[_, 0, *(ends + 1)]``)."""
+        count = len(ends)
+        if count + 2 > len(self._ends[lane]):
+            size = max(2 * len(self._ends[lane]), count + 2)
+            self._ends[lane], self._starts[lane] = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        bracketed, starts = self._ends[lane], self._starts[lane]
+        bracketed[0], bracketed[1:count + 1], bracketed[count + 1] = -1, ends, NO_END
+        starts[1], starts[2:count + 2] = 0, ends + 1
+        self._count[lane] = count
 
     def prune(self, lo: np.ndarray) -> None:
         """Drop ends older than each lane's oldest readable step (keeping one before it)."""
@@ -167,34 +187,23 @@ class EpisodeIndex:
         return self._pruned + self._count
 
     def next_end(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
-        """The first end step >= ``step`` in the same lane (NO_END if the episode is open)."""
-        if len(self._count) == 1:  # one lane: no grouping
-            ends = self.ends(0)
-            pos = np.searchsorted(ends, step)
-            return np.append(ends, NO_END)[pos]
-        out = np.full(step.shape, NO_END, dtype=np.int64)
-        for e in np.unique(lane).tolist():
-            sel = lane == e
-            ends = self.ends(e)
-            pos = np.searchsorted(ends, step[sel])
-            found = pos < len(ends)
-            out[np.flatnonzero(sel)[found]] = ends[pos[found]]
-        return out
+        """The first end step >= ``step`` (>= 0) in the same lane (NO_END if the episode is open)."""
+        return self.bounds(lane, step)[1]
 
     def episode_start(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
-        """The first step of the episode holding ``step`` (may be overwritten in a ring)."""
+        """The first step of the episode holding ``step`` (>= 0; may be overwritten in a ring)."""
+        return self.bounds(lane, step)[0]
+
+    def bounds(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(episode_start, next_end)`` of each step (int64, shaped like ``step``; steps >= 0),
+        from one search of each lane's ends."""
         if len(self._count) == 1:  # one lane: no grouping
-            ends = self.ends(0)
-            return np.append(-1, ends)[np.searchsorted(ends, step)] + 1
-        out = np.zeros(step.shape, dtype=np.int64)
+            return _bounds(self._bracketed(0), self._starts[0], step)
+        start, end = np.zeros(step.shape, dtype=np.int64), np.full(step.shape, NO_END, dtype=np.int64)
         for e in np.unique(lane).tolist():
             sel = lane == e
-            ends = self.ends(e)
-            if len(ends) == 0:  # no episode ended yet in this lane: all began at step 0
-                continue
-            pos = np.searchsorted(ends, step[sel]) - 1
-            out[sel] = np.where(pos >= 0, ends[np.maximum(pos, 0)] + 1, 0)
-        return out
+            start[sel], end[sel] = _bounds(self._bracketed(e), self._starts[e], step[sel])
+        return start, end
 
     def table(self, lo: np.ndarray, hi: np.ndarray) -> EpisodeTable:
         """Every episode with readable steps, lane by lane in time order."""
@@ -251,7 +260,7 @@ class EpisodeIndex:
             grew = np.flatnonzero(ended > saved).tolist()
             records = np.zeros(int((ended - saved).sum()), END_RECORD)
             records["lane"] = np.repeat(grew, (ended - saved)[grew])
-            records["step"] = np.concatenate([self._ends[e][saved[e] - self._pruned[e]:self._count[e]] for e in grew]
+            records["step"] = np.concatenate([self.ends(e)[saved[e] - self._pruned[e]:] for e in grew]
                                              or [np.zeros(0, np.int64)])
             change = JournalChange(records)
         self._staged = (change, ended)

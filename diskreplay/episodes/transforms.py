@@ -68,6 +68,12 @@ def nstep(rows_from: RowSource, episodes: EpisodeIndex, lane: np.ndarray, step: 
     return out
 
 
+SMALL_ROW_BYTES = 256
+"""`stacked_rows` gathers a field it does not stack together with the frame windows, and picks
+its row at each step from them, when one row takes at most this many bytes: reading ``frames``
+extra rows of it costs less than a gather of its own."""
+
+
 def frame_stack(view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
                 lo: np.ndarray, frames: int, fields: tuple[str, ...],
                 next_step: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -79,19 +85,14 @@ def frame_stack(view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: n
     (a later step of the same episode per row, e.g. the last step t+k-1 of an n-step window)
     takes the place of t for the ``next_`` stack.
 
-    Without ``next_step``, a field and its twin are two views of one ``[B, frames + 1, *shape]``
-    array (``[:, :-1]`` and ``[:, 1:]``): the frames they share are gathered and stored once.
+    Without ``next_step``, see `stacked_rows` (a field and its twin share one window).
     """
-    if not isinstance(frames, (int, np.integer)) or frames < 1:
-        raise ValueError(f"stack must be an int >= 1, got {frames!r}")
+    if next_step is None or np.array_equal(next_step, step):
+        return stacked_rows(stack_plan(view, frames, fields), view, episodes, lane, step, lo)
+    check_stack(frames)
     first = episode_first_step(episodes, lane, step, lo)
     back = np.arange(-(frames - 1), 1)
     steps = np.maximum(step[:, None] + back[None, :], first[:, None])
-    if next_step is None or np.array_equal(next_step, step):
-        out = {}
-        for name in fields:
-            out.update(_shared_stacks(view, lane, step, steps, name))
-        return out
     rows = view.gather(np.repeat(lane, frames), steps.reshape(-1), fields)
     later_steps = np.maximum(next_step[:, None] + back[None, :], first[:, None])
     later = view.gather(np.repeat(lane, frames), later_steps.reshape(-1), fields)
@@ -106,24 +107,96 @@ def frame_stack(view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: n
     return out
 
 
-def _shared_stacks(view: RowView, lane: np.ndarray, step: np.ndarray, steps: np.ndarray,
-                   name: str) -> dict[str, np.ndarray]:
-    """The stack of ``name`` at ``steps`` ``[B, frames]`` and, if the twin ``next_<name>``
-    exists, its stack: both views of one gathered window. Where the twin is ``name`` at the
-    following step (`RowView.next_is_following`) that frame comes with the same gather."""
-    twin = f"next_{name}"
-    size, frames = steps.shape
-    if twin not in view.schema.fields:
-        rows = view.gather(np.repeat(lane, frames), steps.reshape(-1), (name,))[name]
-        return {name: rows.reshape(size, frames, *rows.shape[1:])}
-    follows = view.next_is_following(lane, step, twin)
-    window_steps = np.concatenate([steps, np.where(follows, step + 1, step)[:, None]], axis=1)
-    rows = view.gather(np.repeat(lane, frames + 1), window_steps.reshape(-1), (name,))[name]
-    window = rows.reshape(size, frames + 1, *rows.shape[1:])
-    rest = np.flatnonzero(~follows)
-    if len(rest):
-        window[rest, frames] = view.gather(lane[rest], step[rest], (twin,))[twin]
-    return {name: window[:, :frames], twin: window[:, 1:]}
+def check_stack(frames: object) -> None:
+    """Raise ValueError unless ``frames`` (a stack's length) is an int >= 1."""
+    if not isinstance(frames, (int, np.integer)) or frames < 1:
+        raise ValueError(f"stack must be an int >= 1, got {frames!r}")
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What `stacked_rows` reads, for one schema, stack length and set of fields (`stack_plan`)."""
+
+    frames: int
+    fields: tuple[str, ...]
+    """The stacked fields, each once, in order."""
+    others: tuple[str, ...]
+    """The fields read at each step only."""
+    twins: dict[str, str]
+    """Stacked field -> its ``next_`` twin, for those that have one."""
+    derived: tuple[str, ...]
+    """The twins derived from the following step (`RowView.next_is_following`)."""
+    small: tuple[str, ...]
+    """The ``others`` gathered with the windows (`SMALL_ROW_BYTES`)."""
+    apart: tuple[str, ...]
+    """The fields gathered at the steps: the other ``others`` and the twins stored as given."""
+    offsets: np.ndarray
+    """Per window column, its step after the row's step (int64 ``[width]``: ``1 - frames .. 0``,
+    then for the twin's column 1 if it is derived from the following step, else 0). Read-only."""
+    windowed: tuple[str, ...]
+    """The fields gathered at the window steps: the stacked ones and the small others."""
+    width: int
+    """Steps in each row's window: ``frames``, plus one if a field has a twin."""
+
+
+def stack_plan(view: RowView, frames: int, fields: tuple[str, ...], others: tuple[str, ...] = ()) -> StackPlan:
+    """The `StackPlan` of stacks of ``fields`` with rows of ``others``. Raises ValueError unless
+    ``frames`` is an int >= 1."""
+    check_stack(frames)
+    fields = tuple(dict.fromkeys(fields))
+    twins = {name: f"next_{name}" for name in fields if f"next_{name}" in view.schema.fields}
+    derived = tuple(twin for twin in twins.values() if twin in view.derived)
+    small = tuple(name for name in others if view.schema[name].row_bytes <= SMALL_ROW_BYTES)
+    apart = (*(name for name in others if name not in small), *(t for t in twins.values() if t not in derived))
+    offsets = np.arange(1 - frames, 1 + bool(twins), dtype=np.int64)
+    offsets[frames:] = 1 if derived else 0
+    offsets.flags.writeable = False
+    return StackPlan(int(frames), fields, tuple(others), twins, derived, small, apart, offsets, (*fields, *small),
+                     len(offsets))
+
+
+_NO_ROWS = np.zeros(0, dtype=np.intp)
+_NO_ROWS.flags.writeable = False
+
+
+def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
+                 lo: np.ndarray, hi: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The rows of ``plan.others`` at each step (``[B, *shape]``), then the stacks ``[B, frames,
+    *shape]`` of ``plan.fields`` and their ``next_`` twins, as `frame_stack` defines them.
+
+    A field and its twin are two views of one ``[B, frames + 1, *shape]`` window (``[:, :-1]``
+    and ``[:, 1:]``). Where the twin is the field at the following step (a derived twin, the
+    step before `RowView.last_following`) the window's last frame is read with the others, else
+    it is the twin at the step. Every window, and the small ``others`` (picked at each step from
+    the window's rows), come from one gather; the other ``others`` and the twins stored as given
+    from one gather at the steps; the derived twins of the other steps from one more, if any.
+    ``hi``: the window's end per lane, if the caller has it."""
+    frames, width, derived = plan.frames, plan.width, plan.derived
+    start, next_end = episodes.bounds(lane, step)
+    window = np.maximum(step[:, None] + plan.offsets, np.maximum(start, lo[lane])[:, None])
+    kept = _NO_ROWS  # rows whose derived twins are not the following step's field
+    if derived:
+        last = view.last_following(lane, next_end, hi)
+        np.minimum(window[:, frames], last, out=window[:, frames])
+        kept = (last == step).nonzero()[0]
+    windowed = plan.windowed
+    rows = view.gather(lane.repeat(width), window.reshape(-1), windowed) if windowed else {}
+    at_step = view.gather(lane, step, plan.apart) if plan.apart else {}
+    finals = view.gather(lane[kept], step[kept], derived) if len(kept) else {}
+    out = {name: rows[name][frames - 1::width].copy() if name in plan.small else at_step[name]
+           for name in plan.others}
+    for name in plan.fields:
+        stack = rows[name].reshape(len(step), width, *rows[name].shape[1:])
+        twin = plan.twins.get(name)
+        if twin is None:
+            out[name] = stack if width == frames else stack[:, :frames].copy()
+            continue
+        if twin in at_step:
+            stack[:, frames] = at_step[twin]
+        elif twin in finals:
+            stack[kept, frames] = finals[twin]
+        out[name], out[twin] = stack[:, :frames], stack[:, 1:]
+    return out
 
 
 GOAL_PREFIXES = ("", "obs_", "observations_")

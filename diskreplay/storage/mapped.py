@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,6 +45,20 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 DATASET_CHUNKS = 1 << 12
 """Chunks per lane reserved at first in dataset mode (the reservation doubles as lanes grow)."""
+
+
+class _ReadPlan(NamedTuple):
+    """How `MappedChunks.gather` finds the rows of some fields, one row of positions per distinct
+    chunk stride ``[k, 1]``."""
+
+    rows: tuple[int, ...]
+    """Per field, its row of the positions."""
+    extra: np.ndarray
+    """Per stride, the rows each chunk before a slot's adds to it: ``stride - chunk_rows`` (int64)."""
+    chunked: bool
+    """Whether any stride differs from ``chunk_rows`` (else a position is the slot)."""
+    lane_rows: np.ndarray
+    """Per stride, the rows of each lane before the next: ``chunks * stride`` (int64)."""
 
 
 class MappedChunks:
@@ -66,6 +81,7 @@ class MappedChunks:
         self.held = np.zeros((self.layout.num_envs, self.chunks), dtype=bool)  # maps some file
         self.maps = 0  # chunks held
         self.unmapped = self.mapped.size  # chunks not mapped to their current file
+        self._read_plans: dict[tuple[str, ...], _ReadPlan] = {}
         self.regions = {name: Reservation(f.dtype, f.shape, self.layout.chunk_rows, self.layout.num_envs * self.chunks)
                         for name, f in self.schema.items()}
 
@@ -170,29 +186,40 @@ class MappedChunks:
                out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows at (lane, slot) of mapped chunks (`ensure` them first), copied out: into
         ``out[name]`` where given (C-contiguous, right shape and dtype)."""
-        positions: dict[int, np.ndarray] = {}
-        for stride in {self.regions[name].stride for name in names}:
-            positions[stride] = self._positions(stride, lane, slot)
+        plan = self._read_plan(names)
+        positions = self._positions(plan, lane, slot)
         if self.random_reads:
-            for name in names:
-                self.regions[name].prefetch(positions[self.regions[name].stride])
+            for name, row in zip(names, plan.rows):
+                self.regions[name].prefetch(positions[row])
         rows = {}
-        for name in names:
-            region = self.regions[name]
-            at = positions[region.stride]
+        for name, row in zip(names, plan.rows):
+            at = positions[row]
             given = out.get(name)
             if given is None:
-                rows[name] = region.rows.take(at, axis=0)
+                rows[name] = self.regions[name].rows.take(at, axis=0)
             else:  # mode "raise" (the default) would gather into a temporary first
-                rows[name] = np.take(region.rows, at, axis=0, out=given, mode="clip")
+                rows[name] = np.take(self.regions[name].rows, at, axis=0, out=given, mode="clip")
         return rows
 
-    def _positions(self, stride: int, lane: np.ndarray, slot: np.ndarray) -> np.ndarray:
-        """Rows of a region with this chunk stride holding (lane, slot)."""
-        if stride == self.layout.chunk_rows:
-            return slot if self.layout.num_envs == 1 else lane * (self.chunks * stride) + slot
-        chunk, offset = np.divmod(slot, self.layout.chunk_rows)
-        return (lane * self.chunks + chunk) * stride + offset
+    def _read_plan(self, names: tuple[str, ...]) -> _ReadPlan:
+        """The `_ReadPlan` of these fields (made once per reservation)."""
+        names = names if isinstance(names, tuple) else tuple(names)
+        plan = self._read_plans.get(names)
+        if plan is None:
+            strides = sorted({self.regions[name].stride for name in names})
+            column = np.array(strides, dtype=np.int64)[:, None]
+            plan = self._read_plans[names] = _ReadPlan(
+                tuple(strides.index(self.regions[name].stride) for name in names),
+                column - self.layout.chunk_rows, strides != [self.layout.chunk_rows], self.chunks * column)
+        return plan
+
+    def _positions(self, plan: _ReadPlan, lane: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """Rows ``[strides, len(slot)]`` of the regions of each chunk stride of ``plan`` holding
+        (lane, slot): ``(lane * chunks + chunk) * stride + offset`` with ``chunk, offset =
+        divmod(slot, chunk_rows)``, i.e. ``slot + chunk * (stride - chunk_rows)`` plus the lane's
+        start ``lane * chunks * stride``."""
+        at: np.ndarray = slot + (slot // self.layout.chunk_rows) * plan.extra if plan.chunked else slot[None]
+        return at if self.layout.num_envs == 1 else at + lane * plan.lane_rows
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again before the next read."""
