@@ -40,6 +40,7 @@ from ..format.lanes import LaneLayout
 from ..format.schema import Schema
 from ..io.mmap import Reservation, map_budget
 from ..io.store import ChunkStore
+from .outputs import take_into
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -197,8 +198,9 @@ class MappedChunks:
             given = out.get(name)
             if given is None:
                 rows[name] = self.regions[name].rows.take(at, axis=0)
-            else:  # mode "raise" (the default) would gather into a temporary first
-                rows[name] = np.take(self.regions[name].rows, at, axis=0, out=given, mode="clip")
+            else:
+                take_into(self.regions[name].rows, at, given)
+                rows[name] = given
         return rows
 
     def _read_plan(self, names: tuple[str, ...]) -> _ReadPlan:
