@@ -119,17 +119,19 @@ class Batches:
         plan = self._stack_plans.get((stack, stack_fields)) if isinstance(stack, (int, np.integer)) else None
         if plan is None:  # checked (stack_fields, episodes, stack) and remembered
             others = self._unstacked_fields(stack_fields)
-            if not self.episodes.enabled:
-                raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+            self._require_episodes()
             plan = self._stack_plans[(stack, stack_fields)] = transforms.stack_plan(self.view, stack, stack_fields,
                                                                                   others)
         return transforms.stacked_rows(plan, self.view, self.episodes, draw.lane, draw.step, lo, hi)
 
+    def _require_episodes(self) -> None:
+        if not self.episodes.enabled:
+            raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+
     def _transform(self, batch: Batch, draw: Draw, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray,
                    request: SampleRequest) -> None:
         """Relabel goals (HER), n-step returns, frame stacks: in place, in that order."""
-        if not self.episodes.enabled:
-            raise ValueError("n_step, stack and her need episode ends: create the buffer with episode_end=")
+        self._require_episodes()
         if request.her is not None and request.n_step is not None:
             raise ValueError("her and n_step cannot be combined: n-step rewards would ignore the relabelled goals")
         stack, n_step, stack_fields = request.stack, request.n_step, tuple(request.stack_fields)

@@ -103,23 +103,6 @@ class RowView:
             self.returns.mask(rows[self.returns.name], self.episodes, lane, step)
         return {n: rows[n] for n in names}
 
-    def next_is_following(self, lane: np.ndarray, step: np.ndarray, twin: str) -> np.ndarray:
-        """Where ``twin`` (a ``next_<f>`` field) at these steps is ``<f>`` at the following step:
-        derived, and the step neither ends its episode nor is its lane's newest."""
-        if twin not in self.derived:
-            return np.zeros(len(step), dtype=bool)
-        is_end, newest = self._kept_apart(lane, step)
-        following: np.ndarray = ~is_end & ~newest
-        return following
-
-    def last_following(self, lane: np.ndarray, next_end: np.ndarray, hi: np.ndarray | None = None) -> np.ndarray:
-        """Per row, the last readable step of its episode: its end ``next_end``
-        (`EpisodeIndex.next_end`), or the lane's newest step (``hi - 1``) if that comes first. A
-        step before it has each derived ``next_*`` in the following step (`next_is_following`)."""
-        hi = self.storage.window()[1] if hi is None else hi
-        last: np.ndarray = np.minimum(next_end, hi[lane] - 1)
-        return last
-
     def _kept_apart(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Steps whose next values are not the following step's: episode ends (their final
         values) and each lane's newest step that is not an end (its value in RAM)."""

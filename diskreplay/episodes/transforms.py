@@ -19,9 +19,12 @@ from .returns import nstep_window
 from .source import RowSource
 
 
-def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """The last readable step of the episode holding each step (its end, or the lane's newest)."""
-    last: np.ndarray = np.minimum(episodes.next_end(lane, step), hi[lane] - 1)
+def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray,
+                      next_end: np.ndarray | None = None) -> np.ndarray:
+    """The last readable step of the episode holding each step (its end, or the lane's newest).
+    ``next_end``: `EpisodeIndex.next_end` of the steps, if the caller has it."""
+    next_end = episodes.next_end(lane, step) if next_end is None else next_end
+    last: np.ndarray = np.minimum(next_end, hi[lane] - 1)
     return last
 
 
@@ -125,7 +128,7 @@ class StackPlan:
     twins: dict[str, str]
     """Stacked field -> its ``next_`` twin, for those that have one."""
     derived: tuple[str, ...]
-    """The twins derived from the following step (`RowView.next_is_following`)."""
+    """The twins derived from the following step (`RowView.derived`)."""
     small: tuple[str, ...]
     """The ``others`` gathered with the windows (`SMALL_ROW_BYTES`)."""
     apart: tuple[str, ...]
@@ -166,7 +169,7 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
 
     A field and its twin are two views of one ``[B, frames + 1, *shape]`` window (``[:, :-1]``
     and ``[:, 1:]``). Where the twin is the field at the following step (a derived twin, the
-    step before `RowView.last_following`) the window's last frame is read with the others, else
+    step before `episode_last_step`) the window's last frame is read with the others, else
     it is the twin at the step. Every window, and the small ``others`` (picked at each step from
     the window's rows), come from one gather; the other ``others`` and the twins stored as given
     from one gather at the steps; the derived twins of the other steps from one more, if any.
@@ -176,7 +179,7 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
     window = np.maximum(step[:, None] + plan.offsets, np.maximum(start, lo[lane])[:, None])
     kept = _NO_ROWS  # rows whose derived twins are not the following step's field
     if derived:
-        last = view.last_following(lane, next_end, hi)
+        last = episode_last_step(episodes, lane, step, view.window()[1] if hi is None else hi, next_end)
         np.minimum(window[:, frames], last, out=window[:, frames])
         kept = (last == step).nonzero()[0]
     windowed = plan.windowed
