@@ -9,6 +9,7 @@ import zarr
 import zstandard
 
 import diskreplay as dr
+from diskreplay.format import codecs
 from diskreplay.format.codecs import Codec, checksum
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import buffer_info, format_info, verify
@@ -104,9 +105,9 @@ def count_reads(monkeypatch) -> dict[str, int]:
     counts = {"inner": 0, "whole obs": 0}
     decode_bodies, get = Codec.decode_bodies, LocalChunkStore.get
 
-    def counted_decode_bodies(self, bodies, out, threads=1):
+    def counted_decode_bodies(self, bodies, out, rows=None, threads=1):
         counts["inner"] += len(bodies)
-        return decode_bodies(self, bodies, out, threads)
+        return decode_bodies(self, bodies, out, rows, threads)
 
     def counted_get(self, key, limit=None):
         # not the final obs kept apart
@@ -270,3 +271,81 @@ def test_a_shard_layout_diskreplay_does_not_write_is_refused(tmp_path, change, m
     open(path, "w").write(json.dumps(meta))
     with pytest.raises(dr.CorruptBufferError, match=message):
         dr.ReplayBuffer.open(url, "r")
+
+
+def lz4_decodes(monkeypatch) -> list[int]:
+    """Counts the blocks python-lz4 decodes (the rest go through blosc)."""
+    calls = []
+    decompress = codecs.lz4.block.decompress
+
+    def counted(source, uncompressed_size):
+        calls.append(uncompressed_size)
+        return decompress(source, uncompressed_size=uncompressed_size)
+    monkeypatch.setattr(codecs.lz4.block, "decompress", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind, direct", [("frames", 6), ("big frames", 6), ("noise", 0), ("floats", 0), ("mixed", 3)])
+def test_lz4_inner_chunks_decode_into_the_rows_asked_for(monkeypatch, kind, direct):
+    """Frames of bytes compressed into one LZ4 block are decoded by python-lz4 straight from
+    their blosc frames; others (stored uncompressed, typed, shuffled) by blosc: the same values."""
+    rng = np.random.default_rng(5)
+    pictures = frames(0, 6)[:, 0]
+    rows = {"frames": pictures, "big frames": np.tile(pictures, (1, 4, 2)),
+            "noise": rng.integers(0, 256, (6, 32, 32), dtype=np.uint8),
+            "floats": np.tile(np.linspace(0, 1, 256, dtype=np.float32), (6, 1)).reshape(6, 16, 16),
+            "mixed": np.concatenate([pictures[:3], rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)])}[kind]
+    codec = Codec("lz4", inner_rows=1)
+    bodies: list[memoryview | None] = [memoryview(codec.encode(row[None])[2]) for row in rows]
+    calls = lz4_decodes(monkeypatch)
+    out = np.full((8, *rows.shape[1:]), 7, rows.dtype)
+    where = np.array([7, 0, 3, 1, 5, 2, 4])
+    codec.decode_bodies([*bodies, None], out, where)
+    np.testing.assert_array_equal(out[where[:6]], rows)
+    assert (out[4] == 0).all() and (out[6] == 7).all()  # stored empty: zeros; not asked for: untouched
+    assert len(calls) == direct
+
+
+def test_an_lz4_block_that_does_not_decode_is_named(tmp_path, monkeypatch):
+    """A frame whose checksum matches but whose LZ4 block is garbage: the chunk is named."""
+    url = str(tmp_path / "z")
+    with make(url, "lz4", lanes=1) as buf:
+        fill(buf, 2000, 1)
+    path = f"{url}/obs/c.0.3.0.0"
+    blob = bytearray(open(path, "rb").read())
+    entries = np.frombuffer(bytes(blob[:16 * (64 // INNER)]), "<u8").reshape(-1, 2)
+    offset, nbytes = (int(v) for v in entries[0])
+    body = blob[offset:offset + nbytes - 4]
+    assert body[2] >> 5 == 1 and int.from_bytes(body[8:12], "little") == 8 * 1024  # one LZ4 block
+    body[24:] = b"\xff" * (len(body) - 24)
+    blob[offset:offset + nbytes] = bytes(body) + checksum(bytes(body))
+    open(path, "wb").write(bytes(blob))
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    calls = lz4_decodes(monkeypatch)
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.3.0.0' does not decode \(LZ4 block"):
+        reader.rows(np.array([3 * 64 + 1, 3 * 64, 5 * 64]))
+    assert calls
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path, compression, monkeypatch):
+    """84x84 frames are inner chunks of one row, decoded straight into the rows of the batch:
+    a frame asked for twice is decoded once and copied; the rows equal a raw buffer's."""
+    fields = {"obs": dr.Field((84, 84), "uint8"), "done": dr.Field((), "bool")}
+    steps = np.arange(300)
+    obs = np.repeat(steps.astype(np.uint8)[:, None, None], 84, 1).repeat(84, 2)
+    obs[:, 5:40:3, 7:70:5] = np.random.default_rng(0).integers(0, 256, (300, 12, 13), dtype=np.uint8)
+    data = {"obs": obs, "done": steps % 50 == 49}
+    for url, codec in ((str(tmp_path / "raw"), None), (str(tmp_path / "z"), compression)):
+        with dr.ReplayBuffer.create(url, fields, capacity=300, chunk_rows=64, compression=codec) as buf:
+            buf.extend(data)
+    raw, reader = (dr.ReplayBuffer.open(str(tmp_path / name), "r", cache_bytes=64 << 10) for name in ("raw", "z"))
+    assert reader.storage.row_reads.io.codecs["obs"].inner_rows == 1
+    decoded = []
+    decode_bodies = Codec.decode_bodies
+    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None, threads=1: (
+        decoded.append(len(bodies)), decode_bodies(self, bodies, out, rows, threads)))
+    ids = np.array([17, 250, 17, 3, 250, 17, 299, 0])
+    np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
+    assert decoded == [5]
+    np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import google_crc32c
+import lz4.block
 import numcodecs
 import numpy as np
 import zarr
@@ -33,6 +34,12 @@ compressed one by one behind an index, so a sampled row costs one small read and
 the decode of its whole chunk (`Codec.inner_rows`)."""
 EMPTY_INNER = (1 << 64) - 1
 BLOSC_HEADER_BYTES = 16
+BLOSC_LZ4 = 1
+"""The compressor code blosc writes in the top three bits of its flags byte for LZ4."""
+BLOSC_FILTERS = 0x0E
+"""Blosc flags bits for memcpyed, bit-shuffled or reserved: a frame the LZ4 fast path leaves to blosc."""
+LZ4_HEAD = BLOSC_HEADER_BYTES + 8
+"""A one-block blosc frame's bytes before its LZ4 block: the header, the block's start, its size."""
 
 
 def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
@@ -144,35 +151,29 @@ class Codec:
         """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
         self.decode_body(self.verified_body(blob), out)
 
-    def decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, threads: int = 1) -> None:
-        """Decode inner chunks (checksums already checked and cut off) into ``out[i]``, one per
-        body; None: stored empty, zeros. zstd frames are decoded in one call on ``threads``
-        threads, each into exactly the bytes of its ``out[i]``. Raises ValueError."""
-        self._decode_bodies(bodies, out, threads)
+    def decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, rows: np.ndarray | None = None,
+                      threads: int = 1) -> None:
+        """Decode inner chunks (checksums already checked and cut off) into ``out[rows[i]]``, one
+        per body (``rows`` None: ``out[i]``); None: stored empty, zeros. zstd frames are decoded in
+        one call on ``threads`` threads, single-block LZ4 frames one after the other with no
+        Python work between them, each into exactly the bytes of its row. Raises ValueError."""
+        self._decode_bodies(bodies, out, rows, threads)
 
-    def _decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, threads: int = 1) -> None:
-        flat = out.reshape(len(bodies), -1).view(np.uint8)
+    def _decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, rows: np.ndarray | None = None,
+                       threads: int = 1) -> None:
+        flat = out.reshape(len(out), -1).view(np.uint8)
+        targets = np.arange(len(bodies)) if rows is None else rows
         present = [i for i, body in enumerate(bodies) if body is not None]
         if len(present) < len(bodies):
-            flat[[i for i, body in enumerate(bodies) if body is None]] = 0
+            flat[targets[[i for i, body in enumerate(bodies) if body is None]]] = 0
         given: list[bytes | bytearray | memoryview] = [body for body in bodies if body is not None]
-        if self.compression != "zstd" or len(present) < 2:
-            for i, body in zip(present, given):
-                self.decode_body(body, flat[i])
+        at = targets[present]
+        if self.compression == "zstd" and len(given) > 1:
+            _zstd_frames_into(given, flat, at, threads)
             return
-        sizes = np.full(len(present), flat.shape[1], dtype=np.uint64)
-        try:
-            frames = _ZSTD.decompressor.multi_decompress_to_buffer(
-                given, decompressed_sizes=sizes.data, threads=threads)
-        except zstandard.ZstdError as exc:
-            raise ValueError(str(exc)) from None
-        # a BufferSegment exports the buffer protocol; zstandard's stubs do not say so
-        joined = b"".join(frames[i] for i in range(len(present)))  # type: ignore[misc]
-        decoded = np.frombuffer(joined, dtype=np.uint8)
-        if len(present) == len(bodies):
-            flat[:] = decoded.reshape(flat.shape)
-        else:
-            flat[present] = decoded.reshape(len(present), -1)
+        left = _lz4_frames_into(given, flat, at) if self.compression == "lz4" else range(len(given))
+        for i in left:
+            self.decode_body(given[i], flat[at[i]])
 
     def decode_body(self, body: bytes | bytearray | memoryview, out: np.ndarray) -> None:
         """Decode one compressed body (no checksum) into ``out``. Raises ValueError."""
@@ -209,7 +210,7 @@ class Codec:
             if span is not None and span[0] + span[1] > len(blob):
                 raise ValueError(f"inner chunk {inner}: span {span} past the shard's {len(blob)} bytes")
             bodies.append(None if span is None else memoryview(self.verified_body(blob[span[0]:span[0] + span[1]])))
-        self._decode_bodies(bodies, out)
+        self._decode_bodies(bodies, out.reshape(len(bodies), -1))
 
     @staticmethod
     def verified_body(blob: bytes | memoryview) -> bytes | memoryview:
@@ -277,6 +278,46 @@ class Codec:
         if inner.inner_rows is not None or inner.compression is None or not inner.checksum:
             raise ValueError("sharding_indexed: inner chunks must be compressed and checksummed, not sharded again")
         return cls(inner.compression, inner.level, True, shape[1])
+
+
+def _zstd_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray,
+                      threads: int) -> None:
+    """Decode zstd frames into ``flat[at[i]]`` in one call. Raises ValueError."""
+    sizes = np.full(len(frames), flat.shape[1], dtype=np.uint64)
+    try:
+        decoded = _ZSTD.decompressor.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.data, threads=threads)
+    except zstandard.ZstdError as exc:
+        raise ValueError(str(exc)) from None
+    # a BufferSegment exports the buffer protocol; zstandard's stubs do not say so
+    joined = b"".join(decoded[i] for i in range(len(frames)))  # type: ignore[misc]
+    flat[at] = np.frombuffer(joined, dtype=np.uint8).reshape(len(frames), -1)
+
+
+def _lz4_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Decode the blosc frames that hold one LZ4 block of bytes (type size 1, not memcpyed, no
+    bit shuffle: an image row) into ``flat[at[i]]``: headers checked together, then python-lz4
+    on each block. Returns the indices of the other frames, left to blosc. Raises ValueError."""
+    size = flat.shape[1]
+    lengths = np.fromiter(map(len, frames), dtype=np.int64, count=len(frames))
+    joined = b"".join(frames)
+    begin = np.cumsum(lengths) - lengths
+    heads = np.frombuffer(joined, np.uint8)[np.minimum(begin[:, None] + np.arange(LZ4_HEAD), len(joined) - 1)]
+    version, flags, typesize = heads[:, 0], heads[:, 2], heads[:, 3]
+    nbytes, block, cbytes, first = np.ascontiguousarray(heads[:, 4:20]).view("<u4").T
+    stream = np.ascontiguousarray(heads[:, 20:24]).view("<i4")[:, 0]
+    fast = ((lengths >= LZ4_HEAD) & (version == 2) & (flags & BLOSC_FILTERS == 0) & (flags >> 5 == BLOSC_LZ4)
+            & (typesize == 1) & (nbytes == size) & (block == size) & (cbytes == lengths) & (first == 20)
+            & (stream == lengths - LZ4_HEAD))
+    view = memoryview(joined)
+    for row, b, e in zip(at[fast].tolist(), (begin[fast] + LZ4_HEAD).tolist(), (begin[fast] + lengths[fast]).tolist()):
+        try:
+            data = view[b:e] if e - b == size else lz4.block.decompress(view[b:e], uncompressed_size=size)
+        except lz4.block.LZ4BlockError as exc:
+            raise ValueError(f"LZ4 block: {exc}") from None
+        if len(data) != size:
+            raise ValueError(f"LZ4 block decodes to {len(data)} bytes, expected {size}")
+        flat[row] = np.frombuffer(data, dtype=np.uint8)
+    return np.flatnonzero(~fast)
 
 
 class _Zstd(threading.local):

@@ -53,19 +53,21 @@ class RowReads:
         per_chunk = self.chunk_rows // inner_rows
         block = (lane[read] * (chunk.max() + 1) + chunk[read]) * per_chunk + offset[read] // inner_rows
         unique, where = np.unique(block, return_inverse=True)
-        first = np.zeros(len(unique), dtype=np.int64)
-        first[where] = read
-        # single-row inner chunks decode straight into the output; else into blocks, then picked
-        order = np.argsort(first, kind="stable")  # bodies in output order: often decoded in place
-        first = first[order]
-        inner = offset[first] // inner_rows
-        bodies = self.maps.bodies(name, lane[first], chunk[first], inner)
-        straight = inner_rows == 1 and len(first) == len(rows)  # then first == arange(len(rows))
-        blocks = rows if straight else np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
-        self.io.decode_inner(name, bodies, blocks, lane[first], chunk[first])
-        if not straight:
-            rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[
-                np.argsort(order)[where], offset[read] % inner_rows]
+        chosen = np.zeros(len(unique), dtype=np.int64)
+        chosen[where] = read  # the row of ``read`` each inner chunk is decoded for
+        source = chosen[where]
+        first = np.sort(chosen)  # bodies in output order
+        bodies = self.maps.bodies(name, lane[first], chunk[first], offset[first] // inner_rows)
+        if inner_rows == 1:  # straight into their rows, then copied to the rows that want them again
+            self.io.decode_inner(name, bodies, rows, first, lane[first], chunk[first])
+            again = source != read
+            if again.any():
+                rows[read[again]] = rows[source[again]]
+            return
+        blocks = np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
+        self.io.decode_inner(name, bodies, blocks, np.arange(len(first)), lane[first], chunk[first])
+        rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[
+            np.searchsorted(first, source), offset[read] % inner_rows]
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These shard files were rewritten: map them again when read."""
