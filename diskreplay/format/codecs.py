@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,16 +152,16 @@ class Codec:
         """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
         self.decode_body(self.verified_body(blob), out)
 
-    def decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, rows: np.ndarray | None = None,
-                      threads: int = 1) -> None:
+    def decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
+                      rows: np.ndarray | None = None, threads: int = 1) -> None:
         """Decode inner chunks (checksums already checked and cut off) into ``out[rows[i]]``, one
         per body (``rows`` None: ``out[i]``); None: stored empty, zeros. zstd frames are decoded in
         one call on ``threads`` threads, single-block LZ4 frames one after the other with no
         Python work between them, each into exactly the bytes of its row. Raises ValueError."""
         self._decode_bodies(bodies, out, rows, threads)
 
-    def _decode_bodies(self, bodies: list[memoryview | None], out: np.ndarray, rows: np.ndarray | None = None,
-                       threads: int = 1) -> None:
+    def _decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
+                       rows: np.ndarray | None = None, threads: int = 1) -> None:
         flat = out.reshape(len(out), -1).view(np.uint8)
         targets = np.arange(len(bodies)) if rows is None else rows
         present = [i for i, body in enumerate(bodies) if body is not None]

@@ -142,7 +142,7 @@ class ChunkIO:
             raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
         return True
 
-    def decode_inner(self, name: str, bodies: list[memoryview | None], out: np.ndarray, rows: np.ndarray,
+    def decode_inner(self, name: str, bodies: Sequence[bytes | memoryview | None], out: np.ndarray, rows: np.ndarray,
                      lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Decode inner chunk bodies of a sharded field into ``out[rows[i]]`` (one row block each).
 

@@ -35,19 +35,13 @@ class _Shard:
         self.data, self.spans = data, spans
         self.verified = [False] * len(spans)
 
-    def body(self, inner: int) -> memoryview | None:
-        """Inner chunk ``inner`` without its checksum, which must match (None: stored empty).
-        Raises ValueError."""
+    def check(self, inner: int) -> None:
+        """Check inner chunk ``inner``'s checksum, once. Raises ValueError."""
         offset, nbytes = self.spans[inner]
-        if offset < 0:
-            return None
-        blob = self.data[offset:offset + nbytes]  # a copy: the map may be closed before it is decoded
-        body = memoryview(blob)[:-CHECKSUM_BYTES]
-        if not self.verified[inner]:
-            if checksum(body) != blob[-CHECKSUM_BYTES:]:
-                raise ValueError(f"inner chunk {inner}: checksum mismatch")
-            self.verified[inner] = True
-        return body
+        blob = self.data[offset:offset + nbytes]
+        if checksum(blob[:-CHECKSUM_BYTES]) != blob[-CHECKSUM_BYTES:]:
+            raise ValueError(f"inner chunk {inner}: checksum mismatch")
+        self.verified[inner] = True
 
 
 class ShardMaps:
@@ -63,32 +57,40 @@ class ShardMaps:
         self.budget = max(budget, 1)
         self.open: OrderedDict[tuple[str, int, int], _Shard] = OrderedDict()
 
-    def bodies(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> list[memoryview | None]:
+    def bodies(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> list[bytes | None]:
         """The checked bodies of inner chunks ``inners[i]`` of chunks ``(lanes[i], chunks[i])``
-        of field ``name`` (None: stored empty); views of the maps, valid until the next call.
+        of field ``name`` (None: stored empty), copied out of the maps.
 
         Raises:
             CorruptBufferError: a shard file is missing, its index or a span is bad, or an inner
                 chunk fails its checksum; the message names the chunk.
         """
-        out = []
+        out: list[bytes | None] = []
+        held = self.open
         for lane, chunk, inner in zip(lanes.tolist(), chunks.tolist(), inners.tolist()):
-            shard = self._shard(name, lane, chunk)
-            try:
-                out.append(shard.body(inner))
-            except ValueError as exc:
-                raise self._corrupt(name, lane, chunk, exc) from None
+            key = (name, lane, chunk)
+            shard = held.get(key)
+            if shard is None:
+                shard = self._shard(name, lane, chunk)
+            else:
+                held.move_to_end(key)
+            offset, nbytes = shard.spans[inner]
+            if offset < 0:
+                out.append(None)
+                continue
+            if not shard.verified[inner]:
+                try:
+                    shard.check(inner)
+                except ValueError as exc:
+                    raise self._corrupt(name, lane, chunk, exc) from None
+            out.append(shard.data[offset:offset + nbytes - CHECKSUM_BYTES])
         return out
 
     def _shard(self, name: str, lane: int, chunk: int) -> _Shard:
-        key = (name, lane, chunk)
-        shard = self.open.get(key)
-        if shard is not None:
-            self.open.move_to_end(key)
-            return shard
+        """A chunk's shard file mapped, the least recently used maps closed past the budget."""
         while len(self.open) >= self.budget:
             self.open.popitem(last=False)[1].data.close()
-        shard = self.open[key] = self._map(name, lane, chunk)
+        shard = self.open[(name, lane, chunk)] = self._map(name, lane, chunk)
         return shard
 
     def _map(self, name: str, lane: int, chunk: int) -> _Shard:
