@@ -489,6 +489,30 @@ def allocated_bytes(path: str) -> int:
     return sum(os.stat(name).st_blocks * 512 for name in files_under(path))
 
 
+def stored_bytes(path: str) -> int:
+    """Bytes the files under ``path`` hold (their sizes; ``du --apparent-size``)."""
+    return sum(os.stat(name).st_size for name in files_under(path))
+
+
+def held_array_bytes(obj: object) -> int:
+    """Bytes of the numpy arrays ``obj`` holds, through its attributes, dicts, lists and tuples
+    (each array's memory counted once: views count their base)."""
+    import numpy as np
+    seen, roots, todo = set(), {}, [obj]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, np.ndarray):
+            while isinstance(item.base, np.ndarray):
+                item = item.base
+            roots[id(item)] = item.nbytes
+        elif item is obj or isinstance(item, (dict, list, tuple)):
+            todo += gc.get_referents(item)
+    return sum(roots.values())
+
+
 def read_files(path: str) -> tuple[int, float]:
     """Read every file under ``path`` once (puts it in the page cache, as far as RAM allows).
     Returns (bytes read, seconds)."""

@@ -17,7 +17,7 @@ from ..errors import EmptyBufferError
 from ..format.lanes import is_empty, row_ids
 from ..format.schema import Field
 from ..sampling import Draw, PrioritySampler, Sampler, SliceSampler
-from ..storage import output_rows, physical_memory
+from ..storage import check_output, physical_memory
 
 Batch = dict[str, np.ndarray]
 BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
@@ -188,13 +188,12 @@ def placed(batch: Batch, out: Mapping[str, np.ndarray] | None) -> Batch:
 
 def check_out(out: Mapping[str, np.ndarray], count: int, fields: Mapping[str, Field]) -> None:
     """Raise ValueError unless every ``out`` array fits ``count`` rows (before anything is drawn)."""
-    known = {**fields, **BATCH_EXTRAS}
-    unknown = sorted(set(out) - set(known))
-    if unknown:
-        raise ValueError(f"out: unknown names {unknown}; expected fields {sorted(fields)} "
-                         f"or {', '.join(map(repr, BATCH_EXTRAS))}")
     for name, given in out.items():
-        output_rows(name, known[name], count, given)
+        field = fields.get(name, BATCH_EXTRAS.get(name))
+        if field is None:
+            raise ValueError(f"out: unknown names {sorted(set(out) - {*fields, *BATCH_EXTRAS})}; expected fields "
+                             f"{sorted(fields)} or {', '.join(map(repr, BATCH_EXTRAS))}")
+        check_output(name, field, count, given)
 
 
 def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") -> None:

@@ -14,11 +14,11 @@ from .opening import (
     own_stores,
     plan_storage,
 )
-from .outputs import output_rows
+from .outputs import check_output
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots, default_chunk_rows
 from .warm import physical_memory
 
 __all__ = ["DEFAULT_CACHE_BYTES", "NewStorage", "Options", "Storage", "StorageStats", "cache_slots",
-           "create_storage", "default_chunk_rows", "open_storage", "output_rows", "physical_memory",
+           "create_storage", "default_chunk_rows", "open_storage", "check_output", "physical_memory",
            "open_union_storage", "own_stores", "plan_storage"]
 

@@ -10,18 +10,18 @@ Rows = dict[str, np.ndarray]
 """Rows of some fields: ``{name: array [count, *shape]}``."""
 
 
-def output_rows(name: str, field: Field, count: int, given: np.ndarray | None) -> np.ndarray:
-    """Where ``count`` rows of a field are gathered: ``given`` (checked) or a new array.
-
-    Raises:
-        ValueError: ``given`` is not a C-contiguous array of the field's dtype shaped ``(count, *shape)``.
-    """
-    if given is None:
-        return np.empty((count, *field.shape), field.dtype)
+def check_output(name: str, field: Field, count: int, given: np.ndarray) -> None:
+    """Raise ValueError unless ``given`` can take ``count`` rows of a field: a C-contiguous
+    array of its dtype shaped ``(count, *shape)``."""
     if given.shape != (count, *field.shape) or given.dtype != field.dtype or not given.flags.c_contiguous:
         raise ValueError(f"out[{name!r}]: expected a C-contiguous {field.dtype} array shaped "
                          f"{(count, *field.shape)}, got {given.dtype} shaped {given.shape}")
-    return given
+
+
+def output_rows(field: Field, count: int, given: np.ndarray | None) -> np.ndarray:
+    """Where ``count`` rows of a field are gathered: ``given`` (which `check_output` passed
+    before anything was drawn) or a new array."""
+    return np.empty((count, *field.shape), field.dtype) if given is None else given
 
 
 def take_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:

@@ -54,7 +54,7 @@ class ChunkReader:
         return self._gather_cached(lane, step, names, out)
 
     def output(self, name: str, count: int, given: np.ndarray | None) -> np.ndarray:
-        return output_rows(name, self.schema[name], count, given)
+        return output_rows(self.schema[name], count, given)
 
     def _outputs(self, names: tuple[str, ...], count: int, given: Mapping[str, np.ndarray]) -> Rows:
         return {name: self.output(name, count, given.get(name)) for name in names}

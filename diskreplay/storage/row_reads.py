@@ -30,7 +30,7 @@ class RowReads:
     def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
         """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
         among them), else each distinct inner chunk read and decoded once, not cached."""
-        rows = output_rows(name, self.schema[name], len(step), given)
+        rows = output_rows(self.schema[name], len(step), given)
         layout = self.retired.layout
         chunk, offset = layout.chunk_and_offset(step)
         width = self.cache.width
