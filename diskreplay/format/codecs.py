@@ -156,8 +156,9 @@ class Codec:
                       rows: np.ndarray | None = None, threads: int = 1) -> None:
         """Decode inner chunks (checksums already checked and cut off) into ``out[rows[i]]``, one
         per body (``rows`` None: ``out[i]``); None: stored empty, zeros. zstd frames are decoded in
-        one call on ``threads`` threads, single-block LZ4 frames one after the other with no
-        Python work between them, each into exactly the bytes of its row. Raises ValueError."""
+        one call on ``threads`` threads, blosc frames of one LZ4 block by python-lz4 (their headers
+        checked together), other blosc frames by blosc; each into exactly the bytes of its row.
+        Raises ValueError."""
         self._decode_bodies(bodies, out, rows, threads)
 
     def _decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
