@@ -41,6 +41,7 @@ BLOSC_FILTERS = 0x0E
 """Blosc flags bits for memcpyed, bit-shuffled or reserved: a frame the LZ4 fast path leaves to blosc."""
 LZ4_HEAD = BLOSC_HEADER_BYTES + 8
 """A one-block blosc frame's bytes before its LZ4 block: the header, the block's start, its size."""
+_LZ4_PAD = bytes(LZ4_HEAD)
 
 
 def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
@@ -96,7 +97,13 @@ class Codec:
 
     def _decompress(self, body: bytes | bytearray | memoryview, nbytes: int) -> bytes | memoryview | np.ndarray:
         """``body`` decompressed, which must give ``nbytes`` bytes: checked before a zstd frame's
-        header can size an allocation. Raises ValueError."""
+        header can size an allocation. Raises ValueError, also for bytes the codec rejects."""
+        try:
+            return self._decompress_checked(body, nbytes)
+        except (zstandard.ZstdError, RuntimeError) as exc:  # blosc raises RuntimeError
+            raise ValueError(f"{self.compression} frame does not decode: {exc}") from None
+
+    def _decompress_checked(self, body: bytes | bytearray | memoryview, nbytes: int) -> bytes | memoryview | np.ndarray:
         if self.compression == "zstd":
             size = zstandard.frame_content_size(body)
             if size not in (nbytes, zstandard.CONTENTSIZE_UNKNOWN):
@@ -301,9 +308,9 @@ def _lz4_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndar
     on each block. Returns the indices of the other frames, left to blosc. Raises ValueError."""
     size = flat.shape[1]
     lengths = np.fromiter(map(len, frames), dtype=np.int64, count=len(frames))
-    joined = b"".join(frames)
+    joined = b"".join([*frames, _LZ4_PAD])  # padded: every frame's first LZ4_HEAD bytes can be read
     begin = np.cumsum(lengths) - lengths
-    heads = np.frombuffer(joined, np.uint8)[np.minimum(begin[:, None] + np.arange(LZ4_HEAD), len(joined) - 1)]
+    heads = np.frombuffer(joined, np.uint8)[begin[:, None] + np.arange(LZ4_HEAD)]
     version, flags, typesize = heads[:, 0], heads[:, 2], heads[:, 3]
     nbytes, block, cbytes, first = np.ascontiguousarray(heads[:, 4:20]).view("<u4").T
     stream = np.ascontiguousarray(heads[:, 20:24]).view("<i4")[:, 0]
