@@ -331,8 +331,8 @@ def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message):
 
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
 def test_mangled_frames_decode_or_raise_value_error(compression):
-    """Bytes changed at random in a frame (its checksum made to match) decode to some values
-    or raise ValueError, never another exception, alone or among good frames."""
+    """Bytes changed at random in a frame (as in a file whose checksums were recomputed) decode
+    to some values or raise ValueError, never another exception, alone or among good frames."""
     rng = np.random.default_rng(11)
     codec = Codec(compression, inner_rows=1)
     frame = frames(0, 1)[:, 0]
@@ -377,3 +377,5 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
     np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
     assert decoded == [5]
     np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])
+    raw.close()
+    reader.close()
