@@ -37,13 +37,16 @@ def as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
     """
     if isinstance(array, torch.Tensor):
         return array
-    array = np.asarray(array)
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    if not array.flags.writeable or any(s < 0 for s in array.strides):
-        array = np.array(array, order="C")
+    if type(array) is not np.ndarray or not array.flags.writeable or not array.dtype.isnative:
+        array = np.asarray(array)
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        if not array.flags.writeable:
+            array = np.array(array, order="C")
     try:
         return torch.from_numpy(array)
+    except ValueError:  # negative strides
+        return torch.from_numpy(np.array(array, order="C"))
     except TypeError as err:
         raise TypeError(f"an array of dtype {array.dtype} has no torch tensor type: {err}") from None
 
