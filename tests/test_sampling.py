@@ -646,3 +646,83 @@ def test_a_sampler_of_another_type_than_the_saved_one_is_told_of_every_row(tmp_p
                 w.extend({"obs": np.arange(50, 150), "done": np.zeros(100, bool)})
             assert buf.refresh()
             np.testing.assert_array_equal(np.unique(buf.sample(25_000, seed=1)["index"]), np.arange(50, 150))
+
+
+# ---- several batches in one read ----------------------------------------------------------------
+
+
+def _twins(tmp_path, name, **kw):
+    """Two buffers with the same rows, priorities and sampler state."""
+    bufs = []
+    for tag in ("a", "b"):
+        buf = make(tmp_path, f"{name}_{tag}", sampler=SAMPLERS[name](), capacity=81, num_envs=3, **kw)
+        _ops(buf)
+        bufs.append(buf)
+    return bufs
+
+
+def _assert_batches_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w)
+        for key in w:
+            np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+            assert g[key].dtype == w[key].dtype
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_sample_batches_are_the_batches_sample_draws(tmp_path, name):
+    a, b = _twins(tmp_path, name)
+    beta = {"beta": 0.9} if "prioritized" in name else {}
+    _assert_batches_equal(a.sample_batches(11, 4, **beta), [b.sample(11, **beta) for _ in range(4)])
+    _assert_batches_equal(a.sample_batches(7, 3, seed=5, **beta),
+                          [b.sample(7, rng=g, **beta) for g in [np.random.default_rng(5)] * 3])
+    seeds = [np.random.default_rng(s) for s in (1, 2, 3)]
+    _assert_batches_equal(a.sample_batches(9, 3, rngs=seeds), [b.sample(9, seed=s) for s in (1, 2, 3)])
+    _assert_batches_equal(a.sample_batches(5, 2), [b.sample(5) for _ in range(2)])  # the buffer's generator went on
+    a.close(), b.close()
+
+
+def test_sample_batches_gather_once_and_share_one_block(tmp_path):
+    buf = make(tmp_path, capacity=None, num_envs=2)
+    extend(buf, 50)
+    gathers = []
+    gather = buf.view.gather
+    buf.view.gather = lambda *args, **kw: gathers.append(len(args[0])) or gather(*args, **kw)
+    batches = buf.sample_batches(16, 5, seed=0)
+    assert gathers == [80]  # one read of every row of the five batches
+    [buf.sample(16) for _ in range(5)]
+    assert gathers == [80] + [16] * 5
+    assert all(np.shares_memory(b["obs"], batches[0]["obs"].base) for b in batches)
+    np.testing.assert_array_equal(batches[3]["obs"], batches[3]["index"])  # obs holds the row id
+    torch_batches = buf.sample_batches(4, 2, seed=0, format="torch")
+    assert [type(b["obs"]).__name__ for b in torch_batches] == ["Tensor", "Tensor"]
+    np.testing.assert_array_equal(torch_batches[1]["index"].numpy(), buf.sample_batches(4, 2, seed=0)[1]["index"])
+    buf.close()
+
+
+def test_sample_batches_refuse_what_they_do_not_draw(tmp_path):
+    buf = make(tmp_path, capacity=None)
+    empty_error = pytest.raises(dr.EmptyBufferError, match="empty buffer")
+    with empty_error:
+        buf.sample_batches(4, 2)
+    extend(buf, 20)
+    gens = [np.random.default_rng(i) for i in range(3)]
+    cases = [
+        ({"count": 0}, "count must be a positive int, got 0"),
+        ({"count": True}, "count must be a positive int, got True"),
+        ({"count": 2.0}, "count must be a positive int, got 2.0"),
+        ({"count": 2, "rngs": gens}, r"rngs: expected 2 generators \(one per batch\), got 3"),
+        ({"count": 3, "rngs": gens, "seed": 1}, "pass it without seed= or rng="),
+        ({"count": 2, "n_step": 3}, "n_step: plain transitions only here; sample"),
+        ({"count": 2, "stack": 4, "out": {}}, "out, stack: plain transitions only here"),
+        ({"count": 2, "format": "jax"}, "format must be one of"),
+        ({"count": 2, "colour": 1}, "Uniform takes no sampling option 'colour'"),
+        ({"count": 10**15}, r"batch_size \* count=4,000,000,000,000,000 needs 68,000,000,000,000,000 bytes"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            buf.sample_batches(4, **kw)
+    buf.close()
+    with pytest.raises(dr.ClosedError, match="is closed"):
+        buf.sample_batches(4, 2)

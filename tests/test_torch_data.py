@@ -18,7 +18,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
 from diskreplay.format.lanes import row_ids
+from diskreplay.torch import datasets
+from diskreplay.torch.batch_rng import BatchRngs
 from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
+from diskreplay.torch.datasets import _Generators
 from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
 from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
 
@@ -360,6 +363,76 @@ def test_pickle_is_small(tmp_path):
             next(iter(ds))
         assert len(pickle.dumps(ds)) < 10_000  # also after it opened the buffer itself
     big.close()
+
+
+def _counting(ds) -> tuple[list[int], list[int]]:
+    """Open ``ds``'s reader in this process and record its gathers (rows each) and refreshes (the
+    dataset's batch position at each)."""
+    reader_buf = ds.reader.get()
+    gathers, refreshes = [], []
+    gather, refresh = reader_buf.view.gather, reader_buf.refresh
+    reader_buf.view.gather = lambda *a, **kw: gathers.append(len(a[0])) or gather(*a, **kw)
+    reader_buf.refresh = lambda: refreshes.append(ds.state_dict()["batch"]) or refresh()
+    return gathers, refreshes
+
+
+def _drawn(buf, batch_size: int, seed: int, batches: range, **options) -> list[np.ndarray]:
+    """Row ids of batches ``b`` as a dataset draws them: ``buf.sample`` with ``default_rng([seed, 0, b])``."""
+    return [buf.sample(batch_size, rng=np.random.default_rng([seed, 0, b]), **options)["index"] for b in batches]
+
+
+def test_small_batches_are_drawn_one_by_one_and_gathered_eight_at_a_time(buf):
+    ds = sample_ds(buf)
+    gathers, _ = _counting(ds)
+    got = list(itertools.islice(ds, 20))
+    assert gathers == [8 * 32] * 3  # batches 0-7, 8-15 and 16-23 (4 of them not yet taken)
+    for batch, want in zip(got, _drawn(buf, 32, 5, range(20)), strict=True):
+        check_rows(batch)
+        np.testing.assert_array_equal(batch["index"].numpy(), want)
+    assert ds.state_dict()["batch"] == 20  # the batches taken, not those read ahead
+    resumed = sample_ds(buf)
+    resumed.load_state_dict(ds.state_dict())
+    tail = indices(itertools.islice(resumed, 6))
+    for got_ids, want in zip(tail, _drawn(buf, 32, 5, range(20, 26)), strict=True):
+        np.testing.assert_array_equal(got_ids, want)
+
+
+def test_large_batches_and_transformed_ones_are_read_one_by_one(buf):
+    big = sample_ds(buf, batch_size=40_000)  # 40,000 rows of 28 bytes: more than a read's 1 MiB
+    gathers, _ = _counting(big)
+    for batch, want in zip(itertools.islice(big, 3), _drawn(buf, 40_000, 5, range(3)), strict=True):
+        np.testing.assert_array_equal(batch["index"].numpy(), want)
+    assert gathers == [40_000] * 3
+    per_batch = sample_ds(buf, sample_options={"recent_rows": 100, "gamma": 0.5})  # gamma: for sample() only
+    gathers, _ = _counting(per_batch)
+    for batch, want in zip(itertools.islice(per_batch, 3), _drawn(buf, 32, 5, range(3), recent_rows=100),
+                           strict=True):
+        np.testing.assert_array_equal(batch["index"].numpy(), want)
+    assert gathers == [32] * 3
+
+
+@pytest.mark.parametrize("every", [1, 3, 5, 20])
+def test_refreshes_fall_before_the_same_batches_when_reading_ahead(buf, monkeypatch, every):
+    def refreshed_at() -> list[int]:
+        ds = sample_ds(buf, refresh_every=every, refresh_seconds=None)
+        _, refreshes = _counting(ds)
+        list(itertools.islice(ds, 40))
+        return refreshes
+
+    ahead = refreshed_at()
+    monkeypatch.setattr(datasets, "READ_AHEAD_BATCHES", 1)
+    assert ahead == refreshed_at() == list(range(every - 1, 40, every))
+
+
+def test_the_generators_of_a_read_are_each_batch_s_own_every_time():
+    rngs = BatchRngs(5, 0, stride=2)
+    gens = _Generators(rngs, 4, 2, 3)
+    want = [np.random.default_rng([5, 0, b]).integers(1 << 62, size=4) for b in (4, 6, 8)]
+    for _ in range(2):  # a retried read asks again: the same states, not the generators' later ones
+        for gen, w in zip(gens, want, strict=True):
+            np.testing.assert_array_equal(gen.integers(1 << 62, size=4), w)
+    with pytest.raises(IndexError):
+        gens[3]
 
 
 # ---- live buffers ---------------------------------------------------------------------------

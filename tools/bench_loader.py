@@ -190,15 +190,17 @@ def throughput_checks(med: dict[tuple[str, int], dict[str, float]], worker_count
 def inprocess_table(data: dict[str, Any], batches: int, repeats: int) -> tuple[str, list[str]]:
     """Microseconds per batch in this process: ``buf.sample(256)`` vs a dataset's ``next()``
     (sample and epoch mode), interleaved, median over ``repeats`` runs of ``batches`` batches;
-    also ``buf.sample(256, format="torch")``, the same tensors without a dataset (not a target)."""
+    also ``buf.sample(256, format="torch")``, the same tensors without a dataset, and
+    ``buf.sample_batches(256, 8)`` per batch (neither a target)."""
     lines = ["| buffer | buf.sample(256) | sample-mode dataset batch | ratio | epoch-mode dataset batch | ratio "
-             "| buf.sample(256, format='torch') | sample-mode batch ÷ it |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| buf.sample(256, format='torch') | sample-mode batch ÷ it | buf.sample_batches(256, 8), per batch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     checks = []
     for comp in ("zstd", "raw"):
         buf = dr.ReplayBuffer.open(data[comp], "r")
         contestants = {"sample()": lambda buf=buf: buf.sample(BATCH),
                        "sample(torch)": lambda buf=buf: buf.sample(BATCH, format="torch"),
+                       "sample_batches": _one_at_a_time(lambda buf=buf: buf.sample_batches(BATCH, 8)),
                        "sample": _endless(lambda url=data[comp]: make_dataset(url, BATCH, "sample", seed=0)),
                        "epoch": _endless(lambda url=data[comp]: make_dataset(url, BATCH, "epoch", seed=0))}
         for step in contestants.values():
@@ -215,10 +217,21 @@ def inprocess_table(data: dict[str, Any], batches: int, repeats: int) -> tuple[s
         ratio, ratio_epoch = us["sample"] / us["sample()"], us["epoch"] / us["sample()"]
         lines.append(f"| {comp} | {us['sample()']:.0f} µs | {us['sample']:.0f} µs | {ratio:.2f}× "
                      f"| {us['epoch']:.0f} µs | {ratio_epoch:.2f}× | {us['sample(torch)']:.0f} µs "
-                     f"| {us['sample'] / us['sample(torch)']:.2f}× |")
+                     f"| {us['sample'] / us['sample(torch)']:.2f}× | {us['sample_batches']:.0f} µs |")
         checks.append(f"{'PASS' if ratio <= 1.3 else 'FAIL'} in-process {comp}: sample-mode dataset batch "
                       f"{us['sample']:.0f} µs = {ratio:.2f}x buf.sample(256) {us['sample()']:.0f} µs (target <= 1.30x)")
     return "\n".join(lines), checks
+
+
+def _one_at_a_time(read: Callable[[], list[Any]]) -> Callable[[], Any]:
+    """A step function: the next batch of the lists ``read()`` returns."""
+    pending: list[Any] = []
+
+    def step() -> Any:
+        if not pending:
+            pending.extend(reversed(read()))
+        return pending.pop()
+    return step
 
 
 def _endless(make: Callable[[], Any]) -> Callable[[], Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -54,6 +54,40 @@ class SampleRequest:
 
 PLAIN = SampleRequest()
 """A plain request: transitions from the sampler, no options (the common case, made once)."""
+TRANSFORMS = frozenset(f.name for f in fields(SampleRequest)) - {"options"}
+"""What a request names besides sampling options: trajectories, n-step returns, stacks, HER, ``out``."""
+
+
+def plain_request(options: dict[str, Any]) -> SampleRequest:
+    """A request for plain transitions with the sampling ``options`` that are not None. Raises
+    ValueError for an option that asks for more than plain transitions (`TRANSFORMS`)."""
+    asked = sorted(TRANSFORMS.intersection(options))
+    if asked:
+        raise ValueError(f"{', '.join(asked)}: plain transitions only here; sample() takes trajectories, "
+                         f"n-step returns, frame stacks, HER and out=")
+    given = {name: value for name, value in options.items() if value is not None}
+    return SampleRequest(options=given) if given else PLAIN
+
+
+def batch_generators(count: int, rngs: Sequence[np.random.Generator] | None, seed: int | None,
+                     rng: np.random.Generator | None, default: np.random.Generator) -> Sequence[np.random.Generator]:
+    """The generator of each of ``count`` batches: ``rngs``, else ``rng``, one seeded with
+    ``seed`` or ``default``, the same one for every batch. Raises ValueError for ``rngs`` that
+    are not ``count`` generators or come with ``seed``/``rng``."""
+    if rngs is None:
+        return [rng if rng is not None else default if seed is None else np.random.default_rng(seed)] * count
+    if seed is not None or rng is not None:
+        raise ValueError("rngs= gives each batch its generator: pass it without seed= or rng=")
+    if len(rngs) != count:
+        raise ValueError(f"rngs: expected {count} generators (one per batch), got {len(rngs)}")
+    return rngs
+
+
+def split_batches(block: Batch, batch_size: int) -> list[Batch]:
+    """The batches of a `Batches.sample_many` block: views of rows ``[i * batch_size, (i + 1) *
+    batch_size)`` of each array."""
+    count = len(block["index"]) // batch_size
+    return [{name: rows[i * batch_size:(i + 1) * batch_size] for name, rows in block.items()} for i in range(count)]
 
 
 class Batches:
@@ -72,9 +106,7 @@ class Batches:
     def sample(self, rng: np.random.Generator, batch_size: int, request: SampleRequest) -> Batch:
         """One batch from the rows readable now. Raises EmptyBufferError when there are none;
         StaleReadError from the reads."""
-        lo, hi = self.window()
-        if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
-            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.empty_hint})")
+        lo, hi = self._readable()
         if request.seq_len is not None:
             return self._slices(rng, batch_size, request, lo, hi)
         if request.options:
@@ -86,6 +118,27 @@ class Batches:
             batch = self.view.gather(draw.lane, draw.step, self._unstacked(request), out=request.out)
             if request.transformed:
                 self._transform(batch, draw, rng, lo, hi, request)
+        return self._finished(batch, draw, request)
+
+    def sample_many(self, rngs: Sequence[np.random.Generator], batch_size: int, request: SampleRequest) -> Batch:
+        """``len(rngs)`` plain batches from one window, batch i drawn with ``rngs[i]`` as `sample`
+        draws it, all gathered at once: batch i is rows ``[i * batch_size, (i + 1) * batch_size)``
+        of each array. Each generator is used before the next is asked for. Raises as `sample`."""
+        lo, hi = self._readable()
+        if request.options:
+            check_options(self.sampler, request.options)
+        draw = Draw.joined([self.sampler.sample(rng, batch_size, lo, hi, **request.options) for rng in rngs])
+        return self._finished(self.view.gather(draw.lane, draw.step), draw, request)
+
+    def _readable(self) -> tuple[np.ndarray, np.ndarray]:
+        """The window ``[lo, hi)`` per lane. Raises EmptyBufferError if it holds no rows."""
+        lo, hi = self.window()
+        if is_empty(lo, hi):  # also a reader whose newest commit retired all its rows
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({self.empty_hint})")
+        return lo, hi
+
+    def _finished(self, batch: Batch, draw: Draw, request: SampleRequest) -> Batch:
+        """``batch`` with the draw's row ids, weights and extras (into ``out`` where given)."""
         batch["index"] = row_ids(draw.lane, draw.step, self.num_envs)
         if draw.weight is not None:
             batch["weight"] = draw.weight
@@ -199,8 +252,7 @@ def check_out(out: Mapping[str, np.ndarray], count: int, fields: Mapping[str, Fi
 def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") -> None:
     """Raise ValueError for a batch size that is not a positive int or whose rows could not fit
     in this machine's memory (before anything is allocated)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise ValueError(f"{name} must be a positive int, got {batch_size!r}")
+    check_positive_int(batch_size, name)
     need = int(batch_size) * (row_bytes + 8)
     memory = physical_memory()
     if need > memory:
@@ -239,3 +291,9 @@ def _sampling_options(sampler_type: type[Sampler]) -> tuple[str, ...] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return tuple(p.name for p in params)
+
+
+def check_positive_int(value: Any, name: str) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an int > 0 (bools are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

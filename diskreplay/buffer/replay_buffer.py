@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,14 +17,31 @@ from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from . import snapshot
 from .appending import Appender
-from .batches import PLAIN, Batches, SampleRequest, check_batch_size, check_out, takes_priorities
+from .batches import (
+    Batches,
+    SampleRequest,
+    batch_generators,
+    check_batch_size,
+    check_out,
+    check_positive_int,
+    plain_request,
+    split_batches,
+    takes_priorities,
+)
 from .output_format import output_converter
 from .parts import LearnerOpening, make_parts
 from .rate_limit import NO_ACTOR_GATE, ActorGate, NoActorGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
-from .setup import check_open_options, close_all, create_storages, open_storages, plan_buffer, prepare_location
+from .setup import (
+    check_open_options,
+    close_all,
+    create_storages,
+    open_single,
+    open_storages,
+    plan_buffer,
+    prepare_location,
+)
 from .sharding import create_sharded, open_learner, open_writer, sharded_root
-from .state import BufferState, saved_sampler, state_origin
 
 if TYPE_CHECKING:
     from ..torch.datasets import EpochDataset, SampleDataset
@@ -197,29 +214,14 @@ class ReplayBuffer:
         options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
         root = None
         try:
-            storage, finals, record, state = open_storages(url, mode, options)
+            opened = open_storages(url, mode, options)
         except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
             root = sharded_root(url, storage_options, retry)
             if root is None:
                 raise
         if root is not None:
             return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
-        try:
-            if seed is not None or rate_limiter is not None:
-                raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
-                                 f"(its generator is restored from its last commit)")
-            buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
-            saved = buf._state
-            assert isinstance(saved, BufferState)
-            saved.apply(saved.parse(state, record.committed, state_origin(url, record)), with_rng=True)
-        except BaseException:
-            close_all(storage, finals)
-            raise
-        if finals is not None and mode == "r+":
-            finals.rewind(buf.episode_index.ended())
-        if mode == "r+" and not continue_episodes:
-            buf._writer().cut = set(range(buf.num_envs))
-        return buf
+        return open_single(cls, url, mode, opened, sampler, retry, continue_episodes, seed, rate_limiter)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,
@@ -434,17 +436,55 @@ class ReplayBuffer:
         self._require_open()
         convert = output_converter(format, as_tensordict)
         check_batch_size(batch_size, self.view.schema.row_bytes)
-        options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
-        plain = not options and seq_len is None and n_step is None and stack is None and her is None and out is None
-        request = PLAIN if plain else SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her,
-                                                    out, options)
+        request = plain_request({**options, "beta": beta, "recent_rows": recent_rows})
+        if seq_len is not None or n_step is not None or stack is not None or her is not None or out is not None:
+            request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
         if out is not None:
             request.check_out(int(batch_size), self.fields)
         generator = rng if rng is not None else self.rng if seed is None else np.random.default_rng(seed)
-        self._gate.before(int(batch_size))
-        batch = self._follower.read_retrying(self._batches.sample, generator, int(batch_size), request)
-        self._gate.after(int(batch_size))
-        return convert(batch)
+        return convert(self._read_counted(int(batch_size), self._batches.sample, generator, int(batch_size), request))
+
+    def sample_batches(self, batch_size: int, count: int, *, seed: int | None = None,
+                       rng: np.random.Generator | None = None, rngs: Sequence[np.random.Generator] | None = None,
+                       format: str = "numpy", beta: float | None = None, recent_rows: int | None = None,
+                       **options: Any) -> list[Rows | Any]:
+        """``count`` minibatches, each as `sample` draws it, gathered in one read.
+
+        The rows are those of ``count`` calls of ``sample(batch_size, ...)`` in a row with the
+        same generator (the buffer's own, ``rng``, or one seeded with ``seed``), or of batch i
+        drawn with ``rngs[i]`` (one generator per batch). One window, one gather and one
+        conversion serve them all, so each batch costs less than a `sample` call when batches are
+        small: for several gradient steps per environment step, or a loader of small batches.
+
+        Plain transitions, as ``sample`` returns them (``"index"``, ``"weight"`` with a
+        prioritized sampler and ``beta``); ``recent_rows`` and a sampler's own ``options`` as
+        there. Returns a list of ``count`` batches in ``format``; their arrays are views of one
+        block of ``count * batch_size`` rows, which a kept batch keeps alive.
+
+        Raises:
+            ValueError: ``count`` not an int >= 1; ``rngs`` not ``count`` generators, or given
+                with ``seed``/``rng``; as ``sample`` for the batch size, ``format`` and options.
+            EmptyBufferError, StaleReadError, RateLimitTimeout, ClosedError: as ``sample``.
+        """
+        self._require_open()
+        convert = output_converter(format)
+        row_bytes = self.view.schema.row_bytes
+        check_batch_size(batch_size, row_bytes)
+        check_positive_int(count, "count")
+        check_batch_size(int(batch_size) * int(count), row_bytes, "batch_size * count")
+        generators = batch_generators(int(count), rngs, seed, rng, self.rng)
+        request = plain_request({**options, "beta": beta, "recent_rows": recent_rows})
+        block = self._read_counted(int(batch_size) * count, self._batches.sample_many, generators, int(batch_size),
+                                   request)
+        return [convert(batch) for batch in split_batches(block, int(batch_size))]
+
+    def _read_counted(self, rows: int, read: Callable[..., Rows], *args: Any) -> Rows:
+        """``read(*args)`` through the follower's retries, counted as ``rows`` sampled rows by the
+        learner's rate limiter, if any."""
+        self._gate.before(rows)
+        batch = self._follower.read_retrying(read, *args)
+        self._gate.after(rows)
+        return batch
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
         """A torch ``IterableDataset`` of collated batches over this buffer's committed rows.

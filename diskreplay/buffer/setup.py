@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,11 @@ from ..storage import (
     plan_storage,
 )
 from .rate_limit import RateLimiter
+from .state import BufferState, saved_sampler, state_origin
+
+if TYPE_CHECKING:
+    from ..sampling import Sampler
+    from .replay_buffer import ReplayBuffer
 
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
@@ -185,6 +190,31 @@ def open_storages(url: str, mode: str,
         close_all(storage, finals)
         raise
     return storage, finals, record, state
+
+
+def open_single(cls: type[ReplayBuffer], url: str, mode: str,
+                opened: tuple[Storage, Storage | None, CommitRecord, dict[str, Any]], sampler: Sampler | None,
+                retry: RetryPolicy | None, continue_episodes: bool, seed: int | None,
+                rate_limiter: RateLimiter | None) -> ReplayBuffer:
+    """A buffer of one shard over its storages (`open_storages`), in the state saved with the
+    commit they show, its generator's included; the storages closed if that fails."""
+    storage, finals, record, state = opened
+    try:
+        if seed is not None or rate_limiter is not None:
+            raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
+                             f"(its generator is restored from its last commit)")
+        buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
+        saved = buf._state
+        assert isinstance(saved, BufferState)
+        saved.apply(saved.parse(state, record.committed, state_origin(url, record)), with_rng=True)
+    except BaseException:
+        close_all(storage, finals)
+        raise
+    if finals is not None and mode == "r+":
+        finals.rewind(buf.episode_index.ended())
+    if mode == "r+" and not continue_episodes:
+        buf._writer().cut = set(range(buf.num_envs))
+    return buf
 
 
 def close_all(*storages: Storage | None) -> None:

@@ -24,6 +24,16 @@ class Draw:
     weight: np.ndarray | None = None
     extra: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @staticmethod
+    def joined(draws: list[Draw]) -> Draw:
+        """One draw of the rows of ``draws`` (at least one) in order; weights and extras joined too."""
+        if len(draws) == 1:
+            return draws[0]
+        first = draws[0]
+        weight = None if first.weight is None else np.concatenate([d.weight for d in draws if d.weight is not None])
+        return Draw(np.concatenate([d.lane for d in draws]), np.concatenate([d.step for d in draws]), weight,
+                    {name: np.concatenate([d.extra[name] for d in draws]) for name in first.extra})
+
 
 class Sampler(Protocol):
     """What a buffer needs of its sampler (`Uniform`, `Prioritized`, `WithoutReplacement`, or

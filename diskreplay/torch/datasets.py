@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
-from ..buffer.batches import BATCH_EXTRAS
+from ..buffer.batches import BATCH_EXTRAS, TRANSFORMS
 from ..errors import EmptyBufferError
 from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
@@ -22,6 +22,12 @@ from .formats import Key, key_to_name, to_tensordict
 from .reader import Reader, current_shard
 from .shared_ring import SlotBatch, WorkerRing
 from .tensors import Sink, sink_for, to_tensors
+
+READ_AHEAD_BATCHES = 8
+"""Most batches a sample-mode dataset draws and gathers in one read (`ReplayBuffer.sample_batches`)
+when it yields them in new arrays: a read's fixed cost spread over several small batches."""
+READ_AHEAD_BYTES = 2**20
+"""Most bytes such a read gathers: larger batches are read one by one."""
 
 
 class _BufferDataset(tud.IterableDataset):
@@ -115,8 +121,11 @@ class SampleDataset(_BufferDataset):
     supported: convert a StatefulDataLoader state with `dataset_state_from_loader` (or save from
     ``num_workers=0``) and load it into the dataset before building the new loader.
 
+    Small batches going to new tensors are drawn one by one and gathered several at a time
+    (`reads_ahead`): the same batches, for less per batch.
+
     Live buffers: each reader adopts new commits every ``refresh_every`` batches and/or every
-    ``refresh_seconds`` (window changes make the stream timing-dependent). Stateful samplers
+    ``refresh_seconds``, checked between reads (window changes make the stream timing-dependent). Stateful samplers
     (``WithoutReplacement``) keep independent state per worker; prioritized samplers use the
     priorities of the last commit: for live priorities use `IndexBatchSampler`.
     """
@@ -170,33 +179,47 @@ class SampleDataset(_BufferDataset):
         return self._generate(shard, start, sink)
 
     def _generate(self, shard: Shard, b: int, sink: Sink) -> Iterator[Any]:
-        """Batches ``b, b + W, ...`` (W: the shard's workers); what varies per batch is the
-        generator, the destination arrays and the refresh clock, the rest is decided here."""
+        """Batches ``b, b + W, ...`` (W: the shard's workers), drawn up to `reads_ahead` at a time;
+        what varies per batch is the generator, the destination arrays and the refresh clock, the
+        rest is decided here. A refresh falls between reads, never inside one."""
         buf = self.reader.get()
-        rngs, stride, emit = BatchRngs(self.seed, self.rank, shard.num_workers), shard.num_workers, sink.emit
-        size, options = self.batch_size, self.sample_options
-        into = self._destination(buf, sink)
+        into, emit, stride = self._destination(buf, sink), sink.emit, shard.num_workers
+        read = functools.partial(_read, buf, self.batch_size, BatchRngs(self.seed, self.rank, stride), stride,
+                                 self.sample_options)
+        ahead = 1 if into is not None else self.reads_ahead(buf)
         every, seconds = self.refresh_every, self.refresh_seconds
         last_refresh, since = time.monotonic(), 0
+        pending: list[dict[str, np.ndarray]] = []
         try:
             while True:
-                since += 1
-                if (every is not None and since >= every) or (
-                        seconds is not None and time.monotonic() - last_refresh >= seconds):
-                    buf.refresh()
-                    last_refresh, since = time.monotonic(), 0
-                out = None if into is None else into()
-                try:
-                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
-                except EmptyBufferError:  # nothing committed when this reader opened or refreshed
-                    buf.refresh()
-                    last_refresh, since = time.monotonic(), 0
-                    batch = buf.sample(size, rng=rngs(b), out=out, **options)
+                if not pending:
+                    since += 1
+                    if (every is not None and since >= every) or (
+                            seconds is not None and time.monotonic() - last_refresh >= seconds):
+                        buf.refresh()
+                        last_refresh, since = time.monotonic(), 0
+                    count = ahead if every is None else min(ahead, every - since)
+                    try:
+                        pending = read(b, count, None if into is None else into())
+                    except EmptyBufferError:  # nothing committed when this reader opened or refreshed
+                        buf.refresh()
+                        last_refresh, since = time.monotonic(), 0
+                        pending = read(b, count, None if into is None else into())
+                    since += count - 1
                 b += stride
                 self._batch = b
-                yield emit(batch)
+                yield emit(pending.pop())
         finally:
             sink.close()
+
+    def reads_ahead(self, buf: ReplayBuffer) -> int:
+        """Batches drawn and gathered in one read (`ReplayBuffer.sample_batches`) when they are
+        gathered into new arrays: up to `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`;
+        1 with sample options that only ``sample`` takes (trajectories, n-step, stacks, HER)."""
+        if not TRANSFORMS.isdisjoint(self.sample_options):
+            return 1
+        batch_bytes = self.batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
+        return max(1, min(READ_AHEAD_BATCHES, READ_AHEAD_BYTES // batch_bytes))
 
     def _destination(self, buf: ReplayBuffer, sink: Sink) -> Callable[[], dict[str, np.ndarray] | None] | None:
         """What gives each batch's ``out`` arrays (`_out` of ``sink.destination()``), or None
@@ -339,6 +362,40 @@ class EpochDataset(_BufferDataset):
                 yield sink.emit(batch)
         finally:
             sink.close()
+
+
+def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,
+          count: int, out: dict[str, np.ndarray] | None) -> list[dict[str, np.ndarray]]:
+    """Batches ``b, b + stride, ...`` (``count`` of them), each drawn with its generator, in one
+    read, last first; one batch is gathered into ``out`` if given."""
+    if count == 1:
+        return [buf.sample(size, rng=rngs(b), out=out, **options)]
+    generators = _Generators(rngs, b, stride, count)
+    return buf.sample_batches(size, count, rngs=generators, **options)[::-1]
+
+
+class _Generators(Sequence[np.random.Generator]):
+    """The generators of batches ``b, b + stride, ...`` (``count``), each made when asked for:
+    `BatchRngs` hands out shared generators, used before the next is asked for."""
+
+    def __init__(self, rngs: BatchRngs, b: int, stride: int, count: int):
+        self.rngs, self.b, self.stride, self.size = rngs, b, stride, count
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, i: int) -> np.random.Generator: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[np.random.Generator]: ...
+
+    def __getitem__(self, i: int | slice) -> np.random.Generator | Sequence[np.random.Generator]:
+        if isinstance(i, slice):
+            raise TypeError("the generators of a read are handed out one at a time, not sliced")
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.rngs(self.b + i * self.stride)
 
 
 def _out_names(buf: ReplayBuffer) -> frozenset[str]:
