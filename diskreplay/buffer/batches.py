@@ -58,15 +58,16 @@ TRANSFORMS = frozenset(f.name for f in fields(SampleRequest)) - {"options"}
 """What a request names besides sampling options: trajectories, n-step returns, stacks, HER, ``out``."""
 
 
-def plain_request(options: dict[str, Any]) -> SampleRequest:
-    """A request for plain transitions with the sampling ``options`` that are not None. Raises
-    ValueError for an option that asks for more than plain transitions (`TRANSFORMS`)."""
+def plain_request(options: dict[str, Any], beta: float | None, recent_rows: int | None) -> SampleRequest:
+    """A request for plain transitions with the sampler's ``options``, and ``beta`` and
+    ``recent_rows`` unless None. Raises ValueError for an option that asks for more than plain
+    transitions (`TRANSFORMS`)."""
     asked = sorted(TRANSFORMS.intersection(options))
     if asked:
         raise ValueError(f"{', '.join(asked)}: plain transitions only here; sample() takes trajectories, "
                          f"n-step returns, frame stacks, HER and out=")
-    given = {name: value for name, value in options.items() if value is not None}
-    return SampleRequest(options=given) if given else PLAIN
+    options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
+    return SampleRequest(options=options) if options else PLAIN
 
 
 def batch_generators(count: int, rngs: Sequence[np.random.Generator] | None, seed: int | None,

@@ -436,7 +436,7 @@ class ReplayBuffer:
         self._require_open()
         convert = output_converter(format, as_tensordict)
         check_batch_size(batch_size, self.view.schema.row_bytes)
-        request = plain_request({**options, "beta": beta, "recent_rows": recent_rows})
+        request = plain_request(options, beta, recent_rows)
         if seq_len is not None or n_step is not None or stack is not None or her is not None or out is not None:
             request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
         if out is not None:
@@ -471,12 +471,12 @@ class ReplayBuffer:
         row_bytes = self.view.schema.row_bytes
         check_batch_size(batch_size, row_bytes)
         check_positive_int(count, "count")
-        check_batch_size(int(batch_size) * int(count), row_bytes, "batch_size * count")
-        generators = batch_generators(int(count), rngs, seed, rng, self.rng)
-        request = plain_request({**options, "beta": beta, "recent_rows": recent_rows})
-        block = self._read_counted(int(batch_size) * count, self._batches.sample_many, generators, int(batch_size),
-                                   request)
-        return [convert(batch) for batch in split_batches(block, int(batch_size))]
+        size, count = int(batch_size), int(count)
+        check_batch_size(size * count, row_bytes, "batch_size * count")
+        generators = batch_generators(count, rngs, seed, rng, self.rng)
+        request = plain_request(options, beta, recent_rows)
+        block = self._read_counted(size * count, self._batches.sample_many, generators, size, request)
+        return [convert(batch) for batch in split_batches(block, size)]
 
     def _read_counted(self, rows: int, read: Callable[..., Rows], *args: Any) -> Rows:
         """``read(*args)`` through the follower's retries, counted as ``rows`` sampled rows by the
