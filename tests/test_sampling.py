@@ -680,7 +680,8 @@ def test_sample_batches_are_the_batches_sample_draws(tmp_path, name):
     seeds = [np.random.default_rng(s) for s in (1, 2, 3)]
     _assert_batches_equal(a.sample_batches(9, 3, rngs=seeds), [b.sample(9, seed=s) for s in (1, 2, 3)])
     _assert_batches_equal(a.sample_batches(5, 2), [b.sample(5) for _ in range(2)])  # the buffer's generator went on
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 def test_sample_batches_gather_once_and_share_one_block(tmp_path):
@@ -703,8 +704,7 @@ def test_sample_batches_gather_once_and_share_one_block(tmp_path):
 
 def test_sample_batches_refuse_what_they_do_not_draw(tmp_path):
     buf = make(tmp_path, capacity=None)
-    empty_error = pytest.raises(dr.EmptyBufferError, match="empty buffer")
-    with empty_error:
+    with pytest.raises(dr.EmptyBufferError, match="empty buffer"):
         buf.sample_batches(4, 2)
     extend(buf, 20)
     gens = [np.random.default_rng(i) for i in range(3)]
