@@ -4,6 +4,7 @@ every committed row once per epoch (`EpochDataset`), each sharded over ranks and
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
@@ -24,8 +25,9 @@ from .shared_ring import SlotBatch, WorkerRing
 from .tensors import Sink, sink_for, to_tensors
 
 READ_AHEAD_BATCHES = 8
-"""Most batches a sample-mode dataset draws and gathers in one read (`ReplayBuffer.sample_batches`)
-when it yields them in new arrays: a read's fixed cost spread over several small batches."""
+"""Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
+drawn as `ReplayBuffer.sample_batches` draws them): a read's fixed cost spread over several small
+batches."""
 READ_AHEAD_BYTES = 2**20
 """Most bytes such a read gathers: larger batches are read one by one."""
 
@@ -214,12 +216,9 @@ class SampleDataset(_BufferDataset):
 
     def reads_ahead(self, buf: ReplayBuffer) -> int:
         """Batches drawn and gathered in one read (`ReplayBuffer.sample_batches`) when they are
-        gathered into new arrays: up to `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`;
-        1 with sample options that only ``sample`` takes (trajectories, n-step, stacks, HER)."""
-        if not TRANSFORMS.isdisjoint(self.sample_options):
-            return 1
-        batch_bytes = self.batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
-        return max(1, min(READ_AHEAD_BATCHES, READ_AHEAD_BYTES // batch_bytes))
+        gathered into new arrays: `batches_per_read`, or 1 with sample options that only
+        ``sample`` takes (trajectories, n-step, stacks, HER)."""
+        return batches_per_read(self.batch_size, buf) if TRANSFORMS.isdisjoint(self.sample_options) else 1
 
     def _destination(self, buf: ReplayBuffer, sink: Sink) -> Callable[[], dict[str, np.ndarray] | None] | None:
         """What gives each batch's ``out`` arrays (`_out` of ``sink.destination()``), or None
@@ -236,6 +235,8 @@ class EpochDataset(_BufferDataset):
     """Every committed row once per epoch (see `make_dataset` for the options), as batches
     ``{field: [<=B, *shape], "index": [<=B] int64}`` of tensors (``as_tensordict``: a TensorDict
     of them, batch size ``[<=B]``, keys as `to_tensordict` makes them).
+
+    Small batches going to new tensors are gathered several at a time (`batches_per_read`).
 
     Rows of an epoch are the window saved in the state (taken at `make_dataset` or `set_epoch(...,
     refresh=True)`); its order is a pure function of (seed, epoch, those rows, shard layout). They
@@ -354,14 +355,34 @@ class EpochDataset(_BufferDataset):
         if first >= order.num_batches:
             return
         buf = self.reader.get()
-        names, last = _out_names(buf), order.num_batches
+        names, last, batches = _out_names(buf), order.num_batches, order.batches(first)
+        ahead = 1 if sink.gathers else batches_per_read(self.batch_size, buf)
+        k = first
         try:
-            for k, (lane, step) in enumerate(order.batches(first), start=first):
-                batch = self._gather(buf, names, lane, step, sink.destination())
-                self._batch, self._done = k + 1, k + 1 == last
-                yield sink.emit(batch)
+            while group := list(itertools.islice(batches, ahead)):
+                lane, step = group[0] if ahead == 1 else (np.concatenate(parts) for parts in zip(*group))
+                rows = self._gather(buf, names, lane, step, sink.destination() if ahead == 1 else None)
+                for batch in _split(rows, [len(s) for _, s in group]):
+                    k += 1
+                    self._batch, self._done = k, k == last
+                    yield sink.emit(batch)
         finally:
             sink.close()
+
+
+def batches_per_read(batch_size: int, buf: ReplayBuffer) -> int:
+    """Batches of ``buf``'s rows a dataset gathers in one read when they go to new arrays: up to
+    `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`."""
+    batch_bytes = batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
+    return max(1, min(READ_AHEAD_BATCHES, READ_AHEAD_BYTES // batch_bytes))
+
+
+def _split(rows: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    """``rows`` cut into consecutive batches of these sizes (views)."""
+    if len(sizes) == 1:
+        return [rows]
+    edges = np.cumsum([0, *sizes]).tolist()
+    return [{name: values[a:b] for name, values in rows.items()} for a, b in zip(edges, edges[1:])]
 
 
 def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,
