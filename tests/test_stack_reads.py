@@ -106,6 +106,23 @@ def test_a_stacked_batch_is_one_gather(tmp_path, monkeypatch):
         np.testing.assert_array_equal(out[name], value, err_msg=name)
 
 
+def test_kept_apart_twins_are_read_where_they_are_kept(tmp_path, monkeypatch):
+    """Rows that end their episode or are their lane's newest: their derived next_obs comes from
+    the side store of finals or from RAM, without a read of the main storage."""
+    buf = make_buffer(tmp_path / "b", 1, None, ("obs",))
+    step = np.append(buf.episode_index.ends(0)[:5], len(buf) - 1)
+    assert step[-1] not in buf.episode_index.ends(0)  # the newest step, its episode still open
+    calls = []
+    gather = buf.storage.gather
+    monkeypatch.setattr(buf.storage, "gather", lambda *a, **k: calls.append((len(a[1]), a[2])) or gather(*a, **k))
+    plan = transforms.stack_plan(buf.view, 3, ("obs",), buf._batches._unstacked_fields(("obs",)))
+    lo, hi = buf.storage.window()
+    out = transforms.stacked_rows(plan, buf.view, buf.episode_index, np.zeros_like(step), step, lo, hi)
+    assert calls == [(4 * len(step), ("obs", "goal", "next_goal", "action", "reward", "done")), (len(step), ("image",))]
+    for name, value in expected(buf, step, 3, ("obs",)).items():
+        np.testing.assert_array_equal(out[name], value, err_msg=name)
+
+
 def test_stack_must_be_a_positive_int(tmp_path):
     buf = make_buffer(tmp_path / "b", 1, None, ("obs",), steps=50)
     buf.sample(4, stack=2)

@@ -127,20 +127,36 @@ class RowView:
         else:
             given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
             rows, own = self.storage.gather(lane, following, bases, given), {}
+        values = {twin: rows.pop(base) for twin, base in zip(twins, bases)}
+        self._fill_kept(values, lane, step, is_end, newest)
+        rows.update(values)
+        rows.update(own)
+        return rows
+
+    def kept_next(self, lane: np.ndarray, step: np.ndarray, twins: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """The derived ``twins`` at steps whose next value is kept apart, every one of them an
+        episode end or its lane's newest step (`_kept_apart`): read from where they are kept
+        alone, without the following step's row."""
+        is_end, newest = self._kept_apart(lane, step)
+        values = {twin: np.empty((len(step), *self.schema[twin].shape), self.schema[twin].dtype) for twin in twins}
+        self._fill_kept(values, lane, step, is_end, newest)
+        return values
+
+    def _fill_kept(self, values: dict[str, np.ndarray], lane: np.ndarray, step: np.ndarray, is_end: np.ndarray,
+                   newest: np.ndarray) -> None:
+        """Write into ``values`` (twin -> rows) the kept-apart next values: the final of each
+        episode end (the side store), each lane's newest one (in RAM)."""
         ends = np.flatnonzero(is_end)
         assert self.finals is not None  # a buffer with derived fields keeps their finals
+        bases = tuple(self.derived[twin] for twin in values)
         finals = (self.finals.gather(lane[ends], self.episodes.end_ordinal(lane[ends], step[ends]), bases)
                   if len(ends) else {})
         newest = np.flatnonzero(newest)
-        for twin, base in zip(twins, bases):
-            value = rows.pop(base)
+        for twin, value in values.items():
             if len(ends):
-                value[ends] = finals[base]
+                value[ends] = finals[self.derived[twin]]
             if len(newest):
                 value[newest] = self.last_next[twin][lane[newest]]
-            rows[twin] = value
-        rows.update(own)
-        return rows
 
     def record(self, lane: int, first: int, rows: dict[str, np.ndarray]) -> None:
         """Writer: keep what the main arrays drop from these stored rows of one lane (steps

@@ -172,8 +172,9 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
     step before `episode_last_step`) the window's last frame is read with the others, else
     it is the twin at the step. Every window, and the small ``others`` (picked at each step from
     the window's rows), come from one gather; the other ``others`` and the twins stored as given
-    from one gather at the steps; the derived twins of the other steps from one more, if any.
-    ``hi``: the window's end per lane, if the caller has it."""
+    from one gather at the steps; the derived twins of the other steps (episode ends, each lane's
+    newest) from where they are kept (`RowView.kept_next`). ``hi``: the window's end per lane, if
+    the caller has it."""
     frames, width, derived = plan.frames, plan.width, plan.derived
     start, next_end = episodes.bounds(lane, step)
     window = np.maximum(step[:, None] + plan.offsets, np.maximum(start, lo[lane])[:, None])
@@ -185,7 +186,7 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
     windowed = plan.windowed
     rows = view.gather(lane.repeat(width), window.reshape(-1), windowed) if windowed else {}
     at_step = view.gather(lane, step, plan.apart) if plan.apart else {}
-    finals = view.gather(lane[kept], step[kept], derived) if len(kept) else {}
+    finals = view.kept_next(lane[kept], step[kept], derived) if len(kept) else {}
     out = {name: rows[name][frames - 1::width].copy() if name in plan.small else at_step[name]
            for name in plan.others}
     for name in plan.fields:

@@ -85,7 +85,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         rank, world_size: the shard of this process; default torch.distributed's if initialised,
             else 0 and 1. Workers are detected per process.
         refresh_every, refresh_seconds: sample mode: adopt new commits every that many batches /
-            seconds (None: never by that rule), checked between reads (`SampleDataset.reads_ahead`).
+            seconds (None: never by that rule), checked between reads (`datasets.batches_per_read`).
         cache_bytes, io_threads: each reader's chunk cache bound (default the buffer default,
             512 MiB; pages are touched lazily) and IO threads.
         storage_options: for remote URLs (default: the buffer's).

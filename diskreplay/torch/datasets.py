@@ -124,12 +124,13 @@ class SampleDataset(_BufferDataset):
     ``num_workers=0``) and load it into the dataset before building the new loader.
 
     Small batches going to new tensors are drawn one by one and gathered several at a time
-    (`reads_ahead`): the same batches, for less per batch.
+    (`batches_per_read`; one by one with options only ``sample`` takes): the same batches, for
+    less per batch.
 
     Live buffers: each reader adopts new commits every ``refresh_every`` batches and/or every
-    ``refresh_seconds``, checked between reads (window changes make the stream timing-dependent). Stateful samplers
-    (``WithoutReplacement``) keep independent state per worker; prioritized samplers use the
-    priorities of the last commit: for live priorities use `IndexBatchSampler`.
+    ``refresh_seconds``, checked between reads (window changes make the stream timing-dependent).
+    Stateful samplers (``WithoutReplacement``) keep independent state per worker; prioritized
+    samplers use the priorities of the last commit: for live priorities use `IndexBatchSampler`.
     """
 
     mode = "sample"
@@ -181,14 +182,14 @@ class SampleDataset(_BufferDataset):
         return self._generate(shard, start, sink)
 
     def _generate(self, shard: Shard, b: int, sink: Sink) -> Iterator[Any]:
-        """Batches ``b, b + W, ...`` (W: the shard's workers), drawn up to `reads_ahead` at a time;
+        """Batches ``b, b + W, ...`` (W: the shard's workers), drawn up to `_reads_ahead` at a time;
         what varies per batch is the generator, the destination arrays and the refresh clock, the
         rest is decided here. A refresh falls between reads, never inside one."""
         buf = self.reader.get()
         into, emit, stride = self._destination(buf, sink), sink.emit, shard.num_workers
         read = functools.partial(_read, buf, self.batch_size, BatchRngs(self.seed, self.rank, stride), stride,
                                  self.sample_options)
-        ahead = 1 if into is not None else self.reads_ahead(buf)
+        ahead = 1 if into is not None else self._reads_ahead(buf)
         every, seconds = self.refresh_every, self.refresh_seconds
         last_refresh, since = time.monotonic(), 0
         pending: list[dict[str, np.ndarray]] = []
@@ -214,7 +215,7 @@ class SampleDataset(_BufferDataset):
         finally:
             sink.close()
 
-    def reads_ahead(self, buf: ReplayBuffer) -> int:
+    def _reads_ahead(self, buf: ReplayBuffer) -> int:
         """Batches drawn and gathered in one read (`ReplayBuffer.sample_batches`) when they are
         gathered into new arrays: `batches_per_read`, or 1 with sample options that only
         ``sample`` takes (trajectories, n-step, stacks, HER)."""
