@@ -84,11 +84,12 @@ def batch_generators(count: int, rngs: Sequence[np.random.Generator] | None, see
     return rngs
 
 
-def split_batches(block: Batch, batch_size: int) -> list[Batch]:
-    """The batches of a `Batches.sample_many` block: views of rows ``[i * batch_size, (i + 1) *
-    batch_size)`` of each array."""
-    count = len(block["index"]) // batch_size
-    return [{name: rows[i * batch_size:(i + 1) * batch_size] for name, rows in block.items()} for i in range(count)]
+def split_batches(block: Batch, sizes: list[int]) -> list[Batch]:
+    """``block`` cut into consecutive batches of these sizes (views of its arrays)."""
+    if len(sizes) == 1:
+        return [block]
+    edges = np.cumsum([0, *sizes]).tolist()
+    return [{name: rows[a:b] for name, rows in block.items()} for a, b in zip(edges, edges[1:])]
 
 
 class Batches:

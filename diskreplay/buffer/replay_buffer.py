@@ -476,7 +476,7 @@ class ReplayBuffer:
         generators = batch_generators(count, rngs, seed, rng, self.rng)
         request = plain_request(options, beta, recent_rows)
         block = self._read_counted(size * count, self._batches.sample_many, generators, size, request)
-        return [convert(batch) for batch in split_batches(block, size)]
+        return [convert(batch) for batch in split_batches(block, [size] * count)]
 
     def _read_counted(self, rows: int, read: Callable[..., Rows], *args: Any) -> Rows:
         """``read(*args)`` through the follower's retries, counted as ``rows`` sampled rows by the

@@ -13,7 +13,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
-from ..buffer.batches import BATCH_EXTRAS, TRANSFORMS
+from ..buffer.batches import BATCH_EXTRAS, TRANSFORMS, split_batches
 from ..errors import EmptyBufferError
 from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
@@ -363,7 +363,7 @@ class EpochDataset(_BufferDataset):
             while group := list(itertools.islice(batches, ahead)):
                 lane, step = group[0] if ahead == 1 else (np.concatenate(parts) for parts in zip(*group))
                 rows = self._gather(buf, names, lane, step, sink.destination() if ahead == 1 else None)
-                for batch in _split(rows, [len(s) for _, s in group]):
+                for batch in split_batches(rows, [len(s) for _, s in group]):
                     k += 1
                     self._batch, self._done = k, k == last
                     yield sink.emit(batch)
@@ -376,14 +376,6 @@ def batches_per_read(batch_size: int, buf: ReplayBuffer) -> int:
     `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`."""
     batch_bytes = batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
     return max(1, min(READ_AHEAD_BATCHES, READ_AHEAD_BYTES // batch_bytes))
-
-
-def _split(rows: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
-    """``rows`` cut into consecutive batches of these sizes (views)."""
-    if len(sizes) == 1:
-        return [rows]
-    edges = np.cumsum([0, *sizes]).tolist()
-    return [{name: values[a:b] for name, values in rows.items()} for a, b in zip(edges, edges[1:])]
 
 
 def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,
