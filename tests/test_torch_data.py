@@ -4,6 +4,7 @@ and caches a few MB, so the whole file runs in well under a minute on two cores.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import pickle
@@ -24,6 +25,7 @@ from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge
 from diskreplay.torch.datasets import _Generators
 from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
 from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
+from diskreplay.torch.tensors import Batch
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
 CACHE = 4 * 2**20
@@ -438,6 +440,13 @@ def test_epoch_batches_are_gathered_eight_at_a_time_and_stay_the_same(buf, monke
     for got, want in zip(ahead, indices(one_by_one), strict=True):
         np.testing.assert_array_equal(got, want)
     assert single == [48] * 41 + [32]
+
+
+def test_a_loader_passes_batches_on_as_batches(buf):
+    got = next(iter(DataLoader(sample_ds(buf), batch_size=None)))  # default_convert copies each batch
+    assert type(got) is Batch
+    clone = copy.copy(got)
+    assert type(clone) is Batch and clone is not got and all(clone[k] is got[k] for k in got)
 
 
 def test_the_generators_of_a_read_are_each_batch_s_own_every_time():
