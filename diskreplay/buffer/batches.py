@@ -70,13 +70,20 @@ def plain_request(options: dict[str, Any], beta: float | None, recent_rows: int 
     return SampleRequest(options=options) if options else PLAIN
 
 
+def call_generator(seed: int | None, rng: np.random.Generator | None,
+                   default: np.random.Generator) -> np.random.Generator:
+    """The generator a sampling call draws with: ``rng``, else a new one seeded with ``seed``,
+    else ``default`` (the buffer's own)."""
+    return rng if rng is not None else default if seed is None else np.random.default_rng(seed)
+
+
 def batch_generators(count: int, rngs: Sequence[np.random.Generator] | None, seed: int | None,
                      rng: np.random.Generator | None, default: np.random.Generator) -> Sequence[np.random.Generator]:
     """The generator of each of ``count`` batches: ``rngs``, else ``rng``, one seeded with
     ``seed`` or ``default``, the same one for every batch. Raises ValueError for ``rngs`` that
     are not ``count`` generators or come with ``seed``/``rng``."""
     if rngs is None:
-        return [rng if rng is not None else default if seed is None else np.random.default_rng(seed)] * count
+        return [call_generator(seed, rng, default)] * count
     if seed is not None or rng is not None:
         raise ValueError("rngs= gives each batch its generator: pass it without seed= or rng=")
     if len(rngs) != count:

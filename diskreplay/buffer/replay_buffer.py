@@ -21,6 +21,7 @@ from .batches import (
     Batches,
     SampleRequest,
     batch_generators,
+    call_generator,
     check_batch_size,
     check_out,
     check_positive_int,
@@ -441,7 +442,7 @@ class ReplayBuffer:
             request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
         if out is not None:
             request.check_out(int(batch_size), self.fields)
-        generator = rng if rng is not None else self.rng if seed is None else np.random.default_rng(seed)
+        generator = call_generator(seed, rng, self.rng)
         return convert(self._read_counted(int(batch_size), self._batches.sample, generator, int(batch_size), request))
 
     def sample_batches(self, batch_size: int, count: int, *, seed: int | None = None,
