@@ -55,8 +55,8 @@ __all__ = [
     "RetryPolicy",
 ]
 
-_TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
-               "merge_worker_states", "dataset_state_from_loader", "keep_batch"}
+_TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "Loader", "IndexBatchSampler", "IndexBatch",
+               "RowDataset", "merge_worker_states", "dataset_state_from_loader", "keep_batch"}
 _DEVICE = {"to_device", "DevicePrefetcher", "to_tensordict"}
 __all__ += sorted(_TORCH_DATA | _DEVICE)
 

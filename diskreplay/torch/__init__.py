@@ -3,7 +3,8 @@
 Importing this package imports torch (``import diskreplay`` alone does not). Modules:
 
 * `data` - `make_dataset`, the resume helpers and `keep_batch` (the DataLoader ``collate_fn``
-  for TensorDict batches); `datasets` - `SampleDataset` / `EpochDataset`;
+  for TensorDict batches); `datasets` - `SampleDataset` / `EpochDataset`; `loader` - `Loader`,
+  DataLoader workers that hand over blocks of batches;
   `rows` - `IndexBatchSampler` + `RowDataset`; `reader`, `tensors` - their shared parts;
 * `device` - `to_device`: batches copied to a device through pinned host slots;
 * `shared_ring` - the shared-memory slots fork DataLoader workers gather batches into;
@@ -20,13 +21,14 @@ from .datasets import EpochDataset, SampleDataset
 from .device import DevicePrefetcher, to_device
 from .epoch_order import SHUFFLES, EpochOrder, Shard, chunk_pieces, expand_pieces, shard_range, slice_pieces
 from .formats import to_tensordict
+from .loader import Loader
 from .reader import committed_window, current_shard, resolve_rank
 from .rows import IndexBatch, IndexBatchSampler, RowDataset
 from .shared_ring import FREE, HELD, SENT, ArraySpec, SlotBatch, WorkerRing, plan_slot
-from .tensors import Batch, packed_tensors, to_tensors
+from .tensors import Batch, Block, packed_tensors, to_tensors
 
 __all__ = [
-    "make_dataset", "SampleDataset", "EpochDataset", "IndexBatchSampler", "IndexBatch", "RowDataset",
+    "make_dataset", "SampleDataset", "EpochDataset", "Loader", "Block", "IndexBatchSampler", "IndexBatch", "RowDataset",
     "merge_worker_states", "dataset_state_from_loader", "keep_batch",
     "resolve_rank", "current_shard", "committed_window",
     "Batch", "to_tensors", "packed_tensors", "to_tensordict",

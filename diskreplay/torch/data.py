@@ -48,7 +48,7 @@ from ..buffer import ReplayBuffer
 from ..buffer.batches import BATCH_EXTRAS
 from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
-from .datasets import EpochDataset, SampleDataset
+from .datasets import EpochDataset, SampleDataset, batches_per_block
 from .epoch_order import SHUFFLES
 from .formats import tensordict_class, tensordict_keys
 from .reader import Reader, committed_window, resolve_rank
@@ -66,7 +66,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  sample_options: dict[str, Any] | None = None, worker_ring: bool = True,
                  as_tensordict: bool = False) -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
-    batch_size=None, ...)``).
+    batch_size=None, ...)``, or `diskreplay.torch.Loader` for workers that hand over several
+    batches at once).
 
     Args:
         buf: a `ReplayBuffer` (writer or reader) or its URL. Only its URL and options are kept.
@@ -95,10 +96,11 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         worker_ring: fork DataLoader workers gather batches into shared-memory slots made here and
             hand over slot numbers (`diskreplay.torch.shared_ring`), instead of torch sending every
             tensor through a new shared-memory segment. Virtual size ``32 workers * 8 slots *
-            slot bytes`` (slot: one batch of every field, index and weight, + ``max(4 KiB, 16 B *
-            batch_size)``, in whole pages); only slots in use are touched: about
-            ``num_workers * (prefetch_factor + 2)`` of them. Batches reach the loop the same way
-            either way (use ``batch_size=None`` and the default ``collate_fn`` or `keep_batch`;
+            slot bytes`` (slot: a `Loader`'s block of every field, index and weight, up to
+            `datasets.BLOCK_BATCHES` batches and `datasets.BLOCK_BYTES`, + ``max(4 KiB, 16 B *
+            rows)``, in whole pages); only the pages in use are touched: about ``num_workers *
+            (prefetch_factor + 2)`` slots, of a batch each with a plain DataLoader. Batches reach
+            the loop the same way either way (use ``batch_size=None`` and the default ``collate_fn`` or `keep_batch`;
             another collate_fn sees a worker's `SlotBatch`: pass ``worker_ring=False``).
         as_tensordict: yield ``tensordict.TensorDict`` batches (batch size ``[B]``, keys as
             `diskreplay.torch.formats.to_tensordict` lays out the dict batch: ``next_obs`` ->
@@ -128,11 +130,12 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         _warn_if_uncommitted(buf, lo, hi, mode)
         if as_tensordict:
             _check_tensordict(buf)
-        ring = _worker_ring(buf, int(batch_size)) if worker_ring else None
+        block = batches_per_block(int(batch_size), buf)
+        ring = _worker_ring(buf, block * int(batch_size)) if worker_ring else None
         if mode == "sample":
             reader = Reader(buf.url, options, cache_bytes, io_threads, sampler)
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
-                                 refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict))
+                                 refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict), block)
         shuffle = _shuffle_name(shuffle)
         if not isinstance(shuffle_window, (int, np.integer)) or shuffle_window < 1:
             raise ValueError(f"shuffle_window must be a positive int, got {shuffle_window!r}")
@@ -140,7 +143,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
-                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict))
+                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
+                            block)
     finally:
         if opened:
             buf.close()
@@ -180,11 +184,11 @@ def _check_tensordict(buf: ReplayBuffer) -> None:
     tensordict_keys([*buf.fields, *BATCH_EXTRAS])
 
 
-def _worker_ring(buf: ReplayBuffer, batch_size: int) -> WorkerRing | None:
-    """Slots for batches of ``batch_size`` rows of every field, index and weight (None: the
-    mapping could not be made; workers then send tensors as torch does)."""
+def _worker_ring(buf: ReplayBuffer, rows: int) -> WorkerRing | None:
+    """Slots of ``rows`` rows of every field, index and weight: a batch, or a `Loader`'s block
+    of batches (None: the mapping could not be made; workers then send tensors as torch does)."""
     arrays = {name: (np.dtype(f.dtype), tuple(f.shape)) for name, f in {**buf.fields, **BATCH_EXTRAS}.items()}
-    return WorkerRing.for_batches(arrays, batch_size)
+    return WorkerRing.for_batches(arrays, rows)
 
 
 def _as_buffer(buf: Any, storage_options: dict | None) -> tuple[ReplayBuffer, bool]:

@@ -3,10 +3,12 @@ every committed row once per epoch (`EpochDataset`), each sharded over ranks and
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
@@ -22,7 +24,7 @@ from .epoch_order import EpochOrder, Shard
 from .formats import Key, key_to_name, to_tensordict
 from .reader import Reader, current_shard
 from .shared_ring import SlotBatch, WorkerRing
-from .tensors import Sink, sink_for, to_tensors
+from .tensors import Block, Sink, sink_for, to_tensors
 
 READ_AHEAD_BATCHES = 8
 """Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
@@ -30,6 +32,23 @@ drawn as `ReplayBuffer.sample_batches` draws them): a read's fixed cost spread o
 batches."""
 READ_AHEAD_BYTES = 2**20
 """Most bytes such a read gathers: larger batches are read one by one."""
+BLOCK_BATCHES = 32
+"""Most batches a `Loader`'s worker hands over in one DataLoader item (`Block`): the DataLoader's
+cost per item (~0.2-0.4 ms) spread over them."""
+BLOCK_BYTES = 4 * 2**20
+"""Most bytes of such a block (the size of a worker-ring slot)."""
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How the DataLoader workers of a `diskreplay.torch.loader.Loader` hand batches over: as
+    `Block`s of up to ``size`` consecutive batches. Epoch mode: worker i serves shard ``(i +
+    first) % num_workers`` from batch ``starts[shard]`` of the epoch (``starts`` empty: 0), and a
+    block ends at each multiple of ``size``, so a shard resumed inside a block first finishes it."""
+
+    size: int
+    starts: tuple[int, ...] = ()
+    first: int = 0
 
 
 class _BufferDataset(tud.IterableDataset):
@@ -39,7 +58,8 @@ class _BufferDataset(tud.IterableDataset):
     mode = ""
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
-                 world_size: int, ring: WorkerRing | None = None, as_tensordict: bool = False):
+                 world_size: int, ring: WorkerRing | None = None, as_tensordict: bool = False,
+                 block_batches: int = 1):
         self.reader = reader
         self.layout = layout
         self.batch_size = batch_size
@@ -49,6 +69,9 @@ class _BufferDataset(tud.IterableDataset):
         self._batch = 0
         self._ring = ring
         self.as_tensordict = as_tensordict
+        self.block_batches = block_batches
+        """Batches a `Loader`'s worker hands over at once (up to `BLOCK_BATCHES` and `BLOCK_BYTES`)."""
+        self._blocks: BlockPlan | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only)."""
@@ -83,7 +106,19 @@ class _BufferDataset(tud.IterableDataset):
         """Batches as dicts of tensors ``{name: [B, *shape]}`` (``as_tensordict``: TensorDicts of
         batch size ``[B]``, see `to_tensordict`); in a fork DataLoader worker, `SlotBatch` handles
         that become such batches when the DataLoader's process receives them."""
-        return self._iterate(self._formatted(sink_for(self._ring)))
+        sink = sink_for(self._ring)
+        return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
+
+    def blocked(self, plan: BlockPlan) -> Any:
+        """A copy whose DataLoader workers yield `Block`s as ``plan`` says (what a `Loader`
+        iterates; in this process the copy yields batches as this dataset does)."""
+        twin = copy.copy(self)  # a copy pickles: without the ring, which the copy shares
+        twin._ring, twin._blocks = self._ring, plan
+        return twin
+
+    def _worker_blocks(self) -> BlockPlan | None:
+        """The block plan, if this copy runs in a DataLoader worker and has one."""
+        return self._blocks if self._blocks is not None and tud.get_worker_info() is not None else None
 
     def _formatted(self, sink: Sink) -> Sink:
         return _TensorDictSink(sink) if self.as_tensordict else sink
@@ -138,8 +173,8 @@ class SampleDataset(_BufferDataset):
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, refresh_every: int | None, refresh_seconds: float | None,
                  sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None,
-                 as_tensordict: bool = False):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict)
+                 as_tensordict: bool = False, block_batches: int = 1):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches)
         self.refresh_every = refresh_every
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
@@ -174,6 +209,9 @@ class SampleDataset(_BufferDataset):
 
     def _iterate(self, sink: Sink) -> Iterator[Any]:
         shard = current_shard(self.rank, self.world_size)
+        blocks = self._worker_blocks()
+        if blocks is not None:  # the position is rank-global: a Loader loaded it
+            return self._generate_blocks(shard, self._batch, blocks.size, sink)
         try:
             start = self._start(shard)
         except ValueError as exc:
@@ -190,28 +228,42 @@ class SampleDataset(_BufferDataset):
         read = functools.partial(_read, buf, self.batch_size, BatchRngs(self.seed, self.rank, stride), stride,
                                  self.sample_options)
         ahead = 1 if into is not None else self._reads_ahead(buf)
-        every, seconds = self.refresh_every, self.refresh_seconds
-        last_refresh, since = time.monotonic(), 0
+        clock = _RefreshClock(buf, self.refresh_every, self.refresh_seconds)
         pending: list[dict[str, np.ndarray]] = []
         try:
             while True:
                 if not pending:
-                    since += 1
-                    if (every is not None and since >= every) or (
-                            seconds is not None and time.monotonic() - last_refresh >= seconds):
-                        buf.refresh()
-                        last_refresh, since = time.monotonic(), 0
-                    count = ahead if every is None else min(ahead, every - since)
-                    try:
-                        pending = read(b, count, None if into is None else into())
-                    except EmptyBufferError:  # nothing committed when this reader opened or refreshed
-                        buf.refresh()
-                        last_refresh, since = time.monotonic(), 0
-                        pending = read(b, count, None if into is None else into())
-                    since += count - 1
+                    clock.since += 1
+                    clock.before_read()
+                    count = ahead if clock.every is None else min(ahead, clock.every - clock.since)
+                    pending = clock.read(read, b, count, None if into is None else into())
+                    clock.since += count - 1
                 b += stride
                 self._batch = b
                 yield emit(pending.pop())
+        finally:
+            sink.close()
+
+    def _generate_blocks(self, shard: Shard, first: int, size: int, sink: Sink) -> Iterator[Block]:
+        """`Block`s of ``size`` consecutive batches, block m from ``first`` being worker ``m %
+        num_workers``'s: taken from the workers in turn, the batches one process yields (each
+        drawn with its own generator; blocks of one batch with options only ``sample`` takes).
+        Refreshes are checked before each block."""
+        buf = self.reader.get()
+        size = size if self._reads_ahead(buf) > 1 else 1
+        read = functools.partial(_read, buf, self.batch_size, BatchRngs(self.seed, self.rank, 1), 1,
+                                 self.sample_options)
+        names, clock = _out_names(buf), _RefreshClock(buf, self.refresh_every, self.refresh_seconds)
+        b, stride = first + size * shard.worker, size * shard.num_workers
+        try:
+            while True:
+                clock.before_read()
+                batches = clock.read(read, b, size, None)[::-1]
+                clock.since += size
+                rows = joined(batches, _out(names, sink.destination(), size * self.batch_size))
+                b += stride
+                self._batch = b
+                yield Block(sink.emit(rows), [self.batch_size] * size, 0, b - stride + size)
         finally:
             sink.close()
 
@@ -256,8 +308,9 @@ class EpochDataset(_BufferDataset):
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
-                 pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict)
+                 pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False,
+                 block_batches: int = 1):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
@@ -343,6 +396,12 @@ class EpochDataset(_BufferDataset):
 
     def _iterate(self, sink: Sink) -> Iterator[Any]:
         shard = current_shard(self.rank, self.world_size)
+        blocks = self._worker_blocks()
+        if blocks is not None:  # a Loader's worker: its shard and position come from the plan
+            shard = Shard(shard.rank, shard.world_size, (shard.worker + blocks.first) % shard.num_workers,
+                          shard.num_workers)
+            first = blocks.starts[shard.worker] if blocks.starts else 0
+            return self._generate(self.order(self._epoch, shard), first, sink, blocks.size)
         try:
             self._adopt(shard)
         except ValueError as exc:
@@ -352,17 +411,24 @@ class EpochDataset(_BufferDataset):
             self._done = True
         return self._generate(order, self._batch, sink)
 
-    def _generate(self, order: EpochOrder, first: int, sink: Sink) -> Iterator[Any]:
+    def _generate(self, order: EpochOrder, first: int, sink: Sink, block: int = 0) -> Iterator[Any]:
+        """Batches ``first, first + 1, ...`` of ``order``, read ``batches_per_read`` at a time when
+        they go to new arrays; ``block`` > 0: as `Block`s ending at multiples of ``block``."""
         if first >= order.num_batches:
             return
         buf = self.reader.get()
         names, last, batches = _out_names(buf), order.num_batches, order.batches(first)
-        ahead = 1 if sink.gathers else batches_per_read(self.batch_size, buf)
+        ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf))
         k = first
         try:
-            while group := list(itertools.islice(batches, ahead)):
-                lane, step = group[0] if ahead == 1 else (np.concatenate(parts) for parts in zip(*group))
-                rows = self._gather(buf, names, lane, step, sink.destination() if ahead == 1 else None)
+            while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
+                lane, step = group[0] if len(group) == 1 else (np.concatenate(parts) for parts in zip(*group))
+                rows = self._gather(buf, names, lane, step, sink.destination() if ahead == 1 or block else None)
+                if block:
+                    k += len(group)
+                    self._batch, self._done = k, k == last
+                    yield Block(sink.emit(rows), [len(s) for _, s in group], order.shard.worker, k)
+                    continue
                 for batch in split_batches(rows, [len(s) for _, s in group]):
                     k += 1
                     self._batch, self._done = k, k == last
@@ -374,8 +440,17 @@ class EpochDataset(_BufferDataset):
 def batches_per_read(batch_size: int, buf: ReplayBuffer) -> int:
     """Batches of ``buf``'s rows a dataset gathers in one read when they go to new arrays: up to
     `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`."""
+    return _batches_within(batch_size, buf, READ_AHEAD_BATCHES, READ_AHEAD_BYTES)
+
+
+def batches_per_block(batch_size: int, buf: ReplayBuffer) -> int:
+    """Batches of ``buf``'s rows in a `Loader`'s block: up to `BLOCK_BATCHES`, at most `BLOCK_BYTES`."""
+    return _batches_within(batch_size, buf, BLOCK_BATCHES, BLOCK_BYTES)
+
+
+def _batches_within(batch_size: int, buf: ReplayBuffer, most: int, most_bytes: int) -> int:
     batch_bytes = batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
-    return max(1, min(READ_AHEAD_BATCHES, READ_AHEAD_BYTES // batch_bytes))
+    return max(1, min(most, most_bytes // batch_bytes))
 
 
 def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,
@@ -386,6 +461,51 @@ def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: M
         return [buf.sample(size, rng=rngs(b), out=out, **options)]
     generators = _Generators(rngs, b, stride, count)
     return buf.sample_batches(size, count, rngs=generators, **options)[::-1]
+
+
+def joined(batches: Sequence[Mapping[str, np.ndarray]], into: Mapping[str, np.ndarray] | None
+           ) -> dict[str, np.ndarray]:
+    """The batches' rows one after another, in ``into``'s arrays where one has the name, dtype and
+    row shape (its first rows), else in new arrays."""
+    rows = sum(len(next(iter(batch.values()))) for batch in batches)
+    out = {}
+    for name, first in batches[0].items():
+        parts = [batch[name] for batch in batches]
+        given = None if into is None else into.get(name)
+        if given is not None and given.dtype == first.dtype and given.shape[1:] == first.shape[1:] \
+                and len(given) >= rows:
+            out[name] = np.concatenate(parts, out=given[:rows])
+        else:
+            out[name] = np.concatenate(parts)
+    return out
+
+
+class _RefreshClock:
+    """When a sample-mode copy adopts new commits: before a read, once ``every`` batches were read
+    since the last refresh or ``seconds`` passed (None: never by that rule); and when a read finds
+    nothing committed (when this reader opened or last refreshed)."""
+
+    def __init__(self, buf: ReplayBuffer, every: int | None, seconds: float | None):
+        self.buf, self.every, self.seconds = buf, every, seconds
+        self.since, self._last = 0, time.monotonic()
+
+    def before_read(self) -> None:
+        """Refresh if one is due."""
+        if (self.every is not None and self.since >= self.every) or (
+                self.seconds is not None and time.monotonic() - self._last >= self.seconds):
+            self.refresh()
+
+    def refresh(self) -> None:
+        self.buf.refresh()
+        self.since, self._last = 0, time.monotonic()
+
+    def read(self, read: Callable[..., list[dict[str, np.ndarray]]], *args: Any) -> list[dict[str, np.ndarray]]:
+        """``read(*args)``, once more after a refresh if it finds nothing committed."""
+        try:
+            return read(*args)
+        except EmptyBufferError:
+            self.refresh()
+            return read(*args)
 
 
 class _Generators(Sequence[np.random.Generator]):

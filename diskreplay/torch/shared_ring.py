@@ -2,9 +2,10 @@
 
 A `WorkerRing` is one shared anonymous mapping (``MAP_SHARED | MAP_NORESERVE``: only touched pages
 cost memory, no file in /dev/shm) made by a dataset in the main process, so fork workers inherit
-it. It holds ``workers * slots_per_worker`` slots of ``slot_bytes`` each (one batch: every field
-``[B, *shape]``, ``index``, ``weight``, plus spare room for extra arrays) after a one-page header
-of per-slot flags, claimant pids and hand-over counters.
+it. It holds ``workers * slots_per_worker`` slots of ``slot_bytes`` each (a batch, or a
+`Loader`'s block of batches: every field ``[rows, *shape]``, ``index``, ``weight``, plus spare
+room for extra arrays) after a one-page header of per-slot flags, claimant pids and hand-over
+counters.
 
 Worker ``w`` gathers a batch straight into the lowest free slot of its own ``slots_per_worker``
 and yields a `SlotBatch`: a tiny object that pickles to (ring token, slot, array layout). The main
@@ -21,9 +22,10 @@ dataset have workers with the same id) -> HELD (the main process received it) ->
 tensors died). A SENT slot whose claimant process is gone (its loader was shut down with batches
 in flight) is reclaimed by the next worker that finds no free slot.
 
-Memory: the touched pages are ``slot_bytes`` per slot ever in use at once (about
-``prefetch_factor + 2`` per worker for a consumer that keeps the current and previous batch), at
-most ``workers * slots_per_worker * slot_bytes``, shared between the main process and workers.
+Memory: the touched pages are those of the rows written, per slot ever in use at once (about
+``prefetch_factor + 2`` per worker for a consumer that keeps the current and previous batch): a
+batch of a slot planned for a block touches the first rows of each array. At most ``workers *
+slots_per_worker * slot_bytes``, shared between the main process and workers.
 """
 
 from __future__ import annotations

@@ -26,6 +26,29 @@ class Batch(dict):
         return Batch(self)
 
 
+class Block:
+    """Consecutive batches of one DataLoader worker's stream, handed over as one item (what the
+    workers of a `diskreplay.torch.loader.Loader` yield): ``rows`` holds them one after another
+    (``{name: [sum(sizes), *shape]}`` tensors, or a `SlotBatch` that becomes them when the
+    DataLoader's process receives it); ``sizes`` their row counts; ``end`` the next batch after
+    them in the stream of ``shard`` (epoch mode: the worker's shard, ``Shard.worker``; sample
+    mode: 0, the rank's one stream). Neither a Mapping nor a Sequence, so ``default_convert``
+    passes it through."""
+
+    __slots__ = ("rows", "sizes", "shard", "end")
+
+    def __init__(self, rows: Any, sizes: list[int], shard: int, end: int):
+        self.rows, self.sizes, self.shard, self.end = rows, sizes, shard, end
+
+    def __reduce__(self) -> Any:
+        return Block, (self.rows, self.sizes, self.shard, self.end)
+
+    def batches(self) -> list[Batch]:
+        """The batches, each a `Batch` of views of ``rows`` (tensors)."""
+        names = list(self.rows)
+        return [Batch(zip(names, views)) for views in zip(*(rows.split(self.sizes) for rows in self.rows.values()))]
+
+
 def _collate_whole(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
     """The DataLoader's default collate, for items that are whole batches already."""
     if len(batch) == 1:

@@ -1,0 +1,193 @@
+"""`Loader`: a dataset's batches from DataLoader workers, several batches per hand-over.
+
+Torch's DataLoader passes one item per batch from a worker to the main process: an index message
+and a result message, about 0.2-0.4 ms of Python and IPC on a busy 2-core machine, more than a
+worker takes to gather a small batch. A `Loader`'s workers instead yield `Block`s of up to
+``dataset.block_batches`` consecutive batches (gathered in one read into one shared-memory slot,
+see `diskreplay.torch.shared_ring`), and the `Loader` cuts each into its batches in the main
+process: the DataLoader's per-item cost is paid once per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch.utils.data as tud
+
+from .datasets import BlockPlan, EpochDataset, SampleDataset
+from .formats import to_tensordict
+from .tensors import Block
+
+
+class Loader:
+    """Iterate a `make_dataset` dataset like ``DataLoader(dataset, batch_size=None,
+    num_workers=...)``, with workers that hand over several batches at once.
+
+    Sample mode: the batches and their order are those ``iter(dataset)`` yields in one process,
+    for any ``num_workers`` (block m of ``block_batches`` batches is worker ``m % num_workers``'s),
+    and a position is one int. Epoch mode: each worker reads its shard of the epoch (as with a
+    DataLoader), in blocks taken from the workers in turn; each ``iter(loader)`` is one epoch (the
+    next one after a full pass; `set_epoch` to choose). ``num_workers=0`` iterates the dataset in
+    this process.
+
+    Resume: `state_dict` after any batch; `load_state_dict` continues with the batch after it.
+    Sample mode with any ``num_workers``; epoch mode with the same ``num_workers`` inside an
+    epoch, any at an epoch boundary.
+
+    Args:
+        dataset: from `make_dataset` (its own position and epoch are where the loader starts).
+        num_workers: DataLoader worker processes (0: none).
+        prefetch_factor: blocks each worker keeps ready (DataLoader's ``prefetch_factor``).
+        timeout, worker_init_fn, multiprocessing_context: passed to the DataLoader. Fork workers
+            hand blocks over in the dataset's shared-memory slots; others send tensors.
+
+    Raises:
+        TypeError: ``dataset`` is not a `SampleDataset` or `EpochDataset`.
+        ValueError: ``num_workers`` or ``prefetch_factor`` not an int in range.
+    """
+
+    def __init__(self, dataset: SampleDataset | EpochDataset, num_workers: int = 0, *, prefetch_factor: int = 2,
+                 timeout: float = 0.0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None):
+        if not isinstance(dataset, (SampleDataset, EpochDataset)):
+            raise TypeError(f"dataset: expected a SampleDataset or EpochDataset (make_dataset), "
+                            f"got {type(dataset).__name__}")
+        for name, value, least in (("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        self.dataset, self.num_workers = dataset, int(num_workers)
+        self._options = {"prefetch_factor": int(prefetch_factor), "timeout": timeout, "worker_init_fn": worker_init_fn,
+                         "multiprocessing_context": multiprocessing_context}
+        state = dataset.state_dict()
+        if state["num_workers"] != 1 and (isinstance(dataset, SampleDataset) or state["batch"]):
+            raise ValueError(f"the dataset holds the position of worker {state['worker']} of {state['num_workers']}: "
+                             f"load a rank-global state into it first (dataset_state_from_loader / "
+                             f"merge_worker_states), or the Loader's own state")
+        self._start = _pass_start(state)  # the dataset state of the pass: epoch, rows
+        self._positions = [0] * max(self.num_workers, 1)  # next batch: rank-global (sample), per shard (epoch)
+        self._next_shard = 0  # epoch mode: the shard the next batch comes from
+        if isinstance(dataset, SampleDataset):
+            self._positions[0] = int(state["batch"])
+        elif state["done"]:  # an epoch finished in one process: the next one
+            self._start["epoch"] = int(state["epoch"]) + 1
+        elif state["batch"]:
+            self._positions = self._continued(state)
+
+    def __repr__(self) -> str:
+        return f"Loader({self.dataset!r}, num_workers={self.num_workers})"
+
+    def __len__(self) -> int:
+        """Batches per epoch (epoch mode). Raises TypeError in sample mode (endless)."""
+        if not isinstance(self.dataset, EpochDataset):
+            raise TypeError("a sample-mode Loader is endless: it has no len()")
+        return self.dataset.batches_per_epoch(self.num_workers)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The batches (dicts of tensors, or TensorDicts for an ``as_tensordict`` dataset)."""
+        ds = self.dataset
+        ds.load_state_dict({**self._start, "batch": self._positions[0]})  # with workers, the plan says where
+        if isinstance(ds, SampleDataset):
+            return self._unblocked(BlockPlan(ds.block_batches)) if self.num_workers else self._in_process()
+        return self._epoch(BlockPlan(ds.block_batches, tuple(self._positions), self._next_shard))
+
+    def set_epoch(self, epoch: int, refresh: bool = False) -> None:
+        """Start epoch ``epoch`` at its first batch with the next ``iter(loader)`` (epoch mode);
+        ``refresh``: first adopt the rows committed now (`EpochDataset.set_epoch`)."""
+        if not isinstance(self.dataset, EpochDataset):
+            raise TypeError("set_epoch: a sample-mode Loader has no epochs")
+        self.dataset.set_epoch(epoch, refresh)
+        self._start = _pass_start(self.dataset.state_dict())
+        self._positions, self._next_shard = [0] * len(self._positions), 0
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch comes from: ``{"dataset": a rank-global dataset state}``, and in
+        epoch mode ``"num_workers"``, ``"positions"`` (each worker shard's next batch of the
+        epoch) and ``"next_shard"``. Plain ints, lists and strings."""
+        if isinstance(self.dataset, SampleDataset):
+            return {"dataset": {**self._start, "batch": self._positions[0]}}
+        return {"dataset": dict(self._start), "num_workers": self.num_workers, "positions": list(self._positions),
+                "next_shard": self._next_shard}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after the batch ``state`` was taken at (from `state_dict`).
+
+        Raises:
+            ValueError: a state of another mode, seed or world size, a malformed one, or an epoch
+                stopped inside with another ``num_workers``.
+        """
+        dataset_state = state.get("dataset") if isinstance(state, Mapping) else None
+        if not isinstance(dataset_state, Mapping) or dataset_state.get("num_workers") != 1:
+            raise ValueError(f"Loader state: expected a mapping whose 'dataset' is a rank-global dataset state "
+                             f"(num_workers 1), got {state!r:.300}")
+        positions = None if isinstance(self.dataset, SampleDataset) else self._checked_positions(state)
+        self.dataset.load_state_dict(dataset_state)
+        loaded = self.dataset.state_dict()
+        self._start = _pass_start(loaded)
+        if positions is None:
+            self._positions[0] = int(loaded["batch"])
+        else:
+            self._positions, self._next_shard = positions
+
+    def _checked_positions(self, state: Mapping[str, Any]) -> tuple[list[int], int]:
+        """The epoch positions and next shard of a Loader state, checked. Raises ValueError."""
+        positions, next_shard, workers = state.get("positions"), state.get("next_shard"), state.get("num_workers")
+        if not (isinstance(positions, list) and all(type(p) is int and p >= 0 for p in positions)
+                and type(workers) is int and len(positions) == max(workers, 1)
+                and type(next_shard) is int and 0 <= next_shard < len(positions)):
+            raise ValueError(f"Loader state: expected 'num_workers' (int), 'positions' (an int >= 0 per worker) "
+                             f"and 'next_shard' (an int below their count), got {dict(state)!r:.300}")
+        shards = len(self._positions)
+        if not any(positions):
+            return [0] * shards, 0
+        if len(positions) != shards:
+            raise ValueError(f"epoch {state['dataset'].get('epoch')} was stopped inside with num_workers={workers}; "
+                             f"this Loader has num_workers={self.num_workers}: resume with the same num_workers, "
+                             f"or at an epoch boundary")
+        return list(positions), next_shard
+
+    def _continued(self, state: Mapping[str, Any]) -> list[int]:
+        """The position of a dataset stopped inside an epoch in one process, which only a single
+        shard continues. Raises ValueError for several workers."""
+        if self.num_workers > 1:
+            raise ValueError(f"the dataset was stopped inside epoch {state['epoch']} in one process; a Loader "
+                             f"with num_workers={self.num_workers} cannot continue it: use num_workers <= 1, "
+                             f"or start at an epoch boundary")
+        return [int(state["batch"])]
+
+    # ---- iteration --------------------------------------------------------------------------
+
+    def _epoch(self, plan: BlockPlan) -> Iterator[Any]:
+        yield from self._unblocked(plan) if self.num_workers else self._in_process()
+        self._start["epoch"] += 1
+        self._positions, self._next_shard = [0] * len(self._positions), 0
+
+    def _in_process(self) -> Iterator[Any]:
+        for batch in self.dataset:
+            self._positions[0] += 1
+            yield batch
+
+    def _unblocked(self, plan: BlockPlan) -> Iterator[Any]:
+        """The batches of the blocks the workers yield, in turn; each taken batch moves the
+        position of its shard."""
+        loader = tud.DataLoader(self.dataset.blocked(plan), batch_size=None, num_workers=self.num_workers,
+                                **self._options)
+        tensordict = self.dataset.as_tensordict
+        block: Block
+        for block in loader:
+            batches = block.batches()
+            for left, batch in zip(range(len(batches) - 1, -1, -1), batches):
+                self._positions[block.shard] = block.end - left
+                self._next_shard = block.shard if left else (block.shard + 1) % len(self._positions)
+                yield to_tensordict(batch) if tensordict else batch
+
+
+def _pass_start(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A dataset state at the start of a pass in one process: the pass's epoch and rows."""
+    start = {**state, "batch": 0, "worker": 0, "num_workers": 1}
+    if "done" in start:
+        start["done"] = False
+    return start

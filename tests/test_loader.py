@@ -1,0 +1,231 @@
+"""Tests of `diskreplay.torch.loader.Loader` (issue #13): DataLoader workers hand over blocks of
+several batches in one item, the Loader cuts them apart. The batches must equal the in-process
+stream (sample mode, any num_workers) or cover the epoch exactly once; one hand-over per block,
+not per batch; resume exact after any batch. Real fork (and spawn) DataLoader workers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from test_worker_ring import CACHE, as_numpy, assert_same, buf, make_buf  # buf: the fixture
+
+from diskreplay.torch.data import make_dataset
+from diskreplay.torch.datasets import BLOCK_BATCHES
+from diskreplay.torch.loader import Loader
+from diskreplay.torch.tensors import Block
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 cores here
+
+
+def dataset(buf, mode: str = "sample", batch_size: int | None = None, **kw):
+    """Batches of 32 rows (sample mode), of 8 (epoch mode: 250 per epoch, several blocks per shard)."""
+    size = batch_size or (32 if mode == "sample" else 8)
+    return make_dataset(buf, size, mode, seed=5, cache_bytes=CACHE, **kw)
+
+
+def loader(buf, workers: int, mode: str = "sample", **kw) -> Loader:
+    context = kw.pop("context", "fork")
+    return Loader(dataset(buf, mode, **kw), num_workers=workers, multiprocessing_context=context if workers else None)
+
+
+def in_process(buf, n: int | None = None, mode: str = "sample", **kw) -> list[dict[str, np.ndarray]]:
+    return as_numpy(itertools.islice(dataset(buf, mode, **kw), n))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_sample_batches_equal_the_in_process_stream(buf, workers):
+    n = 2 * BLOCK_BATCHES + 11  # two blocks and part of a third
+    want = in_process(buf, n)
+    ld = loader(buf, workers)
+    assert ld.dataset.block_batches == BLOCK_BATCHES
+    got = as_numpy(itertools.islice(ld, n))
+    assert_same(got, want)
+    assert ld.state_dict()["dataset"]["batch"] == n
+    stats = ld.dataset.worker_ring.stats()
+    blocks = math.ceil(n / BLOCK_BATCHES)
+    assert stats["fallbacks"] == 0
+    if workers:  # one DataLoader item per block of batches, not one per batch
+        assert blocks <= stats["received"] <= blocks + 2 * workers  # 2: the DataLoader's prefetch_factor
+        assert stats["handed_over"] >= blocks
+    else:
+        assert stats["received"] == 0
+
+
+def test_sample_resume_across_num_workers(buf):
+    want = in_process(buf, 100)
+    first = loader(buf, 2)
+    head = as_numpy(itertools.islice(first, 41))  # inside the second block
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    assert state == {"dataset": {"mode": "sample", "seed": 5, "batch": 41, "rank": 0, "world_size": 1,
+                                 "worker": 0, "num_workers": 1}}
+    for workers in (0, 1, 3):
+        again = loader(buf, workers)
+        again.load_state_dict(state)
+        assert_same(head + as_numpy(itertools.islice(again, 59)), want)
+
+
+def test_a_dataset_position_starts_the_loader(buf):
+    want = in_process(buf, 90)
+    ds = dataset(buf)
+    ds.load_state_dict({**ds.state_dict(), "batch": 13})
+    assert_same(as_numpy(itertools.islice(Loader(ds, num_workers=2), 77)), want[13:])
+
+
+def _rows(batches) -> dict[str, np.ndarray]:
+    order = np.argsort(np.concatenate([b["index"] for b in batches]))
+    return {k: np.concatenate([b[k] for b in batches])[order] for k in batches[0]}
+
+
+@pytest.mark.parametrize("shuffle", ["block", "global"])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_epoch_covers_every_row_once_and_advances(buf, workers, shuffle):
+    ld = loader(buf, workers, "epoch", shuffle=shuffle)
+    first, second = as_numpy(ld), as_numpy(ld)
+    rows = _rows(first)
+    np.testing.assert_array_equal(rows["index"], np.arange(2000))
+    assert len(first) == len(second) == len(ld)
+    assert ld.state_dict()["dataset"]["epoch"] == 2
+    if workers <= 1:  # one shard: the order of the dataset iterated in this process
+        ds = dataset(buf, "epoch", shuffle=shuffle)
+        assert_same(first, as_numpy(ds))
+        assert_same(second, as_numpy(ds))
+    else:
+        assert_same([_rows(first)], [_rows(in_process(buf, None, "epoch", shuffle=shuffle))])
+        assert not np.array_equal(np.concatenate([b["index"] for b in first]),
+                                  np.concatenate([b["index"] for b in second]))
+
+
+@pytest.mark.parametrize("workers,stop", [(2, 64), (2, 75), (3, 96), (3, 101), (3, 190), (1, 40), (0, 30)])
+def test_epoch_resume_inside_an_epoch_is_exact(buf, workers, stop):
+    """Stopped at a block boundary or inside a block: the rest of the epoch, then the next one."""
+    uninterrupted = loader(buf, workers, "epoch")
+    whole, whole_next = as_numpy(uninterrupted), as_numpy(uninterrupted)
+    ld = loader(buf, workers, "epoch")
+    it = iter(ld)
+    head = as_numpy(itertools.islice(it, stop))
+    state = ld.state_dict()
+    del it
+    again = loader(buf, workers, "epoch")
+    again.load_state_dict(state)
+    assert_same(head + as_numpy(again), whole)
+    assert_same(as_numpy(again), whole_next)
+
+
+def test_epoch_state_says_each_shard_position(buf):
+    ld = loader(buf, 3, "epoch")
+    it = iter(ld)
+    list(itertools.islice(it, 70))  # blocks of 32 in turn: 32 of shard 0, 32 of shard 1, 6 of shard 2
+    state = ld.state_dict()
+    assert (state["num_workers"], state["positions"], state["next_shard"]) == (3, [32, 32, 6], 2)
+    list(itertools.islice(it, 26))
+    assert (ld.state_dict()["positions"], ld.state_dict()["next_shard"]) == ([32, 32, 32], 0)
+
+
+def test_epoch_inside_resumes_only_with_the_same_workers(buf):
+    ld = loader(buf, 2, "epoch")
+    list(itertools.islice(ld, 40))
+    state = ld.state_dict()
+    other = loader(buf, 3, "epoch")
+    with pytest.raises(ValueError, match=r"epoch 0 was stopped inside with num_workers=2; this Loader has "
+                                         r"num_workers=3: resume with the same num_workers"):
+        other.load_state_dict(state)
+    boundary = loader(buf, 2, "epoch")
+    all_rows = as_numpy(boundary)
+    other.load_state_dict(boundary.state_dict())  # at an epoch boundary: any num_workers
+    assert other.state_dict()["dataset"]["epoch"] == 1
+    assert len(_rows(as_numpy(other))["index"]) == len(_rows(all_rows)["index"]) == 2000
+
+
+def test_set_epoch_chooses_the_epoch(buf):
+    ld = loader(buf, 2, "epoch")
+    ld.set_epoch(3)
+    third = as_numpy(ld)
+    ds = dataset(buf, "epoch")
+    ds.set_epoch(3)
+    assert_same([_rows(third)], [_rows(as_numpy(ds))])
+    assert ld.state_dict()["dataset"]["epoch"] == 4
+
+
+def test_spawn_workers_send_blocks_as_tensors(buf):
+    want = in_process(buf, 12)
+    ld = loader(buf, 1, context="spawn")
+    assert_same(as_numpy(itertools.islice(ld, 12)), want)
+    assert ld.dataset.worker_ring.stats()["received"] == 0
+
+
+def test_options_only_sample_takes_go_one_batch_per_block(buf):
+    want = in_process(buf, 5, sample_options={"n_step": 3, "gamma": 0.9})
+    ld = loader(buf, 2, sample_options={"n_step": 3, "gamma": 0.9})
+    assert_same(as_numpy(itertools.islice(ld, 5)), want)
+    assert 5 <= ld.dataset.worker_ring.stats()["handed_over"]
+
+
+def test_tensordict_batches(buf):
+    pytest.importorskip("tensordict")
+    from tensordict import TensorDict
+
+    want = in_process(buf, 10)
+    ld = loader(buf, 2, as_tensordict=True)
+    got = list(itertools.islice(ld, 10))
+    assert all(isinstance(td, TensorDict) and td.batch_size == torch.Size([32]) for td in got)
+    np.testing.assert_array_equal(np.concatenate([td["index"].numpy() for td in got]),
+                                  np.concatenate([w["index"] for w in want]))
+
+
+def test_live_buffer_workers_refresh_between_blocks(tmp_path):
+    writer = make_buf(tmp_path / "live", steps=100)
+    try:
+        ld = Loader(make_dataset(writer, 16, seed=1, refresh_every=8, refresh_seconds=None, cache_bytes=CACHE),
+                    num_workers=2, multiprocessing_context="fork")
+        it = iter(ld)
+        assert max(int(next(it)["index"].max()) for _ in range(16)) < 200
+        ids = np.arange(100, 400)[:, None] * 2 + np.arange(2)[None, :]
+        writer.extend({"obs": np.zeros((300, 2, 3), np.float32), "act": ids, "reward": np.zeros((300, 2), np.float32),
+                       "done": np.zeros((300, 2), bool)})
+        writer.flush(durable=False)
+        # blocks the workers gathered before the commit come first: 2 workers x prefetch 2 x 32 batches
+        assert any(int(next(it)["index"].max()) >= 200 for _ in range(6 * BLOCK_BATCHES))
+    finally:
+        writer.close()
+
+
+def test_block_cuts_into_its_batches_and_pickles():
+    rows = {"a": torch.arange(10), "b": torch.arange(20).reshape(10, 2)}
+    block = pickle.loads(pickle.dumps(Block(rows, [4, 4, 2], 1, 7)))
+    assert (block.sizes, block.shard, block.end) == ([4, 4, 2], 1, 7)
+    batches = block.batches()
+    assert [len(b["a"]) for b in batches] == [4, 4, 2]
+    assert batches[2]["b"].tolist() == [[16, 17], [18, 19]]
+
+
+def test_refusals(buf):
+    with pytest.raises(TypeError, match="dataset: expected a SampleDataset or EpochDataset .*got list"):
+        Loader([1, 2])
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got {bad!r}"):
+            Loader(dataset(buf), num_workers=bad)
+    with pytest.raises(ValueError, match="prefetch_factor must be an int >= 1, got 0"):
+        Loader(dataset(buf), prefetch_factor=0)
+    sample = Loader(dataset(buf))
+    with pytest.raises(TypeError, match="a sample-mode Loader is endless: it has no len"):
+        len(sample)
+    with pytest.raises(TypeError, match="set_epoch: a sample-mode Loader has no epochs"):
+        sample.set_epoch(1)
+    with pytest.raises(ValueError, match="expected a mapping whose 'dataset' is a rank-global dataset state"):
+        sample.load_state_dict({"batch": 3})
+    with pytest.raises(ValueError, match="state is for a 'epoch'-mode dataset, this one is 'sample'"):
+        sample.load_state_dict(loader(buf, 0, "epoch").state_dict())
+    epoch = loader(buf, 2, "epoch")
+    good = epoch.state_dict()
+    for bad in ({"positions": [1, -1]}, {"positions": [1]}, {"next_shard": 2}, {"num_workers": "2"}):
+        with pytest.raises(ValueError, match="expected 'num_workers' .int., 'positions'"):
+            epoch.load_state_dict({**good, **bad})
+    ds = dataset(buf, "epoch")
+    ds.load_state_dict({**ds.state_dict(), "batch": 40})
+    with pytest.raises(ValueError, match="stopped inside epoch 0 in one process; a Loader with num_workers=2"):
+        Loader(ds, num_workers=2)
