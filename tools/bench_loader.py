@@ -33,6 +33,7 @@ Usage: python tools/bench_loader.py [--quick] [--dir /tmp/diskreplay-bench-loade
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -143,6 +144,7 @@ def memory_of(workers: int) -> tuple[float, float]:
 
 
 def measure(build: Callable[[int], Any], workers: int, batches: int) -> dict[str, float]:
+    gc.collect()  # the previous contestant's buffers and caches: not inherited by this one's forked workers
     start = time.perf_counter()
     it = iter(build(workers))
     next(it)
