@@ -48,7 +48,7 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     "diskreplay bench --quick": "runs every benchmark in tools/ (minutes)",
     "python tools/bench_core.py --dir /tmp/drb": BENCH,
     "python tools/bench_sampling.py": BENCH,
-    "python tools/bench_loader.py --quick": BENCH,
+    "python tools/bench_loader.py": BENCH,
     "python tools/bench_pixels.py --rows 300000": BENCH,
     "python tools/bench_cloud.py --quick": BENCH,
     "python tools/bench_device.py --matmuls 8": "a benchmark that needs a CUDA device",
