@@ -260,7 +260,7 @@ class SampleDataset(_BufferDataset):
                 clock.before_read()
                 batches = clock.read(read, b, size, None)[::-1]
                 clock.since += size
-                rows = joined(batches, _out(names, sink.destination(), size * self.batch_size))
+                rows = _joined(batches, _out(names, sink.destination(), size * self.batch_size))
                 b += stride
                 self._batch = b
                 yield Block(sink.emit(rows), [self.batch_size] * size, 0, b - stride + size)
@@ -463,8 +463,8 @@ def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: M
     return buf.sample_batches(size, count, rngs=generators, **options)[::-1]
 
 
-def joined(batches: Sequence[Mapping[str, np.ndarray]], into: Mapping[str, np.ndarray] | None
-           ) -> dict[str, np.ndarray]:
+def _joined(batches: Sequence[Mapping[str, np.ndarray]], into: Mapping[str, np.ndarray] | None
+            ) -> dict[str, np.ndarray]:
     """The batches' rows one after another, in ``into``'s arrays where one has the name, dtype and
     row shape (its first rows), else in new arrays."""
     rows = sum(len(next(iter(batch.values()))) for batch in batches)
