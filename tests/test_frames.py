@@ -3,6 +3,7 @@ row by row, frame stacks that share their frames."""
 
 import json
 
+import lz4.block
 import numpy as np
 import pytest
 import zarr
@@ -273,22 +274,35 @@ def test_a_shard_layout_diskreplay_does_not_write_is_refused(tmp_path, change, m
         dr.ReplayBuffer.open(url, "r")
 
 
-def lz4_decodes(monkeypatch) -> list[int]:
-    """Counts the blocks python-lz4 decodes (the rest go through blosc)."""
+@pytest.fixture(params=["into rows", "python-lz4"])
+def lz4_decodes(request, monkeypatch) -> list[int]:
+    """The LZ4 fast path's two decoders, each in turn: python-lz4's LZ4_decompress_safe through
+    ctypes (straight into the rows), and python-lz4's decompress (where the extension does not
+    export it). Counts the blocks it decodes (the rest go through blosc)."""
     calls = []
+    if request.param == "into rows":
+        decode = codecs._LZ4_DECODE
+        assert decode is not None  # python-lz4's Linux wheels export it: the path is tested here
+
+        def counted_into(source, target, size, capacity):
+            calls.append(capacity)
+            return decode(source, target, size, capacity)
+        monkeypatch.setattr(codecs, "_LZ4_DECODE", counted_into)
+        return calls
     decompress = codecs.lz4.block.decompress
 
     def counted(source, uncompressed_size):
         calls.append(uncompressed_size)
         return decompress(source, uncompressed_size=uncompressed_size)
+    monkeypatch.setattr(codecs, "_LZ4_DECODE", None)
     monkeypatch.setattr(codecs.lz4.block, "decompress", counted)
     return calls
 
 
 @pytest.mark.parametrize("kind, direct", [("frames", 6), ("big frames", 6), ("noise", 0), ("floats", 0), ("mixed", 3)])
-def test_lz4_inner_chunks_decode_into_the_rows_asked_for(monkeypatch, kind, direct):
-    """Frames of bytes compressed into one LZ4 block are decoded by python-lz4 straight from
-    their blosc frames; others (stored uncompressed, typed, shuffled) by blosc: the same values."""
+def test_lz4_inner_chunks_decode_into_the_rows_asked_for(lz4_decodes, kind, direct):
+    """Frames of bytes compressed into one LZ4 block are decoded from their blosc frames straight
+    into the rows asked for; others (stored uncompressed, typed, shuffled) by blosc: the same values."""
     rng = np.random.default_rng(5)
     pictures = frames(0, 6)[:, 0]
     rows = {"frames": pictures, "big frames": np.tile(pictures, (1, 4, 2)),
@@ -297,17 +311,23 @@ def test_lz4_inner_chunks_decode_into_the_rows_asked_for(monkeypatch, kind, dire
             "mixed": np.concatenate([pictures[:3], rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)])}[kind]
     codec = Codec("lz4", inner_rows=1)
     bodies: list[memoryview | None] = [memoryview(codec.encode(row[None])[2]) for row in rows]
-    calls = lz4_decodes(monkeypatch)
     out = np.full((8, *rows.shape[1:]), 7, rows.dtype)
     where = np.array([7, 0, 3, 1, 5, 2, 4])
     codec.decode_bodies([*bodies, None], out, where)
     np.testing.assert_array_equal(out[where[:6]], rows)
     assert (out[4] == 0).all() and (out[6] == 7).all()  # stored empty: zeros; not asked for: untouched
-    assert len(calls) == direct
+    assert len(lz4_decodes) == direct
+
+
+def test_lz4_rows_outside_the_output_are_refused():
+    flat = np.zeros((2, 16), np.uint8)
+    block = lz4.block.compress(bytes(16), store_size=False)
+    with pytest.raises(IndexError, match=r"rows 0..2 outside the 2 rows decoded into"):
+        codecs._lz4_blocks_into_rows(block, [0, 0], [len(block)] * 2, [0, 2], flat)
 
 
 @pytest.mark.parametrize("compression, message", [("lz4", "LZ4 block"), ("zstd", "zstd frame does not decode")])
-def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message):
+def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, lz4_decodes):
     """A frame whose checksum matches but whose compressed bytes are garbage: the chunk is named,
     whether the frame is decoded alone or among others."""
     url = str(tmp_path / "z")
@@ -330,7 +350,7 @@ def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message):
 
 
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
-def test_mangled_frames_decode_or_raise_value_error(compression):
+def test_mangled_frames_decode_or_raise_value_error(compression, lz4_decodes):
     """Bytes changed at random in a frame (as in a file whose checksums were recomputed) decode
     to some values or raise ValueError, never another exception, alone or among good frames."""
     rng = np.random.default_rng(11)
@@ -351,6 +371,7 @@ def test_mangled_frames_decode_or_raise_value_error(compression):
             except ValueError:
                 raised += 1
     assert 200 < raised < 800  # most mangled frames are refused, some still decode
+    assert compression == "zstd" or len(lz4_decodes) > 400  # the LZ4 fast path saw them
     codec.decode_bodies([good], out[:1])
     np.testing.assert_array_equal(out[0], frame[0])
 

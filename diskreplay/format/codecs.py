@@ -8,9 +8,10 @@ a chunk sizes an allocation: decoded sizes are checked against the expected ones
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,16 +318,60 @@ def _lz4_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndar
     fast = ((lengths >= LZ4_HEAD) & (version == 2) & (flags & BLOSC_FILTERS == 0) & (flags >> 5 == BLOSC_LZ4)
             & (typesize == 1) & (nbytes == size) & (block == size) & (cbytes == lengths) & (first == 20)
             & (stream == lengths - LZ4_HEAD))
-    view = memoryview(joined)
-    for row, b, e in zip(at[fast].tolist(), (begin[fast] + LZ4_HEAD).tolist(), (begin[fast] + lengths[fast]).tolist()):
+    blocks_into = _lz4_blocks_into_rows if _LZ4_DECODE is not None and flat.flags.c_contiguous else _lz4_blocks_copied
+    blocks_into(joined, (begin[fast] + LZ4_HEAD).tolist(), (lengths[fast] - LZ4_HEAD).tolist(), at[fast].tolist(), flat)
+    return np.flatnonzero(~fast)
+
+
+def _lz4_blocks_into_rows(joined: bytes, begins: list[int], sizes: list[int], rows: list[int],
+                          flat: np.ndarray) -> None:
+    """LZ4 blocks ``joined[begin:begin + size]`` (spans inside ``joined``) decoded straight into
+    ``flat[row]`` (C-contiguous uint8 rows) by `_LZ4_DECODE`, which never reads or writes past the
+    spans it is given; a block as long as a row is the row's bytes. Raises ValueError."""
+    assert _LZ4_DECODE is not None
+    if rows and not 0 <= min(rows) <= max(rows) < len(flat):  # raw addresses below: no index checks
+        raise IndexError(f"rows {min(rows)}..{max(rows)} outside the {len(flat)} rows decoded into")
+    source, target, width = np.frombuffer(joined, np.uint8), flat.ctypes.data, flat.shape[1]
+    address = source.ctypes.data
+    for begin, size, row in zip(begins, sizes, rows):
+        if size == width:
+            flat[row] = source[begin:begin + size]
+            continue
+        decoded = _LZ4_DECODE(address + begin, target + row * width, size, width)
+        if decoded != width:
+            raise ValueError(f"LZ4 block: malformed, or decodes to other than {width} bytes (code {decoded})")
+
+
+def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows: list[int], flat: np.ndarray) -> None:
+    """As `_lz4_blocks_into_rows`, through python-lz4's own decompress (a bytes object per block,
+    then copied into its row). Raises ValueError."""
+    view, width = memoryview(joined), flat.shape[1]
+    for begin, size, row in zip(begins, sizes, rows):
+        block = view[begin:begin + size]
         try:
-            data = view[b:e] if e - b == size else lz4.block.decompress(view[b:e], uncompressed_size=size)
+            data = block if size == width else lz4.block.decompress(block, uncompressed_size=width)
         except lz4.block.LZ4BlockError as exc:
             raise ValueError(f"LZ4 block: {exc}") from None
-        if len(data) != size:
-            raise ValueError(f"LZ4 block decodes to {len(data)} bytes, expected {size}")
+        if len(data) != width:
+            raise ValueError(f"LZ4 block decodes to {len(data)} bytes, expected {width}")
         flat[row] = np.frombuffer(data, dtype=np.uint8)
-    return np.flatnonzero(~fast)
+
+
+def _lz4_decoder() -> Callable[[int, int, int, int], int] | None:
+    """``LZ4_decompress_safe(source, target, source_size, target_capacity)`` from python-lz4's own
+    extension, through ctypes (it decodes into the batch: no bytes object, no copy), or None
+    where the extension does not export it."""
+    try:
+        function = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
+    decode: Callable[[int, int, int, int], int] = function
+    return decode
+
+
+_LZ4_DECODE = _lz4_decoder()
 
 
 class _Zstd(threading.local):
