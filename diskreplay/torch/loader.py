@@ -87,7 +87,7 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         """The batches (dicts of tensors, or TensorDicts for an ``as_tensordict`` dataset)."""
         ds = self.dataset
-        ds.load_state_dict({**self._start, "batch": self._positions[0]})  # with workers, the plan says where
+        ds.load_state_dict({**self._start, "batch": self._positions[0]})  # epoch mode with workers: the plan has them
         if isinstance(ds, SampleDataset):
             return self._unblocked(BlockPlan(ds.block_batches)) if self.num_workers else self._in_process()
         return self._epoch(BlockPlan(ds.block_batches, tuple(self._positions), self._next_shard))
