@@ -5,6 +5,7 @@ not per batch; resume exact after any batch. Real fork (and spawn) DataLoader wo
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import pickle
@@ -54,6 +55,22 @@ def test_sample_batches_equal_the_in_process_stream(buf, workers):
         assert stats["handed_over"] >= blocks
     else:
         assert stats["received"] == 0
+
+
+def test_kept_batches_are_never_overwritten(buf):
+    """A block's slot is reused only after the last tensor of its batches dies: batches kept for
+    the whole run (more blocks than the workers have slots) still hold their values; slots run
+    out, so later blocks come as tensors."""
+    n = 20 * BLOCK_BATCHES  # 20 blocks: 10 per worker, against 8 slots each
+    want = in_process(buf, n)
+    ld = loader(buf, 2)
+    kept = list(itertools.islice(ld, n))
+    assert_same(as_numpy(kept), want)
+    stats = ld.dataset.worker_ring.stats()
+    assert stats["fallbacks"] > 0 and stats["states"]["held"] == 16
+    del kept
+    gc.collect()
+    assert ld.dataset.worker_ring.stats()["states"]["held"] == 0
 
 
 def test_sample_resume_across_num_workers(buf):
