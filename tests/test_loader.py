@@ -242,6 +242,10 @@ def test_refusals(buf):
     for bad in ({"positions": [1, -1]}, {"positions": [1]}, {"next_shard": 2}, {"num_workers": "2"}):
         with pytest.raises(ValueError, match="expected 'num_workers' .int., 'positions'"):
             epoch.load_state_dict({**good, **bad})
+    worker_position = dataset(buf)
+    worker_position.load_state_dict({**worker_position.state_dict(), "batch": 7, "worker": 1, "num_workers": 2})
+    with pytest.raises(ValueError, match="the dataset holds the position of worker 1 of 2: load a rank-global"):
+        Loader(worker_position)
     ds = dataset(buf, "epoch")
     ds.load_state_dict({**ds.state_dict(), "batch": 40})
     with pytest.raises(ValueError, match="stopped inside epoch 0 in one process; a Loader with num_workers=2"):
