@@ -14,6 +14,7 @@ from diskreplay.format import codecs
 from diskreplay.format.codecs import Codec, checksum
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import buffer_info, format_info, verify
+from diskreplay.storage import shard_maps
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),
           "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
@@ -323,7 +324,8 @@ def test_lz4_rows_outside_the_output_are_refused():
     flat = np.zeros((2, 16), np.uint8)
     block = lz4.block.compress(bytes(16), store_size=False)
     with pytest.raises(IndexError, match=r"rows 0..2 outside the 2 rows decoded into"):
-        codecs._lz4_blocks_into_rows(block, [0, 0], [len(block)] * 2, [0, 2], flat)
+        source = np.frombuffer(block, np.uint8)
+        codecs.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
 
 
 @pytest.mark.parametrize("compression, message", [("lz4", "LZ4 block"), ("zstd", "zstd frame does not decode")])
@@ -390,13 +392,15 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
             buf.extend(data)
     raw, reader = (dr.ReplayBuffer.open(str(tmp_path / name), "r", cache_bytes=64 << 10) for name in ("raw", "z"))
     assert reader.storage.row_reads.io.codecs["obs"].inner_rows == 1
-    decoded = []
-    decode_bodies = Codec.decode_bodies
+    decoded: list[tuple[str, int]] = []
+    decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
     monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None, threads=1: (
-        decoded.append(len(bodies)), decode_bodies(self, bodies, out, rows, threads)))
+        decoded.append(("bodies", len(bodies))), decode_bodies(self, bodies, out, rows, threads)))
+    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
+        decoded.append(("from the map", len(sources))), decode_at(sources, sizes, flat, rows)))
     ids = np.array([17, 250, 17, 3, 250, 17, 299, 0])
     np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
-    assert decoded == [5]
+    assert decoded == [("from the map" if compression == "lz4" else "bodies", 5)]
     np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])
     raw.close()
     reader.close()

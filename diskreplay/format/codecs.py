@@ -42,7 +42,6 @@ BLOSC_FILTERS = 0x0E
 """Blosc flags bits for memcpyed, bit-shuffled or reserved: a frame the LZ4 fast path leaves to blosc."""
 LZ4_HEAD = BLOSC_HEADER_BYTES + 8
 """A one-block blosc frame's bytes before its LZ4 block: the header, the block's start, its size."""
-_LZ4_PAD = bytes(LZ4_HEAD)
 
 
 def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
@@ -193,6 +192,14 @@ class Codec:
             raise ValueError(f"decoded inner chunk has {src.size} bytes, expected {flat.size}")
         flat[:] = src
 
+    def direct_blocks(self, data: np.ndarray, begin: np.ndarray, length: np.ndarray, size: int) -> np.ndarray:
+        """For inner chunk bodies ``data[begin[i]:begin[i] + length[i]]`` (uint8, checksums cut
+        off) that decode to ``size`` bytes: where `decode_lz4_at` decodes one (an LZ4 block), the
+        block's start in ``data``, else -1."""
+        if self.compression != "lz4" or _LZ4_DECODE is None:
+            return np.full(len(begin), -1, np.int64)
+        return _lz4_blocks(data, begin, length, size)
+
     def decode_into(self, blob: bytes, out: np.ndarray) -> None:
         """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
 
@@ -304,46 +311,56 @@ def _zstd_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.nda
 
 
 def _lz4_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Decode the blosc frames that hold one LZ4 block of bytes (type size 1, not memcpyed, no
-    bit shuffle: an image row) into ``flat[at[i]]``: headers checked together, then python-lz4
-    on each block. Returns the indices of the other frames, left to blosc. Raises ValueError."""
-    size = flat.shape[1]
+    """Decode the blosc frames that hold one LZ4 block (`_lz4_blocks`) into ``flat[at[i]]``.
+    Returns the indices of the other frames, left to blosc. Raises ValueError."""
     lengths = np.fromiter(map(len, frames), dtype=np.int64, count=len(frames))
-    joined = b"".join([*frames, _LZ4_PAD])  # padded: every frame's first LZ4_HEAD bytes can be read
-    begin = np.cumsum(lengths) - lengths
-    heads = np.frombuffer(joined, np.uint8)[begin[:, None] + np.arange(LZ4_HEAD)]
-    version, flags, typesize = heads[:, 0], heads[:, 2], heads[:, 3]
-    nbytes, block, cbytes, first = np.ascontiguousarray(heads[:, 4:20]).view("<u4").T
-    stream = np.ascontiguousarray(heads[:, 20:24]).view("<i4")[:, 0]
-    fast = ((lengths >= LZ4_HEAD) & (version == 2) & (flags & BLOSC_FILTERS == 0) & (flags >> 5 == BLOSC_LZ4)
-            & (typesize == 1) & (nbytes == size) & (block == size) & (cbytes == lengths) & (first == 20)
-            & (stream == lengths - LZ4_HEAD))
-    blocks_into = _lz4_blocks_into_rows if _LZ4_DECODE is not None and flat.flags.c_contiguous else _lz4_blocks_copied
-    blocks_into(joined, (begin[fast] + LZ4_HEAD).tolist(), (lengths[fast] - LZ4_HEAD).tolist(), at[fast].tolist(), flat)
+    joined = b"".join(frames)
+    data = np.frombuffer(joined, np.uint8)
+    blocks = _lz4_blocks(data, np.cumsum(lengths) - lengths, lengths, flat.shape[1])
+    fast = blocks >= 0
+    if _LZ4_DECODE is not None and flat.flags.c_contiguous:
+        decode_lz4_at(data.ctypes.data + blocks[fast], lengths[fast] - LZ4_HEAD, flat, at[fast])
+    else:
+        _lz4_blocks_copied(joined, blocks[fast].tolist(), (lengths[fast] - LZ4_HEAD).tolist(), at[fast].tolist(), flat)
     return np.flatnonzero(~fast)
 
 
-def _lz4_blocks_into_rows(joined: bytes, begins: list[int], sizes: list[int], rows: list[int],
-                          flat: np.ndarray) -> None:
-    """LZ4 blocks ``joined[begin:begin + size]`` (spans inside ``joined``) decoded straight into
-    ``flat[row]`` (C-contiguous uint8 rows) by `_LZ4_DECODE`, which never reads or writes past the
-    spans it is given; a block as long as a row is the row's bytes. Raises ValueError."""
-    assert _LZ4_DECODE is not None
-    if rows and not 0 <= min(rows) <= max(rows) < len(flat):  # raw addresses below: no index checks
-        raise IndexError(f"rows {min(rows)}..{max(rows)} outside the {len(flat)} rows decoded into")
-    source, target, width = np.frombuffer(joined, np.uint8), flat.ctypes.data, flat.shape[1]
-    address = source.ctypes.data
-    for begin, size, row in zip(begins, sizes, rows):
+def _lz4_blocks(data: np.ndarray, begin: np.ndarray, length: np.ndarray, size: int) -> np.ndarray:
+    """Where the bodies ``data[begin[i]:begin[i] + length[i]]`` are blosc frames holding one LZ4
+    block of ``size`` bytes (type size 1, not memcpyed, no bit shuffle: an image row), the
+    block's start in ``data``, else -1; the headers checked together."""
+    if not len(data):
+        return np.full(len(begin), -1, np.int64)
+    heads = data[np.minimum(begin[:, None] + np.arange(LZ4_HEAD), len(data) - 1)]
+    version, flags, typesize = heads[:, 0], heads[:, 2], heads[:, 3]
+    nbytes, block, cbytes, first = np.ascontiguousarray(heads[:, 4:20]).view("<u4").T
+    stream = np.ascontiguousarray(heads[:, 20:24]).view("<i4")[:, 0]
+    fast = ((length >= LZ4_HEAD) & (version == 2) & (flags & BLOSC_FILTERS == 0) & (flags >> 5 == BLOSC_LZ4)
+            & (typesize == 1) & (nbytes == size) & (block == size) & (cbytes == length) & (first == 20)
+            & (stream == length - LZ4_HEAD))
+    return np.where(fast, begin + LZ4_HEAD, -1)
+
+
+def decode_lz4_at(sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
+    """The LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]`` decoded straight into
+    ``flat[rows[i]]`` (C-contiguous uint8 rows) by `_LZ4_DECODE`, which never reads or writes past
+    the spans it is given; a block as long as a row is the row's bytes. The caller keeps the
+    sources mapped. Raises ValueError for a block that does not decode to a row, IndexError for
+    rows outside ``flat``."""
+    assert _LZ4_DECODE is not None and flat.flags.c_contiguous
+    if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
+        raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
+    width = flat.shape[1]
+    targets = flat.ctypes.data + rows.astype(np.int64) * width
+    for source, target, size in zip(sources.tolist(), targets.tolist(), sizes.tolist()):
         if size == width:
-            flat[row] = source[begin:begin + size]
-            continue
-        decoded = _LZ4_DECODE(address + begin, target + row * width, size, width)
-        if decoded != width:
+            ctypes.memmove(target, source, width)
+        elif (decoded := _LZ4_DECODE(source, target, size, width)) != width:
             raise ValueError(f"LZ4 block: malformed, or decodes to other than {width} bytes (code {decoded})")
 
 
 def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows: list[int], flat: np.ndarray) -> None:
-    """As `_lz4_blocks_into_rows`, through python-lz4's own decompress (a bytes object per block,
+    """As `decode_lz4_at`, through python-lz4's own decompress (a bytes object per block,
     then copied into its row). Raises ValueError."""
     view, width = memoryview(joined), flat.shape[1]
     for begin, size, row in zip(begins, sizes, rows):

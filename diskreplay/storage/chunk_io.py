@@ -142,23 +142,6 @@ class ChunkIO:
             raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
         return True
 
-    def decode_inner(self, name: str, bodies: Sequence[bytes | memoryview | None], out: np.ndarray, rows: np.ndarray,
-                     lanes: np.ndarray, chunks: np.ndarray) -> None:
-        """Decode inner chunk bodies of a sharded field into ``out[rows[i]]`` (one row block each).
-
-        Raises CorruptBufferError naming a chunk that does not decode."""
-        codec = self.codecs[name]
-        try:
-            codec.decode_bodies(bodies, out, rows, self.threads)
-        except ValueError:
-            for i, body in enumerate(bodies):  # which one
-                try:
-                    codec.decode_bodies([body], out, rows[i:i + 1])
-                except ValueError as exc:
-                    key = self.key(name, int(lanes[i]), int(chunks[i]))
-                    raise CorruptBufferError(f"{self.url!r}: chunk {key!r} does not decode ({exc})") from None
-            raise
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self.behind_pool is not None:

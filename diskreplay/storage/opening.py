@@ -221,7 +221,8 @@ def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: 
     schema = io.schema
     codecs = {name: io.codecs[name] for name in names}
     inner_bytes = {name: int(codecs[name].inner_rows or 0) * schema[name].row_bytes for name in names}
-    maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)))
+    maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)),
+                     io.threads)
     return RowReads(names, schema, cache, io, maps, retired)
 
 

@@ -57,15 +57,15 @@ class RowReads:
         chosen[where] = read  # the row of ``read`` each inner chunk is decoded for
         source = chosen[where]
         first = np.sort(chosen)  # bodies in output order
-        bodies = self.maps.bodies(name, lane[first], chunk[first], offset[first] // inner_rows)
+        inner = offset[first] // inner_rows
         if inner_rows == 1:  # straight into their rows, then copied to the rows that want them again
-            self.io.decode_inner(name, bodies, rows, first, lane[first], chunk[first])
+            self.maps.decode(name, lane[first], chunk[first], inner, rows, first)
             again = source != read
             if again.any():
                 rows[read[again]] = rows[source[again]]
             return
         blocks = np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
-        self.io.decode_inner(name, bodies, blocks, np.arange(len(first)), lane[first], chunk[first])
+        self.maps.decode(name, lane[first], chunk[first], inner, blocks, np.arange(len(first)))
         rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[
             np.searchsorted(first, source), offset[read] % inner_rows]
 

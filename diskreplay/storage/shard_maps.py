@@ -3,14 +3,18 @@
 A compressed image field is stored as Zarr shards (`diskreplay.format.codecs.Codec.inner_rows`):
 an index of ``(offset, nbytes)`` pairs, then inner chunks of a few rows, each with its CRC32C.
 A reader missing its cache reads single inner chunks. `ShardMaps` maps each shard file the
-first time a read needs it, checks its whole index at once (checksum, every span inside the
-file and no longer than an inner chunk may take), and keeps the map: an inner chunk is then a
-slice of the map, with no system call, and its checksum is checked the first time it is read.
+first time a read needs it and checks its whole index at once (checksum, every span inside the
+file and no longer than an inner chunk may take); the spans of every mapped shard's inner chunks
+go into one table per field (`_Spans`), so a batch finds its frames with a few array lookups.
+An inner chunk's checksum is checked the first time it is read. LZ4 frames of bytes are then
+decoded straight from the map into the batch (`Codec.direct_blocks`); others are copied out of
+the map and decoded by their codec.
 
 Maps are file-backed pages: the page cache, shared and reclaimable, never private memory. Each
 costs one of the process's ``vm.max_map_count`` maps, so at most `budget` are held; past that
-the least recently used are closed. A shard file the writer rewrites is a new file (atomic
-rename) or one no commit covered yet: `forget` drops its map before the next read.
+the least recently used are closed, never one the batch being decoded reads. A shard file the
+writer rewrites is a new file (atomic rename) or one no commit covered yet: `forget` drops its
+map before the next read.
 """
 
 from __future__ import annotations
@@ -19,79 +23,171 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, Codec, checksum
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, checksum, decode_lz4_at
 from ..io.store import ChunkStore
+
+_CHUNK_BITS = 32
+PART_FRAMES = 64
+"""Frames a decoding thread takes at least: fewer cost more to hand over than they save."""
 
 
 class _Shard:
-    """One mapped shard file: its inner chunks' spans (``-1``: stored empty) and which of them
-    passed their checksum."""
+    """One mapped shard file and its row (``slot``) in its field's `_Spans`."""
 
-    def __init__(self, data: mmap.mmap, spans: list[tuple[int, int]]):
-        self.data, self.spans = data, spans
-        self.verified = [False] * len(spans)
+    def __init__(self, data: mmap.mmap, slot: int):
+        self.data, self.slot = data, slot
+        self.view: np.ndarray | None = np.frombuffer(data, np.uint8)
 
-    def check(self, inner: int) -> None:
-        """Check inner chunk ``inner``'s checksum, once. Raises ValueError."""
-        offset, nbytes = self.spans[inner]
-        blob = self.data[offset:offset + nbytes]
-        if checksum(blob[:-CHECKSUM_BYTES]) != blob[-CHECKSUM_BYTES:]:
-            raise ValueError(f"inner chunk {inner}: checksum mismatch")
-        self.verified[inner] = True
+    def close(self) -> None:
+        self.view = None  # a map cannot close while an array holds it
+        self.data.close()
+
+
+class _Spans:
+    """The inner chunks of one field's mapped shards, a row per slot: each body's offset in its
+    file (-1: stored empty) and bytes (checksum cut off), its LZ4 block's offset (-1: none, see
+    `Codec.direct_blocks`), whether its checksum passed; and each slot's map and address."""
+
+    def __init__(self, inners: int):
+        self.offset = np.empty((0, inners), np.int64)
+        self.nbytes = np.empty((0, inners), np.int64)
+        self.block = np.empty((0, inners), np.int64)
+        self.verified = np.empty((0, inners), bool)
+        self.address = np.empty(0, np.int64)
+        self.shards: list[_Shard | None] = []
+        self.free: list[int] = []
+
+    def take(self) -> int:
+        """A free slot, the tables grown when none is left."""
+        if not self.free:
+            size, grown = len(self.address), max(2 * len(self.address), 8)
+            for name in ("offset", "nbytes", "block", "verified", "address"):
+                old = getattr(self, name)
+                new = np.zeros((grown, *old.shape[1:]), old.dtype)
+                new[:size] = old
+                setattr(self, name, new)
+            self.shards += [None] * (grown - size)
+            self.free = list(range(grown - 1, size - 1, -1))
+        return self.free.pop()
+
+    def map(self, slot: int) -> mmap.mmap:
+        shard = self.shards[slot]
+        assert shard is not None, f"slot {slot} holds no map"
+        return shard.data
+
+    def release(self, slot: int) -> None:
+        self.shards[slot] = None
+        self.free.append(slot)
 
 
 class ShardMaps:
     """The shard files of a store's row-read fields, mapped; see the module docstring."""
 
     def __init__(self, store: ChunkStore, chunk_key: Callable[[str, int, int], str], chunk_rows: int,
-                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int):
+                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int, threads: int = 1):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``codecs`` and
         ``inner_bytes`` (decoded bytes of one inner chunk): of each sharded field; ``budget``:
-        shard files held mapped at most."""
+        shard files held mapped at most; ``threads``: decoding a batch's frames side by side."""
         self.store, self.chunk_key, self.chunk_rows = store, chunk_key, chunk_rows
-        self.codecs, self.inner_bytes = codecs, inner_bytes
+        self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
+        self.pool: ThreadPoolExecutor | None = None
         self.open: OrderedDict[tuple[str, int, int], _Shard] = OrderedDict()
+        self.spans = {name: _Spans(chunk_rows // int(codec.inner_rows or 1)) for name, codec in codecs.items()}
 
-    def bodies(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> list[bytes | None]:
-        """The checked bodies of inner chunks ``inners[i]`` of chunks ``(lanes[i], chunks[i])``
-        of field ``name`` (None: stored empty), copied out of the maps.
+    def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
+               rows: np.ndarray) -> None:
+        """Decode inner chunks ``inners[i]`` of chunks ``(lanes[i], chunks[i])`` of field ``name``
+        into ``out[rows[i]]`` (C-contiguous; one inner chunk's rows each; stored empty: zeros).
 
         Raises:
             CorruptBufferError: a shard file is missing, its index or a span is bad, or an inner
-                chunk fails its checksum; the message names the chunk.
+                chunk fails its checksum or does not decode; the message names the chunk.
         """
-        out: list[bytes | None] = []
-        held = self.open
-        for lane, chunk, inner in zip(lanes.tolist(), chunks.tolist(), inners.tolist()):
-            key = (name, lane, chunk)
-            shard = held.get(key)
-            if shard is None:
-                shard = self._shard(name, lane, chunk)
-            else:
-                held.move_to_end(key)
-            offset, nbytes = shard.spans[inner]
-            if offset < 0:
-                out.append(None)
-                continue
-            if not shard.verified[inner]:
-                try:
-                    shard.check(inner)
-                except ValueError as exc:
-                    raise self._corrupt(name, lane, chunk, exc) from None
-            out.append(shard.data[offset:offset + nbytes - CHECKSUM_BYTES])
-        return out
+        keys = lanes.astype(np.int64) << _CHUNK_BITS | chunks.astype(np.int64)
+        unique, which = np.unique(keys, return_inverse=True)
+        for lo in range(0, len(unique), self.budget):  # a group's maps stay open while it decodes
+            group = unique[lo:lo + self.budget].tolist()
+            slots = np.array([self._held(name, key >> _CHUNK_BITS, key & ((1 << _CHUNK_BITS) - 1)) for key in group])
+            part = np.flatnonzero((which >= lo) & (which < lo + len(group)))
+            self._decode_held(name, slots[which[part] - lo], inners[part], lanes[part], chunks[part], out, rows[part])
 
-    def _shard(self, name: str, lane: int, chunk: int) -> _Shard:
-        """A chunk's shard file mapped, the least recently used maps closed past the budget."""
+    def _decode_held(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray,
+                     out: np.ndarray, rows: np.ndarray) -> None:
+        spans = self.spans[name]
+        offset, nbytes, block = (table[slots, inners] for table in (spans.offset, spans.nbytes, spans.block))
+        stored = offset >= 0
+        for i in np.flatnonzero(stored & ~spans.verified[slots, inners]).tolist():
+            self._verify(name, int(slots[i]), int(inners[i]), int(lanes[i]), int(chunks[i]))
+        flat = out.reshape(len(out), -1).view(np.uint8)
+        flat[rows[~stored]] = 0
+        direct = np.flatnonzero(block >= 0)
+        if len(direct):
+            sources, sizes = spans.address[slots[direct]] + block[direct], nbytes[direct] - LZ4_HEAD
+            self._named(name, lanes[direct], chunks[direct],
+                        lambda s: decode_lz4_at(sources[s], sizes[s], flat, rows[direct][s]))
+        rest = np.flatnonzero(stored & (block < 0))
+        if len(rest):
+            bodies = [spans.map(slot)[a:a + n] for slot, a, n in
+                      zip(slots[rest].tolist(), offset[rest].tolist(), nbytes[rest].tolist())]
+            codec = self.codecs[name]
+            self._named(name, lanes[rest], chunks[rest],
+                        lambda s: codec.decode_bodies(bodies[s], out, rows[rest][s]))
+
+    def _named(self, name: str, lanes: np.ndarray, chunks: np.ndarray, decode: Callable[[slice], None]) -> None:
+        """``decode(slice(lo, hi))`` decodes frames lo..hi-1: all of them in `_side_by_side` parts;
+        when one does not decode, it is found and named."""
+        try:
+            self._side_by_side(len(lanes), decode)
+        except ValueError:
+            for i in range(len(lanes)):
+                try:
+                    decode(slice(i, i + 1))
+                except ValueError as exc:
+                    raise self._corrupt(name, int(lanes[i]), int(chunks[i]), exc) from None
+            raise
+
+    def _side_by_side(self, count: int, decode: Callable[[slice], None]) -> None:
+        """``decode`` over ``count`` frames in up to ``threads`` parts of at least `PART_FRAMES`,
+        run side by side (the codecs release the GIL); returns once every part has."""
+        parts = min(self.threads, count // PART_FRAMES)
+        if parts <= 1:
+            return decode(slice(None))
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="diskreplay-decode")
+        cuts = [count * k // parts for k in range(parts + 1)]
+        others = [self.pool.submit(decode, slice(lo, hi)) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        try:
+            decode(slice(0, cuts[1]))
+        finally:
+            failed = [error for part in others if (error := part.exception()) is not None]  # waits for each
+        if failed:
+            raise failed[0]
+
+    def _verify(self, name: str, slot: int, inner: int, lane: int, chunk: int) -> None:
+        """Check an inner chunk's checksum, once. Raises CorruptBufferError."""
+        spans = self.spans[name]
+        data, at, nbytes = spans.map(slot), int(spans.offset[slot, inner]), int(spans.nbytes[slot, inner])
+        if checksum(data[at:at + nbytes]) != data[at + nbytes:at + nbytes + CHECKSUM_BYTES]:
+            raise self._corrupt(name, lane, chunk, f"inner chunk {inner}: checksum mismatch")
+        spans.verified[slot, inner] = True
+
+    def _held(self, name: str, lane: int, chunk: int) -> int:
+        """The slot of a chunk's shard file, mapped (the least recently used maps closed past the budget)."""
+        key = (name, lane, chunk)
+        shard = self.open.get(key)
+        if shard is not None:
+            self.open.move_to_end(key)
+            return shard.slot
         while len(self.open) >= self.budget:
-            self.open.popitem(last=False)[1].data.close()
-        shard = self.open[(name, lane, chunk)] = self._map(name, lane, chunk)
-        return shard
+            self._close(*self.open.popitem(last=False))
+        shard = self.open[key] = self._map(name, lane, chunk)
+        return shard.slot
 
     def _map(self, name: str, lane: int, chunk: int) -> _Shard:
         key = self.chunk_key(name, lane, chunk)
@@ -107,13 +203,24 @@ class ShardMaps:
             raise CorruptBufferError(f"{self.store.url!r}: chunk {key!r} is missing, "
                                      f"but the last commit says it holds rows") from None
         try:
-            return _Shard(data, self._spans(name, data, head))
+            offset, nbytes = self._spans(name, data, head)
         except ValueError as exc:
             data.close()
             raise self._corrupt(name, lane, chunk, exc) from None
+        spans = self.spans[name]
+        shard = _Shard(data, spans.take())
+        assert shard.view is not None
+        slot, stored = shard.slot, offset >= 0
+        spans.shards[slot], spans.address[slot] = shard, shard.view.ctypes.data
+        spans.offset[slot], spans.nbytes[slot], spans.verified[slot] = offset, nbytes, False
+        blocks = self.codecs[name].direct_blocks(shard.view, offset[stored], nbytes[stored], self.inner_bytes[name])
+        spans.block[slot] = -1
+        spans.block[slot, stored] = blocks
+        return shard
 
-    def _spans(self, name: str, data: mmap.mmap, head: int) -> list[tuple[int, int]]:
-        """Every inner chunk's ``(offset, nbytes)`` from the index, checked. Raises ValueError."""
+    def _spans(self, name: str, data: mmap.mmap, head: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every inner chunk's offset (-1: stored empty) and bytes without its checksum, from the
+        index, checked. Raises ValueError."""
         size = len(data)
         index = np.frombuffer(Codec.verified_body(data[:head]), dtype="<u8").reshape(-1, 2)
         empty = (index == EMPTY_INNER).all(axis=1)
@@ -126,11 +233,15 @@ class ShardMaps:
             raise ValueError(f"inner chunk {inner}: span ({index[inner, 0]}, {index[inner, 1]}) "
                              f"outside the shard's data ({size} bytes)")
         offset[empty] = -1
-        return list(zip(offset.tolist(), nbytes.tolist()))
+        return offset, nbytes - CHECKSUM_BYTES
 
     def _corrupt(self, name: str, lane: int, chunk: int, why: object) -> CorruptBufferError:
         key = self.chunk_key(name, lane, chunk)
         return CorruptBufferError(f"{self.store.url!r}: chunk {key!r} does not decode ({why})")
+
+    def _close(self, key: tuple[str, int, int], shard: _Shard) -> None:
+        self.spans[key[0]].release(shard.slot)
+        shard.close()
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again at their next read."""
@@ -141,8 +252,11 @@ class ShardMaps:
         else:
             keys = [key for c in chunks for name in self.codecs if (key := (name, lane, c)) in self.open]
         for key in keys:
-            self.open.pop(key).data.close()
+            self._close(key, self.open.pop(key))
 
     def close(self) -> None:
         while self.open:
-            self.open.popitem()[1].data.close()
+            self._close(*self.open.popitem())
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
