@@ -2,6 +2,10 @@
 row by row, frame stacks that share their frames."""
 
 import json
+import os
+import signal
+import threading
+import time
 
 import lz4.block
 import numpy as np
@@ -217,6 +221,8 @@ def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, 
         ids = reader.row_ids()
         np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
         assert len(maps.open) == 5
+    spans = maps.spans["obs"]  # closed maps give their slots back: 5 held of the 8 first made
+    assert len(spans.address) == 8 and len(spans.free) == 3
     maps.budget = 100
     reader.rows(reader.row_ids())
     assert len(maps.open) == 1000 // 64 + 1
@@ -328,14 +334,16 @@ def test_lz4_rows_outside_the_output_are_refused():
         codecs.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
 
 
+@pytest.mark.parametrize("chunk", [3, 25])
 @pytest.mark.parametrize("compression, message", [("lz4", "LZ4 block"), ("zstd", "zstd frame does not decode")])
-def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, lz4_decodes):
+def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, chunk, lz4_decodes):
     """A frame whose checksum matches but whose compressed bytes are garbage: the chunk is named,
-    whether the frame is decoded alone or among others."""
+    whether the frame is decoded alone or among others, in the part of a batch this thread
+    decodes (chunk 3) or in the part the decode thread does (chunk 25)."""
     url = str(tmp_path / "z")
     with make(url, compression, lanes=1) as buf:
         fill(buf, 2000, 1)
-    path = f"{url}/obs/c.0.3.0.0"
+    path = f"{url}/obs/c.0.{chunk}.0.0"
     blob = bytearray(open(path, "rb").read())
     entries = np.frombuffer(bytes(blob[:16 * (64 // INNER)]), "<u8").reshape(-1, 2)
     offset, nbytes = (int(v) for v in entries[0])
@@ -345,10 +353,31 @@ def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, l
     body[24:] = b"\xff" * (len(body) - 24)
     blob[offset:offset + nbytes] = bytes(body) + checksum(bytes(body))
     open(path, "wb").write(bytes(blob))
-    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
-    for ids in ([3 * 64], [3 * 64 + 1, 3 * 64, 5 * 64]):
-        with pytest.raises(dr.CorruptBufferError, match=rf"chunk 'obs/c.0.3.0.0' does not decode \({message}"):
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
+    for ids in ([chunk * 64], [chunk * 64 + 1, chunk * 64, 5 * 64], np.arange(0, 2000, 7)):
+        with pytest.raises(dr.CorruptBufferError, match=rf"chunk 'obs/c.0.{chunk}.0.0' does not decode \({message}"):
             reader.rows(np.array(ids))
+    reader.close()
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_a_batch_of_frames_is_decoded_in_parts_side_by_side(tmp_path, compression, monkeypatch):
+    """With two I/O threads, a batch of 250 inner chunks is decoded in two parts, one of them on
+    the decode thread; each inner chunk is decoded once and the rows are the stored ones."""
+    url = str(tmp_path / "z")
+    with make(url, compression, lanes=1) as buf:
+        fill(buf, 2000, 1)
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
+    parts: list[tuple[str, int]] = []
+    decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
+    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None, threads=1: (
+        parts.append((threading.current_thread().name, len(bodies))), decode_bodies(self, bodies, out, rows, threads)))
+    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
+        parts.append((threading.current_thread().name, len(sources))), decode_at(sources, sizes, flat, rows)))
+    ids = np.arange(0, 2000, 7)
+    np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
+    assert sorted((name.startswith("diskreplay-decode"), count) for name, count in parts) == [(False, 125), (True, 125)]
+    reader.close()
 
 
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
@@ -403,4 +432,31 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
     assert decoded == [("from the map" if compression == "lz4" else "bodies", 5)]
     np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])
     raw.close()
+    reader.close()
+
+
+def test_a_forked_child_decodes_in_parts_on_threads_of_its_own(tmp_path):
+    """A reader that decoded frames side by side, then forked: the child's reads (which would
+    wait forever on the parent's decode threads, absent from the child) decode the same rows."""
+    url = str(tmp_path / "z")
+    with make(url, "lz4", lanes=1) as buf:
+        fill(buf, 2000, 1)
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
+    ids = np.arange(0, 2000, 7)
+    stamps = ids[:, None] >> np.array([0, 8, 16, 24]) & 255
+    np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], stamps)
+    reader.storage.row_reads.maps.forget(0, np.arange(32))  # the child maps (and decodes) every frame again
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if np.array_equal(reader.rows(ids)["obs"][:, 0, :4], stamps) else 1)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's read did not finish in 30 s")
+    assert os.waitstatus_to_exitcode(status) == 0
     reader.close()

@@ -97,6 +97,7 @@ class ShardMaps:
         self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
         self.pool: ThreadPoolExecutor | None = None
+        self.pool_pid = -1
         self.open: OrderedDict[tuple[str, int, int], _Shard] = OrderedDict()
         self.spans = {name: _Spans(chunk_rows // int(codec.inner_rows or 1)) for name, codec in codecs.items()}
 
@@ -158,8 +159,9 @@ class ShardMaps:
         parts = min(self.threads, count // PART_FRAMES)
         if parts <= 1:
             return decode(slice(None))
-        if self.pool is None:
+        if self.pool is None or self.pool_pid != os.getpid():  # a forked child has none of the threads
             self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="diskreplay-decode")
+            self.pool_pid = os.getpid()
         cuts = [count * k // parts for k in range(parts + 1)]
         others = [self.pool.submit(decode, slice(lo, hi)) for lo, hi in zip(cuts[1:-1], cuts[2:])]
         try:
@@ -257,6 +259,6 @@ class ShardMaps:
     def close(self) -> None:
         while self.open:
             self._close(*self.open.popitem())
-        if self.pool is not None:
+        if self.pool is not None and self.pool_pid == os.getpid():
             self.pool.shutdown()
-            self.pool = None
+        self.pool = None
