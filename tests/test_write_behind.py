@@ -20,9 +20,10 @@ from conftest import OWN, dir_snapshot
 import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
+from diskreplay.storage import writer as writer_module
 from diskreplay.storage.chunk_io import ChunkIO
 from diskreplay.storage.write_behind import WriteBehind
-from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, StagingWriter
+from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, READ_AHEAD_CHUNKS, StagingWriter
 
 CHUNK = 8
 SAFETY_S = 30
@@ -333,16 +334,17 @@ def episodic_steps(first: int, n: int) -> dict[str, np.ndarray]:
     return {"obs": obs, "next_obs": obs + 7, "reward": (ids % 5).astype(np.float32), "done": ids % 23 == 22}
 
 
-def go_round(path: str, read_ahead: bool, compression: str | None, lanes: int) -> dr.ReplayBuffer:
+def go_round(path: str, read_depth: int | None, compression: str | None, lanes: int) -> dr.ReplayBuffer:
     """A ring with episodic returns (which patch rows already added) and next_obs, going round 3
     times with single adds (every 5th of lane 0 only, so lanes start chunks apart) and flushes
-    mid-chunk."""
+    mid-chunk. ``read_depth``: chunks each lane reads ahead (None: the writer's own choice)."""
     buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK * lanes, num_envs=lanes, chunk_rows=CHUNK,
                                  compression=compression, seed=0, derive_next=("obs",),
                                  episodic_return=dr.EpisodicReturn(gamma=0.5),
                                  cache_bytes=4608 * lanes)  # fewer chunks than the ring; the side store's staging
-    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING * lanes
-    buf.storage.writer.read_ahead = read_ahead
+    assert buf.storage.writer.read_depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING * lanes
+    if read_depth is not None:
+        buf.storage.writer.read_depth = read_depth
     for i in range(3 * RING * CHUNK + 5):
         step = {k: v.reshape(lanes, *v.shape[1:]) for k, v in episodic_steps(i * lanes, lanes).items()}
         if lanes > 1 and i % 5 == 4:
@@ -358,18 +360,19 @@ def go_round(path: str, read_ahead: bool, compression: str | None, lanes: int) -
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, compression, lanes):
     files = []
-    for read_ahead in (True, False):
-        path = str(tmp_path / f"ahead-{read_ahead}")
-        buf = go_round(path, read_ahead, compression, lanes)
+    for read_depth in (0, 1, None, RING - 1):  # none, the next chunk, the default, every other chunk of the ring
+        path = str(tmp_path / f"ahead-{read_depth}")
+        buf = go_round(path, read_depth, compression, lanes)
         ids = buf.row_ids()
         rows = buf[ids]
         buf.close()
         files.append(({k: v for k, v in dir_snapshot(path).items() if OWN not in k}, ids, rows))
-    (got, got_ids, got_rows), (want, want_ids, want_rows) = files
-    assert got == want
-    np.testing.assert_array_equal(got_ids, want_ids)
-    for name in want_rows:
-        np.testing.assert_array_equal(got_rows[name], want_rows[name], err_msg=name)
+    want, want_ids, want_rows = files[0]
+    for got, got_ids, got_rows in files[1:]:
+        assert got == want
+        np.testing.assert_array_equal(got_ids, want_ids)
+        for name in want_rows:
+            np.testing.assert_array_equal(got_rows[name], want_rows[name], err_msg=name)
 
 
 def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monkeypatch):
@@ -378,7 +381,7 @@ def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monke
     row_bytes = sum(field.row_bytes for field in FIELDS.values())
     buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
                                  compression="zstd", seed=0, cache_bytes=10 * CHUNK * row_bytes)
-    assert buf.storage.writer.read_ahead and buf.storage.cache.full_slots < RING
+    assert buf.storage.writer.read_depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING
     add(buf, 0, RING * CHUNK)
     buf.flush()
     readers: list[tuple[str, int]] = []
@@ -392,5 +395,37 @@ def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monke
     names = [name for name, _ in readers]  # (chunks still cached are not read at all)
     assert len(names) >= RING and all(n.startswith("diskreplay-read-ahead") for n in names), names
     assert all(fields == len(FIELDS) for _, fields in readers)
+    np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(buf.row_ids())["act"])
+    buf.close()
+
+
+def test_each_lane_reads_ahead_the_chunks_its_share_of_the_budget_holds(tmp_path, monkeypatch):
+    """A lane starting a chunk reads the next ones ahead: as many as its share of
+    `READ_AHEAD_BYTES` holds, at least one, at most `READ_AHEAD_CHUNKS` and never the whole ring;
+    none in a buffer that is not a ring. Reads ahead of chunks left behind are dropped."""
+    row_bytes = sum(field.row_bytes for field in FIELDS.values())
+    lanes = dr.ReplayBuffer.create(str(tmp_path / "l"), FIELDS, capacity=2 * RING * CHUNK, num_envs=2,
+                                   chunk_rows=CHUNK, seed=0, cache_bytes=40 * CHUNK * row_bytes)
+    lane_chunk = 2 * CHUNK * row_bytes  # a chunk of each of the two lanes
+    for budget, depth in ((3 * lane_chunk, 3), (lane_chunk // 2, 1), (100 * lane_chunk, READ_AHEAD_CHUNKS)):
+        monkeypatch.setattr(writer_module, "READ_AHEAD_BYTES", budget)
+        assert writer_module.read_depth(lanes.storage.layout, row_bytes, lanes.storage.cache.full_slots) == depth
+    lanes.close()
+    small = dr.ReplayBuffer.create(str(tmp_path / "s"), FIELDS, capacity=12 * CHUNK, chunk_rows=CHUNK, seed=0,
+                                   cache_bytes=40 * CHUNK * row_bytes)
+    unbounded = dr.ReplayBuffer.create(str(tmp_path / "u"), FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    assert (small.storage.writer.read_depth, unbounded.storage.writer.read_depth) == (11, 0)
+    small.close()
+    unbounded.close()
+    with dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
+                                compression="zstd", seed=0) as buf:
+        add(buf, 0, RING * CHUNK)
+    buf = dr.ReplayBuffer.open(str(tmp_path / "b"), "r+", cache_bytes=10 * CHUNK * row_bytes)  # nothing cached
+    buf.storage.writer.read_depth = 3
+    add(buf, RING * CHUNK, 3 * CHUNK + 1)  # into chunk 3 of round two
+    assert sorted(buf.storage.writer.behind._reads) == [(0, 4), (0, 5), (0, 6)]
+    buf.storage.writer.read_depth = 1
+    add(buf, (RING + 3) * CHUNK + 1, CHUNK)  # into chunk 4: 5 is kept, 6 dropped
+    assert sorted(buf.storage.writer.behind._reads) == [(0, 5)]
     np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(buf.row_ids())["act"])
     buf.close()

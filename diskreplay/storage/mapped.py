@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import CorruptBufferError
 from ..format.lanes import LaneLayout
 from ..format.schema import Schema
+from ..io.local import open_for_reading
 from ..io.mmap import Reservation, map_budget
 from ..io.store import ChunkStore
 from .outputs import take_into
@@ -130,7 +131,7 @@ class MappedChunks:
         for name, region in self.regions.items():
             key = self.chunk_key(name, lane, chunk)
             try:
-                fd = os.open(self.store.path(key), os.O_RDONLY)
+                fd = open_for_reading(self.store.path(key))
             except FileNotFoundError:
                 raise CorruptBufferError(
                     f"{self.store.url!r}: chunk {key!r} is missing, but the last commit says it holds rows"

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import CorruptBufferError
 from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, checksum, decode_lz4_at
+from ..io.local import open_for_reading
 from ..io.store import ChunkStore
 
 _CHUNK_BITS = 32
@@ -195,7 +196,7 @@ class ShardMaps:
         key = self.chunk_key(name, lane, chunk)
         head = self.codecs[name].index_bytes(self.chunk_rows)
         try:
-            with open(self.store.path(key), "rb") as f:
+            with os.fdopen(open_for_reading(self.store.path(key)), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < head:
                     raise self._corrupt(name, lane, chunk, f"{size} bytes: too short to hold an index "

@@ -7,9 +7,10 @@ sealed meanwhile wait in the cache, pinned, and go with a later batch (the write
 append ends with none in flight).
 
 A thread of its own reads ahead: a ring keeps the old rows of the chunk it is about to overwrite
-(they stay readable until then), so as a lane starts a chunk, the next one is read (from disk if
-the page cache let it go) and decoded there, to be taken when the lane reaches it instead of
-reading it in that add.
+(they stay readable until then), so as a lane starts a chunk, the next few it will overwrite are
+read (from disk if the page cache let them go) and decoded there, to be taken when the lane
+reaches them instead of reading them in that add. Reading several ahead gives a read slowed by
+the disk (writing back other files) or by the other threads the time of several chunks' adds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class WriteBehind:
         self._job: Future[None] | None = None
         self.in_flight: list[Sealed] = []
         self._reader: ThreadPoolExecutor | None = None
-        self._reads: dict[int, tuple[int, Future[Rows]]] = {}  # lane: (chunk, its rows read ahead)
+        self._reads: dict[tuple[int, int], Future[Rows]] = {}  # (lane, chunk): its rows read ahead
 
     @property
     def busy(self) -> bool:
@@ -59,31 +60,33 @@ class WriteBehind:
         if self._job is not None:
             wait_for([self._job], timeout)
 
-    def read_ahead(self, io: ChunkIO, lane: int, chunk: int, like: Mapping[str, np.ndarray], must_exist: bool) -> None:
-        """Read a stored chunk's rows into new arrays shaped as ``like`` (every field) on the
-        read-ahead thread (`ChunkIO.read`); the lane's earlier read ahead is dropped."""
-        def read() -> Rows:
+    def read_ahead(self, io: ChunkIO, lane: int, chunks: Mapping[int, bool], like: Mapping[str, np.ndarray]) -> None:
+        """Read stored chunks' rows (``chunks``: chunk -> whether its file must exist) into new
+        arrays shaped as ``like`` (every field) on the read-ahead thread (`ChunkIO.read`), those
+        not read ahead already; the lane's other reads ahead are dropped."""
+        def read(chunk: int, must_exist: bool) -> Rows:
             rows = {name: np.empty_like(template) for name, template in like.items()}
             io.read([(io.key(name, lane, chunk), io.codecs[name], rows[name]) for name in rows], must_exist)
             return rows
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-read-ahead")
-        self._reads[lane] = (chunk, self._reader.submit(read))
+        self.forget_reads(lane, [c for ln, c in self._reads if ln == lane and c not in chunks])
+        for chunk, must_exist in chunks.items():
+            if (lane, chunk) not in self._reads:
+                self._reads[(lane, chunk)] = self._reader.submit(read, chunk, must_exist)
 
     def take_read(self, lane: int, chunk: int) -> Rows | None:
         """What the read ahead of this chunk returned (waited for), or None: none was started,
         it was forgotten or it failed (the caller reads again, and meets the error itself)."""
-        ahead = self._reads.get(lane)
-        if ahead is None or ahead[0] != chunk:
+        ahead = self._reads.pop((lane, chunk), None)
+        if ahead is None:
             return None
-        del self._reads[lane]
-        return None if ahead[1].exception() is not None else ahead[1].result()
+        return None if ahead.exception() is not None else ahead.result()
 
     def forget_reads(self, lane: int, chunks: Iterable[int]) -> None:
         """These chunks were rewritten: drop their reads ahead."""
-        ahead = self._reads.get(lane)
-        if ahead is not None and ahead[0] in set(chunks):
-            del self._reads[lane]
+        for chunk in chunks:
+            self._reads.pop((lane, chunk), None)
 
     def finish(self, wait: bool) -> tuple[list[Sealed], BaseException | None] | None:
         """The batch's chunks and its error (None: written), once it ended; None while it runs

@@ -24,7 +24,7 @@ whose chunks were sealed before it make none. A store that falls behind slows th
 process reads it. A background write that fails leaves its chunks sealed, to be written again;
 its error is raised once, by the next append (before it stages anything) or flush. Everything
 else that writes, or changes a chunk in flight, waits for the batch first (`settle`). A ring
-reads the chunk it will overwrite next ahead, on another thread (`WriteBehind.read_ahead`).
+reads the chunks it will overwrite next ahead, on another thread (`WriteBehind.read_ahead`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ..format.lanes import LaneLayout
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, ChunkWrite
 from .commit_log import CommitLog
@@ -47,6 +48,20 @@ the store's stalls); past that an append waits for the batch in flight."""
 PACE_SHARE = 4
 """Past 1/PACE_SHARE of that backlog, each append gives the batch in flight up to `PACE_S`."""
 PACE_S = 0.001
+READ_AHEAD_BYTES = 32 << 20
+"""What a ring's lanes read ahead together: each the next chunks it overwrites, 1 to
+`READ_AHEAD_CHUNKS` of them (`WriteBehind.read_ahead`)."""
+READ_AHEAD_CHUNKS = 16
+
+
+def read_depth(layout: LaneLayout, row_bytes: int, cache_slots: int) -> int:
+    """Chunks each lane of a ring reads ahead: its share of `READ_AHEAD_BYTES`, 1 to
+    `READ_AHEAD_CHUNKS` and fewer than its ring's; none unless the ring's cache holds 8 chunks
+    per lane (``cache_slots``: chunks it holds)."""
+    if layout.lane_capacity is None or 8 * layout.num_envs > cache_slots:
+        return 0
+    chunk_bytes = layout.chunk_rows * row_bytes * layout.num_envs
+    return min(max(READ_AHEAD_BYTES // chunk_bytes, 1), READ_AHEAD_CHUNKS, layout.chunks_per_lane() - 1)
 
 
 class StagingWriter:
@@ -68,9 +83,8 @@ class StagingWriter:
         self.behind = WriteBehind()
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
-        self.read_ahead = cursors.layout.lane_capacity is not None and 8 * cursors.layout.num_envs <= cache.full_slots
-        """Whether a lane starting a chunk reads the next one ahead (`WriteBehind.read_ahead`): a
-        ring whose cache holds 8 times the chunk per lane that takes."""
+        self.read_depth = read_depth(self.layout, io.schema.row_bytes, cache.full_slots)
+        """Chunks a lane starting one reads ahead (`read_depth`)."""
 
     # ---- appends ---------------------------------------------------------------------------
 
@@ -183,8 +197,8 @@ class StagingWriter:
         else:
             slot = self.cache.assign_zeroed(lane, chunk)
         self.staging[lane] = chunk
-        if self.read_ahead:
-            self._read_next(lane, chunk_first_step + self.layout.piece_length(chunk_first_step, self.layout.chunk_rows))
+        if self.read_depth:
+            self._read_next(lane, chunk_first_step)
         return slot
 
     def _load_stored(self, lane: int, chunk: int, chunk_first_step: int) -> int:
@@ -195,12 +209,16 @@ class StagingWriter:
         return self.loader.load_one(lane, chunk, must_exist=self.stored.holds_visible(lane, chunk_first_step))
 
     def _read_next(self, lane: int, first: int) -> None:
-        """Read the chunk starting at step ``first`` ahead if it holds stored rows and is not cached."""
-        chunk = int(self.layout.slot(first)) // self.layout.chunk_rows
-        if not self.stored.holds_data(lane, first) or self.cache.slot_of(lane, chunk) >= 0:
-            return
+        """Read ahead the `read_depth` chunks after the one starting at step ``first``, those
+        holding stored rows and not cached."""
+        layout, chunks = self.layout, {}
+        for _ in range(self.read_depth):
+            first += layout.piece_length(first, layout.chunk_rows)
+            chunk = int(layout.slot(first)) // layout.chunk_rows
+            if self.stored.holds_data(lane, first) and self.cache.slot_of(lane, chunk) < 0:
+                chunks[chunk] = self.stored.holds_visible(lane, first)
         like = {name: self.cache.chunk_rows_of(name, 0) for name in self.io.schema.fields}
-        self.behind.read_ahead(self.io, lane, chunk, like, self.stored.holds_visible(lane, first))
+        self.behind.read_ahead(self.io, lane, chunks, like)
 
     def _seal(self, lane: int) -> None:
         chunk = int(self.staging[lane])
