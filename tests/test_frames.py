@@ -111,9 +111,9 @@ def count_reads(monkeypatch) -> dict[str, int]:
     counts = {"inner": 0, "whole obs": 0}
     decode_bodies, get = Codec.decode_bodies, LocalChunkStore.get
 
-    def counted_decode_bodies(self, bodies, out, rows=None, threads=1):
+    def counted_decode_bodies(self, bodies, out, rows=None):
         counts["inner"] += len(bodies)
-        return decode_bodies(self, bodies, out, rows, threads)
+        return decode_bodies(self, bodies, out, rows)
 
     def counted_get(self, key, limit=None):
         # not the final obs kept apart
@@ -370,8 +370,8 @@ def test_a_batch_of_frames_is_decoded_in_parts_side_by_side(tmp_path, compressio
     reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
     parts: list[tuple[str, int]] = []
     decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
-    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None, threads=1: (
-        parts.append((threading.current_thread().name, len(bodies))), decode_bodies(self, bodies, out, rows, threads)))
+    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None: (
+        parts.append((threading.current_thread().name, len(bodies))), decode_bodies(self, bodies, out, rows)))
     monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
         parts.append((threading.current_thread().name, len(sources))), decode_at(sources, sizes, flat, rows)))
     ids = np.arange(0, 2000, 7)
@@ -423,8 +423,8 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
     assert reader.storage.row_reads.io.codecs["obs"].inner_rows == 1
     decoded: list[tuple[str, int]] = []
     decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
-    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None, threads=1: (
-        decoded.append(("bodies", len(bodies))), decode_bodies(self, bodies, out, rows, threads)))
+    monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None: (
+        decoded.append(("bodies", len(bodies))), decode_bodies(self, bodies, out, rows)))
     monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
         decoded.append(("from the map", len(sources))), decode_at(sources, sizes, flat, rows)))
     ids = np.array([17, 250, 17, 3, 250, 17, 299, 0])

@@ -160,16 +160,16 @@ class Codec:
         self.decode_body(self.verified_body(blob), out)
 
     def decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
-                      rows: np.ndarray | None = None, threads: int = 1) -> None:
+                      rows: np.ndarray | None = None) -> None:
         """Decode inner chunks (checksums already checked and cut off) into ``out[rows[i]]``, one
         per body (``rows`` None: ``out[i]``); None: stored empty, zeros. zstd frames are decoded in
-        one call on ``threads`` threads, blosc frames of one LZ4 block by python-lz4 (their headers
+        one call, blosc frames of one LZ4 block by python-lz4 (their headers
         checked together), other blosc frames by blosc; each into exactly the bytes of its row.
         Raises ValueError."""
-        self._decode_bodies(bodies, out, rows, threads)
+        self._decode_bodies(bodies, out, rows)
 
     def _decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
-                       rows: np.ndarray | None = None, threads: int = 1) -> None:
+                       rows: np.ndarray | None = None) -> None:
         flat = out.reshape(len(out), -1).view(np.uint8)
         targets = np.arange(len(bodies)) if rows is None else rows
         present = [i for i, body in enumerate(bodies) if body is not None]
@@ -178,7 +178,7 @@ class Codec:
         given: list[bytes | bytearray | memoryview] = [body for body in bodies if body is not None]
         at = targets[present]
         if self.compression == "zstd" and len(given) > 1:
-            _zstd_frames_into(given, flat, at, threads)
+            _zstd_frames_into(given, flat, at)
             return
         left = _lz4_frames_into(given, flat, at) if self.compression == "lz4" else range(len(given))
         for i in left:
@@ -297,12 +297,11 @@ class Codec:
         return cls(inner.compression, inner.level, True, shape[1])
 
 
-def _zstd_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray,
-                      threads: int) -> None:
+def _zstd_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray) -> None:
     """Decode zstd frames into ``flat[at[i]]`` in one call. Raises ValueError."""
     sizes = np.full(len(frames), flat.shape[1], dtype=np.uint64)
     try:
-        decoded = _ZSTD.decompressor.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.data, threads=threads)
+        decoded = _ZSTD.decompressor.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.data)
     except zstandard.ZstdError as exc:
         raise ValueError(str(exc)) from None
     # a BufferSegment exports the buffer protocol; zstandard's stubs do not say so
