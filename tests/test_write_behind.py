@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -20,10 +21,11 @@ from conftest import OWN, dir_snapshot
 import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
-from diskreplay.storage import writer as writer_module
+from diskreplay.storage import ring_reads, write_behind
 from diskreplay.storage.chunk_io import ChunkIO
+from diskreplay.storage.ring_reads import READ_AHEAD_CHUNKS
 from diskreplay.storage.write_behind import WriteBehind
-from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, READ_AHEAD_CHUNKS, StagingWriter
+from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, StagingWriter
 
 CHUNK = 8
 SAFETY_S = 30
@@ -334,17 +336,19 @@ def episodic_steps(first: int, n: int) -> dict[str, np.ndarray]:
     return {"obs": obs, "next_obs": obs + 7, "reward": (ids % 5).astype(np.float32), "done": ids % 23 == 22}
 
 
-def go_round(path: str, read_depth: int | None, compression: str | None, lanes: int) -> dr.ReplayBuffer:
+def go_round(path: str, read_depth: int | None, compression: str | None, lanes: int,
+             after_add: Callable[[int, dr.ReplayBuffer], None] | None = None) -> dr.ReplayBuffer:
     """A ring with episodic returns (which patch rows already added) and next_obs, going round 3
     times with single adds (every 5th of lane 0 only, so lanes start chunks apart) and flushes
-    mid-chunk. ``read_depth``: chunks each lane reads ahead (None: the writer's own choice)."""
+    mid-chunk. ``read_depth``: chunks each lane reads ahead (None: the writer's own choice);
+    ``after_add(i, buf)``: called after add i."""
     buf = dr.ReplayBuffer.create(path, EPISODIC, capacity=RING * CHUNK * lanes, num_envs=lanes, chunk_rows=CHUNK,
                                  compression=compression, seed=0, derive_next=("obs",),
                                  episodic_return=dr.EpisodicReturn(gamma=0.5),
                                  cache_bytes=4608 * lanes)  # fewer chunks than the ring; the side store's staging
-    assert buf.storage.writer.read_depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING * lanes
+    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING * lanes
     if read_depth is not None:
-        buf.storage.writer.read_depth = read_depth
+        buf.storage.writer.reads.depth = read_depth
     for i in range(3 * RING * CHUNK + 5):
         step = {k: v.reshape(lanes, *v.shape[1:]) for k, v in episodic_steps(i * lanes, lanes).items()}
         if lanes > 1 and i % 5 == 4:
@@ -353,6 +357,8 @@ def go_round(path: str, read_depth: int | None, compression: str | None, lanes: 
             buf.add(**({k: v[0] for k, v in step.items()} if lanes == 1 else step))
         if i % 37 == 36:
             buf.flush()
+        if after_add is not None:
+            after_add(i, buf)
     return buf
 
 
@@ -375,13 +381,51 @@ def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, com
             np.testing.assert_array_equal(got_rows[name], want_rows[name], err_msg=name)
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_chunks_staged_before_their_reads_ahead_land_store_and_read_what_loading_in_the_add_does(
+        tmp_path, monkeypatch, compression, lanes):
+    """Reads ahead slowed down (and every 4th failing) so that lanes stage chunks before their
+    stored rows land, which then follow: the files, and every row read every 11 adds, are those
+    of a writer that reads each chunk in the add that starts it."""
+    def reads_every_11(seen: list[dict[str, np.ndarray]]) -> Callable[[int, dr.ReplayBuffer], None]:
+        return lambda i, buf: seen.append(buf[buf.row_ids()]) if i % 11 == 10 else None
+
+    want_seen: list[dict[str, np.ndarray]] = []
+    want = go_round(str(tmp_path / "now"), 0, compression, lanes, reads_every_11(want_seen))
+    want.close()
+    calls, landed = [0], [0]
+    read_rows, land = write_behind.read_rows, ring_reads.OldRows.land
+
+    def slow(*args):
+        calls[0] += 1
+        time.sleep(0.02)
+        if calls[0] % 4 == 0:
+            raise OSError("a read ahead failing")
+        return read_rows(*args)
+    monkeypatch.setattr(write_behind, "read_rows", slow)
+    monkeypatch.setattr(ring_reads.OldRows, "land", lambda old, cache, position: (
+        landed.__setitem__(0, landed[0] + 1), land(old, cache, position)))
+    got_seen: list[dict[str, np.ndarray]] = []
+    got = go_round(str(tmp_path / "later"), 1, compression, lanes, reads_every_11(got_seen))
+    got.close()
+    assert landed[0] >= 5  # chunks staged before their read landed, then merged (some after the read failed)
+    assert ({k: v for k, v in dir_snapshot(str(tmp_path / "later")).items() if OWN not in k}
+            == {k: v for k, v in dir_snapshot(str(tmp_path / "now")).items() if OWN not in k})
+    assert len(got_seen) == len(want_seen)
+    for got_rows, want_rows in zip(got_seen, want_seen):
+        assert got_rows.keys() == want_rows.keys()
+        for name in want_rows:
+            np.testing.assert_array_equal(got_rows[name], want_rows[name], err_msg=name)
+
+
 def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monkeypatch):
     """No add reads a stored chunk itself: the read-ahead thread has read it, as the lane started
     the chunk before (the add waits for that read if it has not ended)."""
     row_bytes = sum(field.row_bytes for field in FIELDS.values())
     buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
                                  compression="zstd", seed=0, cache_bytes=10 * CHUNK * row_bytes)
-    assert buf.storage.writer.read_depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING
+    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING
     add(buf, 0, RING * CHUNK)
     buf.flush()
     readers: list[tuple[str, int]] = []
@@ -408,23 +452,23 @@ def test_each_lane_reads_ahead_the_chunks_its_share_of_the_budget_holds(tmp_path
                                    chunk_rows=CHUNK, seed=0, cache_bytes=40 * CHUNK * row_bytes)
     lane_chunk = 2 * CHUNK * row_bytes  # a chunk of each of the two lanes
     for budget, depth in ((3 * lane_chunk, 3), (lane_chunk // 2, 1), (100 * lane_chunk, READ_AHEAD_CHUNKS)):
-        monkeypatch.setattr(writer_module, "READ_AHEAD_BYTES", budget)
-        assert writer_module.read_depth(lanes.storage.layout, row_bytes, lanes.storage.cache.full_slots) == depth
+        monkeypatch.setattr(ring_reads, "READ_AHEAD_BYTES", budget)
+        assert ring_reads.read_depth(lanes.storage.layout, row_bytes, lanes.storage.cache.full_slots) == depth
     lanes.close()
     small = dr.ReplayBuffer.create(str(tmp_path / "s"), FIELDS, capacity=12 * CHUNK, chunk_rows=CHUNK, seed=0,
                                    cache_bytes=40 * CHUNK * row_bytes)
     unbounded = dr.ReplayBuffer.create(str(tmp_path / "u"), FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
-    assert (small.storage.writer.read_depth, unbounded.storage.writer.read_depth) == (11, 0)
+    assert (small.storage.writer.reads.depth, unbounded.storage.writer.reads.depth) == (11, 0)
     small.close()
     unbounded.close()
     with dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
                                 compression="zstd", seed=0) as buf:
         add(buf, 0, RING * CHUNK)
     buf = dr.ReplayBuffer.open(str(tmp_path / "b"), "r+", cache_bytes=10 * CHUNK * row_bytes)  # nothing cached
-    buf.storage.writer.read_depth = 3
+    buf.storage.writer.reads.depth = 3
     add(buf, RING * CHUNK, 3 * CHUNK + 1)  # into chunk 3 of round two
     assert sorted(buf.storage.writer.behind._reads) == [(0, 4), (0, 5), (0, 6)]
-    buf.storage.writer.read_depth = 1
+    buf.storage.writer.reads.depth = 1
     add(buf, (RING + 3) * CHUNK + 1, CHUNK)  # into chunk 4: 5 is kept, 6 dropped
     assert sorted(buf.storage.writer.behind._reads) == [(0, 5)]
     np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(buf.row_ids())["act"])

@@ -155,6 +155,8 @@ class Storage:
         """
         if self.log.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        if self.writer is not None and self.writer.reads.old:
+            self.writer.reads.merge()
         return self.reader.gather(lane, step, names, out)
 
     def read_newest(self) -> CommitRecord:

@@ -9,8 +9,8 @@ append ends with none in flight).
 A thread of its own reads ahead: a ring keeps the old rows of the chunk it is about to overwrite
 (they stay readable until then), so as a lane starts a chunk, the next few it will overwrite are
 read (from disk if the page cache let them go) and decoded there, to be taken when the lane
-reaches them instead of reading them in that add. Reading several ahead gives a read slowed by
-the disk (writing back other files) or by the other threads the time of several chunks' adds.
+reaches them instead of reading them in that add. A read the disk holds up longer than that is
+not waited for either (`diskreplay.storage.ring_reads`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ from .chunk_io import ChunkIO
 Sealed = tuple[int, int, int]
 """``(lane, chunk, slot)``: a staged chunk complete (or patched) and waiting to be written."""
 Rows = dict[str, np.ndarray]
+
+
+def read_rows(io: ChunkIO, lane: int, chunk: int, like: Mapping[str, np.ndarray], must_exist: bool) -> Rows:
+    """A stored chunk's rows of every field, read into new arrays shaped as ``like`` (`ChunkIO.read`)."""
+    rows = {name: np.empty_like(template) for name, template in like.items()}
+    io.read([(io.key(name, lane, chunk), io.codecs[name], rows[name]) for name in rows], must_exist)
+    return rows
 
 
 class WriteBehind:
@@ -64,24 +71,17 @@ class WriteBehind:
         """Read stored chunks' rows (``chunks``: chunk -> whether its file must exist) into new
         arrays shaped as ``like`` (every field) on the read-ahead thread (`ChunkIO.read`), those
         not read ahead already; the lane's other reads ahead are dropped."""
-        def read(chunk: int, must_exist: bool) -> Rows:
-            rows = {name: np.empty_like(template) for name, template in like.items()}
-            io.read([(io.key(name, lane, chunk), io.codecs[name], rows[name]) for name in rows], must_exist)
-            return rows
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-read-ahead")
         self.forget_reads(lane, [c for ln, c in self._reads if ln == lane and c not in chunks])
         for chunk, must_exist in chunks.items():
             if (lane, chunk) not in self._reads:
-                self._reads[(lane, chunk)] = self._reader.submit(read, chunk, must_exist)
+                self._reads[(lane, chunk)] = self._reader.submit(read_rows, io, lane, chunk, like, must_exist)
 
-    def take_read(self, lane: int, chunk: int) -> Rows | None:
-        """What the read ahead of this chunk returned (waited for), or None: none was started,
-        it was forgotten or it failed (the caller reads again, and meets the error itself)."""
-        ahead = self._reads.pop((lane, chunk), None)
-        if ahead is None:
-            return None
-        return None if ahead.exception() is not None else ahead.result()
+    def take_read(self, lane: int, chunk: int) -> Future[Rows] | None:
+        """The read ahead of this chunk (it may still run), or None: none was started or it was
+        forgotten."""
+        return self._reads.pop((lane, chunk), None)
 
     def forget_reads(self, lane: int, chunks: Iterable[int]) -> None:
         """These chunks were rewritten: drop their reads ahead."""

@@ -24,7 +24,7 @@ whose chunks were sealed before it make none. A store that falls behind slows th
 process reads it. A background write that fails leaves its chunks sealed, to be written again;
 its error is raised once, by the next append (before it stages anything) or flush. Everything
 else that writes, or changes a chunk in flight, waits for the batch first (`settle`). A ring
-reads the chunks it will overwrite next ahead, on another thread (`WriteBehind.read_ahead`).
+reads the chunks it will overwrite next ahead, on another thread (`RingReads`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ..format.lanes import LaneLayout
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, ChunkWrite
 from .commit_log import CommitLog
 from .cursors import Cursors
 from .loading import ChunkLoader
+from .ring_reads import RingReads
 from .stored_chunks import StoredChunks
 from .write_behind import Sealed, WriteBehind
 
@@ -48,20 +48,6 @@ the store's stalls); past that an append waits for the batch in flight."""
 PACE_SHARE = 4
 """Past 1/PACE_SHARE of that backlog, each append gives the batch in flight up to `PACE_S`."""
 PACE_S = 0.001
-READ_AHEAD_BYTES = 32 << 20
-"""What a ring's lanes read ahead together: each the next chunks it overwrites, 1 to
-`READ_AHEAD_CHUNKS` of them (`WriteBehind.read_ahead`)."""
-READ_AHEAD_CHUNKS = 16
-
-
-def read_depth(layout: LaneLayout, row_bytes: int, cache_slots: int) -> int:
-    """Chunks each lane of a ring reads ahead: its share of `READ_AHEAD_BYTES`, 1 to
-    `READ_AHEAD_CHUNKS` and fewer than its ring's; none unless the ring's cache holds 8 chunks
-    per lane (``cache_slots``: chunks it holds)."""
-    if layout.lane_capacity is None or 8 * layout.num_envs > cache_slots:
-        return 0
-    chunk_bytes = layout.chunk_rows * row_bytes * layout.num_envs
-    return min(max(READ_AHEAD_BYTES // chunk_bytes, 1), READ_AHEAD_CHUNKS, layout.chunks_per_lane() - 1)
 
 
 class StagingWriter:
@@ -83,8 +69,7 @@ class StagingWriter:
         self.behind = WriteBehind()
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
-        self.read_depth = read_depth(self.layout, io.schema.row_bytes, cache.full_slots)
-        """Chunks a lane starting one reads ahead (`read_depth`)."""
+        self.reads = RingReads(cursors, io, cache, loader, self.stored, self.behind)
 
     # ---- appends ---------------------------------------------------------------------------
 
@@ -96,6 +81,7 @@ class StagingWriter:
         """
         start = int(self.cursors.total[lane])
         try:
+            self.reads.merge(lane, wait=False)
             return self._append(lane, rows, count, start)
         except BaseException:
             self.unappend(lane, start, start + count)
@@ -113,10 +99,10 @@ class StagingWriter:
             if piece == layout.chunk_rows and self._unstaged(lane, chunk):
                 whole.append((chunk, i))
             else:
-                self.cache.write_rows(self._staging_slot(lane, chunk, step - offset), offset, rows, i, piece)
+                self.cache.write_rows(self._staging_slot(lane, chunk, step - offset, offset), offset, rows, i, piece)
                 self.dirty[lane] = True
                 if offset + piece == layout.chunk_rows or layout.slot(step + piece) == 0:
-                    self._seal(lane)
+                    self._seal(lane, complete=True)
                 self.cursors.total[lane] = step + piece
                 if (len(self.sealed) + len(self.behind.in_flight)) * 2 > self.cache.full_slots:
                     self.write_sealed(durable=False)
@@ -134,6 +120,7 @@ class StagingWriter:
         may already be gone. Chunk files written beyond the cursor stay, unseen, until rewritten.
         """
         self.wait()
+        self.reads.merge(lane)
         layout, cursors = self.layout, self.cursors
         cursors.total[lane] = start
         if layout.lane_capacity is not None:
@@ -181,7 +168,7 @@ class StagingWriter:
                    for chunk, i in whole for name in self.io.schema.fields], durable=False)
         self._rewritten(lane, np.array([chunk for chunk, _ in whole]))
 
-    def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int) -> int:
+    def _staging_slot(self, lane: int, chunk: int, chunk_first_step: int, offset: int) -> int:
         if self.staging[lane] == chunk:
             return self.cache.slot_of(lane, chunk)
         if self.staging[lane] >= 0:
@@ -193,34 +180,19 @@ class StagingWriter:
         if slot >= 0:
             self.cache.pin(slot)
         elif self.stored.holds_data(lane, chunk_first_step):
-            slot = self._load_stored(lane, chunk, chunk_first_step)
+            slot = self.reads.load(lane, chunk, chunk_first_step, offset)
         else:
             slot = self.cache.assign_zeroed(lane, chunk)
         self.staging[lane] = chunk
-        if self.read_depth:
-            self._read_next(lane, chunk_first_step)
+        if self.reads.depth:
+            self.reads.ahead(lane, chunk_first_step)
         return slot
 
-    def _load_stored(self, lane: int, chunk: int, chunk_first_step: int) -> int:
-        """A pinned slot holding the stored rows of a chunk about to be staged: read ahead, or now."""
-        rows = self.behind.take_read(lane, chunk)
-        if rows is not None:
-            return self.loader.place_read(lane, chunk, rows)
-        return self.loader.load_one(lane, chunk, must_exist=self.stored.holds_visible(lane, chunk_first_step))
-
-    def _read_next(self, lane: int, first: int) -> None:
-        """Read ahead the `read_depth` chunks after the one starting at step ``first``, those
-        holding stored rows and not cached."""
-        layout, chunks = self.layout, {}
-        for _ in range(self.read_depth):
-            first += layout.piece_length(first, layout.chunk_rows)
-            chunk = int(layout.slot(first)) // layout.chunk_rows
-            if self.stored.holds_data(lane, first) and self.cache.slot_of(lane, chunk) < 0:
-                chunks[chunk] = self.stored.holds_visible(lane, first)
-        like = {name: self.cache.chunk_rows_of(name, 0) for name in self.io.schema.fields}
-        self.behind.read_ahead(self.io, lane, chunks, like)
-
-    def _seal(self, lane: int) -> None:
+    def _seal(self, lane: int, complete: bool = False) -> None:
+        """Seal a lane's staged chunk (``complete``: every row of it added since it was staged)."""
+        if complete:
+            self.reads.forget_old(lane)
+        self.reads.merge(lane)
         chunk = int(self.staging[lane])
         if chunk >= 0 and self.dirty[lane]:
             self.sealed.append((lane, chunk, self.cache.slot_of(lane, chunk)))
@@ -238,6 +210,7 @@ class StagingWriter:
         already written are read first (all of them, before any value changes: a failed read
         changes nothing), patched in the cache and queued to be rewritten with the next chunk writes.
         """
+        self.reads.merge()
         count = len(next(iter(values.values())))
         pieces = []
         step, i = first, 0
@@ -346,6 +319,7 @@ class StagingWriter:
         """Write sealed chunks and every lane's partial tail chunk (fsynced if ``durable``). If it
         raises, the rows stay staged."""
         self.settle(wait=True)
+        self.reads.merge()
         tails = [(lane, int(self.staging[lane]), self.cache.slot_of(lane, int(self.staging[lane])))
                  for lane in np.flatnonzero(self.dirty).tolist()]
         self._write_chunks(self.sealed + tails, durable)
