@@ -16,6 +16,7 @@ from .store import Data, ParallelMap, parts_of
 
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
+_NOATIME = getattr(os, "O_NOATIME", 0)
 
 
 def open_for_reading(path: str) -> int:
@@ -29,9 +30,6 @@ def open_for_reading(path: str) -> int:
         except PermissionError:  # O_NOATIME is the owner's only
             pass
     return os.open(path, os.O_RDONLY)
-
-
-_NOATIME = getattr(os, "O_NOATIME", 0)
 
 
 class LocalChunkStore:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, checksum, decode_lz4_at
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, decode_lz4_at
 from ..io.local import open_for_reading
 from ..io.store import ChunkStore
 
@@ -175,9 +175,11 @@ class ShardMaps:
     def _verify(self, name: str, slot: int, inner: int, lane: int, chunk: int) -> None:
         """Check an inner chunk's checksum, once. Raises CorruptBufferError."""
         spans = self.spans[name]
-        data, at, nbytes = spans.map(slot), int(spans.offset[slot, inner]), int(spans.nbytes[slot, inner])
-        if checksum(data[at:at + nbytes]) != data[at + nbytes:at + nbytes + CHECKSUM_BYTES]:
-            raise self._corrupt(name, lane, chunk, f"inner chunk {inner}: checksum mismatch")
+        at, nbytes = int(spans.offset[slot, inner]), int(spans.nbytes[slot, inner])
+        try:
+            Codec.verified_body(spans.map(slot)[at:at + nbytes + CHECKSUM_BYTES])
+        except ValueError as exc:
+            raise self._corrupt(name, lane, chunk, f"inner chunk {inner}: {exc}") from None
         spans.verified[slot, inner] = True
 
     def _held(self, name: str, lane: int, chunk: int) -> int:
