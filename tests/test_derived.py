@@ -201,3 +201,39 @@ def test_frame_stacks_of_a_derived_next_equal_those_of_a_stored_one(tmp_path, ca
         np.testing.assert_array_equal(derived["obs"][:, 1:], derived["next_obs"][:, :-1])
     with pytest.raises(ValueError, match=r"stack_fields: 'pixels' is not a field; the buffer has \['obs', "):
         bufs[0].sample(4, stack=2, stack_fields=("pixels",))
+
+
+def test_a_derived_twin_and_its_base_come_from_one_gather(tmp_path):
+    """The base at the steps and the following steps, and the small stored fields with it, are
+    one storage gather; a large field that is not a base is read at the steps only."""
+    rng = np.random.default_rng(3)
+    lane = make_lane(rng, 300)
+    lane["frame"] = rng.integers(0, 256, (300, 300), dtype=np.uint8)  # 300 B rows: more than PAIRED_ROW_BYTES
+    fields = {**FIELDS, "frame": dr.Field((300,), "uint8")}
+    buf = dr.ReplayBuffer.create(str(tmp_path / "buf"), fields, chunk_rows=32, derive_next=("obs",))
+    buf.extend(lane)
+    calls = []
+    storage_gather = buf.view.storage.gather
+
+    def counted(lanes, steps, names=None, out=None):
+        calls.append((tuple(names), len(steps)))
+        return storage_gather(lanes, steps, names, out)
+
+    buf.view.storage.gather = counted
+    step = np.array([0, 5, 17, 118, 299] + np.flatnonzero(lane["terminated"] | lane["truncated"])[:3].tolist())
+    zeros = np.zeros(len(step), dtype=np.int64)
+    rows = buf.view.gather(zeros, step)
+    assert calls == [(("obs", "reward", "terminated", "truncated"), 2 * len(step)), (("frame",), len(step))]
+    for name, values in rows.items():
+        np.testing.assert_array_equal(values, lane[name][step], err_msg=name)
+    calls.clear()
+    rows = buf.view.gather(zeros, step, ("next_obs",))  # the base alone: at the following steps only
+    assert calls == [(("obs",), len(step))]
+    np.testing.assert_array_equal(rows["next_obs"], lane["next_obs"][step])
+    calls.clear()
+    out = {"next_obs": np.empty((len(step), 3), np.float32)}
+    rows = buf.view.gather(zeros, step, ("obs", "next_obs"), out=out)  # out=: each at its own steps
+    assert calls == [(("obs",), len(step)), (("obs",), len(step))]
+    assert rows["next_obs"] is out["next_obs"]
+    np.testing.assert_array_equal(out["next_obs"], lane["next_obs"][step])
+    buf.close()

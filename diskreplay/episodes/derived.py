@@ -30,6 +30,10 @@ from .index import NO_END, EpisodeIndex
 from .returns import discount_cumsum, episodic_returns
 from .source import RowStore
 
+PAIRED_ROW_BYTES = 256
+"""`RowView` reads a stored field of at most this many bytes per row at the following steps too,
+in the gather of the derived twins' bases, where one gather then serves both."""
+
 
 def derived_next_fields(bases: tuple[str, ...], fields: dict[str, Field]) -> dict[str, str]:
     """``{"next_obs": "obs", ...}`` for each base field whose next twin is derived.
@@ -94,11 +98,11 @@ class RowView:
             return self.storage.gather(lane, step, names, out)  # stored fields only, as stored
         names = tuple(self.schema.fields) if names is None else names
         wanted = [twin for twin in names if twin in self.derived]
-        joint = () if out else tuple(self.derived[t] for t in wanted if self.derived[t] in names)
-        stored = tuple(n for n in names if n not in self.derived and n not in joint)
-        rows = self.storage.gather(lane, step, stored, out) if stored else {}
+        stored = tuple(n for n in names if n not in self.derived)
         if wanted:
-            rows.update(self._next_rows(lane, step, wanted, out or {}, joint))
+            rows = self._with_next(lane, step, stored, wanted, out or {})
+        else:
+            rows = self.storage.gather(lane, step, stored, out)
         if self.returns is not None and self.returns.name in rows:
             self.returns.mask(rows[self.returns.name], self.episodes, lane, step)
         return {n: rows[n] for n in names}
@@ -110,34 +114,53 @@ class RowView:
         is_end = self.episodes.next_end(lane, step) == step
         return is_end, ~is_end & (step == hi[lane] - 1)
 
-    def _next_rows(self, lane: np.ndarray, step: np.ndarray, twins: list[str], out: Mapping[str, np.ndarray],
-                   joint: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-        """One gather of the base fields at the following steps, straight into the outputs; the
-        rows whose next value is kept apart (episode ends, each lane's newest) are then replaced.
-        The ``joint`` bases are gathered at the steps themselves too, in the same call (each
-        stored row read once; the two halves are views of one array): they are returned as well."""
+    def _with_next(self, lane: np.ndarray, step: np.ndarray, stored: tuple[str, ...], twins: list[str],
+                   out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The ``stored`` fields at the steps and the derived ``twins``: their bases at the
+        following steps, the rows whose next value is kept apart (episode ends, each lane's
+        newest) then replaced. Without ``out``, when every base is among ``stored``, one gather
+        reads both: the steps, then the following steps (`_paired`)."""
         is_end, newest = self._kept_apart(lane, step)
+        apart = is_end | newest
+        following = np.where(apart, step, step + 1)
         bases = tuple(self.derived[t] for t in twins)
-        following = np.where(is_end | newest, step, step + 1)
-        if joint:
+        paired = None if out else self._paired(stored, bases)
+        if paired is not None:
             size = len(step)
-            both = self.storage.gather(np.concatenate([lane, lane]), np.concatenate([step, following]), bases)
-            rows = {base: value[size:] for base, value in both.items()}
-            own = {base: both[base][:size] for base in joint}
+            both = self.storage.gather(np.concatenate([lane, lane]), np.concatenate([step, following]), paired)
+            rows = {name: both[name][:size] for name in stored if name in both}
+            if len(rows) < len(stored):
+                rows.update(self.storage.gather(lane, step, tuple(n for n in stored if n not in rows)))
+            values = {twin: both[base][size:] for twin, base in zip(twins, bases)}
         else:
+            rows = self.storage.gather(lane, step, stored, out) if stored else {}
             given = {base: out[twin] for twin, base in zip(twins, bases) if twin in out}
-            rows, own = self.storage.gather(lane, following, bases, given), {}
-        values = {twin: rows.pop(base) for twin, base in zip(twins, bases)}
-        self._fill_kept(values, lane, step, is_end, newest)
+            nexts = self.storage.gather(lane, following, bases, given)
+            values = {twin: nexts[base] for twin, base in zip(twins, bases)}
+        if apart.any():
+            self._fill_kept(values, lane, step, is_end, newest)
         rows.update(values)
-        rows.update(own)
         return rows
 
-    def kept_next(self, lane: np.ndarray, step: np.ndarray, twins: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _paired(self, stored: tuple[str, ...], bases: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The fields one gather reads at the steps and the following steps, when every base is
+        among ``stored``: the bases and the stored fields of at most `PAIRED_ROW_BYTES` per row
+        (reading their following rows too costs less than a gather of their own); else None."""
+        if not set(bases).issubset(stored):
+            return None
+        return tuple(name for name in stored
+                     if name in bases or self.schema[name].row_bytes <= PAIRED_ROW_BYTES)
+
+    def kept_next(self, lane: np.ndarray, step: np.ndarray, twins: tuple[str, ...],
+                  is_end: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The derived ``twins`` at steps whose next value is kept apart, every one of them an
         episode end or its lane's newest step (`_kept_apart`): read from where they are kept
-        alone, without the following step's row."""
-        is_end, newest = self._kept_apart(lane, step)
+        alone, without the following step's row. ``is_end``: which steps are episode ends (the
+        others are their lane's newest), if the caller knows."""
+        if is_end is None:
+            is_end, newest = self._kept_apart(lane, step)
+        else:
+            newest = ~is_end
         values = {twin: np.empty((len(step), *self.schema[twin].shape), self.schema[twin].dtype) for twin in twins}
         self._fill_kept(values, lane, step, is_end, newest)
         return values

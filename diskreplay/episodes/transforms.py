@@ -19,18 +19,25 @@ from .returns import nstep_window
 from .source import RowSource
 
 
+def at_lanes(per_lane: np.ndarray, lane: np.ndarray) -> np.ndarray:
+    """``per_lane[lane]``: a scalar of shape () where there is one lane (it broadcasts like the
+    rows it stands for, without a gather)."""
+    values: np.ndarray = per_lane[0] if len(per_lane) == 1 else per_lane[lane]
+    return values
+
+
 def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray,
                       next_end: np.ndarray | None = None) -> np.ndarray:
     """The last readable step of the episode holding each step (its end, or the lane's newest).
     ``next_end``: `EpisodeIndex.next_end` of the steps, if the caller has it."""
     next_end = episodes.next_end(lane, step) if next_end is None else next_end
-    last: np.ndarray = np.minimum(next_end, hi[lane] - 1)
+    last: np.ndarray = np.minimum(next_end, at_lanes(hi, lane) - 1)
     return last
 
 
 def episode_first_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """The first readable step of the episode holding each step."""
-    first: np.ndarray = np.maximum(episodes.episode_start(lane, step), lo[lane])
+    first: np.ndarray = np.maximum(episodes.episode_start(lane, step), at_lanes(lo, lane))
     return first
 
 
@@ -177,16 +184,17 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
     the caller has it."""
     frames, width, derived = plan.frames, plan.width, plan.derived
     start, next_end = episodes.bounds(lane, step)
-    window = np.maximum(step[:, None] + plan.offsets, np.maximum(start, lo[lane])[:, None])
+    window = step[:, None] + plan.offsets
+    np.maximum(window, np.maximum(start, at_lanes(lo, lane))[:, None], out=window)
     kept = _NO_ROWS  # rows whose derived twins are not the following step's field
     if derived:
         last = episode_last_step(episodes, lane, step, view.window()[1] if hi is None else hi, next_end)
         np.minimum(window[:, frames], last, out=window[:, frames])
-        kept = (last == step).nonzero()[0]
+        kept = np.flatnonzero(last == step)
     windowed = plan.windowed
     rows = view.gather(lane.repeat(width), window.reshape(-1), windowed) if windowed else {}
     at_step = view.gather(lane, step, plan.apart) if plan.apart else {}
-    finals = view.kept_next(lane[kept], step[kept], derived) if len(kept) else {}
+    finals = view.kept_next(lane[kept], step[kept], derived, next_end[kept] == step[kept]) if len(kept) else {}
     out = {name: rows[name][frames - 1::width].copy() if name in plan.small else at_step[name]
            for name in plan.others}
     for name in plan.fields:

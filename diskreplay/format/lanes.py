@@ -56,6 +56,9 @@ class LaneLayout:
     def visible(self, lower: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the steps ``[max(lower, total - lane_capacity), total)`` that are readable
         once ``total`` steps were added and those below ``lower`` retired (``hi`` is ``total``)."""
+        if len(total) == 1:  # one lane: Python ints cost less than four array operations
+            added = int(total[0])
+            return np.array([min(max(int(lower[0]), self.oldest(added)), added)]), total
         return np.minimum(np.maximum(lower, self.oldest(total)), total), total
 
     def chunks_per_lane(self, total_steps: int = 0) -> int:
