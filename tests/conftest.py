@@ -11,7 +11,9 @@ import gc
 import logging
 import os
 import re
+import signal
 import sys
+import time
 import uuid
 
 import fsspec
@@ -202,6 +204,27 @@ def dir_snapshot(path: str) -> dict[str, bytes]:
             with open(full, "rb") as f:
                 out[os.path.relpath(full, path)] = f.read()
     return out
+
+
+def exit_code_in_fork(child, timeout_s: float = 30.0) -> int:
+    """Fork; the child exits 0 if ``child()`` returns True, else 1. The parent returns that code,
+    or fails the test (killing the child) when it has not exited within ``timeout_s``: the guard
+    against a child that waits forever."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 1
+        finally:
+            os._exit(code)
+    for _ in range(int(timeout_s / 0.05)):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child did not finish in {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager

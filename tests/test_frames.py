@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zarr
 import zstandard
+from conftest import exit_code_in_fork
 
 import diskreplay as dr
 from diskreplay.format import codecs
@@ -446,17 +447,5 @@ def test_a_forked_child_decodes_in_parts_on_threads_of_its_own(tmp_path):
     stamps = ids[:, None] >> np.array([0, 8, 16, 24]) & 255
     np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], stamps)
     reader.storage.row_reads.maps.forget(0, np.arange(32))  # the child maps (and decodes) every frame again
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if np.array_equal(reader.rows(ids)["obs"][:, 0, :4], stamps) else 1)
-    for _ in range(600):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child's read did not finish in 30 s")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code_in_fork(lambda: np.array_equal(reader.rows(ids)["obs"][:, 0, :4], stamps)) == 0
     reader.close()

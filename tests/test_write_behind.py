@@ -385,31 +385,69 @@ def test_reading_ahead_stores_exactly_what_loading_in_the_add_does(tmp_path, com
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_chunks_staged_before_their_reads_ahead_land_store_and_read_what_loading_in_the_add_does(
         tmp_path, monkeypatch, compression, lanes):
-    """Reads ahead slowed down (and every 4th failing) so that lanes stage chunks before their
-    stored rows land, which then follow: the files, and every row read every 11 adds, are those
-    of a writer that reads each chunk in the add that starts it."""
+    """Each read ahead held until the lane is past the chunk it reads (and every 4th failing),
+    so that lanes stage chunks before their stored rows land, which then follow: the files, and
+    every row read every 11 adds, are those of a writer that reads each chunk in the add that
+    starts it. Where the writer waits for a read, the reads started before go on at once."""
     def reads_every_11(seen: list[dict[str, np.ndarray]]) -> Callable[[int, dr.ReplayBuffer], None]:
         return lambda i, buf: seen.append(buf[buf.row_ids()]) if i % 11 == 10 else None
 
     want_seen: list[dict[str, np.ndarray]] = []
     want = go_round(str(tmp_path / "now"), 0, compression, lanes, reads_every_11(want_seen))
     want.close()
-    calls, landed = [0], [0]
-    read_rows, land = write_behind.read_rows, ring_reads.OldRows.land
+    adds, calls, landed, submitted, released = [0], [0], [0], [0], [0]
+    order: dict[tuple[int, int], int] = {}  # (lane, chunk) -> its read ahead's number
+    gate = threading.Condition()
+    read_rows, read_ahead, land = write_behind.read_rows, WriteBehind.read_ahead, ring_reads.OldRows.land
 
-    def slow(*args):
+    def counted_read_ahead(behind, io, lane, chunks, like):
+        for chunk in chunks:
+            if (lane, chunk) not in order:
+                submitted[0] += 1
+                order[(lane, chunk)] = submitted[0]
+        return read_ahead(behind, io, lane, chunks, like)
+
+    def held(io, lane, chunk, like, must_exist):
         calls[0] += 1
-        time.sleep(0.02)
-        if calls[0] % 4 == 0:
+        failing = calls[0] % 4 == 0
+        with gate:  # the lane is past the next chunk's first row (the timeout only guards against a hang)
+            until, number = adds[0] + CHUNK + 2, order.pop((lane, chunk), 0)
+            gate.wait_for(lambda: number <= released[0] or adds[0] >= until, timeout=30)
+        if failing:
             raise OSError("a read ahead failing")
-        return read_rows(*args)
-    monkeypatch.setattr(write_behind, "read_rows", slow)
-    monkeypatch.setattr(ring_reads.OldRows, "land", lambda old, cache, position: (
-        landed.__setitem__(0, landed[0] + 1), land(old, cache, position)))
-    got_seen: list[dict[str, np.ndarray]] = []
-    got = go_round(str(tmp_path / "later"), 1, compression, lanes, reads_every_11(got_seen))
+        return read_rows(io, lane, chunk, like, must_exist)
+
+    def releasing(wait_for_reads):
+        def run(*args, **kwargs):
+            with gate:
+                released[0] = submitted[0]  # every read asked for so far
+                gate.notify_all()
+            return wait_for_reads(*args, **kwargs)
+
+        return run
+
+    def counted_land(old, cache, position):
+        landed[0] += 1
+        return land(old, cache, position)
+
+    load = ring_reads.RingReads.load  # waits for a read ahead only for a chunk staged from a later row
+    monkeypatch.setattr(write_behind, "read_rows", held)
+    monkeypatch.setattr(WriteBehind, "read_ahead", counted_read_ahead)
+    monkeypatch.setattr(ring_reads.OldRows, "land", releasing(counted_land))
+    monkeypatch.setattr(ring_reads.RingReads, "load", lambda reads, lane, chunk, first, offset: (
+        releasing(load) if offset else load)(reads, lane, chunk, first, offset))
+    monkeypatch.setattr(WriteBehind, "close", releasing(WriteBehind.close))
+    record = reads_every_11(got_seen := [])
+
+    def after_add(i: int, buf: dr.ReplayBuffer) -> None:
+        with gate:
+            adds[0] = i + 1
+            gate.notify_all()
+        record(i, buf)
+
+    got = go_round(str(tmp_path / "later"), 1, compression, lanes, after_add)
     got.close()
-    assert landed[0] >= 5  # chunks staged before their read landed, then merged (some after the read failed)
+    assert landed[0] >= 3  # chunks staged before their read landed, then merged (5 to 50 seen per case)
     assert ({k: v for k, v in dir_snapshot(str(tmp_path / "later")).items() if OWN not in k}
             == {k: v for k, v in dir_snapshot(str(tmp_path / "now")).items() if OWN not in k})
     assert len(got_seen) == len(want_seen)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from ..format.codecs import Codec, checksum
 from ..format.config import BufferConfig
 from ..format.keys import chunk_key
 from ..io.store import ChunkStore, is_local
+from ..io.threads import Threads
 
 ChunkWrite = tuple[str, Codec, np.ndarray, bool]
 """``(key, codec, rows, fresh)``: a chunk to write; ``fresh``: no commit ever covered it."""
@@ -51,8 +51,8 @@ class ChunkIO:
         self.raw = all(codec.raw for codec in codecs.values())
         self.trailer = max((codec.trailer for codec in codecs.values()), default=0)
         self.threads = threads
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="diskreplay-io")
-        self.behind_pool: ThreadPoolExecutor | None = None
+        self.workers = Threads(threads, "diskreplay-io")
+        self.behind_workers = Threads(threads, "diskreplay-io-behind")
         self.unsynced: set[str] = set()
 
     def key(self, name: str, lane: int, chunk: int) -> str:
@@ -69,18 +69,13 @@ class ChunkIO:
         job costs about as much as writing a small chunk). Every job ends before this returns or
         raises: none writes on behind a failure. ``behind``: writes behind the appends, on threads
         of their own, so that reads meanwhile do not queue behind their encoding."""
-        pool = self._behind_pool() if behind else self.pool
+        pool = self.behind_workers if behind else self.workers
         batches = [work[k::self.threads] for k in range(min(self.threads, len(work)))]
         jobs = [pool.submit(self._put_batch, batch, durable) for batch in batches]
         for job in jobs:
             job.exception()
         for job in jobs:
             job.result()
-
-    def _behind_pool(self) -> ThreadPoolExecutor:
-        if self.behind_pool is None:
-            self.behind_pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="diskreplay-io-behind")
-        return self.behind_pool
 
     def _put_batch(self, work: list[ChunkWrite], durable: bool) -> None:
         for key, codec, rows, fresh in work:
@@ -96,7 +91,7 @@ class ChunkIO:
 
     def sync(self) -> None:
         """Make every chunk written without durability since the last sync durable."""
-        self.store.sync(self.unsynced, self.pool.map)
+        self.store.sync(self.unsynced, self.workers.map)
         self.unsynced = set()
 
     # ---- reads -----------------------------------------------------------------------------
@@ -110,7 +105,7 @@ class ChunkIO:
             found = [self._read_raw(key, rows) for key, _, rows in work]  # memcpy-bound: threads only add overhead
         else:
             blobs = self.store.get_many([key for key, _, _ in work])
-            found = list(self.pool.map(self._decode, work, blobs))
+            found = list(self.workers.map(self._decode, work, blobs))
         for (key, _, rows), ok in zip(work, found):
             if not ok:
                 if must_exist:
@@ -143,6 +138,5 @@ class ChunkIO:
         return True
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        if self.behind_pool is not None:
-            self.behind_pool.shutdown(wait=True)
+        self.workers.shutdown()
+        self.behind_workers.shutdown()

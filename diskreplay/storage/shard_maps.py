@@ -23,7 +23,6 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from ..errors import CorruptBufferError
 from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, decode_lz4_at
 from ..io.local import open_for_reading
 from ..io.store import ChunkStore
+from ..io.threads import Threads
 
 _CHUNK_BITS = 32
 PART_FRAMES = 64
@@ -97,8 +97,7 @@ class ShardMaps:
         self.store, self.chunk_key, self.chunk_rows = store, chunk_key, chunk_rows
         self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
-        self.pool: ThreadPoolExecutor | None = None
-        self.pool_pid = -1
+        self.workers = Threads(threads - 1, "diskreplay-decode")
         self.open: OrderedDict[tuple[str, int, int], _Shard] = OrderedDict()
         self.spans = {name: _Spans(chunk_rows // int(codec.inner_rows or 1)) for name, codec in codecs.items()}
 
@@ -160,11 +159,8 @@ class ShardMaps:
         parts = min(self.threads, count // PART_FRAMES)
         if parts <= 1:
             return decode(slice(None))
-        if self.pool is None or self.pool_pid != os.getpid():  # a forked child has none of the threads
-            self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="diskreplay-decode")
-            self.pool_pid = os.getpid()
         cuts = [count * k // parts for k in range(parts + 1)]
-        others = [self.pool.submit(decode, slice(lo, hi)) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        others = [self.workers.submit(decode, slice(lo, hi)) for lo, hi in zip(cuts[1:-1], cuts[2:])]
         try:
             decode(slice(0, cuts[1]))
         finally:
@@ -262,6 +258,4 @@ class ShardMaps:
     def close(self) -> None:
         while self.open:
             self._close(*self.open.popitem())
-        if self.pool is not None and self.pool_pid == os.getpid():
-            self.pool.shutdown()
-        self.pool = None
+        self.workers.shutdown()

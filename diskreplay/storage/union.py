@@ -11,7 +11,6 @@ The union's commit record is composed from the shards' (`compose`); each shard k
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
@@ -19,6 +18,7 @@ import numpy as np
 from ..errors import ClosedError, ReadOnlyError
 from ..format.commit import CommitRecord
 from ..format.lanes import LaneLayout
+from ..io.threads import Threads
 from .commit_log import CommitLog
 from .cursors import Cursors
 
@@ -43,7 +43,7 @@ class UnionLog:
         self.record = compose([log.record for log in self.logs])
         self.cursors = Cursors(layout, self.record.committed.copy(), self.record.lower.copy(), frozen=True)
         self.closed = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads = Threads(min(len(self.logs), 16), "diskreplay-logs")
 
     def require_writable(self) -> None:
         """Always raises: ClosedError, or ReadOnlyError (each shard has its own writer)."""
@@ -62,9 +62,7 @@ class UnionLog:
         logs = self.logs if logs is None else logs
         if self.logs[0].store.supports_mmap or len(logs) < 2:
             return [call(log) for log in logs]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(len(self.logs), 16), thread_name_prefix="diskreplay-logs")
-        return list(self._pool.map(call, logs))
+        return list(self._threads.map(call, logs))
 
     def with_shards(self, records: Mapping[int, CommitRecord]) -> CommitRecord:
         """The union's record once shard ``s`` shows ``records[s]`` (the others as now)."""
@@ -77,7 +75,6 @@ class UnionLog:
 
     def close(self) -> None:
         self.closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._threads.shutdown()
         for log in self.logs:
             log.close()

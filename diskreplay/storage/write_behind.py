@@ -16,11 +16,12 @@ not waited for either (`diskreplay.storage.ring_reads`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 
 import numpy as np
 
+from ..io.threads import Threads
 from .chunk_io import ChunkIO
 
 Sealed = tuple[int, int, int]
@@ -39,10 +40,10 @@ class WriteBehind:
     """The background threads of one writer: the batch it is writing, and its reads ahead."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._writer = Threads(1, "diskreplay-write-behind")
         self._job: Future[None] | None = None
         self.in_flight: list[Sealed] = []
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader = Threads(1, "diskreplay-read-ahead")
         self._reads: dict[tuple[int, int], Future[Rows]] = {}  # (lane, chunk): its rows read ahead
 
     @property
@@ -57,10 +58,8 @@ class WriteBehind:
     def start(self, chunks: list[Sealed], write: Callable[[], None]) -> None:
         """Run ``write`` (which writes ``chunks``) on the background thread. Not while `busy`."""
         assert self._job is None, "a batch is in flight"
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-write-behind")
         self.in_flight = chunks
-        self._job = self._pool.submit(write)
+        self._job = self._writer.submit(write)
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the batch in flight to end (it is not taken back)."""
@@ -71,8 +70,6 @@ class WriteBehind:
         """Read stored chunks' rows (``chunks``: chunk -> whether its file must exist) into new
         arrays shaped as ``like`` (every field) on the read-ahead thread (`ChunkIO.read`), those
         not read ahead already; the lane's other reads ahead are dropped."""
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskreplay-read-ahead")
         self.forget_reads(lane, [c for ln, c in self._reads if ln == lane and c not in chunks])
         for chunk, must_exist in chunks.items():
             if (lane, chunk) not in self._reads:
@@ -102,7 +99,5 @@ class WriteBehind:
         """Wait for the batch in flight (its outcome is dropped) and end the thread."""
         self.finish(wait=True)
         self._reads.clear()
-        for pool in (self._pool, self._reader):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._pool = self._reader = None
+        self._writer.shutdown()
+        self._reader.shutdown()
