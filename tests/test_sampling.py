@@ -709,9 +709,9 @@ def test_sample_batches_refuse_what_they_do_not_draw(tmp_path):
     extend(buf, 20)
     gens = [np.random.default_rng(i) for i in range(3)]
     cases = [
-        ({"count": 0}, "count must be a positive int, got 0"),
-        ({"count": True}, "count must be a positive int, got True"),
-        ({"count": 2.0}, "count must be a positive int, got 2.0"),
+        ({"count": 0}, "count must be an int >= 1, got 0"),
+        ({"count": True}, "count must be an int >= 1, got True"),
+        ({"count": 2.0}, "count must be an int >= 1, got 2.0"),
         ({"count": 2, "rngs": gens}, r"rngs: expected 2 generators \(one per batch\), got 3"),
         ({"count": 3, "rngs": gens, "seed": 1}, "pass it without seed= or rng="),
         ({"count": 2, "n_step": 3}, "n_step: plain transitions only here; sample"),

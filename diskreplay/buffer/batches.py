@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from ..checks import check_int
 from ..episodes import HER, RowView, transforms
 from ..errors import EmptyBufferError
 from ..format.lanes import is_empty, row_ids
@@ -261,7 +262,7 @@ def check_out(out: Mapping[str, np.ndarray], count: int, fields: Mapping[str, Fi
 def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") -> None:
     """Raise ValueError for a batch size that is not a positive int or whose rows could not fit
     in this machine's memory (before anything is allocated)."""
-    check_positive_int(batch_size, name)
+    check_int(batch_size, name, 1)
     need = int(batch_size) * (row_bytes + 8)
     memory = physical_memory()
     if need > memory:
@@ -301,8 +302,3 @@ def _sampling_options(sampler_type: type[Sampler]) -> tuple[str, ...] | None:
         return None
     return tuple(p.name for p in params)
 
-
-def check_positive_int(value: Any, name: str) -> None:
-    """Raise ValueError naming ``name`` unless ``value`` is an int > 0 (bools are not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..checks import check_int
 from ..errors import CorruptBufferError, RateLimitTimeout
 from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY, objects_prefix
@@ -62,8 +63,7 @@ class RateLimiter:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"RateLimiter: {name} must be a finite number > 0, got {value!r}")
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 1:
-            raise ValueError(f"RateLimiter: min_size must be an int >= 1, got {self.min_size!r}")
+        check_int(self.min_size, "RateLimiter: min_size", 1)
 
     def sample_allowed(self, inserts: int, samples: int, count: int) -> bool:
         """Whether a learner that sampled ``samples`` rows of ``inserts`` may sample ``count`` more."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..episodes import HER, EpisodeTable, EpisodicReturn, row_view
 from ..errors import ClosedError, NotABufferError
 from ..format.lanes import LaneLayout, row_ids
@@ -24,7 +25,6 @@ from .batches import (
     call_generator,
     check_batch_size,
     check_out,
-    check_positive_int,
     plain_request,
     split_batches,
     takes_priorities,
@@ -471,7 +471,7 @@ class ReplayBuffer:
         convert = output_converter(format)
         row_bytes = self.view.schema.row_bytes
         check_batch_size(batch_size, row_bytes)
-        check_positive_int(count, "count")
+        check_int(count, "count", 1)
         size, count = int(batch_size), int(count)
         check_batch_size(size * count, row_bytes, "batch_size * count")
         generators = batch_generators(count, rngs, seed, rng, self.rng)
@@ -566,8 +566,7 @@ class ReplayBuffer:
         rows of the ``n`` highest row ids (the newest steps, lanes side by side).
 
         Raises ValueError for ``n`` that is not an int >= 0; ClosedError."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        check_int(n, "n", 0)
         self._require_open()
         ids = newest_ids(*self.storage.window(), int(n), self.num_envs)
         return {**self.rows(ids), "index": ids}

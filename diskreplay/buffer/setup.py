@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..episodes import EpisodicReturn, derived_next_fields, episode_end_fields
 from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, SchemaError
 from ..format import keys
@@ -104,11 +105,8 @@ def check_open_options(io_threads: Any, memory_map: Any, retry: Any, storage_opt
 
 def lane_capacity_of(capacity: int | None, num_envs: int, chunk_rows: int) -> int | None:
     """Steps per lane of a ring of ``capacity`` rows (None: a dataset). Raises ValueError."""
-    if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or not 1 <= num_envs <= MAX_LANES:
-        raise ValueError(f"num_envs must be an int in [1, {MAX_LANES}], got {num_envs!r}")
-    if (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))
-            or not 1 <= chunk_rows <= MAX_CHUNK_ROWS):
-        raise ValueError(f"chunk_rows must be an int in [1, {MAX_CHUNK_ROWS}], got {chunk_rows!r}")
+    check_int(num_envs, "num_envs", 1, MAX_LANES)
+    check_int(chunk_rows, "chunk_rows", 1, MAX_CHUNK_ROWS)
     if capacity is None:
         return None
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:

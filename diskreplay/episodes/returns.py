@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ..checks import check_int
+
 __all__ = [
     "discount_cumsum",
     "gae_advantages",
@@ -54,12 +56,8 @@ def _check_unit_interval(name: str, value: Any) -> float:
 
 
 def _check_n(n: Any) -> int:
-    """Return ``n`` as an int, or raise ValueError unless it is an integer >= 1."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    return int(n)
+    """Return ``n`` as an int, or raise ValueError unless it is an int >= 1 (`check_int`)."""
+    return check_int(n, "n", 1)
 
 
 def _time_major(name: str, x: ArrayLike) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_int
 from ..format.schema import Field, Schema
 from .derived import RowView
 from .index import EpisodeIndex
@@ -58,8 +59,7 @@ def nstep(rows_from: RowSource, episodes: EpisodeIndex, lane: np.ndarray, step: 
     ``left_out`` taken at step t+k-1, and ``discount`` = gamma^k * (1 - terminated[t+k-1]): a
     time-limit truncation bootstraps, a termination does not.
     """
-    if not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n_step must be an int >= 1, got {n!r}")
+    check_int(n, "n_step", 1)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
     schema = rows_from.schema
@@ -119,8 +119,7 @@ def frame_stack(view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: n
 
 def check_stack(frames: object) -> None:
     """Raise ValueError unless ``frames`` (a stack's length) is an int >= 1."""
-    if not isinstance(frames, (int, np.integer)) or frames < 1:
-        raise ValueError(f"stack must be an int >= 1, got {frames!r}")
+    check_int(frames, "stack", 1)
 
 
 @dataclass(frozen=True)
@@ -263,8 +262,7 @@ class HER:
     def __post_init__(self) -> None:
         if self.strategy not in ("future", "final", "episode"):
             raise ValueError(f"HER strategy must be 'future', 'final' or 'episode', got {self.strategy!r}")
-        if not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"HER k must be an int >= 0, got {self.k!r}")
+        check_int(self.k, "HER k", 0)
         if self.unfinished not in UNFINISHED:
             raise ValueError(f"HER unfinished must be 'skip' (leave rows of episodes that have not ended as "
                              f"stored) or 'newest' (relabel them up to their newest step), got {self.unfinished!r}")

@@ -24,6 +24,7 @@ import zarr.codecs
 import zstandard
 from numcodecs import blosc
 
+from ..checks import check_int
 from .schema import Field
 
 COMPRESSIONS = (None, "zstd", "lz4")
@@ -75,8 +76,7 @@ class Codec:
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
-        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)) or not 0 <= self.level <= 22:
-            raise ValueError(f"compression_level must be an int in [0, 22], got {self.level!r}")
+        check_int(self.level, "compression_level", 0, 22)
         if self.inner_rows is not None and (self.compression is None or not self.checksum):
             raise ValueError("sharded chunks are written compressed and checksummed")
 

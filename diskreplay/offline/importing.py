@@ -63,9 +63,8 @@ import socket
 import time
 from typing import Any
 
-import numpy as np
-
 from ..buffer import ReplayBuffer
+from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
 from ..io import open_chunkstore
@@ -111,8 +110,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
             and not installed.
     """
     src, dest = os.fspath(src), os.fspath(dest)
-    if not isinstance(batch_rows, (int, np.integer)) or batch_rows < 1:
-        raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+    check_int(batch_rows, "batch_rows", 1)
     require_source(src)
     fmt = format or detect_format(src)
     with open_source(fmt, src, int(batch_rows)) as source:

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..checks import check_int
 from ..errors import EmptyBufferError
 from ..format.lanes import flat_to_lane_step
 from .protocols import Draw, Sampler
@@ -42,8 +43,7 @@ class SliceSampler:
 
     def __init__(self, base: Sampler, episodes: EpisodeBounds, seq_len: int, pad: bool = False) -> None:
         """Raises ValueError unless ``seq_len`` is a positive int."""
-        if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        check_int(seq_len, "seq_len", 1)
         self.base = base
         self.episodes = episodes
         self.seq_len = seq_len

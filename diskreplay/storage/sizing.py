@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import check_int
 from ..format.lanes import LaneLayout
 from ..format.schema import Schema
 from .cache import ChunkCache
@@ -55,8 +56,7 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
     Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
     """
     chunk_bytes = layout.chunk_rows * schema.row_bytes
-    if not isinstance(cache_bytes, (int, np.integer)) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    check_int(cache_bytes, "cache_bytes", 0)
     need = 2 * layout.num_envs + 2 if writer else 1
     if writer and need * chunk_bytes > cache_bytes:
         raise ValueError(f"cache_bytes={cache_bytes:,} is too small for a writer: staging needs {need} chunks "

@@ -46,6 +46,7 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..buffer.batches import BATCH_EXTRAS
+from ..checks import check_int
 from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
 from .datasets import EpochDataset, SampleDataset, batches_per_block
@@ -118,10 +119,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     """
     if mode not in ("sample", "epoch"):
         raise ValueError(f"mode must be 'sample' or 'epoch', got {mode!r}")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int(batch_size, "batch_size", 1)
+    check_int(seed, "seed", 0)
     rank, world_size = resolve_rank(rank, world_size)
     buf, opened = _as_buffer(buf, storage_options)
     try:
@@ -137,8 +136,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
                                  refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict), block)
         shuffle = _shuffle_name(shuffle)
-        if not isinstance(shuffle_window, (int, np.integer)) or shuffle_window < 1:
-            raise ValueError(f"shuffle_window must be a positive int, got {shuffle_window!r}")
+        check_int(shuffle_window, "shuffle_window", 1)
         if shuffle == "block":
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import check_int
 from .formats import Key, from_leaves, is_tensordict, leaves_of
 
 
@@ -107,8 +108,7 @@ class DevicePrefetcher:
 
     def __init__(self, iterable: Iterable[Any], device: str | torch.device = "cuda",
                  prefetch: int = 2, pin_memory: bool | None = None, state_source: Any = None):
-        if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        check_int(prefetch, "prefetch", 0)
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if cuda and not torch.cuda.is_available():

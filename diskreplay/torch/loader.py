@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch.utils.data as tud
 
+from ..checks import check_int
 from .datasets import BlockPlan, EpochDataset, SampleDataset
 from .formats import to_tensordict
 from .tensors import Block
@@ -54,12 +54,9 @@ class Loader:
         if not isinstance(dataset, (SampleDataset, EpochDataset)):
             raise TypeError(f"dataset: expected a SampleDataset or EpochDataset (make_dataset), "
                             f"got {type(dataset).__name__}")
-        for name, value, least in (("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        self.dataset, self.num_workers = dataset, int(num_workers)
-        self._options = {"prefetch_factor": int(prefetch_factor), "timeout": timeout, "worker_init_fn": worker_init_fn,
-                         "multiprocessing_context": multiprocessing_context}
+        self.dataset, self.num_workers = dataset, check_int(num_workers, "num_workers", 0)
+        self._options = {"prefetch_factor": check_int(prefetch_factor, "prefetch_factor", 1), "timeout": timeout,
+                         "worker_init_fn": worker_init_fn, "multiprocessing_context": multiprocessing_context}
         state = dataset.state_dict()
         if state["num_workers"] != 1 and (isinstance(dataset, SampleDataset) or state["batch"]):
             raise ValueError(f"the dataset holds the position of worker {state['worker']} of {state['num_workers']}: "

@@ -12,6 +12,7 @@ import torch
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
+from ..checks import check_int
 from ..sampling import Uniform
 from .epoch_order import Shard
 
@@ -30,8 +31,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if not (isinstance(world_size, (int, np.integer)) and world_size >= 1):
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int(world_size, "world_size", 1)
     if not (isinstance(rank, (int, np.integer)) and 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     return int(rank), int(world_size)

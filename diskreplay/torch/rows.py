@@ -12,6 +12,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from ..buffer import ReplayBuffer
+from ..checks import check_int
 from ..errors import EmptyBufferError
 from ..format.lanes import is_empty, row_ids, split_row_ids
 from .formats import tensordict_class, to_tensordict
@@ -52,8 +53,7 @@ class IndexBatchSampler(tud.Sampler):
 
     def __init__(self, buf: ReplayBuffer, batch_size: int, *, seed: int = 0, num_batches: int | None = None,
                  guard_rows: int = 0, sample_options: dict[str, Any] | None = None):
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_int(batch_size, "batch_size", 1)
         if num_batches is not None and num_batches < 1:
             raise ValueError(f"num_batches must be None or >= 1, got {num_batches!r}")
         self.buf = buf

@@ -38,6 +38,7 @@ from tensordict import is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
 from ..buffer import ReplayBuffer
+from ..checks import check_int
 from ..errors import NotABufferError
 from ..format.schema import Field
 from .formats import key_to_name, to_tensordict
@@ -65,9 +66,7 @@ class ZarrStorage(Storage):  # type: ignore[misc]  # torchrl is untyped
 
     def __init__(self, max_size: int, url: str | os.PathLike[str], *, overwrite: bool = False,
                  **create_options: Any):
-        if isinstance(max_size, bool) or not isinstance(max_size, (int, np.integer)) or max_size < 1:
-            raise ValueError(f"max_size must be an int >= 1, got {max_size!r}")
-        super().__init__(int(max_size))
+        super().__init__(check_int(max_size, "max_size", 1))
         self.url = os.fspath(url)
         self.device = torch.device("cpu")
         self._overwrite = overwrite
