@@ -69,9 +69,9 @@ class ChunkIO:
         job costs about as much as writing a small chunk). Every job ends before this returns or
         raises: none writes on behind a failure. ``behind``: writes behind the appends, on threads
         of their own, so that reads meanwhile do not queue behind their encoding."""
-        pool = self.behind_workers if behind else self.workers
+        workers = self.behind_workers if behind else self.workers
         batches = [work[k::self.threads] for k in range(min(self.threads, len(work)))]
-        jobs = [pool.submit(self._put_batch, batch, durable) for batch in batches]
+        jobs = [workers.submit(self._put_batch, batch, durable) for batch in batches]
         for job in jobs:
             job.exception()
         for job in jobs:
