@@ -722,8 +722,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, help="sampling repeats (default 7; quick 5)")
     p.add_argument("--batches", type=int, help="batches per sampling repeat (default 300; quick 200)")
     p.add_argument("--warm", type=int, help="untimed batches per sampler first (default 500; quick 200)")
-    p.add_argument("--slow-batches", type=int, default=10, help="batches per repeat of the default-cache "
-                   "compressed sampling (default 10)")
+    p.add_argument("--slow-batches", type=int, default=50, help="batches per repeat of the default-cache "
+                   "compressed sampling (default 50: codec work swings with the load of a shared host)")
     p.add_argument("--slow-warm", type=int, default=200, help="untimed batches before it (default 200: the shard "
                    "files mapped, the inner chunks read before checked, as in a run under way)")
     p.add_argument("--extend-repeats", type=int, help="extend repeats (default 1; quick 2)")
