@@ -74,6 +74,7 @@ class RowView:
         self.returns = returns
         self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
                           for twin in derived}
+        self._pairs: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, ...] | None] = {}
 
     @property
     def layout(self) -> LaneLayout:
@@ -145,11 +146,13 @@ class RowView:
     def _paired(self, stored: tuple[str, ...], bases: tuple[str, ...]) -> tuple[str, ...] | None:
         """The fields one gather reads at the steps and the following steps, when every base is
         among ``stored``: the bases and the stored fields of at most `PAIRED_ROW_BYTES` per row
-        (reading their following rows too costs less than a gather of their own); else None."""
-        if not set(bases).issubset(stored):
-            return None
-        return tuple(name for name in stored
-                     if name in bases or self.schema[name].row_bytes <= PAIRED_ROW_BYTES)
+        (reading their following rows too costs less than a gather of their own); else None.
+        Remembered per ``(stored, bases)``."""
+        key = (stored, bases)
+        if key not in self._pairs:
+            self._pairs[key] = None if not set(bases).issubset(stored) else tuple(
+                name for name in stored if name in bases or self.schema[name].row_bytes <= PAIRED_ROW_BYTES)
+        return self._pairs[key]
 
     def kept_next(self, lane: np.ndarray, step: np.ndarray, twins: tuple[str, ...],
                   is_end: np.ndarray | None = None) -> dict[str, np.ndarray]:
