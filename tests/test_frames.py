@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import lz4.block
 import numpy as np
@@ -188,7 +189,32 @@ def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
         codec.decode_inner(huge + checksum(huge), out)
 
 
-def test_a_damaged_frame_among_many_is_named(tmp_path):
+@pytest.fixture(params=["batch", "one by one"])
+def checksum_path(request, monkeypatch) -> str:
+    """Checksums checked by the `_batch` extension (a batch's in one call), then without it."""
+    if request.param == "batch" and codecs._batch is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    if request.param == "one by one":
+        monkeypatch.setattr(codecs, "_batch", None)
+    return request.param
+
+
+def test_first_bad_checksum_finds_the_first_body_whose_crc32c_differs(checksum_path):
+    bodies = [bytes([k]) * (100 + k) for k in range(5)]
+    blobs = [body + checksum(body) for body in bodies]
+    blobs[2] = blobs[2][:-1] + bytes([blobs[2][-1] ^ 1])
+    blobs[4] = b"x" + blobs[4][1:]
+    data = [np.frombuffer(blob, np.uint8) for blob in blobs]
+    sources = np.array([d.ctypes.data for d in data], np.int64)
+    sizes = np.array([len(b) for b in bodies], np.int64)
+    assert codecs.first_bad_checksum(sources, sizes) == 2
+    assert codecs.first_bad_checksum(sources[[0, 1, 3]], sizes[[0, 1, 3]]) == -1
+    assert codecs.first_bad_checksum(sources[[3, 4]], sizes[[3, 4]]) == 1
+    assert codecs.first_bad_checksum(sources[:0], sizes[:0]) == -1
+
+
+def test_a_damaged_frame_among_many_is_named(tmp_path, checksum_path):
     """Many frames decode in one call; the damaged one is still named by its chunk."""
     url = str(tmp_path / "z")
     with make(url, "zstd", lanes=1) as buf:
@@ -207,26 +233,31 @@ def test_a_blosc_frame_claiming_fewer_bytes_is_refused():
         codec.decode_bodies([memoryview(short)], np.empty((1, 32, 32), np.uint8))
 
 
-@pytest.mark.parametrize("compression", ["zstd", "lz4"])
-def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, compression):
-    """A reader keeps shard files mapped; after the writer rewrites them (a wrapping ring) and
-    the reader refreshes, it reads the new frames. Past its budget the oldest maps are closed."""
+def full_ring_and_reader(tmp_path, compression: str) -> tuple[dr.ReplayBuffer, dr.ReplayBuffer]:
+    """A one-lane ring of 1,000 frames, full and flushed, and a reader whose cache holds 64 KiB."""
     url = str(tmp_path / "z")
     writer = make(url, compression, capacity=1000, lanes=1)
     fill(writer, 1000, 1)
     writer.flush()
-    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    return writer, dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, compression):
+    """A reader keeps shard files mapped; after the writer rewrites them (a wrapping ring) and
+    the reader refreshes, it reads the new frames. Past its budget the oldest maps are closed."""
+    writer, reader = full_ring_and_reader(tmp_path, compression)
     maps = reader.storage.row_reads.maps
     maps.budget = 5
     for _ in range(3):
         ids = reader.row_ids()
         np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
-        assert len(maps.open) == 5
+        assert maps.maps == 5
     spans = maps.spans["obs"]  # closed maps give their slots back: 5 held of the 8 first made
     assert len(spans.address) == 8 and len(spans.free) == 3
     maps.budget = 100
     reader.rows(reader.row_ids())
-    assert len(maps.open) == 1000 // 64 + 1
+    assert maps.maps == 1000 // 64 + 1
     fill(writer, 700, 1, start=1000)
     writer.flush()
     reader.refresh()
@@ -237,12 +268,27 @@ def test_mapped_shards_follow_the_writer_and_stay_within_their_budget(tmp_path, 
     np.testing.assert_array_equal(writer.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
 
 
+def test_past_the_map_budget_the_least_recently_read_shards_are_closed(tmp_path):
+    writer, reader = full_ring_and_reader(tmp_path, "lz4")
+    maps = reader.storage.row_reads.maps
+    maps.budget = 3
+
+    def mapped() -> list[int]:
+        return np.flatnonzero(maps.spans["obs"].slot_at[0] >= 0).tolist()
+    for chunk in (0, 1, 2, 0, 3):  # chunk 1, read least recently, goes when chunk 3 needs room
+        ids = np.array([64 * chunk + 5])
+        assert reader.rows(ids)["obs"][0, 0, 0] == ids[0] & 255
+    assert mapped() == [0, 2, 3] and maps.maps == 3
+    reader.rows(np.array([64 * 4, 64 * 5 + 1, 64 * 4 + 2]))  # two new chunks in one read: the two oldest go
+    assert mapped() == [3, 4, 5]
+    reader.storage.row_reads.forget(0, np.array([4, 7]))
+    assert mapped() == [3, 5] and maps.maps == 2
+    reader.close()
+    assert maps.maps == 0 and not maps.spans["obs"].holding.any()
+
+
 def test_a_ring_reader_reading_frames_the_writer_replaced_gets_stale_read_error(tmp_path):
-    url = str(tmp_path / "z")
-    writer = make(url, "zstd", capacity=1000, lanes=1)
-    fill(writer, 1000, 1)
-    writer.flush()
-    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    writer, reader = full_ring_and_reader(tmp_path, "zstd")
     old = reader.row_ids()[:64]
     fill(writer, 300, 1, start=1000)
     writer.flush()
@@ -282,12 +328,27 @@ def test_a_shard_layout_diskreplay_does_not_write_is_refused(tmp_path, change, m
         dr.ReplayBuffer.open(url, "r")
 
 
-@pytest.fixture(params=["into rows", "python-lz4"])
+@pytest.fixture(params=["batch", "into rows", "python-lz4"])
 def lz4_decodes(request, monkeypatch) -> list[int]:
-    """The LZ4 fast path's two decoders, each in turn: python-lz4's LZ4_decompress_safe through
-    ctypes (straight into the rows), and python-lz4's decompress (where the extension does not
-    export it). Counts the blocks it decodes (the rest go through blosc)."""
+    """The LZ4 fast path's three decoders, each in turn: the `_batch` extension (a part of a
+    batch in one call, without the GIL), python-lz4's LZ4_decompress_safe through ctypes, one call
+    per block (where the extension was not built), both straight into the rows; and python-lz4's
+    decompress (where python-lz4 does not export LZ4_decompress_safe). Counts the blocks it
+    decodes (the rest go through blosc)."""
     calls = []
+    if request.param == "batch":
+        batch = codecs._batch
+        if batch is None:
+            assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+            pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+
+        def counted_batch(decoder, sources, sizes, targets, width):
+            calls.extend([width] * len(sources))
+            return batch.decode_lz4(decoder, sources, sizes, targets, width)
+        monkeypatch.setattr(codecs, "_batch", SimpleNamespace(decode_lz4=counted_batch,
+                                                              first_bad_checksum=batch.first_bad_checksum))
+        return calls
+    monkeypatch.setattr(codecs, "_batch", None)
     if request.param == "into rows":
         decode = codecs._LZ4_DECODE
         assert decode is not None  # python-lz4's Linux wheels export it: the path is tested here
@@ -333,6 +394,34 @@ def test_lz4_rows_outside_the_output_are_refused():
     with pytest.raises(IndexError, match=r"rows 0..2 outside the 2 rows decoded into"):
         source = np.frombuffer(block, np.uint8)
         codecs.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
+
+
+def test_lz4_batch_decode_stops_at_the_first_bad_block():
+    """The extension's own contract: blocks decoded (a block as long as a row copied) until the
+    first that does not decode to a row, which it names with the decoder's result."""
+    batch = codecs._batch
+    if batch is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    rows = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) // 8
+    blocks = [lz4.block.compress(rows[0].tobytes(), store_size=False), rows[1].tobytes(),
+              b"\xff" * 9, lz4.block.compress(rows[3].tobytes(), store_size=False)]
+    data = [np.frombuffer(block, np.uint8) for block in blocks]
+    sources = np.array([d.ctypes.data for d in data], np.int64)
+    sizes = np.array([len(b) for b in blocks], np.int64)
+    out = np.zeros_like(rows)
+    targets = out.ctypes.data + np.arange(4, dtype=np.int64) * 64
+    failed, code = batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 64)
+    assert failed == 2 and code < 0
+    np.testing.assert_array_equal(out[:2], rows[:2])
+    assert not out[3].any()  # not reached
+    assert batch.decode_lz4(codecs._LZ4_ADDRESS, sources[[0, 1, 3]], sizes[[0, 1, 3]], targets[[0, 1, 3]],
+                               64) == (-1, 0)
+    np.testing.assert_array_equal(out[[0, 1, 3]], rows[[0, 1, 3]])
+    with pytest.raises(ValueError, match="sizes must hold one int64 per block"):
+        batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes[:3], targets, 64)
+    with pytest.raises(ValueError, match=r"needs a decoder and a row width in \[1, 2\*\*31 - 1\]"):
+        batch.decode_lz4(0, sources, sizes, targets, 64)
 
 
 @pytest.mark.parametrize("chunk", [3, 25])

@@ -36,8 +36,9 @@ Measured:
    stack_compress buffer (32, 84, 84, 4); TorchRL has no frame stacking: plain sample(32), noted;
 5. the gather of only the distinct frames such a batch needs (per drawn step t: t-3..t clamped to
    the episode start, and t+1), through ``buf.view.gather(lane, step, ("obs",))`` with the draws
-   made beforehand: the floor that ``stack=4`` is compared with; also the public ``buf[row_ids]``
-   of those rows (all fields, next_obs derived);
+   made beforehand, a fresh one for every batch (as ``stack=4`` reads frames no batch read
+   before): the floor that ``stack=4`` is compared with; also the public ``buf[row_ids]`` of
+   those rows (all fields, next_obs derived);
 6. single ``add`` latency into the FULL ring: ``--adds`` calls (default 20,000) per contestant in
    4 interleaved rounds, each call timed: p50, p99, p99.9, max. diskreplay is not flushed in the
    loop: it writes each chunk as it fills;
@@ -453,7 +454,7 @@ def bench_stack(live: Live, readers: dict[str, dr.ReplayBuffer], frames: Frames,
     res["cpprb_stack_build"] = time.perf_counter() - start
     log(f"[5/6] cpprb stack_compress buffer built in {res['cpprb_stack_build']:.1f} s (stacks generated included)")
     rng = np.random.default_rng(2)
-    draws = distinct_draws(b[DR_RAW], rng, 64, 32)
+    draws = distinct_draws(b[DR_RAW], rng, args.warm + args.repeats * args.batches, 32)
     res["distinct_frames"] = float(np.mean([len(d[2]) for d in draws]))
     cursor = {"raw": 0, "pub": 0}
 

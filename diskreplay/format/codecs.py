@@ -27,6 +27,11 @@ from numcodecs import blosc
 from ..checks import check_int
 from .schema import Field
 
+try:
+    from . import _batch  # type: ignore[attr-defined]  # built from _batch.c where a C compiler was found
+except ImportError:
+    _batch = None
+
 COMPRESSIONS = (None, "zstd", "lz4")
 CHECKSUM_BYTES = 4
 ROW_ACCESS_BYTES = 1 << 10
@@ -343,19 +348,62 @@ def _lz4_blocks(data: np.ndarray, begin: np.ndarray, length: np.ndarray, size: i
 def decode_lz4_at(sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
     """The LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]`` decoded straight into
     ``flat[rows[i]]`` (C-contiguous uint8 rows) by `_LZ4_DECODE`, which never reads or writes past
-    the spans it is given; a block as long as a row is the row's bytes. The caller keeps the
-    sources mapped. Raises ValueError for a block that does not decode to a row, IndexError for
-    rows outside ``flat``."""
+    the spans it is given; a block as long as a row is the row's bytes. All in one call that
+    releases the GIL where the `_batch` extension was built, else one call per block. The caller
+    keeps the sources mapped. Raises ValueError for a block that does not decode to a row,
+    IndexError for rows outside ``flat``."""
     assert _LZ4_DECODE is not None and flat.flags.c_contiguous
     if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
         raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
     width = flat.shape[1]
     targets = flat.ctypes.data + rows.astype(np.int64) * width
-    for source, target, size in zip(sources.tolist(), targets.tolist(), sizes.tolist()):
+    if _batch is not None:
+        failed, code = _batch.decode_lz4(_LZ4_ADDRESS, sources.astype(np.int64), sizes.astype(np.int64), targets, width)
+    else:
+        failed, code = _decode_one_by_one(sources, sizes, targets, width)
+    if failed >= 0:
+        raise ValueError(f"LZ4 block: malformed, or decodes to other than {width} bytes (code {code})")
+
+
+def _decode_one_by_one(sources: np.ndarray, sizes: np.ndarray, targets: np.ndarray, width: int) -> tuple[int, int]:
+    """`decode_lz4_at`'s loop in Python: ``(-1, 0)``, or the first block that does not decode to
+    ``width`` bytes and the decoder's result for it."""
+    assert _LZ4_DECODE is not None
+    for i, (source, target, size) in enumerate(zip(sources.tolist(), targets.tolist(), sizes.tolist())):
         if size == width:
             ctypes.memmove(target, source, width)
         elif (decoded := _LZ4_DECODE(source, target, size, width)) != width:
-            raise ValueError(f"LZ4 block: malformed, or decodes to other than {width} bytes (code {decoded})")
+            return i, decoded
+    return -1, 0
+
+
+def first_bad_checksum(sources: np.ndarray, sizes: np.ndarray) -> int:
+    """The first of the bodies of ``sizes[i]`` bytes at addresses ``sources[i]`` whose CRC32C is
+    not the 4 bytes that follow it (as zarr's ``crc32c`` codec stores it), or -1 when all match.
+    In one call that releases the GIL where the `_batch` extension was built, else one call per
+    body. The caller keeps the spans mapped and vouches for them."""
+    if _batch is not None and _CRC32C_ADDRESS is not None:
+        found: int = _batch.first_bad_checksum(_CRC32C_ADDRESS, sources.astype(np.int64), sizes.astype(np.int64))
+        return found
+    for i, (source, size) in enumerate(zip(sources.tolist(), sizes.tolist())):
+        blob = ctypes.string_at(source, size + CHECKSUM_BYTES)
+        if checksum(blob[:size]) != blob[size:]:
+            return i
+    return -1
+
+
+def _crc32c_address() -> int | None:
+    """The address of google-crc32c's ``crc32c_value(data, count)`` (for `_batch`), or None
+    where its C extension is not there."""
+    try:
+        from google_crc32c import _crc32c
+        address: int | None = ctypes.cast(ctypes.CDLL(_crc32c.__file__).crc32c_value, ctypes.c_void_p).value
+    except (ImportError, AttributeError, OSError):
+        return None
+    return address
+
+
+_CRC32C_ADDRESS = _crc32c_address()
 
 
 def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows: list[int], flat: np.ndarray) -> None:
@@ -373,21 +421,21 @@ def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows:
         flat[row] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _lz4_decoder() -> Callable[[int, int, int, int], int] | None:
+def _lz4_decoder() -> tuple[Callable[[int, int, int, int], int] | None, int | None]:
     """``LZ4_decompress_safe(source, target, source_size, target_capacity)`` from python-lz4's own
-    extension, through ctypes (it decodes into the batch: no bytes object, no copy), or None
-    where the extension does not export it."""
+    extension, through ctypes (it decodes into the batch: no bytes object, no copy), and its
+    address (for `_lz4_batch`); or Nones where the extension does not export it."""
     try:
         function = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
     except (AttributeError, OSError):
-        return None
+        return None, None
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     function.restype = ctypes.c_int
     decode: Callable[[int, int, int, int], int] = function
-    return decode
+    return decode, ctypes.cast(function, ctypes.c_void_p).value
 
 
-_LZ4_DECODE = _lz4_decoder()
+_LZ4_DECODE, _LZ4_ADDRESS = _lz4_decoder()
 
 
 class _Zstd(threading.local):

@@ -6,13 +6,14 @@ A reader missing its cache reads single inner chunks. `ShardMaps` maps each shar
 first time a read needs it and checks its whole index at once (checksum, every span inside the
 file and no longer than an inner chunk may take); the spans of every mapped shard's inner chunks
 go into one table per field (`_Spans`), so a batch finds its frames with a few array lookups.
-An inner chunk's checksum is checked the first time it is read. LZ4 frames of bytes are then
-decoded straight from the map into the batch (`Codec.direct_blocks`); others are copied out of
-the map and decoded by their codec.
+An inner chunk's checksum is checked the first time it is read (a batch's at once). LZ4 frames
+of bytes are then decoded straight from the map into the batch (`Codec.direct_blocks`); others
+are copied out of the map and decoded by their codec.
 
 Maps are file-backed pages: the page cache, shared and reclaimable, never private memory. Each
 costs one of the process's ``vm.max_map_count`` maps, so at most `budget` are held; past that
-the least recently used are closed, never one the batch being decoded reads. A shard file the
+the least recently used are closed, never one the batch being decoded reads. Which slot holds a
+chunk's map is one table lookup per field for a whole batch (`_Spans.slot_at`). A shard file the
 writer rewrites is a new file (atomic rename) or one no commit covered yet: `forget` drops its
 map before the next read.
 """
@@ -21,28 +22,27 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, decode_lz4_at
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, decode_lz4_at, first_bad_checksum
 from ..io.local import open_for_reading
 from ..io.store import ChunkStore
 from ..io.threads import Threads
 
-_CHUNK_BITS = 32
 PART_FRAMES = 64
 """Frames a decoding thread takes at least: fewer cost more to hand over than they save."""
 
 
 class _Shard:
-    """One mapped shard file and its row (``slot``) in its field's `_Spans`."""
+    """One mapped shard file, of chunk ``(lane, chunk)``, and its row (``slot``) in its field's `_Spans`."""
 
-    def __init__(self, data: mmap.mmap, slot: int):
-        self.data, self.slot = data, slot
+    def __init__(self, data: mmap.mmap, slot: int, lane: int, chunk: int):
+        self.data, self.slot, self.lane, self.chunk = data, slot, lane, chunk
         self.view: np.ndarray | None = np.frombuffer(data, np.uint8)
+        self.address = int(self.view.ctypes.data)
 
     def close(self) -> None:
         self.view = None  # a map cannot close while an array holds it
@@ -52,7 +52,8 @@ class _Shard:
 class _Spans:
     """The inner chunks of one field's mapped shards, a row per slot: each body's offset in its
     file (-1: stored empty) and bytes (checksum cut off), its LZ4 block's offset (-1: none, see
-    `Codec.direct_blocks`), whether its checksum passed; and each slot's map and address."""
+    `Codec.direct_blocks`), whether its checksum passed; each slot's map, address and last use;
+    and which slot maps each chunk (``slot_at[lane, chunk]``, -1: none)."""
 
     def __init__(self, inners: int):
         self.offset = np.empty((0, inners), np.int64)
@@ -60,14 +61,37 @@ class _Spans:
         self.block = np.empty((0, inners), np.int64)
         self.verified = np.empty((0, inners), bool)
         self.address = np.empty(0, np.int64)
+        self.used = np.empty(0, np.int64)
+        self.holding = np.empty(0, bool)
         self.shards: list[_Shard | None] = []
         self.free: list[int] = []
+        self.slot_at = np.full((0, 0), -1, np.int32)
+
+    def slots(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """The slot mapping each chunk ``(lanes[i], chunks[i])``, -1 where none does."""
+        rows, cols = self.slot_at.shape
+        inside = (lanes < rows) & (chunks < cols)
+        if inside.all():
+            found: np.ndarray = self.slot_at[lanes, chunks]
+            return found
+        slots = np.full(len(lanes), -1, np.int64)
+        slots[inside] = self.slot_at[lanes[inside], chunks[inside]]
+        return slots
+
+    def hold(self, shard: _Shard) -> None:
+        rows, cols = self.slot_at.shape
+        if shard.lane >= rows or shard.chunk >= cols:
+            grown = np.full((max(rows, shard.lane + 1), max(2 * cols, shard.chunk + 1, 64)), -1, np.int32)
+            grown[:rows, :cols] = self.slot_at
+            self.slot_at = grown
+        self.slot_at[shard.lane, shard.chunk] = shard.slot
+        self.shards[shard.slot], self.address[shard.slot], self.holding[shard.slot] = shard, shard.address, True
 
     def take(self) -> int:
         """A free slot, the tables grown when none is left."""
         if not self.free:
             size, grown = len(self.address), max(2 * len(self.address), 8)
-            for name in ("offset", "nbytes", "block", "verified", "address"):
+            for name in ("offset", "nbytes", "block", "verified", "address", "used", "holding"):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
@@ -81,9 +105,18 @@ class _Spans:
         assert shard is not None, f"slot {slot} holds no map"
         return shard.data
 
-    def release(self, slot: int) -> None:
-        self.shards[slot] = None
+    def release(self, slot: int) -> _Shard:
+        """Give a slot back; returns the shard it held (to close)."""
+        shard = self.shards[slot]
+        assert shard is not None, f"slot {slot} holds no map"
+        self.slot_at[shard.lane, shard.chunk] = -1
+        self.shards[slot], self.holding[slot] = None, False
         self.free.append(slot)
+        return shard
+
+    def held(self) -> np.ndarray:
+        """The slots holding a map."""
+        return np.flatnonzero(self.holding)
 
 
 class ShardMaps:
@@ -98,7 +131,8 @@ class ShardMaps:
         self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
         self.workers = Threads(threads - 1, "diskreplay-decode")
-        self.open: OrderedDict[tuple[str, int, int], _Shard] = OrderedDict()
+        self.maps = 0  # shard files held mapped, over all fields
+        self.uses = 0  # decode calls so far: the last one that read a slot is its `_Spans.used`
         self.spans = {name: _Spans(chunk_rows // int(codec.inner_rows or 1)) for name, codec in codecs.items()}
 
     def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
@@ -110,21 +144,27 @@ class ShardMaps:
             CorruptBufferError: a shard file is missing, its index or a span is bad, or an inner
                 chunk fails its checksum or does not decode; the message names the chunk.
         """
-        keys = lanes.astype(np.int64) << _CHUNK_BITS | chunks.astype(np.int64)
-        unique, which = np.unique(keys, return_inverse=True)
-        for lo in range(0, len(unique), self.budget):  # a group's maps stay open while it decodes
-            group = unique[lo:lo + self.budget].tolist()
-            slots = np.array([self._held(name, key >> _CHUNK_BITS, key & ((1 << _CHUNK_BITS) - 1)) for key in group])
-            part = np.flatnonzero((which >= lo) & (which < lo + len(group)))
-            self._decode_held(name, slots[which[part] - lo], inners[part], lanes[part], chunks[part], out, rows[part])
+        spans = self.spans[name]
+        slots = spans.slots(lanes, chunks)
+        if (slots >= 0).all():
+            self.uses += 1
+            spans.used[slots] = self.uses
+            return self._decode_held(name, slots, inners, lanes, chunks, out, rows)
+        _, which = np.unique(lanes.astype(np.int64) << 32 | chunks, return_inverse=True)
+        for lo in range(0, int(which.max()) + 1, self.budget):  # a group's maps stay open while it decodes
+            part = np.flatnonzero((which >= lo) & (which < lo + self.budget))
+            slots = self._held(name, lanes[part], chunks[part])
+            self._decode_held(name, slots, inners[part], lanes[part], chunks[part], out, rows[part])
+        return None
 
     def _decode_held(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray,
                      out: np.ndarray, rows: np.ndarray) -> None:
         spans = self.spans[name]
         offset, nbytes, block = (table[slots, inners] for table in (spans.offset, spans.nbytes, spans.block))
         stored = offset >= 0
-        for i in np.flatnonzero(stored & ~spans.verified[slots, inners]).tolist():
-            self._verify(name, int(slots[i]), int(inners[i]), int(lanes[i]), int(chunks[i]))
+        unchecked = np.flatnonzero(stored & ~spans.verified[slots, inners])
+        if len(unchecked):
+            self._verify(name, slots[unchecked], inners[unchecked], lanes[unchecked], chunks[unchecked])
         flat = out.reshape(len(out), -1).view(np.uint8)
         flat[rows[~stored]] = 0
         direct = np.flatnonzero(block >= 0)
@@ -168,27 +208,51 @@ class ShardMaps:
         if failed:
             raise failed[0]
 
-    def _verify(self, name: str, slot: int, inner: int, lane: int, chunk: int) -> None:
-        """Check an inner chunk's checksum, once. Raises CorruptBufferError."""
+    def _verify(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Check these inner chunks' checksums, once. Raises CorruptBufferError naming the first
+        that fails."""
         spans = self.spans[name]
-        at, nbytes = int(spans.offset[slot, inner]), int(spans.nbytes[slot, inner])
-        try:
-            Codec.verified_body(spans.map(slot)[at:at + nbytes + CHECKSUM_BYTES])
-        except ValueError as exc:
-            raise self._corrupt(name, lane, chunk, f"inner chunk {inner}: {exc}") from None
-        spans.verified[slot, inner] = True
+        offset, nbytes = spans.offset[slots, inners], spans.nbytes[slots, inners]
+        bad = first_bad_checksum(spans.address[slots] + offset, nbytes)
+        if bad >= 0:
+            at, size = int(offset[bad]), int(nbytes[bad])
+            try:
+                Codec.verified_body(spans.map(int(slots[bad]))[at:at + size + CHECKSUM_BYTES])
+            except ValueError as exc:
+                why = f"inner chunk {inners[bad]}: {exc}"
+                raise self._corrupt(name, int(lanes[bad]), int(chunks[bad]), why) from None
+        spans.verified[slots, inners] = True
 
-    def _held(self, name: str, lane: int, chunk: int) -> int:
-        """The slot of a chunk's shard file, mapped (the least recently used maps closed past the budget)."""
-        key = (name, lane, chunk)
-        shard = self.open.get(key)
-        if shard is not None:
-            self.open.move_to_end(key)
-            return shard.slot
-        while len(self.open) >= self.budget:
-            self._close(*self.open.popitem(last=False))
-        shard = self.open[key] = self._map(name, lane, chunk)
-        return shard.slot
+    def _held(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """The slot of each chunk's shard file, mapped (at most `budget` distinct chunks): the
+        least recently used maps of any field are closed first, past the budget."""
+        spans = self.spans[name]
+        self.uses += 1
+        slots = spans.slots(lanes, chunks)
+        spans.used[slots[slots >= 0]] = self.uses
+        missing = np.flatnonzero(slots < 0)
+        _, first = np.unique(lanes[missing].astype(np.int64) << 32 | chunks[missing], return_index=True)
+        self._make_room(len(first))
+        for i in missing[first].tolist():
+            shard = self._map(name, int(lanes[i]), int(chunks[i]))
+            spans.used[shard.slot] = self.uses
+            self.maps += 1
+        slots[missing] = spans.slots(lanes[missing], chunks[missing])
+        return slots
+
+    def _make_room(self, count: int) -> None:
+        """Close the least recently used maps until ``count`` more fit the budget."""
+        over = self.maps + count - self.budget
+        if over <= 0:
+            return
+        held = {name: spans.held() for name, spans in self.spans.items()}
+        names = np.concatenate([np.full(len(slots), i) for i, slots in enumerate(held.values())])
+        slots = np.concatenate(list(held.values()))
+        used = np.concatenate([spans.used[held[name]] for name, spans in self.spans.items()])
+        oldest = np.argpartition(used, over - 1)[:over] if over < len(used) else np.arange(len(used))
+        fields = list(held)
+        for i in oldest.tolist():
+            self._close(fields[int(names[i])], int(slots[i]))
 
     def _map(self, name: str, lane: int, chunk: int) -> _Shard:
         key = self.chunk_key(name, lane, chunk)
@@ -209,10 +273,10 @@ class ShardMaps:
             data.close()
             raise self._corrupt(name, lane, chunk, exc) from None
         spans = self.spans[name]
-        shard = _Shard(data, spans.take())
+        shard = _Shard(data, spans.take(), lane, chunk)
         assert shard.view is not None
         slot, stored = shard.slot, offset >= 0
-        spans.shards[slot], spans.address[slot] = shard, shard.view.ctypes.data
+        spans.hold(shard)
         spans.offset[slot], spans.nbytes[slot], spans.verified[slot] = offset, nbytes, False
         blocks = self.codecs[name].direct_blocks(shard.view, offset[stored], nbytes[stored], self.inner_bytes[name])
         spans.block[slot] = -1
@@ -240,22 +304,20 @@ class ShardMaps:
         key = self.chunk_key(name, lane, chunk)
         return CorruptBufferError(f"{self.store.url!r}: chunk {key!r} does not decode ({why})")
 
-    def _close(self, key: tuple[str, int, int], shard: _Shard) -> None:
-        self.spans[key[0]].release(shard.slot)
-        shard.close()
+    def _close(self, name: str, slot: int) -> None:
+        self.spans[name].release(slot).close()
+        self.maps -= 1
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again at their next read."""
-        chunks = np.asarray(chunks).tolist()
-        if len(chunks) * len(self.codecs) > len(self.open):
-            gone = set(chunks)
-            keys = [key for key in self.open if key[1] == lane and key[2] in gone]
-        else:
-            keys = [key for c in chunks for name in self.codecs if (key := (name, lane, c)) in self.open]
-        for key in keys:
-            self._close(key, self.open.pop(key))
+        chunks = np.asarray(chunks, dtype=np.int64)
+        for name, spans in self.spans.items():
+            slots = spans.slots(np.full(len(chunks), lane), chunks)
+            for slot in np.unique(slots[slots >= 0]).tolist():
+                self._close(name, slot)
 
     def close(self) -> None:
-        while self.open:
-            self._close(*self.open.popitem())
+        for name, spans in self.spans.items():
+            for slot in spans.held().tolist():
+                self._close(name, slot)
         self.workers.shutdown()
