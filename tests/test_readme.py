@@ -50,6 +50,7 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     "python tools/bench_sampling.py": BENCH,
     "python tools/bench_loader.py": BENCH,
     "python tools/bench_pixels.py --rows 300000": BENCH,
+    "python tools/bench_frame_codecs.py --threads 1,2": BENCH,
     "python tools/bench_cloud.py --quick": BENCH,
     "python tools/bench_device.py --matmuls 8": "a benchmark that needs a CUDA device",
     "python tools/reliability_report.py": "about 2 min; the tests it runs are part of the suite",
