@@ -4,6 +4,7 @@ row by row, frame stacks that share their frames."""
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -422,6 +423,39 @@ def test_lz4_batch_decode_stops_at_the_first_bad_block():
         batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes[:3], targets, 64)
     with pytest.raises(ValueError, match=r"needs a decoder and a row width in \[1, 2\*\*31 - 1\]"):
         batch.decode_lz4(0, sources, sizes, targets, 64)
+
+
+def test_lz4_batch_decode_lets_other_threads_run():
+    """The GIL is released for the whole call: with the interpreter never switching threads on
+    its own, another thread still runs while one decodes (and only then)."""
+    batch = codecs._batch
+    if batch is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    row = (np.arange(4096) % 251).astype(np.uint8)
+    block = np.frombuffer(lz4.block.compress(row.tobytes(), store_size=False), np.uint8)
+    count = 20_000
+    out = np.empty((count, 4096), np.uint8)
+    sources, sizes = np.full(count, block.ctypes.data, np.int64), np.full(count, len(block), np.int64)
+    targets = out.ctypes.data + np.arange(count, dtype=np.int64) * 4096
+    decoding, seen = threading.Event(), []
+
+    def decode() -> None:
+        decoding.set()
+        batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 4096)
+        decoding.clear()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        worker = threading.Thread(target=decode)
+        worker.start()
+        decoding.wait(timeout=60)  # a decoder that held the GIL would set and clear it before this runs
+        seen.append(decoding.is_set())  # this thread ran: the decoder gave the GIL up, or had returned
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen == [True] and (out[-1] == row).all()
 
 
 @pytest.mark.parametrize("chunk", [3, 25])

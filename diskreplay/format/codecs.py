@@ -424,7 +424,7 @@ def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows:
 def _lz4_decoder() -> tuple[Callable[[int, int, int, int], int] | None, int | None]:
     """``LZ4_decompress_safe(source, target, source_size, target_capacity)`` from python-lz4's own
     extension, through ctypes (it decodes into the batch: no bytes object, no copy), and its
-    address (for `_lz4_batch`); or Nones where the extension does not export it."""
+    address (for `_batch`); or Nones where the extension does not export it."""
     try:
         function = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
     except (AttributeError, OSError):
