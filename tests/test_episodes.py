@@ -105,6 +105,7 @@ def test_episode_index_matches_reference(scenario):
     assert index.next_end(lane, step).tolist() == [ref_next_end(done_lanes[e], s) for e, s in zip(lane, step)]
     assert index.episode_start(lane, step).tolist() == [ref_episode_start(done_lanes[e], s)
                                                          for e, s in zip(lane, step)]
+    assert index.end_ordinal(lane, step).tolist() == [int(np.sum(done_lanes[e][:s])) for e, s in zip(lane, step)]
     # saved and restored: the same answers
     copy = EpisodeIndex(num_envs, ("terminated", "truncated"))
     copy.load_state_dict(index.state_dict())

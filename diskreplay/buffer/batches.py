@@ -21,6 +21,8 @@ from ..sampling import Draw, PrioritySampler, Sampler, SliceSampler
 from ..storage import check_output, physical_memory
 
 Batch = dict[str, np.ndarray]
+SMALL_BATCH_BYTES = 1 << 26
+"""A batch this small fits any machine's memory: `check_batch_size` asks the OS only past it."""
 BATCH_EXTRAS = {"index": Field((), "int64"), "weight": Field((), "float32")}
 """Arrays a batch holds besides the fields, which ``out=`` may also provide."""
 
@@ -63,12 +65,33 @@ def plain_request(options: dict[str, Any], beta: float | None, recent_rows: int 
     """A request for plain transitions with the sampler's ``options``, and ``beta`` and
     ``recent_rows`` unless None. Raises ValueError for an option that asks for more than plain
     transitions (`TRANSFORMS`)."""
+    if not options and beta is None and recent_rows is None:
+        return PLAIN
     asked = sorted(TRANSFORMS.intersection(options))
     if asked:
         raise ValueError(f"{', '.join(asked)}: plain transitions only here; sample() takes trajectories, "
                          f"n-step returns, frame stacks, HER and out=")
     options.update({k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None})
     return SampleRequest(options=options) if options else PLAIN
+
+
+def sample_request(options: dict[str, Any], beta: float | None, recent_rows: int | None, seq_len: int | None,
+                   pad: bool, n_step: int | None, gamma: float, stack: int | None, stack_fields: Sequence[str],
+                   her: HER | None, out: Mapping[str, np.ndarray] | None) -> SampleRequest:
+    """What `ReplayBuffer.sample` was asked for (its arguments; see there). Raises ValueError as
+    `plain_request`."""
+    request = plain_request(options, beta, recent_rows)
+    if seq_len is None and n_step is None and stack is None and her is None and out is None:
+        return request
+    if request is PLAIN and type(stack) is int and seq_len is None and n_step is None and her is None and out is None:
+        return _stacks_request(stack, tuple(stack_fields))
+    return SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
+
+
+@functools.lru_cache(maxsize=64)
+def _stacks_request(stack: int, stack_fields: tuple[str, ...]) -> SampleRequest:
+    """A request for frame stacks alone (made once per stack length and fields)."""
+    return SampleRequest(stack=stack, stack_fields=stack_fields)
 
 
 def call_generator(seed: int | None, rng: np.random.Generator | None,
@@ -264,6 +287,8 @@ def check_batch_size(batch_size: Any, row_bytes: int, name: str = "batch_size") 
     in this machine's memory (before anything is allocated)."""
     check_int(batch_size, name, 1)
     need = int(batch_size) * (row_bytes + 8)
+    if need <= SMALL_BATCH_BYTES:
+        return
     memory = physical_memory()
     if need > memory:
         raise ValueError(f"{name}={int(batch_size):,} needs {need:,} bytes for one batch ({row_bytes + 8} per "

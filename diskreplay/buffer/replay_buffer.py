@@ -20,12 +20,12 @@ from . import snapshot
 from .appending import Appender
 from .batches import (
     Batches,
-    SampleRequest,
     batch_generators,
     call_generator,
     check_batch_size,
     check_out,
     plain_request,
+    sample_request,
     split_batches,
     takes_priorities,
 )
@@ -437,9 +437,7 @@ class ReplayBuffer:
         self._require_open()
         convert = output_converter(format, as_tensordict)
         check_batch_size(batch_size, self.view.schema.row_bytes)
-        request = plain_request(options, beta, recent_rows)
-        if seq_len is not None or n_step is not None or stack is not None or her is not None or out is not None:
-            request = SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
+        request = sample_request(options, beta, recent_rows, seq_len, pad, n_step, gamma, stack, stack_fields, her, out)
         if out is not None:
             request.check_out(int(batch_size), self.fields)
         generator = call_generator(seed, rng, self.rng)

@@ -172,6 +172,9 @@ class EpisodeIndex:
 
     def end_ordinal(self, lane: np.ndarray, step: np.ndarray) -> np.ndarray:
         """How many episodes of the lane ended before ``step`` (for an end step: its ordinal)."""
+        if len(self._count) == 1:  # one lane: no grouping
+            ordinal: np.ndarray = self._pruned[0] + np.searchsorted(self.ends(0), step)
+            return ordinal
         out = np.zeros(step.shape, dtype=np.int64)
         for e in np.unique(lane).tolist():
             sel = lane == e
