@@ -215,15 +215,19 @@ def test_first_bad_checksum_finds_the_first_body_whose_crc32c_differs(checksum_p
     assert codecs.first_bad_checksum(sources[:0], sizes[:0]) == -1
 
 
-def test_a_damaged_frame_among_many_is_named(tmp_path, checksum_path):
-    """Many frames decode in one call; the damaged one is still named by its chunk."""
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.parametrize("chunk", [3, 25])
+def test_a_damaged_frame_among_many_is_named(tmp_path, checksum_path, compression, chunk):
+    """Many frames are checked in one call per decoding thread; the damaged one is still named by
+    its chunk, in the part this thread decodes (chunk 3) or the part the decode thread does (25)."""
     url = str(tmp_path / "z")
-    with make(url, "zstd", lanes=1) as buf:
+    with make(url, compression, lanes=1) as buf:
         fill(buf, 2000, 1)
-    damage(f"{url}/obs/c.0.3.0.0", 16 * (64 // INNER) + 4 + 40, b"\x00\x01\x02")
-    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    damage(f"{url}/obs/c.0.{chunk}.0.0", 16 * (64 // INNER) + 4 + 40, b"\x00\x01\x02")
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
     ids = np.arange(0, 2000, 9)
-    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.3.0.0' does not decode \(inner chunk 0: checksum"):
+    with pytest.raises(dr.CorruptBufferError,
+                       match=rf"chunk 'obs/c.0.{chunk}.0.0' does not decode \(inner chunk 0: checksum"):
         reader.rows(ids)
 
 

@@ -6,9 +6,9 @@ A reader missing its cache reads single inner chunks. `ShardMaps` maps each shar
 first time a read needs it and checks its whole index at once (checksum, every span inside the
 file and no longer than an inner chunk may take); the spans of every mapped shard's inner chunks
 go into one table per field (`_Spans`), so a batch finds its frames with a few array lookups.
-An inner chunk's checksum is checked the first time it is read (a batch's at once). LZ4 frames
-of bytes are then decoded straight from the map into the batch (`Codec.direct_blocks`); others
-are copied out of the map and decoded by their codec.
+An inner chunk's checksum is checked the first time it is read, by the thread that decodes it.
+LZ4 frames of bytes are then decoded straight from the map into the batch
+(`Codec.direct_blocks`); others are copied out of the map and decoded by their codec.
 
 Maps are file-backed pages: the page cache, shared and reclaimable, never private memory. Each
 costs one of the process's ``vm.max_map_count`` maps, so at most `budget` are held; past that
@@ -162,23 +162,32 @@ class ShardMaps:
         spans = self.spans[name]
         offset, nbytes, block = (table[slots, inners] for table in (spans.offset, spans.nbytes, spans.block))
         stored = offset >= 0
-        unchecked = np.flatnonzero(stored & ~spans.verified[slots, inners])
-        if len(unchecked):
-            self._verify(name, slots[unchecked], inners[unchecked], lanes[unchecked], chunks[unchecked])
+        unchecked = stored & ~spans.verified[slots, inners]
+
+        def check(frames: np.ndarray) -> None:  # each part checks the frames it decodes, side by side
+            frames = frames[unchecked[frames]]
+            if len(frames):
+                self._verify(name, slots[frames], inners[frames], lanes[frames], chunks[frames])
         flat = out.reshape(len(out), -1).view(np.uint8)
         flat[rows[~stored]] = 0
         direct = np.flatnonzero(block >= 0)
         if len(direct):
             sources, sizes = spans.address[slots[direct]] + block[direct], nbytes[direct] - LZ4_HEAD
-            self._named(name, lanes[direct], chunks[direct],
-                        lambda s: decode_lz4_at(sources[s], sizes[s], flat, rows[direct][s]))
+
+            def decode_direct(s: slice) -> None:
+                check(direct[s])
+                decode_lz4_at(sources[s], sizes[s], flat, rows[direct][s])
+            self._named(name, lanes[direct], chunks[direct], decode_direct)
         rest = np.flatnonzero(stored & (block < 0))
         if len(rest):
             bodies = [spans.map(slot)[a:a + n] for slot, a, n in
                       zip(slots[rest].tolist(), offset[rest].tolist(), nbytes[rest].tolist())]
             codec = self.codecs[name]
-            self._named(name, lanes[rest], chunks[rest],
-                        lambda s: codec.decode_bodies(bodies[s], out, rows[rest][s]))
+
+            def decode_rest(s: slice) -> None:
+                check(rest[s])
+                codec.decode_bodies(bodies[s], out, rows[rest][s])
+            self._named(name, lanes[rest], chunks[rest], decode_rest)
 
     def _named(self, name: str, lanes: np.ndarray, chunks: np.ndarray, decode: Callable[[slice], None]) -> None:
         """``decode(slice(lo, hi))`` decodes frames lo..hi-1: all of them in `_side_by_side` parts;
