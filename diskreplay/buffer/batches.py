@@ -81,10 +81,12 @@ def sample_request(options: dict[str, Any], beta: float | None, recent_rows: int
     """What `ReplayBuffer.sample` was asked for (its arguments; see there). Raises ValueError as
     `plain_request`."""
     request = plain_request(options, beta, recent_rows)
-    if seq_len is None and n_step is None and stack is None and her is None and out is None:
-        return request
-    if request is PLAIN and type(stack) is int and seq_len is None and n_step is None and her is None and out is None:
-        return _stacks_request(stack, tuple(stack_fields))
+    if seq_len is None and n_step is None and her is None and out is None:
+        if stack is None:
+            return request
+        fields = tuple(stack_fields)
+        if request is PLAIN and type(stack) is int and all(type(name) is str for name in fields):
+            return _stacks_request(stack, fields)
     return SampleRequest(seq_len, pad, n_step, gamma, stack, tuple(stack_fields), her, out, request.options)
 
 

@@ -225,11 +225,12 @@ class ShardMaps:
         bad = first_bad_checksum(spans.address[slots] + offset, nbytes)
         if bad >= 0:
             at, size = int(offset[bad]), int(nbytes[bad])
+            why = f"inner chunk {inners[bad]}: checksum mismatch"
             try:
                 Codec.verified_body(spans.map(int(slots[bad]))[at:at + size + CHECKSUM_BYTES])
             except ValueError as exc:
-                why = f"inner chunk {inners[bad]}: {exc}"
-                raise self._corrupt(name, int(lanes[bad]), int(chunks[bad]), why) from None
+                why = f"inner chunk {inners[bad]}: {exc}"  # with the stored and computed checksums
+            raise self._corrupt(name, int(lanes[bad]), int(chunks[bad]), why)
         spans.verified[slots, inners] = True
 
     def _held(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
