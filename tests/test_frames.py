@@ -192,7 +192,7 @@ def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
 
 @pytest.fixture(params=["batch", "one by one"])
 def checksum_path(request, monkeypatch) -> str:
-    """Checksums checked by the `_batch` extension (a batch's in one call), then without it."""
+    """Checksums checked by the `_batch` extension (a decoding thread's frames in one call), then without it."""
     if request.param == "batch" and codecs._batch is None:
         assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
         pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
