@@ -3,10 +3,10 @@ rings against a raw one, with ``io_threads`` = 1, 2, 4, ... decode threads.
 
 The frames are `bench_pixels`' ("noise plus structure", 84x84 uint8), in three rings of
 ``--rows`` transitions (``derive_next=("obs",)``, automatic chunk rows): raw, ``"lz4"`` and
-``"zstd"``. Each is reopened for writing (as `bench_pixels` samples its writers) per thread count, with a
-cache smaller than its files (``--cache-bytes``): the raw one copies frames out of its memory
-maps, the compressed ones decode each frame from the shard maps, so every batch decodes 512
-frames (obs and the following obs). Repeats are interleaved, and each row of the table is one
+``"zstd"``. Each is reopened for writing (as `bench_pixels` samples its writers) per thread
+count, with a cache smaller than its files (``--cache-bytes``): the raw one copies frames out of
+its memory maps, the compressed ones decode each frame from the shard maps, so every batch
+decodes 512 frames (obs and the following obs). Repeats are interleaved, and each row of the table is one
 thread count: how the codec's floor (about 5 us per LZ4 frame and 11 us per zstd frame on the
 2-core machine here) divides with cores.
 
@@ -51,18 +51,18 @@ def build(work: str, rows: int) -> dict[str, str]:
 def measure(paths: dict[str, str], threads: int, cache_bytes: int, repeats: int, batches: int,
             warm: int) -> dict[str, float]:
     """Median seconds per sample(256) of each ring, read with ``threads`` io threads."""
-    readers = {name: dr.ReplayBuffer.open(path, "r+", io_threads=threads, cache_bytes=cache_bytes)
+    buffers = {name: dr.ReplayBuffer.open(path, "r+", io_threads=threads, cache_bytes=cache_bytes)
                for name, path in paths.items()}
     try:
-        def run(reader: dr.ReplayBuffer) -> None:
+        def run(buf: dr.ReplayBuffer) -> None:
             for _ in range(batches):
-                reader.sample(256)
-        stats = bl.interleaved({name: (lambda r=r: run(r)) for name, r in readers.items()}, repeats,
+                buf.sample(256)
+        stats = bl.interleaved({name: (lambda b=b: run(b)) for name, b in buffers.items()}, repeats,
                                number=batches, warmup=max(1, warm // batches))
         return {name: s.median for name, s in stats.items()}
     finally:
-        for reader in readers.values():
-            reader.close()
+        for buf in buffers.values():
+            buf.close()
 
 
 def report(rows: int, results: dict[int, dict[str, float]]) -> str:
@@ -80,10 +80,10 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/diskreplay-frame-codecs", help="work directory on the local disk")
     p.add_argument("--rows", type=int, default=100_000, help="transitions per ring (a multiple of 1,000)")
     p.add_argument("--threads", default="1,2,4", help="io_threads counts, comma-separated")
-    p.add_argument("--cache-bytes", type=int, default=32 * bl.MiB, help="each reader's cache (default 32 MiB)")
+    p.add_argument("--cache-bytes", type=int, default=32 * bl.MiB, help="each buffer's cache (default 32 MiB)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", type=int, default=50, help="batches per repeat")
-    p.add_argument("--warm", type=int, default=200, help="untimed batches per reader first")
+    p.add_argument("--warm", type=int, default=200, help="untimed batches per buffer first")
     p.add_argument("--out", help="also write the markdown report to this file")
     args = p.parse_args()
     if args.rows % PIECE:
