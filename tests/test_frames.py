@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -190,12 +191,20 @@ def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
         codec.decode_inner(huge + checksum(huge), out)
 
 
+def built_batch() -> Any:
+    """The `_batch` extension; the test is skipped where it was not built (no C compiler at
+    install), except under CI, which installs with one."""
+    if codecs._batch is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    return codecs._batch
+
+
 @pytest.fixture(params=["batch", "one by one"])
 def checksum_path(request, monkeypatch) -> str:
     """Checksums checked by the `_batch` extension (a decoding thread's frames in one call), then without it."""
-    if request.param == "batch" and codecs._batch is None:
-        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
-        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    if request.param == "batch":
+        built_batch()
     if request.param == "one by one":
         monkeypatch.setattr(codecs, "_batch", None)
     return request.param
@@ -342,10 +351,7 @@ def lz4_decodes(request, monkeypatch) -> list[int]:
     decodes (the rest go through blosc)."""
     calls = []
     if request.param == "batch":
-        batch = codecs._batch
-        if batch is None:
-            assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
-            pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+        batch = built_batch()
 
         def counted_batch(decoder, sources, sizes, targets, width):
             calls.extend([width] * len(sources))
@@ -404,10 +410,7 @@ def test_lz4_rows_outside_the_output_are_refused():
 def test_lz4_batch_decode_stops_at_the_first_bad_block():
     """The extension's own contract: blocks decoded (a block as long as a row copied) until the
     first that does not decode to a row, which it names with the decoder's result."""
-    batch = codecs._batch
-    if batch is None:
-        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
-        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    batch = built_batch()
     rows = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) // 8
     blocks = [lz4.block.compress(rows[0].tobytes(), store_size=False), rows[1].tobytes(),
               b"\xff" * 9, lz4.block.compress(rows[3].tobytes(), store_size=False)]
@@ -432,10 +435,7 @@ def test_lz4_batch_decode_stops_at_the_first_bad_block():
 def test_lz4_batch_decode_lets_other_threads_run():
     """The GIL is released for the whole call: with the interpreter never switching threads on
     its own, another thread still runs while one decodes (and only then)."""
-    batch = codecs._batch
-    if batch is None:
-        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
-        pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
+    batch = built_batch()
     row = (np.arange(4096) % 251).astype(np.uint8)
     block = np.frombuffer(lz4.block.compress(row.tobytes(), store_size=False), np.uint8)
     count = 20_000
