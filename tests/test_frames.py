@@ -434,19 +434,24 @@ def test_lz4_batch_decode_stops_at_the_first_bad_block():
 
 def test_lz4_batch_decode_lets_other_threads_run():
     """The GIL is released for the whole call: with the interpreter never switching threads on
-    its own, another thread still runs while one decodes (and only then)."""
+    its own, another thread still runs while one decodes (and only then). The decoder keeps
+    decoding, a call at a time, until the other thread has run (at most 500 calls), so a loaded
+    machine that is slow to schedule it cannot fail the test."""
     batch = built_batch()
     row = (np.arange(4096) % 251).astype(np.uint8)
     block = np.frombuffer(lz4.block.compress(row.tobytes(), store_size=False), np.uint8)
-    count = 20_000
+    count = 2_000
     out = np.empty((count, 4096), np.uint8)
     sources, sizes = np.full(count, block.ctypes.data, np.int64), np.full(count, len(block), np.int64)
     targets = out.ctypes.data + np.arange(count, dtype=np.int64) * 4096
-    decoding, seen = threading.Event(), []
+    decoding, observed, seen = threading.Event(), threading.Event(), []
 
     def decode() -> None:
         decoding.set()
-        batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 4096)
+        for _ in range(500):
+            batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 4096)
+            if observed.is_set():
+                break
         decoding.clear()
 
     interval = sys.getswitchinterval()
@@ -456,6 +461,7 @@ def test_lz4_batch_decode_lets_other_threads_run():
         worker.start()
         decoding.wait(timeout=60)  # a decoder that held the GIL would set and clear it before this runs
         seen.append(decoding.is_set())  # this thread ran: the decoder gave the GIL up, or had returned
+        observed.set()
         worker.join()
     finally:
         sys.setswitchinterval(interval)
