@@ -1,7 +1,8 @@
 """Compressed frames past the cache, by decode threads (issue #13): sample(256) of LZ4 and zstd
 rings against a raw one, with ``io_threads`` = 1, 2, 4, ... decode threads.
 
-The frames are `bench_pixels`' ("noise plus structure", 84x84 uint8), in three rings of
+The frames are `bench_pixels`' ("noise plus structure", or MsPacman's with ``--frames atari``;
+84x84 uint8), in three rings of
 ``--rows`` transitions (``derive_next=("obs",)``, automatic chunk rows): raw, ``"lz4"`` and
 ``"zstd"``. Each is reopened for writing (as `bench_pixels` samples its writers) per thread
 count, with a cache smaller than its files (``--cache-bytes``): the raw one copies frames out of
@@ -10,7 +11,7 @@ decodes 512 frames (obs and the following obs). Repeats are interleaved, and eac
 thread count: how the codec's floor (about 5 us per LZ4 frame and 11 us per zstd frame on the
 2-core machine here) divides with cores.
 
-Usage: python tools/bench_frame_codecs.py [--rows 100000] [--threads 1,2,4] [--out report.md]
+Usage: python tools/bench_frame_codecs.py [--rows 100000] [--frames noise|atari] [--threads 1,2,4] [--out report.md]
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ CODECS = {"raw": None, "lz4": "lz4", "zstd": "zstd"}
 log = bl.log
 
 
-def build(work: str, rows: int) -> dict[str, str]:
-    """The three rings, filled from one stream; their paths."""
-    frames, paths = Frames(rows), {}
+def build(work: str, rows: int, source: str) -> dict[str, str]:
+    """The three rings, filled from one stream of ``source`` frames; their paths."""
+    frames, paths = Frames(rows, source=source), {}
     for name, codec in CODECS.items():
         paths[name] = os.path.join(work, name)
         start = time.perf_counter()
@@ -65,8 +66,9 @@ def measure(paths: dict[str, str], threads: int, cache_bytes: int, repeats: int,
             buf.close()
 
 
-def report(rows: int, results: dict[int, dict[str, float]]) -> str:
-    lines = [f"sample(256) of {rows:,}-row rings, frames not in the cache (medians of interleaved repeats):", "",
+def report(rows: int, source: str, results: dict[int, dict[str, float]]) -> str:
+    lines = [f"sample(256) of {rows:,}-row rings of {source} frames, not in the cache "
+             "(medians of interleaved repeats):", "",
              "| io_threads | raw | lz4 | zstd | lz4 / raw | zstd / raw |", "|---:|---:|---:|---:|---:|---:|"]
     for threads, t in results.items():
         lines.append(f"| {threads} | {bl.format_seconds(t['raw'])} | {bl.format_seconds(t['lz4'])} | "
@@ -79,6 +81,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/diskreplay-frame-codecs", help="work directory on the local disk")
     p.add_argument("--rows", type=int, default=100_000, help="transitions per ring (a multiple of 1,000)")
+    p.add_argument("--frames", choices=("noise", "atari"), default="noise",
+                   help="bench_pixels' noise plus structure (default), or MsPacman frames recorded with ale-py")
     p.add_argument("--threads", default="1,2,4", help="io_threads counts, comma-separated")
     p.add_argument("--cache-bytes", type=int, default=32 * bl.MiB, help="each buffer's cache (default 32 MiB)")
     p.add_argument("--repeats", type=int, default=5)
@@ -92,7 +96,7 @@ def main() -> None:
     work = os.path.join(args.dir, "rings")
     os.makedirs(work, exist_ok=True)
     try:
-        paths = build(work, args.rows)
+        paths = build(work, args.rows, args.frames)
         for name, path in paths.items():
             if bl.stored_bytes(path) <= args.cache_bytes:
                 raise SystemExit(f"the {name} ring's files fit --cache-bytes: give more --rows or a smaller cache")
@@ -105,7 +109,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     header = bl.report_header("Compressed frames past the cache, by decode threads", False, ["diskreplay", "numpy"],
                               data_dir=args.dir)
-    bl.publish_report(header, report(args.rows, results), args.out, started)
+    bl.publish_report(header, report(args.rows, args.frames, results), args.out, started)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """DataLoader benchmark (issues #5, #13): diskreplay datasets vs TorchRL memmap vs an in-RAM TensorDataset.
 
 Workload (as tools/bench_core.py): obs (17,) f32, action (6,) f32, reward () f32, next_obs (17,)
-f32, done () bool; 1,000,000 rows (``--quick``: 100,000), 4096-row chunks, local disk, batch 256;
-1,000 timed batches (``--quick``: 300, within one epoch).
+f32, done () bool; 1,000,000 rows (``--quick``: 100,000), 4096-row chunks, local disk, batch 256.
+Each measurement takes a first batch, then 256 untimed batches (``--quick``: 32; every worker is
+running by then), then times up to 3,000 batches (``--quick``: 300; all within one epoch) or 1 s,
+whichever comes first: throughput in the steady state, not the workers' start.
 
 For num_workers 0, 1 and 2, each contestant is iterated through ``torch.utils.data.DataLoader``
 (fork workers, not persistent):
@@ -15,7 +17,7 @@ For num_workers 0, 1 and 2, each contestant is iterated through ``torch.utils.da
   indexing + default collate: what most code does).
 - "DataLoader floor": an IterableDataset yielding a constant 256-byte item: the most batches per
   second the DataLoader itself passes at that num_workers (its per-item IPC), whatever the data.
-Reported: samples/s over the timed batches (after the first), time to first batch (workers
+Reported: samples/s over the timed batches, time to first batch (workers
 started, buffer opened, caches cold), RSS and USS per worker (main process for 0 workers), and
 ratios to TensorDataset and TorchRL at the same num_workers. Then the in-process cost of one
 dataset batch (``next()`` on ``iter(make_dataset(...))``) against ``buf.sample(256)`` on the same
@@ -40,6 +42,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,24 +146,37 @@ def memory_of(workers: int) -> tuple[float, float]:
     return statistics.mean(i.rss for i in infos), statistics.mean(i.uss for i in infos)
 
 
-def measure(build: Callable[[int], Any], workers: int, batches: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Window:
+    """What one measurement times: after the first batch, ``warm`` untimed batches, then up to
+    ``batches`` batches or ``seconds``, whichever ends first."""
+    warm: int
+    batches: int
+    seconds: float = 1.0
+
+
+def measure(build: Callable[[int], Any], workers: int, window: Window) -> dict[str, float]:
     gc.collect()  # the previous contestant's buffers and caches: not inherited by this one's forked workers
     start = time.perf_counter()
     it = iter(build(workers))
     next(it)
     first = time.perf_counter() - start
+    for _ in range(window.warm):
+        next(it)
     start = time.perf_counter()
-    rows = 0
-    for _ in range(batches):
+    rows, elapsed = 0, 0.0
+    for _ in range(window.batches):
         batch = next(it)
         rows += len(batch[0] if isinstance(batch, (list, tuple)) else batch["reward"])
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if elapsed >= window.seconds:
+            break
     rss, uss = memory_of(workers)
     del it
     return {"rate": rows / elapsed, "first": first, "rss": rss, "uss": uss}
 
 
-def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: int, repeats: int
+def throughput_table(data: dict[str, Any], worker_counts: list[int], window: Window, repeats: int
                      ) -> tuple[str, dict[tuple[str, int], dict[str, float]]]:
     builders = loaders(data)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -170,7 +186,7 @@ def throughput_table(data: dict[str, Any], worker_counts: list[int], batches: in
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 bl.log(f"  repeat {r + 1}/{repeats}: {name}, num_workers={w}")
-                results.setdefault((name, w), []).append(measure(builders[name], w, batches))
+                results.setdefault((name, w), []).append(measure(builders[name], w, window))
     med = {key: {m: statistics.median(x[m] for x in runs) for m in runs[0]} for key, runs in results.items()}
     lines = ["| loader | num_workers | samples/s | × TensorDataset | × TorchRL | first batch "
              "| RSS / worker | USS / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -299,7 +315,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated num_workers values")
     args = parser.parse_args()
-    rows, batches, repeats = (100_000, 300, 1) if args.quick else (1_000_000, 1000, 3)
+    rows, repeats = (100_000, 1) if args.quick else (1_000_000, 3)
+    window = Window(32, 300) if args.quick else Window(256, 3000)
     workers = [int(w) for w in args.workers.split(",")]
     os.makedirs(args.dir, exist_ok=True)
     bl.require_free_space(args.dir, 4 * rows * 165)
@@ -313,7 +330,7 @@ def main() -> None:
             "tensors": TensorDataset(*(torch.from_numpy(v) for v in data_rows.values()))}
     torch.set_num_threads(1)
     bl.log("throughput")
-    table, med = throughput_table(data, workers, batches, repeats)
+    table, med = throughput_table(data, workers, window, repeats)
     bl.log("in-process batch cost")
     inproc, inproc_checks = inprocess_table(data, 100 if args.quick else 500, 15 if args.quick else 31)
     checks = throughput_checks(med, workers) + inproc_checks
@@ -321,7 +338,8 @@ def main() -> None:
     io = epoch_io_table(args.dir, 65_536 if args.quick else 262_144)
     report = "\n".join([
         bl.report_header("DataLoader benchmark (tools/bench_loader.py)", False, PACKAGES, args.dir), "",
-        f"{rows:,} rows × 165 B, batch {BATCH}, {batches} timed batches after the first, median of {repeats}; "
+        f"{rows:,} rows × 165 B, batch {BATCH}; after the first batch and {window.warm} untimed ones, up to "
+        f"{window.batches:,} batches or {window.seconds:g} s timed, median of {repeats}; "
         "fork workers; data in the page cache.", "", table, "",
         "## In-process batch cost (num_workers=0, no DataLoader)", "",
         "Median µs per batch of interleaved runs; dataset batch = ``next()`` on "

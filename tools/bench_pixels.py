@@ -3,11 +3,12 @@
 Workload: transitions obs (84, 84) uint8, action () int64, reward () float32, done () bool,
 next_obs (84, 84) uint8; 1,000,000 of them by default (7 GB of frames; ``--quick``: 100,000), in
 a ring whose capacity equals that count. Episodes of 100-1000 steps (uniform). Frames are "noise
-plus structure", deterministic and not trivially compressible (zstd level 3 packs them ~7×): a
+plus structure", deterministic and not trivially compressible (zstd level 3 packs them ~6×, frame by frame): a
 flat background, a striped ground, six moving rectangular sprites and 5% salt-noise pixels, taken
 from a pool of 4,096 distinct frames (each episode starts at its own offset in the pool and walks
 it step by step) with the frame's own id written in its first 8 bytes. Generated per 1000-row
-piece, outside every timed region.
+piece, outside every timed region. ``--frames atari`` takes the pool from MsPacman instead
+(`atari_pool`: 4,096 consecutive frames, recorded with ale-py, grayscale, 84x84 by area).
 
 Contestants, side by side in one process, repeats interleaved (rotating order), medians:
 - diskreplay raw: ``ReplayBuffer.create(dir, fields, capacity, compression=None,
@@ -49,7 +50,8 @@ Prints the machine and the command, markdown tables (ratios vs cpprb, and vs Tor
 and PASS/FAIL for the issue's targets; ``--out FILE`` also writes the report there. The data
 under ``--dir`` is deleted at the end unless ``--keep``.
 
-Usage: python tools/bench_pixels.py [--quick] [--rows N] [--dir /tmp/diskreplay-pixels] [--out FILE] [--keep]
+Usage: python tools/bench_pixels.py [--quick] [--rows N] [--frames noise|atari] [--dir /tmp/diskreplay-pixels]
+       [--out FILE] [--keep]
 """
 
 from __future__ import annotations
@@ -96,7 +98,13 @@ log = bl.log
 # ---- frames -------------------------------------------------------------------------------------
 
 
-def make_pool(count: int, seed: int = 0) -> np.ndarray:
+def make_pool(count: int, seed: int = 0, source: str = "noise") -> np.ndarray:
+    """``count`` frames (count, 84, 84) uint8 from ``source``: "noise" (`noise_pool`) or "atari"
+    (`atari_pool`)."""
+    return atari_pool(count, seed) if source == "atari" else noise_pool(count, seed)
+
+
+def noise_pool(count: int, seed: int = 0) -> np.ndarray:
     """``count`` distinct frames: background, ground, six moving sprites, 5% salt noise."""
     rng = np.random.default_rng(seed)
     t = np.arange(count)
@@ -118,6 +126,41 @@ def make_pool(count: int, seed: int = 0) -> np.ndarray:
     return frames
 
 
+def atari_pool(count: int, seed: int = 0, game: str = "MsPacman") -> np.ndarray:
+    """``count`` consecutive frames of ``game`` played by random actions (ale-py; ``ALE/<game>-v5``:
+    frame skip 4, sticky actions 0.25, reset at each episode's end), in grayscale, shrunk from
+    210x160 to 84x84 by area averaging (the DQN preprocessing; cv2's INTER_AREA). MsPacman is the
+    least LZ4-compressible of Pong, Breakout, SpaceInvaders, Seaquest and MsPacman (3.2x)."""
+    try:
+        import ale_py
+        import gymnasium
+    except ImportError as exc:
+        raise SystemExit(f"--frames atari needs ale-py and gymnasium (pip install -e '.[bench]'): {exc}") from exc
+    gymnasium.register_envs(ale_py)
+    env = gymnasium.make(f"ALE/{game}-v5", obs_type="grayscale")
+    env.action_space.seed(seed)
+    shrink_rows, shrink_cols = area_weights(210, H), area_weights(160, W)
+    frames = np.empty((count, H, W), np.uint8)
+    obs, _ = env.reset(seed=seed)
+    for i in range(count):
+        frames[i] = np.rint(shrink_rows @ obs.astype(np.float64) @ shrink_cols.T)
+        obs, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        if terminated or truncated:
+            obs, _ = env.reset()
+    env.close()
+    return frames
+
+
+def area_weights(size: int, to: int) -> np.ndarray:
+    """(to, size) weights: output pixel o averages the input pixels its span [o, o+1) * size/to
+    covers, each by the length it covers."""
+    edges = np.arange(to + 1) * (size / to)
+    left, right = edges[:-1, None], edges[1:, None]
+    pixels = np.arange(size)[None, :]
+    covered = np.clip(np.minimum(right, pixels + 1) - np.maximum(left, pixels), 0, None)
+    return covered / covered.sum(axis=1, keepdims=True)
+
+
 class Frames:
     """The deterministic transition stream: ``rows(t0, n)`` gives transitions t0..t0+n-1.
 
@@ -125,9 +168,9 @@ class Frames:
     next_obs = frame (e, i+1), so next_obs is the following obs inside an episode and the last
     one is a frame no obs shows (as after a real episode's final step)."""
 
-    def __init__(self, total: int, seed: int = 0):
+    def __init__(self, total: int, seed: int = 0, source: str = "noise"):
         rng = np.random.default_rng(seed)
-        self.pool = make_pool(POOL, seed)
+        self.pool = make_pool(POOL, seed, source)
         lengths = rng.integers(100, 1001, total // 100 + 2)
         starts = np.concatenate([[0], np.cumsum(lengths)])
         count = int(np.searchsorted(starts, total)) + 1
@@ -180,9 +223,10 @@ def stack_last(frames: list[np.ndarray]) -> np.ndarray:
 
 
 def zstd_ratio(frames: Frames) -> float:
+    """How much zstd level 3 packs the first 4,096 obs, each frame alone (as the stores do)."""
     import numcodecs
-    block = frames.rows(0, 4096)["obs"].tobytes()
-    return len(block) / len(numcodecs.Zstd(level=3).encode(block))
+    obs = frames.rows(0, 4096)["obs"]
+    return obs.nbytes / sum(len(numcodecs.Zstd(level=3).encode(frame)) for frame in obs)
 
 
 # ---- contestants --------------------------------------------------------------------------------
@@ -649,8 +693,8 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
     raw_buf = live.bufs[DR_RAW]
     chunk_rows = raw_buf.storage.layout.chunk_rows
     lines = [
-        f"- data: {live.rows:,} transitions in one full ring, "
-        f"episodes 100-1000 steps; a block of 4,096 obs frames packs {ratio:.1f}× with zstd level 3. "
+        f"- data: {live.rows:,} transitions of {args.frames} frames in one full ring, "
+        f"episodes 100-1000 steps; zstd level 3 packs 4,096 of its obs {ratio:.1f}×, frame by frame. "
         f"diskreplay chunk_rows (automatic) = {chunk_rows:,}: a chunk of obs is "
         f"{bl.format_bytes(chunk_rows * FRAME)}; the writers' cache_bytes = {CACHE_BYTES // bl.MiB} MiB "
         f"(default).",
@@ -720,6 +764,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="100,000 transitions, fewer repeats")
     p.add_argument("--keep", action="store_true", help="keep the stores under --dir (default: delete them)")
     p.add_argument("--rows", type=int, help="transitions (= ring capacity); default 1,000,000, quick 100,000")
+    p.add_argument("--frames", choices=("noise", "atari"), default="noise",
+                   help="noise plus structure (default), or MsPacman frames recorded with ale-py")
     p.add_argument("--repeats", type=int, help="sampling repeats (default 7; quick 5)")
     p.add_argument("--batches", type=int, help="batches per sampling repeat (default 300; quick 200)")
     p.add_argument("--warm", type=int, help="untimed batches per sampler first (default 500; quick 200)")
@@ -772,14 +818,15 @@ def main() -> None:
     header = bl.report_header("diskreplay pixel benchmark (issue #13)", q, PACKAGES, args.dir, [
         f"torch intra-op threads: {torch.get_num_threads()}; MemAvailable at start {bl.format_bytes(avail)}; "
         f"free disk {bl.format_bytes(free)}",
-        f"settings: {n:,} transitions, sampling {args.repeats}x{args.batches} batches (warm-up {args.warm}), "
+        f"settings: {n:,} transitions of {args.frames} frames, sampling {args.repeats}x{args.batches} batches "
+        f"(warm-up {args.warm}), "
         f"extend x{args.extend_repeats}, {args.adds:,} adds, memory child {args.mem_batches} batches"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
 
-    frames = Frames(n + PIECE)
+    frames = Frames(n + PIECE, source=args.frames)
     ratio = zstd_ratio(frames)
-    log(f"frames: pool of {POOL} built; zstd level 3 packs 4,096 obs {ratio:.1f}×")
+    log(f"frames: pool of {POOL} {args.frames} frames built; zstd level 3 packs them {ratio:.1f}×, frame by frame")
     live = Live(work, n, with_numpy)
     log(f"[1/6] extend {n:,} transitions: {args.extend_repeats} interleaved repeats")
     ext = bl.interleaved(extend_cases(live, frames), args.extend_repeats,
