@@ -2,8 +2,9 @@
 
 A compressed field whose rows take 1 KiB or more is stored as Zarr shards of small inner chunks
 (`Codec.inner_rows`). A local reader whose rows do not fit its cache reads such a field by
-mapping each shard file once (`ShardMaps`), and decoding only the inner chunks a batch needs,
-each once, straight into the output where it can. The chunk cache then holds the other fields.
+mapping each shard file once (`ShardMaps`), and decoding only the inner chunks a batch needs:
+an inner chunk of one row (a frame) straight into each output row that asks for it, a larger
+one once. The chunk cache then holds the other fields.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class RowReads:
 
     def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
         """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
-        among them), else each distinct inner chunk read and decoded once, not cached."""
+        among them), else read and decoded from their inner chunks (`_decode`), not cached."""
         rows = output_rows(self.schema[name], len(step), given)
         layout = self.retired.layout
         chunk, offset = layout.chunk_and_offset(step)
@@ -47,9 +48,13 @@ class RowReads:
 
     def _decode(self, name: str, rows: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                 read: np.ndarray) -> None:
-        """Decode the inner chunks holding rows ``read``, each once, into ``rows``."""
+        """Decode the inner chunks holding rows ``read`` into ``rows``: one row each straight into
+        its row (a row drawn twice is decoded twice: cheaper than finding it), else each once."""
         inner_rows = self.io.codecs[name].inner_rows
         assert inner_rows is not None
+        if inner_rows == 1:
+            self.maps.decode(name, lane[read], chunk[read], offset[read], rows, read)
+            return
         per_chunk = self.chunk_rows // inner_rows
         block = (lane[read] * (chunk.max() + 1) + chunk[read]) * per_chunk + offset[read] // inner_rows
         unique, where = np.unique(block, return_inverse=True)
@@ -58,12 +63,6 @@ class RowReads:
         source = chosen[where]
         first = np.sort(chosen)  # bodies in output order
         inner = offset[first] // inner_rows
-        if inner_rows == 1:  # straight into their rows, then copied to the rows that want them again
-            self.maps.decode(name, lane[first], chunk[first], inner, rows, first)
-            again = source != read
-            if again.any():
-                rows[read[again]] = rows[source[again]]
-            return
         blocks = np.empty((len(first), inner_rows, *self.schema[name].shape), rows.dtype)
         self.maps.decode(name, lane[first], chunk[first], inner, blocks, np.arange(len(first)))
         rows[read] = blocks.reshape(len(first), inner_rows, *rows.shape[1:])[

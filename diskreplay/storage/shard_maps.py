@@ -160,9 +160,11 @@ class ShardMaps:
     def _decode_held(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray,
                      out: np.ndarray, rows: np.ndarray) -> None:
         spans = self.spans[name]
-        offset, nbytes, block = (table[slots, inners] for table in (spans.offset, spans.nbytes, spans.block))
+        at = slots.astype(np.int64) * spans.offset.shape[1] + inners  # in the tables, raveled
+        offset, nbytes, block, verified = (table.ravel().take(at) for table in
+                                           (spans.offset, spans.nbytes, spans.block, spans.verified))
         stored = offset >= 0
-        unchecked = stored & ~spans.verified[slots, inners]
+        unchecked = stored & ~verified
 
         def check(frames: np.ndarray) -> None:  # each part checks the frames it decodes, side by side
             frames = frames[unchecked[frames]]
@@ -178,7 +180,7 @@ class ShardMaps:
                 check(direct[s])
                 decode_lz4_at(sources[s], sizes[s], flat, rows[direct][s])
             self._named(name, lanes[direct], chunks[direct], decode_direct)
-        rest = np.flatnonzero(stored & (block < 0))
+        rest = np.flatnonzero(stored & (block < 0)) if len(direct) < len(block) else direct[:0]
         if len(rest):
             bodies = [spans.map(slot)[a:a + n] for slot, a, n in
                       zip(slots[rest].tolist(), offset[rest].tolist(), nbytes[rest].tolist())]
