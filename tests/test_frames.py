@@ -544,8 +544,9 @@ def test_mangled_frames_decode_or_raise_value_error(compression, lz4_decodes):
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
 def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path, compression, monkeypatch):
     """84x84 frames are inner chunks of one row, decoded straight into the rows of the batch in
-    one call: a frame asked for twice is decoded twice (finding repeats costs more than the few
-    a large buffer's batch draws); the rows equal a raw buffer's."""
+    one call: a frame asked for again right after itself (a padded slice's end) is copied,
+    elsewhere in the batch decoded again (finding such repeats costs more than the few a large
+    buffer's batch draws); the rows equal a raw buffer's."""
     fields = {"obs": dr.Field((84, 84), "uint8"), "done": dr.Field((), "bool")}
     steps = np.arange(300)
     obs = np.repeat(steps.astype(np.uint8)[:, None, None], 84, 1).repeat(84, 2)
@@ -562,11 +563,33 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
         decoded.append(("bodies", len(bodies))), decode_bodies(self, bodies, out, rows)))
     monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
         decoded.append(("from the map", len(sources))), decode_at(sources, sizes, flat, rows)))
-    ids = np.array([17, 250, 17, 3, 250, 17, 299, 0])
+    ids = np.array([17, 17, 250, 17, 3, 3, 3, 250, 299, 0])
     np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
-    assert decoded == [("from the map" if compression == "lz4" else "bodies", len(ids))]
+    assert decoded == [("from the map" if compression == "lz4" else "bodies", 7)]  # 17 250 17 3 250 299 0
     np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])
     raw.close()
+    reader.close()
+
+
+def test_the_same_step_of_two_lanes_is_two_frames(tmp_path, monkeypatch):
+    """Reading frames one by one, a row counts as a repeat of the row before it only when both
+    its lane and its step are the same: the lanes' frames at one step are each decoded."""
+    fields = {"obs": dr.Field((84, 84), "uint8"), "done": dr.Field((), "bool")}
+    obs = np.zeros((200, 2, 84, 84), np.uint8)
+    obs[:, :, 0, 0] = np.arange(200)[:, None] % 256
+    obs[:, 1, 0, 1] = 1  # lane 1's frames differ from lane 0's at every step
+    with dr.ReplayBuffer.create(str(tmp_path / "z"), fields, capacity=400, num_envs=2, chunk_rows=64,
+                                compression="lz4") as buf:
+        buf.extend({"obs": obs, "done": np.zeros((200, 2), bool)})
+    reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
+    decoded: list[int] = []
+    decode_at = shard_maps.decode_lz4_at
+    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
+        decoded.append(len(sources)), decode_at(sources, sizes, flat, rows)))
+    ids = np.array([2 * 10, 2 * 10 + 1, 2 * 10 + 1, 2 * 150, 2 * 150 + 1])  # row id = step * num_envs + lane
+    got = reader.rows(ids)["obs"]
+    np.testing.assert_array_equal(got, obs[ids // 2, ids % 2])
+    assert sum(decoded) == 4  # the lane-1 frame of step 10 asked twice in a row: decoded once
     reader.close()
 
 

@@ -3,8 +3,8 @@
 A compressed field whose rows take 1 KiB or more is stored as Zarr shards of small inner chunks
 (`Codec.inner_rows`). A local reader whose rows do not fit its cache reads such a field by
 mapping each shard file once (`ShardMaps`), and decoding only the inner chunks a batch needs:
-an inner chunk of one row (a frame) straight into each output row that asks for it, a larger
-one once. The chunk cache then holds the other fields.
+an inner chunk of one row (a frame) straight into the output row that asks for it, a larger one
+once. The chunk cache then holds the other fields.
 """
 
 from __future__ import annotations
@@ -42,19 +42,30 @@ class RowReads:
             rows[cached] = self.cache.slabs[name].take(self.cache.rows_at(slots[cached], offset[cached]), axis=0)
         read = np.flatnonzero(~cached)
         if len(read):
-            self._decode(name, rows, lane, chunk, offset, read)
+            if self.io.codecs[name].inner_rows == 1:
+                self._decode_frames(name, rows, lane, step, chunk, offset, read)
+            else:
+                self._decode(name, rows, lane, chunk, offset, read)
             self.retired.check(lane[read], step[read], lane[read], chunk[read])
         return rows
 
+    def _decode_frames(self, name: str, rows: np.ndarray, lane: np.ndarray, step: np.ndarray, chunk: np.ndarray,
+                       offset: np.ndarray, read: np.ndarray) -> None:
+        """Decode rows ``read`` of a field whose inner chunks hold one row (frames) straight into
+        ``rows``. A row that repeats the one read before it (a padded slice's end, a stack
+        clamped to its episode's start) is copied from it; other repeats, the one or two a
+        batch of a large ring draws, are decoded again: cheaper than finding them."""
+        again = _repeats_previous(lane[read], step[read])
+        first = read if not again.any() else read[~again]
+        self.maps.decode(name, lane[first], chunk[first], offset[first], rows, first)
+        if len(first) < len(read):
+            rows[read[again]] = rows[first[np.cumsum(~again)[again] - 1]]
+
     def _decode(self, name: str, rows: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                 read: np.ndarray) -> None:
-        """Decode the inner chunks holding rows ``read`` into ``rows``: one row each straight into
-        its row (a row drawn twice is decoded twice: cheaper than finding it), else each once."""
+        """Decode the inner chunks (of several rows each) holding rows ``read``, each once, into ``rows``."""
         inner_rows = self.io.codecs[name].inner_rows
         assert inner_rows is not None
-        if inner_rows == 1:
-            self.maps.decode(name, lane[read], chunk[read], offset[read], rows, read)
-            return
         per_chunk = self.chunk_rows // inner_rows
         block = (lane[read] * (chunk.max() + 1) + chunk[read]) * per_chunk + offset[read] // inner_rows
         unique, where = np.unique(block, return_inverse=True)
@@ -74,3 +85,11 @@ class RowReads:
 
     def close(self) -> None:
         self.maps.close()
+
+
+def _repeats_previous(lane: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Whether each (lane, step) is the one before it."""
+    again = np.zeros(len(step), bool)
+    np.equal(step[1:], step[:-1], out=again[1:])
+    again[1:] &= lane[1:] == lane[:-1]
+    return again
