@@ -30,7 +30,7 @@ class RowReads:
 
     def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
         """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
-        among them), else read and decoded from their inner chunks (`_decode`), not cached."""
+        among them), else decoded from their inner chunks (`_decode_frames`, `_decode`), not cached."""
         rows = output_rows(self.schema[name], len(step), given)
         layout = self.retired.layout
         chunk, offset = layout.chunk_and_offset(step)
