@@ -1,8 +1,12 @@
-"""The optional C extension; everything else about the package is in pyproject.toml.
+"""The optional C extensions; everything else about the package is in pyproject.toml.
 
-Without a C compiler the package installs all the same, and compressed frames are checked and
-decoded one call per frame (`diskreplay.format.codecs`)."""
+Without a C compiler the package installs all the same, and does the same work in numpy or one
+library call per item: compressed frames are checked and decoded one call per frame
+(`diskreplay.format.codecs`), uniform draws are numpy's (`diskreplay.sampling.draws`), episode
+bounds and stack windows are numpy searches (`diskreplay.episodes.index`)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("diskreplay.format._batch", ["diskreplay/format/_batch.c"], optional=True)])
+EXTENSIONS = ("diskreplay.format._batch", "diskreplay.sampling._draws", "diskreplay.episodes._search")
+
+setup(ext_modules=[Extension(name, [name.replace(".", "/") + ".c"], optional=True) for name in EXTENSIONS])

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import diskreplay as dr
+from diskreplay.episodes import index as episode_index
+from diskreplay.sampling import draws
 
 GOLDEN = Path(__file__).with_name("golden.json")
 FIELDS = {"obs": dr.Field((3, 2), "float32"), "action": dr.Field((), "int64"), "reward": dr.Field((), "float32"),
@@ -170,3 +172,12 @@ def test_batches_equal_the_golden_ones(case, tmp_path, golden):
 
 def test_the_golden_file_has_no_case_that_is_gone(golden):
     assert sorted(golden) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", ["uniform ring raw 1 lane", "uniform ring lz4 2 lanes", "derived next and returns"])
+def test_batches_without_the_compiled_loops_equal_the_golden_ones(case, tmp_path, golden, monkeypatch):
+    """Where no C compiler was found at install, draws and episode searches run in numpy: the
+    same batches."""
+    monkeypatch.setattr(draws, "_draws", None)
+    monkeypatch.setattr(episode_index, "_search", None)
+    assert digest(CASES[case](tmp_path)) == golden[case]

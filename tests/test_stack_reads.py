@@ -2,11 +2,16 @@
 row's window of steps, equal to what the rows hold, laid out as before (obs and next_obs two views of
 one window, every other field its own array)."""
 
+import os
+import pickle
+
 import numpy as np
 import pytest
 
 import diskreplay as dr
 from diskreplay.episodes import EpisodeIndex, transforms
+from diskreplay.episodes import index as episode_index
+from diskreplay.episodes.index import NO_END
 
 FIELDS = {"obs": dr.Field((3, 2), "uint8"), "next_obs": dr.Field((3, 2), "uint8"),
           "goal": dr.Field((2,), "float32"), "next_goal": dr.Field((2,), "float32"),
@@ -139,7 +144,18 @@ def ref_bounds(ends: list[int], step: int) -> tuple[int, int]:
     return (before[-1] + 1 if before else 0), (after[0] if after else np.iinfo(np.int64).max)
 
 
-def test_episode_bounds_follow_every_change_of_the_index():
+@pytest.fixture(params=["compiled", "numpy"])
+def searches(request, monkeypatch):
+    """Episode searches by the `_search` extension, then by numpy alone."""
+    if request.param == "numpy":
+        monkeypatch.setattr(episode_index, "_search", None)
+    elif episode_index._search is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.episodes._search was not built (no C compiler at install)")
+    return request.param
+
+
+def test_episode_bounds_follow_every_change_of_the_index(searches):
     index = EpisodeIndex(2, ("done",))
     ends = [[], []]
     rng = np.random.default_rng(0)
@@ -165,6 +181,52 @@ def test_episode_bounds_follow_every_change_of_the_index():
     assert all(np.array_equal(a, b) for a, b in zip(copy.bounds(lanes, steps), index.bounds(lanes, steps)))
 
 
+def ref_window(ends: list[int], step: int, offsets: list[int], lo: int, hi: int, clamp_last: bool) -> list[int]:
+    start, end = ref_bounds(ends, step)
+    window = [max(step + k, start, lo) for k in offsets]
+    if clamp_last:
+        window[-1] = min(window[-1], end, hi - 1)
+    return window
+
+
+@pytest.mark.parametrize("clamp_last", [True, False])
+def test_stack_windows_stay_inside_their_episode_and_the_readable_steps(searches, clamp_last):
+    index = EpisodeIndex(3, ("done",))
+    rng = np.random.default_rng(4)
+    ends = []
+    for lane in range(3):
+        done = rng.random(3000) < (0.02, 0.3, 0.0)[lane]  # long episodes, short ones, one open episode
+        index.on_append(lane, 0, {"done": done})
+        ends.append(np.flatnonzero(done).tolist())
+    index.prune(np.array([1500, 0, 0]))  # lane 0 forgets its oldest ends
+    lo, hi = np.array([1500, 10, 0]), np.array([3000, 2000, 2900])
+    offsets = np.array([-3, -2, -1, 0, 1])
+    lane = rng.integers(0, 3, 500)
+    step = rng.integers(lo[lane], hi[lane])
+    step[:3], lane[:3] = hi[:3] - 1, np.arange(3)  # each lane's newest step
+    window, kept, ended = index.stack_windows(lane, step, offsets, lo, hi, clamp_last)
+    assert window.tolist() == [ref_window(ends[e], s, offsets.tolist(), lo[e], hi[e], clamp_last)
+                               for e, s in zip(lane.tolist(), step.tolist())]
+    last = [min(ref_bounds(ends[e], s)[1], hi[e] - 1) for e, s in zip(lane.tolist(), step.tolist())]
+    expected = [i for i, s in enumerate(step.tolist()) if clamp_last and last[i] == s]
+    assert kept.tolist() == expected
+    assert ended.tolist() == [step[i] in ends[lane[i]] for i in expected]
+    assert not clamp_last or 10 < len(expected) < 200 and 0 < sum(ended) < len(expected)  # both kinds met
+
+
+def test_episode_searches_reject_a_lane_or_step_out_of_range(searches):
+    index = EpisodeIndex(2, ("done",))
+    if searches == "compiled":  # numpy raises its own IndexError for the lane
+        with pytest.raises(ValueError, match=r"step 5 of lane 2: expected a step >= 0 of a lane in \[0, 2\)"):
+            index.bounds(np.array([0, 2]), np.array([5, 5]))
+        with pytest.raises(ValueError, match="step -1 of lane 0"):
+            index.stack_windows(np.array([0]), np.array([-1]), np.array([0]), np.zeros(2, np.int64),
+                                np.ones(2, np.int64), True)
+    else:
+        with pytest.raises(IndexError):
+            index.bounds(np.array([0, 2]), np.array([5, 5]))
+
+
 @pytest.mark.parametrize("cache_bytes", [1024, None])
 def test_the_newest_step_never_reads_past_the_window(tmp_path, cache_bytes):
     """The newest step's next_obs is kept apart, never read from the step after it: with the
@@ -181,3 +243,13 @@ def test_the_newest_step_never_reads_past_the_window(tmp_path, cache_bytes):
                                   reader.episode_index, np.zeros_like(step), step, lo, hi)
     for name, value in expected(reader, step, 3, ("obs",)).items():
         np.testing.assert_array_equal(out[name], value, err_msg=name)
+
+
+def test_a_copied_episode_index_searches_its_own_ends(searches):
+    index = EpisodeIndex(2, ("done",))
+    index.on_append(1, 0, {"done": np.arange(20) % 5 == 4})
+    copy = pickle.loads(pickle.dumps(index))
+    index.on_append(1, 20, {"done": np.arange(20) % 2 == 1})  # in place: the arrays have room
+    steps = np.array([3, 22, 25])
+    assert index.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, 23, 25]
+    assert copy.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, NO_END, NO_END]

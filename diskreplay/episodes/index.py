@@ -23,6 +23,11 @@ from ..errors import SchemaError
 from ..format.journal import LOG_CHUNK, JournalChange, JournalContent
 from ..format.schema import Field
 
+try:
+    from . import _search  # type: ignore[attr-defined]  # built from _search.c where a C compiler was found
+except ImportError:
+    _search = None
+
 NO_END = np.iinfo(np.int64).max
 END_RECORD = np.dtype([("lane", "<i8"), ("step", "<i8")])
 """A journal record of the episode index: an episode of ``lane`` ended at ``step``."""
@@ -78,6 +83,15 @@ class EpisodeTable:
         return int(self.lane[k]), np.arange(start, start + int(self.length[k]))
 
 
+_NO_ARRAY = np.zeros(0, dtype=np.int64)
+_NO_ARRAY.flags.writeable = False
+
+
+def _int64s(values: np.ndarray) -> np.ndarray:
+    """``values`` as a C-contiguous int64 array (itself, where it is one)."""
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
 def _bounds(ends: np.ndarray, starts: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(episode_start, next_end)`` of steps >= 0 from a lane's ``[-1, *ends, NO_END]`` and the
     matching episode starts (see `EpisodeIndex._store`)."""
@@ -95,8 +109,9 @@ class EpisodeIndex:
 
     def __init__(self, num_envs: int, end_fields: tuple[str, ...]):
         self.end_fields = end_fields
-        self._ends = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
-        self._starts = [np.zeros(16, dtype=np.int64) for _ in range(num_envs)]
+        self._ends: list[np.ndarray] = [_NO_ARRAY] * num_envs
+        self._starts: list[np.ndarray] = [_NO_ARRAY] * num_envs
+        self._at = np.zeros(2 * num_envs, dtype=np.int64)  # the addresses of the lanes' arrays (`_search`)
         self._count = np.zeros(num_envs, dtype=np.int64)
         for lane in range(num_envs):
             self._store(lane, np.zeros(0, dtype=np.int64))
@@ -105,6 +120,11 @@ class EpisodeIndex:
         self._journal_size = 0  # records and base ends in the journal
         self._base_pruned: list[int] = []
         self._staged: tuple[JournalChange, np.ndarray] | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (pickled, deep-copied) searches its own arrays, not those it was copied from."""
+        self.__dict__.update(state)
+        self._at = np.array([values.ctypes.data for values in (*self._ends, *self._starts)], dtype=np.int64)
 
     @property
     def enabled(self) -> bool:
@@ -149,8 +169,9 @@ class EpisodeIndex:
         places plus one, the first step of the episode each end closes (``[_, 0, *(ends + 1)]``)."""
         count = len(ends)
         if count + 2 > len(self._ends[lane]):
-            size = max(2 * len(self._ends[lane]), count + 2)
+            size = max(2 * len(self._ends[lane]), count + 2, 16)
             self._ends[lane], self._starts[lane] = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+            self._at[[lane, len(self._count) + lane]] = self._ends[lane].ctypes.data, self._starts[lane].ctypes.data
         bracketed, starts = self._ends[lane], self._starts[lane]
         bracketed[0], bracketed[1:count + 1], bracketed[count + 1] = -1, ends, NO_END
         starts[1], starts[2:count + 2] = 0, ends + 1
@@ -200,6 +221,10 @@ class EpisodeIndex:
     def bounds(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(episode_start, next_end)`` of each step (int64, shaped like ``step``; steps >= 0),
         from one search of each lane's ends."""
+        if _search is not None and step.ndim == 1 and lane.shape == step.shape:
+            start, end = np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=np.int64)
+            _search.bounds(self._at, self._count, _int64s(lane), _int64s(step), start, end)
+            return start, end
         if len(self._count) == 1:  # one lane: no grouping
             return _bounds(self._bracketed(0), self._starts[0], step)
         start, end = np.zeros(step.shape, dtype=np.int64), np.full(step.shape, NO_END, dtype=np.int64)
@@ -207,6 +232,30 @@ class EpisodeIndex:
             sel = lane == e
             start[sel], end[sel] = _bounds(self._bracketed(e), self._starts[e], step[sel])
         return start, end
+
+    def stack_windows(self, lane: np.ndarray, step: np.ndarray, offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                      clamp_last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The steps ``step + offsets`` of each step's window (int64 ``[len(step), len(offsets)]``),
+        raised to the first readable step of its episode, ``max(start, lo[lane])``; with
+        ``clamp_last`` the last column lowered to its last readable step, ``min(end, hi[lane] - 1)``.
+        Then, with ``clamp_last``, the rows whose last readable step is the step itself (int64
+        ``[k]``) and whether that step ends its episode (bool ``[k]``; else it is the lane's newest).
+        ``lo``, ``hi``: per lane, the readable steps ``[lo, hi)`` (int64 ``[num_envs]``)."""
+        if _search is not None and step.ndim == 1 and lane.shape == step.shape:
+            window, kept, ended = (np.empty((len(step), len(offsets)), dtype=np.int64),
+                                   np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=bool))
+            found = _search.stack_windows(self._at, self._count, _int64s(lane), _int64s(step), _int64s(lo),
+                                          _int64s(hi), _int64s(offsets), clamp_last, window, kept, ended)
+            return window, kept[:found], ended[:found]
+        start, end = self.bounds(lane, step)
+        window = step[:, None] + offsets
+        np.maximum(window, np.maximum(start, lo[lane])[:, None], out=window)
+        if not clamp_last:
+            return window, _NO_ARRAY, _NO_ARRAY.astype(bool)
+        last = np.minimum(end, hi[lane] - 1)
+        np.minimum(window[:, -1], last, out=window[:, -1])
+        kept = np.flatnonzero(last == step)
+        return window, kept, end[kept] == step[kept]
 
     def table(self, lo: np.ndarray, hi: np.ndarray) -> EpisodeTable:
         """Every episode with readable steps, lane by lane in time order."""

@@ -164,10 +164,6 @@ def stack_plan(view: RowView, frames: int, fields: tuple[str, ...], others: tupl
                      len(offsets))
 
 
-_NO_ROWS = np.zeros(0, dtype=np.intp)
-_NO_ROWS.flags.writeable = False
-
-
 def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray,
                  lo: np.ndarray, hi: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The rows of ``plan.others`` at each step (``[B, *shape]``), then the stacks ``[B, frames,
@@ -182,18 +178,12 @@ def stacked_rows(plan: StackPlan, view: RowView, episodes: EpisodeIndex, lane: n
     newest) from where they are kept (`RowView.kept_next`). ``hi``: the window's end per lane, if
     the caller has it."""
     frames, width, derived = plan.frames, plan.width, plan.derived
-    start, next_end = episodes.bounds(lane, step)
-    window = step[:, None] + plan.offsets
-    np.maximum(window, np.maximum(start, at_lanes(lo, lane))[:, None], out=window)
-    kept = _NO_ROWS  # rows whose derived twins are not the following step's field
-    if derived:
-        last = episode_last_step(episodes, lane, step, view.window()[1] if hi is None else hi, next_end)
-        np.minimum(window[:, frames], last, out=window[:, frames])
-        kept = np.flatnonzero(last == step)
+    hi = view.window()[1] if hi is None else hi
+    window, kept, ended = episodes.stack_windows(lane, step, plan.offsets, lo, hi, bool(derived))
     windowed = plan.windowed
     rows = view.gather(lane.repeat(width), window.reshape(-1), windowed) if windowed else {}
     at_step = view.gather(lane, step, plan.apart) if plan.apart else {}
-    finals = view.kept_next(lane[kept], step[kept], derived, next_end[kept] == step[kept]) if len(kept) else {}
+    finals = view.kept_next(lane[kept], step[kept], derived, ended) if len(kept) else {}
     out = {name: rows[name][frames - 1::width].copy() if name in plan.small else at_step[name]
            for name in plan.others}
     for name in plan.fields:

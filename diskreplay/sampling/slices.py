@@ -11,6 +11,7 @@ import numpy as np
 from ..checks import check_int
 from ..errors import EmptyBufferError
 from ..format.lanes import flat_to_lane_step
+from .draws import integers
 from .protocols import Draw, Sampler
 from .uniform import Uniform
 
@@ -80,7 +81,7 @@ class SliceSampler:
         if count.sum() == 0:
             raise EmptyBufferError(f"no episode holds {self.seq_len} consecutive readable steps; "
                                    f"use pad=True or a shorter seq_len")
-        segment, step = flat_to_lane_step(rng.integers(0, int(count.sum()), batch_size), first, first + count)
+        segment, step = flat_to_lane_step(integers(rng, 0, int(count.sum()), batch_size), first, first + count)
         return Draw(lane[segment], step)
 
     def last_steps(self, draw: Draw, hi: np.ndarray) -> np.ndarray:

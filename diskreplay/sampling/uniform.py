@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..format.lanes import LaneLayout
+from .draws import integers
 from .protocols import Draw, Sampler
 
 
@@ -63,11 +64,11 @@ class Uniform(Sampler):
 
 def _uniform(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
     if len(lo) == 1:
-        step = rng.integers(int(lo[0]), int(hi[0]), size=n)
+        step = integers(rng, int(lo[0]), int(hi[0]), n)
         return Draw(np.zeros(n, dtype=np.int64), step)
     sizes = hi - lo
     ends = sizes.cumsum()
-    pos = rng.integers(0, int(ends[-1]), size=n)
+    pos = integers(rng, 0, int(ends[-1]), n)
     lane = ends.searchsorted(pos, side="right")
     return Draw(lane, pos + (lo + sizes - ends)[lane])  # lo + the position inside the lane
 
