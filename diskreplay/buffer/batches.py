@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -121,7 +122,7 @@ def split_batches(block: Batch, sizes: list[int]) -> list[Batch]:
     """``block`` cut into consecutive batches of these sizes (views of its arrays)."""
     if len(sizes) == 1:
         return [block]
-    edges = np.cumsum([0, *sizes]).tolist()
+    edges = list(itertools.accumulate(sizes, initial=0))
     return [{name: rows[a:b] for name, rows in block.items()} for a, b in zip(edges, edges[1:])]
 
 
