@@ -518,6 +518,9 @@ class _Generators(Sequence[np.random.Generator]):
     def __len__(self) -> int:
         return self.size
 
+    def __iter__(self) -> Iterator[np.random.Generator]:
+        return (self.rngs(self.b + i * self.stride) for i in range(self.size))
+
     @overload
     def __getitem__(self, i: int) -> np.random.Generator: ...
 
