@@ -2,6 +2,7 @@
 row's window of steps, equal to what the rows hold, laid out as before (obs and next_obs two views of
 one window, every other field its own array)."""
 
+import copy
 import os
 import pickle
 
@@ -245,11 +246,16 @@ def test_the_newest_step_never_reads_past_the_window(tmp_path, cache_bytes):
         np.testing.assert_array_equal(out[name], value, err_msg=name)
 
 
-def test_a_copied_episode_index_searches_its_own_ends(searches):
+@pytest.mark.parametrize("how", ["pickled", "copied", "deep-copied"])
+def test_a_copied_episode_index_searches_its_own_ends(searches, how):
     index = EpisodeIndex(2, ("done",))
     index.on_append(1, 0, {"done": np.arange(20) % 5 == 4})
-    copy = pickle.loads(pickle.dumps(index))
+    copies = {"pickled": lambda x: pickle.loads(pickle.dumps(x)), "copied": copy.copy, "deep-copied": copy.deepcopy}
+    twin = copies[how](index)
     index.on_append(1, 20, {"done": np.arange(20) % 2 == 1})  # in place: the arrays have room
     steps = np.array([3, 22, 25])
     assert index.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, 23, 25]
-    assert copy.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, NO_END, NO_END]
+    assert twin.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, NO_END, NO_END]
+    index.on_append(1, 40, {"done": np.ones(100, bool)})  # new, larger arrays; the old ones freed
+    del index
+    assert twin.bounds(np.ones(3, np.int64), steps)[1].tolist() == [4, NO_END, NO_END]

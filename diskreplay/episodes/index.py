@@ -122,8 +122,11 @@ class EpisodeIndex:
         self._staged: tuple[JournalChange, np.ndarray] | None = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy (pickled, deep-copied) searches its own arrays, not those it was copied from."""
+        """A copy (pickled or copied, even shallowly) owns its arrays and searches them, not those
+        of the index it was copied from."""
         self.__dict__.update(state)
+        self._ends, self._starts = [a.copy() for a in self._ends], [a.copy() for a in self._starts]
+        self._count = self._count.copy()
         self._at = np.array([values.ctypes.data for values in (*self._ends, *self._starts)], dtype=np.int64)
 
     @property
