@@ -87,6 +87,11 @@ _NO_ARRAY = np.zeros(0, dtype=np.int64)
 _NO_ARRAY.flags.writeable = False
 
 
+def _searchable(lane: np.ndarray, step: np.ndarray) -> bool:
+    """Whether `_search` takes these steps: it was built, and they are one row of (lane, step) pairs."""
+    return _search is not None and step.ndim == 1 and lane.shape == step.shape
+
+
 def _int64s(values: np.ndarray) -> np.ndarray:
     """``values`` as a C-contiguous int64 array (itself, where it is one)."""
     return np.ascontiguousarray(values, dtype=np.int64)
@@ -224,7 +229,7 @@ class EpisodeIndex:
     def bounds(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(episode_start, next_end)`` of each step (int64, shaped like ``step``; steps >= 0),
         from one search of each lane's ends."""
-        if _search is not None and step.ndim == 1 and lane.shape == step.shape:
+        if _searchable(lane, step):
             start, end = np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=np.int64)
             _search.bounds(self._at, self._count, _int64s(lane), _int64s(step), start, end)
             return start, end
@@ -244,7 +249,7 @@ class EpisodeIndex:
         Then, with ``clamp_last``, the rows whose last readable step is the step itself (int64
         ``[k]``) and whether that step ends its episode (bool ``[k]``; else it is the lane's newest).
         ``lo``, ``hi``: per lane, the readable steps ``[lo, hi)`` (int64 ``[num_envs]``)."""
-        if _search is not None and step.ndim == 1 and lane.shape == step.shape:
+        if _searchable(lane, step):
             window, kept, ended = (np.empty((len(step), len(offsets)), dtype=np.int64),
                                    np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=bool))
             found = _search.stack_windows(self._at, self._count, _int64s(lane), _int64s(step), _int64s(lo),
