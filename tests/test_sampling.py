@@ -8,6 +8,7 @@ deterministic) and a generous significance level.
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -746,6 +747,48 @@ def test_compiled_uniform_draws_are_numpys_numbers(bits):
         got = draws.integers(ours, low, high, size)
         assert got.dtype == np.int64 and got.tolist() == theirs.integers(low, high, size=size).tolist()
     assert ours.integers(0, 2**62, 8).tolist() == theirs.integers(0, 2**62, 8).tolist()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pcg64_states_set_many_at_once_are_numpys(compiled, monkeypatch):
+    """`draws.set_pcg64_states` leaves each generator as PCG64's ``state`` setter does: the same
+    state, the half-used 64-bit output dropped, the same draws after; the compiled setter and
+    the fallback alike."""
+    if compiled and draws._set_pcg64 is None:
+        assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
+        pytest.skip("diskreplay.sampling._draws was not built (no C compiler at install)")
+    if not compiled:
+        monkeypatch.setattr(draws, "_set_pcg64", None)
+    words = np.array([[2**64 - 1, 2**64 - 1, 2**64 - 1, 2**64 - 1], [0, 1, 0, 1], [2**63, 99, 12, 2**62 + 5]],
+                     dtype=np.uint64)
+    ours = [np.random.default_rng(s) for s in range(3)]
+    for gen in ours:
+        gen.integers(0, 10)  # half of a 64-bit output left buffered
+    draws.set_pcg64_states(ours, words)
+    for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(ours, words.tolist()):
+        theirs = np.random.default_rng()
+        theirs.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                                      "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+        assert gen.bit_generator.state == theirs.bit_generator.state
+        assert gen.integers(0, 1000, 20).tolist() == theirs.integers(0, 1000, 20).tolist()
+
+
+def test_the_compiled_pcg64_setter_is_used_only_where_it_agrees_with_numpy(monkeypatch):
+    """The import-time check turns down a setter that leaves other states than numpy's."""
+    if draws._draws is not None:
+        assert draws._sets_pcg64_as_numpy()
+    monkeypatch.setattr(draws, "_draws", types.SimpleNamespace(set_pcg64=lambda capsules, words: None))
+    assert not draws._sets_pcg64_as_numpy()
+
+
+def test_pcg64_states_refuse_other_generators_and_miscounted_states():
+    words = np.zeros((1, 4), np.uint64)
+    with pytest.raises(TypeError, match="PCG64 generators only"):
+        draws.set_pcg64_states([np.random.Generator(np.random.MT19937(0))], words)
+    with pytest.raises(TypeError, match="PCG64 generators only"):
+        draws.set_pcg64_states([np.random.RandomState(0)], words)
+    with pytest.raises(ValueError, match="2 generators, 1 states"):
+        draws.set_pcg64_states([np.random.default_rng(0), np.random.default_rng(1)], words)
 
 
 def test_uniform_samples_are_the_same_without_the_compiled_draws(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
+from diskreplay.sampling import draws
 from diskreplay.torch import batch_rng, shared_ring
 from diskreplay.torch.batch_rng import BatchRngs
 from diskreplay.torch.data import make_dataset
@@ -91,7 +92,10 @@ def sample_ds(buf, **kw):
 
 @pytest.mark.parametrize("pool", [32, 1, 5])
 @pytest.mark.parametrize("seed,rank,stride", [(0, 0, 1), (5, 1, 2), (2**40 + 3, 3, 3), (123456789, 0, 7)])
-def test_batch_rngs_equal_default_rng(seed, rank, stride, pool):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_batch_rngs_equal_default_rng(seed, rank, stride, pool, compiled, monkeypatch):
+    if not compiled:
+        monkeypatch.setattr(draws, "_set_pcg64", None)
     rngs = BatchRngs(seed, rank, stride, pool=pool)
     for b in [*range(rank, 3000, stride), rank + 40 * stride, 2**32 - 5, 2**33, 7, 3000 + stride * 4090]:
         want = np.random.default_rng([seed, rank, b])

@@ -19,6 +19,22 @@ typedef struct {
     uint64_t (*next_raw)(void *state);
 } bitgen_t;
 
+/* numpy's PCG64 state (numpy/random/src/pcg64/pcg64.h), behind a PCG64's `bitgen_t.state`, where the
+ * compiler has 128-bit integers (numpy's pcg128_t is then __uint128_t). draws.py checks this layout
+ * against numpy's own state setter at import and does not call `set_pcg64` where they differ. */
+#ifdef __SIZEOF_INT128__
+typedef struct {
+    __uint128_t state;
+    __uint128_t inc;
+} pcg64_words;
+
+typedef struct {
+    pcg64_words *words;
+    int has_uint32;
+    uint32_t uinteger;
+} pcg64_state;
+#endif
+
 /* A number in [0, span] (span < 2**32 - 1): the high half of a 32-bit draw times span + 1,
  * drawn again while the low half falls below the threshold that makes every value equally likely. */
 static uint32_t bounded(bitgen_t *bits, uint32_t span) {
@@ -60,12 +76,50 @@ done:
     Py_RETURN_NONE;
 }
 
+static PyObject *set_pcg64(PyObject *self, PyObject *args) {
+    PyObject *capsules;
+    Py_buffer words;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!y*", &PyList_Type, &capsules, &words))
+        return NULL;
+#ifdef __SIZEOF_INT128__
+    Py_ssize_t count = PyList_GET_SIZE(capsules);
+    if (words.len != count * 4 * (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "set_pcg64 needs 4 uint64 words per capsule");
+        goto done;
+    }
+    const uint64_t *word = words.buf;
+    for (Py_ssize_t i = 0; i < count; i++, word += 4) {
+        bitgen_t *bits = PyCapsule_GetPointer(PyList_GET_ITEM(capsules, i), "BitGenerator");
+        if (bits == NULL)
+            goto done;
+        pcg64_state *state = bits->state;
+        state->words->state = (__uint128_t)word[0] << 64 | word[1];
+        state->words->inc = (__uint128_t)word[2] << 64 | word[3];
+        state->has_uint32 = 0;
+        state->uinteger = 0;
+    }
+#else
+    PyErr_SetString(PyExc_NotImplementedError, "set_pcg64 needs a compiler with 128-bit integers");
+#endif
+done:
+    PyBuffer_Release(&words);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"integers", integers, METH_VARARGS,
      "integers(capsule, low, span, out) -> None\n\n"
      "Fill out (an int64 buffer) with numbers in [low, low + span], span in [1, 2**32 - 2], drawn\n"
      "from the bit generator behind capsule (BitGenerator.capsule) as Generator.integers draws\n"
      "them. The caller holds the bit generator's lock."},
+    {"set_pcg64", set_pcg64, METH_VARARGS,
+     "set_pcg64(capsules, words) -> None\n\n"
+     "Set the PCG64 bit generators behind capsules (a list of PCG64.capsule) to the states in words\n"
+     "(uint64 [len(capsules), 4]: state high, state low, increment high, increment low), with no\n"
+     "buffered 32-bit output: what PCG64.state's setter does. Only for PCG64 capsules."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
-"""Uniform integer draws: ``rng.integers(low, high, size=n)``, the same numbers, without most of
-its per-call cost where the `_draws` extension was built and agrees with this numpy."""
+"""Fast paths into numpy's bit generators, where the `_draws` extension was built and agrees with
+this numpy: uniform integer draws (``rng.integers(low, high, size=n)``, the same numbers, without
+most of its per-call cost) and PCG64 states set many at a time."""
 
 from __future__ import annotations
 
@@ -27,6 +28,29 @@ def integers(rng: np.random.Generator, low: int, high: int, size: int) -> np.nda
     return out
 
 
+def set_pcg64_states(generators: list[np.random.Generator], words: np.ndarray) -> None:
+    """Set ``generators[i]`` (PCG64 generators) to the state ``words[i]`` (uint64 ``[len(generators),
+    4]``: state high, state low, increment high, increment low), as ``bit_generator.state = {...}``
+    does: ~0.4 µs per generator where the extension agrees with numpy, ~2 µs otherwise.
+
+    Raises:
+        TypeError: a generator is not a PCG64 ``np.random.Generator``.
+        ValueError: not one row of ``words`` per generator.
+    """
+    if any(type(gen) is not np.random.Generator or type(gen.bit_generator) is not np.random.PCG64
+           for gen in generators):
+        raise TypeError("set_pcg64_states sets PCG64 generators only")
+    words = np.ascontiguousarray(words, dtype=np.uint64)
+    if len(words) != len(generators):
+        raise ValueError(f"set_pcg64_states: {len(generators)} generators, {len(words)} states")
+    if _set_pcg64 is not None:
+        _set_pcg64([gen.bit_generator.capsule for gen in generators], words)
+        return
+    for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(generators, words.tolist()):
+        gen.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                                   "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+
+
 def _agrees_with_numpy() -> bool:
     """Whether `_draws` gives numpy's numbers here (narrow, wide and rejection-heavy spans)."""
     ours, theirs = np.random.default_rng(20261127), np.random.default_rng(20261127)
@@ -38,5 +62,26 @@ def _agrees_with_numpy() -> bool:
     return ours.bit_generator.state == theirs.bit_generator.state
 
 
+def _sets_pcg64_as_numpy() -> bool:
+    """Whether `_draws.set_pcg64` leaves a PCG64 generator in numpy's state for the same words."""
+    words = np.array([[2**64 - 3, 12345, 2**63 + 7, 2**40 + 1], [1, 2**64 - 1, 0, 3]], dtype=np.uint64)
+    ours = [np.random.Generator(np.random.PCG64(0)) for _ in words]
+    for gen in ours:
+        gen.integers(0, 10)  # leaves half of a 64-bit output buffered: the setter clears it
+    try:
+        _draws.set_pcg64([gen.bit_generator.capsule for gen in ours], words)
+    except NotImplementedError:
+        return False
+    for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(ours, words.tolist()):
+        theirs = np.random.Generator(np.random.PCG64(1))
+        theirs.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                                      "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+        if gen.bit_generator.state != theirs.bit_generator.state or \
+                not np.array_equal(gen.integers(0, 1000, 8), theirs.integers(0, 1000, 8)):
+            return False
+    return True
+
+
 if _draws is not None and not _agrees_with_numpy():
     _draws = None
+_set_pcg64 = _draws.set_pcg64 if _draws is not None and _sets_pcg64_as_numpy() else None

@@ -4,9 +4,9 @@ A dataset draws batch ``b`` with its own generator, so batches do not depend on 
 share the stream and a resumed iteration draws the same batches. Seeding a generator the numpy way
 costs ~17 µs (SeedSequence hashing in Python objects); `BatchRngs` runs the same SeedSequence
 algorithm and PCG64 seeding vectorised over a block of batch numbers and sets a small pool of
-generators to the next batches' states at once (the ``state`` setter's code stays warm between
-them, not evicted by a batch's gather in between): ~2.5 µs per batch in a tight loop, about 4 µs
-of a dataset batch's time, with the very same draws (tested against numpy).
+generators to the next batches' states at once (`set_pcg64_states`: one compiled call where the
+extension was built, else numpy's ``state`` setter): under 1 µs per batch (~3 µs without the
+extension), with the very same draws (tested against numpy).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from ..sampling.draws import set_pcg64_states
 
 _M32 = 0xFFFFFFFF
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
@@ -151,10 +153,8 @@ class BatchRngs:
         k, off = divmod(b - self._table_first, self.stride)
         if off or not 0 <= k < len(self._table):
             k = self._fill(b)
-        rows = self._table[k:k + len(self._gens)].tolist()
-        for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(self._gens, rows):
-            gen.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
-                                       "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+        rows = self._table[k:k + len(self._gens)]
+        set_pcg64_states(self._gens[:len(rows)], rows)
         self._first, self._ready, self._fresh = b, len(rows), 0
         return 0
 
