@@ -228,7 +228,7 @@ def test_first_bad_checksum_finds_the_first_body_whose_crc32c_differs(checksum_p
 @pytest.mark.parametrize("chunk", [3, 25])
 def test_a_damaged_frame_among_many_is_named(tmp_path, checksum_path, compression, chunk):
     """Many frames are checked in one call per decoding thread; the damaged one is still named by
-    its chunk, in the part this thread decodes (chunk 3) or the part the decode thread does (25)."""
+    its chunk, early in the batch (chunk 3) or late (25), whichever thread takes it."""
     url = str(tmp_path / "z")
     with make(url, compression, lanes=1) as buf:
         fill(buf, 2000, 1)
@@ -344,8 +344,8 @@ def test_a_shard_layout_diskreplay_does_not_write_is_refused(tmp_path, change, m
 
 @pytest.fixture(params=["batch", "into rows", "python-lz4"])
 def lz4_decodes(request, monkeypatch) -> list[int]:
-    """The LZ4 fast path's three decoders, each in turn: the `_batch` extension (a part of a
-    batch in one call, without the GIL), python-lz4's LZ4_decompress_safe through ctypes, one call
+    """The LZ4 fast path's three decoders, each in turn: the `_batch` extension (a thread's
+    blocks in one call, without the GIL), python-lz4's LZ4_decompress_safe through ctypes, one call
     per block (where the extension was not built), both straight into the rows; and python-lz4's
     decompress (where python-lz4 does not export LZ4_decompress_safe). Counts the blocks it
     decodes (the rest go through blosc)."""
@@ -353,9 +353,10 @@ def lz4_decodes(request, monkeypatch) -> list[int]:
     if request.param == "batch":
         batch = built_batch()
 
-        def counted_batch(decoder, sources, sizes, targets, width):
-            calls.extend([width] * len(sources))
-            return batch.decode_lz4(decoder, sources, sizes, targets, width)
+        def counted_batch(*args):
+            taken, *failure = batch.decode_lz4(*args)
+            calls.extend([args[5]] * taken)
+            return taken, *failure
         monkeypatch.setattr(codecs, "_batch", SimpleNamespace(decode_lz4=counted_batch,
                                                               first_bad_checksum=batch.first_bad_checksum))
         return calls
@@ -407,29 +408,93 @@ def test_lz4_rows_outside_the_output_are_refused():
         codecs.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
 
 
-def test_lz4_batch_decode_stops_at_the_first_bad_block():
-    """The extension's own contract: blocks decoded (a block as long as a row copied) until the
-    first that does not decode to a row, which it names with the decoder's result."""
+def lz4_blocks(rows: np.ndarray, bad: int | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each row as a blosc-like body: 8 bytes of head, the row's LZ4 block (row 1: its bytes as
+    they are), its CRC32C; block ``bad`` garbage. Returns the bodies and the blocks' addresses and sizes."""
+    bodies = []
+    for i, row in enumerate(rows):
+        block = row.tobytes() if i == 1 else lz4.block.compress(row.tobytes(), store_size=False)
+        if i == bad:
+            block = b"\xff" * 9
+        body = b"h" * codecs.LZ4_HEAD + block
+        bodies.append(np.frombuffer(bytearray(body + checksum(body)), np.uint8))
+    sources = np.array([b.ctypes.data + codecs.LZ4_HEAD for b in bodies], np.int64)
+    sizes = np.array([len(b) - codecs.LZ4_HEAD - 4 for b in bodies], np.int64)
+    return bodies, sources, sizes
+
+
+def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
+    """The extension's own contract: a call takes blocks from the shared cursor 8 at a time and
+    decodes them (a block as long as a row copied, a body checked first where asked), until the
+    cursor passes the end or a block fails, which it names (with the decoder's result, or as a
+    checksum) and which moves the cursor to the end."""
     batch = built_batch()
-    rows = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) // 8
-    blocks = [lz4.block.compress(rows[0].tobytes(), store_size=False), rows[1].tobytes(),
-              b"\xff" * 9, lz4.block.compress(rows[3].tobytes(), store_size=False)]
-    data = [np.frombuffer(block, np.uint8) for block in blocks]
-    sources = np.array([d.ctypes.data for d in data], np.int64)
-    sizes = np.array([len(b) for b in blocks], np.int64)
+    rows = np.arange(20 * 64, dtype=np.uint8).reshape(20, 64) // 8
+    targets = lambda out: out.ctypes.data + np.arange(20, dtype=np.int64) * 64  # noqa: E731
+    bodies, sources, sizes = lz4_blocks(rows)
+    checks, cursor, out = np.ones(20, np.uint8), np.array([8]), np.zeros_like(rows)  # another thread took 0..7
+    assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
+                            codecs.LZ4_HEAD, cursor) == (12, -1, 0, 0)
+    np.testing.assert_array_equal(out[8:], rows[8:])
+    assert not out[:8].any() and cursor[0] >= 20
+
+    bad, sources_bad, sizes_bad = lz4_blocks(rows, bad=13)
+    cursor, out = np.array([0]), np.zeros_like(rows)
+    taken, failed, bad_checksum, code = batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources_bad,
+                                                         sizes_bad, targets(out), 64, checks, codecs.LZ4_HEAD, cursor)
+    assert (taken, failed, bad_checksum) == (16, 13, 0) and code < 0 and cursor[0] == 20
+    np.testing.assert_array_equal(out[:13], rows[:13])
+    assert not out[14:].any()  # not reached
+
+    bodies[5][-1] ^= 1  # block 5's stored checksum
+    cursor, out = np.array([0]), np.zeros_like(rows)
+    assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
+                            codecs.LZ4_HEAD, cursor)[1:] == (5, 1, 0)
+    checks[5], cursor = 0, np.array([0])  # not asked for: decoded
+    assert batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets(out), 64, np.zeros(20, np.uint8),
+                            codecs.LZ4_HEAD, cursor) == (20, -1, 0, 0)
+    np.testing.assert_array_equal(out, rows)
+
+    args = [codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks, codecs.LZ4_HEAD,
+            np.array([0])]
+    for at, value, message in [(3, sizes[:3], "sizes must hold one int64 per block"),
+                               (0, 0, r"needs a decoder, a row width in \[1, 2\*\*31 - 1\] and a head >= 0"),
+                               (6, checks[:4], "one check byte per block and one int64 cursor"),
+                               (8, np.array([0, 0]), "one check byte per block and one int64 cursor"),
+                               (1, 0, "needs a crc32c function to check blocks")]:
+        with pytest.raises(ValueError, match=message):
+            batch.decode_lz4(*args[:at], value, *args[at + 1:])
+
+
+@pytest.mark.parametrize("path", ["batch", "one by one"])
+def test_lz4_frames_are_shared_by_the_threads_that_decode_them(path, monkeypatch):
+    """Threads decoding one `LZ4Frames` at once take every block once between them (each call
+    says how many it took), with and without the extension; a block that fails is kept as the
+    failure, however many threads ran."""
+    if path == "batch":
+        built_batch()
+    else:
+        monkeypatch.setattr(codecs, "_batch", None)
+    rng = np.random.default_rng(3)
+    rows = (rng.integers(0, 4, (3000, 256)) * 60).astype(np.uint8)
+    bodies, sources, sizes = lz4_blocks(rows)
     out = np.zeros_like(rows)
-    targets = out.ctypes.data + np.arange(4, dtype=np.int64) * 64
-    failed, code = batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 64)
-    assert failed == 2 and code < 0
-    np.testing.assert_array_equal(out[:2], rows[:2])
-    assert not out[3].any()  # not reached
-    assert batch.decode_lz4(codecs._LZ4_ADDRESS, sources[[0, 1, 3]], sizes[[0, 1, 3]], targets[[0, 1, 3]],
-                               64) == (-1, 0)
-    np.testing.assert_array_equal(out[[0, 1, 3]], rows[[0, 1, 3]])
-    with pytest.raises(ValueError, match="sizes must hold one int64 per block"):
-        batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes[:3], targets, 64)
-    with pytest.raises(ValueError, match=r"needs a decoder and a row width in \[1, 2\*\*31 - 1\]"):
-        batch.decode_lz4(0, sources, sizes, targets, 64)
+    frames = codecs.LZ4Frames(sources, sizes, out, np.arange(3000)[::-1], np.ones(3000, bool))
+    start = threading.Barrier(4)
+    taken: list[int] = []
+    threads = [threading.Thread(target=lambda: (start.wait(), taken.append(frames.decode()))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(taken) == 3000 and frames.failure is None
+    np.testing.assert_array_equal(out[::-1], rows)
+
+    bodies, sources, sizes = lz4_blocks(rows[:40], bad=21)
+    frames = codecs.LZ4Frames(sources, sizes, out, np.arange(40))
+    assert frames.decode() == 24 and frames.failure == codecs.LZ4Failure(21, False, frames.failure.why)
+    assert frames.failure.why.startswith("LZ4 block: malformed, or decodes to other than 256 bytes (code -")
+    assert frames.decode() == 0  # the rest are left
 
 
 def test_lz4_batch_decode_lets_other_threads_run():
@@ -449,7 +514,8 @@ def test_lz4_batch_decode_lets_other_threads_run():
     def decode() -> None:
         decoding.set()
         for _ in range(500):
-            batch.decode_lz4(codecs._LZ4_ADDRESS, sources, sizes, targets, 4096)
+            batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets, 4096, np.zeros(count, np.uint8), 0,
+                             np.zeros(1, np.int64))
             if observed.is_set():
                 break
         decoding.clear()
@@ -472,8 +538,8 @@ def test_lz4_batch_decode_lets_other_threads_run():
 @pytest.mark.parametrize("compression, message", [("lz4", "LZ4 block"), ("zstd", "zstd frame does not decode")])
 def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, chunk, lz4_decodes):
     """A frame whose checksum matches but whose compressed bytes are garbage: the chunk is named,
-    whether the frame is decoded alone or among others, in the part of a batch this thread
-    decodes (chunk 3) or in the part the decode thread does (chunk 25)."""
+    whether the frame is decoded alone or among others, early in a batch (chunk 3) or late
+    (chunk 25), whichever thread takes it."""
     url = str(tmp_path / "z")
     with make(url, compression, lanes=1) as buf:
         fill(buf, 2000, 1)
@@ -494,23 +560,68 @@ def test_a_frame_that_does_not_decode_is_named(tmp_path, compression, message, c
     reader.close()
 
 
+def counted_frames(monkeypatch) -> list[tuple[str, int, int]]:
+    """(thread name, blocks, blocks taken) per `LZ4Frames.decode` call of the shard maps' reads."""
+    calls: list[tuple[str, int, int]] = []
+
+    class Counted(codecs.LZ4Frames):
+        def decode(self) -> int:
+            taken = super().decode()
+            calls.append((threading.current_thread().name, len(self), taken))
+            return taken
+    monkeypatch.setattr(shard_maps, "LZ4Frames", Counted)
+    return calls
+
+
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
-def test_a_batch_of_frames_is_decoded_in_parts_side_by_side(tmp_path, compression, monkeypatch):
-    """With two I/O threads, a batch of 250 inner chunks is decoded in two parts, one of them on
-    the decode thread; each inner chunk is decoded once and the rows are the stored ones."""
+def test_a_batch_of_frames_is_decoded_side_by_side(tmp_path, compression, monkeypatch):
+    """With two I/O threads, a batch of 250 inner chunks is decoded on this thread and the decode
+    thread at once: LZ4 blocks taken a few at a time by either, zstd frames in two parts of 125;
+    each inner chunk is decoded once and the rows are the stored ones."""
     url = str(tmp_path / "z")
     with make(url, compression, lanes=1) as buf:
         fill(buf, 2000, 1)
     reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
     parts: list[tuple[str, int]] = []
-    decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
+    decode_bodies = Codec.decode_bodies
     monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None: (
         parts.append((threading.current_thread().name, len(bodies))), decode_bodies(self, bodies, out, rows)))
-    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
-        parts.append((threading.current_thread().name, len(sources))), decode_at(sources, sizes, flat, rows)))
+    blocks = counted_frames(monkeypatch)
     ids = np.arange(0, 2000, 7)
     np.testing.assert_array_equal(reader.rows(ids)["obs"][:, 0, :4], ids[:, None] >> np.array([0, 8, 16, 24]) & 255)
-    assert sorted((name.startswith("diskreplay-decode"), count) for name, count in parts) == [(False, 125), (True, 125)]
+    if compression == "zstd":
+        assert sorted((name.startswith("diskreplay-decode"), count) for name, count in parts) == [(False, 125),
+                                                                                              (True, 125)]
+    else:
+        assert not parts and sorted((name.startswith("diskreplay-decode"), count) for name, count, _ in blocks) == [
+            (False, 250), (True, 250)]
+        assert sum(taken for *_, taken in blocks) == 250
+    reader.close()
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_a_frames_checksum_is_checked_at_its_first_read_only(tmp_path, compression, monkeypatch):
+    """An inner chunk's checksum is checked when it is first read (LZ4 blocks: in the decoding
+    call), not again; the inner chunks of other rows are checked at theirs."""
+    url = str(tmp_path / "z")
+    with make(url, compression, lanes=1) as buf:
+        fill(buf, 2000, 1)
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
+    checked: list[int] = []
+
+    class Counted(codecs.LZ4Frames):
+        def __init__(self, *args: Any):
+            super().__init__(*args)
+            checked.append(int(self.check.sum()))
+    monkeypatch.setattr(shard_maps, "LZ4Frames", Counted)
+    first_bad = shard_maps.first_bad_checksum
+    monkeypatch.setattr(shard_maps, "first_bad_checksum", lambda sources, sizes: (
+        checked.append(len(sources)), first_bad(sources, sizes))[1])
+    counts = []
+    for ids in (np.arange(0, 1000, 3), np.arange(0, 1000, 3), np.arange(1000, 2000, 3), np.arange(1000, 2000, 3)):
+        reader.rows(ids)
+        counts.append(sum(checked))
+    assert counts[0] > 100 and counts[1] == counts[0] and counts[2] > counts[0] + 100 and counts[3] == counts[2]
     reader.close()
 
 
@@ -558,13 +669,13 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
     raw, reader = (dr.ReplayBuffer.open(str(tmp_path / name), "r", cache_bytes=64 << 10) for name in ("raw", "z"))
     assert reader.storage.row_reads.io.codecs["obs"].inner_rows == 1
     decoded: list[tuple[str, int]] = []
-    decode_bodies, decode_at = Codec.decode_bodies, shard_maps.decode_lz4_at
+    decode_bodies = Codec.decode_bodies
     monkeypatch.setattr(Codec, "decode_bodies", lambda self, bodies, out, rows=None: (
         decoded.append(("bodies", len(bodies))), decode_bodies(self, bodies, out, rows)))
-    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
-        decoded.append(("from the map", len(sources))), decode_at(sources, sizes, flat, rows)))
+    blocks = counted_frames(monkeypatch)
     ids = np.array([17, 17, 250, 17, 3, 3, 3, 250, 299, 0])
     np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
+    decoded += [("from the map", taken) for _, _, taken in blocks]
     assert decoded == [("from the map" if compression == "lz4" else "bodies", 7)]  # 17 250 17 3 250 299 0
     np.testing.assert_array_equal(reader.rows(ids)["obs"], raw.rows(ids)["obs"])
     raw.close()
@@ -582,14 +693,11 @@ def test_the_same_step_of_two_lanes_is_two_frames(tmp_path, monkeypatch):
                                 compression="lz4") as buf:
         buf.extend({"obs": obs, "done": np.zeros((200, 2), bool)})
     reader = dr.ReplayBuffer.open(str(tmp_path / "z"), "r", cache_bytes=64 << 10)
-    decoded: list[int] = []
-    decode_at = shard_maps.decode_lz4_at
-    monkeypatch.setattr(shard_maps, "decode_lz4_at", lambda sources, sizes, flat, rows: (
-        decoded.append(len(sources)), decode_at(sources, sizes, flat, rows)))
+    blocks = counted_frames(monkeypatch)
     ids = np.array([2 * 10, 2 * 10 + 1, 2 * 10 + 1, 2 * 150, 2 * 150 + 1])  # row id = step * num_envs + lane
     got = reader.rows(ids)["obs"]
     np.testing.assert_array_equal(got, obs[ids // 2, ids % 2])
-    assert sum(decoded) == 4  # the lane-1 frame of step 10 asked twice in a row: decoded once
+    assert sum(taken for *_, taken in blocks) == 4  # the lane-1 frame of step 10 asked twice in a row: decoded once
     reader.close()
 
 

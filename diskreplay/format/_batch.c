@@ -1,9 +1,9 @@
-/* A batch's frames checked and decoded in one call each, without the GIL (see codecs.py:
- * `first_bad_checksum`, `decode_lz4_at`).
+/* A batch's frames checked and decoded without the GIL (see codecs.py: `first_bad_checksum`,
+ * `LZ4Frames`).
  *
  * Called once per frame from Python, python-lz4's and google-crc32c's functions take and give
- * back the GIL per frame, so decode threads mostly wait for each other. Here a whole part of a
- * batch is done in one loop with the GIL released. The functions are theirs, passed by address
+ * back the GIL per frame, so decode threads mostly wait for each other. Here each thread runs one
+ * loop with the GIL released, taking the batch's blocks a few at a time until none is left. The functions are theirs, passed by address
  * (`LZ4_decompress_safe`, `crc32c_value`): this file links against nothing but Python.
  */
 #define PY_SSIZE_T_CLEAN
@@ -24,46 +24,81 @@ static int int64_vector(Py_buffer *view, const char *name, Py_ssize_t *count) {
     return 1;
 }
 
+/* Whether the CRC32C of the body of size bytes at body is the little-endian uint32 after it (as
+ * zarr's crc32c codec writes it). */
+static int checksum_matches(crc32c_fn crc32c, const uint8_t *body, int64_t size) {
+    const uint8_t *stored = body + size;
+    uint32_t expected = (uint32_t)stored[0] | (uint32_t)stored[1] << 8 | (uint32_t)stored[2] << 16
+                        | (uint32_t)stored[3] << 24;
+    return crc32c(body, (size_t)size) == expected;
+}
+
+/* Blocks a thread takes at a time: ~40 us of decoding, so that the threads sharing a batch end
+ * within about that of each other. */
+#define TAKE_BLOCKS 8
+
 static PyObject *decode_lz4(PyObject *self, PyObject *args) {
-    unsigned long long decoder_address;
-    Py_buffer sources, sizes, targets;
-    Py_ssize_t width, count = -1, failed = -1;
-    int code = 0;
+    unsigned long long decoder_address, crc_address;
+    Py_buffer sources, sizes, targets, checks, cursor;
+    Py_ssize_t width, head, count = -1, failed = -1, taken = 0;
+    int code = 0, bad_checksum = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Ky*y*y*n", &decoder_address, &sources, &sizes, &targets, &width))
+    if (!PyArg_ParseTuple(args, "KKy*y*y*ny*nw*", &decoder_address, &crc_address, &sources, &sizes, &targets,
+                          &width, &checks, &head, &cursor))
         return NULL;
     if (!int64_vector(&sources, "sources", &count) || !int64_vector(&sizes, "sizes", &count)
-        || !int64_vector(&targets, "targets", &count)) {
+        || !int64_vector(&targets, "targets", &count))
+        goto done;
+    if (decoder_address == 0 || width <= 0 || width > INT32_MAX || head < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_lz4 needs a decoder, a row width in [1, 2**31 - 1] and a head >= 0");
         goto done;
     }
-    if (decoder_address == 0 || width <= 0 || width > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "decode_lz4 needs a decoder and a row width in [1, 2**31 - 1]");
+    if (checks.len != count || cursor.len != 8) {
+        PyErr_SetString(PyExc_ValueError, "decode_lz4 needs one check byte per block and one int64 cursor");
+        goto done;
+    }
+    const uint8_t *check = checks.buf;
+    if (crc_address == 0 && memchr(check, 1, (size_t)count) != NULL) {
+        PyErr_SetString(PyExc_ValueError, "decode_lz4 needs a crc32c function to check blocks");
         goto done;
     }
     lz4_decode_fn decode = (lz4_decode_fn)(uintptr_t)decoder_address;
+    crc32c_fn crc32c = (crc32c_fn)(uintptr_t)crc_address;
     const int64_t *source = sources.buf, *size = sizes.buf, *target = targets.buf;
+    int64_t *next = cursor.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        char *row = (char *)(uintptr_t)target[i];
-        const char *block = (const char *)(uintptr_t)source[i];
-        if (size[i] == width) { /* stored as it was: the row's bytes */
-            memcpy(row, block, (size_t)width);
-            continue;
-        }
-        code = size[i] > 0 && size[i] <= INT32_MAX ? decode(block, row, (int)size[i], (int)width) : -1;
-        if (code != width) {
-            failed = i;
+    while (failed < 0) {
+        int64_t first = __atomic_fetch_add(next, TAKE_BLOCKS, __ATOMIC_RELAXED);
+        if (first >= count)
             break;
+        int64_t end = first + TAKE_BLOCKS < count ? first + TAKE_BLOCKS : count;
+        taken += end - first;
+        for (int64_t i = first; i < end && failed < 0; i++) {
+            const char *block = (const char *)(uintptr_t)source[i];
+            char *row = (char *)(uintptr_t)target[i];
+            if (check[i] && (size[i] < 0 || !checksum_matches(crc32c, (const uint8_t *)block - head, size[i] + head))) {
+                failed = i;
+                bad_checksum = 1;
+            } else if (size[i] == width) { /* stored as it was: the row's bytes */
+                memcpy(row, block, (size_t)width);
+            } else if ((code = size[i] > 0 && size[i] <= INT32_MAX ? decode(block, row, (int)size[i], (int)width)
+                                                                   : -1) != width) {
+                failed = i;
+            }
         }
     }
+    if (failed >= 0) /* the other threads stop at their next take */
+        __atomic_store_n(next, (int64_t)count, __ATOMIC_RELAXED);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&sources);
     PyBuffer_Release(&sizes);
     PyBuffer_Release(&targets);
+    PyBuffer_Release(&checks);
+    PyBuffer_Release(&cursor);
     if (PyErr_Occurred())
         return NULL;
-    return Py_BuildValue("(ni)", failed, failed < 0 ? 0 : code);
+    return Py_BuildValue("(nnii)", taken, failed, bad_checksum, failed < 0 || bad_checksum ? 0 : code);
 }
 
 static PyObject *first_bad_checksum(PyObject *self, PyObject *args) {
@@ -88,10 +123,7 @@ static PyObject *first_bad_checksum(PyObject *self, PyObject *args) {
             failed = i;
             break;
         }
-        const uint8_t *stored = body + size[i]; /* little-endian, as zarr's crc32c codec writes it */
-        uint32_t expected = (uint32_t)stored[0] | (uint32_t)stored[1] << 8 | (uint32_t)stored[2] << 16
-                            | (uint32_t)stored[3] << 24;
-        if (crc32c(body, (size_t)size[i]) != expected) {
+        if (!checksum_matches(crc32c, body, size[i])) {
             failed = i;
             break;
         }
@@ -107,11 +139,17 @@ done:
 
 static PyMethodDef methods[] = {
     {"decode_lz4", decode_lz4, METH_VARARGS,
-     "decode_lz4(decoder, sources, sizes, targets, width) -> (failed, code)\n\n"
+     "decode_lz4(decoder, crc32c, sources, sizes, targets, width, checks, head, cursor)\n"
+     "    -> (taken, failed, bad_checksum, code)\n\n"
      "Decode LZ4 blocks of sizes[i] bytes at addresses sources[i] into width bytes at addresses\n"
      "targets[i] (int64 arrays), with decoder = the address of LZ4_decompress_safe; a block of\n"
-     "width bytes is copied as it is. Returns (-1, 0), or the first block that did not decode to\n"
-     "width bytes and the decoder's result for it. The caller vouches for every address."},
+     "width bytes is copied as it is. Where checks[i] (uint8) is 1, the block's body (the head\n"
+     "bytes before it and the block) is first checked against the CRC32C after it, by crc32c =\n"
+     "the address of crc32c_value(data, count). Threads share the blocks through cursor (one\n"
+     "int64, the first block not yet taken; 0 at the start): each call takes blocks until none is\n"
+     "left or one fails, which stops the others at their next take. Returns how many blocks this\n"
+     "call took, and -1 or the block that failed here: its checksum, or the decoder's result\n"
+     "(code) for a block that did not decode to width bytes. The caller vouches for every address."},
     {"first_bad_checksum", first_bad_checksum, METH_VARARGS,
      "first_bad_checksum(crc32c, sources, sizes) -> index or -1\n\n"
      "The first body of sizes[i] bytes at addresses sources[i] (int64 arrays) whose CRC32C, by\n"

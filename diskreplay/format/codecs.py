@@ -13,7 +13,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import lz4.block
@@ -345,36 +345,103 @@ def _lz4_blocks(data: np.ndarray, begin: np.ndarray, length: np.ndarray, size: i
     return np.where(fast, begin + LZ4_HEAD, -1)
 
 
+TAKE_BLOCKS = 8
+"""Blocks a thread decoding `LZ4Frames` takes at a time (as the `_batch` extension does)."""
+
+
+class LZ4Failure(NamedTuple):
+    """The LZ4 block that stopped an `LZ4Frames` decode: its index, and why (its checksum, or
+    the decoder's result)."""
+
+    block: int
+    bad_checksum: bool
+    why: str
+
+
+class LZ4Frames:
+    """LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]``, to decode straight into
+    ``flat[rows[i]]`` (C-contiguous uint8 rows; a block as long as a row is the row's bytes) by
+    `_LZ4_DECODE`, which never reads or writes past the spans it is given. Any number of threads
+    may call `decode` at once: each takes the next few blocks until none is left (with the
+    `_batch` extension, in one call without the GIL). Where ``check[i]``, the block's body is
+    first checked against its CRC32C: a blosc frame of one LZ4 block (`Codec.direct_blocks`), the
+    body is its `LZ4_HEAD` bytes of header and the block, the checksum the 4 bytes after it. The
+    caller keeps the sources mapped and vouches for them.
+
+    Raises:
+        IndexError: rows outside ``flat``.
+    """
+
+    def __init__(self, sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray,
+                 check: np.ndarray | None = None):
+        assert _LZ4_DECODE is not None and flat.flags.c_contiguous
+        if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
+            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
+        self.width = flat.shape[1]
+        self.sources, self.sizes = sources.astype(np.int64), sizes.astype(np.int64)
+        self.targets = flat.ctypes.data + rows.astype(np.int64) * self.width
+        self.check = np.zeros(len(rows), np.uint8) if check is None else check.astype(np.uint8)
+        self.failure: LZ4Failure | None = None
+        """The first block found failing (its checksum, or not decoding to a row), once `decode` returned."""
+        self._next = np.zeros(1, np.int64)  # the first block no thread took yet
+        self._lock = threading.Lock()
+        self._flat = flat  # the rows stay alive while threads decode into them
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def decode(self) -> int:
+        """Take and decode blocks until none is left or one fails (`failure`: every thread
+        then stops at its next take). Returns how many blocks this call took."""
+        if _batch is not None and (_CRC32C_ADDRESS is not None or not self.check.any()):
+            taken, failed, bad_checksum, code = _batch.decode_lz4(
+                _LZ4_ADDRESS, _CRC32C_ADDRESS or 0, self.sources, self.sizes, self.targets, self.width, self.check,
+                LZ4_HEAD, self._next)
+            if failed >= 0:
+                self._fail(failed, bool(bad_checksum), code)
+            return int(taken)
+        count = 0
+        while (part := self._take()) is not None:
+            count += part.stop - part.start
+            self._decode_one_by_one(part)
+        return count
+
+    def _take(self) -> slice | None:
+        with self._lock:
+            first = int(self._next[0])
+            self._next[0] = first + TAKE_BLOCKS
+        return slice(first, min(first + TAKE_BLOCKS, len(self))) if first < len(self) else None
+
+    def _decode_one_by_one(self, part: slice) -> None:
+        """The blocks of ``part`` in Python, one call of `_LZ4_DECODE` each."""
+        assert _LZ4_DECODE is not None
+        for i in range(part.start, part.stop):
+            source, size, target = int(self.sources[i]), int(self.sizes[i]), int(self.targets[i])
+            if self.check[i] and first_bad_checksum(np.array([source - LZ4_HEAD]), np.array([size + LZ4_HEAD])) == 0:
+                return self._fail(i, True, 0)
+            if size == self.width:
+                ctypes.memmove(target, source, size)
+            elif (decoded := _LZ4_DECODE(source, target, size, self.width) if size > 0 else -1) != self.width:
+                return self._fail(i, False, decoded)
+        return None
+
+    def _fail(self, index: int, bad_checksum: bool, code: int) -> None:
+        with self._lock:
+            self._next[0] = len(self)
+            if self.failure is None:
+                why = ("checksum mismatch" if bad_checksum
+                       else f"LZ4 block: malformed, or decodes to other than {self.width} bytes (code {code})")
+                self.failure = LZ4Failure(index, bad_checksum, why)
+
+
 def decode_lz4_at(sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
     """The LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]`` decoded straight into
-    ``flat[rows[i]]`` (C-contiguous uint8 rows) by `_LZ4_DECODE`, which never reads or writes past
-    the spans it is given; a block as long as a row is the row's bytes. All in one call that
-    releases the GIL where the `_batch` extension was built, else one call per block. The caller
-    keeps the sources mapped. Raises ValueError for a block that does not decode to a row,
-    IndexError for rows outside ``flat``."""
-    assert _LZ4_DECODE is not None and flat.flags.c_contiguous
-    if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
-        raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
-    width = flat.shape[1]
-    targets = flat.ctypes.data + rows.astype(np.int64) * width
-    if _batch is not None:
-        failed, code = _batch.decode_lz4(_LZ4_ADDRESS, sources.astype(np.int64), sizes.astype(np.int64), targets, width)
-    else:
-        failed, code = _decode_one_by_one(sources, sizes, targets, width)
-    if failed >= 0:
-        raise ValueError(f"LZ4 block: malformed, or decodes to other than {width} bytes (code {code})")
-
-
-def _decode_one_by_one(sources: np.ndarray, sizes: np.ndarray, targets: np.ndarray, width: int) -> tuple[int, int]:
-    """`decode_lz4_at`'s loop in Python: ``(-1, 0)``, or the first block that does not decode to
-    ``width`` bytes and the decoder's result for it."""
-    assert _LZ4_DECODE is not None
-    for i, (source, target, size) in enumerate(zip(sources.tolist(), targets.tolist(), sizes.tolist())):
-        if size == width:
-            ctypes.memmove(target, source, width)
-        elif (decoded := _LZ4_DECODE(source, target, size, width)) != width:
-            return i, decoded
-    return -1, 0
+    ``flat[rows[i]]`` on this thread (see `LZ4Frames`). Raises ValueError for a block that does
+    not decode to a row, IndexError for rows outside ``flat``."""
+    frames = LZ4Frames(sources, sizes, flat, rows)
+    frames.decode()
+    if frames.failure is not None:
+        raise ValueError(frames.failure.why)
 
 
 def first_bad_checksum(sources: np.ndarray, sizes: np.ndarray) -> int:

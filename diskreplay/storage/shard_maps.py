@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, decode_lz4_at, first_bad_checksum
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, LZ4Frames, first_bad_checksum
 from ..io.local import open_for_reading
 from ..io.store import ChunkStore
 from ..io.threads import Threads
@@ -165,31 +165,39 @@ class ShardMaps:
                                            (spans.offset, spans.nbytes, spans.block, spans.verified))
         stored = offset >= 0
         unchecked = stored & ~verified
-
-        def check(frames: np.ndarray) -> None:  # each part checks the frames it decodes, side by side
-            frames = frames[unchecked[frames]]
-            if len(frames):
-                self._verify(name, slots[frames], inners[frames], lanes[frames], chunks[frames])
         flat = out.reshape(len(out), -1).view(np.uint8)
         flat[rows[~stored]] = 0
         direct = np.flatnonzero(block >= 0)
         if len(direct):
-            sources, sizes = spans.address[slots[direct]] + block[direct], nbytes[direct] - LZ4_HEAD
-
-            def decode_direct(s: slice) -> None:
-                check(direct[s])
-                decode_lz4_at(sources[s], sizes[s], flat, rows[direct][s])
-            self._named(name, lanes[direct], chunks[direct], decode_direct)
+            frames = LZ4Frames(spans.address[slots[direct]] + block[direct], nbytes[direct] - LZ4_HEAD, flat,
+                               rows[direct], unchecked[direct])
+            self._decode_blocks(name, frames, slots[direct], inners[direct], lanes[direct], chunks[direct])
         rest = np.flatnonzero(stored & (block < 0)) if len(direct) < len(block) else direct[:0]
         if len(rest):
             bodies = [spans.map(slot)[a:a + n] for slot, a, n in
                       zip(slots[rest].tolist(), offset[rest].tolist(), nbytes[rest].tolist())]
             codec = self.codecs[name]
 
-            def decode_rest(s: slice) -> None:
-                check(rest[s])
+            def decode_rest(s: slice) -> None:  # each part checks the frames it decodes, side by side
+                frames = rest[s][unchecked[rest[s]]]
+                if len(frames):
+                    self._verify(name, slots[frames], inners[frames], lanes[frames], chunks[frames])
                 codec.decode_bodies(bodies[s], out, rows[rest][s])
             self._named(name, lanes[rest], chunks[rest], decode_rest)
+
+    def _decode_blocks(self, name: str, frames: LZ4Frames, slots: np.ndarray, inners: np.ndarray,
+                       lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Check and decode the LZ4 blocks of these inner chunks, the threads taking them a few
+        at a time; mark the checked ones verified. Raises CorruptBufferError naming a chunk
+        whose block fails."""
+        self._together(len(frames), lambda _: frames.decode())
+        if frames.failure is not None:
+            i = frames.failure.block
+            if frames.failure.bad_checksum:  # named with both checksums
+                self._verify(name, slots[i:i + 1], inners[i:i + 1], lanes[i:i + 1], chunks[i:i + 1])
+            raise self._corrupt(name, int(lanes[i]), int(chunks[i]), frames.failure.why)
+        checked = frames.check.astype(bool)
+        self.spans[name].verified[slots[checked], inners[checked]] = True
 
     def _named(self, name: str, lanes: np.ndarray, chunks: np.ndarray, decode: Callable[[slice], None]) -> None:
         """``decode(slice(lo, hi))`` decodes frames lo..hi-1: all of them in `_side_by_side` parts;
@@ -207,17 +215,24 @@ class ShardMaps:
     def _side_by_side(self, count: int, decode: Callable[[slice], None]) -> None:
         """``decode`` over ``count`` frames in up to ``threads`` parts of at least `PART_FRAMES`,
         run side by side (the codecs release the GIL); returns once every part has."""
-        parts = min(self.threads, count // PART_FRAMES)
-        if parts <= 1:
-            return decode(slice(None))
+        parts = max(self._runners(count), 1)
         cuts = [count * k // parts for k in range(parts + 1)]
-        others = [self.workers.submit(decode, slice(lo, hi)) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        self._together(count, lambda k: decode(slice(cuts[k], cuts[k + 1])))
+
+    def _together(self, count: int, work: Callable[[int], object]) -> None:
+        """``work(0)`` on this thread and, at the same time, ``work(k)`` on decode threads, ``k``
+        from 1 to `_runners` - 1; returns once every call has, raising the first error one raised."""
+        helpers = [self.workers.submit(work, k) for k in range(1, self._runners(count))]
         try:
-            decode(slice(0, cuts[1]))
+            work(0)
         finally:
-            failed = [error for part in others if (error := part.exception()) is not None]  # waits for each
+            failed = [error for helper in helpers if (error := helper.exception()) is not None]  # waits for each
         if failed:
             raise failed[0]
+
+    def _runners(self, count: int) -> int:
+        """Threads that decode ``count`` frames: one per `PART_FRAMES`, up to ``threads``."""
+        return min(self.threads, count // PART_FRAMES)
 
     def _verify(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Check these inner chunks' checksums, once. Raises CorruptBufferError naming the first
