@@ -20,6 +20,7 @@ from conftest import exit_code_in_fork
 import diskreplay as dr
 from diskreplay.format import codecs
 from diskreplay.format.codecs import Codec, checksum
+from diskreplay.format.commit import CommitRecord
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import buffer_info, format_info, verify
 from diskreplay.storage import shard_maps
@@ -310,6 +311,28 @@ def test_a_ring_reader_reading_frames_the_writer_replaced_gets_stale_read_error(
         reader.rows(old)
     batch = reader.sample(64, seed=0)
     np.testing.assert_array_equal(batch["obs"][:, 0, :4], batch["index"][:, None] >> np.array([0, 8, 16, 24]) & 255)
+
+
+def test_a_ring_reader_parses_the_newest_commit_again_only_when_it_changed(tmp_path, monkeypatch):
+    """Each read of frames past the cache checks the newest commit; the bytes of an unchanged
+    commit are not parsed again, a new commit's are (and its retired rows are refused)."""
+    writer, reader = full_ring_and_reader(tmp_path, "lz4")
+    parsed = []
+    from_bytes = CommitRecord.from_bytes
+    monkeypatch.setattr(CommitRecord, "from_bytes",
+                        lambda blob, *args: (parsed.append(blob), from_bytes(blob, *args))[1])
+    old = reader.row_ids()[:64]
+    for k in range(3):
+        reader.rows(old + 64 * k)
+    assert len(parsed) == 1
+    fill(writer, 300, 1, start=1000)
+    writer.flush()
+    parsed.clear()
+    with pytest.raises(dr.StaleReadError, match="overwritten by the writer"):
+        reader.rows(old)
+    assert [from_bytes(blob, "", 1).sequence for blob in parsed].count(writer.storage.log.record.sequence) == 1
+    writer.close()
+    reader.close()
 
 
 def test_single_frame_inner_chunks_decode_into_the_batch(tmp_path):

@@ -73,6 +73,7 @@ class CommitLog:
         # released on close, or when the log is collected / the interpreter exits unclosed
         self._release = weakref.finalize(self, lock.release) if lock is not None else None
         self.closed = False
+        self._newest: tuple[bytes, CommitRecord] | None = None  # the last record read_newest parsed, and its bytes
         self.lost_lock: str | None = None
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
         self.journals: dict[str, Journal] = {}
@@ -145,11 +146,14 @@ class CommitLog:
         blob = self.objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
         if blob is None:
             raise CorruptBufferError(f"{self.url!r}: {COMMIT_KEY} disappeared")
+        if self._newest is not None and self._newest[0] == blob:  # unchanged: parsed and checked already
+            return self._newest[1]
         record = CommitRecord.from_bytes(blob, self.url, self.config.num_envs)
         if self.config.lane_capacity is None and int(record.committed.max(initial=0)) > self.lane_rows:
             _, arrays = read_layout(read_small, self.url)  # the writer grew them since
             record.check_covered(self.url, lane_rows(arrays))
             self.arrays, self.lane_rows = arrays, lane_rows(arrays)
+        self._newest = blob, record
         return record
 
     def adopt(self, record: CommitRecord) -> None:
