@@ -461,7 +461,7 @@ def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
     np.testing.assert_array_equal(out[8:], rows[8:])
     assert not out[:8].any() and cursor[0] >= 20
 
-    bad, sources_bad, sizes_bad = lz4_blocks(rows, bad=13)
+    bad_bodies, sources_bad, sizes_bad = lz4_blocks(rows, bad=13)
     cursor, out = np.array([0]), np.zeros_like(rows)
     taken, failed, bad_checksum, code = batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources_bad,
                                                          sizes_bad, targets(out), 64, checks, codecs.LZ4_HEAD, cursor)
@@ -492,8 +492,8 @@ def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
 @pytest.mark.parametrize("path", ["batch", "one by one"])
 def test_lz4_frames_are_shared_by_the_threads_that_decode_them(path, monkeypatch):
     """Threads decoding one `LZ4Frames` at once take every block once between them (each call
-    says how many it took), with and without the extension; a block that fails is kept as the
-    failure, however many threads ran."""
+    says how many it took), with and without the extension; a block that fails ends the decode
+    (the blocks after the failing one's take are left) and is kept as the failure."""
     if path == "batch":
         built_batch()
     else:

@@ -3,8 +3,9 @@
  *
  * Called once per frame from Python, python-lz4's and google-crc32c's functions take and give
  * back the GIL per frame, so decode threads mostly wait for each other. Here each thread runs one
- * loop with the GIL released, taking the batch's blocks a few at a time until none is left. The functions are theirs, passed by address
- * (`LZ4_decompress_safe`, `crc32c_value`): this file links against nothing but Python.
+ * loop with the GIL released, taking the batch's blocks a few at a time until none is left. The
+ * functions are theirs, passed by address (`LZ4_decompress_safe`, `crc32c_value`): this file
+ * links against nothing but Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

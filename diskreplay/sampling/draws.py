@@ -46,9 +46,13 @@ def set_pcg64_states(generators: list[np.random.Generator], words: np.ndarray) -
     if _set_pcg64 is not None:
         _set_pcg64([gen.bit_generator.capsule for gen in generators], words)
         return
-    for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(generators, words.tolist()):
-        gen.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
-                                   "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+    for gen, row in zip(generators, words.tolist()):
+        _set_as_numpy_does(gen, *row)
+
+
+def _set_as_numpy_does(gen: np.random.Generator, state_hi: int, state_lo: int, inc_hi: int, inc_lo: int) -> None:
+    gen.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                               "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
 
 
 def _agrees_with_numpy() -> bool:
@@ -72,10 +76,9 @@ def _sets_pcg64_as_numpy() -> bool:
         _draws.set_pcg64([gen.bit_generator.capsule for gen in ours], words)
     except NotImplementedError:
         return False
-    for gen, (state_hi, state_lo, inc_hi, inc_lo) in zip(ours, words.tolist()):
+    for gen, row in zip(ours, words.tolist()):
         theirs = np.random.Generator(np.random.PCG64(1))
-        theirs.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
-                                      "state": {"state": state_hi << 64 | state_lo, "inc": inc_hi << 64 | inc_lo}}
+        _set_as_numpy_does(theirs, *row)
         if gen.bit_generator.state != theirs.bit_generator.state or \
                 not np.array_equal(gen.integers(0, 1000, 8), theirs.integers(0, 1000, 8)):
             return False
