@@ -64,7 +64,7 @@ default_collate_fn_map.update({Batch: _collate_whole, SlotBatch: _collate_whole}
 
 def to_tensors(batch: Mapping[str, np.ndarray]) -> Batch:
     """numpy batch -> dict of CPU tensors (zero-copy where the array is contiguous)."""
-    return Batch({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()})
+    return Batch(zip(batch, map(torch.from_numpy, map(np.ascontiguousarray, batch.values()))))
 
 
 def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
