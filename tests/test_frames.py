@@ -705,6 +705,28 @@ def test_frames_of_one_inner_chunk_each_decode_straight_into_the_batch(tmp_path,
     reader.close()
 
 
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_frames_stored_empty_read_back_as_zeros_past_the_cache(tmp_path, compression):
+    """Inner chunks a shard's index marks empty (as zarr writes chunks of its fill value) read back
+    as zeros past the cache, alone or among decoded frames; the others as written."""
+    fields = {"obs": dr.Field((84, 84), "uint8"), "done": dr.Field((), "bool")}
+    obs = np.repeat((np.arange(128) % 255 + 1).astype(np.uint8)[:, None, None], 84, 1).repeat(84, 2)
+    url = str(tmp_path / "z")
+    with dr.ReplayBuffer.create(url, fields, capacity=128, chunk_rows=64, compression=compression) as buf:
+        buf.extend({"obs": obs, "done": np.zeros(128, bool)})
+    path = f"{url}/obs/c.0.1.0.0"  # rows 64..127, one inner chunk each
+    blob = bytearray(open(path, "rb").read())
+    index = np.frombuffer(bytes(blob[:16 * 64]), "<u8").copy().reshape(-1, 2)
+    index[::5] = codecs.EMPTY_INNER
+    blob[:16 * 64 + 4] = index.tobytes() + checksum(index.tobytes())
+    open(path, "wb").write(bytes(blob))
+    obs[64::5] = 0
+    reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10)
+    for ids in (np.arange(128), np.arange(65, 128, 5), np.arange(64, 128, 5)):
+        np.testing.assert_array_equal(reader.rows(ids)["obs"], obs[ids])
+    reader.close()
+
+
 def test_the_same_step_of_two_lanes_is_two_frames(tmp_path, monkeypatch):
     """Reading frames one by one, a row counts as a repeat of the row before it only when both
     its lane and its step are the same: the lanes' frames at one step are each decoded."""

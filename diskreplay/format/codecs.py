@@ -378,9 +378,9 @@ class LZ4Frames:
         if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
             raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
         self.width = flat.shape[1]
-        self.sources, self.sizes = sources.astype(np.int64), sizes.astype(np.int64)
-        self.targets = flat.ctypes.data + rows.astype(np.int64) * self.width
-        self.check = np.zeros(len(rows), np.uint8) if check is None else check.astype(np.uint8)
+        self.sources, self.sizes = np.asarray(sources, np.int64), np.asarray(sizes, np.int64)
+        self.targets = flat.ctypes.data + np.asarray(rows, np.int64) * self.width
+        self.check = np.zeros(len(rows), np.uint8) if check is None else np.asarray(check, bool).view(np.uint8)
         self.failure: LZ4Failure | None = None
         """The first block found failing (its checksum, or not decoding to a row), once `decode` returned."""
         self._next = np.zeros(1, np.int64)  # the first block no thread took yet

@@ -161,11 +161,14 @@ class ShardMaps:
                      out: np.ndarray, rows: np.ndarray) -> None:
         spans = self.spans[name]
         at = slots.astype(np.int64) * spans.offset.shape[1] + inners  # in the tables, raveled
-        offset, nbytes, block, verified = (table.ravel().take(at) for table in
-                                           (spans.offset, spans.nbytes, spans.block, spans.verified))
+        block, nbytes, verified = (table.ravel().take(at) for table in (spans.block, spans.nbytes, spans.verified))
+        flat = out.reshape(len(out), -1).view(np.uint8)
+        if block.min() >= 0:  # every one an LZ4 block (frames of bytes): none stored empty, none left to blosc
+            frames = LZ4Frames(spans.address[slots] + block, nbytes - LZ4_HEAD, flat, rows, ~verified)
+            return self._decode_blocks(name, frames, slots, inners, lanes, chunks)
+        offset = spans.offset.ravel().take(at)
         stored = offset >= 0
         unchecked = stored & ~verified
-        flat = out.reshape(len(out), -1).view(np.uint8)
         flat[rows[~stored]] = 0
         direct = np.flatnonzero(block >= 0)
         if len(direct):
@@ -196,8 +199,7 @@ class ShardMaps:
             if frames.failure.bad_checksum:  # named with both checksums
                 self._verify(name, slots[i:i + 1], inners[i:i + 1], lanes[i:i + 1], chunks[i:i + 1])
             raise self._corrupt(name, int(lanes[i]), int(chunks[i]), frames.failure.why)
-        checked = frames.check.astype(bool)
-        self.spans[name].verified[slots[checked], inners[checked]] = True
+        self.spans[name].verified[slots, inners] = True  # each passed its check now, or before
 
     def _named(self, name: str, lanes: np.ndarray, chunks: np.ndarray, decode: Callable[[slice], None]) -> None:
         """``decode(slice(lo, hi))`` decodes frames lo..hi-1: all of them in `_side_by_side` parts;
