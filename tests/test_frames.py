@@ -447,24 +447,25 @@ def lz4_blocks(rows: np.ndarray, bad: int | None = None) -> tuple[list[np.ndarra
 
 
 def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
-    """The extension's own contract: a call takes blocks from the shared cursor 8 at a time and
-    decodes them (a block as long as a row copied, a body checked first where asked), until the
-    cursor passes the end or a block fails, which it names (with the decoder's result, or as a
-    checksum) and which moves the cursor to the end."""
+    """The extension's own contract: a call takes blocks from the shared cursor, as many at a
+    time as it is told, and decodes them (a block as long as a row copied, a body checked first
+    where asked), until the cursor passes the end or a block fails, which it names (with the
+    decoder's result, or as a checksum) and which moves the cursor to the end."""
     batch = built_batch()
     rows = np.arange(20 * 64, dtype=np.uint8).reshape(20, 64) // 8
     targets = lambda out: out.ctypes.data + np.arange(20, dtype=np.int64) * 64  # noqa: E731
     bodies, sources, sizes = lz4_blocks(rows)
     checks, cursor, out = np.ones(20, np.uint8), np.array([8]), np.zeros_like(rows)  # another thread took 0..7
     assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
-                            codecs.LZ4_HEAD, cursor) == (12, -1, 0, 0)
+                            codecs.LZ4_HEAD, cursor, 8) == (12, -1, 0, 0)
     np.testing.assert_array_equal(out[8:], rows[8:])
     assert not out[:8].any() and cursor[0] >= 20
 
     bad_bodies, sources_bad, sizes_bad = lz4_blocks(rows, bad=13)
     cursor, out = np.array([0]), np.zeros_like(rows)
     taken, failed, bad_checksum, code = batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources_bad,
-                                                         sizes_bad, targets(out), 64, checks, codecs.LZ4_HEAD, cursor)
+                                                         sizes_bad, targets(out), 64, checks, codecs.LZ4_HEAD, cursor,
+                                                         8)
     assert (taken, failed, bad_checksum) == (16, 13, 0) and code < 0 and cursor[0] == 20
     np.testing.assert_array_equal(out[:13], rows[:13])
     assert not out[14:].any()  # not reached
@@ -472,16 +473,16 @@ def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
     bodies[5][-1] ^= 1  # block 5's stored checksum
     cursor, out = np.array([0]), np.zeros_like(rows)
     assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
-                            codecs.LZ4_HEAD, cursor)[1:] == (5, 1, 0)
+                            codecs.LZ4_HEAD, cursor, 3)[1:] == (5, 1, 0)
     checks[5], cursor = 0, np.array([0])  # not asked for: decoded
     assert batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets(out), 64, np.zeros(20, np.uint8),
-                            codecs.LZ4_HEAD, cursor) == (20, -1, 0, 0)
+                            codecs.LZ4_HEAD, cursor, 1) == (20, -1, 0, 0)
     np.testing.assert_array_equal(out, rows)
 
     args = [codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks, codecs.LZ4_HEAD,
-            np.array([0])]
-    for at, value, message in [(3, sizes[:3], "sizes must hold one int64 per block"),
-                               (0, 0, r"needs a decoder, a row width in \[1, 2\*\*31 - 1\] and a head >= 0"),
+            np.array([0]), 8]
+    needs = r"needs a decoder, a row width in \[1, 2\*\*31 - 1\], a head >= 0 and a take >= 1"
+    for at, value, message in [(3, sizes[:3], "sizes must hold one int64 per block"), (0, 0, needs), (9, 0, needs),
                                (6, checks[:4], "one check byte per block and one int64 cursor"),
                                (8, np.array([0, 0]), "one check byte per block and one int64 cursor"),
                                (1, 0, "needs a crc32c function to check blocks")]:
@@ -538,7 +539,7 @@ def test_lz4_batch_decode_lets_other_threads_run():
         decoding.set()
         for _ in range(500):
             batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets, 4096, np.zeros(count, np.uint8), 0,
-                             np.zeros(1, np.int64))
+                             np.zeros(1, np.int64), 8)
             if observed.is_set():
                 break
         decoding.clear()

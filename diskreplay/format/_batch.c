@@ -34,24 +34,21 @@ static int checksum_matches(crc32c_fn crc32c, const uint8_t *body, int64_t size)
     return crc32c(body, (size_t)size) == expected;
 }
 
-/* Blocks a thread takes at a time: ~40 us of decoding, so that the threads sharing a batch end
- * within about that of each other. */
-#define TAKE_BLOCKS 8
-
 static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     unsigned long long decoder_address, crc_address;
     Py_buffer sources, sizes, targets, checks, cursor;
-    Py_ssize_t width, head, count = -1, failed = -1, taken = 0;
+    Py_ssize_t width, head, take, count = -1, failed = -1, taken = 0;
     int code = 0, bad_checksum = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKy*y*y*ny*nw*", &decoder_address, &crc_address, &sources, &sizes, &targets,
-                          &width, &checks, &head, &cursor))
+    if (!PyArg_ParseTuple(args, "KKy*y*y*ny*nw*n", &decoder_address, &crc_address, &sources, &sizes, &targets,
+                          &width, &checks, &head, &cursor, &take))
         return NULL;
     if (!int64_vector(&sources, "sources", &count) || !int64_vector(&sizes, "sizes", &count)
         || !int64_vector(&targets, "targets", &count))
         goto done;
-    if (decoder_address == 0 || width <= 0 || width > INT32_MAX || head < 0) {
-        PyErr_SetString(PyExc_ValueError, "decode_lz4 needs a decoder, a row width in [1, 2**31 - 1] and a head >= 0");
+    if (decoder_address == 0 || width <= 0 || width > INT32_MAX || head < 0 || take < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "decode_lz4 needs a decoder, a row width in [1, 2**31 - 1], a head >= 0 and a take >= 1");
         goto done;
     }
     if (checks.len != count || cursor.len != 8) {
@@ -69,10 +66,10 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     int64_t *next = cursor.buf;
     Py_BEGIN_ALLOW_THREADS
     while (failed < 0) {
-        int64_t first = __atomic_fetch_add(next, TAKE_BLOCKS, __ATOMIC_RELAXED);
+        int64_t first = __atomic_fetch_add(next, (int64_t)take, __ATOMIC_RELAXED);
         if (first >= count)
             break;
-        int64_t end = first + TAKE_BLOCKS < count ? first + TAKE_BLOCKS : count;
+        int64_t end = first + take < count ? first + take : count;
         taken += end - first;
         for (int64_t i = first; i < end && failed < 0; i++) {
             const char *block = (const char *)(uintptr_t)source[i];
@@ -140,17 +137,18 @@ done:
 
 static PyMethodDef methods[] = {
     {"decode_lz4", decode_lz4, METH_VARARGS,
-     "decode_lz4(decoder, crc32c, sources, sizes, targets, width, checks, head, cursor)\n"
+     "decode_lz4(decoder, crc32c, sources, sizes, targets, width, checks, head, cursor, take)\n"
      "    -> (taken, failed, bad_checksum, code)\n\n"
      "Decode LZ4 blocks of sizes[i] bytes at addresses sources[i] into width bytes at addresses\n"
      "targets[i] (int64 arrays), with decoder = the address of LZ4_decompress_safe; a block of\n"
      "width bytes is copied as it is. Where checks[i] (uint8) is 1, the block's body (the head\n"
      "bytes before it and the block) is first checked against the CRC32C after it, by crc32c =\n"
      "the address of crc32c_value(data, count). Threads share the blocks through cursor (one\n"
-     "int64, the first block not yet taken; 0 at the start): each call takes blocks until none is\n"
-     "left or one fails, which stops the others at their next take. Returns how many blocks this\n"
-     "call took, and -1 or the block that failed here: its checksum, or the decoder's result\n"
-     "(code) for a block that did not decode to width bytes. The caller vouches for every address."},
+     "int64, the first block not yet taken; 0 at the start): each call takes take blocks at a\n"
+     "time until none is left or one fails, which stops the others at their next take. Returns\n"
+     "how many blocks this call took, and -1 or the block that failed here: its checksum, or the\n"
+     "decoder's result (code) for a block that did not decode to width bytes. The caller vouches\n"
+     "for every address."},
     {"first_bad_checksum", first_bad_checksum, METH_VARARGS,
      "first_bad_checksum(crc32c, sources, sizes) -> index or -1\n\n"
      "The first body of sizes[i] bytes at addresses sources[i] (int64 arrays) whose CRC32C, by\n"
