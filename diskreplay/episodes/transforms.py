@@ -27,12 +27,9 @@ def at_lanes(per_lane: np.ndarray, lane: np.ndarray) -> np.ndarray:
     return values
 
 
-def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray,
-                      next_end: np.ndarray | None = None) -> np.ndarray:
-    """The last readable step of the episode holding each step (its end, or the lane's newest).
-    ``next_end``: `EpisodeIndex.next_end` of the steps, if the caller has it."""
-    next_end = episodes.next_end(lane, step) if next_end is None else next_end
-    last: np.ndarray = np.minimum(next_end, at_lanes(hi, lane) - 1)
+def episode_last_step(episodes: EpisodeIndex, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The last readable step of the episode holding each step (its end, or the lane's newest)."""
+    last: np.ndarray = np.minimum(episodes.next_end(lane, step), at_lanes(hi, lane) - 1)
     return last
 
 
