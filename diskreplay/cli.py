@@ -112,7 +112,8 @@ def _add_import(sub: Subcommands) -> None:
                         "and derives next_obs when next_observations is missing; 'npz' derives nothing")
     p.add_argument("--chunk-rows", type=_positive_int, default=None,
                    help="rows per stored chunk (default 4096, longer for datasets of over 16,384 chunk files)")
-    p.add_argument("--compression", choices=("zstd", "lz4", "none"), default="zstd", help="chunk codec (default zstd)")
+    p.add_argument("--compression", choices=("zstd", "lz4", "lz4hc", "none"), default="zstd",
+                   help="chunk codec (default zstd; lz4hc: slower to write, faster to read than lz4)")
     p.add_argument("--batch-rows", type=_positive_int, default=65536,
                    help="rows read per slice; bounds memory (default 65536)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing buffer or interrupted import at DEST")

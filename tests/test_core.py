@@ -105,7 +105,7 @@ def random_values(field: dr.Field, n: int, rng: np.random.Generator) -> np.ndarr
 # ---- API basics ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4", "lz4hc"])
 def test_spec_example(url, compression):
     rng = np.random.default_rng(0)
     with dr.ReplayBuffer.create(url, SPEC_FIELDS, capacity=1_000_000, chunk_rows=4096,
@@ -136,7 +136,7 @@ def test_spec_example(url, compression):
     ro.close()
 
 
-@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4", "lz4hc"])
 def test_round_trip_every_dtype_and_shape(url, compression):
     # every dtype as a scalar and in one of the 1-D to 3-D shapes (every shape for several dtypes)
     fields = {f"f_{d}_{len(s)}d": dr.Field(s, d)
@@ -566,7 +566,7 @@ def test_snapshot_round_trip(url, tmp_path):
 # ---- the store is plain zarr ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4", "lz4hc"])
 def test_plain_zarr_reader_sees_committed_rows_ring(url, compression):
     model = Model(3, 30)
     buf = create(url, 30, chunk_rows=4, num_envs=3, compression=compression)

@@ -214,6 +214,17 @@ def test_round_trip_keeps_every_value():
     assert spec != dr.BufferSpec(FIELDS) and spec != spec.to_dict()
 
 
+def test_compression_level_none_is_the_codecs_default(tmp_path):
+    """A level left out is resolved when the spec is made: 6 for lz4hc, 3 for the others, as the
+    buffer it creates records it."""
+    for compression, level in (("zstd", 3), ("lz4", 3), ("lz4hc", 6), (None, 3)):
+        spec = dr.BufferSpec(FIELDS, compression=compression)
+        assert spec.compression_level == level and spec.to_dict()["compression_level"] == level
+        with dr.ReplayBuffer.create(tmp_path / str(compression), **spec) as buf:
+            assert buf.storage.config.level == dr.BufferSpec.from_buffer(buf).compression_level == level
+    assert dr.BufferSpec(FIELDS, compression="lz4hc", compression_level=9).compression_level == 9
+
+
 def test_spec_is_a_mapping_of_create_arguments(tmp_path):
     spec = full_spec()
     assert isinstance(spec, Mapping)
@@ -269,7 +280,8 @@ episode_end: done
     ({"capacity": 10, "num_envs": 3}, "capacity must be a multiple of num_envs=3"),
     ({"chunk_rows": -1}, "chunk_rows: expected an int >= 1"),
     ({"compression": "gzip"}, "compression: expected one of"),
-    ({"compression_level": 99}, "compression_level must be an int in [0, 22]"),
+    ({"compression_level": 99}, "compression_level for zstd must be an int in [0, 22]"),
+    ({"compression": "lz4", "compression_level": 12}, "compression_level for lz4 must be an int in [0, 9], got 12"),
     ({"episode_end": ["obs"]}, "episode_end: expected scalar bool fields, got 'obs'"),
     ({"episode_end": 3}, "episode_end: expected a list of field names"),
     ({"derive_next": ["action"]}, "derive_next: expected fields 'action' and 'next_action'"),

@@ -1,15 +1,14 @@
-"""Compressed frames past the cache, by decode threads (issue #13): sample(256) of LZ4 and zstd
-rings against a raw one, with ``io_threads`` = 1, 2, 4, ... decode threads.
+"""Compressed frames past the cache, by decode threads (issue #13): sample(256) of LZ4, LZ4-HC
+and zstd rings against a raw one, with ``io_threads`` = 1, 2, 4, ... decode threads.
 
 The frames are `bench_pixels`' ("noise plus structure", or MsPacman's with ``--frames atari``;
-84x84 uint8), in three rings of
-``--rows`` transitions (``derive_next=("obs",)``, automatic chunk rows): raw, ``"lz4"`` and
-``"zstd"``. Each is reopened for writing (as `bench_pixels` samples its writers) per thread
-count, with a cache smaller than its files (``--cache-bytes``): the raw one copies frames out of
-its memory maps, the compressed ones decode each frame from the shard maps, so every batch
-decodes 512 frames (obs and the following obs). Repeats are interleaved, and each row of the table is one
-thread count: how the codec's floor (about 5 us per LZ4 frame and 11 us per zstd frame on the
-2-core machine here) divides with cores.
+84x84 uint8), in four rings of ``--rows`` transitions (``derive_next=("obs",)``, automatic chunk
+rows): raw, ``"lz4"``, ``"lz4hc"`` (level 6) and ``"zstd"``. Each is reopened for writing (as
+`bench_pixels` samples its writers) per thread count, with a cache smaller than its files
+(``--cache-bytes``): the raw one copies frames out of its memory maps, the compressed ones decode
+each frame from the shard maps, so every batch decodes 512 frames (obs and the following obs).
+Repeats are interleaved, and each row of the table is one thread count: how the codec's floor
+(about 5 us per LZ4 frame and 11 us per zstd frame on the 2-core machine here) divides with cores.
 
 Usage: python tools/bench_frame_codecs.py [--rows 100000] [--frames noise|atari] [--threads 1,2,4] [--out report.md]
 """
@@ -31,7 +30,8 @@ from bench_pixels import PIECE, Frames, dr_create
 
 import diskreplay as dr
 
-CODECS = {"raw": None, "lz4": "lz4", "zstd": "zstd"}
+CODECS = {"raw": None, "lz4": "lz4", "lz4hc": "lz4hc", "zstd": "zstd"}
+PACKED = tuple(CODECS)[1:]
 log = bl.log
 
 
@@ -69,10 +69,11 @@ def measure(paths: dict[str, str], threads: int, cache_bytes: int, repeats: int,
 def report(rows: int, source: str, results: dict[int, dict[str, float]]) -> str:
     lines = [f"sample(256) of {rows:,}-row rings of {source} frames, not in the cache "
              "(medians of interleaved repeats):", "",
-             "| io_threads | raw | lz4 | zstd | lz4 / raw | zstd / raw |", "|---:|---:|---:|---:|---:|---:|"]
+             "| io_threads | " + " | ".join(CODECS) + " | " + " | ".join(f"{c} / raw" for c in PACKED) + " |",
+             "|---:" * (1 + len(CODECS) + len(PACKED)) + "|"]
     for threads, t in results.items():
-        lines.append(f"| {threads} | {bl.format_seconds(t['raw'])} | {bl.format_seconds(t['lz4'])} | "
-                     f"{bl.format_seconds(t['zstd'])} | {t['lz4'] / t['raw']:.2f}x | {t['zstd'] / t['raw']:.2f}x |")
+        lines.append(f"| {threads} | " + " | ".join(bl.format_seconds(t[c]) for c in CODECS) + " | "
+                     + " | ".join(f"{t[c] / t['raw']:.2f}x" for c in PACKED) + " |")
     return "\n".join(lines)
 
 

@@ -14,9 +14,10 @@ Contestants, side by side in one process, repeats interleaved (rotating order), 
 - diskreplay raw: ``ReplayBuffer.create(dir, fields, capacity, compression=None,
   derive_next=("obs",), episode_end="done")``, chunk_rows left at its default (automatic):
   next_obs is not stored but read from obs at t+1 (each episode's last next_obs in a side store);
-- diskreplay zstd / lz4: the same with ``compression="zstd"`` / ``"lz4"``. Their writers keep the
-  library's default ``cache_bytes``; for sampling, a read-only reader whose ``cache_bytes`` holds
-  every decompressed row ("resident") is opened too where RAM allows;
+- diskreplay zstd / lz4 / lz4hc: the same with ``compression="zstd"`` / ``"lz4"`` / ``"lz4hc"``
+  (LZ4-HC at its default level 6: slower to write, the same LZ4 blocks decoded faster). Their
+  writers keep the library's default ``cache_bytes``; for sampling, a read-only reader of zstd and
+  lz4 whose ``cache_bytes`` holds every decompressed row ("resident") is opened too where RAM allows;
 - cpprb: ``cpprb.ReplayBuffer(size, env_dict, next_of="obs")`` in RAM; for frame stacks a second
   one with obs shaped (84, 84, 4) and ``stack_compress="obs"`` (stack on the last axis, cpprb's
   convention), fed the stacks, with ``next_of="obs"``;
@@ -89,10 +90,12 @@ CACHE_BYTES = inspect.signature(dr.ReplayBuffer.create).parameters["cache_bytes"
 SLOW_REPEATS = 5
 """Interleaved repeats of the writers sampled past their cache (compressed frames) and the raw one."""
 
-DR_RAW, DR_ZSTD, DR_LZ4 = "diskreplay raw", "diskreplay zstd", "diskreplay lz4"
+DR_RAW, DR_ZSTD, DR_LZ4, DR_LZ4HC = "diskreplay raw", "diskreplay zstd", "diskreplay lz4", "diskreplay lz4hc"
 CPPRB, TRL, NUMPY = "cpprb", "TorchRL memmap", "numpy (RAM)"
-COLUMNS = [DR_RAW, DR_ZSTD, DR_LZ4, CPPRB, TRL, NUMPY]
-CODEC = {DR_RAW: None, DR_ZSTD: "zstd", DR_LZ4: "lz4"}
+COLUMNS = [DR_RAW, DR_ZSTD, DR_LZ4, DR_LZ4HC, CPPRB, TRL, NUMPY]
+CODEC = {DR_RAW: None, DR_ZSTD: "zstd", DR_LZ4: "lz4", DR_LZ4HC: "lz4hc"}
+WRITERS = tuple(CODEC)
+PACKED = (DR_LZ4HC, DR_LZ4, DR_ZSTD)
 PACKAGES = ["diskreplay", "numpy", "zarr", "numcodecs", "torch", "torchrl", "tensordict", "cpprb"]
 log = bl.log
 
@@ -345,8 +348,7 @@ def extend_cases(live: Live, frames: Frames) -> dict[str, Callable[[], dict[str,
         live.bufs[NUMPY] = store
         return secs
 
-    cases = {DR_RAW: dr_case(DR_RAW), DR_ZSTD: dr_case(DR_ZSTD), DR_LZ4: dr_case(DR_LZ4), CPPRB: cpprb_case,
-             TRL: trl_case}
+    cases = {**{name: dr_case(name) for name in WRITERS}, CPPRB: cpprb_case, TRL: trl_case}
     if live.with_numpy:
         cases[NUMPY] = numpy_case
     return cases
@@ -424,7 +426,7 @@ def bench_sample(live: Live, readers: dict[str, dr.ReplayBuffer], args) -> dict[
     res["main"] = time_sampling(fns, args.repeats, args.batches, args.warm)
     # the compressed writers with the default cache_bytes: every batch decompresses chunks again;
     # the raw writer interleaved with them, for ratios measured in the same minutes
-    slow = {name: (lambda n=name: b[n].sample(256)) for name in (DR_RAW, DR_ZSTD, DR_LZ4)}
+    slow = {name: (lambda n=name: b[n].sample(256)) for name in WRITERS}
     log(f"[4/6] sample(256) from the compressed writers (default cache_bytes) and the raw one: {args.slow_warm} "
         f"untimed batches, {SLOW_REPEATS} interleaved repeats x {args.slow_batches} batches")
     res["default_cache"] = time_sampling(slow, SLOW_REPEATS, args.slow_batches, args.slow_warm)
@@ -442,7 +444,7 @@ def bench_add(live: Live, frames: Frames, adds: int) -> dict[str, np.ndarray]:
     cpprb_rows = [{k: v[i:i + 1] for k, v in rows.items()} for i in range(pool)]
     rounds = 4
     per_round = adds // rounds
-    lat = {name: [] for name in (DR_RAW, DR_ZSTD, DR_LZ4, CPPRB, TRL)}
+    lat = {name: [] for name in (*WRITERS, CPPRB, TRL)}
     done = dict.fromkeys(lat, 0)
 
     def case(name: str, add: Callable[[Any], Any], inputs: list):
@@ -461,7 +463,7 @@ def bench_add(live: Live, frames: Frames, adds: int) -> dict[str, np.ndarray]:
         return run
 
     b = live.bufs
-    cases = {name: case(name, lambda x, buf=b[name]: buf.add(**x), step_rows) for name in (DR_RAW, DR_ZSTD, DR_LZ4)}
+    cases = {name: case(name, lambda x, buf=b[name]: buf.add(**x), step_rows) for name in WRITERS}
     cases[CPPRB] = case(CPPRB, lambda x: add_episode_piece(b[CPPRB], x), cpprb_rows)
     cases[TRL] = case(TRL, b[TRL].add, td_rows)
     log(f"[3/6] single add into the full rings: {rounds} interleaved rounds x {per_round:,} adds")
@@ -628,8 +630,8 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
     with_trl(t, "sample(256), per batch (zstd/lz4: resident reader)", vals, unit="us")
     dc = sample["default_cache"]
     with_trl(t, f"sample(256) from the writer with default cache_bytes ({CACHE_BYTES // bl.MiB} MiB)",
-             {DR_RAW: dc[DR_RAW].median, DR_ZSTD: dc[DR_ZSTD].median, DR_LZ4: dc[DR_LZ4].median,
-              CPPRB: main[CPPRB].median}, unit="us", trl_value=main[TRL].median)
+             {**{name: dc[name].median for name in WRITERS}, CPPRB: main[CPPRB].median}, unit="us",
+             trl_value=main[TRL].median)
     st = stack["stats"]
     vals = {c: st[c].median if c in st else None for c in cols}
     with_trl(t, "sample(32, stack=4), per batch (TorchRL: unstacked sample(32); cpprb: stack_compress buffer)",
@@ -670,7 +672,7 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
                   sizes[DR_RAW] <= sizes[CPPRB]),
     ]
     raw_dc = dc[DR_RAW].median  # timed interleaved with the compressed writers
-    for name in (DR_LZ4, DR_ZSTD):
+    for name in PACKED:
         codec = CODEC[name]
         targets.append(bl.Target(f"{codec} sample(256) ≤ 3× raw, default cache_bytes ({CACHE_BYTES // bl.MiB} MiB, "
                                  "the writer: frames not in the cache)",
@@ -684,7 +686,7 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
         targets.append(bl.Target("zstd sample(256) ≤ 3× raw, resident reader", "not run (RAM)", None))
     targets.append(bl.Target("sample(32, stack=4) ≤ 1.5× the gather of its distinct frames (diskreplay raw)",
                              f"{us(raw_k)} vs {us(gat)}: {bl.format_ratio(raw_k / gat)}", raw_k <= 1.5 * gat))
-    for name in (DR_RAW, DR_ZSTD):
+    for name in WRITERS:
         m = lat[name]
         targets.append(bl.Target(f"single add into a full ring: max ≤ 20 ms ({name})",
                                  f"max {bl.format_seconds(m['max'])}, p99.9 {bl.format_seconds(m['p99.9'])}, "
@@ -712,7 +714,7 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
         f"construction included; generating the frames is outside the timing. diskreplay: extend calls + "
         f"`flush(durable=False)` (every row written and committed, not fsynced; none of the others syncs). "
         + "; ".join(f"{c}: extend {ext[c].phases['extend'].median:.2f} s + flush {ext[c].phases['flush'].median:.2f} s"
-                    for c in (DR_RAW, DR_ZSTD, DR_LZ4)) + ".",
+                    for c in WRITERS) + ".",
         f"- sampling: median of {args.repeats} interleaved repeats x {args.batches} batches after {args.warm} "
         "untimed batches each. diskreplay raw: the writer that extended (it reads written chunks through "
         "memory maps). zstd/lz4 in the main rows: a read-only reader opened with cache_bytes holding every "
@@ -798,8 +800,8 @@ def main() -> None:
     work = os.path.join(args.dir, "pixels")
     os.makedirs(work, exist_ok=True)
     n = args.rows
-    # diskreplay raw ~1x the frames, zstd/lz4 ~0.15-0.3x, TorchRL 2x: ~3.5x the obs bytes on disk
-    disk_need = int(3.6 * n * FRAME)
+    # diskreplay raw ~1x the frames, zstd/lz4/lz4hc ~0.15-0.3x, TorchRL 2x: ~3.8x the obs bytes on disk
+    disk_need = int(3.8 * n * FRAME)
     free = bl.free_bytes(work)
     log(f"disk: {bl.format_bytes(free)} free under {work}, the stores need ~{bl.format_bytes(disk_need)}")
     bl.require_free_space(work, disk_need)
@@ -838,7 +840,7 @@ def main() -> None:
                          progress=lambda m: log("    " + m.strip()))
 
     log("[2/6] bytes per transition")
-    sizes: dict[str, float | None] = {c: bl.stored_bytes(live.path(c)) / n for c in (DR_RAW, DR_ZSTD, DR_LZ4, TRL)}
+    sizes: dict[str, float | None] = {c: bl.stored_bytes(live.path(c)) / n for c in (*WRITERS, TRL)}
     sizes[CPPRB] = live.cpprb_bytes / n
     sizes["du " + DR_RAW] = bl.allocated_bytes(live.path(DR_RAW)) / n
     if with_numpy:
@@ -851,7 +853,7 @@ def main() -> None:
         m = pct(v)
         log(f"      {c}: p50 {bl.format_seconds(m['p50'])}, p99.9 {bl.format_seconds(m['p99.9'])}, "
             f"max {bl.format_seconds(m['max'])}")
-    for name in (DR_RAW, DR_ZSTD, DR_LZ4):
+    for name in WRITERS:
         live.bufs[name].flush(durable=False)  # the readers below see every row
     fills: dict[str, float] = {}
     log("[4/6] opening the compressed stores' resident readers")
@@ -867,7 +869,7 @@ def main() -> None:
         reader.close()
     del readers
     gc.collect()
-    for name in (DR_RAW, DR_ZSTD, DR_LZ4):
+    for name in WRITERS:
         live.bufs[name].flush()
     mem = bench_memory(live, args)
 

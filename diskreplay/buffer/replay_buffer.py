@@ -90,7 +90,7 @@ class ReplayBuffer:
     @classmethod
     def create(cls, url: str | os.PathLike[str], fields: Mapping[str, Field], capacity: int | None = None, *,
                num_envs: int = 1, chunk_rows: int | None = None, compression: str | None = "zstd",
-               compression_level: int = 3, sampler: Sampler | None = None, seed: int | None = None,
+               compression_level: int | None = None, sampler: Sampler | None = None, seed: int | None = None,
                storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
@@ -112,11 +112,14 @@ class ReplayBuffer:
                 observations, 128 of 84x84 frames); a raw ring that would need more than 16,384
                 chunk files gets longer chunks, so that every chunk stays memory-mapped (see
                 `diskreplay.storage.default_chunk_rows`).
-            compression: ``"zstd"``, ``"lz4"`` (blosc) or ``None`` (raw chunks). Every chunk also
+            compression: ``"zstd"``, ``"lz4"`` (blosc), ``"lz4hc"`` (blosc LZ4-HC: 3-6x the
+                encode time of ``"lz4"`` for about a quarter fewer bytes and 15-40% faster
+                decodes; for datasets read many times) or ``None`` (raw chunks). Every chunk also
                 carries a CRC32C checksum (zarr's ``crc32c`` codec). Compressed fields with rows
                 of 1 KiB or more (images) are Zarr shards of inner chunks of about 8 KiB, each
                 compressed alone, so that a sampled row is read and decoded alone.
-            compression_level: the codec's level (zstd 0-22, lz4 0-9).
+            compression_level: the codec's level (zstd 0-22; lz4 and lz4hc 0-9, blosc's clevel).
+                ``None``: 3, or 6 for lz4hc.
             sampler: how `sample` picks rows; `Uniform` by default.
             seed: seed of the buffer's own ``numpy.random.Generator``.
             storage_options: passed to fsspec for remote URLs.

@@ -14,6 +14,7 @@ from ..checks import check_int
 from ..episodes import EpisodicReturn, derived_next_fields, episode_end_fields
 from ..errors import BufferExistsError, CorruptBufferError, NotABufferError, SchemaError
 from ..format import keys
+from ..format.codecs import default_level
 from ..format.commit import CommitRecord
 from ..format.config import MAX_CHUNK_ROWS, MAX_CHUNKS, MAX_LANES, MAX_STEPS, BufferConfig
 from ..format.keys import BUFFER_MARKERS, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES
@@ -45,10 +46,12 @@ SAMPLER_METHODS = ("attach", "on_append", "sample", "state_dict", "load_state_di
 
 
 def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num_envs: int, chunk_rows: int | None,
-                compression: str | None, level: int, cache_bytes: int, episode_end: str | tuple[str, ...] | None,
+                compression: str | None, level: int | None, cache_bytes: int, episode_end: str | tuple[str, ...] | None,
                 derive_next: tuple[str, ...], episodic_return: EpisodicReturn | None) -> list[NewStorage]:
     """The storages of a new buffer (the main one, then the side store of ``derive_next``),
-    planned and checked. Raises ValueError or SchemaError (see `ReplayBuffer.create`)."""
+    planned and checked; ``level`` None is the codec's default. Raises ValueError or SchemaError
+    (see `ReplayBuffer.create`)."""
+    level = default_level(compression) if level is None else level
     user = Schema(fields)
     end_fields = episode_end_fields(user.fields, episode_end)
     derived = derived_next_fields(tuple(derive_next), user.fields)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..episodes import EpisodicReturn
 from ..errors import SchemaError
-from ..format.codecs import COMPRESSIONS
+from ..format.codecs import COMPRESSIONS, default_level
 from ..format.schema import Field
 from ..format.shards import check_shards
 from .setup import plan_buffer
@@ -45,10 +45,10 @@ class BufferSpec(Mapping[str, Any]):
 
     ``fields``: name -> `Field` (per-step shape and dtype). ``capacity``: rows kept over all lanes
     (of each shard; None: a dataset that grows). ``num_envs``: env lanes. ``chunk_rows``: steps per
-    chunk (None: about 1 MiB chunks). ``compression``: ``"zstd"``, ``"lz4"`` or None, at
-    ``compression_level``. ``episode_end``: ``"auto"``, end field names (one name becomes a
-    1-tuple), or None. ``derive_next``: fields whose ``next_``
-    twin is read from the next step. ``episodic_return``: an `EpisodicReturn` or None. ``shards``:
+    chunk (None: about 1 MiB chunks). ``compression``: ``"zstd"``, ``"lz4"``, ``"lz4hc"`` or None,
+    at ``compression_level`` (None: the codec's default, resolved when made). ``episode_end``:
+    ``"auto"``, end field names (one name becomes a 1-tuple), or None. ``derive_next``: fields
+    whose ``next_`` twin is read from the next step. ``episodic_return``: an `EpisodicReturn` or None. ``shards``:
     writers of a sharded buffer (None: not sharded). See `ReplayBuffer.create` for each.
 
     As a mapping its keys are `KEYS` and its values what `create` takes, so
@@ -64,7 +64,7 @@ class BufferSpec(Mapping[str, Any]):
     num_envs: int = 1
     chunk_rows: int | None = None
     compression: str | None = "zstd"
-    compression_level: int = 3
+    compression_level: int | None = None
     episode_end: str | tuple[str, ...] | None = "auto"
     derive_next: tuple[str, ...] = ()
     episodic_return: EpisodicReturn | None = dataclass_field(default=None, repr=False)
@@ -77,7 +77,8 @@ class BufferSpec(Mapping[str, Any]):
         set_(self, "num_envs", _int("num_envs", self.num_envs, 1))
         set_(self, "chunk_rows", _optional_int("chunk_rows", self.chunk_rows, 1))
         set_(self, "compression", _compression(self.compression))
-        set_(self, "compression_level", _int("compression_level", self.compression_level, 0))
+        set_(self, "compression_level", default_level(self.compression) if self.compression_level is None
+             else _int("compression_level", self.compression_level, 0))
         set_(self, "episode_end", _episode_end(self.episode_end))
         set_(self, "derive_next", _names("derive_next", self.derive_next))
         if self.episodic_return is not None and not isinstance(self.episodic_return, EpisodicReturn):

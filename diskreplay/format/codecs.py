@@ -1,6 +1,7 @@
 """Chunk bytes: `Codec` turns one chunk's rows into exactly the bytes zarr stores, and back.
 
-Codecs are ``bytes`` (little-endian), then ``zstd`` or blosc ``lz4`` or nothing, then ``crc32c``.
+Codecs are ``bytes`` (little-endian), then ``zstd`` or blosc ``lz4`` / ``lz4hc`` or nothing, then
+``crc32c``.
 Compressed fields with big rows (images) are Zarr shards (``sharding_indexed``, index first) of
 small inner chunks, each compressed and checksummed alone (`Codec.inner_rows`). Nothing read from
 a chunk sizes an allocation: decoded sizes are checked against the expected ones first.
@@ -32,7 +33,21 @@ try:
 except ImportError:
     _batch = None
 
-COMPRESSIONS = (None, "zstd", "lz4")
+COMPRESSIONS = (None, "zstd", "lz4", "lz4hc")
+"""Chunk codecs: raw, zstd, blosc LZ4 (fast to write), blosc LZ4-HC (slower to write; smaller, and
+the same LZ4 blocks decode faster: fewer, longer matches)."""
+LEVELS = {None: (0, 22), "zstd": (0, 22), "lz4": (0, 9), "lz4hc": (0, 9)}
+"""Each codec's ``compression_level`` range (blosc's clevel is 0-9; 0 stores the bytes as they are)."""
+
+
+def default_level(compression: str | None) -> int:
+    """The ``compression_level`` a codec gets when none is given: 6 for ``lz4hc`` (most of its
+    decode speed-up, a sixth of level 9's encode time), else 3."""
+    return 6 if compression == "lz4hc" else 3
+
+
+LZ4_BLOCKS = ("lz4", "lz4hc")
+"""Codecs whose compressed bodies are blosc frames of LZ4 blocks (the decode fast path's)."""
 CHECKSUM_BYTES = 4
 ROW_ACCESS_BYTES = 1 << 10
 INNER_CHUNK_BYTES = 1 << 13
@@ -81,7 +96,9 @@ class Codec:
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
-        check_int(self.level, "compression_level", 0, 22)
+        least, most = LEVELS[self.compression]
+        check_int(self.level, "compression_level" + (f" for {self.compression}" if self.compression else ""), least,
+                  most)
         if self.inner_rows is not None and (self.compression is None or not self.checksum):
             raise ValueError("sharded chunks are written compressed and checksummed")
 
@@ -98,7 +115,8 @@ class Codec:
     def _compress(self, data: np.ndarray) -> bytes:
         if self.compression == "zstd":
             return _ZSTD.compressor(self.level).compress(data.reshape(-1).view(np.uint8).data)
-        return bytes(numcodecs.Blosc(cname="lz4", clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE).encode(data))
+        blosc_ = numcodecs.Blosc(cname=self.compression, clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE)
+        return bytes(blosc_.encode(data))
 
     def _decompress(self, body: bytes | bytearray | memoryview, nbytes: int) -> bytes | memoryview | np.ndarray:
         """``body`` decompressed, which must give ``nbytes`` bytes: checked before a zstd frame's
@@ -185,7 +203,7 @@ class Codec:
         if self.compression == "zstd" and len(given) > 1:
             _zstd_frames_into(given, flat, at)
             return
-        left = _lz4_frames_into(given, flat, at) if self.compression == "lz4" else range(len(given))
+        left = _lz4_frames_into(given, flat, at) if self.compression in LZ4_BLOCKS else range(len(given))
         for i in left:
             self.decode_body(given[i], flat[at[i]])
 
@@ -201,7 +219,7 @@ class Codec:
         """For inner chunk bodies ``data[begin[i]:begin[i] + length[i]]`` (uint8, checksums cut
         off) that decode to ``size`` bytes: where `decode_lz4_at` decodes one (an LZ4 block), the
         block's start in ``data``, else -1."""
-        if self.compression != "lz4" or _LZ4_DECODE is None:
+        if self.compression not in LZ4_BLOCKS or _LZ4_DECODE is None:
             return np.full(len(begin), -1, np.int64)
         return _lz4_blocks(data, begin, length, size)
 
@@ -249,8 +267,9 @@ class Codec:
         compressors: list[Any] = []
         if self.compression == "zstd":
             compressors.append(zarr.codecs.ZstdCodec(level=self.level))
-        elif self.compression == "lz4":
-            compressors.append(zarr.codecs.BloscCodec(cname="lz4", clevel=self.level, shuffle="shuffle"))
+        elif self.compression in LZ4_BLOCKS:
+            compressors.append(zarr.codecs.BloscCodec(cname=zarr.codecs.BloscCname(self.compression), clevel=self.level,
+                                                      shuffle="shuffle"))
         if self.checksum:
             compressors.append(zarr.codecs.Crc32cCodec())
         if self.inner_rows is None:
@@ -279,8 +298,8 @@ class Codec:
         config = middle[0].get("configuration") or {}
         if len(middle) == 1 and middle[0]["name"] == "zstd" and not config.get("checksum"):
             return cls("zstd", _level(config.get("level")), checksum_)
-        if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") == "lz4":
-            return cls("lz4", _level(config.get("clevel")), checksum_)
+        if len(middle) == 1 and middle[0]["name"] == "blosc" and config.get("cname") in LZ4_BLOCKS:
+            return cls(config["cname"], _level(config.get("clevel")), checksum_)
         if len(middle) == 1 and middle[0]["name"] == "zstd":
             raise ValueError("zstd with its own checksum (configuration.checksum true) is not a codec "
                              "diskreplay writes")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptBufferError, NotABufferError, SchemaError
-from .codecs import COMPRESSIONS
+from .codecs import COMPRESSIONS, LEVELS
 from .keys import CHUNK_KEY_SEPARATOR, FORMAT, FORMATS, GROUP_KEY
 from .lanes import LaneLayout
 from .schema import Field, Schema
@@ -104,7 +104,8 @@ def _parse(check: _ConfigCheck) -> BufferConfig:
         raise check.bad("lane_capacity", f"at most {MAX_CHUNKS} chunks of chunk_rows={chunk_rows} over "
                                          f"{num_envs} lanes")
     separator = check.choice("chunk_key_separator", ("/", "."), default="/")
-    compression, level = check.choice("compression", COMPRESSIONS), check.integer("level", 0, 22)
+    compression = check.choice("compression", COMPRESSIONS)
+    level = check.integer("level", *LEVELS[compression], f" for {compression}" if compression else "")
     row_access = check.choice("row_access", (False, True), default=False)
     episode_end = check.names("episode_end", schema, lambda f: f.shape == () and f.dtype == np.bool_)
     derive_next = check.names("derive_next", schema, lambda f: True)
