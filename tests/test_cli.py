@@ -100,8 +100,10 @@ def test_import_info_verify_export(tmp_path):
     proc = run("export", str(tmp_path / "buf"), str(tmp_path / "out.hdf5"), "--no-progress")
     assert proc.returncode == 0 and "exported 103 rows" in proc.stdout
     assert_one_line_error(run("export", str(tmp_path / "buf"), str(tmp_path / "out.hdf5")), "already exists")
-    proc = run("import", str(tmp_path / "out.hdf5"), str(tmp_path / "back"), "--no-progress")
+    proc = run("import", str(tmp_path / "out.hdf5"), str(tmp_path / "back"), "--compression", "lz4hc",
+               "--no-progress")
     assert proc.returncode == 0, proc.stderr
+    assert "lz4hc level 6" in run("info", str(tmp_path / "back")).stdout
     a, b = dr.ReplayBuffer.open(tmp_path / "buf"), dr.ReplayBuffer.open(tmp_path / "back")
     for k, v in a[a.row_ids()].items():
         np.testing.assert_array_equal(v, b[b.row_ids()][k])

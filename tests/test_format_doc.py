@@ -145,7 +145,7 @@ def test_a_reader_of_the_document_reads_a_wrapped_cleared_ring(tmp_path):
     buf.close()
 
 
-@pytest.mark.parametrize("compression", [None, "lz4"])
+@pytest.mark.parametrize("compression", [None, "lz4", "lz4hc"])
 def test_a_reader_of_the_document_reads_a_dataset(tmp_path, compression):
     path = tmp_path / "dataset"
     with dr.ReplayBuffer.create(path, FIELDS, num_envs=2, chunk_rows=4, compression=compression) as buf:
