@@ -22,7 +22,7 @@ import diskreplay as dr
 from diskreplay.io import LocalChunkStore
 from diskreplay.offline import verify
 from diskreplay.storage import ring_reads, write_behind
-from diskreplay.storage.chunk_io import ChunkIO
+from diskreplay.storage.chunk_io import ChunkIO, balanced
 from diskreplay.storage.ring_reads import READ_AHEAD_CHUNKS
 from diskreplay.storage.write_behind import WriteBehind
 from diskreplay.storage.writer import BACKLOG_SHARE, PACE_S, PACE_SHARE, StagingWriter
@@ -511,3 +511,35 @@ def test_each_lane_reads_ahead_the_chunks_its_share_of_the_budget_holds(tmp_path
     assert sorted(buf.storage.writer.behind._reads) == [(0, 5)]
     np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(buf.row_ids())["act"])
     buf.close()
+
+
+def test_a_batchs_frame_chunks_are_encoded_on_different_threads(tmp_path, monkeypatch):
+    """Chunk writes are dealt to the I/O threads by bytes, biggest first: the two frame chunks of
+    a batch go to the two threads, though the four fields would put every frame chunk on one
+    thread if dealt in turn."""
+    fields = {"obs": dr.Field((32, 32), "uint8"), "action": dr.Field((), "int64"),
+              "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), fields, capacity=1024, chunk_rows=64, compression="lz4",
+                                 io_threads=2)
+    encoded: list[tuple[str, str]] = []
+    encode = dr.format.codecs.Codec.encode
+    monkeypatch.setattr(dr.format.codecs.Codec, "encode", lambda self, chunk: (
+        encoded.append((threading.current_thread().name, "frames" if chunk.ndim == 3 else "small")),
+        encode(self, chunk))[1])
+    steps = np.arange(128)
+    buf.extend({"obs": np.repeat(steps.astype(np.uint8), 1024).reshape(128, 32, 32), "action": steps,
+                "reward": steps.astype(np.float32), "done": steps % 50 == 49})
+    buf.flush()
+    frame_threads = [name for name, kind in encoded if kind == "frames"]
+    assert len(frame_threads) == 2 and len(set(frame_threads)) == 2, encoded
+    np.testing.assert_array_equal(buf[np.arange(128)]["obs"][:, 0, 0], steps)
+    buf.close()
+
+
+def test_chunk_writes_are_dealt_by_bytes():
+    def work(*sizes: int) -> list:
+        return [(f"k{i}", None, np.empty(size, np.uint8), False) for i, size in enumerate(sizes)]
+    keys = lambda lists: [[key for key, *_ in part] for part in lists]  # noqa: E731
+    assert keys(balanced(work(100, 1, 1, 1, 100, 1, 1, 1), 2)) == [["k0", "k1", "k3", "k6"], ["k4", "k2", "k5", "k7"]]
+    assert keys(balanced(work(5, 9), 4)) == [["k1"], ["k0"]]
+    assert balanced([], 2) == []

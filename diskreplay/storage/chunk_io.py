@@ -35,6 +35,20 @@ def default_io_threads(url: str) -> int:
     return min(4, os.cpu_count() or 1) if is_local(url) else 16
 
 
+def balanced(work: list[ChunkWrite], parts: int) -> list[list[ChunkWrite]]:
+    """``work`` dealt into at most ``parts`` non-empty lists of about equal bytes: the biggest
+    chunk first, each to the list holding the fewest bytes so far (the frames of a batch spread
+    over the threads, rather than every ``parts``-th chunk, which puts every chunk of one field on
+    one thread when the fields divide by ``parts``)."""
+    lists: list[list[ChunkWrite]] = [[] for _ in range(min(parts, len(work)))]
+    loads = [0] * len(lists)
+    for item in sorted(work, key=lambda w: w[2].nbytes, reverse=True):
+        lightest = loads.index(min(loads))
+        lists[lightest].append(item)
+        loads[lightest] += item[2].nbytes
+    return lists
+
+
 class ChunkIO:
     """Chunk keys, codecs and the I/O threads of one buffer's store."""
 
@@ -70,8 +84,7 @@ class ChunkIO:
         raises: none writes on behind a failure. ``behind``: writes behind the appends, on threads
         of their own, so that reads meanwhile do not queue behind their encoding."""
         workers = self.behind_workers if behind else self.workers
-        batches = [work[k::self.threads] for k in range(min(self.threads, len(work)))]
-        jobs = [workers.submit(self._put_batch, batch, durable) for batch in batches]
+        jobs = [workers.submit(self._put_batch, batch, durable) for batch in balanced(work, self.threads)]
         for job in jobs:
             job.exception()
         for job in jobs:
