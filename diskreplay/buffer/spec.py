@@ -48,8 +48,9 @@ class BufferSpec(Mapping[str, Any]):
     chunk (None: about 1 MiB chunks). ``compression``: ``"zstd"``, ``"lz4"``, ``"lz4hc"`` or None,
     at ``compression_level`` (None: the codec's default, resolved when made). ``episode_end``:
     ``"auto"``, end field names (one name becomes a 1-tuple), or None. ``derive_next``: fields
-    whose ``next_`` twin is read from the next step. ``episodic_return``: an `EpisodicReturn` or None. ``shards``:
-    writers of a sharded buffer (None: not sharded). See `ReplayBuffer.create` for each.
+    whose ``next_`` twin is read from the next step. ``episodic_return``: an `EpisodicReturn` or
+    None. ``shards``: writers of a sharded buffer (None: not sharded). See `ReplayBuffer.create`
+    for each.
 
     As a mapping its keys are `KEYS` and its values what `create` takes, so
     ``ReplayBuffer.create(url, **spec)`` works. Two specs are equal when their `to_dict` are.

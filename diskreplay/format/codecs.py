@@ -38,14 +38,6 @@ COMPRESSIONS = (None, "zstd", "lz4", "lz4hc")
 the same LZ4 blocks decode faster: fewer, longer matches)."""
 LEVELS = {None: (0, 22), "zstd": (0, 22), "lz4": (0, 9), "lz4hc": (0, 9)}
 """Each codec's ``compression_level`` range (blosc's clevel is 0-9; 0 stores the bytes as they are)."""
-
-
-def default_level(compression: str | None) -> int:
-    """The ``compression_level`` a codec gets when none is given: 6 for ``lz4hc`` (most of its
-    decode speed-up, a sixth of level 9's encode time), else 3."""
-    return 6 if compression == "lz4hc" else 3
-
-
 LZ4_BLOCKS = ("lz4", "lz4hc")
 """Codecs whose compressed bodies are blosc frames of LZ4 blocks (the decode fast path's)."""
 CHECKSUM_BYTES = 4
@@ -58,11 +50,17 @@ the decode of its whole chunk (`Codec.inner_rows`)."""
 EMPTY_INNER = (1 << 64) - 1
 BLOSC_HEADER_BYTES = 16
 BLOSC_LZ4 = 1
-"""The compressor code blosc writes in the top three bits of its flags byte for LZ4."""
+"""The compressor code blosc writes in the top three bits of its flags byte for LZ4 and LZ4-HC alike."""
 BLOSC_FILTERS = 0x0E
 """Blosc flags bits for memcpyed, bit-shuffled or reserved: a frame the LZ4 fast path leaves to blosc."""
 LZ4_HEAD = BLOSC_HEADER_BYTES + 8
 """A one-block blosc frame's bytes before its LZ4 block: the header, the block's start, its size."""
+
+
+def default_level(compression: str | None) -> int:
+    """The ``compression_level`` a codec gets when none is given: 6 for ``lz4hc`` (most of its
+    decode speed-up, a sixth of level 9's encode time), else 3."""
+    return 6 if compression == "lz4hc" else 3
 
 
 def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
