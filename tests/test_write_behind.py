@@ -535,9 +535,10 @@ def test_a_batchs_frame_chunks_go_to_different_io_jobs(tmp_path, monkeypatch):
 
 
 def test_chunk_writes_are_dealt_by_bytes():
+    """Biggest first, each to the lightest list; each list keeps the batch's order."""
     def work(*sizes: int) -> list:
         return [(f"k{i}", None, np.empty(size, np.uint8), False) for i, size in enumerate(sizes)]
     keys = lambda lists: [[key for key, *_ in part] for part in lists]  # noqa: E731
-    assert keys(balanced(work(100, 1, 1, 1, 100, 1, 1, 1), 2)) == [["k0", "k1", "k3", "k6"], ["k4", "k2", "k5", "k7"]]
+    assert keys(balanced(work(100, 1, 1, 1, 100, 1, 1, 1), 2)) == [["k0", "k1", "k3", "k6"], ["k2", "k4", "k5", "k7"]]
     assert keys(balanced(work(5, 9), 4)) == [["k1"], ["k0"]]
     assert balanced([], 2) == []

@@ -36,17 +36,17 @@ def default_io_threads(url: str) -> int:
 
 
 def balanced(work: list[ChunkWrite], parts: int) -> list[list[ChunkWrite]]:
-    """``work`` dealt into at most ``parts`` non-empty lists of about equal bytes: the biggest
-    chunk first, each to the list holding the fewest bytes so far (the frames of a batch spread
-    over the threads, rather than every ``parts``-th chunk, which puts every chunk of one field on
-    one thread when the fields divide by ``parts``)."""
-    lists: list[list[ChunkWrite]] = [[] for _ in range(min(parts, len(work)))]
+    """``work`` dealt into at most ``parts`` non-empty lists of about equal bytes, each in
+    ``work``'s order: the biggest chunk first, each to the list holding the fewest bytes so far
+    (the frames of a batch spread over the threads, rather than every ``parts``-th chunk, which
+    puts every chunk of one field on one thread when the fields divide by ``parts``)."""
+    lists: list[list[int]] = [[] for _ in range(min(parts, len(work)))]
     loads = [0] * len(lists)
-    for item in sorted(work, key=lambda w: w[2].nbytes, reverse=True):
+    for i in sorted(range(len(work)), key=lambda i: work[i][2].nbytes, reverse=True):
         lightest = loads.index(min(loads))
-        lists[lightest].append(item)
-        loads[lightest] += item[2].nbytes
-    return lists
+        lists[lightest].append(i)
+        loads[lightest] += work[i][2].nbytes
+    return [[work[i] for i in sorted(part)] for part in lists]
 
 
 class ChunkIO:
