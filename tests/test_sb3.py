@@ -298,6 +298,41 @@ def test_save_replay_buffer_pickles_the_url_not_the_rows(tmp_path):
     copy.close()
 
 
+def test_load_replay_buffer_whose_url_moved_raises_naming_the_url(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    model = dqn(gym.make("CartPole-v1"), str(old), learning_starts=50)
+    model.learn(120)
+    path = tmp_path / "buffer.pkl"
+    model.save_replay_buffer(path)
+    model.replay_buffer.close()
+    old.rename(new)  # copied to another machine, or moved
+    other = dqn(gym.make("CartPole-v1"), str(tmp_path / "unused"), learning_starts=50)
+    other.replay_buffer.close()
+    with pytest.raises(dr.NotABufferError, match=f"{str(old)!r} holds no buffer.*moved_buffers"):
+        other.load_replay_buffer(path)
+    assert not old.exists()  # no new, empty buffer at the old url
+    with dr.sb3.moved_buffers({str(old): str(new)}):
+        other.load_replay_buffer(path)
+    buf = other.replay_buffer
+    assert (buf.url, buf.size(), buf.pos) == (str(new), 120, 120)
+    other.learn(40, reset_num_timesteps=False)
+    assert buf.size() == 160 and not old.exists()
+    buf.close()
+
+
+def test_a_closed_buffer_whose_rows_were_deleted_never_reopens_empty(tmp_path):
+    import shutil
+    obs_space, act_space = spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2)
+    buf = dr.sb3.DiskReplayBuffer(8, obs_space, act_space, device="cpu", url=str(tmp_path / "b"))
+    buf.close()
+    shutil.rmtree(tmp_path / "b")
+    with pytest.raises(dr.NotABufferError, match=f"{str(tmp_path / 'b')!r} holds no buffer"):
+        buf.size()
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(dr.NotABufferError, match=f"{str(tmp_path / 'b')!r} holds no buffer"):
+        pickle.loads(pickle.dumps(buf))
+
+
 CHILD = textwrap.dedent("""
     import sys, time
     import diskreplay as dr

@@ -7,11 +7,11 @@ of SB3's ``HerReplayBuffer``. Importing this package imports stable_baselines3 (
 `buffer` (`DiskReplayBuffer`), `her` (`DiskHerReplayBuffer`).
 """
 
-from .buffer import DiskReplayBuffer
+from .buffer import DiskReplayBuffer, moved_buffers
 from .fields import Layout, make_layout
 from .her import DiskHerReplayBuffer
 
 DiskDictReplayBuffer = DiskReplayBuffer
 """The same class: it serves Dict observation spaces (SB3's ``DictReplayBuffer`` API) too."""
 
-__all__ = ["DiskReplayBuffer", "DiskDictReplayBuffer", "DiskHerReplayBuffer", "Layout", "make_layout"]
+__all__ = ["DiskReplayBuffer", "DiskDictReplayBuffer", "DiskHerReplayBuffer", "Layout", "make_layout", "moved_buffers"]

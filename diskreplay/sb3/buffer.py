@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +16,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from ..buffer import ReplayBuffer as DiskBuffer
 from ..errors import NotABufferError
+from ..sampling import Uniform
 from .fields import Layout, Obs, make_layout, sample_arrays, slot_rows, step_rows, timeouts_of
 
 if TYPE_CHECKING:
@@ -22,23 +26,51 @@ CREATE_ONLY = ("chunk_rows", "compression", "compression_level")
 """`ReplayBuffer.create` options that an existing buffer already has (ignored when reopening)."""
 
 
+_MOVED: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("moved_buffers", default={})
+
+
+@contextlib.contextmanager
+def moved_buffers(urls: Mapping[str, str | os.PathLike[str]]) -> Iterator[None]:
+    """Within this block, an unpickled buffer (``load_replay_buffer``) whose url is a key of
+    ``urls`` opens the buffer at its value instead: for rows copied to another machine or moved,
+    ``with dr.sb3.moved_buffers({"old/url": "new/url"}): model.load_replay_buffer(path)``."""
+    token = _MOVED.set({**_MOVED.get(), **{os.fspath(k): os.fspath(v) for k, v in urls.items()}})
+    try:
+        yield
+    finally:
+        _MOVED.reset(token)
+
+
 def open_buffer(url: str, layout: Layout, capacity: int, n_envs: int, overwrite: bool, seed: int | None,
                 options: dict[str, Any]) -> DiskBuffer:
     """Reopen the buffer at ``url`` to go on writing it (``mode="r+"``), or create it there.
 
     Raises ValueError when the buffer there holds other fields, capacity or lanes."""
-    opening = {k: v for k, v in options.items() if k not in CREATE_ONLY}
     if not overwrite:
         try:
-            buf = DiskBuffer.open(url, "r+", **opening)
+            return reopen_buffer(url, layout, capacity, n_envs, options)
         except NotABufferError:
             pass
-        else:
-            return checked(buf, layout, capacity, n_envs)
     if seed is None:  # SB3 seeds numpy's global generator (``seed=`` of the algorithm): follow it
         seed = int(np.random.randint(0, 2**31 - 1))
     return DiskBuffer.create(url, layout.fields(), capacity, num_envs=n_envs, overwrite=overwrite, seed=seed,
                              episode_end=("done",), **options)
+
+
+def reopen_buffer(url: str, layout: Layout, capacity: int, n_envs: int, options: dict[str, Any],
+                  mode: str = "r+") -> DiskBuffer:
+    """The existing buffer at ``url``, opened with ``mode`` (``"r"``: any sampler, to look at it).
+
+    Raises NotABufferError naming ``url`` when no buffer is there, ValueError as `checked`."""
+    opening = {k: v for k, v in options.items() if k not in CREATE_ONLY}
+    if mode == "r":
+        opening = {"storage_options": options.get("storage_options"), "sampler": Uniform()}
+    try:
+        buf = DiskBuffer.open(url, mode, **opening)
+    except NotABufferError as e:
+        raise NotABufferError(f"the SB3 replay buffer's rows are missing: {url!r} holds no buffer ({e}); if it "
+                              f"moved, load it within `with dr.sb3.moved_buffers({{old_url: new_url}}):`") from e
+    return checked(buf, layout, capacity, n_envs)
 
 
 def checked(buf: DiskBuffer, layout: Layout, capacity: int, n_envs: int) -> DiskBuffer:
@@ -71,7 +103,8 @@ class DiskReplayBuffer(ReplayBuffer):
     crash, constructing the algorithm again with the same ``url`` reopens the buffer with every
     committed row (``overwrite=True`` starts afresh). Pickling
     (``save_replay_buffer``) commits and keeps only the url and small state, not the rows;
-    unpickling (``load_replay_buffer``) reopens the url, after the old writer closed it.
+    unpickling (``load_replay_buffer``) reopens the url, after the old writer closed it, and
+    raises NotABufferError when no buffer is there (`moved_buffers` points it at a new url).
 
     Other keyword ``options`` go to `diskreplay.ReplayBuffer.create` (``chunk_rows``,
     ``compression``, ``cache_bytes``, ``storage_options``...) or `open`.
@@ -104,8 +137,8 @@ class DiskReplayBuffer(ReplayBuffer):
     def disk(self) -> DiskBuffer:
         """The diskreplay buffer holding the rows (reopened with ``mode="r+"`` after unpickling)."""
         if self._disk is None:
-            self._disk = open_buffer(self.url, self.layout, self.buffer_size * self.n_envs, self.n_envs,
-                                     False, None, self._options)
+            self._disk = reopen_buffer(self.url, self.layout, self.buffer_size * self.n_envs, self.n_envs,
+                                       self._options)
             self._sync_cursor()
         return self._disk
 
@@ -192,5 +225,10 @@ class DiskReplayBuffer(ReplayBuffer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restores the pickled state; the buffer at ``url`` is reopened when first used."""
+        """Restores the pickled state; the buffer at ``url`` (or where `moved_buffers` says it
+        moved) is reopened when first used. Raises NotABufferError naming the url when no buffer
+        is there, ValueError when it holds another buffer: the rows must not silently vanish."""
         self.__dict__.update(state)
+        self.url = _MOVED.get().get(self.url, self.url)
+        reopen_buffer(self.url, self.layout, self.buffer_size * self.n_envs, self.n_envs, self._options,
+                      mode="r").close()
