@@ -26,7 +26,7 @@ CREATE_ONLY = ("chunk_rows", "compression", "compression_level")
 """`ReplayBuffer.create` options that an existing buffer already has (ignored when reopening)."""
 
 
-_MOVED: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("moved_buffers", default={})
+_MOVED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("moved_buffers", default=None)
 
 
 @contextlib.contextmanager
@@ -34,7 +34,7 @@ def moved_buffers(urls: Mapping[str, str | os.PathLike[str]]) -> Iterator[None]:
     """Within this block, an unpickled buffer (``load_replay_buffer``) whose url is a key of
     ``urls`` opens the buffer at its value instead: for rows copied to another machine or moved,
     ``with dr.sb3.moved_buffers({"old/url": "new/url"}): model.load_replay_buffer(path)``."""
-    token = _MOVED.set({**_MOVED.get(), **{os.fspath(k): os.fspath(v) for k, v in urls.items()}})
+    token = _MOVED.set({**(_MOVED.get() or {}), **{os.fspath(k): os.fspath(v) for k, v in urls.items()}})
     try:
         yield
     finally:
@@ -229,6 +229,6 @@ class DiskReplayBuffer(ReplayBuffer):
         moved) is reopened when first used. Raises NotABufferError naming the url when no buffer
         is there, ValueError when it holds another buffer: the rows must not silently vanish."""
         self.__dict__.update(state)
-        self.url = _MOVED.get().get(self.url, self.url)
+        self.url = (_MOVED.get() or {}).get(self.url, self.url)
         reopen_buffer(self.url, self.layout, self.buffer_size * self.n_envs, self.n_envs, self._options,
                       mode="r").close()
