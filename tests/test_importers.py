@@ -345,6 +345,41 @@ def test_export_round_trips_buffers_without_next_obs(tmp_path):
     np.testing.assert_array_equal(rows_of(back)["obs"], np.arange(20).reshape(10, 2))
 
 
+def derive_next_buffer(url) -> tuple[dr.ReplayBuffer, dict[str, np.ndarray]]:
+    """A ring of 16 rows (22 added) whose ``next_obs`` is derived, and the rows that ``buf[ids]``
+    reads from it: episodes end at steps 4, 5, 11 and 17 (their finals kept apart), steps 18..21
+    are an unfinished episode (the newest ``next_obs`` kept in RAM, saved with the commit)."""
+    fields = {"obs": dr.Field((2,), "float32"), "next_obs": dr.Field((2,), "float32"),
+              "action": dr.Field((2,), "float32"), "reward": dr.Field((), "float32"),
+              "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.create(url, fields, 16, chunk_rows=4, derive_next=("obs",))
+    steps = np.arange(22)
+    obs = np.stack([steps, -steps], 1).astype(np.float32)
+    next_obs = np.append(obs[1:], [[99, 99]], 0).astype(np.float32)
+    terminated, truncated = np.isin(steps, (4, 17)), np.isin(steps, (5, 11))
+    next_obs[terminated | truncated] = 1000 + steps[terminated | truncated, None]  # each episode's final
+    buf.extend({"obs": obs, "next_obs": next_obs, "action": obs / 2, "reward": steps.astype(np.float32),
+                "terminated": terminated, "truncated": truncated})
+    rows = rows_of(buf)
+    np.testing.assert_array_equal(rows["next_obs"], next_obs[6:])
+    buf.close()
+    return buf, rows
+
+
+@pytest.mark.parametrize("fmt", ["npz", "hdf5", "parquet", "minari"])
+def test_export_writes_the_derived_next_obs_exactly(tmp_path, fmt):
+    _, rows = derive_next_buffer(tmp_path / "b")
+    out = tmp_path / ("out-v0" if fmt == "minari" else f"out.{fmt}")
+    assert export_buffer(tmp_path / "b", out, format=fmt, progress=False, batch_rows=3) == 16
+    back = rows_of(import_dataset(out, tmp_path / "back", progress=False))
+    if fmt in ("parquet", "minari"):  # the unfinished last episode comes back truncated
+        rows["truncated"][-1] = True
+    assert set(back) == set(rows)
+    for name, values in rows.items():
+        assert back[name].dtype == values.dtype, name
+        np.testing.assert_array_equal(back[name], values, err_msg=name)
+
+
 def test_export_marks_lane_ends_for_d4rl(tmp_path):
     fields = {"obs": dr.Field((1,), "float32"), "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
     buf = dr.ReplayBuffer.create(tmp_path / "b", fields, num_envs=2, chunk_rows=4, cache_bytes=2**12)

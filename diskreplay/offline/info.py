@@ -50,25 +50,30 @@ def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarra
 
 def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: int,
               batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
-    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows
-    (episodic returns of episodes not ended in the commit read as their default, as in `sample`)."""
+    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows,
+    with the values ``buf[ids]`` reads: stored fields from their chunks, derived ``next_*`` fields
+    (``derive_next``) rebuilt, episodic returns of episodes not ended in the commit as their default."""
     layout = buf.layout
+    twins = tuple(n for n in names if n in buf.view.derived)
+    stored = [n for n in names if n not in twins]
     step = first = lo
     parts: list[dict[str, np.ndarray]] = []
     count = 0
     while step < hi:
         chunk, offset = divmod(int(layout.slot(step)), layout.chunk_rows)
         piece = layout.piece_length(step, hi - step)
-        parts.append({n: read_chunk(buf, n, lane, chunk)[offset:offset + piece] for n in names})
+        parts.append({n: read_chunk(buf, n, lane, chunk)[offset:offset + piece] for n in stored})
         count += piece
         step += piece
         if count >= batch_rows or step >= hi:
-            rows = {n: np.concatenate([p[n] for p in parts]) for n in names}
+            steps = np.arange(first, step)
+            rows = {n: np.concatenate([p[n] for p in parts]) for n in stored}
+            if twins:
+                rows.update(buf.view.gather(np.full(len(steps), lane), steps, twins))
             returns = buf.episodic_return
             if returns is not None and returns.name in rows:
-                steps = np.arange(first, step)
                 returns.mask(rows[returns.name], buf.episode_index, np.full(len(steps), lane), steps)
-            yield rows
+            yield {n: rows[n] for n in names}
             parts, count, first = [], 0, step
 
 
