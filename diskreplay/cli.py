@@ -131,6 +131,8 @@ def _add_export(sub: Subcommands) -> None:
     p.add_argument("--format", choices=("npz", "hdf5", "parquet", "minari"),
                    help="output format (default: from DEST's suffix). 'parquet': a folder of LeRobot / HF-style "
                         "Parquet files; 'minari': a Minari dataset folder (arrow data format) named DEST")
+    p.add_argument("--dataset-id", help="the Minari dataset id, (namespace/)name-vN (default: DEST's path under "
+                                        "Minari's datasets folder, else DEST's name)")
     p.add_argument("--compress", action="store_true",
                    help="deflate npz members / gzip HDF5 datasets / zstd Parquet and Arrow data")
     p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows per slice (default 65536)")
@@ -241,7 +243,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .offline import export_buffer
 
     rows = export_buffer(args.url, args.dest, format=args.format, batch_rows=args.batch_rows,
-                         progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress)
+                         progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress,
+                         dataset_id=args.dataset_id)
     print(f"exported {rows:,} rows to {args.dest}")
     return 0
 

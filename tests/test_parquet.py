@@ -337,3 +337,29 @@ def test_minari_export_loads_in_minari_and_imports_back(tmp_path, minari_home):
     for name in ("obs", "action", "reward", "terminated", "truncated"):
         assert again[name].dtype == rows[name].dtype, name
         np.testing.assert_array_equal(again[name], rows[name], err_msg=name)
+
+
+def test_minari_export_has_the_minari_id_chosen(tmp_path, minari_home):
+    minari = pytest.importorskip("minari")
+    pytest.importorskip("PIL", reason="Minari's arrow storage needs Pillow")
+    two_lane_buffer(tmp_path / "b")
+    with pytest.warns(UserWarning, match="info_cost"):  # under the datasets folder: its path there
+        export_buffer(tmp_path / "b", minari_home / "diskreplay" / "lanes-v2", format="minari", progress=False)
+    assert minari.load_dataset("diskreplay/lanes-v2").spec.dataset_id == "diskreplay/lanes-v2"
+    with pytest.warns(UserWarning, match="info_cost"):  # elsewhere: the id given, for where it will go
+        export_buffer(tmp_path / "b", tmp_path / "out", format="minari", progress=False, dataset_id="ns/out-v1")
+    os.makedirs(minari_home / "ns")
+    os.rename(tmp_path / "out", minari_home / "ns" / "out-v1")
+    assert minari.load_dataset("ns/out-v1").spec.dataset_id == "ns/out-v1"
+    assert set(minari.list_local_datasets()) == {"diskreplay/lanes-v2", "ns/out-v1"}
+
+
+@pytest.mark.parametrize("dest, dataset_id, message", [
+    ("exported", None, r"Minari dataset id 'exported' is malformed: expected \(namespace/\)name-vN"),
+    ("out-v0", "ns/x", r"Minari dataset id 'ns/x' is malformed"),
+    ("minari/a-v0", "b-v0", r"is 'a-v0' under Minari's datasets folder .* but its dataset id is 'b-v0'")])
+def test_minari_export_refuses_ids_minari_cannot_find(tmp_path, minari_home, dest, dataset_id, message):
+    two_lane_buffer(tmp_path / "b")
+    with pytest.raises(ValueError, match=message):
+        export_buffer(tmp_path / "b", tmp_path / dest, format="minari", progress=False, dataset_id=dataset_id)
+    assert not os.path.exists(tmp_path / dest) and not os.path.exists(f"{tmp_path / dest}.partial")

@@ -19,10 +19,11 @@ Format ``"parquet"`` writes a folder of LeRobot / Hugging Face-style Parquet fil
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import zipfile
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,18 +31,20 @@ import numpy as np
 from ..episodes import end_flags
 from .hdf5 import require_h5py
 from .info import episode_fields, iter_rows, open_readonly, readable
-from .minari_export import write_minari
+from .minari_export import minari_dataset_id, write_minari
 from .naming import EXPORT_ATTR, d4rl_name
 from .parquet_export import write_parquet
 from .progress import progress_bar
 
 EXPORT_FORMATS = ("npz", "hdf5", "parquet", "minari")
 DONE_FIELDS = ("terminated", "truncated", "done")
+Writer = Callable[[Any, str, int, bool, Any], None]
+"""``write(buf, path, batch_rows, compress, bar)``: writes the rows of ``buf`` to the new ``path``."""
 
 
 def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
                   batch_rows: int = 65536, progress: bool = True, overwrite: bool = False,
-                  compress: bool = False, storage_options: dict | None = None) -> int:
+                  compress: bool = False, storage_options: dict | None = None, dataset_id: str | None = None) -> int:
     """Write the committed rows of the buffer at ``url`` to the file ``dest``. Returns the row count.
 
     Either format holds one array per field, ``[rows, *shape]``, named by `d4rl_name` (D4RL's
@@ -55,15 +58,25 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
         batch_rows: rows read per slice (bounds memory).
         progress: show a tqdm progress bar on stderr (total: rows) when tqdm is installed.
         compress: deflate the npz members / gzip the HDF5 datasets / zstd the Parquet pages.
+        dataset_id: format ``"minari"``: the Minari id, ``(namespace/)name-vN``; by default
+            dest's path under Minari's datasets folder, else dest's name (`minari_dataset_id`).
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
-        ValueError: unknown format, or two fields mapping to one exported name.
+        ValueError: unknown format, two fields mapping to one exported name, a ``dataset_id``
+            with another format than ``"minari"``, or a Minari id Minari cannot find (malformed,
+            or another than dest's path under Minari's datasets folder).
     """
     url, dest = os.fspath(url), os.fspath(dest)
     fmt = format or _format_from_suffix(dest)
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    if fmt == "minari":
+        write: Writer = functools.partial(write_minari, dataset_id=minari_dataset_id(dest, dataset_id))
+    elif dataset_id is not None:
+        raise ValueError(f"dataset_id names a Minari dataset: it needs format 'minari', not {fmt!r}")
+    else:
+        write = WRITERS[fmt]
     if os.path.exists(dest) and not overwrite:
         raise FileExistsError(f"{dest!r} already exists; pass overwrite=True (--overwrite) to replace it")
     buf = open_readonly(url, storage_options)
@@ -73,7 +86,7 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
             _check_names(buf.fields)
         _remove(tmp)
         with progress_bar(len(buf), f"export {fmt}", progress) as bar:
-            WRITERS[fmt](buf, tmp, batch_rows, compress, bar)
+            write(buf, tmp, batch_rows, compress, bar)
         if os.path.isdir(dest):  # os.replace cannot replace a folder (a Parquet export)
             _remove(dest)
         os.replace(tmp, dest)
@@ -167,4 +180,5 @@ def _write_hdf5(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) 
         f.attrs[EXPORT_ATTR] = True
 
 
-WRITERS = {"npz": _write_npz, "hdf5": _write_hdf5, "parquet": write_parquet, "minari": write_minari}
+WRITERS: dict[str, Writer] = {"npz": _write_npz, "hdf5": _write_hdf5, "parquet": write_parquet}
+"""The writer of each format but ``"minari"`` (whose writer also takes the dataset id)."""

@@ -1,11 +1,12 @@
 """Export a buffer's episodes as a Minari dataset folder in Minari's ``arrow`` data format.
 
 The folder holds ``data/metadata.json`` (``data_format`` ``"arrow"``, Box observation and action
-spaces from the fields' shapes and dtypes, ``dataset_id`` the folder's name) and one
-``data/<id>/part-0.arrow`` per episode (Arrow IPC, T + 1 rows: the observations, then actions,
-rewards, terminations and truncations padded by one row), as Minari writes them: put it under
-``MINARI_DATASETS_PATH`` and ``minari.load_dataset(<folder name>)`` opens it; the ``"minari"``
-import reads it back.
+spaces from the fields' shapes and dtypes, ``dataset_id`` the Minari id, see `minari_dataset_id`)
+and one ``data/<id>/part-0.arrow`` per episode (Arrow IPC, T + 1 rows: the observations, then
+actions, rewards, terminations and truncations padded by one row), as Minari writes them: at the
+id's path under Minari's datasets folder (``MINARI_DATASETS_PATH``, else ``~/.minari/datasets``),
+``minari.load_dataset(id)`` opens it and ``minari.list_local_datasets()`` lists it; the
+``"minari"`` import reads it back.
 
 Needs fields ``obs``, ``action`` and ``reward`` (non-bool numbers); ``terminated`` and
 ``truncated`` are written when present (else False). An episode ends after a row whose end flag
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +34,30 @@ from .info import episode_fields, iter_rows, readable
 REQUIRED = ("obs", "action", "reward")
 WRITTEN = (*REQUIRED, "terminated", "truncated", "next_obs")
 MINARI_VERSION = "0.5.0"  # the dataset layout written: read by Minari 0.5 and later
+DATASET_ID = re.compile(r"(?:[-_\w][-_\w/]*[-_\w]+/)?[-_\w]+?-v\d+")
+"""A Minari dataset id, ``(namespace/)name-vN``, as ``minari.parse_dataset_id`` accepts it."""
+
+
+def minari_dataset_id(dest: str, chosen: str | None) -> str:
+    """The Minari id of a dataset exported to the folder ``dest``: ``chosen``, else ``dest``'s path
+    under Minari's datasets folder (``MINARI_DATASETS_PATH``, else ``~/.minari/datasets``), else
+    ``dest``'s name.
+
+    Raises ValueError for an id that is not ``(namespace/)name-vN``, or for a ``dest`` under the
+    datasets folder at another path than the id's (Minari would not find it there)."""
+    root = os.path.realpath(os.environ.get("MINARI_DATASETS_PATH")
+                            or os.path.join(os.path.expanduser("~"), ".minari", "datasets"))
+    path = os.path.realpath(dest)
+    under = os.path.relpath(path, root).replace(os.sep, "/") if path.startswith(root + os.sep) else None
+    dataset_id = chosen or under or os.path.basename(path)
+    if not DATASET_ID.fullmatch(dataset_id):
+        raise ValueError(f"Minari dataset id {dataset_id!r} is malformed: expected (namespace/)name-vN, e.g. "
+                         f"'diskreplay/pendulum-v0' (choose it with dataset_id=, --dataset-id)")
+    if under is not None and under != dataset_id:
+        raise ValueError(f"{dest!r} is {under!r} under Minari's datasets folder {root!r}, but its dataset id is "
+                         f"{dataset_id!r}: Minari finds a dataset at its id's path only, export it to "
+                         f"{os.path.join(root, dataset_id)!r}")
+    return dataset_id
 
 
 def box_space(spec: Any) -> str:
@@ -48,8 +74,9 @@ def box_space(spec: Any) -> str:
                        "low": bounds.tolist(), "high": np.full(spec.shape, high, dtype=bounds.dtype).tolist()})
 
 
-def write_minari(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any) -> None:
-    """Writes the episodes of ``buf`` as the new Minari dataset folder ``path`` (module docstring)."""
+def write_minari(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any, dataset_id: str) -> None:
+    """Writes the episodes of ``buf`` as the new Minari dataset folder ``path`` (module docstring),
+    of id ``dataset_id`` (`minari_dataset_id`)."""
     pa = require_arrow()
 
     missing = [name for name in REQUIRED if name not in buf.fields]
@@ -58,7 +85,7 @@ def write_minari(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any)
     skipped = sorted(set(buf.fields) - set(WRITTEN))
     if skipped:
         warnings.warn(f"fields {skipped} are not written to the Minari dataset", stacklevel=3)
-    meta = {"data_format": "arrow", "jpeg_encoding": False, "dataset_id": os.path.basename(os.path.normpath(path)),
+    meta = {"data_format": "arrow", "jpeg_encoding": False, "dataset_id": dataset_id,
             "minari_version": MINARI_VERSION, "algorithm_name": "diskreplay export",
             "observation_space": box_space(buf.fields["obs"]), "action_space": box_space(buf.fields["action"])}
     data = os.path.join(path, "data")
