@@ -2,8 +2,9 @@
 
 Tensors share memory with the gathered arrays (``torch.from_numpy``): no row is copied again.
 Field names map to TensorDict keys as TorchRL lays them out (`name_to_key`): ``next_obs`` ->
-``("next", "obs")``, ``a__b`` -> ``("a", "b")``, every other name stays a root key. `key_to_name`
-is its inverse, used by `diskreplay.torch.torchrl_storage` to store TensorDicts as fields.
+``("next", "obs")``, ``a__b`` -> ``("a", "b")``, ``__next_x`` -> ``"next_x"`` (a root key that
+would otherwise read as nested), every other name stays a root key. `key_to_name` is its
+inverse, used by `diskreplay.torch.torchrl_storage` to store TensorDicts as fields.
 """
 
 from __future__ import annotations
@@ -58,16 +59,20 @@ def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 def name_to_key(name: str) -> Key:
     """The TensorDict key of field ``name``: ``next_x`` -> ``("next", x)``, ``a__b`` ->
-    ``("a", "b")`` (both: ``next_a__b`` -> ``("next", "a", "b")``), else ``name`` itself."""
+    ``("a", "b")`` (both: ``next_a__b`` -> ``("next", "a", "b")``), a name that starts with
+    ``__`` its levels as they are (``__next_x`` -> ``"next_x"``), else ``name`` itself."""
     parts: tuple[str, ...] = ()
-    if name.startswith(NEXT + "_") and len(name) > len(NEXT) + 1:
+    if name.startswith(SEPARATOR):
+        name = name[len(SEPARATOR):]
+    elif _nests(name):
         parts, name = (NEXT,), name[len(NEXT) + 1:]
     parts += tuple(name.split(SEPARATOR))
     return parts[0] if len(parts) == 1 else parts
 
 
 def key_to_name(key: Key) -> str:
-    """The field name of TensorDict key ``key``, the inverse of `name_to_key`.
+    """The field name of TensorDict key ``key``, the inverse of `name_to_key`: a first level
+    ``next_x`` (which `name_to_key` would read as ``("next", x)``) gets the prefix ``__``.
 
     Raises:
         ValueError: a key level that is empty or holds ``"__"`` (the names could not be told apart).
@@ -79,7 +84,12 @@ def key_to_name(key: Key) -> str:
                          f"strings without {SEPARATOR!r}")
     if len(parts) > 1 and parts[0] == NEXT:
         return f"{NEXT}_{SEPARATOR.join(parts[1:])}"
-    return SEPARATOR.join(parts)
+    return (SEPARATOR if _nests(parts[0]) else "") + SEPARATOR.join(parts)
+
+
+def _nests(name: str) -> bool:
+    """Whether a name's first level, ``next_x``, stands for ``("next", x)``."""
+    return name.startswith(NEXT + "_") and len(name) > len(NEXT) + 1
 
 
 def tensordict_keys(names: Iterable[str]) -> dict[str, Key]:
