@@ -18,7 +18,11 @@ torchrl_data = pytest.importorskip("torchrl.data", reason="ZarrStorage needs tor
 
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SliceSampler  # noqa: E402
+from torchrl.data.replay_buffers.samplers import (  # noqa: E402
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    SliceSampler,
+)
 from torchrl.data.replay_buffers.writers import RoundRobinWriter  # noqa: E402
 
 from diskreplay.torch.formats import as_tensor, key_to_name, name_to_key, to_tensordict  # noqa: E402
@@ -118,7 +122,8 @@ def test_dataset_batches_convert_to_tensordicts(buf):
 
 def test_field_names_and_tensordict_keys_map_both_ways():
     pairs = {"obs": "obs", "next_obs": ("next", "obs"), "a__b": ("a", "b"), "next_a__b": ("next", "a", "b"),
-             "next": "next", "nextobs": "nextobs"}
+             "next": "next", "nextobs": "nextobs", "next_": "next_", "__next_value": "next_value",
+             "__next_a__b": ("next_a", "b"), "a__next_b": ("a", "next_b"), "next_next_b": ("next", "next_b")}
     for name, key in pairs.items():
         assert name_to_key(name) == key and key_to_name(key) == name
     for bad in (("a__b", "c"), ("", "x")):
@@ -147,10 +152,10 @@ def transitions(n: int, start: int = 0) -> TensorDict:
 
 
 def pair(tmp_path, size: int = 10, **kwargs):
-    """A ZarrStorage buffer and a LazyTensorStorage one, made alike (``kwargs``: one sampler each)."""
+    """A ZarrStorage buffer and a LazyTensorStorage one, made alike (``kwargs``: one sampler each),
+    both with TorchRL's default collate_fn."""
     make = {k: v() for k, v in kwargs.items()}
-    ours = TensorDictReplayBuffer(storage=dr.torchrl.ZarrStorage(size, tmp_path / "z"), batch_size=4,
-                                  collate_fn=dr.torchrl.collate, **make)
+    ours = TensorDictReplayBuffer(storage=dr.torchrl.ZarrStorage(size, tmp_path / "z"), batch_size=4, **make)
     make = {k: v() for k, v in kwargs.items()}
     return ours, TensorDictReplayBuffer(storage=LazyTensorStorage(size), batch_size=4, **make)
 
@@ -246,6 +251,57 @@ def test_slice_sampler_cuts_the_same_trajectories(tmp_path):
     episodes = batch["episode"].reshape(2, 2)
     assert (episodes[:, 0] == episodes[:, 1]).all()
 
+
+def assert_slices_of_one_episode(batch, slices: int) -> None:
+    """Each of the batch's ``slices`` slices is consecutive steps of one episode."""
+    steps, episodes = batch["obs"][:, 0].reshape(slices, -1), batch["episode"].reshape(slices, -1)
+    assert (steps.diff(dim=1) == 1).all() and (episodes == episodes[:, :1]).all()
+
+
+SLICE_SAMPLERS = {
+    "slice": lambda: SliceSampler(num_slices=2, traj_key="episode"),
+    "prioritized_slice": lambda: PrioritizedSliceSampler(20, alpha=0.7, beta=0.5, num_slices=2, traj_key="episode"),
+    "slice_by_end": lambda: SliceSampler(num_slices=2, end_key=("next", "done")),
+}
+
+
+@pytest.mark.parametrize("sampler", sorted(SLICE_SAMPLERS))
+@pytest.mark.parametrize("added", [13, 20, 27])  # not full, full, full and wrapped (slots 0-6 overwritten)
+def test_slice_samplers_cut_what_they_cut_from_lazy_tensor_storage(tmp_path, segment_trees, sampler, added):
+    ours, ref = pair(tmp_path, size=20, sampler=SLICE_SAMPLERS[sampler])
+    assert ours.storage.shape == torch.Size([0]) and ours.storage._total_shape == torch.Size([20])
+    for rb in (ours, ref):
+        rb.extend(transitions(added))
+    assert ours.storage.shape == ref.storage.shape == torch.Size([min(added, 20)])
+    assert ours.storage._len_along_dim0 == ref.storage._len_along_dim0 == min(added, 20)
+    assert ours.storage._total_shape == ref.storage._total_shape == torch.Size([20])
+    for batch in same_draws(ours, ref, seed=2, times=4):
+        assert_slices_of_one_episode(batch, 2)
+        assert batch["obs"][:, 0].min() >= added - 20
+    ours.storage.close()
+
+
+def test_keys_come_back_with_the_nesting_written_and_the_default_collate_samples(tmp_path):
+    storage = dr.torchrl.ZarrStorage(8, tmp_path / "k")
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=3)  # no collate_fn: TorchRL's default
+    i = torch.arange(6)
+    data = TensorDict({"next_value": i * 1.0, ("next", "value"): i * 2.0, ("next_a", "b"): i * 3,
+                       ("a", "next_b"): i * 4, "obs": i[:, None] * 5.0}, batch_size=[6])
+    rb.extend(data)
+    keys = set(data.keys(include_nested=True, leaves_only=True))
+    assert set(storage[:].keys(include_nested=True, leaves_only=True)) == keys
+    assert set(storage.buffer.fields) == {"__next_value", "next_value", "__next_a__b", "a__next_b", "obs"}
+    for key in keys:
+        assert torch.equal(storage[:][key], data[key]), key
+    torch.manual_seed(0)
+    batch = rb.sample()
+    assert batch.batch_size == torch.Size([3])
+    for key in keys:
+        assert torch.equal(batch[key], data[key][batch["index"]]), key
+    storage.close()
+    reopened = dr.torchrl.ZarrStorage(8, tmp_path / "k")
+    assert torch.equal(reopened[:]["next_value"], i * 1.0) and torch.equal(reopened[:]["next", "value"], i * 2.0)
+    reopened.close()
 
 def test_plain_torchrl_replay_buffer_with_round_robin_writer(tmp_path):
     storage = dr.torchrl.ZarrStorage(6, tmp_path / "p")

@@ -1,13 +1,14 @@
 """`ZarrStorage`: a TorchRL ``Storage`` whose rows live in a diskreplay ring (``dr.torchrl``).
 
 Use it as the storage of ``torchrl.data.ReplayBuffer`` / ``TensorDictReplayBuffer`` with TorchRL's
-own samplers (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``...) and round-robin
-writers, passing `collate` as the buffer's ``collate_fn`` (TorchRL has no default for a storage it
-does not know)::
+own samplers (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``,
+``PrioritizedSliceSampler``...) and round-robin writers; like TorchRL's tensor storages it has
+``shape`` ``[len]`` (``_total_shape`` ``[max_size]``), and it gives a buffer built without a
+``collate_fn`` its default, `collate` (TorchRL knows defaults only for its own storages)::
 
     storage = dr.torchrl.ZarrStorage(1_000_000, "runs/rb")
     rb = TensorDictReplayBuffer(storage=storage, sampler=PrioritizedSampler(1_000_000, 0.7, 0.5),
-                                collate_fn=dr.torchrl.collate, batch_size=256)
+                                batch_size=256)
 
 Importing this module imports torchrl and tensordict.
 
@@ -19,7 +20,8 @@ as TorchRL's round-robin writers do; a write elsewhere (``write_at``, ``storage[
 
 Fields are inferred from the first TensorDict written: each leaf becomes a field named by
 `diskreplay.torch.formats.key_to_name` (``("next", "obs")`` -> ``next_obs``, ``("a", "b")`` ->
-``a__b``); the writer's ``"index"`` entry is not stored (samplers set it on every batch).
+``a__b``, a root ``"next_x"`` -> ``__next_x``), so every key reads back as it was written; the
+writer's ``"index"`` entry is not stored (samplers set it on every batch).
 
 Resuming: ``ZarrStorage(max_size, url)`` on an existing buffer gives its rows back. A full ring
 lines up with a fresh writer; otherwise restore the replay buffer's ``state_dict`` (which holds this
@@ -80,6 +82,29 @@ class ZarrStorage(Storage):  # type: ignore[misc]  # torchrl is untyped
         """Slots that hold a row (the buffer's readable rows)."""
         lo, hi = self._window()
         return hi - lo
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[len(self)]``: the slots that hold rows, as TorchRL's tensor storages (samplers size
+        their index spaces by it)."""
+        return torch.Size([len(self)])
+
+    @property
+    def _total_shape(self) -> torch.Size:
+        """``[max_size]``: every slot, held or not (TorchRL's tensor storages' ``_total_shape``)."""
+        return torch.Size([self.max_size])
+
+    @property
+    def _len_along_dim0(self) -> int:
+        """Slots that hold a row (one dimension: `__len__`)."""
+        return len(self)
+
+    def attach(self, buffer: Any) -> None:
+        """TorchRL's hook for a replay buffer taking this storage: also gives a buffer built
+        without a ``collate_fn`` `collate` (TorchRL picks defaults for its own storages only)."""
+        super().attach(buffer)
+        if getattr(buffer, "_init_collate_fn", collate) is None:
+            buffer._init_collate_fn = collate
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Append ``data`` (a TensorDict: batch size ``[]`` for an int ``cursor``, else ``[n]``)
@@ -214,9 +239,9 @@ class ZarrStorage(Storage):  # type: ignore[misc]  # torchrl is untyped
 
 
 def collate(batch: Any) -> Any:
-    """The ``collate_fn`` to give a TorchRL replay buffer over a `ZarrStorage`: the batch as the
-    storage returned it (a TensorDict already), as for TorchRL's own tensor storages. TorchRL picks
-    no default for storages it does not know, so pass it: ``ReplayBuffer(storage=..., collate_fn=collate)``."""
+    """The ``collate_fn`` of a TorchRL replay buffer over a `ZarrStorage` (its default, see
+    `ZarrStorage.attach`): the batch as the storage returned it (a TensorDict already), as for
+    TorchRL's own tensor storages."""
     return batch
 
 
