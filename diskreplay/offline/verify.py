@@ -10,8 +10,10 @@ buffer and never writes):
   made before checksums have none) and decodes to exactly one chunk's bytes (diskreplay writes
   every chunk it fills, whatever its values, so a missing one is an error, never "all fill
   value");
-- the state object the commit references (sampler, generator, episode index) exists and loads,
-  and so does every object of the journals it names (priorities, episode ends), at its size;
+- the state object the commit references (sampler, generator, episode index) exists, matches
+  the checksum the commit records and loads, and so does every object of the journals it names
+  (priorities, episode ends), at its size and with its own checksum (buffers made before these
+  checksums have none);
 - the ``derive_next`` side store (``final/``) passes the same checks of its own objects;
 - the buffer opens read-only and, if it keeps an episode index, lists its episodes.
 
@@ -273,7 +275,8 @@ def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs:
 
 
 def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) -> None:
-    """The state object and every journal object the commit names exist and have their sizes."""
+    """The state object and every journal object the commit names exist, have their sizes and
+    pass their checksums."""
     key = commit.state_arrays
     arrays = {}
     if key:
@@ -282,13 +285,21 @@ def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) 
             report.problem(f"state object {key!r} referenced by {COMMIT_KEY} is missing")
             return
         try:
+            commit.check_state_object(blob, report.url)
             arrays = state_files.arrays_from_bytes(blob)
+        except CorruptBufferError as exc:
+            report.problem(_without_url(exc, report.url))
+            return
         except Exception as exc:
             report.problem(f"state object {key!r} does not load ({exc})")
             return
 
     def read_journal(path: str, value: Any) -> None:
-        Journal(store, report.url, path).read(JournalRef.from_json(path, value, commit.sequence))
+        ref = JournalRef.from_json(path, value, commit.sequence)
+        try:
+            Journal(store, report.url, path).read(ref)
+        except CorruptBufferError as exc:  # an object of the journal: named in the message
+            report.problem(_without_url(exc, report.url))
 
     try:
         state_files.join(commit.state or {}, arrays, read_journal)
