@@ -272,6 +272,15 @@ def chain(*prepares: Callable[[str], None]) -> Callable[[str], None]:
     return prepare
 
 
+def symlink_loop(p: str) -> None:
+    """``<p>-loop``: a symbolic link to itself."""
+    os.symlink(p + "-loop", p + "-loop")
+
+
+def symlink_to_nothing(p: str) -> None:
+    os.symlink(p + "-nowhere", p + "-dangling")
+
+
 def plain_zarr_group(path: str) -> None:
     shutil.rmtree(path)
     zarr.open_group(path, mode="w").create_array("x", shape=(4,), dtype="float32")
@@ -496,9 +505,36 @@ CASES = [
          ValueError, r"capacity must be a multiple of num_envs=2, got 63"),
     Case("reserved-field-name", lambda p: dr.ReplayBuffer.create(p + "-new", {"index": dr.Field((), "int64")}),
          dr.SchemaError, r"field name 'index' is reserved"),
+    Case("field-name-too-long", lambda p: dr.ReplayBuffer.create(p + "-new", {"a" * 256: dr.Field((), "int64")}),
+         dr.SchemaError, r"field name 'a{256}' has 256 bytes \(UTF-8\); at most 255 fit a file or object name"),
+    Case("field-name-too-long-unicode", lambda p: dr.ReplayBuffer.create(p + "-new", {"é" * 128: dr.Field((), "int8")},
+                                                                          overwrite=True),
+         dr.SchemaError, r"field name 'é{128}' has 256 bytes \(UTF-8\); at most 255"),
+    Case("create-symlink-loop", lambda p: dr.ReplayBuffer.create(p + "-loop", FIELDS), dr.NotABufferError,
+         r"buf-loop' cannot hold a buffer \(its path runs into a loop of symbolic links\)", prepare=symlink_loop),
+    Case("create-symlink-loop-overwrite", lambda p: dr.ReplayBuffer.create(p + "-loop", FIELDS, overwrite=True),
+         dr.NotABufferError, r"buf-loop' cannot hold a buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("create-inside-symlink-loop", lambda p: dr.ReplayBuffer.create(p + "-loop/b", FIELDS, shards=2),
+         dr.NotABufferError, r"buf-loop/b' cannot hold a buffer \(its path runs into a loop of symbolic links\)",
+         prepare=symlink_loop),
+    Case("create-symlink-to-nothing", lambda p: dr.ReplayBuffer.create(p + "-dangling", FIELDS), dr.NotABufferError,
+         r"buf-dangling' cannot hold a buffer \(a symbolic link to '[^']*buf-nowhere', which does not exist\)",
+         prepare=symlink_to_nothing),
     # not a buffer
     Case("open-missing-path", lambda p: dr.ReplayBuffer.open(p + "-nowhere"), dr.NotABufferError,
          r"-nowhere' is not a diskreplay buffer \(no zarr.json\)"),
+    Case("open-symlink-loop", lambda p: dr.ReplayBuffer.open(p + "-loop"), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop of symbolic links\)",
+         prepare=symlink_loop),
+    Case("open-symlink-loop-writer", lambda p: dr.ReplayBuffer.open(p + "-loop", "r+"), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-inside-symlink-loop", lambda p: dr.ReplayBuffer.open(p + "-loop/b"), dr.NotABufferError,
+         r"buf-loop/b' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-shard-symlink-loop", lambda p: dr.ReplayBuffer.open_shard(p + "-loop", shard=0), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-symlink-to-nothing", lambda p: dr.ReplayBuffer.open(p + "-dangling"), dr.NotABufferError,
+         r"buf-dangling' is not a diskreplay buffer \(a symbolic link to '[^']*buf-nowhere', which does not exist\)",
+         prepare=symlink_to_nothing),
     Case("open-empty-dir", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
          r"is not a diskreplay buffer \(no zarr.json\)", prepare=empty_dir),
     Case("open-plain-zarr-group", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
@@ -1361,6 +1397,8 @@ VERIFY_CASES = {
     "deleted-chunk": r"chunk 'done/c.0.1' is missing, but commit.json says it holds rows",
     "missing-state-object": r"state object 'state/episodes\.ends/[^']+' referenced by commit.json is missing",
     "open-empty-dir": r"no zarr.json: not a diskreplay buffer",
+    "open-symlink-loop": r"^not a diskreplay buffer \(its path runs into a loop of symbolic links\)$",
+    "open-symlink-to-nothing": r"^not a diskreplay buffer \(a symbolic link to '[^']*', which does not exist\)$",
     "open-zarr-group-with-commit": r"a zarr group but not a diskreplay buffer",
     # commit.json
     "commit-committed-negative": COMMIT + r"'committed': expected 2 ints",
@@ -1424,7 +1462,8 @@ def test_verify_reports_damage(case_id, templates, tmp_path):
     shutil.copytree(templates[case.template], path)
     case.prepare(path)
     before, everything = dir_snapshot(path), tree(str(tmp_path))
-    report = verify(path)
+    url = re.match(r"buf(-loop|-dangling)'", case.match)  # the case's url is beside the store
+    report = verify(path + url.group(1) if url else path)
     assert not report.ok
     assert any(re.search(VERIFY_CASES[case_id], p) for p in report.problems), report.problems
     assert dir_snapshot(path) == before

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..buffer.setup import finals_url, read_sharded_root
+from ..buffer.sharding import shard_link
 from ..errors import CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
@@ -46,7 +47,7 @@ from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
 from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
-from ..io import ChunkStore, objects_at, open_chunkstore
+from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
 
@@ -93,6 +94,10 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     OSError or StoreUnavailableError where the store cannot be read at all."""
     url = os.fspath(url)
     report = VerifyReport(url)
+    problem = broken_path(url)
+    if problem is not None:
+        report.problem(f"not a diskreplay buffer ({problem})")
+        return report
     store = open_chunkstore(url, storage_options)
     try:
         root = read_sharded_root(store, url)
@@ -149,6 +154,10 @@ def _verify_shard(url: str, shard: int, count: int,
     unusable). A shard with no object at all is reported missing."""
     part_url = shard_url(url, shard)
     part = VerifyReport(part_url)
+    link = shard_link(url, shard)
+    if link is not None:
+        part.problem(f"the shard {link}")
+        return part, None
     store = open_chunkstore(part_url, storage_options)
     if not store.exists(GROUP_KEY) and not store.sizes():
         part.problem(f"the shard is missing ({url!r} declares {count} shards; {shard_name(shard)}/ holds nothing)")
