@@ -237,6 +237,8 @@ def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: 
 
 def own_stores(url: str, storage_options: Mapping[str, Any] | None = None) -> list[ChunkStore]:
     """Every place the buffer at ``url`` may keep its own objects (commit record, writer lock),
-    one per format, newest first: for questions asked before its format is known."""
+    one per format, newest first: for questions asked before its format is known. Raises
+    NotABufferError for a local path that can hold nothing (`check_location`)."""
+    check_location(url)
     store = open_chunkstore(url, storage_options)
     return [objects_at(store, prefix) for prefix in OWN_PREFIXES]
