@@ -196,11 +196,15 @@ def url(request, tmp_path):
 
 
 def dir_snapshot(path: str) -> dict[str, bytes]:
-    """Every file under a local directory, by relative path, with its bytes."""
+    """Every file under a local directory, by relative path, with its bytes (a symbolic link
+    that leads to no directory: ``b"-> "`` and its target)."""
     out = {}
     for root, _, files in os.walk(path):
         for name in files:
             full = os.path.join(root, name)
+            if os.path.islink(full):
+                out[os.path.relpath(full, path)] = b"-> " + os.fsencode(os.readlink(full))
+                continue
             with open(full, "rb") as f:
                 out[os.path.relpath(full, path)] = f.read()
     return out

@@ -31,6 +31,7 @@ from safetensors.numpy import save as st_save
 
 import diskreplay as dr
 from diskreplay.episodes.index import END_RECORD
+from diskreplay.format.codecs import checksum
 from diskreplay.sampling.prioritized import PRIORITY_RECORD
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int16"), "done": dr.Field((), "bool"),
@@ -174,11 +175,33 @@ def journal_file(p: str, path: str, name: str | None = None) -> str:
 
 
 def edit_journal(path: str, dtype: np.dtype, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[str], None]:
-    """Rewrite the records of a journal's tail."""
+    """Rewrite the records of a journal's tail (crafted: with a matching checksum)."""
     def prepare(p: str) -> None:
         with open(journal_file(p, path), "rb") as fh:
-            records = np.frombuffer(fh.read(), dtype).copy()
-        write(journal_file(p, path), np.ascontiguousarray(change(records)).tobytes())
+            records = np.frombuffer(fh.read()[:-4], dtype).copy()
+        write_journal_object(journal_file(p, path), np.ascontiguousarray(change(records)).tobytes())
+    return prepare
+
+
+def write_journal_object(path: str, body: bytes) -> None:
+    """A journal object of ``body`` and its CRC32C, as diskreplay writes one."""
+    write(path, body + checksum(body))
+
+
+def reseal_state(p: str) -> None:
+    """Record the state object's present CRC32C in commit.json: the object is crafted, not damaged."""
+    with open(os.path.join(p, OWN, state_key(p)), "rb") as fh:
+        crc = int.from_bytes(checksum(fh.read()), "little")
+    edit_commit(**{"extra.state_arrays_crc32c": crc})(p)
+
+
+def flip_bit(file: Callable[[str], str], at: int) -> Callable[[str], None]:
+    """Flip the lowest bit of byte ``at`` of the file ``file(path)``: damage no other check sees."""
+    def prepare(p: str) -> None:
+        with open(file(p), "rb") as fh:
+            data = bytearray(fh.read())
+        data[at] ^= 1
+        write(file(p), bytes(data))
     return prepare
 
 
@@ -188,17 +211,18 @@ def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarra
 
 
 def edit_state(**changes: Any) -> Callable[[str], None]:
-    """The buffer's state object, rewritten by `edit_arrays`."""
-    return lambda p: edit_arrays(os.path.join(p, OWN, state_key(p)), **changes)
+    """The buffer's state object, rewritten by `edit_arrays` (crafted: commit.json records its checksum)."""
+    return lambda p: (edit_arrays(os.path.join(p, OWN, state_key(p)), **changes), reseal_state(p))
 
 
 def damage_state(data: bytes | Callable[[bytes], bytes]) -> Callable[[str], None]:
-    """Replace the state object's bytes (or transform them)."""
+    """Replace the state object's bytes (or transform them), crafted: commit.json records their checksum."""
     def prepare(p: str) -> None:
         path = os.path.join(p, OWN, state_key(p))
         with open(path, "rb") as fh:
             old = fh.read()
         write(path, data(old) if callable(data) else data)
+        reseal_state(p)
     return prepare
 
 
@@ -246,6 +270,15 @@ def chain(*prepares: Callable[[str], None]) -> Callable[[str], None]:
         for step in prepares:
             step(p)
     return prepare
+
+
+def symlink_loop(p: str) -> None:
+    """``<p>-loop``: a symbolic link to itself."""
+    os.symlink(p + "-loop", p + "-loop")
+
+
+def symlink_to_nothing(p: str) -> None:
+    os.symlink(p + "-nowhere", p + "-dangling")
 
 
 def plain_zarr_group(path: str) -> None:
@@ -472,9 +505,36 @@ CASES = [
          ValueError, r"capacity must be a multiple of num_envs=2, got 63"),
     Case("reserved-field-name", lambda p: dr.ReplayBuffer.create(p + "-new", {"index": dr.Field((), "int64")}),
          dr.SchemaError, r"field name 'index' is reserved"),
+    Case("field-name-too-long", lambda p: dr.ReplayBuffer.create(p + "-new", {"a" * 256: dr.Field((), "int64")}),
+         dr.SchemaError, r"field name 'a{256}' has 256 bytes \(UTF-8\); at most 255 fit a file or object name"),
+    Case("field-name-too-long-unicode", lambda p: dr.ReplayBuffer.create(p + "-new", {"é" * 128: dr.Field((), "int8")},
+                                                                          overwrite=True),
+         dr.SchemaError, r"field name 'é{128}' has 256 bytes \(UTF-8\); at most 255"),
+    Case("create-symlink-loop", lambda p: dr.ReplayBuffer.create(p + "-loop", FIELDS), dr.NotABufferError,
+         r"buf-loop' cannot hold a buffer \(its path runs into a loop of symbolic links\)", prepare=symlink_loop),
+    Case("create-symlink-loop-overwrite", lambda p: dr.ReplayBuffer.create(p + "-loop", FIELDS, overwrite=True),
+         dr.NotABufferError, r"buf-loop' cannot hold a buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("create-inside-symlink-loop", lambda p: dr.ReplayBuffer.create(p + "-loop/b", FIELDS, shards=2),
+         dr.NotABufferError, r"buf-loop/b' cannot hold a buffer \(its path runs into a loop of symbolic links\)",
+         prepare=symlink_loop),
+    Case("create-symlink-to-nothing", lambda p: dr.ReplayBuffer.create(p + "-dangling", FIELDS), dr.NotABufferError,
+         r"buf-dangling' cannot hold a buffer \(a symbolic link to '[^']*buf-nowhere', which does not exist\)",
+         prepare=symlink_to_nothing),
     # not a buffer
     Case("open-missing-path", lambda p: dr.ReplayBuffer.open(p + "-nowhere"), dr.NotABufferError,
          r"-nowhere' is not a diskreplay buffer \(no zarr.json\)"),
+    Case("open-symlink-loop", lambda p: dr.ReplayBuffer.open(p + "-loop"), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop of symbolic links\)",
+         prepare=symlink_loop),
+    Case("open-symlink-loop-writer", lambda p: dr.ReplayBuffer.open(p + "-loop", "r+"), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-inside-symlink-loop", lambda p: dr.ReplayBuffer.open(p + "-loop/b"), dr.NotABufferError,
+         r"buf-loop/b' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-shard-symlink-loop", lambda p: dr.ReplayBuffer.open_shard(p + "-loop", shard=0), dr.NotABufferError,
+         r"buf-loop' is not a diskreplay buffer \(its path runs into a loop", prepare=symlink_loop),
+    Case("open-symlink-to-nothing", lambda p: dr.ReplayBuffer.open(p + "-dangling"), dr.NotABufferError,
+         r"buf-dangling' is not a diskreplay buffer \(a symbolic link to '[^']*buf-nowhere', which does not exist\)",
+         prepare=symlink_to_nothing),
     Case("open-empty-dir", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
          r"is not a diskreplay buffer \(no zarr.json\)", prepare=empty_dir),
     Case("open-plain-zarr-group", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
@@ -865,8 +925,8 @@ CASES += [
          OF_STATE + r"'episodes\.ended': expected base_pruned plus the journal's ends per lane \(\[0, 0, 0\]\)",
          prepare=edit_state_json(**{"episodes.base_pruned": [0, 0, 0]})),
     Case("journal-tail-truncated", open_ro, dr.CorruptBufferError,
-         r"journal object 'state/episodes\.ends/\d{12}-[0-9a-f]{16}/tail-\d{12}-[0-9a-f]{16}': expected 128 bytes "
-         r"\(8 of .*\), got 100",
+         r"journal object 'state/episodes\.ends/\d{12}-[0-9a-f]{16}/tail-\d{12}-[0-9a-f]{16}': expected 132 bytes "
+         r"\(8 of .*, then a CRC32C\), got 100",
          prepare=lambda p: truncate(journal_file(p, "episodes.ends"), 100)),
     Case("journal-generation-parent-path", open_ro, dr.CorruptBufferError,
          OF_STATE_JSON + r"'episodes\.ends\.__journal__' field 'generation': expected '<sequence>-<16 hex digits>' "
@@ -886,8 +946,8 @@ CASES += [
          OF_STATE_JSON + r"'sampler\.leaves\.__journal__' field 'tail': expected a tail exactly when 'records' \(40\)",
          template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.tail": None})),
     Case("state-leaves-wrong-length", open_ro, dr.CorruptBufferError,
-         r"journal object 'state/sampler\.leaves/\d{12}-[0-9a-f]{16}/base\.0': expected 40 bytes \(10 of float32\), "
-         r"got more",
+         r"journal object 'state/sampler\.leaves/\d{12}-[0-9a-f]{16}/base\.0': expected 44 bytes \(10 of float32, "
+         r"then a CRC32C\), got more",
          template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.base": 10})),
     Case("state-leaves-nan", open_rw, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.leaves' \(journal record 3\): expected a leaf in \[0, 64\) and a finite value >= 0, "
@@ -896,8 +956,8 @@ CASES += [
                                               lambda r: set_record(r, 3, "value", np.nan))),
     Case("state-leaves-negative", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.leaves' \(journal base\): expected 64 finite float32 values >= 0",
-         template="per", prepare=lambda p: write(journal_file(p, "sampler.leaves", "base.0"),
-                                                 np.full(64, -1, np.float32).tobytes())),
+         template="per", prepare=lambda p: write_journal_object(journal_file(p, "sampler.leaves", "base.0"),
+                                                                np.full(64, -1, np.float32).tobytes())),
     Case("state-leaves-beyond-slots", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.leaves' \(journal record 0\): expected a leaf in \[0, 64\) and a finite value >= 0, "
                     r"got leaf 64",
@@ -946,6 +1006,39 @@ CASES += [
     Case("state-json-epoch-string", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch': expected an int, got 'x'",
          template="wor", prepare=edit_state_json(**{"sampler.epoch": "x"})),
+]
+
+# ---- one flipped bit in any object a commit names: CorruptBufferError naming the object ----
+
+TAIL = r"tail-\d{12}-[0-9a-f]{16}"
+GENERATION = r"\d{12}-[0-9a-f]{16}"
+MISMATCH = r" is damaged: checksum mismatch \(stored [0-9a-f]{8}, computed [0-9a-f]{8}\)"
+STATE_MISMATCH = (STATE_OBJECT + r" is damaged: checksum mismatch \(commit\.json records [0-9a-f]{8}, "
+                  r"the object has [0-9a-f]{8}\)")
+PRIORITY_TAIL_FLIPPED = rf"journal object 'state/sampler\.leaves/{GENERATION}/{TAIL}'" + MISMATCH
+ENDS_TAIL_FLIPPED = rf"journal object 'state/episodes\.ends/{GENERATION}/{TAIL}'" + MISMATCH
+PRIORITY_BASE_FLIPPED = rf"journal object 'state/sampler\.leaves/{GENERATION}/base\.0'" + MISMATCH
+CASES += [
+    Case("bit-flip-state-object", open_ro, dr.CorruptBufferError, STATE_MISMATCH, template="wor",
+         prepare=flip_bit(lambda p: os.path.join(p, OWN, state_key(p)), -20)),
+    Case("bit-flip-priority-value", open_rw, dr.CorruptBufferError, PRIORITY_TAIL_FLIPPED, template="per",
+         prepare=flip_bit(lambda p: journal_file(p, "sampler.leaves"), 3 * PRIORITY_RECORD.itemsize + 8)),
+    Case("bit-flip-episode-end", open_ro, dr.CorruptBufferError, ENDS_TAIL_FLIPPED,
+         prepare=flip_bit(lambda p: journal_file(p, "episodes.ends"), 2 * END_RECORD.itemsize + 8)),
+    Case("bit-flip-priority-base", open_ro, dr.CorruptBufferError, PRIORITY_BASE_FLIPPED, template="per",
+         prepare=flip_bit(lambda p: journal_file(p, "sampler.leaves", "base.0"), 4 * 7)),
+    Case("bit-flip-journal-checksum", open_ro, dr.CorruptBufferError, ENDS_TAIL_FLIPPED,
+         prepare=flip_bit(lambda p: journal_file(p, "episodes.ends"), -1)),
+    Case("commit-state-checksum-string", open_ro, dr.CorruptBufferError,
+         COMMIT + r"'extra\.state_arrays_crc32c': expected an int in \[0, 2\*\*32\) beside a state object, got 'x'",
+         template="wor", prepare=edit_commit(**{"extra.state_arrays_crc32c": "x"})),
+    Case("commit-state-checksum-huge", open_rw, dr.CorruptBufferError,
+         COMMIT + r"'extra\.state_arrays_crc32c': expected an int in \[0, 2\*\*32\) .*got 4294967296",
+         template="wor", prepare=edit_commit(**{"extra.state_arrays_crc32c": 2**32})),
+    Case("journal-checksum-unknown", open_ro, dr.CorruptBufferError,
+         OF_STATE_JSON + r"'episodes\.ends\.__journal__' field 'checksum': expected 'crc32c' \(or none, in journals "
+                         r"written before checksums\), got 'md5'",
+         prepare=edit_state_json(**{"episodes.ends.__journal__.checksum": "md5"})),
 ]
 
 # ---- lock files: never trusted; a second writer gets LockedError (never OverflowError), readers open ----
@@ -1304,6 +1397,8 @@ VERIFY_CASES = {
     "deleted-chunk": r"chunk 'done/c.0.1' is missing, but commit.json says it holds rows",
     "missing-state-object": r"state object 'state/episodes\.ends/[^']+' referenced by commit.json is missing",
     "open-empty-dir": r"no zarr.json: not a diskreplay buffer",
+    "open-symlink-loop": r"^not a diskreplay buffer \(its path runs into a loop of symbolic links\)$",
+    "open-symlink-to-nothing": r"^not a diskreplay buffer \(a symbolic link to '[^']*', which does not exist\)$",
     "open-zarr-group-with-commit": r"a zarr group but not a diskreplay buffer",
     # commit.json
     "commit-committed-negative": COMMIT + r"'committed': expected 2 ints",
@@ -1350,6 +1445,12 @@ VERIFY_CASES = {
     "state-json-names-missing-array": r"(does not open read-only: CorruptBufferError: .*)?" + STATE_OBJECT
                                       + r" does not load \(.*'episodes\.nope'",
     "state-json-max-priority-nan": r"does not open read-only: CorruptBufferError: .*'sampler\.max_priority'",
+    # one flipped bit
+    "bit-flip-state-object": STATE_MISMATCH,
+    "bit-flip-priority-value": "^" + PRIORITY_TAIL_FLIPPED,
+    "bit-flip-episode-end": "^" + ENDS_TAIL_FLIPPED,
+    "bit-flip-priority-base": "^" + PRIORITY_BASE_FLIPPED,
+    "bit-flip-journal-checksum": "^" + ENDS_TAIL_FLIPPED,
 }
 
 
@@ -1361,7 +1462,8 @@ def test_verify_reports_damage(case_id, templates, tmp_path):
     shutil.copytree(templates[case.template], path)
     case.prepare(path)
     before, everything = dir_snapshot(path), tree(str(tmp_path))
-    report = verify(path)
+    url = re.match(r"buf(-loop|-dangling)'", case.match)  # the case's url is beside the store
+    report = verify(path + url.group(1) if url else path)
     assert not report.ok
     assert any(re.search(VERIFY_CASES[case_id], p) for p in report.problems), report.problems
     assert dir_snapshot(path) == before

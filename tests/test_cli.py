@@ -176,6 +176,22 @@ def test_user_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and "positive integer" in proc.stderr
 
 
+def test_a_url_that_loops_is_named_by_every_command(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    looping = f"'{loop}' is not a diskreplay buffer (its path runs into a loop of symbolic links)"
+    assert_one_line_error(run("info", str(loop)), looping)
+    assert_one_line_error(run("unlock", str(loop)), looping)
+    assert_one_line_error(run("export", str(loop), str(tmp_path / "o.npz")), looping)
+    write_d4rl(tmp_path / "d.hdf5")
+    assert_one_line_error(run("import", str(tmp_path / "d.hdf5"), str(loop)),
+                          f"'{loop}' cannot hold a buffer (its path runs into a loop of symbolic links)")
+    proc = run("verify", str(loop))
+    assert proc.returncode == 1 and proc.stderr == (f"{loop}: PROBLEMS - 0 rows, 0 chunks checked\n  problem: "
+                                                    f"not a diskreplay buffer (its path runs into a loop of symbolic "
+                                                    f"links)\n")
+
+
 def test_interrupted_import_is_reported(tmp_path):
     buf = dr.ReplayBuffer.create(tmp_path / "b", {"x": dr.Field((), "int8")})
     buf.close()

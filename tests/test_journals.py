@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -296,3 +297,73 @@ def test_a_buffer_committed_before_journals_opens_and_moves_to_them(tmp_path):
     with dr.ReplayBuffer.open(path, "r") as reader:
         np.testing.assert_array_equal(leaves(reader), full["sampler"]["leaves"])
         assert len(reader.episodes()) == 3000 // 7 + 1
+
+
+def journal_refs(path) -> dict[str, dict]:
+    """The journal references of the last commit, by state path."""
+    state = json.loads((path / OWN / "commit.json").read_text())["extra"]["state"]
+    return {"sampler.leaves": state["sampler"]["leaves"]["__journal__"],
+            "episodes.ends": state["episodes"]["ends"]["__journal__"]}
+
+
+def test_one_flipped_bit_in_a_log_chunk_is_found_by_open_and_verify(tmp_path):
+    from diskreplay.offline import verify
+
+    path = tmp_path / "b"
+    with per_buffer(path, 1 << 14, 6000) as buf:
+        buf.update_priorities(buf.row_ids()[:5000], np.random.default_rng(9).random(5000) + 1)
+    assert verify(path).ok
+    ref = journal_refs(path)["sampler.leaves"]
+    assert ref["records"] > LOG_CHUNK and ref["checksum"] == "crc32c"
+    log = path / OWN / "state" / "sampler.leaves" / ref["generation"] / "log.0"
+    data = bytearray(log.read_bytes())
+    data[100 * 12 + 8] ^= 1  # the lowest bit of a value: still a valid priority
+    log.write_bytes(bytes(data))
+    damaged = (rf"journal object 'state/sampler\.leaves/{ref['generation']}/log\.0' is damaged: checksum "
+               rf"mismatch \(stored [0-9a-f]{{8}}, computed [0-9a-f]{{8}}\)")
+    for mode in ("r", "r+"):
+        with pytest.raises(dr.CorruptBufferError, match=damaged):
+            dr.ReplayBuffer.open(path, mode)
+    report = verify(path)
+    assert not report.ok and len(report.problems) == 1 and re.fullmatch(damaged, report.problems[0]), report.problems
+
+
+def test_journals_written_before_checksums_open_verify_and_move_to_them(tmp_path):
+    """A commit whose journals carry no checksums (as diskreplay wrote them before) opens with the
+    same state and verifies; appends to such a journal stay unchecked until its part writes a new
+    generation, which has checksums."""
+    from diskreplay.offline import verify
+
+    path = tmp_path / "b"
+    with per_buffer(path, 1 << 14, 5000) as buf:
+        buf.update_priorities(buf.row_ids()[:300], np.random.default_rng(10).random(300) + 1)
+        expected, episodes = leaves(buf), buf.episodes()
+    record = json.loads((path / OWN / "commit.json").read_text())
+    for name in ("sampler", "episodes"):
+        part = record["extra"]["state"][name]["leaves" if name == "sampler" else "ends"]["__journal__"]
+        del part["checksum"]
+    assert record["extra"]["state_arrays"] is None  # everything of this state is in journals
+    (path / OWN / "commit.json").write_text(json.dumps(record))
+    for journal in ("sampler.leaves", "episodes.ends"):
+        for item in (path / OWN / "state" / journal).rglob("*"):
+            if item.is_file():
+                item.write_bytes(item.read_bytes()[:-4])
+    assert verify(path).ok
+    with dr.ReplayBuffer.open(path, "r+") as buf:
+        np.testing.assert_array_equal(leaves(buf), expected)
+        np.testing.assert_array_equal(buf.episodes().start, episodes.start)
+        buf.update_priorities(buf.row_ids()[:10], np.full(10, 7.0))
+        buf.flush()
+        expected = leaves(buf)
+    assert "checksum" not in journal_refs(path)["sampler.leaves"]
+    assert verify(path).ok
+    with dr.ReplayBuffer.open(path, "r+") as buf:
+        np.testing.assert_array_equal(leaves(buf), expected)
+        for k in range(14):  # past 65,536 records since the base
+            buf.update_priorities(buf.row_ids(), np.full(5000, 2.0 + k))
+            buf.flush(durable=False)
+        expected = leaves(buf)
+    assert journal_refs(path)["sampler.leaves"]["checksum"] == "crc32c"
+    assert verify(path).ok
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        np.testing.assert_array_equal(leaves(reader), expected)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -211,6 +212,27 @@ def test_a_missing_or_different_shard_is_named(tmp_path):
     os.rename(other, shard_url(url, 1))
     with pytest.raises(dr.CorruptBufferError, match="shard-00001.*config differs"):
         dr.ReplayBuffer.open(url, "r")
+
+
+@pytest.mark.parametrize("target", ["shard-00000", "elsewhere"])
+def test_a_shard_directory_that_is_a_symbolic_link_is_refused_and_reported(sharded, tmp_path, target):
+    """Each shard must be a directory of its own: a shard replaced by a link to another shard
+    (whose rows would be read twice) or to a copy elsewhere is refused by open and open_shard,
+    and reported by verify, naming the shard and the link."""
+    from diskreplay.offline import verify
+
+    shard = shard_url(sharded, 2)
+    os.rename(shard, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere" if target == "elsewhere" else shard_url(sharded, 0), shard)
+    linked = rf"is a symbolic link \(to '[^']*/{target}'\); each shard must be a directory of its own"
+    with pytest.raises(dr.CorruptBufferError, match=r"buf': shard-00002 " + linked):
+        dr.ReplayBuffer.open(sharded, "r")
+    with pytest.raises(dr.CorruptBufferError, match=r"buf': shard-00002 " + linked):
+        dr.ReplayBuffer.open_shard(sharded, shard=2)
+    dr.ReplayBuffer.open_shard(sharded, shard=1).close()  # the others still open
+    report = verify(sharded)
+    assert not report.ok and len(report.problems) == 1, report.problems
+    assert re.fullmatch(r"shard-00002: the shard " + linked, report.problems[0]), report.problems
 
 
 def test_rate_limiter_arithmetic_and_validation():

@@ -21,7 +21,7 @@ from ..format.keys import BUFFER_MARKERS, FINALS_DIR, GROUP_KEY, MAX_METADATA_BY
 from ..format.layout import check_schema_compatible
 from ..format.schema import Field, Schema
 from ..format.shards import ShardedRoot, read_root, shard_url
-from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
+from ..io import ChunkStore, RetryPolicy, broken_path, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
 from ..storage import (
     NewStorage,
@@ -137,7 +137,11 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
                      retry: RetryPolicy | None) -> None:
     """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
     delete what is not a buffer, or one a live writer holds: of a sharded buffer, any shard's),
-    then remove it (retried remotely)."""
+    then remove it (retried remotely). Raises NotABufferError for a local path that runs into a
+    loop of symbolic links or ends in a link to nothing."""
+    problem = broken_path(url)
+    if problem is not None:
+        raise NotABufferError(f"{url!r} cannot hold a buffer ({problem})")
     store = open_chunkstore(url, storage_options, retry=retry)
     if is_local(url):
         path = local_path(url)

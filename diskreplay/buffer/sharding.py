@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import NotABufferError
+from ..errors import CorruptBufferError, NotABufferError
 from ..format.commit import CommitRecord
 from ..format.schema import Schema
-from ..format.shards import ShardedRoot, check_shards, root_documents, shard_url
-from ..io import ChunkStore, RetryPolicy, is_local, local_path, open_chunkstore
+from ..format.shards import ShardedRoot, check_shards, root_documents, shard_name, shard_url
+from ..io import ChunkStore, RetryPolicy, is_local, link_target, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
-from ..storage import NewStorage, Options, Storage, open_union_storage
+from ..storage import NewStorage, Options, Storage, check_location, open_union_storage
 from .parts import LearnerOpening
 from .rate_limit import ActorGate, Progress, RateLimiter
 from .setup import close_all, create_storages, finals_cache, finals_url, prepare_location, read_sharded_root
@@ -44,12 +44,29 @@ def check_shard(shard: Any, count: int, url: str) -> int:
     return shard
 
 
+def shard_link(url: str, shard: int) -> str | None:
+    """What is wrong with shard ``shard`` of ``url`` if its directory is a symbolic link (None:
+    it is not). Each shard must be a directory of its own: a link to another shard would show
+    that shard's rows twice, and let two writers write it."""
+    target = link_target(shard_url(url, shard))
+    return None if target is None else f"is a symbolic link (to {target!r}); each shard must be a directory of its own"
+
+
+def check_shard_directory(url: str, shard: int) -> None:
+    """Raise CorruptBufferError naming shard ``shard`` of ``url`` if it is a symbolic link (`shard_link`)."""
+    problem = shard_link(url, shard)
+    if problem is not None:
+        raise CorruptBufferError(f"{url!r}: {shard_name(shard)} {problem}")
+
+
 def open_union(url: str, count: int, options: Options) -> UnionParts:
     """Every shard opened read-only as one storage (and their ``derive_next`` side stores as
     another), with the commit each shard shows and its state.
 
-    Raises NotABufferError / CorruptBufferError naming the shard (a missing one, or one whose
-    config differs from shard 0's)."""
+    Raises NotABufferError / CorruptBufferError naming the shard (a missing one, one that is a
+    symbolic link, or one whose config differs from shard 0's)."""
+    for shard in range(count):
+        check_shard_directory(url, shard)
     shards = [shard_url(url, shard) for shard in range(count)]
     union = open_union_storage(url, shards, options)
     finals = None
@@ -69,6 +86,7 @@ def sharded_root(url: str, storage_options: Mapping[str, Any] | None,
                  retry: RetryPolicy | None) -> tuple[ShardedRoot, ChunkStore] | None:
     """``(its declaration, root store)`` when ``url`` is a sharded buffer's root, else None.
     Raises CorruptBufferError for a damaged declaration."""
+    check_location(url)
     if is_local(url) and not os.path.isdir(local_path(url)):
         return None
     store = root_store(url, storage_options, retry)
@@ -107,6 +125,7 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
         raise NotABufferError(f"{url!r} is not a sharded buffer (made by dr.ReplayBuffer.create(..., shards=N))")
     declared, store = root
     check_shard(shard, declared.count, url)
+    check_shard_directory(url, shard)
     buf = cls.open(shard_url(url, shard), mode, **open_options)
     if limiter is not None:
         buf._actor_gate = ActorGate(limiter, Progress(store, url, declared), shard,

@@ -9,8 +9,10 @@ follows the buffer's own naming rule (`state_key`), so a crafted record can neit
 at another file nor make a writer delete one.
 
 On disk: ``{"sequence", "time", "committed": [per lane], "lower": [per lane], "extra": {"state":
-<JSON part of the buffer's state>, "state_arrays": <key of its arrays> or null}}``; ``extra`` is
-``{}`` before the first state is saved.
+<JSON part of the buffer's state>, "state_arrays": <key of its arrays> or null,
+"state_arrays_crc32c": <the CRC32C of that object's bytes>}}``; ``extra`` is ``{}`` before the
+first state is saved. Records written before checksums lack ``state_arrays_crc32c``: their state
+object is read unchecked (the next commit writes a new one, with its checksum).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptBufferError
+from .codecs import checksum
 from .config import MAX_STEPS
 from .keys import COMMIT_KEY, STATE_DIR, json_object
 
+CHECKSUM_FIELD = "state_arrays_crc32c"
+"""The field of ``extra`` that holds the state object's CRC32C."""
 STATE_KEY = re.compile(rf"{STATE_DIR}/(\d{{12}})(-[0-9a-f]{{16}})?\.safetensors")
 
 
@@ -59,6 +64,8 @@ class CommitRecord:
     time: float
     state: dict[str, Any] | None = field(default=None, compare=False)
     state_arrays: str | None = None
+    state_checksum: int | None = None
+    """The CRC32C of the state object's bytes (None: a record written before checksums)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "committed", _frozen(self.committed))
@@ -74,11 +81,23 @@ class CommitRecord:
         return replace(self, sequence=self.sequence + 1, committed=committed, lower=lower, time=time, **state)
 
     def to_bytes(self) -> bytes:
-        extra = {} if self.state is None else {"state": self.state, "state_arrays": self.state_arrays}
+        extra: dict[str, Any] = {} if self.state is None else {"state": self.state, "state_arrays": self.state_arrays}
+        if self.state is not None and self.state_checksum is not None:
+            extra[CHECKSUM_FIELD] = self.state_checksum
         return json.dumps({
             "sequence": self.sequence, "time": self.time,
             "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": extra,
         }).encode()
+
+    def check_state_object(self, blob: bytes, url: str) -> None:
+        """Raise CorruptBufferError naming the state object if ``blob``, its bytes, do not match
+        the checksum this record holds (a record without one accepts any)."""
+        if self.state_checksum is None:
+            return
+        found = int.from_bytes(checksum(blob), "little")
+        if found != self.state_checksum:
+            raise CorruptBufferError(f"{url!r}: state object {self.state_arrays!r} is damaged: checksum mismatch "
+                                     f"({COMMIT_KEY} records {self.state_checksum:08x}, the object has {found:08x})")
 
     def same_as(self, other: CommitRecord) -> bool:
         return self.sequence == other.sequence and self.time == other.time
@@ -114,7 +133,12 @@ class CommitRecord:
         if arrays is not None and not (match and int(match.group(1)) <= sequence):
             raise CorruptBufferError(f"{where} field 'extra.state_arrays': expected a key like "
                                      f"'{STATE_DIR}/<sequence>-<token>.safetensors', got {arrays!r:.100}")
-        return cls(sequence, committed, lower, float(stamp), extra.get("state"), arrays)
+        crc = extra.get(CHECKSUM_FIELD)
+        if CHECKSUM_FIELD in extra and (arrays is None or isinstance(crc, bool) or not isinstance(crc, int)
+                                        or not 0 <= crc < 2**32):
+            raise CorruptBufferError(f"{where} field 'extra.{CHECKSUM_FIELD}': expected an int in [0, 2**32) "
+                                     f"beside a state object, got {crc!r:.100}")
+        return cls(sequence, committed, lower, float(stamp), extra.get("state"), arrays, crc)
 
 
 def _cursors(data: dict[str, Any], name: str, where: str, num_envs: int) -> np.ndarray:

@@ -13,8 +13,12 @@ objects its commit names:
   rewritten (under a new name) by each commit that appends.
 
 ``<path>`` is where the part sits in the state (``sampler.leaves``). All are raw little-endian
-bytes. The commit record names a generation, the element and record counts and the tail
-(`JournalRef`): a few hundred bytes at any size.
+bytes, each followed by the CRC32C of those bytes (4 bytes, little-endian, as zarr's ``crc32c``
+codec stores it): a writer checksums only the objects it writes, a reader checks every object
+before using it. Generations written before checksums (no ``checksum`` in their reference) have
+none; they are read as they are, and appended to so, until their part writes a new generation.
+The commit record names a generation, the element and record counts and the tail (`JournalRef`):
+a few hundred bytes at any size.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .codecs import CHECKSUM_BYTES
 from .keys import STATE_DIR
 
 JOURNAL_MARK = "__journal__"
@@ -34,6 +39,8 @@ BASE_CHUNK = 1 << 20
 LOG_CHUNK = 4096
 """Records per log object: a commit rewrites at most this many records of its tail."""
 MAX_ELEMENTS = 1 << 40
+CHECKSUM = "crc32c"
+"""The ``checksum`` of a reference whose objects end with their CRC32C."""
 _PATH = re.compile(r"[a-z_]{1,32}(\.[a-z_]{1,32}){0,3}")
 _NAME = re.compile(r"(\d{12})-[0-9a-f]{16}")
 _DTYPES = {"<f4", "<f8", "<i8", "<u4", "<i4"}
@@ -80,6 +87,13 @@ class JournalRef:
     base: int
     records: int
     tail: str | None
+    checksummed: bool = True
+    """Whether each object ends with the CRC32C of its bytes (a generation written before
+    checksums has none)."""
+
+    def trailer(self) -> int:
+        """Bytes each object has after its elements: its checksum, or none."""
+        return CHECKSUM_BYTES if self.checksummed else 0
 
     def prefix(self) -> str:
         return f"{STATE_DIR}/{self.path}/{self.generation}"
@@ -112,9 +126,11 @@ class JournalRef:
         return number.isdigit() and int(number) < count and name == f"{kind}.{int(number)}"
 
     def to_json(self) -> dict[str, Any]:
+        checksum = {"checksum": CHECKSUM} if self.checksummed else {}
         return {JOURNAL_MARK: {"generation": self.generation, "base": self.base, "records": self.records,
                                "tail": self.tail, "base_dtype": self.base_dtype.str,
-                               "record_dtype": [[n, self.record_dtype[n].str] for n in self.record_dtype.names or ()]}}
+                               "record_dtype": [[n, self.record_dtype[n].str] for n in self.record_dtype.names or ()],
+                               **checksum}}
 
     @classmethod
     def from_json(cls, path: str, value: Any, sequence: int) -> JournalRef:
@@ -138,8 +154,11 @@ class JournalRef:
         if (tail is None) != (records % LOG_CHUNK == 0):
             raise ValueError(f"{where} field 'tail': expected a tail exactly when 'records' "
                              f"({records}) is not a multiple of {LOG_CHUNK}, got {tail!r}")
+        if value.get("checksum", CHECKSUM) != CHECKSUM:
+            raise ValueError(f"{where} field 'checksum': expected {CHECKSUM!r} (or none, in journals written "
+                             f"before checksums), got {value['checksum']!r:.80}")
         return cls(path, str(generation), _dtype(value.get("base_dtype"), where), _record_dtype(value, where),
-                   int(base), int(records), tail)
+                   int(base), int(records), tail, "checksum" in value)
 
 
 def _dtype(text: Any, where: str) -> np.dtype:

@@ -86,6 +86,10 @@ class Schema:
         for name, field in fields.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise SchemaError(f"field names must be Python identifiers, got {name!r}")
+            if len(name.encode()) > MAX_NAME_BYTES:
+                raise SchemaError(f"field name {name!r} has {len(name.encode())} bytes (UTF-8); at most "
+                                  f"{MAX_NAME_BYTES} fit a file or object name (a field's array is a directory "
+                                  f"named after it)")
             if name in RESERVED_NAMES:
                 raise SchemaError(f"field name {name!r} is reserved (reserved: {sorted(RESERVED_NAMES)})")
             if not isinstance(field, Field):
@@ -150,6 +154,8 @@ class Schema:
         return out
 
 
+MAX_NAME_BYTES = 255
+"""The longest field name, in UTF-8 bytes: the longest file name of common filesystems."""
 RESERVED_NAMES = frozenset({"index", "weight", "lane", "mask", "discount", "start", "step"})
 
 

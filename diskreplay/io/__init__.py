@@ -10,7 +10,8 @@ from .backends import open_chunkstore
 from .local import LocalChunkStore, open_for_reading
 from .remote import FsspecChunkStore
 from .retry import RetryPolicy, is_transient
-from .store import ChunkStore, Data, PrefixedStore, is_local, local_path, objects_at
+from .store import ChunkStore, Data, PrefixedStore, broken_path, is_local, link_target, local_path, objects_at
 
-__all__ = ["ChunkStore", "Data", "FsspecChunkStore", "LocalChunkStore", "PrefixedStore", "RetryPolicy", "is_local",
-           "is_transient", "local_path", "objects_at", "open_chunkstore", "open_for_reading"]
+__all__ = ["ChunkStore", "Data", "FsspecChunkStore", "LocalChunkStore", "PrefixedStore", "RetryPolicy", "broken_path",
+           "is_local", "is_transient", "link_target", "local_path", "objects_at", "open_chunkstore",
+           "open_for_reading"]

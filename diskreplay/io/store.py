@@ -14,6 +14,7 @@ type:
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -101,6 +102,29 @@ def is_local(url: str) -> bool:
 def local_path(url: str) -> str:
     """The absolute local path of a local ``url``."""
     return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
+
+
+def broken_path(url: str) -> str | None:
+    """Why the local ``url`` can hold nothing although its path names something: the path runs
+    into a loop of symbolic links, or ends in a symbolic link to nothing. None for any other URL."""
+    if not is_local(url):
+        return None
+    path = local_path(url)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return f"a symbolic link to {os.readlink(path)!r}, which does not exist" if os.path.islink(path) else None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "its path runs into a loop of symbolic links"
+        raise
+    return None
+
+
+def link_target(url: str) -> str | None:
+    """Where the local ``url`` leads when it is a symbolic link itself (None: it is not, or not local)."""
+    path = local_path(url.rstrip("/")) if is_local(url) else None
+    return os.readlink(path) if path is not None and os.path.islink(path) else None
 
 
 class PrefixedStore:

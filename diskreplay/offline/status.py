@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ..format.keys import COMMIT_KEY, INCOMPLETE_IMPORT_KEY
+from ..io import broken_path
 from ..storage import own_stores
 
 INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
@@ -15,6 +16,8 @@ INCOMPLETE_KEY = INCOMPLETE_IMPORT_KEY
 
 def import_status(url: str, storage_options: dict | None = None) -> dict[str, Any] | None:
     """The marker of an interrupted import at ``url`` (source, format, started, pid, host), or None."""
+    if broken_path(url) is not None:  # a loop of symbolic links, a link to nothing: no marker there
+        return None
     stores = own_stores(url, storage_options)
     if any(store.exists(COMMIT_KEY) for store in stores):
         return None

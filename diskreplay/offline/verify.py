@@ -10,8 +10,10 @@ buffer and never writes):
   made before checksums have none) and decodes to exactly one chunk's bytes (diskreplay writes
   every chunk it fills, whatever its values, so a missing one is an error, never "all fill
   value");
-- the state object the commit references (sampler, generator, episode index) exists and loads,
-  and so does every object of the journals it names (priorities, episode ends), at its size;
+- the state object the commit references (sampler, generator, episode index) exists, matches
+  the checksum the commit records and loads, and so does every object of the journals it names
+  (priorities, episode ends), at its size and with its own checksum (buffers made before these
+  checksums have none);
 - the ``derive_next`` side store (``final/``) passes the same checks of its own objects;
 - the buffer opens read-only and, if it keeps an episode index, lists its episodes.
 
@@ -33,6 +35,7 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..buffer.setup import finals_url, read_sharded_root
+from ..buffer.sharding import shard_link
 from ..errors import CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
@@ -44,7 +47,7 @@ from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
 from ..format.schema import Schema
 from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
-from ..io import ChunkStore, objects_at, open_chunkstore
+from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
 
@@ -91,6 +94,10 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None) -> Verif
     OSError or StoreUnavailableError where the store cannot be read at all."""
     url = os.fspath(url)
     report = VerifyReport(url)
+    problem = broken_path(url)
+    if problem is not None:
+        report.problem(f"not a diskreplay buffer ({problem})")
+        return report
     store = open_chunkstore(url, storage_options)
     try:
         root = read_sharded_root(store, url)
@@ -147,6 +154,10 @@ def _verify_shard(url: str, shard: int, count: int,
     unusable). A shard with no object at all is reported missing."""
     part_url = shard_url(url, shard)
     part = VerifyReport(part_url)
+    link = shard_link(url, shard)
+    if link is not None:
+        part.problem(f"the shard {link}")
+        return part, None
     store = open_chunkstore(part_url, storage_options)
     if not store.exists(GROUP_KEY) and not store.sizes():
         part.problem(f"the shard is missing ({url!r} declares {count} shards; {shard_name(shard)}/ holds nothing)")
@@ -273,7 +284,8 @@ def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs:
 
 
 def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) -> None:
-    """The state object and every journal object the commit names exist and have their sizes."""
+    """The state object and every journal object the commit names exist, have their sizes and
+    pass their checksums."""
     key = commit.state_arrays
     arrays = {}
     if key:
@@ -282,13 +294,21 @@ def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) 
             report.problem(f"state object {key!r} referenced by {COMMIT_KEY} is missing")
             return
         try:
+            commit.check_state_object(blob, report.url)
             arrays = state_files.arrays_from_bytes(blob)
+        except CorruptBufferError as exc:
+            report.problem(_without_url(exc, report.url))
+            return
         except Exception as exc:
             report.problem(f"state object {key!r} does not load ({exc})")
             return
 
     def read_journal(path: str, value: Any) -> None:
-        Journal(store, report.url, path).read(JournalRef.from_json(path, value, commit.sequence))
+        ref = JournalRef.from_json(path, value, commit.sequence)
+        try:
+            Journal(store, report.url, path).read(ref)
+        except CorruptBufferError as exc:  # an object of the journal: named in the message
+            report.problem(_without_url(exc, report.url))
 
     try:
         state_files.join(commit.state or {}, arrays, read_journal)

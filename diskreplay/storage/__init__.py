@@ -8,6 +8,7 @@ from .facade import Storage, StorageStats
 from .opening import (
     NewStorage,
     Options,
+    check_location,
     create_storage,
     open_storage,
     open_union_storage,
@@ -19,6 +20,6 @@ from .sizing import DEFAULT_CACHE_BYTES, cache_slots, default_chunk_rows
 from .warm import physical_memory
 
 __all__ = ["DEFAULT_CACHE_BYTES", "NewStorage", "Options", "Storage", "StorageStats", "cache_slots",
-           "create_storage", "default_chunk_rows", "open_storage", "check_output", "physical_memory",
+           "check_location", "create_storage", "default_chunk_rows", "open_storage", "check_output", "physical_memory",
            "open_union_storage", "own_stores", "plan_storage"]
 

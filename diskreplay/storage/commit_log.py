@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import ClosedError, CorruptBufferError, LockedError, ReadOnlyError
 from ..format import state as state_files
+from ..format.codecs import checksum
 from ..format.commit import CommitRecord, is_state_key, state_key
 from ..format.config import BufferConfig
 from ..format.journal import JournalChange, JournalContent, JournalRef, is_journal_key
@@ -52,6 +53,7 @@ class StagedState:
     meta: dict[str, Any]
     key: str | None
     journals: tuple[Journal, ...] = ()
+    checksum: int | None = None  # the CRC32C of the object at ``key``
 
 
 class CommitLog:
@@ -108,7 +110,8 @@ class CommitLog:
         may raise it past the rows committed so far); the cursors keep the writer's own, higher,
         bound. ``staged``: the state this commit saves (default: the last commit's)."""
         self.check_lock()
-        state = {} if staged is None else {"state": staged.meta, "state_arrays": staged.key}
+        state = {} if staged is None else {"state": staged.meta, "state_arrays": staged.key,
+                                           "state_checksum": staged.checksum}
         record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
         self.objects.put(COMMIT_KEY, record.to_bytes(), durable)
         previous, self.record = self.record.state_arrays, record
@@ -174,16 +177,19 @@ class CommitLog:
             journals.append(self._journal(path))
             return journals[-1].stage(change, sequence, durable).to_json()
 
+        crc = None
         try:
             meta, arrays = state_files.split(state, stage)
             key = state_key(sequence) if arrays else None
             if key is not None:
                 self.check_lock()
-                self.objects.put(key, state_files.arrays_to_bytes(arrays), durable)
+                blob = state_files.arrays_to_bytes(arrays)
+                crc = int.from_bytes(checksum(blob), "little")
+                self.objects.put(key, blob, durable)
         except BaseException:
             self.discard(StagedState({}, None, tuple(journals)))
             raise
-        return StagedState(meta, key, tuple(journals))
+        return StagedState(meta, key, tuple(journals), crc)
 
     def discard(self, staged: StagedState) -> None:
         """A staged state whose commit failed: delete its objects later (a commit may still
@@ -230,6 +236,7 @@ class CommitLog:
                 return record, {}
             blob = self._get_state(key) if key else b""
             if blob is not None:
+                record.check_state_object(blob, self.url)
                 try:
                     arrays = state_files.arrays_from_bytes(blob) if key else {}
                     return record, state_files.join(record.state, arrays, functools.partial(self._read_journal, record))

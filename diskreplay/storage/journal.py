@@ -10,9 +10,12 @@ success, and a reader may already follow the commit that names it).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..errors import CorruptBufferError
+from ..format.codecs import Codec, checksum
 from ..format.journal import BASE_CHUNK, LOG_CHUNK, JournalChange, JournalContent, JournalRef, new_name
 from ..io.store import ChunkStore
 
@@ -50,20 +53,25 @@ class Journal:
             ref = JournalRef(self.path, new_name(sequence), change.base.dtype, records.dtype, len(change.base), 0, None)
             tail = records[:0]
             for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
-                self.store.put(key, np.ascontiguousarray(change.base[start:start + BASE_CHUNK]).tobytes(), durable)
+                self._put(ref, key, change.base[start:start + BASE_CHUNK], durable)
         joined = np.concatenate([tail, records])
         first_chunk = (ref.records - len(tail)) // LOG_CHUNK
         full = len(joined) // LOG_CHUNK
         for i in range(full):
-            self.store.put(ref.log_key(first_chunk + i), joined[i * LOG_CHUNK:(i + 1) * LOG_CHUNK].tobytes(), durable)
+            self._put(ref, ref.log_key(first_chunk + i), joined[i * LOG_CHUNK:(i + 1) * LOG_CHUNK], durable)
         rest = joined[full * LOG_CHUNK:].copy()
-        ref = JournalRef(ref.path, ref.generation, ref.base_dtype, ref.record_dtype, ref.base,
-                         ref.records + len(records), new_name(sequence) if len(rest) else None)
+        ref = replace(ref, records=ref.records + len(records), tail=new_name(sequence) if len(rest) else None)
         tail_key = ref.tail_key()
         if tail_key is not None:
-            self.store.put(tail_key, rest.tobytes(), durable)
+            self._put(ref, tail_key, rest, durable)
         self.staged = (ref, records, rest)
         return ref
+
+    def _put(self, ref: JournalRef, key: str, values: np.ndarray, durable: bool) -> None:
+        """Write the object ``key`` of ``ref``'s generation: ``values``, then their checksum if
+        the generation has checksums."""
+        body = np.ascontiguousarray(values).tobytes()
+        self.store.put(key, (body, checksum(body)) if ref.checksummed else body, durable)
 
     def committed(self) -> list[str]:
         """The staged reference was committed. Returns the objects the previous one named that
@@ -97,25 +105,32 @@ class Journal:
     def read(self, ref: JournalRef) -> JournalContent:
         """The content of the journal at ``ref``; it becomes this journal's committed state.
 
-        Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size)."""
+        Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
+        fails its checksum)."""
         bases = []
         for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
-            bases.append(self._get(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
-        logs = [self._get(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
+            bases.append(self._get(ref, key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
+        logs = [self._get(ref, ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
         tail_key = ref.tail_key()
-        tail = (self._get(tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key
+        tail = (self._get(ref, tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key
                 else np.zeros(0, ref.record_dtype))
         base = np.concatenate(bases) if bases else np.zeros(0, ref.base_dtype)
         records = np.concatenate([*logs, tail])
         self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
         return JournalContent(base, records)
 
-    def _get(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        size = count * dtype.itemsize
+    def _get(self, ref: JournalRef, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """The ``count`` elements of the object ``key`` of ``ref``, its size and checksum checked."""
+        size = count * dtype.itemsize + ref.trailer()
         blob = self.store.get(key, limit=size + 1)
         if blob is None:
             raise MissingObject(key)
         if len(blob) != size:
+            then = ", then a CRC32C" if ref.checksummed else ""
             raise CorruptBufferError(f"{self.url!r}: journal object {key!r}: expected {size} bytes "
-                                     f"({count} of {dtype}), got {'more' if len(blob) > size else len(blob)}")
-        return np.frombuffer(blob, dtype=dtype)  # read-only: `read` concatenates the pieces
+                                     f"({count} of {dtype}{then}), got {'more' if len(blob) > size else len(blob)}")
+        try:
+            body = Codec.verified_body(memoryview(blob)) if ref.checksummed else blob
+        except ValueError as exc:
+            raise CorruptBufferError(f"{self.url!r}: journal object {key!r} is damaged: {exc}") from None
+        return np.frombuffer(body, dtype=dtype)  # read-only: `read` concatenates the pieces

@@ -37,7 +37,7 @@ from ..io.lock import WriterLock
 from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
-from ..io.store import ChunkStore, is_local, local_path, objects_at
+from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
 from .commit_log import CommitLog
@@ -163,10 +163,19 @@ def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferCo
     return _assemble(url, config, arrays, log, io, options)
 
 
-def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
-    """A buffer's validated metadata and commit record. Raises NotABufferError, CorruptBufferError."""
+def check_location(url: str) -> None:
+    """Raise NotABufferError if the local ``url`` is a file, a symbolic link to nothing, or a
+    path that runs into a loop of symbolic links."""
     if is_local(url) and os.path.isfile(local_path(url)):
         raise NotABufferError(f"{url!r} is a file, not a diskreplay buffer (a buffer is a directory)")
+    problem = broken_path(url)
+    if problem is not None:
+        raise NotABufferError(f"{url!r} is not a diskreplay buffer ({problem})")
+
+
+def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
+    """A buffer's validated metadata and commit record. Raises NotABufferError, CorruptBufferError."""
+    check_location(url)
     read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
     config = read_config(read_small, url)
     objects = objects_at(store, objects_prefix(config.format))
@@ -228,6 +237,8 @@ def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: 
 
 def own_stores(url: str, storage_options: Mapping[str, Any] | None = None) -> list[ChunkStore]:
     """Every place the buffer at ``url`` may keep its own objects (commit record, writer lock),
-    one per format, newest first: for questions asked before its format is known."""
+    one per format, newest first: for questions asked before its format is known. Raises
+    NotABufferError for a local path that can hold nothing (`check_location`)."""
+    check_location(url)
     store = open_chunkstore(url, storage_options)
     return [objects_at(store, prefix) for prefix in OWN_PREFIXES]
