@@ -13,9 +13,10 @@ import zarr
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
 from ...format.keys import BUFFER_MARKERS, COMMIT_KEY
+from ...format.schema import Field
 from ...sampling import Uniform
 from ...storage import own_stores
-from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
+from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags, field_for
 from ..status import describe_incomplete, import_status
 
 
@@ -27,7 +28,12 @@ class ZarrSource(ColumnsSource):
         self.buffer: ReplayBuffer | None = None
         if any(store.exists(COMMIT_KEY) for store in own_stores(src)):
             self.buffer = ReplayBuffer.open(src, "r", sampler=Uniform(), cache_bytes=8 * 2**20)
-            self.fields = self.buffer.fields
+            try:
+                self.fields = {name: checked_field(f"{src!r}: field {name!r}", field)
+                               for name, field in self.buffer.fields.items()}
+            except BaseException:
+                self.buffer.close()
+                raise
             self.num_envs = self.buffer.num_envs
             self.rows = len(self.buffer)
             return
@@ -60,6 +66,12 @@ class ZarrSource(ColumnsSource):
         """Releases the files the source holds open."""
         if self.buffer is not None:
             self.buffer.close()
+
+
+def checked_field(where: str, field: Field) -> Field:
+    """A buffer's ``field``, after the checks every imported field passes (`field_for`)."""
+    checked = field_for(where, field.shape, field.dtype, where)
+    return field if checked is None else checked
 
 
 def is_zarr(path: str) -> bool:
