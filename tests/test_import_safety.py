@@ -559,6 +559,19 @@ def minari_h5_rewards(value):
     return case
 
 
+def zarr_group(tmp_path, shape_text: str | None = None, corrupt: bool = False) -> str:
+    """A plain Zarr group of one observations array (100 x 3 float32, chunks of 10 rows)."""
+    zarr = pytest.importorskip("zarr")
+    group = zarr.open_group(str(tmp_path / "z"), mode="w")
+    group.create_array("observations", shape=(100, 3), chunks=(10, 3), dtype="f4")[:] = np.ones((100, 3))
+    if corrupt:
+        (tmp_path / "z" / "observations" / "c" / "3" / "0").write_bytes(b"garbage")
+    if shape_text is not None:
+        meta = tmp_path / "z" / "observations" / "zarr.json"
+        meta.write_text(meta.read_text().replace('"shape": [\n    100,\n    3\n  ]', f'"shape": {shape_text}'))
+    return str(tmp_path / "z")
+
+
 HOSTILE = {
     "npz-cut-in-half": npz_cut_in_half,
     "npz-bad-crc": failing_npz,
@@ -591,6 +604,12 @@ HOSTILE = {
     "minari-episode-changes-type": minari_changed_type,
     "minari-h5-scalar-rewards": minari_h5_rewards(1.0),
     "minari-h5-rewards-group": minari_h5_rewards(None),
+    "zarr-corrupt-chunk": lambda p: (zarr_group(p, corrupt=True),
+                                     r"z': array 'observations': rows from 0 do not decode \(.*Zstd"),
+    "zarr-shape-1e999": lambda p: (zarr_group(p, "[1e999, 3]"), r"z' is neither a diskreplay buffer nor a Zarr group"),
+    "zarr-row-of-4-tib": lambda p: (zarr_group(p, "[100, 1099511627776]"),
+                                    r"z': array 'observations': rows of shape \(1099511627776,\) of float32 hold "
+                                    r"4,398,046,511,104 bytes"),
 }
 
 
@@ -619,3 +638,56 @@ def test_metadata_over_the_limit_is_refused_without_reading_it(tmp_path):
         tracemalloc.stop()
     assert peak < 4 * 2**20, f"peak {peak / 2**20:.1f} MiB"
     assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_remote_dest_is_replaced_only_by_a_finished_import(tmp_path):
+    """memory://: a failing import leaves the old buffer's objects as they were, a finished one
+    replaces them; the partial location is gone either way."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    root = f"/{tmp_path.name}"
+    dest = f"memory://{root}/b"
+
+    def objects() -> dict[str, bytes]:
+        return {path: fs.cat(path) for path in fs.find(root)}
+
+    buf = dr.ReplayBuffer.create(dest, {"x": dr.Field((2,), "int16")}, chunk_rows=4)
+    buf.extend({"x": np.arange(22).reshape(11, 2)})
+    buf.close()
+    before = objects()
+    src, pattern = failing_npz(tmp_path)
+    with pytest.raises(ImportFormatError, match=pattern):
+        import_dataset(src, dest, batch_rows=4, chunk_rows=4, progress=False, overwrite=True)
+    assert objects() == before
+    np.savez(tmp_path / "good.npz", observations=np.arange(10.0).reshape(5, 2))
+    new = import_dataset(tmp_path / "good.npz", dest, progress=False, overwrite=True)
+    np.testing.assert_array_equal(new[np.arange(5)]["obs"], np.arange(10.0).reshape(5, 2))
+    assert fs.ls(root, detail=False) == [f"{root}/b"]
+    fs.rm(root, recursive=True)
+
+
+def test_damaged_buffer_source_is_one_corrupt_buffer_error(tmp_path):
+    """A diskreplay buffer as the source: a damaged chunk is its CorruptBufferError; nothing left behind."""
+    buf = dr.ReplayBuffer.create(tmp_path / "src", {"x": dr.Field((3,), "float32")}, chunk_rows=8)
+    buf.extend({"x": np.ones((40, 3))})
+    buf.close()
+    (tmp_path / "src" / "x" / "c.0.1.0").write_bytes(b"garbage")
+    with pytest.raises(dr.CorruptBufferError, match=r"src': chunk 'x/c\.0\.1\.0' does not decode"):
+        import_dataset(tmp_path / "src", tmp_path / "dest", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize("marker", [b'{"source": "a.h5", "started": 1e999, "pid": 7}', b'{"started": "x"}', b"[1]",
+                                    b" " * (MAX_METADATA_BYTES + 1)])
+def test_damaged_interrupted_import_marker_is_still_refused_clearly(tmp_path, marker):
+    """An interrupted import's marker is read with a size cap and never trusted for its values."""
+    from diskreplay.offline import INCOMPLETE_KEY
+
+    dest = tmp_path / "dest"
+    os.makedirs(dest)
+    (dest / "zarr.json").write_text("{}")
+    (dest / INCOMPLETE_KEY).write_bytes(marker)
+    np.savez(tmp_path / "a.npz", observations=np.ones((5, 2)))
+    with pytest.raises(dr.BufferExistsError, match=r"dest' holds an interrupted import \(from .*, started \?"):
+        import_dataset(tmp_path / "a.npz", dest, progress=False)
+    assert len(import_dataset(tmp_path / "a.npz", dest, progress=False, overwrite=True)) == 5

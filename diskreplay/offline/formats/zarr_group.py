@@ -40,11 +40,12 @@ class ZarrSource(ColumnsSource):
         marker = import_status(src)
         if marker is not None:
             raise NotABufferError(describe_incomplete(src, marker))
+        self.src = src
         try:
             group = zarr.open_group(src, mode="r")
+            self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
         except Exception as exc:
             raise ImportFormatError(f"{src!r} is neither a diskreplay buffer nor a Zarr group ({exc})") from None
-        self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
         names = self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
         self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
@@ -52,8 +53,7 @@ class ZarrSource(ColumnsSource):
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         if self.buffer is None:
             for start in range(0, self.rows, self.batch_rows):
-                yield 0, as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
-                                        for name in self.fields}, self.fields)
+                yield 0, as_bool_flags({name: self._rows(name, start) for name in self.fields}, self.fields)
             return
         lo, hi = self.buffer.window()
         n = self.num_envs
@@ -61,6 +61,17 @@ class ZarrSource(ColumnsSource):
             for start in range(int(lo[lane]), int(hi[lane]), self.batch_rows):
                 steps = np.arange(start, min(start + self.batch_rows, int(hi[lane])))
                 yield lane, self.buffer[steps * n + lane]
+
+    def _rows(self, name: str, start: int) -> np.ndarray:
+        """Rows ``start`` to ``start + batch_rows`` of a plain group's array; ImportFormatError
+        naming it when they do not decode (I/O errors propagate)."""
+        try:
+            return np.asarray(self.arrays[name][start:start + self.batch_rows])
+        except OSError:
+            raise
+        except Exception as e:
+            raise ImportFormatError(f"{self.src!r}: array {self.arrays[name].path!r}: rows from {start} "
+                                    f"do not decode ({e})") from None
 
     def close(self) -> None:
         """Releases the files the source holds open."""
