@@ -691,3 +691,22 @@ def test_damaged_interrupted_import_marker_is_still_refused_clearly(tmp_path, ma
     with pytest.raises(dr.BufferExistsError, match=r"dest' holds an interrupted import \(from .*, started \?"):
         import_dataset(tmp_path / "a.npz", dest, progress=False)
     assert len(import_dataset(tmp_path / "a.npz", dest, progress=False, overwrite=True)) == 5
+
+
+def test_cli_import_overwrite_of_a_failing_source_keeps_the_buffer(tmp_path):
+    """`diskreplay import --overwrite` of a source damaged past its header: one error line, the
+    existing buffer byte for byte, nothing else left."""
+    import subprocess
+    import sys
+
+    src, _ = failing_npz(tmp_path)
+    before = old_buffer(tmp_path / "old")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("DISKREPLAY_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-m", "diskreplay", "import", "--overwrite", "--no-progress",
+                           "--batch-rows", "4", src, str(tmp_path / "old")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "bad.npz': observations.npy: corrupt data (Bad CRC-32" in proc.stderr
+    assert dir_snapshot(str(tmp_path / "old")) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.npz", "old"]
