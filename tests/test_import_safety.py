@@ -710,3 +710,12 @@ def test_cli_import_overwrite_of_a_failing_source_keeps_the_buffer(tmp_path):
     assert proc.stderr.count("\n") == 1 and "bad.npz': observations.npy: corrupt data (Bad CRC-32" in proc.stderr
     assert dir_snapshot(str(tmp_path / "old")) == before
     assert sorted(os.listdir(tmp_path)) == ["bad.npz", "old"]
+
+
+def test_other_datasets_metadata_json_does_not_stop_detection(tmp_path):
+    """A metadata.json beside .npy files (not Minari's data/metadata.json) that is no JSON object."""
+    folder = tmp_path / "npy"
+    os.makedirs(folder)
+    np.save(folder / "observations.npy", np.ones((5, 2)))
+    (folder / "metadata.json").write_text("[1, 2]")
+    assert len(import_dataset(folder, tmp_path / "dest", progress=False)) == 5

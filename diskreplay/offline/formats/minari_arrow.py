@@ -37,13 +37,20 @@ SHIFTED = ("obs", "info")  # prefixes of columns whose step t is row t + 1 (next
 
 def arrow_metadata(path: str) -> dict | None:
     """The ``data/metadata.json`` of a Minari dataset folder in an arrow data format, or None.
-    Raises ImportFormatError for a metadata file that is too large or not a JSON object."""
+    Raises ImportFormatError when ``data/metadata.json`` is too large or not a JSON object (a
+    ``metadata.json`` in ``path`` itself, which other datasets may have, then just is no Minari's)."""
     for data in (os.path.join(path, "data"), path):
         meta = os.path.join(data, "metadata.json")
-        if os.path.isfile(meta):
+        if not os.path.isfile(meta):
+            continue
+        try:
             found = json_file(meta)
-            if found.get("data_format") in ARROW_FORMATS:
-                return {**found, "_data": data}
+        except ImportFormatError:
+            if data == path:
+                continue
+            raise
+        if found.get("data_format") in ARROW_FORMATS:
+            return {**found, "_data": data}
     return None
 
 
