@@ -719,3 +719,20 @@ def test_other_datasets_metadata_json_does_not_stop_detection(tmp_path):
     np.save(folder / "observations.npy", np.ones((5, 2)))
     (folder / "metadata.json").write_text("[1, 2]")
     assert len(import_dataset(folder, tmp_path / "dest", progress=False)) == 5
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"mode": "w"}, r"mode must be 'r' or 'r\+', got 'w'"),
+    ({"mode": "a"}, r"mode must be 'r' or 'r\+', got 'a'"),
+    ({"cache_bytes": -5}, r"cache_bytes must be an int >= 0, got -5"),
+    ({"cache_bytes": "x"}, r"cache_bytes must be an int >= 0, got 'x'"),
+    ({"batch_rows": 0}, r"batch_rows must be an int >= 1, got 0"),
+    ({"chunk_rows": 0}, r"chunk_rows must be an int in \[1, 16777216\], got 0"),
+    ({"compression": "bogus"}, r"compression must be one of"),
+])
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, pattern):
+    """Also the returned buffer's mode and cache_bytes, which the import itself only uses at the end."""
+    np.savez(tmp_path / "a.npz", observations=np.ones((5, 2)))
+    with pytest.raises(ValueError, match=pattern):
+        import_dataset(tmp_path / "a.npz", tmp_path / "dest", progress=False, **kwargs)
+    assert sorted(os.listdir(tmp_path)) == ["a.npz"]

@@ -71,7 +71,7 @@ import time
 from typing import Any
 
 from ..buffer import ReplayBuffer
-from ..buffer.setup import replaceable_location
+from ..buffer.setup import check_open_options, replaceable_location
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
@@ -114,14 +114,15 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         The imported buffer, opened with ``mode``.
 
     Raises:
-        ValueError: ``format`` is not one of `FORMATS`, or ``batch_rows`` is not a positive int.
+        ValueError: ``format`` is not one of `FORMATS`, ``batch_rows`` is not a positive int,
+            ``mode`` or ``cache_bytes`` not usable (all checked before anything is written).
         ImportFormatError: the source format is unknown or the file does not follow it.
         FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists.
         ImportError: h5py is needed (HDF5 / Minari sources) or pyarrow (Parquet, Minari arrow)
             and not installed.
     """
     src, dest = os.fspath(src), os.fspath(dest)
-    check_int(batch_rows, "batch_rows", 1)
+    _check_arguments(batch_rows, mode, cache_bytes, storage_options)
     require_source(src)
     fmt = format or detect_format(src)
     partial = partial_url(dest)
@@ -140,6 +141,17 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         raise
     extra: dict[str, Any] = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
     return ReplayBuffer.open(dest, mode, storage_options=storage_options, **extra)
+
+
+def _check_arguments(batch_rows: int, mode: str, cache_bytes: int | None, storage_options: dict | None) -> None:
+    """Raises ValueError for an argument of `import_dataset` that is not usable, before the import
+    starts (the returned buffer's ``mode`` and ``cache_bytes`` too: they are used only at the end)."""
+    check_int(batch_rows, "batch_rows", 1)
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    if cache_bytes is not None:
+        check_int(cache_bytes, "cache_bytes", 0)
+    check_open_options(None, None, None, storage_options)
 
 
 def slice_rows(source: Source, src: str, batch_rows: int) -> int:
