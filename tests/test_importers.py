@@ -17,7 +17,7 @@ from conftest import dir_snapshot
 import diskreplay as dr
 import diskreplay.offline.export as export_module
 from diskreplay import offline as importers
-from diskreplay.errors import BufferExistsError, NotABufferError
+from diskreplay.errors import BufferExistsError, LockedError, NotABufferError
 from diskreplay.offline import (
     INCOMPLETE_KEY,
     ImportFormatError,
@@ -432,6 +432,10 @@ def test_killed_import_leaves_dest_as_it_was(tmp_path, overwrite):
     try:
         assert proc.stdout.readline().strip() == "started"
         assert any((partial / "obs").glob("c.0.*"))  # rows were written next to dest
+        written = dir_snapshot(str(partial))
+        with pytest.raises(LockedError):  # a second import into dest while this one runs
+            import_dataset(tmp_path / "npy", dest, overwrite=True, progress=False)
+        assert dir_snapshot(str(partial)) == written
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -103,9 +103,11 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
             ``"npz"``; pass ``"d4rl"`` to also derive a missing ``next_obs``).
         chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
             ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
-        batch_rows: rows read from the source (and written) per slice: bounds memory.
+        batch_rows: rows read from the source (and written) per slice: bounds memory. Lowered
+            so that a slice holds at most `IMPORT_BATCH_BYTES`.
         progress: show a tqdm progress bar (rows, rows/s) on stderr when tqdm is installed.
-        overwrite: replace an existing buffer (or an interrupted import) at ``dest``.
+        overwrite: replace an existing buffer (or an interrupted import) at ``dest``, once the
+            import has finished: a failing import leaves it as it was.
         mode: mode of the returned buffer ("r", or "r+" to keep adding rows).
         storage_options: fsspec options for a remote ``dest``.
         cache_bytes: chunk cache of the returned buffer (default: the library's default).
@@ -116,8 +118,12 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
     Raises:
         ValueError: ``format`` is not one of `FORMATS`, ``batch_rows`` is not a positive int,
             ``mode`` or ``cache_bytes`` not usable (all checked before anything is written).
-        ImportFormatError: the source format is unknown or the file does not follow it.
-        FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists.
+        ImportFormatError: the source format is unknown or the file does not follow it (the
+            message names the file and the field). CorruptBufferError: a diskreplay buffer source
+            is damaged.
+        FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists (without
+            ``overwrite``), or holds other files than a buffer. LockedError: a live writer holds
+            the buffer at ``dest``, or another import into ``dest`` is running.
         ImportError: h5py is needed (HDF5 / Minari sources) or pyarrow (Parquet, Minari arrow)
             and not installed.
     """
