@@ -559,13 +559,16 @@ def minari_h5_rewards(value):
     return case
 
 
-def zarr_group(tmp_path, shape_text: str | None = None, corrupt: bool = False) -> str:
+def zarr_group(tmp_path, shape_text: str | None = None, corrupt: bool = False, big_metadata: bool = False) -> str:
     """A plain Zarr group of one observations array (100 x 3 float32, chunks of 10 rows)."""
     zarr = pytest.importorskip("zarr")
     group = zarr.open_group(str(tmp_path / "z"), mode="w")
     group.create_array("observations", shape=(100, 3), chunks=(10, 3), dtype="f4")[:] = np.ones((100, 3))
     if corrupt:
         (tmp_path / "z" / "observations" / "c" / "3" / "0").write_bytes(b"garbage")
+    if big_metadata:
+        with open(tmp_path / "z" / "observations" / "zarr.json", "r+b") as f:
+            f.truncate(MAX_METADATA_BYTES + 1)  # sparse: no disk used
     if shape_text is not None:
         meta = tmp_path / "z" / "observations" / "zarr.json"
         meta.write_text(meta.read_text().replace('"shape": [\n    100,\n    3\n  ]', f'"shape": {shape_text}'))
@@ -606,6 +609,8 @@ HOSTILE = {
     "minari-h5-rewards-group": minari_h5_rewards(None),
     "zarr-corrupt-chunk": lambda p: (zarr_group(p, corrupt=True),
                                      r"z': array 'observations': rows from 0 do not decode \(.*Zstd"),
+    "zarr-metadata-too-large": lambda p: (zarr_group(p, big_metadata=True),
+                                          rf"z': observations/zarr\.json has {MAX_METADATA_BYTES + 1:,} bytes"),
     "zarr-shape-1e999": lambda p: (zarr_group(p, "[1e999, 3]"), r"z' is neither a diskreplay buffer nor a Zarr group"),
     "zarr-row-of-4-tib": lambda p: (zarr_group(p, "[100, 1099511627776]"),
                                     r"z': array 'observations': rows of shape \(1099511627776,\) of float32 hold "

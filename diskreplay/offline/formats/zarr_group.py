@@ -12,8 +12,9 @@ import zarr
 
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
-from ...format.keys import BUFFER_MARKERS, COMMIT_KEY
+from ...format.keys import BUFFER_MARKERS, COMMIT_KEY, GROUP_KEY, MAX_METADATA_BYTES
 from ...format.schema import Field
+from ...io import is_local, local_path
 from ...sampling import Uniform
 from ...storage import own_stores
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags, field_for
@@ -41,6 +42,7 @@ class ZarrSource(ColumnsSource):
         if marker is not None:
             raise NotABufferError(describe_incomplete(src, marker))
         self.src = src
+        check_metadata_sizes(src)
         try:
             group = zarr.open_group(src, mode="r")
             self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
@@ -77,6 +79,19 @@ class ZarrSource(ColumnsSource):
         """Releases the files the source holds open."""
         if self.buffer is not None:
             self.buffer.close()
+
+
+def check_metadata_sizes(src: str) -> None:
+    """Refuses (ImportFormatError) a local plain group whose ``zarr.json``, or one of its members',
+    holds more than `MAX_METADATA_BYTES`: zarr would read it whole."""
+    if not is_local(src) or not os.path.isdir(local_path(src)):
+        return
+    root = local_path(src)
+    for key in (GROUP_KEY, *(f"{name}/{GROUP_KEY}" for name in sorted(os.listdir(root)))):
+        path = os.path.join(root, key)
+        if os.path.isfile(path) and os.path.getsize(path) > MAX_METADATA_BYTES:
+            raise ImportFormatError(f"{src!r}: {key} has {os.path.getsize(path):,} bytes, expected at most "
+                                    f"{MAX_METADATA_BYTES:,}")
 
 
 def checked_field(where: str, field: Field) -> Field:
