@@ -47,6 +47,12 @@ Refused sources (`ImportFormatError`, raised before ``dest`` is touched):
   itemsize`` bytes), so no header can make the import allocate or read more than the data held;
   object arrays; a Fortran-ordered ``.npz`` member of more than `FORTRAN_WHOLE_BYTES` (its rows
   are not contiguous: it could only be read whole; save it C-ordered). Smaller ones are read whole.
+* Damaged files: a zip that does not open (or a member name that is not UTF-8), an encrypted or
+  unsupported member, a ``.npy`` header that does not parse or has a negative size, metadata
+  (``metadata.json``, a plain Zarr group's ``zarr.json``) over `MAX_METADATA_BYTES` or not a JSON
+  object, a Box shape that is not a list of ints >= 0, episode folders that are not ASCII ids.
+  Damage found only while streaming (a bad CRC, corrupt compressed data, a column whose type
+  changes) is an ImportFormatError too; what was written is then removed.
 
 Sizes read from a source are checked before anything is allocated for them: a field's rows hold
 at most `MAX_IMPORT_ROW_BYTES` (`diskreplay.offline.source.field_for`), and a slice holds at most
