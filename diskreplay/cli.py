@@ -100,9 +100,10 @@ def _add_import(sub: Subcommands) -> None:
                        help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, Parquet, zarr) "
                             "into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
-                                   "slices of --batch-rows rows. DEST only becomes a buffer when the import "
-                                   "finishes: an interrupted import cannot be opened (re-run with --overwrite). "
-                                   + NAMING)
+                                   "slices of --batch-rows rows (at most 32 MiB each). The rows are written to "
+                                   "DEST.import-partial and moved to DEST when the import finishes: a failed or "
+                                   "interrupted import leaves DEST as it was (with --overwrite too); the next "
+                                   "import into DEST replaces what an interrupted one left. " + NAMING)
     p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5 or .npz, Minari dataset folder, .npz, folder of "
                                               ".npy, LeRobot / HF .parquet file or folder, or a diskreplay "
                                               "buffer / zarr group")
@@ -115,7 +116,8 @@ def _add_import(sub: Subcommands) -> None:
     p.add_argument("--compression", choices=("zstd", "lz4", "lz4hc", "none"), default="zstd",
                    help="chunk codec (default zstd; lz4hc: slower to write, faster to read than lz4)")
     p.add_argument("--batch-rows", type=_positive_int, default=65536,
-                   help="rows read per slice; bounds memory (default 65536)")
+                   help="rows read per slice, fewer where they would hold over 32 MiB; bounds memory "
+                        "(default 65536)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing buffer or interrupted import at DEST")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_cmd_import)

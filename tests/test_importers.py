@@ -12,11 +12,12 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import dir_snapshot
 
 import diskreplay as dr
 import diskreplay.offline.export as export_module
 from diskreplay import offline as importers
-from diskreplay.errors import BufferExistsError, NotABufferError
+from diskreplay.errors import BufferExistsError, LockedError, NotABufferError
 from diskreplay.offline import (
     INCOMPLETE_KEY,
     ImportFormatError,
@@ -447,30 +448,77 @@ KILLED_IMPORT = textwrap.dedent("""
             yield item
     importers.NpyFolderSource.batches = slow
     importers.import_dataset(sys.argv[1], sys.argv[2], batch_rows=100, chunk_rows=64, progress=False,
-                             overwrite=True)
+                             overwrite=sys.argv[3] == "overwrite")
 """)
 
 
-def test_killed_import_does_not_open(tmp_path):
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_killed_import_leaves_dest_as_it_was(tmp_path, overwrite):
+    """An import killed hard wrote only next to dest: dest is as it was (the old buffer, byte for
+    byte, or nothing); what it wrote is marked and never opens; the next import replaces it."""
     os.makedirs(tmp_path / "npy")
     np.save(tmp_path / "npy" / "obs.npy", np.arange(2000, dtype=np.float32).reshape(1000, 2))
-    dest = tmp_path / "b"
-    # an old buffer at dest: the import replaces it (overwrite=True) and is then killed
-    dr.ReplayBuffer.create(dest, {"x": dr.Field((), "int8")}).close()
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_IMPORT, str(tmp_path / "npy"), str(dest)],
-                            stdout=subprocess.PIPE, text=True)
+    dest, partial = tmp_path / "b", tmp_path / "b.import-partial"
+    if overwrite:
+        dr.ReplayBuffer.create(dest, {"x": dr.Field((), "int8")}).close()
+    before = dir_snapshot(str(dest))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_IMPORT, str(tmp_path / "npy"), str(dest),
+                             "overwrite" if overwrite else "new"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
-        assert any((dest / "obs").glob("c.0.*"))  # rows were written...
+        assert any((partial / "obs").glob("c.0.*"))  # rows were written next to dest
+        written = dir_snapshot(str(partial))
+        with pytest.raises(LockedError):  # a second import into dest while this one runs
+            import_dataset(tmp_path / "npy", dest, overwrite=True, progress=False)
+        assert dir_snapshot(str(partial)) == written
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with pytest.raises(NotABufferError):  # ...but dest is not a buffer
-        dr.ReplayBuffer.open(dest)
-    marker = import_status(str(dest))
+    assert dir_snapshot(str(dest)) == before and dest.exists() == overwrite
+    with pytest.raises(NotABufferError):
+        dr.ReplayBuffer.open(partial)
+    marker = import_status(str(partial))
     assert marker is not None and marker["source"] == str(tmp_path / "npy")
-    with pytest.raises(BufferExistsError, match="interrupted import"):
-        import_dataset(tmp_path / "npy", dest, progress=False)
-    buf = import_dataset(tmp_path / "npy", dest, overwrite=True, progress=False)
+    if overwrite:
+        assert dr.ReplayBuffer.open(dest).fields == {"x": dr.Field((), "int8")}
+        with pytest.raises(BufferExistsError, match="already exists"):
+            import_dataset(tmp_path / "npy", dest, progress=False)
+    buf = import_dataset(tmp_path / "npy", dest, overwrite=overwrite, progress=False)
     assert len(buf) == 1000 and import_status(str(dest)) is None
     np.testing.assert_array_equal(rows_of(buf)["obs"], np.arange(2000).reshape(1000, 2))
+    assert sorted(os.listdir(tmp_path)) == ["b", "npy"]
+
+
+def write_frames_npz(path, rows: int, shape: tuple[int, ...], dtype: str) -> None:
+    """An .npz of ``observations`` (row i filled with i % 251) and ``rewards``, written a row at a
+    time (the test never holds the frames)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("observations.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array_header_1_0(member, {"descr": np.dtype(dtype).str, "fortran_order": False,
+                                                          "shape": (rows, *shape)})
+            for i in range(rows):
+                member.write(np.full(shape, i % 251, dtype).tobytes())
+        with zf.open("rewards.npy", "w") as member:
+            np.save(member, np.arange(rows, dtype=np.float32))
+
+
+@pytest.mark.parametrize("rows, shape, dtype", [(1024, (256, 256, 4), "uint8"), (600, (100_000,), "uint8"),
+                                                (64, (1024, 1024), "float32")])
+def test_large_rows_import_with_memory_bounded_by_bytes(tmp_path, rows, shape, dtype):
+    """Slices and write staging are sized by bytes, not by batch_rows (65,536 rows of 256 KiB frames
+    would be 16 GiB): 256 MiB of frames import within a fraction of their size."""
+    write_frames_npz(tmp_path / "frames.npz", rows, shape, dtype)
+    tracemalloc.start()
+    try:
+        import_dataset(tmp_path / "frames.npz", tmp_path / "b", progress=False, cache_bytes=2**20).close()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 160 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+    buf = dr.ReplayBuffer.open(tmp_path / "b", cache_bytes=2**20)
+    assert len(buf) == rows and buf.fields["obs"] == dr.Field(shape, dtype)
+    picked = np.array([0, 1, rows // 2, rows - 1])
+    got = buf[picked]
+    np.testing.assert_array_equal(got["obs"], np.stack([np.full(shape, i % 251, dtype) for i in picked]))
+    np.testing.assert_array_equal(got["reward"], picked.astype(np.float32))
+    assert sorted(os.listdir(tmp_path)) == ["b", "frames.npz"]

@@ -139,6 +139,16 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
     delete what is not a buffer, or one a live writer holds: of a sharded buffer, any shard's),
     then remove it (retried remotely). Raises NotABufferError for a local path that runs into a
     loop of symbolic links or ends in a link to nothing."""
+    store = replaceable_location(url, storage_options, overwrite, break_lock, retry)
+    if store is not None:
+        store.clear()
+
+
+def replaceable_location(url: str, storage_options: Mapping[str, Any] | None, overwrite: bool,
+                         break_lock: bool, retry: RetryPolicy | None) -> ChunkStore | None:
+    """The store at ``url`` when it holds a buffer that `prepare_location` would remove, None when
+    there is nothing to remove; the checks of `prepare_location` (BufferExistsError, LockedError),
+    nothing removed. Raises NotABufferError as `prepare_location`."""
     problem = broken_path(url)
     if problem is not None:
         raise NotABufferError(f"{url!r} cannot hold a buffer ({problem})")
@@ -146,7 +156,7 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
     if is_local(url):
         path = local_path(url)
         if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
-            return
+            return None
         if not overwrite:
             raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
         _require_buffer_or_empty(path)
@@ -154,11 +164,11 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
     else:
-        return
+        return None
     root = read_sharded_root(store, url)
     for location in [url] if root is None else [shard_url(url, shard) for shard in range(root.count)]:
         check_unlocked(location, own_stores(location, storage_options), break_lock)
-    store.clear()
+    return store
 
 
 def read_sharded_root(store: ChunkStore, url: str) -> ShardedRoot | None:

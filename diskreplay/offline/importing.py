@@ -47,12 +47,25 @@ Refused sources (`ImportFormatError`, raised before ``dest`` is touched):
   itemsize`` bytes), so no header can make the import allocate or read more than the data held;
   object arrays; a Fortran-ordered ``.npz`` member of more than `FORTRAN_WHOLE_BYTES` (its rows
   are not contiguous: it could only be read whole; save it C-ordered). Smaller ones are read whole.
+* Damaged files: a zip that does not open (or a member name that is not UTF-8), an encrypted or
+  unsupported member, a ``.npy`` header that does not parse or has a negative size, metadata
+  (``metadata.json``, a plain Zarr group's ``zarr.json``) over `MAX_METADATA_BYTES` or not a JSON
+  object, a Box shape that is not a list of ints >= 0, episode folders that are not ASCII ids.
+  Damage found only while streaming (a bad CRC, corrupt compressed data, a column whose type
+  changes) is an ImportFormatError too; what was written is then removed.
 
-Interrupted imports. Rows are written straight into ``dest``, but ``dest`` only becomes a buffer
-at the very end: until then its commit record is written under `INCOMPLETE_KEY` instead of
-``commit.json``, so `ReplayBuffer.open` of a killed import raises `NotABufferError`. An import
-that fails with a Python exception removes ``dest``; one killed hard leaves it marked: import
-again with ``overwrite=True``. There is no resume.
+Sizes read from a source are checked before anything is allocated for them: a field's rows hold
+at most `MAX_IMPORT_ROW_BYTES` (`diskreplay.offline.source.field_for`), and a slice holds at most
+`IMPORT_BATCH_BYTES` of rows (``batch_rows`` is lowered to fit), so the write staging is bounded too.
+
+Failed and interrupted imports. The whole plan (the source's fields, the new buffer's arguments,
+``dest``) is checked before anything is written. Rows are then written next to ``dest``, at
+``<dest>.import-partial`` (`diskreplay.offline.partial`), whose commit record is written under
+`INCOMPLETE_KEY` instead of ``commit.json`` until the last row: `ReplayBuffer.open` of it raises
+`NotABufferError`. Only a finished import is moved to ``dest`` (replacing the buffer there with
+``overwrite=True``). An import that fails with a Python exception removes what it wrote and leaves
+``dest`` as it was; one killed hard leaves ``dest`` as it was too, and its ``.import-partial``
+until the next import into ``dest`` replaces it. There is no resume.
 """
 
 from __future__ import annotations
@@ -64,16 +77,20 @@ import time
 from typing import Any
 
 from ..buffer import ReplayBuffer
+from ..buffer.setup import check_open_options, replaceable_location
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
-from ..io import open_chunkstore
 from ..io.lock import break_lock, lock_holder
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows, own_stores
 from .formats import detect_format, open_source
+from .partial import claim_partial, partial_url, remove_partial, swap_in
 from .progress import progress_bar
-from .source import Source, require_source
+from .source import ImportFormatError, Source, require_source
 from .status import INCOMPLETE_KEY, describe_incomplete, import_status
+
+IMPORT_BATCH_BYTES = 32 << 20
+"""The most bytes of rows an import reads (and writes) per slice: ``batch_rows`` is lowered to fit."""
 
 
 def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
@@ -92,9 +109,11 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
             ``"npz"``; pass ``"d4rl"`` to also derive a missing ``next_obs``).
         chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
             ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
-        batch_rows: rows read from the source (and written) per slice: bounds memory.
+        batch_rows: rows read from the source (and written) per slice: bounds memory. Lowered
+            so that a slice holds at most `IMPORT_BATCH_BYTES`.
         progress: show a tqdm progress bar (rows, rows/s) on stderr when tqdm is installed.
-        overwrite: replace an existing buffer (or an interrupted import) at ``dest``.
+        overwrite: replace an existing buffer (or an interrupted import) at ``dest``, once the
+            import has finished: a failing import leaves it as it was.
         mode: mode of the returned buffer ("r", or "r+" to keep adding rows).
         storage_options: fsspec options for a remote ``dest``.
         cache_bytes: chunk cache of the returned buffer (default: the library's default).
@@ -103,49 +122,85 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         The imported buffer, opened with ``mode``.
 
     Raises:
-        ValueError: ``format`` is not one of `FORMATS`, or ``batch_rows`` is not a positive int.
-        ImportFormatError: the source format is unknown or the file does not follow it.
-        FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists.
+        ValueError: ``format`` is not one of `FORMATS`, ``batch_rows`` is not a positive int,
+            ``mode`` or ``cache_bytes`` not usable (all checked before anything is written).
+        ImportFormatError: the source format is unknown or the file does not follow it (the
+            message names the file and the field). CorruptBufferError: a diskreplay buffer source
+            is damaged.
+        FileNotFoundError: ``src`` does not exist. BufferExistsError: ``dest`` exists (without
+            ``overwrite``), or holds other files than a buffer. LockedError: a live writer holds
+            the buffer at ``dest``, or another import into ``dest`` is running.
         ImportError: h5py is needed (HDF5 / Minari sources) or pyarrow (Parquet, Minari arrow)
             and not installed.
     """
     src, dest = os.fspath(src), os.fspath(dest)
-    check_int(batch_rows, "batch_rows", 1)
+    _check_arguments(batch_rows, mode, cache_bytes, storage_options)
     require_source(src)
     fmt = format or detect_format(src)
+    partial = partial_url(dest)
     with open_source(fmt, src, int(batch_rows)) as source:
+        source.batch_rows = slice_rows(source, src, int(batch_rows))
         _check_destination(dest, overwrite, storage_options)
-        buf = _create_destination(source, dest, chunk_rows, compression, int(batch_rows), overwrite,
-                                  storage_options)
+        claim_partial(partial, storage_options)
+        buf = _create_partial(source, partial, chunk_rows, compression, storage_options)
         marker = {"source": src, "format": fmt, "started": time.time(), "pid": os.getpid(),
                   "host": socket.gethostname()}
-        _copy_rows(source, buf, dest, marker, progress, storage_options)
+        _copy_rows(source, buf, partial, marker, progress, storage_options)
+    try:
+        swap_in(partial, dest, overwrite, storage_options)
+    except BaseException:
+        remove_partial(partial, storage_options)
+        raise
     extra: dict[str, Any] = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
     return ReplayBuffer.open(dest, mode, storage_options=storage_options, **extra)
 
 
-def _create_destination(source: Source, dest: str, chunk_rows: int | None, compression: str | None,
-                        batch_rows: int, overwrite: bool, storage_options: dict | None) -> ReplayBuffer:
-    """The new, uncommitted buffer at ``dest``, its cache sized as write staging: the chunks of
-    two slices per lane, not the default read cache."""
+def _check_arguments(batch_rows: int, mode: str, cache_bytes: int | None, storage_options: dict | None) -> None:
+    """Raises ValueError for an argument of `import_dataset` that is not usable, before the import
+    starts (the returned buffer's ``mode`` and ``cache_bytes`` too: they are used only at the end)."""
+    check_int(batch_rows, "batch_rows", 1)
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    if cache_bytes is not None:
+        check_int(cache_bytes, "cache_bytes", 0)
+    check_open_options(None, None, None, storage_options)
+
+
+def slice_rows(source: Source, src: str, batch_rows: int) -> int:
+    """Rows per slice: ``batch_rows``, lowered so that a slice holds at most `IMPORT_BATCH_BYTES`
+    (at least one row). Raises ImportFormatError when the source has no field to import."""
+    if not source.fields:
+        raise ImportFormatError(f"{src!r}: no field to import (every column was skipped)")
+    row_bytes = sum(f.row_bytes for f in source.fields.values())
+    return max(1, min(batch_rows, IMPORT_BATCH_BYTES // max(row_bytes, 1)))
+
+
+def _create_partial(source: Source, partial: str, chunk_rows: int | None, compression: str | None,
+                    storage_options: dict | None) -> ReplayBuffer:
+    """The new, uncommitted buffer at ``partial``, its cache sized as write staging: the chunks of
+    two slices, and two per lane, not the default read cache. Removes ``partial`` if that fails."""
     row_bytes = sum(f.row_bytes for f in source.fields.values())
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(Schema(source.fields), source.num_envs, max(source.rows, 1),
                                         DEFAULT_CACHE_BYTES, compression is None)
-    staging_chunks = 2 * -(-batch_rows // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
-    return ReplayBuffer.create(dest, source.fields, None, num_envs=source.num_envs,
-                               chunk_rows=chunk_rows, compression=compression, overwrite=overwrite,
-                               storage_options=storage_options, commit=False,
-                               cache_bytes=staging_chunks * int(chunk_rows) * row_bytes)
-
-
-def _copy_rows(source: Source, buf: ReplayBuffer, dest: str, marker: dict, progress: bool,
-               storage_options: dict | None) -> None:
-    """Writes every slice of ``source`` into ``buf`` (at ``dest``) under the incomplete-import
-    ``marker``, then commits (``dest`` becomes a buffer) and closes it; on any failure removes ``dest``."""
-    store = own_stores(dest, storage_options)[0]  # the new buffer's own objects
-    store.put(INCOMPLETE_KEY, json.dumps(marker).encode(), durable=True)
+    staging_chunks = 2 * -(-source.batch_rows // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
     try:
+        return ReplayBuffer.create(partial, source.fields, None, num_envs=source.num_envs,
+                                   chunk_rows=chunk_rows, compression=compression, overwrite=True,
+                                   storage_options=storage_options, commit=False,
+                                   cache_bytes=staging_chunks * int(chunk_rows) * row_bytes)
+    except BaseException:
+        remove_partial(partial, storage_options)
+        raise
+
+
+def _copy_rows(source: Source, buf: ReplayBuffer, partial: str, marker: dict, progress: bool,
+               storage_options: dict | None) -> None:
+    """Writes every slice of ``source`` into ``buf`` (at ``partial``) under the incomplete-import
+    ``marker``, then commits and closes it; on any failure removes ``partial``."""
+    try:
+        store = own_stores(partial, storage_options)[0]  # the new buffer's own objects
+        store.put(INCOMPLETE_KEY, json.dumps(marker).encode(), durable=True)
         with progress_bar(source.rows, f"import {marker['format']}", progress) as bar:
             for lane, batch in source.batches():
                 count = len(next(iter(batch.values())))
@@ -154,34 +209,25 @@ def _copy_rows(source: Source, buf: ReplayBuffer, dest: str, marker: dict, progr
                 else:
                     buf.extend({k: v[:, None] for k, v in batch.items()}, env_ids=[lane])
                 bar.update(count)
-        buf.flush()  # writes the last chunks, then the first commit.json: dest becomes a buffer here
+        buf.flush()  # writes the last chunks, then the first commit.json
         store.delete(INCOMPLETE_KEY)
         buf.close()
     except BaseException:
         buf.storage.close()
-        _remove_failed(dest, storage_options)
+        remove_partial(partial, storage_options)
         raise
 
 
 def _check_destination(dest: str, overwrite: bool, storage_options: dict | None) -> None:
-    """Refuses (BufferExistsError) an interrupted import at ``dest`` unless ``overwrite``; with it,
-    breaks the lock the killed import left behind if that lock is stale."""
+    """Refuses (BufferExistsError) anything at ``dest`` unless ``overwrite``; with it, anything but a
+    buffer or an interrupted import (BufferExistsError) and a buffer a live writer holds
+    (LockedError). Breaks the stale lock of an import killed while writing at ``dest`` itself."""
     marker = import_status(dest, storage_options)
-    if marker is None:
-        return
-    if not overwrite:
+    if marker is not None and not overwrite:
         raise BufferExistsError(describe_incomplete(dest, marker))
-    stores = own_stores(dest, storage_options)
-    holder = lock_holder(dest, stores)
-    if holder is not None and holder.stale_reason():
-        break_lock(dest, stores)
-
-
-def _remove_failed(dest: str, storage_options: dict | None) -> None:
-    """Best effort: delete what a failed import wrote (only if it is still marked incomplete)."""
-    try:
-        if import_status(dest, storage_options) is None:
-            return
-        open_chunkstore(dest, storage_options).clear()
-    except Exception:
-        pass
+    if marker is not None:
+        stores = own_stores(dest, storage_options)
+        holder = lock_holder(dest, stores)
+        if holder is not None and holder.stale_reason():
+            break_lock(dest, stores)
+    replaceable_location(dest, storage_options, overwrite, False, None)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 import warnings
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
 
 from .source import ImportFormatError
 
+STREAM_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError)
+"""What a damaged zip member raises while it is read (bad CRC, corrupt or cut deflate data)."""
+READ_PIECE_BYTES = 1 << 20
 FORTRAN_WHOLE_BYTES = 16 * 2**20  # a Fortran-ordered .npz member up to this size is read whole, larger refused
 
 
@@ -20,11 +25,16 @@ def npy_header(fileobj: Any, size: int, where: str) -> tuple[tuple[int, ...], bo
     stream holds (nothing is allocated on a header's word).
     """
     fmt = np.lib.format
-    version = fmt.read_magic(fileobj)
-    if version == (1, 0):
-        shape, fortran, dtype = fmt.read_array_header_1_0(fileobj)
-    else:
-        shape, fortran, dtype = fmt.read_array_header_2_0(fileobj)
+    try:
+        version = fmt.read_magic(fileobj)
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(fileobj)
+        else:
+            shape, fortran, dtype = fmt.read_array_header_2_0(fileobj)
+    except (ValueError, TypeError, SyntaxError, *STREAM_ERRORS) as e:
+        raise ImportFormatError(f"{where}: not a valid .npy header ({e})") from None
+    if not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ImportFormatError(f"{where}: the header's shape {tuple(shape)} has a negative size")
     if dtype.hasobject:
         raise ImportFormatError(f"{where}: object arrays cannot be imported")
     if not shape:
@@ -57,21 +67,37 @@ class NpyStream:
                                     f"could only be read whole; expected C order above "
                                     f"{FORTRAN_WHOLE_BYTES} bytes: save it as np.ascontiguousarray(array)")
         warnings.warn(f"{self.where}: Fortran-ordered, read whole into memory", stacklevel=4)
-        data = np.frombuffer(self.file.read(nbytes), dtype=self.dtype)
-        return data.reshape(tuple(reversed(self.shape))).transpose()
+        data = np.empty(tuple(reversed(self.shape)), self.dtype)
+        if self._fill(data.reshape(-1).view(np.uint8)) != nbytes:
+            raise ImportFormatError(f"{self.where}: truncated data (fewer than {nbytes} bytes)")
+        return data.transpose()
 
     def read(self, rows: int) -> np.ndarray:
         """The next ``rows`` rows (fewer at the end). Raises ImportFormatError if the data is cut short."""
         if self.whole is not None:
             out = self.whole[self.pos:self.pos + rows]
         else:
-            blob = self.file.read(rows * self.row_bytes)
-            got = len(blob) // max(self.row_bytes, 1)
-            if got != min(rows, self.shape[0] - self.pos):
-                raise ImportFormatError(f"{self.where}: truncated data ({got} of {rows} rows read)")
-            out = np.frombuffer(blob, dtype=self.dtype).reshape((got, *self.shape[1:]))
+            out = np.empty((min(rows, self.shape[0] - self.pos), *self.shape[1:]), self.dtype)
+            got = self._fill(out.reshape(-1).view(np.uint8)) // max(self.row_bytes, 1)
+            if got != len(out):
+                raise ImportFormatError(f"{self.where}: truncated data ({got} of {len(out)} rows read)")
         self.pos += len(out)
         return out
+
+    def _fill(self, out: np.ndarray) -> int:
+        """Reads into the bytes ``out`` a piece of at most `READ_PIECE_BYTES` at a time (a zip
+        member's ``read(n)`` holds about three times ``n``); returns the bytes read."""
+        done = 0
+        try:
+            while done < len(out):
+                piece = self.file.read(min(READ_PIECE_BYTES, len(out) - done))
+                if not piece:
+                    break
+                out[done:done + len(piece)] = np.frombuffer(piece, np.uint8)
+                done += len(piece)
+        except STREAM_ERRORS as e:
+            raise ImportFormatError(f"{self.where}: corrupt data ({e})") from None
+        return done
 
     def close(self) -> None:
         """Closes the underlying stream."""

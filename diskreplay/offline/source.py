@@ -10,12 +10,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..errors import DiskReplayError
+from ..errors import CorruptBufferError, DiskReplayError
+from ..format.keys import MAX_METADATA_BYTES, json_object
 from ..format.schema import ALLOWED_DTYPES, Field
 from ..io import is_local, local_path
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
 
 Batch = dict[str, np.ndarray]
+MAX_IMPORT_ROW_BYTES = 64 << 20
+"""The largest row of one field a source may hold (a 4096 x 4096 RGBA frame); larger ones are
+refused before anything is allocated for them."""
 
 
 class ImportFormatError(DiskReplayError, ValueError):
@@ -25,10 +29,12 @@ class ImportFormatError(DiskReplayError, ValueError):
 class Source:
     """A dataset being read: its fields, lanes, total rows and a stream of row slices.
 
-    Subclasses set ``fields`` and ``rows`` (all lanes together) when opened.
+    Subclasses set ``fields``, ``rows`` (all lanes together) and ``batch_rows`` (rows per slice,
+    which the importer may lower before the first `batches`) when opened.
     """
 
     fields: dict[str, Field]
+    batch_rows: int
     num_envs: int = 1
     rows: int
 
@@ -113,10 +119,32 @@ def file_magic(path: str) -> bytes:
         return f.read(8)
 
 
+def json_file(path: str) -> dict:
+    """The JSON object in the file ``path``, read whole only when it holds at most
+    `MAX_METADATA_BYTES`. Raises ImportFormatError naming the file for a larger one, one that is
+    not UTF-8 JSON, or not an object."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_METADATA_BYTES:
+            raise ImportFormatError(f"{path!r} has {size:,} bytes, expected a JSON document of at most "
+                                    f"{MAX_METADATA_BYTES:,}")
+        blob = f.read(MAX_METADATA_BYTES + 1)
+    try:
+        return json_object(blob, os.path.basename(path), os.path.dirname(path))
+    except CorruptBufferError as e:
+        raise ImportFormatError(str(e)) from None
+
+
 def field_for(name: str, shape: tuple[int, ...], dtype: np.dtype, where: str) -> Field | None:
     """The field storing rows of ``shape`` and ``dtype``, or None (with a warning naming ``where``)
-    when the dtype cannot be stored or the rows hold no values."""
+    when the dtype cannot be stored or the rows hold no values. Raises ImportFormatError (naming
+    ``where``) for a negative size or rows of more than `MAX_IMPORT_ROW_BYTES`."""
     dtype = np.dtype(dtype)
+    if not all(isinstance(n, int) and 0 <= n for n in shape):
+        raise ImportFormatError(f"{where}: rows of shape {shape}, expected sizes that are ints >= 0")
+    if math.prod(shape) * dtype.itemsize > MAX_IMPORT_ROW_BYTES:
+        raise ImportFormatError(f"{where}: rows of shape {shape} of {dtype} hold {math.prod(shape) * dtype.itemsize:,} "
+                                f"bytes, expected at most {MAX_IMPORT_ROW_BYTES:,} (64 MiB) per row")
     if dtype.newbyteorder("<") not in ALLOWED_DTYPES and dtype not in ALLOWED_DTYPES:
         warnings.warn(f"{where}: skipped (dtype {dtype} cannot be stored; supported: "
                       f"{[d.name for d in ALLOWED_DTYPES]})", stacklevel=3)

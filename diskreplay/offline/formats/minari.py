@@ -48,16 +48,23 @@ class MinariSource(Source):
         self.episodes = self._checked_episodes(src, file)
         self.rows = 0
         for ep in self.episodes:
-            if "rewards" not in ep:
-                raise ImportFormatError(f"{src!r}: episode {ep.name!r} has no 'rewards'")
-            self.rows += int(ep["rewards"].shape[0])
+            self.rows += self._steps(src, ep)
         self._set_fields(src)
+
+    def _steps(self, src: str, ep: Any) -> int:
+        """The steps of one episode: the length of its ``rewards`` dataset (ImportFormatError if none)."""
+        rewards = ep.get("rewards")
+        if not isinstance(rewards, self.h5py.Dataset) or rewards.ndim != 1:
+            got = "none" if rewards is None else getattr(rewards, "shape", "a group")
+            raise ImportFormatError(f"{src!r}: episode {ep.name!r}: 'rewards' is {got}, expected a dataset of "
+                                    f"one value per step")
+        return int(rewards.shape[0])
 
     def _checked_episodes(self, src: str, file: str) -> list[Any]:
         """The episode groups in id order, after refusing every link that leads out of the file."""
         keyed = []
         for key in self.file:
-            match = re.fullmatch(r"episode_(\d+)", key)
+            match = re.fullmatch(r"episode_([0-9]{1,18})", key)
             if match:
                 keyed.append((int(match.group(1)), key))
         if not keyed:
@@ -72,7 +79,7 @@ class MinariSource(Source):
         self.fields = {}
         first = self.episodes[0]
         self.info_offset: dict[str, int] = {}
-        for name, ds, offset in self._columns(first, first["rewards"].shape[0]):
+        for name, ds, offset in self._columns(first, self._steps(src, first)):
             field = field_for(name, ds.shape[1:], ds.dtype, f"{src!r}: {ds.name!r}")
             if field is not None:
                 self.fields[name] = field
@@ -115,7 +122,7 @@ class MinariSource(Source):
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         pending = PendingSlices(self.batch_rows)
         for ep in self.episodes:
-            steps = int(ep["rewards"].shape[0])
+            steps = self._steps(self.file.filename, ep)
             columns = {name: (ds, off) for name, ds, off in self._columns(ep, steps) if name in self.fields}
             expected = {n for n in self.fields if not n.startswith("next_obs")}
             if set(columns) != expected:

@@ -14,7 +14,9 @@ are read one record batch (or row group) at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +26,7 @@ import numpy as np
 from ...format.schema import Field
 from ...io import local_path
 from ..naming import field_name
-from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for
+from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for, json_file
 from .parquet import _plain, _value_type, require_arrow, require_pyarrow
 
 ARROW_FORMATS = ("arrow", "parquet")
@@ -34,32 +36,40 @@ SHIFTED = ("obs", "info")  # prefixes of columns whose step t is row t + 1 (next
 
 
 def arrow_metadata(path: str) -> dict | None:
-    """The ``data/metadata.json`` of a Minari dataset folder in an arrow data format, or None."""
+    """The ``data/metadata.json`` of a Minari dataset folder in an arrow data format, or None.
+    Raises ImportFormatError when ``data/metadata.json`` is too large or not a JSON object (a
+    ``metadata.json`` in ``path`` itself, which other datasets may have, then just is no Minari's)."""
     for data in (os.path.join(path, "data"), path):
         meta = os.path.join(data, "metadata.json")
-        if os.path.isfile(meta):
-            try:
-                with open(meta) as f:
-                    found = json.load(f)
-            except (OSError, ValueError):
-                return None
-            if isinstance(found, dict) and found.get("data_format") in ARROW_FORMATS:
-                return {**found, "_data": data}
+        if not os.path.isfile(meta):
+            continue
+        try:
+            found = json_file(meta)
+        except ImportFormatError:
+            if data == path:
+                continue
+            raise
+        if found.get("data_format") in ARROW_FORMATS:
+            return {**found, "_data": data}
     return None
 
 
 def box_shape(meta: dict, name: str, stored: tuple[int, ...]) -> tuple[int, ...]:
     """The row shape of field ``name`` (``obs`` or ``action``): its Box space's shape in the
-    dataset's metadata when that holds as many values as the stored (flattened) rows, else ``stored``."""
+    dataset's metadata when that holds as many values as the stored (flattened) rows, else ``stored``.
+    Raises ImportFormatError (naming the file and the space) for a shape that is not a list of ints >= 0."""
     key = {"obs": "observation_space", "action": "action_space"}.get(name)
     try:
         space = json.loads(meta[key]) if key else None
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, RecursionError):
         return stored
     if not isinstance(space, dict) or space.get("type") != "Box" or not isinstance(space.get("shape"), list):
         return stored
-    shape = tuple(int(n) for n in space["shape"])
-    return shape if int(np.prod(shape)) == int(np.prod(stored)) else stored
+    shape = space["shape"]
+    if not all(type(n) is int and 0 <= n for n in shape):
+        raise ImportFormatError(f"{os.path.join(meta['_data'], 'metadata.json')!r}: {key} has shape {shape!r}, "
+                                f"expected a list of ints >= 0")
+    return tuple(shape) if math.prod(shape) == math.prod(stored) else stored
 
 
 class MinariArrowSource(Source):
@@ -87,7 +97,8 @@ class MinariArrowSource(Source):
 
     def _episode_files(self, data: str) -> list[list[str]]:
         """Per episode, in id order, its data files."""
-        ids = sorted(int(d) for d in os.listdir(data) if d.isdigit() and os.path.isdir(os.path.join(data, d)))
+        ids = sorted(episode_id(data, d) for d in os.listdir(data)
+                     if d.isdigit() and os.path.isdir(os.path.join(data, d)))
         if not ids:
             raise ImportFormatError(f"{self.src!r}: no episode folders in {data!r}")
         episodes = []
@@ -191,6 +202,9 @@ class MinariArrowSource(Source):
             except KeyError as e:
                 raise ImportFormatError(f"{file!r}: no column {path[0]!r}") from e
             for index in path[1:]:
+                if not self.pa.types.is_struct(array.type):
+                    raise ImportFormatError(f"{file!r}: column {path[0]!r} has rows of another type than the "
+                                            f"first file's: {array.type}, expected a struct")
                 array = array.flatten()[int(index)]
             values = _plain(file, ".".join(map(str, path)), array, self.stored[name])
             batch[name] = values.reshape(len(values), *self.fields[name].shape)
@@ -200,6 +214,14 @@ class MinariArrowSource(Source):
                 raise ImportFormatError(f"{file!r}: {name!r} is {batch[name].dtype}, "
                                         f"expected {self.fields[name].dtype}")
         return batch
+
+
+def episode_id(data: str, folder: str) -> int:
+    """The episode id an episode folder's name gives; ImportFormatError unless it is 1 to 18 ASCII digits."""
+    if not re.fullmatch(r"[0-9]{1,18}", folder):
+        raise ImportFormatError(f"{data!r}: episode folder {folder!r} is not an episode id, "
+                                f"expected 1 to 18 ASCII digits")
+    return int(folder)
 
 
 def _steps(piece: Batch, following: Batch | None) -> Batch:

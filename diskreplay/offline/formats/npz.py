@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import zipfile
 from collections.abc import Iterator
+from typing import Any
 
 from ...io import local_path
 from ..naming import EXPORT_ATTR
-from ..npyfile import NpyStream
+from ..npyfile import STREAM_ERRORS, NpyStream
 from ..source import (
     Batch,
     ColumnsSource,
@@ -27,15 +28,15 @@ class NpzSource(ColumnsSource):
         self.batch_rows = batch_rows
         try:
             self.zip = zipfile.ZipFile(local_path(src))
-        except zipfile.BadZipFile:
+        except (zipfile.BadZipFile, UnicodeDecodeError, ValueError) as e:
             raise ImportFormatError(f"{src!r} is not an .npz file (not a zip archive); expected an .npz "
-                                    f"written by numpy.savez or 'diskreplay export'") from None
+                                    f"written by numpy.savez or 'diskreplay export' (zipfile: {e})") from None
         self.streams: dict[str, NpyStream] = {}
         try:
             for member in self.zip.namelist():
                 if member.endswith(".npy"):
                     size = self.zip.getinfo(member).file_size
-                    self.streams[member[:-4]] = NpyStream(self.zip.open(member), size, f"{src!r}: {member}")
+                    self.streams[member[:-4]] = NpyStream(self._open_member(src, member), size, f"{src!r}: {member}")
             names = self._setup(src, {k: (s.shape, s.dtype) for k, s in self.streams.items()})
         except BaseException:
             self.close()
@@ -44,6 +45,13 @@ class NpzSource(ColumnsSource):
         self.derive_next = d4rl and derives_next_obs(self.fields, self.zip.comment == EXPORT_ATTR.encode())
         if self.derive_next:
             self.fields["next_obs"] = self.fields["obs"]
+
+    def _open_member(self, src: str, member: str) -> Any:
+        """The stream of one member; ImportFormatError for an encrypted, damaged or unsupported one."""
+        try:
+            return self.zip.open(member)
+        except (zipfile.BadZipFile, RuntimeError, NotImplementedError, *STREAM_ERRORS) as e:
+            raise ImportFormatError(f"{src!r}: {member}: cannot be read ({e})") from None
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""

@@ -257,9 +257,11 @@ def _plain(file: str, column: str, values: Any, shape: tuple[int, ...]) -> np.nd
     if values.null_count:
         raise ImportFormatError(f"{file!r}: column {column!r} holds null values")
     for size in shape:
+        if not hasattr(values, "value_lengths"):
+            raise ImportFormatError(f"{file!r}: column {column!r} has rows of another type than the first "
+                                    f"file's: {values.type}, expected lists of {size}")
         flat = values.flatten()
-        if len(flat) != rows * size or (rows and hasattr(values, "value_lengths")
-                                        and values.value_lengths().to_numpy(zero_copy_only=False).min() != size):
+        if len(flat) != rows * size or (rows and values.value_lengths().to_numpy(zero_copy_only=False).min() != size):
             raise ImportFormatError(f"{file!r}: column {column!r} has rows of another length than {size}")
         if flat.null_count:
             raise ImportFormatError(f"{file!r}: column {column!r} holds null values")

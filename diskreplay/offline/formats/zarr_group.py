@@ -12,10 +12,12 @@ import zarr
 
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
-from ...format.keys import BUFFER_MARKERS, COMMIT_KEY
+from ...format.keys import BUFFER_MARKERS, COMMIT_KEY, GROUP_KEY, MAX_METADATA_BYTES
+from ...format.schema import Field
+from ...io import is_local, local_path
 from ...sampling import Uniform
 from ...storage import own_stores
-from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags
+from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags, field_for
 from ..status import describe_incomplete, import_status
 
 
@@ -27,18 +29,25 @@ class ZarrSource(ColumnsSource):
         self.buffer: ReplayBuffer | None = None
         if any(store.exists(COMMIT_KEY) for store in own_stores(src)):
             self.buffer = ReplayBuffer.open(src, "r", sampler=Uniform(), cache_bytes=8 * 2**20)
-            self.fields = self.buffer.fields
+            try:
+                self.fields = {name: checked_field(f"{src!r}: field {name!r}", field)
+                               for name, field in self.buffer.fields.items()}
+            except BaseException:
+                self.buffer.close()
+                raise
             self.num_envs = self.buffer.num_envs
             self.rows = len(self.buffer)
             return
         marker = import_status(src)
         if marker is not None:
             raise NotABufferError(describe_incomplete(src, marker))
+        self.src = src
+        check_metadata_sizes(src)
         try:
             group = zarr.open_group(src, mode="r")
+            self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
         except Exception as exc:
             raise ImportFormatError(f"{src!r} is neither a diskreplay buffer nor a Zarr group ({exc})") from None
-        self.arrays: dict[str, Any] = {name: arr for name, arr in group.arrays() if arr.ndim >= 1}
         names = self._setup(src, {k: (a.shape, a.dtype) for k, a in self.arrays.items()})
         self.arrays = {names[k]: a for k, a in self.arrays.items()}
 
@@ -46,8 +55,7 @@ class ZarrSource(ColumnsSource):
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
         if self.buffer is None:
             for start in range(0, self.rows, self.batch_rows):
-                yield 0, as_bool_flags({name: np.asarray(self.arrays[name][start:start + self.batch_rows])
-                                        for name in self.fields}, self.fields)
+                yield 0, as_bool_flags({name: self._rows(name, start) for name in self.fields}, self.fields)
             return
         lo, hi = self.buffer.window()
         n = self.num_envs
@@ -56,10 +64,40 @@ class ZarrSource(ColumnsSource):
                 steps = np.arange(start, min(start + self.batch_rows, int(hi[lane])))
                 yield lane, self.buffer[steps * n + lane]
 
+    def _rows(self, name: str, start: int) -> np.ndarray:
+        """Rows ``start`` to ``start + batch_rows`` of a plain group's array; ImportFormatError
+        naming it when they do not decode (I/O errors propagate)."""
+        try:
+            return np.asarray(self.arrays[name][start:start + self.batch_rows])
+        except OSError:
+            raise
+        except Exception as e:
+            raise ImportFormatError(f"{self.src!r}: array {self.arrays[name].path!r}: rows from {start} "
+                                    f"do not decode ({e})") from None
+
     def close(self) -> None:
         """Releases the files the source holds open."""
         if self.buffer is not None:
             self.buffer.close()
+
+
+def check_metadata_sizes(src: str) -> None:
+    """Refuses (ImportFormatError) a local plain group whose ``zarr.json``, or one of its members',
+    holds more than `MAX_METADATA_BYTES`: zarr would read it whole."""
+    if not is_local(src) or not os.path.isdir(local_path(src)):
+        return
+    root = local_path(src)
+    for key in (GROUP_KEY, *(f"{name}/{GROUP_KEY}" for name in sorted(os.listdir(root)))):
+        path = os.path.join(root, key)
+        if os.path.isfile(path) and os.path.getsize(path) > MAX_METADATA_BYTES:
+            raise ImportFormatError(f"{src!r}: {key} has {os.path.getsize(path):,} bytes, expected at most "
+                                    f"{MAX_METADATA_BYTES:,}")
+
+
+def checked_field(where: str, field: Field) -> Field:
+    """A buffer's ``field``, after the checks every imported field passes (`field_for`)."""
+    checked = field_for(where, field.shape, field.dtype, where)
+    return field if checked is None else checked
 
 
 def is_zarr(path: str) -> bool:
