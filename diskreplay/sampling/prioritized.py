@@ -287,8 +287,9 @@ class _LeafRanges:
     @classmethod
     def readable(cls, sampler: Prioritized, lo: np.ndarray, hi: np.ndarray) -> _LeafRanges:
         cap = sampler.layout.lane_capacity
-        if cap is None or (hi - lo == np.minimum(hi, cap)).all():
+        if (lo == (0 if cap is None else np.maximum(hi - cap, 0))).all():  # no row retired (`clear`, a retire commit)
             return cls(sampler)
+        cap = cap or sampler.stride  # a dataset's steps fit its stride: its slots do not wrap
         spans = []
         for lane, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
             first, last, base = a % cap, (b - 1) % cap + 1, lane * sampler.stride
