@@ -187,6 +187,12 @@ def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarra
     return records
 
 
+def set_at(array: np.ndarray, at: int, value: Any) -> np.ndarray:
+    array = array.copy()
+    array[at] = value
+    return array
+
+
 def edit_state(**changes: Any) -> Callable[[str], None]:
     """The buffer's state object, rewritten by `edit_arrays`."""
     return lambda p: edit_arrays(os.path.join(p, OWN, state_key(p)), **changes)
@@ -903,6 +909,17 @@ CASES += [
                     r"got leaf 64",
          template="per",
          prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 64))),
+    # issue 39: priorities of rows that were never committed (a sample would draw them)
+    Case("state-leaves-record-uncommitted-row", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'sampler\.leaves' \(journal record 0\): leaf 25 is slot 25 of lane 0, which holds steps in "
+                    r"slots \[0, 20\) only",
+         template="per",
+         prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 25))),
+    Case("state-leaves-base-uncommitted-row", open_rw, dr.CorruptBufferError,
+         OF_STATE + r"'sampler\.leaves' \(journal base\): leaf 57 \(slot 25 of lane 1\) holds priority 2\.0, but "
+                    r"the lane holds steps in slots \[0, 20\) only",
+         template="per", prepare=lambda p: write(journal_file(p, "sampler.leaves", "base.0"),
+                                                 set_at(np.zeros(64, np.float32), 57, 2.0).tobytes())),
     Case("state-epoch-beyond-commit", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch_lo/epoch_hi': expected 2 steps per lane with 0 <= lo <= hi <= \[20, 20\], "
                     r"got \[0, 0\] and \[25, 20\]",
@@ -990,6 +1007,11 @@ CASES += [
          prepare=snapshot_file("state.json", os.remove)),
     Case("snapshot-missing-arrays", load_snapshot, FileNotFoundError, r"buf-snap/" + SNAP_ARRAYS,
          prepare=snapshot_file("arrays", os.remove)),
+    Case("snapshot-leaves-uncommitted-row", load_snapshot, dr.CorruptBufferError,
+         SNAP_DIR + r": 'sampler\.leaves': leaf 25 \(slot 25 of lane 0\) holds priority 1000000\.0, but the lane "
+                    r"holds steps in slots \[0, 20\) only",
+         template="per",
+         prepare=snapshot_file("arrays", lambda f: edit_arrays(f, **{"sampler.leaves": lambda a: set_at(a, 25, 1e6)}))),
     Case("snapshot-arrays-name-outside", load_snapshot, dr.CorruptBufferError,
          SNAP_FILE + r"state\.json' field 'arrays': expected a file name like 'state-<16 hex>\.safetensors', "
                      r"got '\.\./\.\./victim\.safetensors'",
@@ -1350,6 +1372,10 @@ VERIFY_CASES = {
     "state-json-names-missing-array": r"(does not open read-only: CorruptBufferError: .*)?" + STATE_OBJECT
                                       + r" does not load \(.*'episodes\.nope'",
     "state-json-max-priority-nan": r"does not open read-only: CorruptBufferError: .*'sampler\.max_priority'",
+    "state-leaves-record-uncommitted-row": r"does not open read-only: CorruptBufferError: .*" + OF_STATE
+                                           + r"'sampler\.leaves' \(journal record 0\): leaf 25 is slot 25 of lane 0",
+    "state-leaves-base-uncommitted-row": r"does not open read-only: CorruptBufferError: .*" + OF_STATE
+                                         + r"'sampler\.leaves' \(journal base\): leaf 57",
 }
 
 

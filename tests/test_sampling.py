@@ -617,6 +617,19 @@ def test_resume_prioritized_dataset_mode_trees_grow(tmp_path):
     b.close()
 
 
+def test_a_dataset_stride_too_short_for_its_steps_is_refused(tmp_path):
+    """A saved stride must give every step of a lane a leaf of that lane's own."""
+    buf = make(tmp_path, capacity=None, chunk_rows=4096, sampler=dr.Prioritized())
+    extend(buf, 70_000)
+    state = buf.state_dict()
+    state["sampler"].update(stride=2**16, leaves=state["sampler"]["leaves"][:2**16])
+    with pytest.raises(ValueError, match=r"'sampler\.stride': expected a power of two >= 65536 and >= 70000, the "
+                                         r"most steps of a lane, got 65536"):
+        buf.load_state_dict(state)
+    assert buf.sampler.stride == 2**17
+    buf.close()
+
+
 def test_prioritized_uneven_lanes(tmp_path):
     """Lanes filled unevenly (env_ids subsets) in a ring: only readable rows, P(i) ∝ p_i^alpha."""
     buf = make(tmp_path, capacity=3 * 6, num_envs=3, sampler=dr.Prioritized(alpha=1.0, eps=0.0))
