@@ -187,6 +187,14 @@ def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarra
     return records
 
 
+def nested(depth: int) -> dict:
+    """A JSON object nesting ``depth`` objects."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
 def set_at(array: np.ndarray, at: int, value: Any) -> np.ndarray:
     array = array.copy()
     array[at] = value
@@ -963,6 +971,9 @@ CASES += [
     Case("state-json-epoch-string", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch': expected an int, got 'x'",
          template="wor", prepare=edit_state_json(**{"sampler.epoch": "x"})),
+    Case("state-json-nested-500", open_ro, dr.CorruptBufferError,
+         r"commit\.json nests objects and arrays more than 64 levels deep",
+         prepare=edit_state_json(**{"episodes.extra": nested(500)})),
 ]
 
 # ---- lock files: never trusted; a second writer gets LockedError (never OverflowError), readers open ----
@@ -1005,8 +1016,13 @@ CASES += [
     Case("snapshot-missing-dir", load_snapshot, FileNotFoundError, r"buf-snap/state\.json"),
     Case("snapshot-missing-json", load_snapshot, FileNotFoundError, r"buf-snap/state\.json",
          prepare=snapshot_file("state.json", os.remove)),
-    Case("snapshot-missing-arrays", load_snapshot, FileNotFoundError, r"buf-snap/" + SNAP_ARRAYS,
+    Case("snapshot-missing-arrays", load_snapshot, dr.CorruptBufferError,
+         SNAP_FILE + SNAP_ARRAYS + r"', which state\.json field 'arrays' names, is missing \(FileNotFoundError\)",
          prepare=snapshot_file("arrays", os.remove)),
+    Case("snapshot-json-nested-500", load_snapshot, dr.CorruptBufferError,
+         SNAP_FILE + r"state\.json' is unreadable \(objects and arrays nest more than 64 levels deep\)",
+         prepare=snapshot_file("state.json", lambda f: edit_json(
+             f, lambda d: set_path(d, "state.episodes.extra", nested(500))))),
     Case("snapshot-leaves-uncommitted-row", load_snapshot, dr.CorruptBufferError,
          SNAP_DIR + r": 'sampler\.leaves': leaf 25 \(slot 25 of lane 0\) holds priority 1000000\.0, but the lane "
                     r"holds steps in slots \[0, 20\) only",
@@ -1376,6 +1392,7 @@ VERIFY_CASES = {
                                            + r"'sampler\.leaves' \(journal record 0\): leaf 25 is slot 25 of lane 0",
     "state-leaves-base-uncommitted-row": r"does not open read-only: CorruptBufferError: .*" + OF_STATE
                                          + r"'sampler\.leaves' \(journal base\): leaf 57",
+    "state-json-nested-500": r"commit\.json nests objects and arrays more than 64 levels deep",
 }
 
 
