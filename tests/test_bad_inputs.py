@@ -210,6 +210,20 @@ def set_record(records: np.ndarray, at: int, name: str, value: Any) -> np.ndarra
     return records
 
 
+def nested(depth: int) -> dict:
+    """A JSON object nesting ``depth`` objects."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def set_at(array: np.ndarray, at: int, value: Any) -> np.ndarray:
+    array = array.copy()
+    array[at] = value
+    return array
+
+
 def edit_state(**changes: Any) -> Callable[[str], None]:
     """The buffer's state object, rewritten by `edit_arrays` (crafted: commit.json records its checksum)."""
     return lambda p: (edit_arrays(os.path.join(p, OWN, state_key(p)), **changes), reseal_state(p))
@@ -963,6 +977,17 @@ CASES += [
                     r"got leaf 64",
          template="per",
          prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 64))),
+    # priorities of rows that were never committed (a sample would draw them)
+    Case("state-leaves-record-uncommitted-row", open_ro, dr.CorruptBufferError,
+         OF_STATE + r"'sampler\.leaves' \(journal record 0\): leaf 25 is slot 25 of lane 0, which holds steps in "
+                    r"slots \[0, 20\) only",
+         template="per",
+         prepare=edit_journal("sampler.leaves", PRIORITY_RECORD, lambda r: set_record(r, 0, "leaf", 25))),
+    Case("state-leaves-base-uncommitted-row", open_rw, dr.CorruptBufferError,
+         OF_STATE + r"'sampler\.leaves' \(journal base\): leaf 57 \(slot 25 of lane 1\) holds priority 2\.0, but "
+                    r"the lane holds steps in slots \[0, 20\) only",
+         template="per", prepare=lambda p: write_journal_object(journal_file(p, "sampler.leaves", "base.0"),
+                                                                set_at(np.zeros(64, np.float32), 57, 2.0).tobytes())),
     Case("state-epoch-beyond-commit", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch_lo/epoch_hi': expected 2 steps per lane with 0 <= lo <= hi <= \[20, 20\], "
                     r"got \[0, 0\] and \[25, 20\]",
@@ -1006,6 +1031,9 @@ CASES += [
     Case("state-json-epoch-string", open_ro, dr.CorruptBufferError,
          OF_STATE + r"'sampler\.epoch': expected an int, got 'x'",
          template="wor", prepare=edit_state_json(**{"sampler.epoch": "x"})),
+    Case("state-json-nested-500", open_ro, dr.CorruptBufferError,
+         r"commit\.json nests objects and arrays more than 64 levels deep",
+         prepare=edit_state_json(**{"episodes.extra": nested(500)})),
 ]
 
 # ---- one flipped bit in any object a commit names: CorruptBufferError naming the object ----
@@ -1081,8 +1109,18 @@ CASES += [
     Case("snapshot-missing-dir", load_snapshot, FileNotFoundError, r"buf-snap/state\.json"),
     Case("snapshot-missing-json", load_snapshot, FileNotFoundError, r"buf-snap/state\.json",
          prepare=snapshot_file("state.json", os.remove)),
-    Case("snapshot-missing-arrays", load_snapshot, FileNotFoundError, r"buf-snap/" + SNAP_ARRAYS,
+    Case("snapshot-missing-arrays", load_snapshot, dr.CorruptBufferError,
+         SNAP_FILE + SNAP_ARRAYS + r"', which state\.json field 'arrays' names, is missing \(FileNotFoundError\)",
          prepare=snapshot_file("arrays", os.remove)),
+    Case("snapshot-json-nested-500", load_snapshot, dr.CorruptBufferError,
+         SNAP_FILE + r"state\.json' is unreadable \(objects and arrays nest more than 64 levels deep\)",
+         prepare=snapshot_file("state.json", lambda f: edit_json(
+             f, lambda d: set_path(d, "state.episodes.extra", nested(500))))),
+    Case("snapshot-leaves-uncommitted-row", load_snapshot, dr.CorruptBufferError,
+         SNAP_DIR + r": 'sampler\.leaves': leaf 25 \(slot 25 of lane 0\) holds priority 1000000\.0, but the lane "
+                    r"holds steps in slots \[0, 20\) only",
+         template="per",
+         prepare=snapshot_file("arrays", lambda f: edit_arrays(f, **{"sampler.leaves": lambda a: set_at(a, 25, 1e6)}))),
     Case("snapshot-arrays-name-outside", load_snapshot, dr.CorruptBufferError,
          SNAP_FILE + r"state\.json' field 'arrays': expected a file name like 'state-<16 hex>\.safetensors', "
                      r"got '\.\./\.\./victim\.safetensors'",
@@ -1451,6 +1489,11 @@ VERIFY_CASES = {
     "bit-flip-episode-end": "^" + ENDS_TAIL_FLIPPED,
     "bit-flip-priority-base": "^" + PRIORITY_BASE_FLIPPED,
     "bit-flip-journal-checksum": "^" + ENDS_TAIL_FLIPPED,
+    "state-leaves-record-uncommitted-row": r"does not open read-only: CorruptBufferError: .*" + OF_STATE
+                                           + r"'sampler\.leaves' \(journal record 0\): leaf 25 is slot 25 of lane 0",
+    "state-leaves-base-uncommitted-row": r"does not open read-only: CorruptBufferError: .*" + OF_STATE
+                                         + r"'sampler\.leaves' \(journal base\): leaf 57",
+    "state-json-nested-500": r"commit\.json nests objects and arrays more than 64 levels deep",
 }
 
 

@@ -15,6 +15,7 @@ import pytest
 from scipy.stats import chisquare
 
 import diskreplay as dr
+from diskreplay.offline import verify
 from diskreplay.sampling import draws
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
@@ -616,6 +617,19 @@ def test_resume_prioritized_dataset_mode_trees_grow(tmp_path):
     b.close()
 
 
+def test_a_dataset_stride_too_short_for_its_steps_is_refused(tmp_path):
+    """A saved stride must give every step of a lane a leaf of that lane's own."""
+    buf = make(tmp_path, capacity=None, chunk_rows=4096, sampler=dr.Prioritized())
+    extend(buf, 70_000)
+    state = buf.state_dict()
+    state["sampler"].update(stride=2**16, leaves=state["sampler"]["leaves"][:2**16])
+    with pytest.raises(ValueError, match=r"'sampler\.stride': expected a power of two >= 65536 and >= 70000, the "
+                                         r"most steps of a lane, got 65536"):
+        buf.load_state_dict(state)
+    assert buf.sampler.stride == 2**17
+    buf.close()
+
+
 def test_prioritized_uneven_lanes(tmp_path):
     """Lanes filled unevenly (env_ids subsets) in a ring: only readable rows, P(i) ∝ p_i^alpha."""
     buf = make(tmp_path, capacity=3 * 6, num_envs=3, sampler=dr.Prioritized(alpha=1.0, eps=0.0))
@@ -650,6 +664,67 @@ def test_a_sampler_of_another_type_than_the_saved_one_is_told_of_every_row(tmp_p
                 w.extend({"obs": np.arange(50, 150), "done": np.zeros(100, bool)})
             assert buf.refresh()
             np.testing.assert_array_equal(np.unique(buf.sample(25_000, seed=1)["index"]), np.arange(50, 150))
+
+
+# ---- every sampler reopens, whatever state it was closed in (issue 39) ---------------------------
+
+REOPENED_SAMPLERS = {"uniform": dr.Uniform, "prioritized": dr.Prioritized, "without_replacement": dr.WithoutReplacement}
+HISTORIES = {  # steps per lane added, then (if not None) steps added after a clear()
+    "empty": (0, None), "some": (10, None), "cleared": (10, 0), "cleared_then_some": (10, 10),
+    "many_cleared_then_some": (1000, 10)}
+
+
+def _check_draws(buf, rows):
+    """Every way of sampling ``buf`` draws its readable ``rows`` only (each once per epoch
+    without replacement), with the rows' own values."""
+    if not len(rows):
+        with pytest.raises(dr.EmptyBufferError):
+            buf.sample(4)
+        return
+    sampler = buf.sampler
+    if isinstance(sampler, dr.WithoutReplacement):
+        left = sampler.size() - sampler.cursor if sampler.epoch >= 0 else 0
+        if left:  # the rest of the epoch the buffer was closed in
+            assert np.isin(buf.sample(left)["index"], rows).all()
+        np.testing.assert_array_equal(np.sort(buf.sample(len(rows))["index"]), rows)  # then a whole new one
+    batch = buf.sample(1024)
+    np.testing.assert_array_equal(np.unique(batch["index"]), rows)
+    np.testing.assert_array_equal(batch["obs"], batch["index"])
+    if isinstance(sampler, dr.Prioritized):
+        np.testing.assert_array_equal(batch["weight"], np.ones(1024, np.float32))  # every row at the max priority
+    for pad in (False, True):
+        slices = buf.sample(64, seq_len=2, pad=pad)
+        assert np.isin(slices["index"], rows).all()
+        np.testing.assert_array_equal(slices["obs"], slices["index"])
+
+
+@pytest.mark.parametrize("drawn", [False, True], ids=["not-drawn", "drawn"])
+@pytest.mark.parametrize("history", list(HISTORIES))
+@pytest.mark.parametrize("capacity", [32, None], ids=["ring", "dataset"])
+@pytest.mark.parametrize("num_envs", [1, 2, 3])
+@pytest.mark.parametrize("name", list(REOPENED_SAMPLERS))
+def test_every_sampler_reopens_and_draws_its_rows(tmp_path, name, num_envs, capacity, history, drawn):
+    """Closed with no rows, some, after clear() (ring or dataset, drawn from or not before close):
+    the buffer reopens read-only and for writing, and draws exactly its readable rows."""
+    before, after = HISTORIES[history]
+    buf = make(tmp_path, capacity=capacity and capacity * num_envs, num_envs=num_envs,
+               sampler=REOPENED_SAMPLERS[name]())
+    extend(buf, before, np.arange(before * num_envs) % 5 == 4)  # episodes of a few steps
+    if after is not None:
+        buf.clear()
+        extend(buf, after, np.arange(after * num_envs) % 5 == 4)
+    rows = np.sort(buf.row_ids())
+    assert len(rows) == num_envs * (after if after is not None else min(before, capacity or before))
+    if drawn:
+        _check_draws(buf, rows)
+    buf.close()
+    report = verify(str(tmp_path / "buf"))
+    assert report.ok, str(report)
+    for mode in ("r", "r+"):
+        with dr.ReplayBuffer.open(tmp_path / "buf", mode, retry=dr.RetryPolicy(budget_s=0.01)) as again:
+            assert type(again.sampler) is REOPENED_SAMPLERS[name]
+            np.testing.assert_array_equal(np.sort(again.row_ids()), rows)
+            _check_draws(again, rows)
 
 
 # ---- several batches in one read ----------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import CorruptBufferError
 from ..format import state as state_files
+from ..format.keys import MAX_JSON_DEPTH, json_depth
 from ..io import LocalChunkStore
 
 META = "state.json"
@@ -52,8 +53,12 @@ def load(directory: str) -> tuple[dict[str, Any], str, str]:
         raise CorruptBufferError(f"snapshot file {meta_path!r} field 'arrays': expected a file name like "
                                  f"'state-<16 hex>.safetensors', got {name!r:.100}")
     arrays_path = os.path.join(directory, name)
-    with open(arrays_path, "rb") as f:
-        blob = f.read()
+    try:
+        with open(arrays_path, "rb") as f:
+            blob = f.read()
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise CorruptBufferError(f"snapshot file {arrays_path!r}, which {META} field 'arrays' names, is missing "
+                                 f"({type(exc).__name__})") from None
     try:
         return state_files.join(saved["state"], state_files.arrays_from_bytes(blob)), saved["url"], name
     except (ValueError, KeyError) as exc:
@@ -67,6 +72,8 @@ def _read_meta(path: str) -> dict[str, Any]:
         if len(raw) > MAX_META_BYTES:
             raise ValueError(f"larger than {MAX_META_BYTES} bytes")
         saved = json.loads(raw)
+        if json_depth(saved) > MAX_JSON_DEPTH:
+            raise ValueError(f"objects and arrays nest more than {MAX_JSON_DEPTH} levels deep")
         if (not isinstance(saved, dict) or not isinstance(saved.get("url"), str)
                 or not isinstance(saved.get("state"), dict)):
             raise ValueError("expected an object with 'url' (a string) and 'state' (an object)")

@@ -19,6 +19,9 @@ default "/" every chunk file sits in a directory of its own, and creating those 
 more than writing the chunks. Buffers made with "/" still open and work."""
 MAX_METADATA_BYTES = 16 << 20
 """The largest metadata document (``zarr.json``, ``commit.json``) diskreplay reads."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of objects and arrays in a JSON document diskreplay reads (its own nest
+fewer than 10 levels): the code that walks a document recursively never meets a deeper one."""
 STATE_DIR = "state"
 FINALS_DIR = "final"
 FORMAT_1 = "diskreplay/1"
@@ -69,7 +72,7 @@ def read_json(get: Callable[[str], bytes | None], key: str, url: str) -> dict[st
 
 def json_object(blob: bytes, key: str, url: str) -> dict[str, Any]:
     """``blob``, the metadata object ``key``, parsed. Raises CorruptBufferError if it is larger
-    than `MAX_METADATA_BYTES`, not JSON or not a JSON object."""
+    than `MAX_METADATA_BYTES`, not JSON, not a JSON object or nested deeper than `MAX_JSON_DEPTH`."""
     if len(blob) > MAX_METADATA_BYTES:
         raise CorruptBufferError(f"{url!r}: {key} has {len(blob)} bytes, expected at most {MAX_METADATA_BYTES}")
     try:
@@ -78,5 +81,20 @@ def json_object(blob: bytes, key: str, url: str) -> dict[str, Any]:
         raise CorruptBufferError(f"{url!r}: {key} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise CorruptBufferError(f"{url!r}: {key} is not a JSON object, got {type(data).__name__}")
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise CorruptBufferError(f"{url!r}: {key} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
     return data
+
+
+def json_depth(data: Any) -> int:
+    """How deep objects and arrays nest in the parsed JSON ``data`` (0 for a number or a string);
+    counted without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 

@@ -224,35 +224,41 @@ class Prioritized(PrioritySampler):
     @staticmethod
     def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
         """Raise ValueError unless ``state`` is a `state_dict` (or a commit's) of this layout:
-        leaves for every lane's slots, finite and >= 0, and a finite max priority > 0."""
+        leaves for every lane's slots, finite and >= 0, none > 0 (and no journal record) in a
+        slot that none of the ``total`` steps per lane has filled, and a finite max priority > 0."""
         stride = state["stride"]
+        most = int(total.max(initial=0))
         if layout.lane_capacity is not None:
             expected_stride = stride == layout.lane_capacity
         else:
-            expected_stride = (is_int(stride) and (1 << 16) <= stride <= 2 * max(int(total.max(initial=0)), 1 << 16)
+            expected_stride = (is_int(stride) and max(most, 1 << 16) <= stride <= 2 * max(most, 1 << 16)
                                and stride & (stride - 1) == 0)
         if not is_int(stride) or not expected_stride:
-            wanted = layout.lane_capacity or "a power of two >= 65536 that fits the rows"
+            wanted = layout.lane_capacity or f"a power of two >= 65536 and >= {most}, the most steps of a lane"
             raise ValueError(f"'sampler.stride': expected {wanted}, got {stride!r}")
         size = layout.num_envs * stride
+        filled = np.minimum(total, stride)  # per lane, the slots that hold a step
         leaves = state["leaves"]
         if isinstance(leaves, JournalContent):
-            _check_journal(leaves, size)
+            _check_journal(leaves, size, filled)
         elif (not isinstance(leaves, np.ndarray) or leaves.dtype not in (np.float32, np.float64)
                 or leaves.shape != (size,) or not (np.isfinite(leaves) & (leaves >= 0) & (leaves <= MAX_LEAF)).all()):
             raise ValueError(f"'sampler.leaves': expected {size} finite float32 values >= 0, got "
                              f"{getattr(leaves, 'dtype', type(leaves).__name__)} "
                              f"shaped {getattr(leaves, 'shape', None)}")
+        else:
+            _check_filled(leaves, filled, "")
         peak = state["max_priority"]
         if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (math.isfinite(peak) and peak > 0):
             raise ValueError(f"'sampler.max_priority': expected a finite number > 0, got {peak!r}")
 
 
-def _check_journal(journal: JournalContent, size: int) -> None:
+def _check_journal(journal: JournalContent, size: int, filled: np.ndarray) -> None:
     base, records = journal.base, journal.records
     if base.dtype != np.float32 or base.shape != (size,) or not (np.isfinite(base) & (base >= 0)).all():
         raise ValueError(f"'sampler.leaves' (journal base): expected {size} finite float32 values >= 0, got "
                          f"{base.dtype} shaped {base.shape}")
+    _check_filled(base, filled, " (journal base)")
     if records.dtype != PRIORITY_RECORD:
         raise ValueError(f"'sampler.leaves' (journal records): expected {PRIORITY_RECORD}, got {records.dtype}")
     bad = ~((records["leaf"] >= 0) & (records["leaf"] < size) & np.isfinite(records["value"]) & (records["value"] >= 0))
@@ -260,6 +266,26 @@ def _check_journal(journal: JournalContent, size: int) -> None:
         at = int(np.flatnonzero(bad)[0])
         raise ValueError(f"'sampler.leaves' (journal record {at}): expected a leaf in [0, {size}) and a finite "
                          f"value >= 0, got leaf {int(records['leaf'][at])}, value {float(records['value'][at])}")
+    lane, slot = np.divmod(records["leaf"], size // len(filled))
+    empty = np.flatnonzero(slot >= filled[lane])
+    if empty.size:
+        at = int(empty[0])
+        raise ValueError(f"'sampler.leaves' (journal record {at}): leaf {int(records['leaf'][at])} is slot "
+                         f"{int(slot[at])} of lane {int(lane[at])}, which holds steps in slots "
+                         f"[0, {int(filled[lane[at]])}) only")
+
+
+def _check_filled(leaves: np.ndarray, filled: np.ndarray, where: str) -> None:
+    """Raise ValueError if a leaf > 0 sits in a slot that holds no step (``filled``: per lane,
+    the slots that do)."""
+    grid = leaves.reshape(len(filled), -1)
+    for lane in np.flatnonzero(filled < grid.shape[1]).tolist():
+        rest = grid[lane, filled[lane]:]
+        if rest.any():
+            slot = int(filled[lane] + np.argmax(rest > 0))
+            raise ValueError(f"'sampler.leaves'{where}: leaf {lane * grid.shape[1] + slot} (slot {slot} of lane "
+                             f"{lane}) holds priority {float(grid[lane, slot])}, but the lane holds steps in slots "
+                             f"[0, {int(filled[lane])}) only")
 
 
 def replay(journal: JournalContent, leaves: np.ndarray) -> None:
@@ -287,8 +313,9 @@ class _LeafRanges:
     @classmethod
     def readable(cls, sampler: Prioritized, lo: np.ndarray, hi: np.ndarray) -> _LeafRanges:
         cap = sampler.layout.lane_capacity
-        if cap is None or (hi - lo == np.minimum(hi, cap)).all():
+        if (lo == (0 if cap is None else np.maximum(hi - cap, 0))).all():  # no row retired (`clear`, a retire commit)
             return cls(sampler)
+        cap = cap or sampler.stride  # a dataset's steps fit its stride: its slots do not wrap
         spans = []
         for lane, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
             first, last, base = a % cap, (b - 1) % cap + 1, lane * sampler.stride

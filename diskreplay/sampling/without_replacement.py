@@ -89,15 +89,18 @@ class WithoutReplacement(Sampler):
 
     @staticmethod
     def check_state(state: dict[str, Any], layout: LaneLayout, total: np.ndarray) -> None:
-        """Raise ValueError unless ``state`` is a `state_dict` whose epoch covers readable steps."""
+        """Raise ValueError unless ``state`` is a `state_dict` whose epoch covers readable steps
+        (before the first epoch: no steps, ``epoch_lo`` and ``epoch_hi`` empty)."""
         for name in ("epoch", "cursor", "epoch_seed"):
             if not is_int(state[name]) or not -1 <= state[name] < 2**63:
                 raise ValueError(f"'sampler.{name}': expected an int, got {state[name]!r}")
         lo, hi = np.asarray(state["epoch_lo"]), np.asarray(state["epoch_hi"])
-        if (lo.shape != (layout.num_envs,) or hi.shape != lo.shape or lo.dtype.kind not in "iu"
-                or hi.dtype.kind not in "iu" or (lo < 0).any() or (hi < lo).any() or (hi > total).any()):
-            raise ValueError(f"'sampler.epoch_lo/epoch_hi': expected {layout.num_envs} steps per lane with "
-                             f"0 <= lo <= hi <= {total.tolist()}, got {lo.tolist()} and {hi.tolist()}")
+        lanes = 0 if state["epoch"] == -1 else layout.num_envs
+        if (lo.shape != (lanes,) or hi.shape != lo.shape or lo.dtype.kind not in "iu" or hi.dtype.kind not in "iu"
+                or (lo < 0).any() or (hi < lo).any() or (hi > total[:lanes]).any()):
+            wanted = (f"{lanes} steps per lane with 0 <= lo <= hi <= {total.tolist()}" if lanes
+                      else "no steps before the first epoch (epoch -1)")
+            raise ValueError(f"'sampler.epoch_lo/epoch_hi': expected {wanted}, got {lo.tolist()} and {hi.tolist()}")
         if not 0 <= state["cursor"] <= int((hi - lo).sum()):
             raise ValueError(f"'sampler.cursor': expected an int in [0, {int((hi - lo).sum())}], got {state['cursor']}")
 
