@@ -15,12 +15,14 @@ import signal
 import sys
 import time
 import uuid
+from concurrent.futures import Future
 
 import fsspec
 import numpy as np
 import pytest
 
 import diskreplay as dr
+from diskreplay.storage.write_behind import WriteBehind
 
 # Where the environment turns bytecode caches off (PYTHONDONTWRITEBYTECODE), every process the tests
 # start (CLI runs, killed writers, spawned workers) would compile the package again: ~0.3 s each.
@@ -171,6 +173,33 @@ def no_fsync(monkeypatch):
     """Skip fsync: durability is not observable inside one process, and on a busy disk each
     commit's fsyncs cost milliseconds. Opt in with ``pytestmark = pytest.mark.usefixtures("no_fsync")``."""
     monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+@pytest.fixture
+def lagging_writes(monkeypatch):
+    """A store always slower than the appends: a writer's background chunk writes (`WriteBehind`)
+    run only when the writer waits for them, so what it does while a batch is in flight is the
+    same on every machine, however fast its disk."""
+    finish, pending = WriteBehind.finish, {}
+
+    def start(behind, chunks, write):
+        job = Future()
+        pending[id(job)] = write
+        behind.in_flight, behind._job = chunks, job
+
+    def finish_when_waited(behind, wait):
+        job = behind._job
+        if wait and job is not None and not job.done():
+            try:
+                pending.pop(id(job))()
+            except BaseException as exc:
+                job.set_exception(exc)
+            else:
+                job.set_result(None)
+        return finish(behind, wait)
+
+    monkeypatch.setattr(WriteBehind, "start", start)
+    monkeypatch.setattr(WriteBehind, "finish", finish_when_waited)
 
 
 @pytest.fixture

@@ -203,6 +203,85 @@ def test_extend_larger_than_capacity_keeps_last_rows(tmp_path, capacity, chunk_r
         check_buffer_against(ro, model, committed=True)
 
 
+ID_FIELDS = {"id": dr.Field((), "int64")}
+NEXT_FIELDS = {"obs": dr.Field((), "int64"), "next_obs": dr.Field((), "int64"), "terminated": dr.Field((), "bool")}
+
+
+def id_rows(first: int, n: int, num_envs: int, derive: bool) -> dict[str, np.ndarray]:
+    """Steps ``[first, first + n)`` of every lane (time-major), each holding its own row id (with
+    ``derive``: as ``obs``, ``next_obs`` the next step's or, at an episode's end, a final ``-id - 1``)."""
+    ids = np.arange(first, first + n)[:, None] * num_envs + np.arange(num_envs)
+    if derive:
+        end = ids % 37 == 36
+        rows = {"obs": ids, "next_obs": np.where(end, -ids - 1, ids + num_envs), "terminated": end}
+    else:
+        rows = {"id": ids}
+    return rows if num_envs > 1 else {k: v[:, 0] for k, v in rows.items()}
+
+
+def assert_last_rows(buf: dr.ReplayBuffer, total: int, lane_capacity: int, derive: bool, context: str) -> None:
+    """``buf`` holds exactly the last ``lane_capacity`` of the ``total`` steps of each lane (`id_rows`)."""
+    n = buf.num_envs
+    want = np.concatenate([np.arange(max(total - lane_capacity, 0), total) * n + lane for lane in range(n)])
+    ids = buf.row_ids()
+    np.testing.assert_array_equal(ids, want, err_msg=context)
+    got = buf[ids]
+    stored = id_rows(0, total, n, derive)
+    for name, values in got.items():
+        np.testing.assert_array_equal(values, stored[name].reshape(-1)[ids], err_msg=f"{context}: {name}")
+
+
+def extend_and_check(url: str, capacity: int, chunk_rows: int, sizes: tuple, compression: str | None,
+                     num_envs: int, derive: bool) -> None:
+    """Extends of ``sizes`` steps per lane (or ``"flush"``) into a ring of ``capacity`` steps per lane:
+    the writer, a reader after the flush and the buffer reopened hold exactly the last rows."""
+    buf = dr.ReplayBuffer.create(url, NEXT_FIELDS if derive else ID_FIELDS, capacity * num_envs, num_envs=num_envs,
+                                 chunk_rows=chunk_rows, compression=compression, io_threads=2,
+                                 derive_next=("obs",) if derive else ())
+    total = 0
+    for size in sizes:
+        if size == "flush":
+            buf.flush()
+        else:
+            buf.extend(id_rows(total, size, num_envs, derive))
+            total += size
+    assert_last_rows(buf, total, capacity, derive, "writer")
+    buf.flush()
+    with dr.ReplayBuffer.open(url) as reader:
+        assert_last_rows(reader, total, capacity, derive, "reader")
+    buf.close()
+    with dr.ReplayBuffer.open(url) as reopened:
+        assert_last_rows(reopened, total, capacity, derive, "reopened")
+    assert verify(url).ok
+
+
+@pytest.mark.parametrize("capacity,chunk_rows,sizes", [
+    (128, 16, (150, 36, 150, 150)),
+    (128, 16, (150, "flush", 36, 150, 150)),
+    (128, 16, (129, 129, "flush", 129, 5, 129)),
+    (128, 16, (128, 128, 7, 128, 128)),
+    (128, 16, (271, 5, 271, "flush", 8, 271)),
+    (1024, 16, (1046, 36, 1046, 1046)),
+    (1024, 32, (1062, 62, 1052, 1052)),
+    (1024, 32, (1025, 36, 1024, 2079, 2079)),
+])
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+@pytest.mark.parametrize("num_envs", [1, 2])
+@pytest.mark.parametrize("derive", [False, True])
+@pytest.mark.usefixtures("lagging_writes")
+def test_extends_past_capacity_keep_exactly_the_last_rows(tmp_path, capacity, chunk_rows, sizes, compression,
+                                                          num_envs, derive):
+    """Issue 39: a chunk an extend staged again before its write was queued twice; the first write
+    unpinned its slot, a later extend wrote the chunk straight from its rows, then the second entry
+    wrote the slot's stale rows (or, once the slot was reused, another chunk's) over it."""
+    extend_and_check(str(tmp_path / "b"), capacity, chunk_rows, sizes, compression, num_envs, derive)
+
+
+@pytest.mark.usefixtures("lagging_writes")
+def test_extends_past_a_large_capacity_keep_exactly_the_last_rows(tmp_path):
+    extend_and_check(str(tmp_path / "b"), 32768, 16, (32790, 36, 32790, 32790), "zstd", 2, True)
+
+
 @pytest.mark.parametrize("capacity,chunk_rows", [(None, 4), (8, 4), (10, 4), (7, 3)])
 @pytest.mark.parametrize("n", [3, 6, 9, 23])
 @pytest.mark.parametrize("compression", [None, "zstd"])

@@ -65,7 +65,8 @@ class StagingWriter:
         self.staging = np.full(self.layout.num_envs, -1, dtype=np.int64)
         self.dirty = np.zeros(self.layout.num_envs, dtype=bool)
         self.sealed: list[Sealed] = []
-        """Sealed chunks not yet written, nor being written (`behind` holds those)."""
+        """Sealed chunks not yet written, nor being written (`behind` holds those): each once, its
+        slot pinned until written (a pin is a flag: a second entry would outlive it)."""
         self.behind = WriteBehind()
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
@@ -195,7 +196,9 @@ class StagingWriter:
         self.reads.merge(lane)
         chunk = int(self.staging[lane])
         if chunk >= 0 and self.dirty[lane]:
-            self.sealed.append((lane, chunk, self.cache.slot_of(lane, chunk)))
+            sealed = (lane, chunk, self.cache.slot_of(lane, chunk))
+            if sealed not in self.sealed:  # staged again before its write: it waits once (one pin)
+                self.sealed.append(sealed)
         elif chunk >= 0:
             self.cache.unpin(self.cache.slot_of(lane, chunk))
         self.staging[lane] = -1
