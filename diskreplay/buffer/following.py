@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
 from ..episodes import RowView
 from ..errors import EmptyBufferError, StaleReadError
 from ..io import RetryPolicy
@@ -32,8 +30,8 @@ class CommitAdoption:
     """A reader of one buffer adopting its writer's newest commit."""
 
     def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView):
-        self.storage, self.finals, self.state = storage, finals, state
-        self.episodes, self.returns = view.episodes, view.returns
+        self.storage, self.finals, self.state, self.view = storage, finals, state, view
+        self.episodes = view.episodes
 
     def refresh(self) -> bool:
         """Adopt the newest commit with everything that belongs to it (rows, episode index,
@@ -49,17 +47,9 @@ class CommitAdoption:
         if self.finals is not None and finals_record is not None:
             self.finals.adopt(finals_record)
         self.state.apply(parsed, with_rng=False)
-        if self.returns is not None:
-            self._forget_patched_returns(committed, last_ends)
+        for lane, first, end in self.view.patched_since(committed, last_ends):  # cached copies are stale
+            self.storage.forget_cached(lane, first, end)
         return True
-
-    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
-        """After adopting a commit: the writer patched the returns of the steps of every episode
-        that ended since (from just after the lane's previous end): cached copies are stale."""
-        newest = self.episodes.last_ends()
-        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
-            if newest[lane] > last:
-                self.storage.forget_cached(lane, last + 1, hi)
 
 
 class Follower:

@@ -101,8 +101,8 @@ class ShardAdoption:
             self.shard_states[s] = parsed
         self._apply()
         announce(self.sampler, self.union.window()[0], before, self.union.total)
-        if self.returns is not None:
-            self._forget_patched_returns(before, last_ends)
+        for lane, first, end in self.view.patched_since(before, last_ends):  # cached copies are stale
+            self.union.forget_cached(lane, first, end)
         return True
 
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,10 +142,4 @@ class ShardAdoption:
             return episodes
         lanes = self.shard_envs
         return {"count": np.zeros(lanes, np.int64), "pruned": np.zeros(lanes, np.int64), "ends": np.zeros(0, np.int64)}
-
-    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
-        """Episodes that ended since the last adoption had their returns patched by the writer."""
-        newest = self.episodes.last_ends()
-        for lane in np.flatnonzero(newest > last_ends).tolist():
-            self.union.forget_cached(lane, int(last_ends[lane]) + 1, int(committed[lane]))
 
