@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from ..episodes import RowView
 from ..errors import EmptyBufferError, StaleReadError
 from ..io import RetryPolicy
@@ -43,13 +45,28 @@ class CommitAdoption:
         finals_record = self.finals.read_newest() if self.finals is not None else None
         parsed = self.state.parse(state, record.committed, state_origin(self.storage.url, record))
         committed, last_ends = self.storage.record.committed.copy(), self.episodes.last_ends()
+        ended = self.episodes.ended()
         self.storage.adopt(record)
         if self.finals is not None and finals_record is not None:
             self.finals.adopt(finals_record)
         self.state.apply(parsed, with_rng=False)
+        if self.finals is not None:
+            forget_named_finals(self.finals, ended, self.episodes.ended())
         for lane, first, end in self.view.patched_since(committed, last_ends):  # cached copies are stale
             self.storage.forget_cached(lane, first, end)
         return True
+
+
+def forget_named_finals(finals: Storage, before: np.ndarray, after: np.ndarray) -> None:
+    """Reader, having adopted a commit: per lane, the side store's final observations
+    ``[before, after)`` (the ordinals of the episodes that ended since the commit adopted
+    before) are named for the first time: drop cached or mapped copies of them.
+
+    The side store commits before the main commit, so this reader may have adopted a side
+    store commit that no main commit ever named (its writer was killed in between) and cached
+    its rows; the next writer resumes from the main commit and writes those ordinals anew."""
+    for lane in np.flatnonzero(after > before).tolist():
+        finals.forget_cached(lane, int(before[lane]), int(after[lane]))
 
 
 class Follower:
