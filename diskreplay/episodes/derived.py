@@ -7,11 +7,11 @@
   until then every read gives ``default_return`` (`RowView` masks it), so a crash between the
   write of patched chunks and the commit never shows returns made of uncommitted rewards.
 
-A third read-time mask: the ``truncated`` flag a resumed writer sets on the newest step of an
-episode the last writer left open (`Appender.close_cut_episode`) patches a committed row, and
-the patched chunk may reach the store before that writer commits (or it may die first). The
-patch is the episode end its commit records, so a stored ``truncated`` counts only at steps the
-reader's episode index ends (`RowView` masks it elsewhere).
+The ``truncated`` flag is masked the same way. A resumed writer sets it on the newest step of
+the episode the last writer left open (`Appender.close_cut_episode`), a patch of a committed row
+whose chunk may reach the store before that writer commits (or it may die first); the commit
+records the same cut as an episode end. So a stored ``truncated`` counts only at steps that end
+an episode in the reader's episode index (`RowView` clears it elsewhere).
 
 For the first: Each episode's final ``next_<f>`` (the observation
 after its last step, not stored in the main arrays) is kept in a small dataset-mode store of its
