@@ -19,13 +19,19 @@ without asking the writer, and whatever timing the processes have.
 - `test_prioritized_reader_samples_from_commit_that_retired_most_rows`: a reader of the commit a
   ring writer makes before overwriting rows (a raised lower bound, the last flush's priorities).
 - `test_reader_opening_while_writer_creates_buffer`: a reader that starts before its writer.
+- `test_live_derive_next_readers_while_writers_are_killed`: writers of a ``derive_next`` buffer
+  (plain, and two shards) SIGKILLed again and again and restarted, while a live reader samples:
+  every ``next_obs`` it returns is its row id's (issue #39, item 4).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -694,3 +700,149 @@ def test_reader_opening_while_writer_creates_buffer(tmp_path, monkeypatch):
     assert all(what in ("no buffer yet", "0 rows") for what in seen), seen
     with dr.ReplayBuffer.open(url, "r") as buf:
         assert len(buf) == 0
+
+
+# ---- live readers of a derive_next buffer while its writers are killed and restarted -----------
+
+KILLED_RULES_CODE = r'''
+import numpy as np
+
+
+def content(shard, lane, step):
+    """The row at ``step`` of ``lane`` in ``shard``: episodes of 1 to a few steps; the final
+    observation after an episode's last step is never any row's ``obs`` (last entry < 0). The
+    ``frame`` makes a main commit take a while after the side store's: readers can come between."""
+    shard, lane, step = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (shard, lane, step)))
+    end = (step * 5 + (shard * 7 + lane) * 3) % 7 < 3
+
+    def obs(at):
+        return np.stack([at, lane, shard, at % 13], -1).astype(np.float32)
+
+    final = np.stack([step, lane, shard, -1 - step % 13], -1).astype(np.float32)
+    return {"obs": obs(step), "next_obs": np.where(end[..., None], final, obs(step + 1)),
+            "terminated": end, "truncated": np.zeros(end.shape, bool),
+            "frame": np.broadcast_to((step % 251).astype(np.uint8)[..., None], end.shape + (4096,))}
+'''
+
+KILLED_WRITER_CODE = KILLED_RULES_CODE + r'''
+import json, os, sys, traceback
+import diskreplay as dr
+
+
+def write_forever(job):
+    """Append random runs of steps to every lane, each flushed (durable or not), until killed."""
+    try:
+        shard = job["shard"]
+        buf = (dr.ReplayBuffer.open(job["url"], "r+") if shard is None
+               else dr.ReplayBuffer.open_shard(job["url"], shard, "r+"))
+        rng = np.random.default_rng(job["seed"])
+        total = np.array(buf.state_dict()["total"], dtype=np.int64)
+        lanes = np.arange(len(total))
+        while True:
+            n = int(rng.integers(100, 300))
+            buf.extend(content(shard or 0, lanes[None, :], total[None, :] + np.arange(n)[:, None]))
+            total += n
+            buf.flush()
+    except BaseException:
+        with open(job["errors"], "a") as fh:
+            fh.write(traceback.format_exc())
+        os._exit(1)
+
+
+for line in sys.stdin:  # a fork server: writers start in milliseconds, diskreplay imported once
+    cmd = json.loads(line)
+    if cmd["op"] == "spawn":
+        pid = os.fork()
+        if pid == 0:
+            write_forever(cmd["job"])
+        print(pid, flush=True)
+    elif cmd["op"] == "reap":
+        print(os.waitpid(cmd["pid"], 0)[1], flush=True)
+'''
+
+killed_rules: dict = {}
+exec(KILLED_RULES_CODE, killed_rules)
+KILLED_FIELDS = {"obs": dr.Field((4,), "float32"), "next_obs": dr.Field((4,), "float32"),
+                 "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool"),
+                 "frame": dr.Field((4096,), "uint8")}
+KILLS = 20
+KILLED_CHECKED = ("obs", "next_obs", "terminated")  # truncated: a restart cuts the open episode
+
+
+class WriterForks:
+    """A process with diskreplay imported that forks writers (`KILLED_WRITER_CODE`) and reaps them."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER_CODE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, **cmd) -> int:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def spawn(self, **job) -> int:
+        return self._ask(op="spawn", job=job)
+
+    def kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        self._ask(op="reap", pid=pid)  # gone for good before the next writer opens
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def wrong_rows(buf: dr.ReplayBuffer, batch: dict) -> list[tuple[int, str]]:
+    """(row id, field) of every value of ``batch`` that is not the rule's for its row id."""
+    ids = np.asarray(batch["index"]).reshape(-1)
+    want = killed_rules["content"](*buf.locate(ids))
+    return [(int(ids[i]), name) for name in KILLED_CHECKED
+            for i in np.flatnonzero((np.asarray(batch[name]) != want[name]).reshape(len(ids), -1).any(-1))]
+
+
+@pytest.mark.parametrize("shards", [None, 2], ids=["plain", "sharded"])
+def test_live_derive_next_readers_while_writers_are_killed(tmp_path, shards):
+    """Writer processes append to a ``derive_next`` buffer (episodes of a few steps, flushes
+    now and then) and are SIGKILLed at random moments, each restarted on the same buffer (its
+    open episodes cut) while a live reader (a learner over two shards) refreshes and samples:
+    every ``obs``, ``next_obs`` and ``terminated`` it returns is the rule's for the row id, and
+    after the last kill, so is every row it shows; so are those of a reader opened then."""
+    url, errors = str(tmp_path / "buf"), str(tmp_path / "errors.txt")
+    rng = np.random.default_rng(39)
+    dr.ReplayBuffer.create(url, KILLED_FIELDS, num_envs=2, chunk_rows=16, derive_next=("obs",), shards=shards,
+                           compression=None).close()
+    writers = [None] if shards is None else list(range(shards))
+    for shard in writers:
+        with (dr.ReplayBuffer.open(url, "r+") if shard is None else dr.ReplayBuffer.open_shard(url, shard)) as first:
+            first.extend(killed_rules["content"](shard or 0, np.arange(2)[None, :], np.arange(40)[:, None]))
+    reader = dr.ReplayBuffer.open(url)
+    forks, wrong, checked = WriterForks(), [], 0
+    try:
+        for _ in range(KILLS):
+            pids = [forks.spawn(url=url, shard=shard, seed=int(rng.integers(2**31)), errors=errors)
+                    for shard in writers]
+            deadline = time.monotonic() + float(rng.uniform(0.1, 0.4))
+            moved = False
+            while not (moved and time.monotonic() > deadline):  # then killed right after an adoption
+                spell = time.monotonic() + float(rng.uniform(0.05, 0.2))  # some commits go by unseen
+                while time.monotonic() < spell:
+                    batch = reader.sample(256)
+                    wrong += wrong_rows(reader, batch)
+                    checked += len(batch["index"])
+                moved = reader.refresh()
+            for pid in pids:
+                forks.kill(pid)
+    finally:
+        forks.close()
+    assert not os.path.exists(errors), open(errors).read()
+    reader.refresh()
+    ids = reader.row_ids()
+    wrong += wrong_rows(reader, {"index": ids, **reader[ids]})
+    print(f"\nlive derive_next reader ({'plain' if shards is None else f'{shards} shards'}): {checked} sampled "
+          f"rows and {len(ids)} rows at the end checked, {len(wrong)} wrong")
+    assert not wrong, f"{len(wrong)} wrong values, e.g. {wrong[:5]}"
+    late = dr.ReplayBuffer.open(url)
+    np.testing.assert_array_equal(late.row_ids(), ids)
+    assert wrong_rows(late, {"index": ids, **late[ids]}) == []
+    assert len(ids) > 2 * 40 * len(writers) and checked > 0

@@ -405,3 +405,118 @@ def test_reader_process_against_live_writer(tmp_path, compression):
           f"absorbed by sample, {refreshes} refreshes picked up commits, {empty} empty windows, writer reached "
           f"{final} rows")
     assert checked > 0 and refreshes > 0 and seen_max > 64
+
+
+# ---- a resumed writer's patch of a committed row ---------------------------------------------
+
+CUT_CODE = """
+import os, signal, sys
+import numpy as np
+import diskreplay as dr
+buf = dr.ReplayBuffer.open(sys.argv[1], "r+")
+buf.add(obs=np.float32([100, -100]), next_obs=np.float32([101, -101]), reward=np.float32(100),
+        terminated=False, truncated=False)  # closes the open episode at step 99, as truncated
+buf.storage.writer.wait()  # the patched chunk reached the store: no commit names it
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+CUT_FIELDS = {"obs": dr.Field((2,), "float32"), "next_obs": dr.Field((2,), "float32"),
+              "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
+              "truncated": dr.Field((), "bool")}
+
+
+CUT_RULES_CODE = """
+import numpy as np
+
+
+def cut_rows(ids, ends=(29, 59)):
+    \"\"\"Steps ``ids`` of a lane whose episodes end (terminated) at ``ends``; the one after is open.\"\"\"
+    ids = np.asarray(ids)
+    end = np.isin(ids, ends)
+    nxt = np.where(end[:, None], -0.5, 1.0) * (ids + 1)[:, None] * np.float32([1, -1])
+    return {"obs": (ids[:, None] * np.float32([1, -1])).astype(np.float32), "next_obs": nxt.astype(np.float32),
+            "reward": ids.astype(np.float32), "terminated": end, "truncated": np.zeros(len(ids), bool)}
+
+
+EVERY_THIRD = tuple(range(1, 450, 3))
+"""
+exec(CUT_RULES_CODE, namespace)
+cut_rows, EVERY_THIRD = namespace["cut_rows"], namespace["EVERY_THIRD"]
+
+
+def assert_cut_rows(got: dict, want: dict, what: str) -> None:
+    for name in CUT_FIELDS:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=f"{what}: {name}")
+
+
+def test_resumed_writer_killed_before_commit_never_shows_its_cut_flag(tmp_path):
+    """Writer A commits 100 steps, its last episode open. Writer B reopens, adds a step (closing
+    that episode as truncated: a patch of committed step 99 whose chunk B's background write
+    stores) and is killed before any commit. Readers of A's commit read A's bytes exactly; the
+    flag shows with the commit of the next writer that closes the episode."""
+    url = str(tmp_path / "buf")
+    a = dr.ReplayBuffer.create(url, CUT_FIELDS, chunk_rows=4, derive_next=("obs",))  # 100 steps: 25 whole chunks
+    a.extend(cut_rows(np.arange(100)))
+    a.flush()
+    a.close()
+    early = dr.ReplayBuffer.open(url)
+    want = cut_rows(np.arange(100))
+    assert_cut_rows(early[np.arange(100)], want, "before B")  # every chunk cached at A's commit
+    b = subprocess.run([sys.executable, "-c", CUT_CODE, url], capture_output=True, text=True, timeout=60)
+    assert b.returncode == -signal.SIGKILL, b.stderr
+    late = dr.ReplayBuffer.open(url)
+    np.testing.assert_array_equal(late.state_dict()["total"], [100])
+    assert_cut_rows(late[np.arange(100)], want, "after B was killed")
+    assert not early.refresh()
+    assert_cut_rows(early[np.arange(100)], want, "cached")
+    c = dr.ReplayBuffer.open(url, "r+")
+    c.add(**{k: v[0] for k, v in cut_rows([100]).items()})
+    c.flush()
+    c.close()
+    want["truncated"][99] = True
+    for reader, what in ((early, "refreshed"), (late, "refreshed, opened after B")):
+        assert reader.refresh()
+        assert_cut_rows(reader[np.arange(100)], want, what)
+    assert_cut_rows(dr.ReplayBuffer.open(url)[np.arange(100)], want, "opened after C")
+
+
+SIDE_FIRST_CODE = CUT_RULES_CODE + """
+import os, signal, sys
+import diskreplay as dr
+from diskreplay.storage.commit_log import CommitLog
+buf = dr.ReplayBuffer.open(sys.argv[1], "r+")
+buf.extend(cut_rows(np.arange(100, 150), EVERY_THIRD))
+buf.flush()
+buf.extend(cut_rows(np.arange(150, 450), EVERY_THIRD))
+main, commit = buf.storage.log, CommitLog.commit
+
+
+def killed_at_main_commit(log, *args, **kwargs):
+    if log is main:  # the side store of final observations has committed: die before the main commit
+        os.kill(os.getpid(), signal.SIGKILL)
+    return commit(log, *args, **kwargs)
+
+
+CommitLog.commit = killed_at_main_commit
+buf.flush()
+"""
+def test_reader_of_side_store_commit_ahead_of_main_commit_after_restart(tmp_path):
+    """A writer is killed between the commit of its ``derive_next`` side store (100 new final
+    observations) and its main commit. A reader opening then shows the main commit and caches
+    final observations no main commit names; the next writer resumes from the main commit (its
+    open episode cut at step 149) and writes those ordinals anew. The reader, refreshed, reads
+    every row right, as a reader opened then does."""
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, CUT_FIELDS, chunk_rows=16, derive_next=("obs",)) as a:
+        a.extend(cut_rows(np.arange(100), EVERY_THIRD))
+    killed = subprocess.run([sys.executable, "-c", SIDE_FIRST_CODE, url], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    reader = dr.ReplayBuffer.open(url)
+    want = cut_rows(np.arange(450), EVERY_THIRD)
+    want["truncated"][99] = True  # the killed writer's cut, in its one main commit
+    assert_cut_rows(reader[np.arange(150)], {k: v[:150] for k, v in want.items()}, "at the main commit")
+    with dr.ReplayBuffer.open(url, "r+") as b:
+        b.extend(cut_rows(np.arange(150, 450), EVERY_THIRD))
+    want["truncated"][149] = True
+    assert reader.refresh()
+    assert_cut_rows(reader[np.arange(450)], want, "refreshed after the next writer's commit")
+    assert_cut_rows(dr.ReplayBuffer.open(url)[np.arange(450)], want, "opened after the next writer's commit")

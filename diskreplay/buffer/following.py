@@ -32,8 +32,8 @@ class CommitAdoption:
     """A reader of one buffer adopting its writer's newest commit."""
 
     def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView):
-        self.storage, self.finals, self.state = storage, finals, state
-        self.episodes, self.returns = view.episodes, view.returns
+        self.storage, self.finals, self.state, self.view = storage, finals, state, view
+        self.episodes = view.episodes
 
     def refresh(self) -> bool:
         """Adopt the newest commit with everything that belongs to it (rows, episode index,
@@ -45,21 +45,28 @@ class CommitAdoption:
         finals_record = self.finals.read_newest() if self.finals is not None else None
         parsed = self.state.parse(state, record.committed, state_origin(self.storage.url, record))
         committed, last_ends = self.storage.record.committed.copy(), self.episodes.last_ends()
+        ended = self.episodes.ended()
         self.storage.adopt(record)
         if self.finals is not None and finals_record is not None:
             self.finals.adopt(finals_record)
         self.state.apply(parsed, with_rng=False)
-        if self.returns is not None:
-            self._forget_patched_returns(committed, last_ends)
+        if self.finals is not None:
+            forget_named_finals(self.finals, ended, self.episodes.ended())
+        for lane, first, end in self.view.patched_since(committed, last_ends):  # cached copies are stale
+            self.storage.forget_cached(lane, first, end)
         return True
 
-    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
-        """After adopting a commit: the writer patched the returns of the steps of every episode
-        that ended since (from just after the lane's previous end): cached copies are stale."""
-        newest = self.episodes.last_ends()
-        for lane, (hi, last) in enumerate(zip(committed.tolist(), last_ends.tolist())):
-            if newest[lane] > last:
-                self.storage.forget_cached(lane, last + 1, hi)
+
+def forget_named_finals(finals: Storage, before: np.ndarray, after: np.ndarray) -> None:
+    """Reader, having adopted a commit: per lane, the side store's final observations
+    ``[before, after)`` (the ordinals of the episodes that ended since the commit adopted
+    before) are named for the first time: drop cached or mapped copies of them.
+
+    The side store commits before the main commit, so this reader may have adopted a side
+    store commit that no main commit ever named (its writer was killed in between) and cached
+    its rows; the next writer resumes from the main commit and writes those ordinals anew."""
+    for lane in np.flatnonzero(after > before).tolist():
+        finals.forget_cached(lane, int(before[lane]), int(after[lane]))
 
 
 class Follower:

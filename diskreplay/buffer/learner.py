@@ -19,6 +19,7 @@ from ..format.commit import CommitRecord
 from ..format.shards import shard_url
 from ..sampling import Sampler, check_sampler_state, load_sampler_state
 from ..storage import Storage
+from .following import forget_named_finals
 from .state import announce, check_rng_state, state_origin
 
 
@@ -93,16 +94,18 @@ class ShardAdoption:
         loaded = self.union.shard_states(changed)
         newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(changed, loaded)}
         finals = self.finals.shard_records(newest=True, shards=changed) if self.finals is not None else []
-        before, last_ends = self.union.total.copy(), self.episodes.last_ends()
+        before, last_ends, ended = self.union.total.copy(), self.episodes.last_ends(), self.episodes.ended()
         self.union.adopt_shards({s: record for s, (record, _) in newer.items()})
         if self.finals is not None:
             self.finals.adopt_shards(dict(zip(changed, finals)))
         for s, (_, parsed) in newer.items():
             self.shard_states[s] = parsed
         self._apply()
+        if self.finals is not None:
+            forget_named_finals(self.finals, ended, self.episodes.ended())
         announce(self.sampler, self.union.window()[0], before, self.union.total)
-        if self.returns is not None:
-            self._forget_patched_returns(before, last_ends)
+        for lane, first, end in self.view.patched_since(before, last_ends):  # cached copies are stale
+            self.union.forget_cached(lane, first, end)
         return True
 
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,10 +145,4 @@ class ShardAdoption:
             return episodes
         lanes = self.shard_envs
         return {"count": np.zeros(lanes, np.int64), "pruned": np.zeros(lanes, np.int64), "ends": np.zeros(0, np.int64)}
-
-    def _forget_patched_returns(self, committed: np.ndarray, last_ends: np.ndarray) -> None:
-        """Episodes that ended since the last adoption had their returns patched by the writer."""
-        newest = self.episodes.last_ends()
-        for lane in np.flatnonzero(newest > last_ends).tolist():
-            self.union.forget_cached(lane, int(last_ends[lane]) + 1, int(committed[lane]))
 

@@ -7,6 +7,12 @@
   until then every read gives ``default_return`` (`RowView` masks it), so a crash between the
   write of patched chunks and the commit never shows returns made of uncommitted rewards.
 
+The ``truncated`` flag is masked the same way. A resumed writer sets it on the newest step of
+the episode the last writer left open (`Appender.close_cut_episode`), a patch of a committed row
+whose chunk may reach the store before that writer commits (or it may die first); the commit
+records the same cut as an episode end. So a stored ``truncated`` counts only at steps that end
+an episode in the reader's episode index (`RowView` clears it elsewhere).
+
 For the first: Each episode's final ``next_<f>`` (the observation
 after its last step, not stored in the main arrays) is kept in a small dataset-mode store of its
 own, one row per episode end, indexed by the end's ordinal in its lane; the ``next_<f>`` of each
@@ -72,6 +78,11 @@ class RowView:
         self.derived = derived
         self.finals = finals
         self.returns = returns
+        self.cut_flag = "truncated" if "truncated" in episodes.end_fields else None
+        """The end field a resumed writer patches (read as set only at the index's ends)."""
+        computed = [*derived, returns.name if returns else None, self.cut_flag]
+        self.computed = frozenset(name for name in computed if name is not None)
+        """The logical fields a read computes or masks: the others are read as stored."""
         self.last_next = {twin: np.zeros((storage.layout.num_envs, *logical[twin].shape), logical[twin].dtype)
                           for twin in derived}
         self._pairs: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, ...] | None] = {}
@@ -92,10 +103,7 @@ class RowView:
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Rows of the logical fields ``names`` (all by default); ``out`` as in `RowSource.gather`."""
-        if not self.derived and self.returns is None:
-            return self.storage.gather(lane, step, names, out)
-        if names and self.derived.keys().isdisjoint(names) and (
-                self.returns is None or self.returns.name not in names):
+        if not self.computed or (names and self.computed.isdisjoint(names)):
             return self.storage.gather(lane, step, names, out)  # stored fields only, as stored
         names = tuple(self.schema.fields) if names is None else names
         wanted = [twin for twin in names if twin in self.derived]
@@ -106,7 +114,17 @@ class RowView:
             rows = self.storage.gather(lane, step, stored, out)
         if self.returns is not None and self.returns.name in rows:
             self.returns.mask(rows[self.returns.name], self.episodes, lane, step)
+        if self.cut_flag is not None and self.cut_flag in rows:
+            self._mask_cut(rows[self.cut_flag], lane, step)
         return {n: rows[n] for n in names}
+
+    def _mask_cut(self, values: np.ndarray, lane: np.ndarray, step: np.ndarray) -> None:
+        """Clear a stored cut flag where the step does not end its episode in the index read with
+        the rows: a resumed writer's patch that no commit of this reader holds yet."""
+        flagged = np.flatnonzero(values)
+        if len(flagged):
+            at = step[flagged]
+            values[flagged[self.episodes.next_end(lane[flagged], at) != at]] = False
 
     def _kept_apart(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Steps whose next values are not the following step's: episode ends (their final
@@ -153,6 +171,22 @@ class RowView:
             self._pairs[key] = None if not set(bases).issubset(stored) else tuple(
                 name for name in stored if name in bases or self.schema[name].row_bytes <= PAIRED_ROW_BYTES)
         return self._pairs[key]
+
+    def patched_since(self, committed: np.ndarray, last_ends: np.ndarray) -> list[tuple[int, int, int]]:
+        """Reader, after adopting a commit: ``(lane, first, end)``, the committed steps the writer
+        may have patched since the commit adopted before (which had ``committed`` steps and the
+        newest ends ``last_ends`` per lane), in each lane where episodes ended since: the returns
+        of the episode from just after the previous end, a cut flag at the newest step."""
+        if self.returns is None and self.cut_flag is None:
+            return []
+        newest = self.episodes.last_ends()
+        patched = []
+        for lane in np.flatnonzero(newest > last_ends).tolist():
+            end = int(committed[lane])
+            first = int(last_ends[lane]) + 1 if self.returns is not None else end - 1
+            if 0 <= first < end:
+                patched.append((lane, first, end))
+        return patched
 
     def kept_next(self, lane: np.ndarray, step: np.ndarray, twins: tuple[str, ...],
                   is_end: np.ndarray | None = None) -> dict[str, np.ndarray]:
