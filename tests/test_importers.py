@@ -437,12 +437,15 @@ def test_failing_source_leaves_no_buffer(tmp_path, monkeypatch):
 
 
 KILLED_IMPORT = textwrap.dedent("""
-    import sys, time
+    import gc, sys, time
+    import diskreplay as dr
     from diskreplay import offline as importers
     original = importers.NpyFolderSource.batches
     def slow(self):
         for i, item in enumerate(original(self)):
-            if i == 3:
+            if i == 3:  # the chunk writes behind the appends done: the files stay as they are now
+                for buf in (o for o in gc.get_objects() if isinstance(o, dr.ReplayBuffer)):
+                    buf.storage.writer.wait()
                 print("started", flush=True)
                 time.sleep(60)
             yield item
