@@ -873,3 +873,24 @@ def test_uniform_samples_are_the_same_without_the_compiled_draws(tmp_path, monke
         compiled = [buf.sample(64, seed=s)["x"].tolist() for s in range(5)]
         monkeypatch.setattr(draws, "_draws", None)
         assert [buf.sample(64, seed=s)["x"].tolist() for s in range(5)] == compiled
+
+
+def test_prioritized_slices_fit_where_the_starts_that_fit_hold_little_mass(tmp_path):
+    """Rows 0-3 are one episode, rows 4-9 episodes of one step: slices of 3 steps fit only at
+    starts 0 and 1, which hold 4e-6 of a mass of 8: drawing again almost never finds them. The
+    starts are then drawn among those that fit, still in proportion to their priorities (1:3),
+    and weighted against the least priority of all readable rows."""
+    fields = {"id": dr.Field((), "int64"), "terminated": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, None, chunk_rows=4, seed=0,
+                                 sampler=dr.Prioritized(alpha=1.0, beta=0.4, eps=0.0))
+    buf.extend({"id": np.arange(10), "terminated": np.array([0, 0, 0, 1, 1, 1, 1, 1, 1, 1], bool)})
+    buf.update_priorities(np.arange(10), np.array([1e-6, 3e-6] + [1.0] * 8))
+    batch = buf.sample(2000, seq_len=3)
+    starts, weights = batch["start"], batch["weight"]
+    assert set(starts.tolist()) == {0, 1}
+    counts = np.bincount(starts, minlength=2)
+    assert chisquare(counts, [500, 1500]).pvalue > 1e-3, counts
+    np.testing.assert_allclose(weights[starts == 0], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(weights[starts == 1], 3.0 ** -0.4, rtol=1e-5)
+    np.testing.assert_array_equal(batch["id"], starts[:, None] + np.arange(3))
+    buf.close()

@@ -117,6 +117,20 @@ class Prioritized(PrioritySampler):
         only (a reader's commit may have retired rows whose slots still hold priorities)."""
         self._apply_pending()
         leaves = _LeafRanges.readable(self, lo, hi)
+        return self._draw(rng, batch_size, leaves, lo, hi, beta, leaves.min())
+
+    def sample_within(self, rng: np.random.Generator, batch_size: int, lane: np.ndarray, first: np.ndarray,
+                      end: np.ndarray, lo: np.ndarray, hi: np.ndarray, beta: float | None = None) -> Draw:
+        """Rows drawn in proportion to their priorities among the steps ``[first[i], end[i])``
+        of lane ``lane[i]`` (int64 ``[k]``: ranges of the readable steps ``[lo, hi)``, at least
+        one step, e.g. where a slice fits), weighted as `sample` weights them."""
+        self._apply_pending()
+        within = _LeafRanges.of_steps(self, lane, first, end)
+        return self._draw(rng, batch_size, within, lo, hi, beta, _LeafRanges.readable(self, lo, hi).min())
+
+    def _draw(self, rng: np.random.Generator, batch_size: int, leaves: _LeafRanges, lo: np.ndarray, hi: np.ndarray,
+              beta: float | None, p_min: float) -> Draw:
+        """Leaves drawn in proportion to their priorities among ``leaves``, as readable steps."""
         total = leaves.mass()
         if self.stratified:
             thresholds = (np.arange(batch_size) + rng.random(batch_size)) * (total / batch_size)
@@ -128,7 +142,7 @@ class Prioritized(PrioritySampler):
             step = self._step_of_slot(lane, slot, hi)
             outside = (step < lo[lane]) | (step >= hi[lane])
             if not outside.any():
-                return Draw(lane, step, self._weights(leaf, beta, leaves.min()))
+                return Draw(lane, step, self._weights(leaf, beta, p_min))
             leaf[outside] = leaves.find(rng.random(int(outside.sum())) * total)
         raise RuntimeError("prioritized sampler keeps drawing rows outside the readable window; "
                            "its state does not match the buffer's commit")
@@ -315,9 +329,14 @@ class _LeafRanges:
         cap = sampler.layout.lane_capacity
         if (lo == (0 if cap is None else np.maximum(hi - cap, 0))).all():  # no row retired (`clear`, a retire commit)
             return cls(sampler)
-        cap = cap or sampler.stride  # a dataset's steps fit its stride: its slots do not wrap
+        return cls.of_steps(sampler, np.arange(len(lo)), lo, hi)
+
+    @classmethod
+    def of_steps(cls, sampler: Prioritized, lanes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> _LeafRanges:
+        """The leaves of the steps ``[lo[i], hi[i])`` of lane ``lanes[i]`` (each inside its lane's ring)."""
+        cap = sampler.layout.lane_capacity or sampler.stride  # a dataset's steps fit its stride: its slots do not wrap
         spans = []
-        for lane, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+        for lane, a, b in zip(lanes.tolist(), lo.tolist(), hi.tolist()):
             first, last, base = a % cap, (b - 1) % cap + 1, lane * sampler.stride
             if b > a:
                 spans += [(base + first, base + last)] if first < last else [(base + first, base + cap),

@@ -69,3 +69,16 @@ class PrioritySampler(Sampler, Protocol):
 
         Raises ValueError (nothing changed) for TD errors that are not finite or not one per row.
         """
+
+
+@runtime_checkable
+class WithinSampler(Sampler, Protocol):
+    """A `Sampler` that can also draw among given ranges of steps (`Prioritized`): trajectory
+    slices use it where the starts that fit hold too little of its mass to be found by drawing
+    again."""
+
+    def sample_within(self, rng: np.random.Generator, batch_size: int, lane: np.ndarray, first: np.ndarray,
+                      end: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> Draw:
+        """``batch_size`` (lane, step) pairs drawn as `sample` draws them, among the steps
+        ``[first[i], end[i])`` of lane ``lane[i]`` only (int64 ``[k]``: ranges of the readable
+        steps ``[lo, hi)``, at least one step in all)."""

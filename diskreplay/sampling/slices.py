@@ -12,7 +12,7 @@ from ..checks import check_int
 from ..errors import EmptyBufferError
 from ..format.lanes import flat_to_lane_step
 from .draws import integers
-from .protocols import Draw, Sampler
+from .protocols import Draw, Sampler, WithinSampler
 from .uniform import Uniform
 
 REDRAWS = 256
@@ -63,17 +63,32 @@ class SliceSampler:
                 return self.base.sample(rng, batch_size, lo, hi)
             return self._uniform_windows(rng, batch_size, lo, hi)
         draw = self.base.sample(rng, batch_size, lo, hi, **options)
-        for _ in range(REDRAWS):
+        for attempt in range(REDRAWS):
             end = self.last_steps(draw, hi)
             bad = np.zeros(batch_size, bool) if self.pad else draw.step + self.seq_len - 1 > end
             if not bad.any():
                 return draw
-            again = self.base.sample(rng, int(bad.sum()), lo, hi, **options)
+            if attempt >= REDRAWS // 2 and isinstance(self.base, WithinSampler):
+                again = self._within(self.base, rng, int(bad.sum()), lo, hi, options)
+            else:
+                again = self.base.sample(rng, int(bad.sum()), lo, hi, **options)
             draw.lane[bad], draw.step[bad] = again.lane, again.step
             if draw.weight is not None:
                 draw.weight[bad] = again.weight
         raise EmptyBufferError(f"could not draw slices of {self.seq_len} steps inside one episode; "
                                f"use pad=True or a shorter seq_len")
+
+    def _within(self, base: WithinSampler, rng: np.random.Generator, batch_size: int, lo: np.ndarray,
+                hi: np.ndarray, options: dict[str, Any]) -> Draw:
+        """Starts drawn by ``base`` among the steps where a slice fits only: for the draws that
+        kept missing them (the starts that fit hold little of the base sampler's mass)."""
+        lane, first, count = self.episodes.window_starts(lo, hi, self.seq_len)
+        if count.sum() == 0:
+            raise EmptyBufferError(f"no episode holds {self.seq_len} consecutive readable steps; "
+                                   f"use pad=True or a shorter seq_len")
+        some = count > 0
+        return base.sample_within(rng, batch_size, lane[some], first[some], first[some] + count[some], lo, hi,
+                                  **options)
 
     def _uniform_windows(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
         """Starts drawn uniformly over every window of ``seq_len`` steps inside one episode."""
