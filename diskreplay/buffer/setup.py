@@ -82,7 +82,10 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
 def create_storages(plans: list[NewStorage], options: Options, commit: bool) -> tuple[Storage, Storage | None]:
     """Create a planned buffer's storage and its ``derive_next`` side store. The side store
     first: once the main commit exists, a reader finds everything it needs."""
-    finals = create_storage(plans[1], options, commit=True) if len(plans) > 1 else None
+    finals = None
+    if len(plans) > 1:
+        config = plans[1].config
+        finals = create_storage(plans[1], finals_options(options, config.schema, config.num_envs), commit=True)
     return create_storage(plans[0], options, commit=commit), finals
 
 
@@ -242,11 +245,16 @@ def close_all(*storages: Storage | None) -> None:
 def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Options) -> Storage:
     """The side store of a ``derive_next`` buffer. Raises CorruptBufferError if it is missing or damaged."""
     try:
-        return open_storage(finals_url(url), mode, replace(options, cache_bytes=finals_cache(schema, num_envs)))
+        return open_storage(finals_url(url), mode, finals_options(options, schema, num_envs))
     except (NotABufferError, CorruptBufferError) as exc:
         raise CorruptBufferError(f"{url!r}: the side store {FINALS_DIR}/ of derive_next, which "
                                  f"holds each episode's final {', '.join(schema.fields)}, is missing or damaged "
                                  f"({exc})") from None
+
+
+def finals_options(options: Options, schema: Schema, num_envs: int) -> Options:
+    """``options`` for the side store: its own cache (`finals_cache`), whatever the buffer's is."""
+    return replace(options, cache_bytes=finals_cache(schema, num_envs))
 
 
 def finals_cache(schema: Schema, num_envs: int) -> int:
