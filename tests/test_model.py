@@ -665,3 +665,16 @@ def test_derive_next_buffer_takes_the_cache_its_rows_need(tmp_path):
         buf.add(obs=np.zeros(2), next_obs=np.ones(2), done=False)
     with dr.ReplayBuffer.open(path, "r+", cache_bytes=cache) as buf:
         assert buf[[0]]["next_obs"].tolist() == [[1.0, 1.0]]
+
+
+def test_prioritized_slices_start_where_a_slice_fits_whatever_its_priority(tmp_path):
+    # found by the machine: slices are drawn by their start row's priority and rows where no
+    # slice fits are drawn again; when the only start that fits had a low priority, every draw
+    # missed it and sample() said no slice fits ("could not draw slices of 3 steps ...")
+    buf = dr.ReplayBuffer.create(tmp_path / "b", EPISODE_FIELDS, None, chunk_rows=2, sampler=dr.Prioritized(),
+                                 seed=0)
+    buf.add(**{k: v[0] for k, v in steps(0, 1).items()})
+    assert buf.update_priorities([0], [0.0]) == 1
+    buf.extend(steps(1, 2))
+    assert buf.sample(4, seq_len=3)["start"].tolist() == [0, 0, 0, 0]
+    buf.close()
