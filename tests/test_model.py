@@ -680,20 +680,29 @@ def test_prioritized_slices_start_where_a_slice_fits_whatever_its_priority(tmp_p
     buf.close()
 
 
-def test_ring_of_odd_capacity_keeps_rows_with_a_small_cache(tmp_path):
-    # found by the machine: two lanes of 13 rows in chunks of 2 (the last chunk of each lane
-    # holds one row), raw, with a cache of the writer's staging and two chunks more; after
-    # extends of 1, 12, 2 and 3 steps, steps 13 and 14 of lane 1 held other rows
+@pytest.mark.parametrize("num_envs,lane_cap,chunk_rows,calls,cache_chunks", [
+    (2, 13, 2, ((1,), (12, 2, 3)), 2 * 2 + 4),  # a cache of the writer's staging and two chunks more
+    (3, 32, 3, ((1, 18, 20, 30), (1,), (3, 12)), None),
+])
+def test_ring_whose_capacity_is_not_whole_chunks_keeps_rows(tmp_path, num_envs, lane_cap, chunk_rows, calls,
+                                                             cache_chunks):
+    # found by the machine: rings of several lanes whose last chunk is short (13 rows in chunks
+    # of 2, 32 in chunks of 3), raw; after these extends, each shorter than the ring, a chunk
+    # slot of one lane held rows of the previous round (the writer's, and after close, readers');
+    # ``calls``: extends in a row, the writes behind them done after each group
     path = tmp_path / "b"
     fields = {"id": dr.Field((), "int64")}
-    buf = dr.ReplayBuffer.create(path, fields, 26, num_envs=2, chunk_rows=2, compression=None,
-                                 cache_bytes=(2 * 2 + 4) * 2 * 8)
+    cache = {} if cache_chunks is None else {"cache_bytes": cache_chunks * chunk_rows * 8}
+    buf = dr.ReplayBuffer.create(path, fields, lane_cap * num_envs, num_envs=num_envs, chunk_rows=chunk_rows,
+                                 compression=None, **cache)
     first = 0
-    for n in (1, 12, 2, 3):
-        buf.extend({"id": steps(first, n, 2)["id"]})
-        first += n
+    for group in calls:
+        for n in group:
+            buf.extend({"id": steps(first, n, num_envs)["id"]})
+            first += n
+        writes_done(buf)
     ids = np.sort(buf.row_ids())
-    np.testing.assert_array_equal(ids, np.arange(10, 36))
+    np.testing.assert_array_equal(ids, np.arange((first - lane_cap) * num_envs, first * num_envs))
     np.testing.assert_array_equal(buf[ids]["id"], ids)
     buf.close()
     with dr.ReplayBuffer.open(path, "r") as reader:
