@@ -244,8 +244,8 @@ def logged(caplog, pattern: str, level: int = logging.WARNING):
 # once is replayed first by the next run. Other tests keep their own settings.
 _MODEL_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                        report_multiple_bugs=False, phases=[p for p in Phase if p is not Phase.explain])
-settings.register_profile("fast", max_examples=40, stateful_step_count=30, **_MODEL_SETTINGS)
-settings.register_profile("ci", max_examples=300, stateful_step_count=40, **_MODEL_SETTINGS)
+settings.register_profile("fast", max_examples=60, stateful_step_count=30, **_MODEL_SETTINGS)
+settings.register_profile("ci", max_examples=500, stateful_step_count=50, **_MODEL_SETTINGS)
 
 
 def model_test_settings() -> settings:

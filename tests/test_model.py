@@ -707,3 +707,22 @@ def test_ring_whose_capacity_is_not_whole_chunks_keeps_rows(tmp_path, num_envs, 
     buf.close()
     with dr.ReplayBuffer.open(path, "r") as reader:
         np.testing.assert_array_equal(reader[ids]["id"], ids)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_refreshed_reader_reads_the_truncated_flag_of_its_commit(tmp_path, compression):
+    # found by the machine: a reader kept the chunk it had read before a reopened writer closed
+    # the episode that was left open (truncated=True on its last step); after refresh() adopted
+    # that commit, its episode index ended the episode there but the row still read False
+    path = tmp_path / "b"
+    with dr.ReplayBuffer.create(path, EPISODE_FIELDS, None, chunk_rows=2, compression=compression) as buf:
+        buf.extend(steps(0, 2))  # an episode left open
+    buf = dr.ReplayBuffer.open(path, "r+")
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        assert reader[[0, 1]]["truncated"].tolist() == [False, False]
+        buf.add(**{k: v[0] for k, v in steps(2, 1).items()})
+        buf.flush()
+        assert reader.refresh() is True
+        assert table_rows(reader.episodes()) == [(0, 0, 2, True), (0, 2, 1, False)]
+        assert reader[[0, 1]]["truncated"].tolist() == [False, True]
+    buf.close()
