@@ -20,6 +20,7 @@ from concurrent.futures import Future
 import fsspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, Phase, settings
 
 import diskreplay as dr
 from diskreplay.storage.write_behind import WriteBehind
@@ -268,6 +269,23 @@ def logged(caplog, pattern: str, level: int = logging.WARNING):
         yield
     found = [r.getMessage() for r in caplog.records if r.name.startswith("diskreplay") and r.levelno == level]
     assert any(re.search(pattern, m) for m in found), f"no log record matching {pattern!r} in {found}"
+
+
+# Hypothesis profiles of the model-based test (tests/test_model.py): "fast" in everyday runs and
+# the fast subset, "ci" (many more examples) where CI=true. HYPOTHESIS_PROFILE names either one.
+# The example database stays hypothesis's default (.hypothesis/examples), so that a failure found
+# once is replayed first by the next run. Other tests keep their own settings.
+_MODEL_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                       report_multiple_bugs=False, phases=[p for p in Phase if p is not Phase.explain])
+settings.register_profile("fast", max_examples=60, stateful_step_count=30, **_MODEL_SETTINGS)
+settings.register_profile("ci", max_examples=500, stateful_step_count=50, **_MODEL_SETTINGS)
+
+
+def model_test_settings() -> settings:
+    """The settings of the model-based test: ``HYPOTHESIS_PROFILE``'s profile, else "ci" where
+    ``CI=true``, else "fast"."""
+    name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() == "true" else "fast")
+    return settings.get_profile(name)
 
 
 SLOW_MODULES = frozenset({"test_cli", "test_concurrency", "test_crash", "test_device", "test_examples", "test_faults",
