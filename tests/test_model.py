@@ -267,6 +267,31 @@ ends_spec = st.tuples(st.sampled_from([0, 1, 2, 5, 9]), st.sampled_from(["termin
 """Episode ends among new rows: every ``period``-th serial number ends one (0: none), and how."""
 
 
+@dataclass
+class Run:
+    """What this module's machine ran (printed at its end, summed up by tools/reliability_report.py)."""
+
+    layouts: set[Layout] = field(default_factory=set)
+    sequences: int = 0
+    steps: int = 0
+
+
+RUN = Run()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_run():
+    yield
+    layouts = RUN.layouts
+    if layouts:
+        caps = sorted({x.lane_cap for x in layouts}, key=lambda c: -1 if c is None else c)
+        print(f"\nmodel test: {RUN.sequences} sequences, {RUN.steps} steps checked, {len(layouts)} layouts "
+              f"(lanes {sorted({x.num_envs for x in layouts})}, capacities per lane {caps}, "
+              f"chunk_rows {sorted({x.chunk_rows for x in layouts})}, "
+              f"codecs {sorted({str(x.compression) for x in layouts})}, samplers {len({x.sampler for x in layouts})}, "
+              f"derive_next {sorted({x.derive_next for x in layouts})})")
+
+
 class BufferMachine(RuleBasedStateMachine):
     """A writer (reopened, crashed, cleared...), up to two readers and the model, in step."""
 
@@ -282,6 +307,8 @@ class BufferMachine(RuleBasedStateMachine):
     @initialize(layout=layouts, seed=st.integers(0, 2**16))
     def create(self, layout: Layout, seed: int) -> None:
         self.layout, self.model = layout, BufferModel(layout)
+        RUN.layouts.add(layout)
+        RUN.sequences += 1
         self.open_options = {k: v for k, v in layout.options().items() if k == "cache_bytes"}
         self.buf = dr.ReplayBuffer.create(self.path, sampler=make_sampler(layout.sampler), seed=seed,
                                           **layout.options())
@@ -473,6 +500,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @invariant()
     def writer_matches_model(self) -> None:
+        RUN.steps += 1
         if self.buf is None:
             return
         # the chunk writes behind the rule's last call end first: what a step leaves behind then

@@ -1,8 +1,10 @@
-"""The README's Reliability table: runs the crash, fault, concurrency and bad-input tests and sums
-what they report (SIGKILLs survived and committed rows lost, faults injected and survived, bad
-input kinds refused, rows readers checked and found wrong).
+"""The README's Reliability table: runs the crash, fault, concurrency, bad-input and model-based
+tests and sums what they report (SIGKILLs survived and committed rows lost, faults injected and
+survived, bad input kinds refused, rows readers checked and found wrong, random operation
+sequences checked against the reference model).
 
 Usage: python tools/reliability_report.py [--out FILE]      (about two minutes on 2 cores)
+       HYPOTHESIS_PROFILE=ci python tools/reliability_report.py   (the model test's CI budget: ~5 min more)
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_crash.py", "tests/test_faults.py", "tests/test_concurrency.py", "tests/test_bad_inputs.py"]
+TESTS = ["tests/test_crash.py", "tests/test_faults.py", "tests/test_concurrency.py", "tests/test_bad_inputs.py",
+         "tests/test_model.py"]
 PATTERNS = {  # what each test prints (pytest -s), and the numbers taken from it
     "crash": re.compile(r"crash test (?P<label>[^:]+): (?P<kills>\d+) SIGKILLs survived, "
                         r"(?P<lost>\d+) committed rows lost"),
@@ -23,6 +26,8 @@ PATTERNS = {  # what each test prints (pytest -s), and the numbers taken from it
                           r"wrong (?P<wrong>\d+)"),
     "live": re.compile(r"live writer \+ reader \((?P<label>\w+)\): \d+ batches, (?P<checked>\d+) rows checked"),
     "bad": re.compile(r"bad-input kinds: (?P<kinds>\d+) calls refused"),
+    "model": re.compile(r"model test: (?P<sequences>\d+) sequences, (?P<steps>\d+) steps checked, "
+                        r"(?P<layouts>\d+) layouts \((?P<covered>[^\n]*)\)"),
 }
 
 
@@ -44,6 +49,10 @@ def table(output: str, code: int) -> str:
         ("bad-input and tampered-file kinds", f"{total('bad', 'kinds')} refused", "store unchanged in each"),
         ("rows returned to readers of a live ring writer (3 reader processes, and one in-process)",
          f"{total('readers', 'checked') + total('live', 'checked'):,} checked", f"{total('readers', 'wrong')} wrong"),
+        ("random operation sequences against a reference model (model-based test; "
+         f"{found['model'][0]['covered'] if found['model'] else 'not run'})",
+         f"{total('model', 'sequences'):,} sequences, {total('model', 'steps'):,} steps, "
+         f"{total('model', 'layouts')} layouts", "0 differences" if code == 0 else "FAILURES"),
     ]
     lines = ["| what | done | outcome |", "|---|---:|---:|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
     lines.append("")
