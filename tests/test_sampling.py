@@ -894,3 +894,17 @@ def test_prioritized_slices_fit_where_the_starts_that_fit_hold_little_mass(tmp_p
     np.testing.assert_allclose(weights[starts == 1], 3.0 ** -0.4, rtol=1e-5)
     np.testing.assert_array_equal(batch["id"], starts[:, None] + np.arange(3))
     buf.close()
+
+
+def test_slices_with_a_recent_share_fit_where_few_starts_fit(tmp_path):
+    """Rows 0-4 are one episode, rows 5-2004 episodes of one step, and half of each batch comes
+    from the 5 newest rows: slices of 4 steps start only at 0 and 1, 1 in 1,000 of the rows.
+    The draws that keep missing are drawn uniformly among the starts that fit instead of giving up."""
+    fields = {"id": dr.Field((), "int64"), "terminated": dr.Field((), "bool")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, None, chunk_rows=64, seed=0,
+                                 sampler=dr.Uniform(recent_ratio=0.5, recent_rows=5))
+    buf.extend({"id": np.arange(2005), "terminated": np.arange(2005) >= 4})
+    starts = buf.sample(400, seq_len=4)["start"]
+    assert set(starts.tolist()) == {0, 1}
+    assert chisquare(np.bincount(starts, minlength=2)).pvalue > 1e-3
+    buf.close()

@@ -38,7 +38,8 @@ class SliceSampler:
 
     Without ``pad``, only slices wholly inside one episode are drawn: with a plain `Uniform`
     (no options, no recent share), uniformly over all such windows; with any other sampler,
-    starts whose slice would cross an episode end are drawn again. With ``pad``, any readable
+    starts whose slice would cross an episode end are drawn again, and those that keep missing
+    are drawn among the starts that fit (see `_redraw`). With ``pad``, any readable
     step may start a slice, and the steps past its episode end repeat the episode's last step.
     """
 
@@ -68,27 +69,29 @@ class SliceSampler:
             bad = np.zeros(batch_size, bool) if self.pad else draw.step + self.seq_len - 1 > end
             if not bad.any():
                 return draw
-            if attempt >= REDRAWS // 2 and isinstance(self.base, WithinSampler):
-                again = self._within(self.base, rng, int(bad.sum()), lo, hi, options)
-            else:
-                again = self.base.sample(rng, int(bad.sum()), lo, hi, **options)
+            again = self._redraw(rng, int(bad.sum()), lo, hi, options, attempt >= REDRAWS // 2, draw.weight is None)
             draw.lane[bad], draw.step[bad] = again.lane, again.step
             if draw.weight is not None:
                 draw.weight[bad] = again.weight
         raise EmptyBufferError(f"could not draw slices of {self.seq_len} steps inside one episode; "
                                f"use pad=True or a shorter seq_len")
 
-    def _within(self, base: WithinSampler, rng: np.random.Generator, batch_size: int, lo: np.ndarray,
-                hi: np.ndarray, options: dict[str, Any]) -> Draw:
-        """Starts drawn by ``base`` among the steps where a slice fits only: for the draws that
-        kept missing them (the starts that fit hold little of the base sampler's mass)."""
-        lane, first, count = self.episodes.window_starts(lo, hi, self.seq_len)
-        if count.sum() == 0:
-            raise EmptyBufferError(f"no episode holds {self.seq_len} consecutive readable steps; "
-                                   f"use pad=True or a shorter seq_len")
-        some = count > 0
-        return base.sample_within(rng, batch_size, lane[some], first[some], first[some] + count[some], lo, hi,
-                                  **options)
+    def _redraw(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
+                options: dict[str, Any], late: bool, unweighted: bool) -> Draw:
+        """Starts for the draws whose slice would cross an episode end: the base sampler's again;
+        ``late`` (they kept missing: the starts that fit hold little of the base sampler's
+        mass, or none of a recent share's rows), among the starts that fit only, by the base
+        sampler's priorities where it draws within ranges (`WithinSampler`), else uniformly
+        (unless the base sampler weights its draws)."""
+        if late and isinstance(self.base, WithinSampler):
+            lane, first, count = self.episodes.window_starts(lo, hi, self.seq_len)
+            some = count > 0
+            if some.any():
+                return self.base.sample_within(rng, batch_size, lane[some], first[some], first[some] + count[some],
+                                               lo, hi, **options)
+        if late and unweighted:
+            return self._uniform_windows(rng, batch_size, lo, hi)
+        return self.base.sample(rng, batch_size, lo, hi, **options)
 
     def _uniform_windows(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray) -> Draw:
         """Starts drawn uniformly over every window of ``seq_len`` steps inside one episode."""
