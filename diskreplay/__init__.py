@@ -3,6 +3,7 @@
 from typing import Any
 
 from .buffer import BufferSpec, RateLimiter, ReplayBuffer
+from .build import build_info
 from .episodes import (
     HER,
     EpisodeTable,
@@ -52,7 +53,7 @@ __all__ = [
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
     "ClosedError", "RateLimitTimeout",
-    "RetryPolicy",
+    "RetryPolicy", "build_info",
 ]
 
 _TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "Loader", "IndexBatchSampler", "IndexBatch",

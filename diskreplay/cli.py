@@ -150,9 +150,11 @@ def _add_inspection(sub: Subcommands) -> None:
                                    "disk vs raw, compression ratio, sampler type and the last commit. A sharded "
                                    "buffer: its shards together, then per shard its rows (readable, ever added) "
                                    "and last commit, and the learner's published progress (learner.json).")
-    p.add_argument("url", metavar="URL", help="the buffer")
+    p.add_argument("url", metavar="URL", nargs="?", help="the buffer (not needed with --build)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-episodes", action="store_true", help="skip the episode scan (reads the done fields)")
+    p.add_argument("--build", action="store_true",
+                   help="instead: which compiled fast paths (C extensions) are active, and why one is not")
     p.set_defaults(run=_cmd_info)
 
     p = sub.add_parser("verify", help="check every committed chunk exists and decodes (exit 1 if not)",
@@ -252,8 +254,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .build import build_info, format_build_info
     from .offline import buffer_info, format_info
 
+    if args.build:
+        print(json.dumps(build_info(), indent=2) if args.json else format_build_info(build_info()))
+        return 0
+    if args.url is None:
+        raise ValueError("info needs the URL of a buffer (or --build)")
     info = buffer_info(args.url, episodes=not args.no_episodes)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0

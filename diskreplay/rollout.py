@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .buffer import ReplayBuffer
+from .build import missing_extra
 from .episodes.returns import gae_advantages, normalize_advantages
 from .format.lanes import row_ids
 from .format.schema import Field
@@ -107,8 +108,10 @@ class RolloutBuffer:
             RuntimeError: `compute_returns_and_advantages` was not called for this rollout.
             ValueError: num_minibatches does not divide num_steps * num_envs.
         """
-        import torch
-
+        try:
+            import torch
+        except ImportError as error:
+            raise missing_extra("torch", "torch", "RolloutBuffer.minibatches") from error
         if self.advantages is None:
             raise RuntimeError("call compute_returns_and_advantages() before minibatches()")
         assert self.returns is not None  # computed together with the advantages

@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "diskreplay"
 LAYERS = {
-    "errors": 0, "checks": 0,
+    "errors": 0, "checks": 0, "build": 0,
     "format": 1, "io": 1,
     "storage": 2,
     "sampling": 3, "episodes": 3,

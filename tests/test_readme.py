@@ -40,6 +40,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 BENCH = "a benchmark: minutes, and large files"
 SKIPPED = {  # command lines (comments cut) not run, and why
+    'pip install "diskreplay[torch]"': "installs: downloads diskreplay and torch",
     'python3 -m venv .venv && . .venv/bin/activate && python -m pip install "torch==2.13.0" -e ".[test]" '
     '&& diskreplay demo': "installs: makes a virtualenv and downloads torch",
     "python -m pytest -q -n auto": "the whole test suite, which runs this file",
@@ -206,3 +207,13 @@ def test_the_checks_can_fail(tmp_path):
     assert "not run; mark it" in fate(output)
     with pytest.raises(AssertionError, match="failed"):
         run_commands(Block("bash", "diskreplay verify nothing-here", 1, "A", "A", None), tmp_path)
+
+
+def test_ci_installs_as_the_readmes_development_section_says():
+    """.ci/run installs the contributor line of README's "Development" (with pip's -q), then runs the demo."""
+    block = next(b for b in BLOCKS if b.heading == "Development" and b.lang == "bash")
+    readme = command(block.code).split(" && ")
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert readme[2:] == ['python -m pip install "torch==2.13.0" -e ".[test]"', "diskreplay demo"]
+    assert 'python -m pip install -q "torch==2.13.0" -e ".[test]" && diskreplay demo' in ci
+    assert [b.section for b in BLOCKS if 'pip install "diskreplay[torch]"' in b.code] == ["Install"]

@@ -19,14 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from ..build import load_extension
 from ..errors import SchemaError
 from ..format.journal import LOG_CHUNK, JournalChange, JournalContent
 from ..format.schema import Field
 
-try:
-    from . import _search  # type: ignore[attr-defined]  # built from _search.c where a C compiler was found
-except ImportError:
-    _search = None
+_search = load_extension("diskreplay.episodes._search")  # built from _search.c where a C compiler was found
 
 NO_END = np.iinfo(np.int64).max
 END_RECORD = np.dtype([("lane", "<i8"), ("step", "<i8")])

@@ -25,13 +25,11 @@ import zarr.codecs
 import zstandard
 from numcodecs import blosc
 
+from ..build import disable, load_extension
 from ..checks import check_int
 from .schema import Field
 
-try:
-    from . import _batch  # type: ignore[attr-defined]  # built from _batch.c where a C compiler was found
-except ImportError:
-    _batch = None
+_batch = load_extension("diskreplay.format._batch")  # built from _batch.c where a C compiler was found
 
 COMPRESSIONS = (None, "zstd", "lz4", "lz4hc")
 """Chunk codecs: raw, zstd, blosc LZ4 (fast to write), blosc LZ4-HC (slower to write; smaller, and
@@ -489,6 +487,8 @@ def _crc32c_address() -> int | None:
 
 
 _CRC32C_ADDRESS = _crc32c_address()
+if _batch is not None and _CRC32C_ADDRESS is None:
+    disable("diskreplay.format._batch", "google-crc32c has no C library here (crc32c_value)", "first_bad_checksum")
 
 
 def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows: list[int], flat: np.ndarray) -> None:
@@ -521,6 +521,8 @@ def _lz4_decoder() -> tuple[Callable[[int, int, int, int], int] | None, int | No
 
 
 _LZ4_DECODE, _LZ4_ADDRESS = _lz4_decoder()
+if _batch is not None and _LZ4_ADDRESS is None:
+    disable("diskreplay.format._batch", "python-lz4's extension does not export LZ4_decompress_safe", "decode_lz4")
 
 
 class _Zstd(threading.local):

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from . import _draws  # type: ignore[attr-defined]  # built from _draws.c where a C compiler was found
-except ImportError:
-    _draws = None
+from ..build import disable, load_extension
+
+_draws = load_extension("diskreplay.sampling._draws")  # built from _draws.c where a C compiler was found
 
 _LARGEST_SPAN = 2**32 - 2
 """The widest ``high - low - 1`` drawn by `_draws`; numpy draws wider ranges in another way."""
@@ -86,5 +85,8 @@ def _sets_pcg64_as_numpy() -> bool:
 
 
 if _draws is not None and not _agrees_with_numpy():
+    disable("diskreplay.sampling._draws", f"its uniform draws differ from numpy {np.__version__}'s Generator.integers")
     _draws = None
 _set_pcg64 = _draws.set_pcg64 if _draws is not None and _sets_pcg64_as_numpy() else None
+if _draws is not None and _set_pcg64 is None:
+    disable("diskreplay.sampling._draws", f"it does not set PCG64 states as numpy {np.__version__} does", "set_pcg64")

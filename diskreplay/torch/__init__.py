@@ -13,7 +13,17 @@ Importing this package imports torch (``import diskreplay`` alone does not). Mod
   ``dr.torchrl.ZarrStorage``, a TorchRL storage (imports torchrl: not imported here).
 
 Tunables read at run time (e.g. ``shared_ring.DEFAULT_WORKERS``) stay in their module.
+torch is an extra (``pip install "diskreplay[torch]"``): without it, importing this package (which
+``as_dataset``, ``format="torch"`` and ``dr.RowDataset`` etc. do) raises an ImportError that says so.
 """
+
+from ..build import missing_extra
+
+try:
+    import torch  # noqa: F401  # every module below needs it: the one place that says how to install it
+except ImportError as error:
+    raise missing_extra("torch", "torch", "diskreplay's torch layer (as_dataset, format='torch', RowDataset, "
+                        "Loader, to_device)") from error
 
 from .batch_rng import BatchRngs
 from .data import dataset_state_from_loader, keep_batch, make_dataset, merge_worker_states
