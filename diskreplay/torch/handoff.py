@@ -25,5 +25,5 @@ class WorkerUse:
 
     def mark_if_spawning(self) -> None:
         """Mark when called while a process is being spawned (pickling its arguments)."""
-        if context.get_spawning_popen() is not None:  # type: ignore[attr-defined]
+        if context.get_spawning_popen() is not None:
             self.mark()
