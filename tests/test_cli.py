@@ -345,3 +345,30 @@ def test_verify_shows_progress_in_chunks_on_stderr(tmp_path):
     assert proc.returncode == 0 and "verify: 42 chunks [" in proc.stderr, proc.stderr
     proc = run("verify", str(tmp_path / "buf"), "--no-progress")
     assert proc.returncode == 0 and proc.stderr == "" and "42 chunks checked" in proc.stdout
+
+
+def test_access_problems_are_found_among_the_causes():
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    from diskreplay.io.access import access_problem
+
+    def wrapped(cause: BaseException) -> OSError:
+        try:
+            try:
+                raise cause
+            except Exception as exc:
+                raise OSError("s3fs says something") from exc
+        except OSError as outer:
+            return outer
+
+    assert access_problem(wrapped(NoCredentialsError())) == "credentials"
+    rejected = ClientError({"Error": {"Code": "InvalidAccessKeyId", "Message": "no"}}, "GetObject")
+    assert access_problem(wrapped(rejected)) == "rejected InvalidAccessKeyId"
+    missing = ClientError({"Error": {"Code": "NoSuchBucket", "Message": "no"}}, "PutObject")
+    assert access_problem(wrapped(missing)) == "bucket"
+    assert access_problem(FileNotFoundError("s3://b/x/zarr.json")) is None
+    args = cli.build_parser().parse_args(["info", "s3://b/x"])
+    assert cli._user_message(wrapped(rejected), args) == (
+        "s3://b/x: the store rejected the credentials (InvalidAccessKeyId): check AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL, or the key/secret/endpoint_url --storage-option values")
+    assert cli._user_message(RuntimeError("a bug"), args) is None  # not the user's: the traceback stays
