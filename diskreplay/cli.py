@@ -3,8 +3,10 @@
 User mistakes (missing files, bad options, a path that is not a buffer, a missing optional
 package, ...) print one line on stderr, ``diskreplay: error: ...``, and exit with status 1 (2 for
 bad command-line usage, 130 for Ctrl-C). Set ``DISKREPLAY_TRACEBACK=1`` to see the full traceback
-instead. When stdout is a pipe its reader closed early (``diskreplay info URL | head -1``), the
-command stops quietly with status 1.
+instead. A remote URL that the store refuses for want of credentials, for credentials it
+rejects or for a missing bucket is one line too, naming the URL and the fix. When stdout is a
+pipe its reader closed early (``diskreplay info URL | head -1``), the command stops quietly with
+status 1.
 
 Field names in files: ``import`` and ``export`` share one convention, D4RL's (``observations``,
 ``actions``, ``rewards``, ``terminals``, ``timeouts``, ``next_observations``, ``infos/<key>``),
@@ -24,7 +26,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO, TypeAlias
+from typing import Any, TextIO, TypeAlias
 
 USER_ERRORS = (OSError, ValueError, KeyError, ImportError, LookupError)
 BENCH_EXTRA = ("cpprb", "torchrl", "tensordict", "psutil")  # the "bench" extra, by import name
@@ -48,12 +50,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("diskreplay: interrupted", file=sys.stderr)
         return 130
-    except USER_ERRORS as exc:  # DiskReplayError subclasses these builtins too
-        if os.environ.get("DISKREPLAY_TRACEBACK"):
+    except Exception as exc:
+        message = None if os.environ.get("DISKREPLAY_TRACEBACK") else _user_message(exc, args)
+        if message is None:
             raise
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"diskreplay: error: {message}", file=sys.stderr)
         return 1
+
+
+def _user_message(exc: Exception, args: argparse.Namespace) -> str | None:
+    """The one line that explains ``exc``, a user's mistake (`USER_ERRORS`, DiskReplayError
+    subclasses these builtins too) or a remote store refusing the user's setup; else None."""
+    remote = _remote_problem(exc, args)
+    if remote is not None:
+        return remote
+    if not isinstance(exc, USER_ERRORS):
+        return None
+    return str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
+
+
+def _remote_problem(exc: Exception, args: argparse.Namespace) -> str | None:
+    """Missing or rejected credentials, or a missing bucket, for the command's remote URL."""
+    from .errors import NotABufferError
+    from .io import is_local
+    from .io.access import access_problem, bucket_missing, bucket_of
+
+    url = getattr(args, "url", None) or getattr(args, "dest", None)
+    if not isinstance(url, str) or is_local(url):
+        return None
+    problem = access_problem(exc)
+    if problem is None and isinstance(exc, (NotABufferError, FileNotFoundError)) \
+            and bucket_missing(url, _storage_options(args)):
+        problem = "bucket"
+    if problem == "bucket":
+        return (f"{url}: bucket {bucket_of(url)!r} does not exist (or is not visible with these credentials): "
+                f"create it first (diskreplay creates objects, not buckets), or check the URL and the endpoint "
+                f"(AWS_ENDPOINT_URL or --storage-option endpoint_url=...)")
+    if problem == "credentials":
+        return (f"{url}: no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                f"AWS_ENDPOINT_URL for an S3-compatible server, AWS_REGION if needed), or pass --storage-option "
+                f"key=... --storage-option secret=... (--storage-option anon=true for a public bucket)")
+    if problem is not None:
+        return (f"{url}: the store rejected the credentials ({problem.split()[1]}): check AWS_ACCESS_KEY_ID, "
+                f"AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL, or the key/secret/endpoint_url --storage-option values")
+    return None
 
 
 def _silence_stdout() -> None:
@@ -83,8 +123,36 @@ def build_parser() -> argparse.ArgumentParser:
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+def _remote_options() -> argparse.ArgumentParser:
+    """The option every command that opens a URL takes: fsspec storage options."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--storage-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+                   dest="storage_options",
+                   help="an fsspec storage option for a remote URL, repeatable; VALUE is parsed as JSON when it "
+                        "parses, else kept as a string (e.g. endpoint_url=http://localhost:9000, anon=true, "
+                        "client_kwargs='{\"region_name\": \"eu-west-1\"}'). S3 also reads AWS_ACCESS_KEY_ID, "
+                        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION from the environment")
+    return p
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``--storage-option`` values as a dict (None: none given)."""
+    return dict(getattr(args, "storage_options", None) or []) or None
+
+
 def _add_create(sub: Subcommands) -> None:
-    p = sub.add_parser("create", help="create an empty buffer from a spec file (.yaml or .json)",
+    p = sub.add_parser("create", parents=[_remote_options()],
+                       help="create an empty buffer from a spec file (.yaml or .json)",
                        description="Create an empty buffer at URL as the spec file says: its fields, capacity, "
                                    "num_envs, chunk_rows, compression, episode_end, derive_next, episodic_return "
                                    "and shards (dr.BufferSpec.to_yaml / to_json write one). YAML needs pyyaml.")
@@ -96,7 +164,7 @@ def _add_create(sub: Subcommands) -> None:
 
 
 def _add_import(sub: Subcommands) -> None:
-    p = sub.add_parser("import",
+    p = sub.add_parser("import", parents=[_remote_options()],
                        help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, Parquet, zarr) "
                             "into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
@@ -124,7 +192,8 @@ def _add_import(sub: Subcommands) -> None:
 
 
 def _add_export(sub: Subcommands) -> None:
-    p = sub.add_parser("export", help="write a buffer's rows to D4RL-layout .npz or .hdf5, Parquet or Minari",
+    p = sub.add_parser("export", parents=[_remote_options()],
+                       help="write a buffer's rows to D4RL-layout .npz or .hdf5, Parquet or Minari",
                        description="Export the committed rows of the buffer at URL, lane by lane, to DEST, "
                                    "one array per field; 'diskreplay import DEST' reads either format back "
                                    "with the same field names and values. " + NAMING)
@@ -144,7 +213,8 @@ def _add_export(sub: Subcommands) -> None:
 
 
 def _add_inspection(sub: Subcommands) -> None:
-    p = sub.add_parser("info", help="summarize a buffer: fields, rows, episodes, chunks, size, sampler",
+    p = sub.add_parser("info", parents=[_remote_options()],
+                       help="summarize a buffer: fields, rows, episodes, chunks, size, sampler",
                        description="Print fields (shape, dtype), rows, lanes, episodes (count, lengths, mean "
                                    "return, from done/terminated/truncated and reward fields), chunks, bytes on "
                                    "disk vs raw, compression ratio, sampler type and the last commit. A sharded "
@@ -157,14 +227,17 @@ def _add_inspection(sub: Subcommands) -> None:
                    help="instead: which compiled fast paths (C extensions) are active, and why one is not")
     p.set_defaults(run=_cmd_info)
 
-    p = sub.add_parser("verify", help="check every committed chunk exists and decodes (exit 1 if not)",
+    p = sub.add_parser("verify", parents=[_remote_options()],
+                       help="check every committed chunk exists and decodes (exit 1 if not)",
                        description="Read every chunk of every field that the last commit covers and decode it. "
                                    "A sharded buffer: every shard (a missing one is a problem) and learner.json. "
                                    "Prints a report; exit status 1 when anything is missing or corrupt.")
     p.add_argument("url", metavar="URL", help="the buffer")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (chunks checked)")
     p.set_defaults(run=_cmd_verify)
 
-    p = sub.add_parser("unlock", help="remove the writer lock left by a writer that was killed",
+    p = sub.add_parser("unlock", parents=[_remote_options()],
+                       help="remove the writer lock left by a writer that was killed",
                        description="Remove the buffer's writer lock (writer.lock) when its holder is gone: a "
                                    "lock whose process no longer runs on this host is removed; a lock that "
                                    "looks alive (or is on another host) needs --force.")
@@ -216,7 +289,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
     spec = BufferSpec.from_file(args.config)
     try:
-        buf = ReplayBuffer.create(args.url, **spec, overwrite=args.overwrite)
+        buf = ReplayBuffer.create(args.url, **spec, overwrite=args.overwrite, storage_options=_storage_options(args))
     except BufferExistsError as exc:
         raise BufferExistsError(str(exc).replace("overwrite=True", "--overwrite")) from None
     with buf:
@@ -234,7 +307,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
     try:
         buf = import_dataset(args.src, args.dest, format=args.format, chunk_rows=args.chunk_rows,
                              compression=None if args.compression == "none" else args.compression,
-                             batch_rows=args.batch_rows, progress=not args.no_progress, overwrite=args.overwrite)
+                             batch_rows=args.batch_rows, progress=not args.no_progress, overwrite=args.overwrite,
+                             storage_options=_storage_options(args))
     except BufferExistsError as exc:
         raise BufferExistsError(str(exc).replace("overwrite=True", "--overwrite")) from None
     with buf:
@@ -248,7 +322,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     rows = export_buffer(args.url, args.dest, format=args.format, batch_rows=args.batch_rows,
                          progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress,
-                         dataset_id=args.dataset_id)
+                         dataset_id=args.dataset_id, storage_options=_storage_options(args))
     print(f"exported {rows:,} rows to {args.dest}")
     return 0
 
@@ -262,7 +336,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         return 0
     if args.url is None:
         raise ValueError("info needs the URL of a buffer (or --build)")
-    info = buffer_info(args.url, episodes=not args.no_episodes)
+    info = buffer_info(args.url, _storage_options(args), episodes=not args.no_episodes)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
@@ -270,10 +344,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .offline import describe_incomplete, import_status, verify
 
-    report = verify(args.url)
+    report = verify(args.url, _storage_options(args), progress=not args.no_progress)
     text = str(report)
     if not report.ok:
-        marker = import_status(args.url)
+        marker = import_status(args.url, _storage_options(args))
         if marker is not None:
             text += f"\n  problem: {describe_incomplete(args.url, marker)}"
     print(text, file=sys.stdout if report.ok else sys.stderr)
@@ -284,7 +358,7 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     from .io.lock import break_lock, lock_holder
     from .storage import own_stores
 
-    stores = own_stores(args.url)
+    stores = own_stores(args.url, _storage_options(args))
     holder = lock_holder(args.url, stores)
     if holder is None:
         print(f"{args.url}: no writer lock")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import OWN
+from s3server import s3
 
 import diskreplay as dr
 from diskreplay import cli
@@ -276,3 +277,98 @@ def test_export_writes_derived_next_obs_in_each_format(tmp_path, fmt):
     back.close()
     if fmt == "minari":
         assert json.loads((dest / "data" / "metadata.json").read_text())["dataset_id"] == "diskreplay/out-v3"
+
+
+# ---- remote URLs: storage options, credentials, buckets -----------------------------------------
+
+
+def s3_env(**extra: str) -> dict[str, str]:
+    """The CLI's environment without AWS settings (none from files or instance metadata either)."""
+    env = {k: v for k, v in cli_env().items() if not k.startswith("AWS_")}
+    return {**env, "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull, **extra}
+
+
+def test_storage_option_values_are_json_when_they_parse():
+    assert cli._storage_option("anon=true") == ("anon", True)
+    assert cli._storage_option("endpoint_url=http://127.0.0.1:9000") == ("endpoint_url", "http://127.0.0.1:9000")
+    assert cli._storage_option('client_kwargs={"region_name": "eu-west-1"}') == (
+        "client_kwargs", {"region_name": "eu-west-1"})
+    assert cli._storage_option("key=a=b") == ("key", "a=b")
+    args = cli.build_parser().parse_args(["info", "s3://b/x", "--storage-option", "a=1", "--storage-option", "b=x"])
+    assert cli._storage_options(args) == {"a": 1, "b": "x"}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["info", "s3://b/x", "--storage-option", "novalue"])
+
+
+def test_storage_options_reach_every_command_that_opens_a_url(s3, tmp_path):
+    options = [f"--storage-option={k}={v}" for k, v in s3.storage_options().items()]
+    url, env = s3.new_url(), s3_env()
+    (tmp_path / "spec.json").write_text(json.dumps({"fields": {"x": {"shape": [], "dtype": "int8"}}}))
+    proc = run("create", url, "--config", str(tmp_path / "spec.json"), *options, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"created {url}: unbounded"), proc.stderr
+    assert "0 in 1 lane" in run("info", url, *options, env=env).stdout
+    write_d4rl(tmp_path / "d.hdf5")
+    proc = run("import", str(tmp_path / "d.hdf5"), url, "--overwrite", "--no-progress", *options, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("imported 103 rows"), proc.stderr
+    proc = run("verify", url, "--no-progress", *options, env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+    proc = run("export", url, str(tmp_path / "o.npz"), "--no-progress", *options, env=env)
+    assert proc.returncode == 0 and "exported 103 rows" in proc.stdout, proc.stderr
+    assert run("unlock", url, *options, env=env).stdout == f"{url}: no writer lock\n"
+
+
+def test_missing_credentials_and_bucket_are_one_line_naming_the_url(s3, tmp_path):
+    url = s3.new_url()
+    (tmp_path / "spec.json").write_text(json.dumps({"fields": {"x": {"shape": [], "dtype": "int8"}}}))
+    no_credentials = s3_env(AWS_ENDPOINT_URL=s3.endpoint)
+    for command in (["info", url], ["verify", url], ["unlock", url],
+                    ["create", url, "--config", str(tmp_path / "spec.json")]):
+        assert_one_line_error(run(*command, env=no_credentials), f"{url}: no credentials found",
+                              "AWS_ACCESS_KEY_ID", "--storage-option key=")
+    credentials = s3_env(AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    missing = "s3://no-such-bucket-here/buf"
+    for command in (["info", missing], ["create", missing, "--config", str(tmp_path / "spec.json")]):
+        assert_one_line_error(run(*command, env=credentials),
+                              f"{missing}: bucket 'no-such-bucket-here' does not exist", "create it first")
+    # the environment variables alone reach the server
+    proc = run("create", url, "--config", str(tmp_path / "spec.json"), env=credentials)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_verify_shows_progress_in_chunks_on_stderr(tmp_path):
+    pytest.importorskip("tqdm")
+    write_d4rl(tmp_path / "d.hdf5")
+    assert run("import", str(tmp_path / "d.hdf5"), str(tmp_path / "buf"), "--chunk-rows", "16",
+               "--no-progress").returncode == 0
+    proc = run("verify", str(tmp_path / "buf"))
+    assert proc.returncode == 0 and "verify: 42 chunks [" in proc.stderr, proc.stderr
+    proc = run("verify", str(tmp_path / "buf"), "--no-progress")
+    assert proc.returncode == 0 and proc.stderr == "" and "42 chunks checked" in proc.stdout
+
+
+def test_access_problems_are_found_among_the_causes():
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    from diskreplay.io.access import access_problem
+
+    def wrapped(cause: BaseException) -> OSError:
+        try:
+            try:
+                raise cause
+            except Exception as exc:
+                raise OSError("s3fs says something") from exc
+        except OSError as outer:
+            return outer
+
+    assert access_problem(wrapped(NoCredentialsError())) == "credentials"
+    rejected = ClientError({"Error": {"Code": "InvalidAccessKeyId", "Message": "no"}}, "GetObject")
+    assert access_problem(wrapped(rejected)) == "rejected InvalidAccessKeyId"
+    missing = ClientError({"Error": {"Code": "NoSuchBucket", "Message": "no"}}, "PutObject")
+    assert access_problem(wrapped(missing)) == "bucket"
+    assert access_problem(FileNotFoundError("s3://b/x/zarr.json")) is None
+    args = cli.build_parser().parse_args(["info", "s3://b/x"])
+    assert cli._user_message(wrapped(rejected), args) == (
+        "s3://b/x: the store rejected the credentials (InvalidAccessKeyId): check AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL, or the key/secret/endpoint_url --storage-option values")
+    assert cli._user_message(RuntimeError("a bug"), args) is None  # not the user's: the traceback stays

@@ -74,6 +74,7 @@ def test_dqn_learns_on_cartpole_with_the_disk_buffer(tmp_path):
 
 def test_vector_envs_write_one_lane_each(tmp_path):
     from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.save_util import load_from_zip_file
 
     model = dqn(make_vec_env("CartPole-v1", n_envs=2, seed=0), str(tmp_path / "lanes"), learning_starts=50)
     model.learn(400)  # 200 steps of 2 envs
@@ -377,3 +378,44 @@ def test_training_resumes_from_the_disk_after_sigkill(tmp_path, caplog):
     episodes = buf.disk.episodes()
     assert len(episodes) >= 2
     buf.close()
+
+
+# ---- checkpoints: the buffer commits with the model ---------------------------------------------
+
+
+def committed_rows(url: str) -> int:
+    """Rows of the last commit, as a process opening the buffer after a kill sees them."""
+    with dr.ReplayBuffer.open(url, "r") as reader:
+        return len(reader)
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_checkpoint_callback_commits_the_buffer_with_each_model_save(tmp_path, n_envs):
+    """The buffer is never ahead of the last checkpoint: it commits with each model save (the
+    step the callback runs in is stored after callbacks run, so the commit holds the steps
+    before it) and not between saves (its default flush_every would commit every 1000 adds)."""
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    url = str(tmp_path / "ckpt")
+    model = dqn(make_vec_env("CartPole-v1", n_envs=n_envs, seed=0), url, train_freq=4, buffer_size=5000)
+    assert model.replay_buffer.flush_every == 1000
+    callback = dr.sb3.CheckpointCallback(save_freq=100, save_path=str(tmp_path / "models"))
+    model.learn(240 * n_envs, callback=callback)
+    assert model.replay_buffer.flush_every is None  # commits with the checkpoints only
+    data, _, _ = load_from_zip_file(str(tmp_path / "models" / f"rl_model_{200 * n_envs}_steps.zip"))
+    assert data is not None and data["num_timesteps"] == 200 * n_envs
+    assert committed_rows(url) == 199 * n_envs  # steps 1..199 of every env; the kill would lose the rest
+    model.replay_buffer.close()
+    assert committed_rows(url) == 240 * n_envs
+
+
+def test_model_save_alone_does_not_commit_save_replay_buffer_does(tmp_path):
+    url = str(tmp_path / "plain")
+    model = dqn(gym.make("CartPole-v1"), url)
+    model.learn(152)
+    model.save(str(tmp_path / "model.zip"))  # SB3 leaves the replay buffer out of model.save
+    assert committed_rows(url) == 0
+    model.save_replay_buffer(str(tmp_path / "buffer.pkl"))
+    assert committed_rows(url) == 152
+    model.replay_buffer.close()

@@ -76,7 +76,9 @@ def test_info_json_reports_each_shard(tmp_path, capsys):
     assert "commit_sequence" not in info and "last_commit_time" not in info
     # one chunk of 8 rows for 5 steps, two for 12: per stored field (obs, reward, done)
     assert info["chunks_per_field"] == 6 and info["chunk_files"] == {"obs": 6, "next_obs": 0, "reward": 6, "done": 6}
-    assert info["fields"] == {"obs": {"shape": [2], "dtype": "float32"}, "next_obs": {"shape": [2], "dtype": "float32"},
+    assert info["fields"] == {"obs": {"shape": [2], "dtype": "float32"},
+                              "next_obs": {"shape": [2], "dtype": "float32",
+                                           "derived": "obs of the next step (derive_next; not stored)"},
                               "reward": {"shape": [], "dtype": "float32"}, "done": {"shape": [], "dtype": "bool"}}
     # episodes end at steps 3, 7, 11 of every lane: 1 + 1 in shard 0 (step 4 still running), 3 + 3 in shard 1
     assert info["episodes"] == {"done_fields": ["done"], "count": 8, "in_progress": 2, "length_mean": 4.0,
@@ -93,7 +95,10 @@ def test_info_text_shows_the_schema_once_and_a_row_per_shard(tmp_path, capsys):
     assert lines[0] == f"buffer      {url} (sharded: 3 shards)"
     assert lines[1] == "rows        34 in 6 lanes (5, 5, 12, 12, 0, 0); ring, capacity 192 (64 per shard)"
     assert lines[2:7] == ["fields", "  obs       (2,)           float32", "  reward    ()             float32",
-                          "  done      ()             bool", "  next_obs  (2,)           float32"]
+                          "  done      ()             bool",
+                          "  next_obs  (2,)           float32  derived: obs of the next step (derive_next; not stored)"]
+    assert ("sampler     Uniform (the shards'; the learner's own is recorded in learner.json only by a learner "
+            "with a rate_limiter)") in lines
     assert sum(line.startswith("fields") for line in lines) == 1
     assert lines[-6:] == [
         "shards      3",
@@ -126,7 +131,7 @@ def test_info_shows_the_learners_progress(tmp_path, capsys):
     progress = LearnerProgress.from_bytes((Path(url) / OWN / LEARNER_KEY).read_bytes(), url, 3)
     assert (progress.samples, progress.inserts) == (7, (10, 24, 0))
     info = buffer_info(url)
-    assert info["learner"] == {"samples": 7, "inserts": [10, 24, 0], "time": progress.time}
+    assert info["learner"] == {"samples": 7, "inserts": [10, 24, 0], "time": progress.time, "sampler": "Uniform"}
     text = format_info(info).splitlines()
     assert text[-6:] == [
         "shards      3",
@@ -137,7 +142,8 @@ def test_info_shows_the_learners_progress(tmp_path, capsys):
         f"learner     7 rows sampled, 34 inserts seen, published at {when(progress.time)}",
     ]
     code, out, _ = run_cli(capsys, "info", "--json", url)
-    assert code == 0 and json.loads(out)["learner"] == {"samples": 7, "inserts": [10, 24, 0], "time": progress.time}
+    assert code == 0 and json.loads(out)["learner"] == {"samples": 7, "inserts": [10, 24, 0], "time": progress.time,
+                                                        "sampler": "Uniform"}
 
 
 def test_info_says_the_learner_file_is_damaged(tmp_path, capsys):
@@ -165,7 +171,7 @@ def test_info_of_a_buffer_that_is_not_sharded_keeps_its_keys(tmp_path):
 
 def test_verify_checks_every_shard(tmp_path, capsys):
     url = make_sharded(tmp_path)
-    code, out, err = run_cli(capsys, "verify", url)
+    code, out, err = run_cli(capsys, "verify", "--no-progress", url)
     assert (code, err) == (0, "")
     # chunks: 6 (lane, chunk) pairs x 3 stored fields, and the side stores' (a chunk per lane with an ended
     # episode); episodes: the complete ones and those still running (2 in shard 0)
@@ -182,7 +188,7 @@ def test_verify_checks_every_shard(tmp_path, capsys):
 def test_verify_names_the_shard_of_a_corrupt_chunk(tmp_path, capsys):
     url = make_sharded(tmp_path)
     (Path(url) / "shard-00001" / "obs" / "c.1.1.0").write_bytes(b"not zstd at all")
-    code, out, err = run_cli(capsys, "verify", url)
+    code, out, err = run_cli(capsys, "verify", "--no-progress", url)
     assert (code, out) == (1, "")
     lines = err.splitlines()
     assert lines[0] == f"{url}: PROBLEMS - 3 shards, 34 rows, 22 chunks checked"
@@ -196,7 +202,7 @@ def test_verify_names_the_shard_of_a_corrupt_chunk(tmp_path, capsys):
 def test_verify_reports_a_missing_shard(tmp_path, capsys):
     url = make_sharded(tmp_path)
     shutil.rmtree(Path(url) / "shard-00002")
-    code, out, err = run_cli(capsys, "verify", url)
+    code, out, err = run_cli(capsys, "verify", "--no-progress", url)
     assert (code, out) == (1, "")
     assert err.splitlines()[-1] == (f"  problem: shard-00002: the shard is missing ({url!r} declares 3 shards; "
                                     f"shard-00002/ holds nothing)")
@@ -228,7 +234,7 @@ def test_verify_reports_a_damaged_learner_file(tmp_path, capsys, blob, problem):
     (Path(url) / OWN / LEARNER_KEY).write_bytes(blob)
     report = verify(url)
     assert not report.ok and len(report.problems) == 1 and report.problems[0].startswith(problem)
-    code, _, err = run_cli(capsys, "verify", url)
+    code, _, err = run_cli(capsys, "verify", "--no-progress", url)
     assert code == 1 and err.splitlines()[-1] == f"  problem: {report.problems[0]}"
 
 
@@ -263,3 +269,37 @@ def test_verify_reports_shards_whose_configs_differ(tmp_path):
                            derive_next=("obs",), overwrite=True).close()
     report = verify(url)
     assert report.problems == ["shard-00002: its config differs from shard-00000's (chunk_rows)"]
+
+
+def test_info_reports_the_learners_sampler_not_the_shards(tmp_path, capsys):
+    url = make_sharded(tmp_path)
+    limiter = dr.RateLimiter(samples_per_insert=1.0, error_buffer=100.0)
+    with dr.ReplayBuffer.open(url, "r", rate_limiter=limiter, seed=0, sampler=dr.Prioritized()) as learner:
+        learner.sample(7)
+    info = buffer_info(url, episodes=False)
+    assert (info["sampler"], info["sampler_source"], info["learner"]["sampler"]) == ("Prioritized", "learner",
+                                                                                      "Prioritized")
+    code, out, _ = run_cli(capsys, "info", url)
+    assert code == 0 and "sampler     Prioritized (the learner's, from learner.json)" in out.splitlines()
+
+
+def test_learner_file_with_a_bad_sampler_is_damaged(tmp_path):
+    url = make_sharded(tmp_path)
+    (Path(url) / OWN / LEARNER_KEY).write_text('{"samples": 3, "inserts": [1, 2, 0], "time": 5.0, "sampler": 7}')
+    assert buffer_info(url, episodes=False)["learner"] == {
+        "error": "learner.json field 'sampler': expected a class name, got 7"}
+    old = '{"samples": 3, "inserts": [1, 2, 0], "time": 5.0}'  # written before the sampler was recorded
+    assert LearnerProgress.from_bytes(old.encode(), url, 3) == LearnerProgress(3, (1, 2, 0), 5.0, None)
+
+
+def test_info_marks_the_episodic_return_as_derived(tmp_path):
+    fields = {"obs": dr.Field((2,), "float32"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
+    with dr.ReplayBuffer.create(tmp_path / "b", fields, chunk_rows=4,
+                                episodic_return=dr.EpisodicReturn(gamma=0.9)) as buf:
+        buf.extend({"obs": np.zeros((6, 2), np.float32), "reward": np.ones(6, np.float32), "done": np.arange(6) == 2})
+    info = buffer_info(str(tmp_path / "b"))
+    assert info["fields"]["return"] == {"shape": [], "dtype": "float32",
+                                        "derived": "discounted return of reward, gamma 0.9 (episodic_return)"}
+    assert "derived" not in info["fields"]["reward"]
+    assert "  return  ()             float32  derived: discounted return of reward, gamma 0.9 (episodic_return)" \
+        in format_info(info).splitlines()

@@ -287,7 +287,7 @@ def test_epoch_mid_epoch_state_refuses_other_num_workers(buf):
     moved = epoch_ds(buf)
     moved.load_state_dict(boundary.state_dict())
     ids = concat(list(DataLoader(moved, batch_size=None, num_workers=2, multiprocessing_context="fork")))
-    assert np.array_equal(np.sort(ids), np.sort(buf.row_ids())) and moved.state_dict()["epoch"] == 1
+    assert np.array_equal(np.sort(ids), np.sort(buf.row_ids())) and moved.epoch == 1
 
 
 def test_sample_resume_across_num_workers(buf):
@@ -537,3 +537,35 @@ def test_row_dataset_refreshes_and_explains_missing_rows(tmp_path):
     sampler = IndexBatchSampler(writer, 64, seed=0)
     assert sampler.draw().index.max() < 300  # draws committed rows only
     writer.close()
+
+
+# ---- the main process's copy of a dataset that DataLoader workers iterate -------------------------
+
+
+@pytest.mark.parametrize("mode", ["sample", "epoch"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_state_of_the_copy_workers_iterate_refuses(buf, mode, context):
+    """Workers iterate their own copies: the main process's never moves, its state would say
+    batch 0 forever and a resume would replay every batch since."""
+    ds = sample_ds(buf) if mode == "sample" else epoch_ds(buf)
+    fresh = ds.state_dict()  # not yet handed to workers: its position is the real one
+    assert fresh["batch"] == 0
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert len(list(itertools.islice(loader, 6))) == 6
+    with pytest.raises(RuntimeError, match=r"iterated by DataLoader worker processes.*"
+                                           r"diskreplay\.torch\.Loader.*StatefulDataLoader"):
+        ds.state_dict()
+
+
+def test_state_of_workers_copies_and_loaders_still_work(buf):
+    """StatefulDataLoader asks the workers' copies; a Loader keeps its own state."""
+    ds = sample_ds(buf)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    got = list(itertools.islice(loader, 6))
+    state = dataset_state_from_loader(loader.state_dict())
+    assert state["batch"] == 6 and len(got) == 6
+    ds2 = sample_ds(buf)
+    dr_loader = dr.Loader(ds2, num_workers=2)
+    assert len(list(itertools.islice(dr_loader, 6))) == 6
+    assert dr_loader.state_dict()["dataset"]["batch"] == 6
+    assert ds2.state_dict()["batch"] == 0  # the Loader's workers iterate a copy of their own

@@ -103,11 +103,12 @@ class Progress:
             return LearnerProgress(0, (0,) * self.shards, 0.0)
         return LearnerProgress.from_bytes(blob, self.url, self.shards)
 
-    def publish(self, samples: int, inserts: tuple[int, ...], force: bool = False) -> None:
-        """Write the learner's progress, at most every `PUBLISH_EVERY_S` seconds unless ``force``."""
+    def publish(self, samples: int, inserts: tuple[int, ...], force: bool = False, sampler: str | None = None) -> None:
+        """Write the learner's progress (and its sampler's type), at most every `PUBLISH_EVERY_S`
+        seconds unless ``force``."""
         now = time.time()
         if force or now - self.published >= PUBLISH_EVERY_S:
-            self.store.put(self.key, LearnerProgress(samples, inserts, now).to_bytes())
+            self.store.put(self.key, LearnerProgress(samples, inserts, now, sampler).to_bytes())
             self.published = now
 
     def inserts(self, shard: int, own_total: int, num_envs: int) -> int:
@@ -174,7 +175,7 @@ class LearnerGate:
 
     def publish(self, force: bool = False) -> None:
         inserts = self.union.total.reshape(self.union.shards, -1).sum(axis=1)
-        self.progress.publish(self.state.samples, tuple(inserts.tolist()), force)
+        self.progress.publish(self.state.samples, tuple(inserts.tolist()), force, type(self.state.sampler).__name__)
 
 
 class ActorGate:

@@ -96,14 +96,17 @@ def read_root(blob: bytes | None, url: str) -> ShardedRoot | None:
 
 @dataclass(frozen=True)
 class LearnerProgress:
-    """What a learner published: rows it sampled, and per shard the rows it had seen inserted."""
+    """What a learner published: rows it sampled, per shard the rows it had seen inserted, and
+    the type of its sampler (None in files written before it was recorded)."""
 
     samples: int
     inserts: tuple[int, ...]
     time: float
+    sampler: str | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"samples": self.samples, "inserts": list(self.inserts), "time": self.time}).encode()
+        data = {"samples": self.samples, "inserts": list(self.inserts), "time": self.time}
+        return json.dumps(data if self.sampler is None else {**data, "sampler": self.sampler}).encode()
 
     @classmethod
     def from_bytes(cls, blob: bytes, url: str, shards: int) -> LearnerProgress:
@@ -118,7 +121,11 @@ class LearnerProgress:
                                      f"got {str(inserts)[:80]}")
         if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
             raise CorruptBufferError(f"{url!r}: {LEARNER_KEY} field 'time': expected a number, got {when!r}")
-        return cls(samples, tuple(inserts), float(when))  # type: ignore[arg-type]  # checked by _count
+        sampler = data.get("sampler")
+        if sampler is not None and not (isinstance(sampler, str) and sampler.isidentifier() and len(sampler) <= 64):
+            raise CorruptBufferError(f"{url!r}: {LEARNER_KEY} field 'sampler': expected a class name, "
+                                     f"got {sampler!r:.80}")
+        return cls(samples, tuple(inserts), float(when), sampler)  # type: ignore[arg-type]  # checked by _count
 
 
 def _count(value: Any) -> bool:

@@ -160,7 +160,11 @@ def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = 
     Of a sharded buffer (all its shards together): instead of ``commit_sequence`` and
     ``last_commit_time``, ``sharded`` (True), ``shards`` (the count), ``per_shard`` (rows readable,
     rows ever added, commit sequence and time of each) and ``learner`` (``learner.json``: samples,
-    inserts per shard, time; None if absent, ``{"error": ...}`` if damaged).
+    inserts per shard, time, and ``sampler`` when the learner recorded it; None if absent,
+    ``{"error": ...}`` if damaged); its ``sampler`` is then the learner's, and ``sampler_source``
+    says whose it is (``"learner"``, or ``"shards"``: the learner's is not recorded).
+    A field made by the buffer has ``"derived"`` (what it is made from) in ``fields``: a
+    ``derive_next`` twin (rebuilt from the next step, not stored) or the episodic return.
     Raises NotABufferError if ``url`` holds no buffer (or an interrupted import), CorruptBufferError
     if it is damaged (a sharded one: any of its shards).
     """
@@ -168,6 +172,10 @@ def buffer_info(url: str, storage_options: dict | None = None, episodes: bool = 
     try:
         info = _layout_info(buf)
         info.update(_shards_info(buf.storage) if buf.storage.sharded else _commit_info(buf.storage.record))
+        if buf.storage.sharded:
+            learner = info["learner"] or {}
+            info["sampler_source"] = "learner" if learner.get("sampler") else "shards"
+            info["sampler"] = learner.get("sampler") or info["sampler"]
         stats = episode_stats(buf) if episodes else None
         info["episodes"] = None if stats is None else _episode_summary(buf, stats)
         return info
@@ -190,7 +198,8 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "lanes": buf.num_envs,
         "rows_per_lane": [hi - lo for _, lo, hi in windows],
         "capacity": buf.capacity,
-        "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name} for n, f in buf.fields.items()},
+        "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name, **_derivation(buf, n)}
+                   for n, f in buf.fields.items()},
         "chunk_rows": layout.chunk_rows,
         "chunks_per_field": sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows),
         "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
@@ -203,6 +212,18 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "compression_ratio": raw / on_disk if on_disk else None,
         "sampler": ", ".join(dict.fromkeys(_sampler_name(record) for record in storage.shard_records())),
     }
+
+
+def _derivation(buf: ReplayBuffer, name: str) -> dict[str, str]:
+    """``{"derived": how}`` for a field the buffer makes (a ``derive_next`` twin, the episodic
+    return), else nothing."""
+    base = buf.view.derived.get(name)
+    if base is not None:
+        return {"derived": f"{base} of the next step (derive_next; not stored)"}
+    returns = buf.episodic_return
+    if returns is not None and returns.name == name:
+        return {"derived": f"discounted return of {returns.reward}, gamma {returns.gamma:g} (episodic_return)"}
+    return {}
 
 
 def _sampler_name(record: CommitRecord) -> str:
@@ -250,7 +271,8 @@ def _learner_info(union: Storage) -> dict[str, Any] | None:
         progress = LearnerProgress.from_bytes(blob, union.url, union.shards)
     except CorruptBufferError as exc:
         return {"error": str(exc).removeprefix(f"{union.url!r}: ")}
-    return {"samples": progress.samples, "inserts": list(progress.inserts), "time": progress.time}
+    out = {"samples": progress.samples, "inserts": list(progress.inserts), "time": progress.time}
+    return out if progress.sampler is None else {**out, "sampler": progress.sampler}
 
 
 def _episode_summary(buf: ReplayBuffer, stats: EpisodeStats) -> dict[str, Any]:
@@ -283,7 +305,8 @@ def format_info(info: dict[str, Any]) -> str:
     lines = [head, _rows_line(info), "fields"]
     width = max(len(n) for n in info["fields"])
     for name, spec in info["fields"].items():
-        lines.append(f"  {name:<{width}}  {tuple(spec['shape'])!s:<14} {spec['dtype']}")
+        derived = f" derived: {spec['derived']}" if "derived" in spec else ""
+        lines.append(f"  {name:<{width}}  {tuple(spec['shape'])!s:<14} {spec['dtype']:<8}{derived}".rstrip())
     lines.append(_episodes_line(info["episodes"]))
     files = sum(info["chunk_files"].values())
     lines.append(f"chunks      {info['chunks_per_field']:,} per field x {len(info['fields'])} fields "
@@ -297,12 +320,17 @@ def format_info(info: dict[str, Any]) -> str:
     ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
     lines.append(f"size        {_mb(info['bytes_on_disk'])} on disk, {_mb(info['bytes_raw'])} raw "
                  f"(ratio {ratio}, {comp})")
-    lines.append(f"sampler     {info['sampler']}")
+    lines.append(f"sampler     {info['sampler']}" + _SAMPLER_SOURCES.get(info.get("sampler_source", ""), ""))
     if sharded:
         lines += _shard_lines(info["per_shard"], info["learner"])
     else:
         lines.append(f"last commit #{info['commit_sequence']} at {_when(info['last_commit_time'])}")
     return "\n".join(lines)
+
+
+_SAMPLER_SOURCES = {"learner": " (the learner's, from learner.json)",
+                    "shards": " (the shards'; the learner's own is recorded in learner.json only by a learner "
+                              "with a rate_limiter)"}
 
 
 def _when(seconds: float) -> str:

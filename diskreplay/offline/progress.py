@@ -1,4 +1,4 @@
-"""The progress bar of imports and exports: tqdm on stderr when installed and wanted, else nothing."""
+"""The progress bar of imports, exports and verify: tqdm on stderr when installed and wanted, else nothing."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ class NoBar:
         """Nothing to close (exceptions propagate)."""
 
 
-def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
-    """A context manager with ``update(rows)``: a tqdm bar counting ``total`` rows (rows/s shown)
-    on stderr when ``enabled`` and tqdm is installed, else a `NoBar`."""
+def progress_bar(total: int | None, desc: str, enabled: bool, unit: str = "rows") -> Any:
+    """A context manager with ``update(n)``: a tqdm bar counting ``total`` (None: unknown) ``unit``
+    (rows; rows/s shown) on stderr when ``enabled`` and tqdm is installed, else a `NoBar`."""
     if not enabled:
         return NoBar()
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return NoBar()
-    return tqdm(total=total, desc=desc, unit="rows", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit.strip() == "rows", file=sys.stderr,
+                dynamic_ncols=True)

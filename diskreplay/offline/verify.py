@@ -27,6 +27,7 @@ behind, orphaned temporary files (``*.partial``) of a writer killed mid-write.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +51,10 @@ from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
 from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..storage.journal import Journal, MissingObject
+from .progress import NoBar, progress_bar
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
+_BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)
 
 
 @dataclass
@@ -88,16 +91,27 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(url: str | os.PathLike, storage_options: dict | None = None) -> VerifyReport:
+def verify(url: str | os.PathLike, storage_options: dict | None = None, progress: bool = False) -> VerifyReport:
     """Check the buffer at ``url``, or every shard of a sharded one (see the module docstring).
-    Reads every committed chunk. Raises nothing for a damaged buffer (see the report's problems);
-    OSError or StoreUnavailableError where the store cannot be read at all."""
+    Reads every committed chunk; ``progress``: a tqdm bar of the chunks checked on stderr (when
+    tqdm is installed). Raises nothing for a damaged buffer (see the report's problems); OSError
+    or StoreUnavailableError where the store cannot be read at all."""
     url = os.fspath(url)
-    report = VerifyReport(url)
     problem = broken_path(url)
     if problem is not None:
+        report = VerifyReport(url)
         report.problem(f"not a diskreplay buffer ({problem})")
         return report
+    with progress_bar(None, "verify", progress, unit=" chunks") as bar:
+        token = _BAR.set(bar)
+        try:
+            return _verify(url, storage_options)
+        finally:
+            _BAR.reset(token)
+
+
+def _verify(url: str, storage_options: dict | None) -> VerifyReport:
+    report = VerifyReport(url)
     store = open_chunkstore(url, storage_options)
     try:
         root = read_sharded_root(store, url)
@@ -269,6 +283,8 @@ def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs:
     fields = list(schema.items())
     buffers = {name: np.empty((layout.chunk_rows, *f.shape), f.dtype) for name, f in fields}
     keys = [(chunk_key(name, f, lane, c, separator), name) for lane, c in work for name, f in fields]
+    bar = _BAR.get()
+    bar = NoBar() if bar is None else bar
     for start in range(0, len(keys), BATCH_CHUNKS):
         batch = keys[start:start + BATCH_CHUNKS]
         blobs = store.get_many([k for k, _ in batch])
@@ -281,6 +297,7 @@ def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs:
                 codecs[name].decode_into(blob, buffers[name])
             except Exception as exc:
                 report.problem(f"chunk {key!r} does not decode to {buffers[name].nbytes} bytes ({exc})")
+        bar.update(len(batch))
 
 
 def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) -> None:

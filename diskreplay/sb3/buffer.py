@@ -99,7 +99,10 @@ class DiskReplayBuffer(ReplayBuffer):
 
     Rows are committed every ``flush_every`` `add` calls (None: only by `flush`, pickling and
     `close`); rows added since the last commit are lost when the process ends without `close`
-    (or `flush`), as in a crash: call ``model.replay_buffer.close()`` when training ends. After a
+    (or `flush`), as in a crash: call ``model.replay_buffer.close()`` when training ends.
+    ``model.save`` does not commit (SB3 leaves the replay buffer out of it), so the buffer may be
+    behind or ahead of the last checkpoint after a kill: `diskreplay.sb3.CheckpointCallback`
+    commits it with each model save instead. After a
     crash, constructing the algorithm again with the same ``url`` reopens the buffer with every
     committed row (``overwrite=True`` starts afresh). Pickling
     (``save_replay_buffer``) commits and keeps only the url and small state, not the rows;

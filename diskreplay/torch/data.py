@@ -32,7 +32,8 @@ Resume. ``state_dict()`` is plain data (a few ints). It follows torchdata's
 ``StatefulDataLoader`` protocol: each worker's dataset copy saves and restores its own position.
 With ``num_workers=0`` call ``ds.state_dict()`` / ``ds.load_state_dict()`` directly (or wrap in
 ``to_device(ds_or_loader, ...)`` whose ``state_dict()`` lags its prefetch correctly). A plain
-``DataLoader`` with workers cannot report positions: use ``StatefulDataLoader``.
+``DataLoader`` with workers cannot report positions (its workers iterate copies; the dataset's
+``state_dict()`` then raises RuntimeError): use `Loader` or ``StatefulDataLoader``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from ..sampling import Uniform
 from .batch_rng import BatchRngs
 from .epoch_order import EpochOrder, Shard
 from .formats import Key, key_to_name, to_tensordict
+from .handoff import WorkerUse
 from .reader import Reader, current_shard
 from .shared_ring import SlotBatch, WorkerRing
 from .tensors import Block, Sink, sink_for, to_tensors
@@ -72,10 +73,14 @@ class _BufferDataset(tud.IterableDataset):
         self.block_batches = block_batches
         """Batches a `Loader`'s worker hands over at once (up to `BLOCK_BATCHES` and `BLOCK_BYTES`)."""
         self._blocks: BlockPlan | None = None
+        self._workers: WorkerUse | None = WorkerUse()  # None in copies: workers' and a Loader's
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only)."""
-        return {**self.__dict__, "_ring": None}
+        """Pickled (spawn/forkserver workers, copies): without the worker ring (fork-only) and
+        the worker-use flag (a pickle for a spawned process sets it)."""
+        if self._workers is not None:
+            self._workers.mark_if_spawning()
+        return {**self.__dict__, "_ring": None, "_workers": None}
 
     @property
     def worker_ring(self) -> WorkerRing | None:
@@ -106,6 +111,8 @@ class _BufferDataset(tud.IterableDataset):
         """Batches as dicts of tensors ``{name: [B, *shape]}`` (``as_tensordict``: TensorDicts of
         batch size ``[B]``, see `to_tensordict`); in a fork DataLoader worker, `SlotBatch` handles
         that become such batches when the DataLoader's process receives them."""
+        if self._workers is not None and tud.get_worker_info() is not None:
+            self._workers.mark()
         sink = sink_for(self._ring)
         return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
 
@@ -139,6 +146,18 @@ class _BufferDataset(tud.IterableDataset):
             rows["index"] = out["index"]
             rows["index"][...] = ids
         return rows
+
+    def _check_position_moves(self) -> None:
+        """Raise RuntimeError when DataLoader workers iterate copies of this dataset (this copy's
+        position then never moves)."""
+        if self._workers and tud.get_worker_info() is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.state_dict(): this dataset is iterated by DataLoader worker processes, "
+                f"each on its own copy; the copy in this process never moves, so its state would say batch "
+                f"{self._batch} forever and a resume would replay every batch since. Take the position from "
+                f"the loader: iterate with diskreplay.torch.Loader(ds, num_workers=...) (dr.Loader) and save "
+                f"loader.state_dict(), or with torchdata's StatefulDataLoader(ds, batch_size=None, "
+                f"num_workers=...) and save its state_dict()")
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         if state.get("mode") != self.mode:
@@ -184,7 +203,10 @@ class SampleDataset(_BufferDataset):
                 f"rank={self.rank}/{self.world_size}, sample_options={self.sample_options})")
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "seed", "batch": next batch index of this copy, shard}``: plain ints."""
+        """``{"mode", "seed", "batch": next batch index of this copy, shard}``: plain ints.
+
+        Raises RuntimeError when DataLoader workers iterate this dataset (see `Loader`)."""
+        self._check_position_moves()
         return {"mode": self.mode, "seed": self.seed, "batch": self._batch, **self._shard.as_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -359,7 +381,10 @@ class EpochDataset(_BufferDataset):
         self._shard, self._resuming = Shard(self.rank, self.world_size), False
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "seed", "epoch", "batch", "done", "lo", "hi", shard}``: plain ints/lists."""
+        """``{"mode", "seed", "epoch", "batch", "done", "lo", "hi", shard}``: plain ints/lists.
+
+        Raises RuntimeError when DataLoader workers iterate this dataset (see `Loader`)."""
+        self._check_position_moves()
         return {"mode": self.mode, "seed": self.seed, "epoch": self._epoch, "batch": self._batch,
                 "done": self._done, "lo": list(self.lo), "hi": list(self.hi), **self._shard.as_dict()}
 
