@@ -57,6 +57,7 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     "python tools/bench_cloud.py --quick": BENCH,
     "python tools/bench_device.py --matmuls 8": "a benchmark that needs a CUDA device",
     "python tools/reliability_report.py": "about 2 min; the tests it runs are part of the suite",
+    "HYPOTHESIS_PROFILE=ci python tools/reliability_report.py": "about 5 min; CI runs the model test so",
     'python tools/bench_scale.py --sizes 1M,10M,50M --per-sizes ""': BENCH,
     "python tools/bench_scale.py --sizes 200M --per-sizes 16M,64M --memory-size 1 --keep": BENCH + " (66 GB)",
     "python tools/bench_state.py --sizes 1M,16M,64M,256M": BENCH + " (about 11 min, 8 GB on disk)",
