@@ -81,10 +81,9 @@ from ..buffer.setup import check_open_options, replaceable_location
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
-from ..io.lock import break_lock, lock_holder
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows, own_stores
 from .formats import detect_format, open_source
-from .partial import claim_partial, partial_url, remove_partial, swap_in
+from .partial import break_stale_lock, claim_partial, partial_url, remove_partial, swap_in
 from .progress import progress_bar
 from .source import ImportFormatError, Source, require_source
 from .status import INCOMPLETE_KEY, describe_incomplete, import_status
@@ -226,8 +225,5 @@ def _check_destination(dest: str, overwrite: bool, storage_options: dict | None)
     if marker is not None and not overwrite:
         raise BufferExistsError(describe_incomplete(dest, marker))
     if marker is not None:
-        stores = own_stores(dest, storage_options)
-        holder = lock_holder(dest, stores)
-        if holder is not None and holder.stale_reason():
-            break_lock(dest, stores)
+        break_stale_lock(dest, storage_options)
     replaceable_location(dest, storage_options, overwrite, False, None)

@@ -33,11 +33,17 @@ def claim_partial(partial: str, storage_options: Mapping[str, Any] | None) -> No
     """Makes ``partial`` free for a new import: the stale writer lock of a killed import there is
     broken (its files are removed when the new buffer is created). Raises LockedError when a live
     import holds it, BufferExistsError when it holds other files than a buffer."""
-    stores = own_stores(partial, dict(storage_options) if storage_options else None)
-    holder = lock_holder(partial, stores)
-    if holder is not None and holder.stale_reason():
-        break_lock(partial, stores)
+    break_stale_lock(partial, storage_options)
     replaceable_location(partial, storage_options, True, False, None)
+
+
+def break_stale_lock(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Breaks the writer lock at ``url`` if its holder is gone (an import killed hard); a live
+    holder's lock stays."""
+    stores = own_stores(url, dict(storage_options) if storage_options else None)
+    holder = lock_holder(url, stores)
+    if holder is not None and holder.stale_reason():
+        break_lock(url, stores)
 
 
 def remove_partial(partial: str, storage_options: Mapping[str, Any] | None) -> None:
