@@ -174,11 +174,13 @@ def gae_advantages(
     Args:
         rewards: ``[T]`` or ``[T, *E]``.
         values: ``V(s_t)``, same shape as ``rewards``.
-        terminated, truncated: bool-like, same shape as ``rewards``.
+        terminated: bool-like, same shape as ``rewards``.
+        truncated: bool-like, same shape as ``rewards``.
         last_values: ``V(s_T)``, shape ``E`` (or scalar); required unless
             ``next_values`` is given.
         last_terminated: bool-like, shape ``E`` (or scalar), or ``None``.
-        gamma, gae_lambda: in ``[0, 1]``.
+        gamma: discount in ``[0, 1]``.
+        gae_lambda: GAE's lambda in ``[0, 1]``.
         next_values: optional, same shape as ``rewards``.
 
     Returns:
@@ -261,7 +263,8 @@ def nstep_targets(
 
     Args:
         rewards: shape ``[T]`` (trailing axes ``[T, *E]`` also accepted).
-        terminated, truncated: bool-like, same shape as ``rewards``.
+        terminated: bool-like, same shape as ``rewards``.
+        truncated: bool-like, same shape as ``rewards``.
         n: window length, integer ``>= 1``.
         gamma: discount in ``[0, 1]``.
 

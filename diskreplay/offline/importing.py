@@ -106,8 +106,9 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         dest: where the buffer is written (a local path or an fsspec URL).
         format: one of `FORMATS`; ``None`` detects it from ``src`` (an ``.npz`` file is
             ``"npz"``; pass ``"d4rl"`` to also derive a missing ``next_obs``).
-        chunk_rows, compression: the new buffer's chunking and codec (see `ReplayBuffer.create`);
-            ``chunk_rows=None`` sizes chunks for the source's row count (`default_chunk_rows`).
+        chunk_rows: the new buffer's chunking (see `ReplayBuffer.create`); ``None`` sizes chunks
+            for the source's row count (`default_chunk_rows`).
+        compression: the new buffer's codec (see `ReplayBuffer.create`).
         batch_rows: rows read from the source (and written) per slice: bounds memory. Lowered
             so that a slice holds at most `IMPORT_BATCH_BYTES`.
         progress: show a tqdm progress bar (rows, rows/s) on stderr when tqdm is installed.

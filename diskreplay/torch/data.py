@@ -80,17 +80,22 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         shuffle: epoch mode: ``"block"`` (= True; chunk order shuffled, rows shuffled within windows
             of ``shuffle_window`` chunks: each chunk read once per epoch), ``"global"`` (a full
             permutation; reads up to a chunk per row) or ``"none"`` (= False; lane/time order).
-        drop_last, pad: epoch mode, like ``DistributedSampler``: by default every row exactly once
+        drop_last: epoch mode, like ``DistributedSampler``: by default every row exactly once
             per epoch over all ranks and workers (ranks may differ by a row, so by a batch, and each
-            worker's last batch may be short); ``pad=True`` repeats up to ``world_size - 1`` rows so
-            ranks get equal rows and batches (needed by DDP collectives); ``drop_last=True`` drops up
-            to ``world_size - 1`` rows for equal ranks and then every short batch.
-        rank, world_size: the shard of this process; default torch.distributed's if initialised,
-            else 0 and 1. Workers are detected per process.
-        refresh_every, refresh_seconds: sample mode: adopt new commits every that many batches /
-            seconds (None: never by that rule), checked between reads (`datasets.batches_per_read`).
-        cache_bytes, io_threads: each reader's chunk cache bound (default the buffer default,
-            512 MiB; pages are touched lazily) and IO threads.
+            worker's last batch may be short); ``drop_last=True`` drops up to ``world_size - 1``
+            rows for equal ranks and then every short batch.
+        pad: epoch mode, like ``DistributedSampler``: ``pad=True`` repeats up to ``world_size - 1``
+            rows so ranks get equal rows and batches (needed by DDP collectives).
+        rank: the shard of this process; default torch.distributed's rank if initialised, else 0.
+            Workers are detected per process.
+        world_size: the number of ranks; default torch.distributed's if initialised, else 1.
+        refresh_every: sample mode: adopt new commits every that many batches (None: never by that
+            rule), checked between reads (`datasets.batches_per_read`).
+        refresh_seconds: sample mode: adopt new commits every that many seconds (None: never by
+            that rule), checked between reads.
+        cache_bytes: each reader's chunk cache bound (default the buffer default, 512 MiB; pages
+            are touched lazily).
+        io_threads: each reader's IO threads.
         storage_options: for remote URLs (default: the buffer's).
         sampler: sample mode: a sampler for the readers (pickled to each worker: keep it small);
             default, the one saved with the buffer.

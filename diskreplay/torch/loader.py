@@ -40,8 +40,10 @@ class Loader:
         dataset: from `make_dataset` (its own position and epoch are where the loader starts).
         num_workers: DataLoader worker processes (0: none).
         prefetch_factor: blocks each worker keeps ready (DataLoader's ``prefetch_factor``).
-        timeout, worker_init_fn, multiprocessing_context: passed to the DataLoader. Fork workers
-            hand blocks over in the dataset's shared-memory slots; others send tensors.
+        timeout: passed to the DataLoader.
+        worker_init_fn: passed to the DataLoader.
+        multiprocessing_context: passed to the DataLoader. Fork workers hand blocks over in the
+            dataset's shared-memory slots; others send tensors.
 
     Raises:
         TypeError: ``dataset`` is not a `SampleDataset` or `EpochDataset`.
