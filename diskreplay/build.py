@@ -68,7 +68,7 @@ def build_info() -> dict[str, dict[str, Any]]:
     * ``"path"``: the compiled module's file, or None where it did not import;
     * ``"disabled"``: ``{function: why}``, the parts of an active extension a self-check turned off.
 
-    Without an extension the same batches come out, more slowly (README, "Install").
+    Without an extension the same batches come out, more slowly (docs/guide/concepts.md, "Compiled fast paths").
     """
     missing = {"active": False, "status": "not imported", "reason": "the module that loads it was not imported",
                "path": None, "disabled": {}}

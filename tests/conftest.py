@@ -289,7 +289,7 @@ def model_test_settings() -> settings:
 
 
 SLOW_MODULES = frozenset({"test_cli", "test_concurrency", "test_crash", "test_device", "test_examples", "test_faults",
-                          "test_lock", "test_readme", "test_s3", "test_s3_faults", "test_torch_data",
+                          "test_lock", "test_docs", "test_s3", "test_s3_faults", "test_torch_data",
                           "test_worker_ring"})
 """Modules of subprocesses, S3 servers, DataLoader workers and kills: ``-m "not slow"`` leaves them out."""
 SLOW_TESTS = frozenset({"test_random_ops_match_reference_model", "test_frame_stack_matches_reference",

@@ -247,7 +247,7 @@ print("alive")
 def test_truncated_chunk_files_are_refused_before_they_are_mapped(tmp_path):
     """A chunk file is checked before it is mapped, and again when a rewritten chunk is mapped
     anew, so a truncated file is a CorruptBufferError, never a SIGBUS. (A file truncated while
-    it is mapped cannot be caught in Python: see the README's Limits.)"""
+    it is mapped cannot be caught in Python: see docs/guide/limits.md.)"""
     done = subprocess.run([sys.executable, "-c", MAPPED_READER, str(tmp_path / "b")], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr)  # -7 would be SIGBUS
