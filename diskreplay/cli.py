@@ -263,7 +263,8 @@ def _add_bench(sub: Subcommands) -> None:
     p = sub.add_parser("bench", help="run the benchmarks in the source checkout's tools/ folder",
                        description="Run tools/bench_core.py, then the other tools/bench_*.py, as subprocesses, "
                                    "printing their tables. Needs the source tree (a git checkout) and the "
-                                   "'bench' extra: pip install -e \".[bench]\".")
+                                   "'bench' extra: pip install -e \".[bench]\". The numbers of a recorded run, "
+                                   "and how to read them: docs/benchmarks.md.")
     p.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks that support it")
     p.add_argument("--only", action="append", metavar="NAME", help="run only bench_NAME.py (repeatable)")
     p.add_argument("--tools", metavar="DIR", help="the tools/ folder (default: next to the package)")

@@ -4,11 +4,14 @@ mapped chunks, and chunk checksums. Writers that die are real processes killed w
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from conftest import OWN, logged
 import diskreplay as dr
 from diskreplay.offline import verify
 
+ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
           "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
 
@@ -306,3 +310,56 @@ def test_chunks_carry_zarrs_crc32c_codec_and_buffers_without_it_still_work(tmp_p
             buf.extend(steps(20, 5))
             np.testing.assert_array_equal(buf[np.arange(25)]["obs"][:, 0], np.arange(25))
     assert verify(old).ok
+
+
+TESTS_PRINTED = """
+crash test local ring: 20 SIGKILLs survived, 0 committed rows lost
+crash test s3: 7 SIGKILLs survived, 0 committed rows lost
+faults: 100 injected, 100 survived
+faults: 75 injected, 75 survived
+live ring writer + 3 readers (plain): reader rows checked 2000000, wrong 0
+live writer + reader (sharded): 40 batches, 127008 rows checked
+bad-input kinds: 348 calls refused
+model test: 509 sequences, 21968 steps checked, 98 layouts (lanes [1, 2, 3], samplers 4)
+====== 505 passed in 301.20s ======
+"""
+"""What the tests that tools/reliability_report.py runs print (pytest -s), in short."""
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of each row of the first markdown table in ``text``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
+
+
+def test_reliability_report_prints_the_docs_table():
+    """tools/reliability_report.py sums the tests' lines into the table of docs/benchmarks.md's
+    Reliability section: the same columns and rows (numbers aside), so a new run's table can
+    replace the page's."""
+    spec = importlib.util.spec_from_file_location("reliability_report", ROOT / "tools" / "reliability_report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    printed = report.table(TESTS_PRINTED, 0)
+    assert table_rows(printed)[2:] == [
+        ["writer processes killed with SIGKILL (local ring, local dataset, S3)", "27 survived",
+         "0 committed rows lost"],
+        ["faults injected: full disk (tmpfs), S3 503 answers, S3 requests never answered", "175 injected",
+         "175 survived"],
+        ["bad-input and tampered-file kinds", "348 refused", "store unchanged in each"],
+        ["rows returned to readers of a live ring writer (3 reader processes, and one in-process)",
+         "2,127,008 checked", "0 wrong"],
+        ["random operation sequences against a reference model (lanes [1, 2, 3], samplers 4)",
+         "509 sequences, 21,968 steps, 98 layouts", "0 differences"]]
+    assert printed.endswith("\n\npytest: 505 passed in 301.20s")
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = page.split("\n## Reliability\n", 1)[1].split("\n## ", 1)[0]
+    assert table_shape(table_rows(section)) == table_shape(table_rows(printed))
+
+
+def table_shape(rows: list[list[str]]) -> list[list[str]]:
+    """``rows`` with their numbers as N and the first cell's details in brackets cut."""
+    return [[re.sub(r" \(.*", "", row[0]), *(re.sub(r"[\d,]+", "N", cell) for cell in row[1:])] for row in rows]

@@ -1,7 +1,8 @@
-"""The README's Reliability table: runs the crash, fault, concurrency, bad-input and model-based
-tests and sums what they report (SIGKILLs survived and committed rows lost, faults injected and
-survived, bad input kinds refused, rows readers checked and found wrong, random operation
-sequences checked against the reference model).
+"""The Reliability table of docs/benchmarks.md: runs the crash, fault, concurrency, bad-input and
+model-based tests and sums what they report (SIGKILLs survived and committed rows lost, faults
+injected and survived, bad input kinds refused, rows readers checked and found wrong, random
+operation sequences checked against the reference model). It prints the table in that page's
+format (tests/test_reliability.py checks that the page's table has the same columns and rows).
 
 Usage: python tools/reliability_report.py [--out FILE]      (about two minutes on 2 cores)
        HYPOTHESIS_PROFILE=ci python tools/reliability_report.py   (the model test's CI budget: ~5 min more)
@@ -49,8 +50,8 @@ def table(output: str, code: int) -> str:
         ("bad-input and tampered-file kinds", f"{total('bad', 'kinds')} refused", "store unchanged in each"),
         ("rows returned to readers of a live ring writer (3 reader processes, and one in-process)",
          f"{total('readers', 'checked') + total('live', 'checked'):,} checked", f"{total('readers', 'wrong')} wrong"),
-        ("random operation sequences against a reference model (model-based test; "
-         f"{found['model'][0]['covered'] if found['model'] else 'not run'})",
+        ("random operation sequences against a reference model "
+         f"({found['model'][0]['covered'] if found['model'] else 'not run'})",
          f"{total('model', 'sequences'):,} sequences, {total('model', 'steps'):,} steps, "
          f"{total('model', 'layouts')} layouts", "0 differences" if code == 0 else "FAILURES"),
     ]
