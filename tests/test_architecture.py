@@ -154,3 +154,26 @@ def test_modules_classes_and_functions_stay_small():
             if kind and lines > MAX_LINES[kind]:
                 too_big.append(f"{name}: {kind} {node.name} of {lines} lines")  # type: ignore[attr-defined]
     assert not too_big, f"at most {MAX_LINES} lines of code: " + "; ".join(too_big)
+
+
+def private_attributes_set(tree: ast.Module) -> list[str]:
+    """Assignments in ``tree`` that set (or set through) a ``_private`` attribute of an object
+    other than ``self``, as ``line: target``."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            if any(isinstance(a, ast.Attribute) and a.attr.startswith("_")
+                   and not (isinstance(a.value, ast.Name) and a.value.id == "self") for a in ast.walk(target)):
+                found.append(f"{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_buffers_and_storages_are_assembled_by_their_factories():
+    """A `ReplayBuffer` gets everything from its factory through its constructor (`buffer.parts`),
+    a storage through its own (`storage.opening`): nothing in these layers sets another object's
+    private attributes after it is made."""
+    found = [f"{name}:{where}" for name, tree in ALL.items()
+             if name.startswith(("diskreplay.buffer", "diskreplay.storage")) for where in private_attributes_set(tree)]
+    assert not found, "private attributes set from outside their object: " + "; ".join(found)

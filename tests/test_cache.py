@@ -163,10 +163,10 @@ def test_row_fields_have_room_in_the_staging_slots_only():
 def test_buffer_cache_size_is_bounded(tmp_path):
     # a ring never needs more slots than it has chunks; tiny chunks must not make a giant table
     ring = dr.ReplayBuffer.create(tmp_path / "r", SMALL_FIELDS, 3 * 40, num_envs=3, chunk_rows=4)
-    assert ring.storage.cache.slots <= max(2 * 3 + 2, 3 * 10)
+    assert ring.stats().cache_slots <= max(2 * 3 + 2, 3 * 10)
     ring.close()
     data = dr.ReplayBuffer.create(tmp_path / "d", SMALL_FIELDS, None, chunk_rows=1)
-    assert data.storage.cache.slots <= ChunkCache.MAX_SLOTS
+    assert data.stats().cache_slots <= ChunkCache.MAX_SLOTS
     data.close()
 
 
@@ -179,7 +179,7 @@ def test_tiny_cache_returns_correct_rows(tmp_path, capacity, compression):
     model = Model(3, capacity)
     buf = dr.ReplayBuffer.create(tmp_path / "b", SMALL_FIELDS, capacity, num_envs=3, chunk_rows=2,
                                  compression=compression, cache_bytes=min_cache(num_envs=3, chunk_rows=2), seed=0)
-    slots = buf.storage.cache.slots
+    slots = buf.stats().cache_slots
     assert slots == 2 * 3 + 2  # the minimum
     for n in (25, 40, 7):
         rows = model.next_rows(3 * n)
@@ -195,7 +195,7 @@ def test_tiny_cache_returns_correct_rows(tmp_path, capacity, compression):
     buf.flush()
     model.flush()
     reader = dr.ReplayBuffer.open(tmp_path / "b", mode="r", cache_bytes=1)
-    assert reader.storage.cache.slots == 1  # a reader stages nothing: one chunk at a time
+    assert reader.stats().cache_slots == 1  # a reader stages nothing: one chunk at a time
     for _ in range(3):
         batch = reader.sample(256)
         assert_rows_equal(batch, model.expected(batch["index"]), "reader sample")
@@ -229,7 +229,7 @@ def test_ring_wrap_restaging_a_sealed_chunk_keeps_it_pinned(tmp_path):
     model = Model(3, 48)
     buf = dr.ReplayBuffer.create(tmp_path / "b", SMALL_FIELDS, 48, num_envs=3, chunk_rows=4,
                                  cache_bytes=10 * 4 * ROW_BYTES)
-    assert buf.storage.cache.slots == 10  # fewer than the 12 chunks, more than twice a lane's 4
+    assert buf.stats().cache_slots == 10  # fewer than the 12 chunks, more than twice a lane's 4
     rows = model.next_rows(2)
     buf.extend({k: v[:, None] for k, v in stack_rows(rows).items()}, env_ids=[0])
     model.append(0, rows)

@@ -487,11 +487,11 @@ buf = dr.ReplayBuffer.open(sys.argv[1], "r+")
 buf.extend(cut_rows(np.arange(100, 150), EVERY_THIRD))
 buf.flush()
 buf.extend(cut_rows(np.arange(150, 450), EVERY_THIRD))
-main, commit = buf.storage.log, CommitLog.commit
+main, commit = buf.url, CommitLog.commit
 
 
 def killed_at_main_commit(log, *args, **kwargs):
-    if log is main:  # the side store of final observations has committed: die before the main commit
+    if log.url == main:  # the side store of final observations has committed: die before the main commit
         os.kill(os.getpid(), signal.SIGKILL)
     return commit(log, *args, **kwargs)
 

@@ -113,7 +113,7 @@ def test_unflushed_steps_after_reopen_are_replaced_consistently(tmp_path):
     buf.extend({k: v[150:] for k, v in first.items()})
     buf.view.finals.flush()  # the side store may run ahead of the main commit
     for storage in (buf.storage, buf.view.finals):  # simulate the process dying without closing
-        storage.log.lock.release()
+        storage._log.lock.release()
     again = dr.ReplayBuffer.open(url, "r+")
     assert len(again) == 150
     again.extend({k: v[150:] for k, v in second.items()})

@@ -350,7 +350,7 @@ def test_a_ring_reader_parses_the_newest_commit_again_only_when_it_changed(tmp_p
     parsed.clear()
     with pytest.raises(dr.StaleReadError, match="overwritten by the writer"):
         reader.rows(old)
-    assert [from_bytes(blob, "", 1).sequence for blob in parsed].count(writer.storage.log.record.sequence) == 1
+    assert [from_bytes(blob, "", 1).sequence for blob in parsed].count(writer.storage.record.sequence) == 1
     writer.close()
     reader.close()
 

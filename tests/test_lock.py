@@ -107,12 +107,12 @@ def test_storage_break_lock_takes_over(tmp_path):
     url = str(tmp_path / "b")
     first = make(url)
     second = open_storage(url, "r+", Options(cache_bytes=1 << 20, io_threads=1, break_lock=True))
-    assert drlock.lock_holder(url, own_stores(url)).token == second.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == second._log.lock.token
     with pytest.raises(dr.LockedError, match=r"this writer no longer holds the writer lock 'writer.lock' \(it is now "
                                              r"held by this process .*it stopped writing"):
         first.close()  # the broken writer must neither commit nor delete its successor's lock
     assert first.closed
-    assert drlock.lock_holder(url, own_stores(url)).token == second.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == second._log.lock.token
     second.close()
     assert drlock.lock_holder(url, own_stores(url)) is None
 
@@ -144,7 +144,7 @@ def test_reused_pid_is_stale_and_taken_over(tmp_path, caplog):
         f"pid {os.getpid()} now belongs to another process (the holder exited)")
     with logged(caplog, r"took over the writer lock left by this process .* now belongs to another"):
         buf = dr.ReplayBuffer.open(url, "r+")
-    assert drlock.lock_holder(url, own_stores(url)).token == buf.storage.log.lock.token
+    assert drlock.lock_holder(url, own_stores(url)).token == buf.storage._log.lock.token
     buf.close()
 
 

@@ -114,7 +114,7 @@ def test_reads_stay_correct_within_a_small_map_budget(tmp_path):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))  # 100 chunks of 3 fields
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.reader.warmer.pending = False  # no first-read fill: chunks are mapped as read
+    reader.storage._reader.warmer.pending = False  # no first-read fill: chunks are mapped as read
     chunks = reader.storage.mapped
     chunks.budget = 40
     unmap_all, drops = chunks.unmap_all, []
@@ -159,7 +159,7 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=6400, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 6400))
     reader = dr.ReplayBuffer.open(url, memory_map=True)
-    reader.storage.reader.warmer.pending = False
+    reader.storage._reader.warmer.pending = False
     calls = []
     map_file = mapped.Reservation.map_file
 
@@ -234,17 +234,17 @@ def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_p
     ids = reader.row_ids()
     got = reader[ids]
     width = 7 if capacity else 16  # a ring's 7 chunks per lane; 13 in dataset mode, room for 16
-    assert reader.storage.reader.warmer.resident_span == width * 32
+    assert reader.storage._reader.warmer.resident_span == width * 32
     np.testing.assert_array_equal(got["img"], data["img"][ids])
     end = 700 if capacity else 500  # the ring wraps; the dataset grows within its room
     writer.extend({k: v[400:end] for k, v in lane_major.items()})
     writer.flush()
-    assert reader.refresh() and reader.storage.reader.warmer.resident_span is None
+    assert reader.refresh() and not reader.stats().resident
     ids = reader.row_ids()
     batch = reader.sample(500, seed=1)
     np.testing.assert_array_equal(reader[ids]["obs"], data["obs"][ids])
     np.testing.assert_array_equal(batch["flag"], data["flag"][batch["index"]])
-    assert reader.storage.reader.warmer.resident_span == width * 32
+    assert reader.storage._reader.warmer.resident_span == width * 32
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

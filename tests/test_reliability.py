@@ -231,7 +231,7 @@ w.extend({"obs": np.ones((16384, 17), np.float32), "done": np.zeros(16384, bool)
 w.flush()
 r = dr.ReplayBuffer.open(url, "r", memory_map=True)
 assert r.storage.mapped is not None
-r.storage.reader.warmer.pending = False                 # map chunks as read, not all at the first read
+r.storage._reader.warmer.pending = False                 # map chunks as read, not all at the first read
 r[np.arange(1024)]                                      # maps chunks 0-3
 os.truncate(os.path.join(url, "obs", "c.0.15.0"), 100)  # a chunk it has not mapped yet
 w.extend({"obs": np.ones((256, 17), np.float32), "done": np.zeros(256, bool)})  # rewrites chunk 0...

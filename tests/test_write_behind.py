@@ -346,7 +346,7 @@ def go_round(path: str, read_depth: int | None, compression: str | None, lanes: 
                                  compression=compression, seed=0, derive_next=("obs",),
                                  episodic_return=dr.EpisodicReturn(gamma=0.5),
                                  cache_bytes=4608 * lanes)  # fewer chunks than the ring; the side store's staging
-    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING * lanes
+    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage._cache.full_slots < RING * lanes
     if read_depth is not None:
         buf.storage.writer.reads.depth = read_depth
     for i in range(3 * RING * CHUNK + 5):
@@ -463,7 +463,7 @@ def test_a_ring_going_round_reads_the_chunks_it_overwrites_ahead(tmp_path, monke
     row_bytes = sum(field.row_bytes for field in FIELDS.values())
     buf = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=RING * CHUNK, chunk_rows=CHUNK,
                                  compression="zstd", seed=0, cache_bytes=10 * CHUNK * row_bytes)
-    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage.cache.full_slots < RING
+    assert buf.storage.writer.reads.depth == READ_AHEAD_CHUNKS and buf.storage._cache.full_slots < RING
     add(buf, 0, RING * CHUNK)
     buf.flush()
     readers: list[tuple[str, int]] = []
@@ -491,7 +491,7 @@ def test_each_lane_reads_ahead_the_chunks_its_share_of_the_budget_holds(tmp_path
     lane_chunk = 2 * CHUNK * row_bytes  # a chunk of each of the two lanes
     for budget, depth in ((3 * lane_chunk, 3), (lane_chunk // 2, 1), (100 * lane_chunk, READ_AHEAD_CHUNKS)):
         monkeypatch.setattr(ring_reads, "READ_AHEAD_BYTES", budget)
-        assert ring_reads.read_depth(lanes.storage.layout, row_bytes, lanes.storage.cache.full_slots) == depth
+        assert ring_reads.read_depth(lanes.storage.layout, row_bytes, lanes.storage._cache.full_slots) == depth
     lanes.close()
     small = dr.ReplayBuffer.create(str(tmp_path / "s"), FIELDS, capacity=12 * CHUNK, chunk_rows=CHUNK, seed=0,
                                    cache_bytes=40 * CHUNK * row_bytes)

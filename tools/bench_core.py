@@ -345,7 +345,7 @@ def child_sample(path: str, batches: int, cache_mib: int, seconds: float) -> Non
         "batches": done, "mean_s": total / done, "first_s": float(times[0]),
         "median_s": float(np.median(times)), "steady_mean_s": float(times[min(done - 1, 10):].mean()),
         "rss_after_imports": rss_start, "rss_after_open": rss_open, "rss_end": bl.self_rss(),
-        "peak_rss_self": bl.self_peak_rss(), "cache_slots": buf.storage.cache.slots,
+        "peak_rss_self": bl.self_peak_rss(), "cache_slots": buf.stats().cache_slots,
         "private_end": bl.self_status()["RssAnon"], "file_backed_end": bl.self_status()["RssFile"],
         "chunks": -(-len(buf) // CHUNK_ROWS)}))
     buf.close()

@@ -721,7 +721,7 @@ def build_report(args, live: Live, ext, sizes, sample, add, stack, mem, notes, r
         "decompressed row (its first read fills the cache: "
         + (", ".join(f"{c} {s:.1f} s" for c, s in sample["fills"].items()) or "not run")
         + f", for {bl.format_bytes(live.rows * (ROW_BYTES - FRAME))} of rows); the 'default cache_bytes' row "
-        f"samples the writers, whose cache holds {live.bufs[DR_ZSTD].storage.cache.slots:,} chunk slots of the "
+        f"samples the writers, whose cache holds {live.bufs[DR_ZSTD].stats().cache_slots:,} chunk slots of the "
         f"small fields (the ring has {-(-live.rows // chunk_rows):,} chunks): each batch reads and decodes "
         f"every frame it needs from its inner chunk ({args.slow_warm} untimed batches, then {SLOW_REPEATS} repeats x "
         f"{args.slow_batches} batches, interleaved with the raw writer's, which that row and the ≤ 3× raw "

@@ -13,21 +13,21 @@ from ..episodes import RowView
 from ..errors import SchemaError
 from ..format.schema import Schema
 from ..sampling import Sampler
-from ..storage import Storage
+from ..storage import BufferStorage
 from .state import BufferState
 
 
 class Appender:
     """Adds steps to a buffer's storage (and its ``derive_next`` side store). ``inputs``: the
-    fields `add` and `extend` take (every field but a computed return)."""
+    fields `add` and `extend` take (every field but a computed return); ``cut``: as `cut`."""
 
-    def __init__(self, storage: Storage, finals: Storage | None, view: RowView, sampler: Sampler, inputs: Schema,
-                 state: BufferState):
+    def __init__(self, storage: BufferStorage, finals: BufferStorage | None, view: RowView, sampler: Sampler,
+                 inputs: Schema, state: BufferState, cut: set[int]):
         self.storage, self.finals, self.view, self.sampler, self.state = storage, finals, view, sampler, state
         self.episodes, self.returns = view.episodes, view.returns
         self.inputs = inputs
         self.num_envs = storage.layout.num_envs
-        self.cut: set[int] = set()
+        self.cut = cut
         """Lanes whose open episode the last writer left: closed, as truncated, by their next rows."""
 
     def add(self, step: Mapping[str, Any], env_ids: Any) -> None:
@@ -72,7 +72,7 @@ class Appender:
         self.storage.flush(durable, self.state.for_commit(), side=self.finals)
         self.state.committed()
 
-    def storages(self) -> list[Storage]:
+    def storages(self) -> list[BufferStorage]:
         """The main storage, then the side store of ``derive_next`` (if any)."""
         return [self.storage] + ([self.finals] if self.finals is not None else [])
 

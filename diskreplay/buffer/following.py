@@ -12,7 +12,7 @@ import numpy as np
 from ..episodes import RowView
 from ..errors import EmptyBufferError, StaleReadError
 from ..io import RetryPolicy
-from ..storage import Storage
+from ..storage import BufferStorage, Storage
 from .state import BufferState, state_origin
 
 STALE_READ_PAUSE_S = 0.002
@@ -31,7 +31,7 @@ class Adoption(Protocol):
 class CommitAdoption:
     """A reader of one buffer adopting its writer's newest commit."""
 
-    def __init__(self, storage: Storage, finals: Storage | None, state: BufferState, view: RowView):
+    def __init__(self, storage: BufferStorage, finals: BufferStorage | None, state: BufferState, view: RowView):
         self.storage, self.finals, self.state, self.view = storage, finals, state, view
         self.episodes = view.episodes
 

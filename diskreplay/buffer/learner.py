@@ -18,7 +18,7 @@ from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.shards import shard_url
 from ..sampling import Sampler, check_sampler_state, load_sampler_state
-from ..storage import Storage
+from ..storage import UnionStorage
 from .following import forget_named_finals
 from .state import announce, check_rng_state, state_origin
 
@@ -26,7 +26,7 @@ from .state import announce, check_rng_state, state_origin
 class LearnerState:
     """The learner's state: generator, sampler and, per union lane, the steps its sampler knows."""
 
-    def __init__(self, union: Storage, rng: np.random.Generator, sampler: Sampler):
+    def __init__(self, union: UnionStorage, rng: np.random.Generator, sampler: Sampler):
         self.union, self.rng, self.sampler = union, rng, sampler
         self.samples = 0
         """Rows this learner sampled (what a `RateLimiter` counts)."""
@@ -69,7 +69,7 @@ class LearnerState:
 class ShardAdoption:
     """A learner adopting every shard's newest commit: rows, episode ends and ``next_*`` values."""
 
-    def __init__(self, union: Storage, finals: Storage | None, sampler: Sampler, view: RowView):
+    def __init__(self, union: UnionStorage, finals: UnionStorage | None, sampler: Sampler, view: RowView):
         self.union, self.finals, self.sampler, self.view = union, finals, sampler, view
         self.episodes, self.returns = view.episodes, view.returns
         self.shard_envs = union.layout.num_envs // union.shards

@@ -1,10 +1,11 @@
-"""The parts of a `ReplayBuffer` that differ between one buffer (its writer, or a reader of it)
-and the union of a sharded buffer's shards (a learner): its state, how it follows commits, how it
-writes, and how its sampling is rate limited."""
+"""What a `ReplayBuffer` is made of, computed by its factories before it is constructed: one
+buffer's storages and saved state (`BufferOpening`), or a learner's union of a sharded buffer's
+shards (`LearnerOpening`); and the parts that differ between the two (`Parts`): its state, how it
+follows commits, how it writes, and how its sampling and inserts are rate limited."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,22 +15,12 @@ from ..episodes import RowView
 from ..format.commit import CommitRecord
 from ..io import RetryPolicy
 from ..sampling import Sampler
-from ..storage import Storage
+from ..storage import BufferStorage, UnionStorage
 from .appending import Appender
 from .following import CommitAdoption, Follower
 from .learner import LearnerState, ShardAdoption
-from .rate_limit import UNGATED, Gate, LearnerGate, Progress, RateLimiter
-from .state import BufferState
-
-
-@dataclass(frozen=True)
-class LearnerOpening:
-    """What a learner is opened with: the commit each shard shows and its state, where the
-    learner publishes its progress, and its rate limiter."""
-
-    states: list[tuple[CommitRecord, Mapping[str, Any]]]
-    progress: Progress
-    limiter: RateLimiter | None
+from .rate_limit import NO_ACTOR_GATE, UNGATED, ActorGate, Gate, LearnerGate, NoActorGate, Progress, RateLimiter
+from .state import BufferState, state_origin
 
 
 @dataclass(frozen=True)
@@ -38,32 +29,74 @@ class Parts:
     follower: Follower
     appender: Appender | None = None
     gate: Gate = UNGATED
+    actor: ActorGate | NoActorGate = NO_ACTOR_GATE
 
 
-def make_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
-               view: RowView, retry: RetryPolicy, learner: LearnerOpening | None) -> Parts:
-    """A learner's parts for the union of a sharded buffer's shards, else one buffer's."""
-    if storage.sharded:
-        assert learner is not None
-        return learner_parts(storage, finals, sampler, rng, view, retry, learner)
-    return buffer_parts(storage, finals, sampler, rng, view, retry)
+@dataclass(frozen=True)
+class ActorLimit:
+    """A shard writer's side of a learner's rate limit: the limiter, where the learner publishes
+    its progress, and the shard."""
+
+    limiter: RateLimiter
+    progress: Progress
+    shard: int
+
+    def gate(self, storage: BufferStorage, commit: Callable[[], object]) -> ActorGate:
+        """The gate of the writer of ``storage``, which ``commit()`` commits."""
+        return ActorGate(self.limiter, self.progress, self.shard, lambda: int(storage.total.sum()),
+                         storage.layout.num_envs, commit)
 
 
-def buffer_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
-                 view: RowView, retry: RetryPolicy) -> Parts:
-    """One buffer's parts: its state saved with each commit, the commits it follows (a reader)
-    or makes (a writer, through its `Appender`)."""
-    state = BufferState(storage, rng, sampler, view.episodes, view)
-    appender = Appender(storage, finals, view, sampler, view.inputs(), state)
-    return Parts(state, Follower(storage, CommitAdoption(storage, finals, state, view), retry), appender)
+@dataclass(frozen=True)
+class BufferOpening:
+    """What one buffer (its writer, or a reader of it) is made of: its storage and ``derive_next``
+    side store; for an existing buffer, the commit they show and the state saved with it
+    (``saved``, None: a new buffer) and the lanes whose open episode its writer closes, as cut, at
+    their next rows; for a shard's writer, its side of the learner's rate limit."""
+
+    storage: BufferStorage
+    finals: BufferStorage | None = None
+    saved: tuple[CommitRecord, Mapping[str, Any]] | None = None
+    cut: frozenset[int] = frozenset()
+    actor: ActorLimit | None = None
+
+    def parts(self, sampler: Sampler, rng: np.random.Generator, view: RowView, retry: RetryPolicy,
+              commit: Callable[[], object]) -> Parts:
+        """One buffer's parts: its state saved with each commit (loaded from ``saved``), the
+        commits it follows (a reader) or makes (a writer, through its `Appender`; ``commit()``
+        commits). Raises CorruptBufferError for a damaged saved state."""
+        storage, finals = self.storage, self.finals
+        state = BufferState(storage, rng, sampler, view.episodes, view)
+        appender = Appender(storage, finals, view, sampler, view.inputs(), state, set(self.cut))
+        follower = Follower(storage, CommitAdoption(storage, finals, state, view), retry)
+        if self.saved is not None:
+            record, saved = self.saved
+            state.apply(state.parse(saved, record.committed, state_origin(storage.url, record)), with_rng=True)
+            if finals is not None and storage.mode == "r+":  # the side store commits first: it may
+                finals.rewind(view.episodes.ended())  # hold finals of episodes no main commit ended
+        actor = NO_ACTOR_GATE if self.actor is None else self.actor.gate(storage, commit)
+        return Parts(state, follower, appender, actor=actor)
 
 
-def learner_parts(union: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
-                  view: RowView, retry: RetryPolicy, opening: LearnerOpening) -> Parts:
-    """A learner's parts: its own state, every shard's commits adopted, its sampling counted
-    (and limited). Raises CorruptBufferError for a shard's damaged state."""
-    state = LearnerState(union, rng, sampler)
-    shards = ShardAdoption(union, finals, sampler, view)
-    follower = Follower(union, shards, retry)
-    shards.start(opening.states)
-    return Parts(state, follower, gate=LearnerGate(opening.limiter, opening.progress, union, state, follower.refresh))
+@dataclass(frozen=True)
+class LearnerOpening:
+    """What a learner is made of: the union of a sharded buffer's shards (and of their
+    ``derive_next`` side stores), the commit each shard shows and its state, where the learner
+    publishes its progress, and its rate limiter."""
+
+    storage: UnionStorage
+    finals: UnionStorage | None
+    states: list[tuple[CommitRecord, Mapping[str, Any]]]
+    progress: Progress
+    limiter: RateLimiter | None
+
+    def parts(self, sampler: Sampler, rng: np.random.Generator, view: RowView, retry: RetryPolicy,
+              commit: Callable[[], object]) -> Parts:
+        """A learner's parts: its own state, every shard's commits adopted, its sampling counted
+        (and limited); it commits nothing. Raises CorruptBufferError for a shard's damaged state."""
+        union = self.storage
+        state = LearnerState(union, rng, sampler)
+        shards = ShardAdoption(union, self.finals, sampler, view)
+        follower = Follower(union, shards, retry)
+        shards.start(self.states)
+        return Parts(state, follower, gate=LearnerGate(self.limiter, self.progress, union, state, follower.refresh))

@@ -25,7 +25,7 @@ from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY, objects_prefix
 from ..format.shards import LearnerProgress, ShardedRoot, shard_name
 from ..io import ChunkStore
-from ..storage import Storage
+from ..storage import UnionStorage
 from .learner import LearnerState
 
 PUBLISH_EVERY_S = 0.05
@@ -150,7 +150,7 @@ UNGATED = Ungated()
 class LearnerGate:
     """A learner's side of the limit: waits before a draw, counts the rows drawn, publishes them."""
 
-    def __init__(self, limiter: RateLimiter | None, progress: Progress, union: Storage, state: LearnerState,
+    def __init__(self, limiter: RateLimiter | None, progress: Progress, union: UnionStorage, state: LearnerState,
                  refresh: Callable[[], object]):
         self.limiter, self.progress, self.union, self.state, self.refresh = limiter, progress, union, state, refresh
 

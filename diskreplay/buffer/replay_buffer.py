@@ -10,7 +10,7 @@ import numpy as np
 
 from ..checks import check_int
 from ..episodes import HER, EpisodeTable, EpisodicReturn, row_view
-from ..errors import ClosedError, NotABufferError
+from ..errors import ClosedError
 from ..format.lanes import LaneLayout, row_ids
 from ..format.schema import Field
 from ..io import RetryPolicy
@@ -30,19 +30,11 @@ from .batches import (
     takes_priorities,
 )
 from .output_format import output_converter
-from .parts import LearnerOpening, make_parts
-from .rate_limit import NO_ACTOR_GATE, ActorGate, NoActorGate, RateLimiter
+from .parts import BufferOpening, LearnerOpening
+from .rate_limit import RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
-from .setup import (
-    check_open_options,
-    close_all,
-    create_storages,
-    open_single,
-    open_storages,
-    plan_buffer,
-    prepare_location,
-)
-from .sharding import create_sharded, open_learner, open_writer, sharded_root
+from .setup import check_open_options, close_all, create_storages, plan_buffer, prepare_location
+from .sharding import create_sharded, open_buffer, open_writer
 
 if TYPE_CHECKING:
     from ..torch.datasets import EpochDataset, SampleDataset
@@ -59,17 +51,18 @@ class ReplayBuffer:
     overwritten id raises IndexError. Use `create` or `open` to get one.
     """
 
-    def __init__(self, storage: Storage, sampler: Sampler, rng: np.random.Generator,
-                 finals: Storage | None = None, retry: RetryPolicy | None = None,
-                 learner: LearnerOpening | None = None):
-        """Internal: use `create` (a new buffer) or `open` (an existing one).
+    def __init__(self, opening: BufferOpening | LearnerOpening, sampler: Sampler, rng: np.random.Generator,
+                 retry: RetryPolicy | None = None):
+        """Internal: use `create` (a new buffer) or `open` (an existing one). ``opening``: what its
+        factory computed (storages, saved state, rate limits), all of it used here.
 
         Raises TypeError when called as ``ReplayBuffer(url, fields, capacity)``."""
-        if not isinstance(storage, Storage):
-            raise TypeError(f"ReplayBuffer({type(storage).__name__}, ...) is not how a buffer is made: use "
+        if not isinstance(opening, (BufferOpening, LearnerOpening)):
+            raise TypeError(f"ReplayBuffer({type(opening).__name__}, ...) is not how a buffer is made: use "
                             f"dr.ReplayBuffer.create(url, fields, capacity) for a new one, or "
                             f"dr.ReplayBuffer.open(url, mode) for an existing one")
-        self.storage = storage
+        storage, finals = opening.storage, opening.finals
+        self.storage: Storage = storage
         """The `Storage` facade below this buffer (for tools: `diskreplay info`, importers)."""
         self.sampler = sampler
         self.rng = rng
@@ -79,10 +72,9 @@ class ReplayBuffer:
         sampler.attach(storage.layout)
         hint = "" if storage.mode != "r" else "; a writer's rows become readable when it calls flush()"
         self._batches = Batches(sampler, self.view, storage.window, f"{storage.url!r} holds 0 readable rows{hint}")
-        parts = make_parts(storage, finals, sampler, rng, self.view, self.retry, learner)
+        parts = opening.parts(sampler, rng, self.view, self.retry, self.flush)
         self._state, self._follower, self._appender = parts.state, parts.follower, parts.appender
-        self._gate, self._finals = parts.gate, finals
-        self._actor_gate: ActorGate | NoActorGate = NO_ACTOR_GATE
+        self._gate, self._actor_gate, self._finals = parts.gate, parts.actor, finals
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -167,7 +159,7 @@ class ReplayBuffer:
             return create_sharded(cls, plans, url, shards, commit, overwrite, options, sampler, seed)
         prepare_location(url, storage_options, overwrite, break_lock, retry)
         storage, finals = create_storages(plans, options, commit)
-        buf = cls(storage, sampler or Uniform(), np.random.default_rng(seed), finals, retry)
+        buf = cls(BufferOpening(storage, finals), sampler or Uniform(), np.random.default_rng(seed), retry)
         if commit:
             buf.flush()
         return buf
@@ -211,21 +203,10 @@ class ReplayBuffer:
             ValueError: ``mode`` is not "r" or "r+" (a sharded buffer: not "r"); ``seed`` or
                 ``rate_limiter`` for a buffer that is not sharded.
         """
-        if mode not in ("r", "r+"):
-            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
-        url = os.fspath(url)
-        check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
-        options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
-        root = None
-        try:
-            opened = open_storages(url, mode, options)
-        except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
-            root = sharded_root(url, storage_options, retry)
-            if root is None:
-                raise
-        if root is not None:
-            return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
-        return open_single(cls, url, mode, opened, sampler, retry, continue_episodes, seed, rate_limiter)
+        return open_buffer(cls, url, mode, None, sampler=sampler, storage_options=storage_options,
+                           cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map,
+                           break_lock=break_lock, retry=retry, continue_episodes=continue_episodes, seed=seed,
+                           rate_limiter=rate_limiter)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,

@@ -24,6 +24,7 @@ from ..format.shards import ShardedRoot, read_root, shard_url
 from ..io import ChunkStore, RetryPolicy, broken_path, is_local, local_path, open_chunkstore
 from ..io.lock import check_unlocked
 from ..storage import (
+    BufferStorage,
     NewStorage,
     Options,
     Storage,
@@ -33,8 +34,9 @@ from ..storage import (
     own_stores,
     plan_storage,
 )
+from .parts import ActorLimit, BufferOpening
 from .rate_limit import RateLimiter
-from .state import BufferState, saved_sampler, state_origin
+from .state import saved_sampler
 
 if TYPE_CHECKING:
     from ..sampling import Sampler
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 FINALS_CHUNK_ROWS = 64
 FINALS_CACHE_BYTES = 32 * 2**20
 SAMPLER_METHODS = ("attach", "on_append", "sample", "state_dict", "load_state_dict")
+
+Opened = tuple[BufferStorage, BufferStorage | None, CommitRecord, dict[str, Any]]
+"""An existing buffer's storage, its ``derive_next`` side store, the commit they show and its state."""
 
 
 def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num_envs: int, chunk_rows: int | None,
@@ -79,7 +84,8 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     return plans
 
 
-def create_storages(plans: list[NewStorage], options: Options, commit: bool) -> tuple[Storage, Storage | None]:
+def create_storages(plans: list[NewStorage], options: Options,
+                    commit: bool) -> tuple[BufferStorage, BufferStorage | None]:
     """Create a planned buffer's storage and its ``derive_next`` side store. The side store
     first: once the main commit exists, a reader finds everything it needs."""
     finals = None
@@ -191,8 +197,7 @@ def finals_url(url: str) -> str:
     return f"{url.rstrip('/')}/{FINALS_DIR}"
 
 
-def open_storages(url: str, mode: str,
-                  options: Options) -> tuple[Storage, Storage | None, CommitRecord, dict[str, Any]]:
+def open_storages(url: str, mode: str, options: Options) -> Opened:
     """An existing buffer's storage, its ``derive_next`` side store (if any), the commit they
     show and the state saved with it. A reader that raced its writer shows the newest commit."""
     storage = open_storage(url, mode, options)
@@ -210,29 +215,24 @@ def open_storages(url: str, mode: str,
     return storage, finals, record, state
 
 
-def open_single(cls: type[ReplayBuffer], url: str, mode: str,
-                opened: tuple[Storage, Storage | None, CommitRecord, dict[str, Any]], sampler: Sampler | None,
+def open_single(cls: type[ReplayBuffer], url: str, mode: str, opened: Opened, sampler: Sampler | None,
                 retry: RetryPolicy | None, continue_episodes: bool, seed: int | None,
-                rate_limiter: RateLimiter | None) -> ReplayBuffer:
+                rate_limiter: RateLimiter | None, actor: ActorLimit | None) -> ReplayBuffer:
     """A buffer of one shard over its storages (`open_storages`), in the state saved with the
-    commit they show, its generator's included; the storages closed if that fails."""
+    commit they show, its generator's included; a writer closes each lane's open episode as cut
+    unless ``continue_episodes``; ``actor``: a shard writer's rate limit. The storages closed if
+    that fails."""
     storage, finals, record, state = opened
     try:
         if seed is not None or rate_limiter is not None:
             raise ValueError(f"seed= and rate_limiter= are for sharded buffers; {url!r} is not one "
                              f"(its generator is restored from its last commit)")
-        buf = cls(storage, sampler or saved_sampler(url, record, state), np.random.default_rng(), finals, retry)
-        saved = buf._state
-        assert isinstance(saved, BufferState)
-        saved.apply(saved.parse(state, record.committed, state_origin(url, record)), with_rng=True)
+        cut = frozenset(range(storage.layout.num_envs)) if mode == "r+" and not continue_episodes else frozenset()
+        opening = BufferOpening(storage, finals, (record, state), cut, actor)
+        return cls(opening, sampler or saved_sampler(url, record, state), np.random.default_rng(), retry)
     except BaseException:
         close_all(storage, finals)
         raise
-    if finals is not None and mode == "r+":
-        finals.rewind(buf.episode_index.ended())
-    if mode == "r+" and not continue_episodes:
-        buf._writer().cut = set(range(buf.num_envs))
-    return buf
 
 
 def close_all(*storages: Storage | None) -> None:
@@ -242,7 +242,7 @@ def close_all(*storages: Storage | None) -> None:
             storage.close()
 
 
-def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Options) -> Storage:
+def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Options) -> BufferStorage:
     """The side store of a ``derive_next`` buffer. Raises CorruptBufferError if it is missing or damaged."""
     try:
         return open_storage(finals_url(url), mode, finals_options(options, schema, num_envs))

@@ -16,15 +16,25 @@ from ..format.schema import Schema
 from ..format.shards import ShardedRoot, check_shards, root_documents, shard_name, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, link_target, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
-from ..storage import NewStorage, Options, Storage, check_location, open_union_storage
-from .parts import LearnerOpening
-from .rate_limit import ActorGate, Progress, RateLimiter
-from .setup import close_all, create_storages, finals_cache, finals_url, prepare_location, read_sharded_root
+from ..storage import DEFAULT_CACHE_BYTES, NewStorage, Options, UnionStorage, check_location, open_union_storage
+from .parts import ActorLimit, BufferOpening, LearnerOpening
+from .rate_limit import Progress, RateLimiter
+from .setup import (
+    check_open_options,
+    close_all,
+    create_storages,
+    finals_cache,
+    finals_url,
+    open_single,
+    open_storages,
+    prepare_location,
+    read_sharded_root,
+)
 
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
 
-UnionParts = tuple[Storage, Storage | None, list[tuple[CommitRecord, Mapping[str, Any]]]]
+UnionParts = tuple[UnionStorage, UnionStorage | None, list[tuple[CommitRecord, Mapping[str, Any]]]]
 
 
 def root_store(url: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None) -> ChunkStore:
@@ -110,8 +120,8 @@ def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[Shard
                          f"or write one shard with dr.ReplayBuffer.open_shard(url, shard=i)")
     union, finals, states = open_union(url, declared.count, options)
     try:
-        return cls(union, sampler or Uniform(), np.random.default_rng(seed), finals, options.retry,
-                   LearnerOpening(states, Progress(store, url, declared), limiter))
+        opening = LearnerOpening(union, finals, states, Progress(store, url, declared), limiter)
+        return cls(opening, sampler or Uniform(), np.random.default_rng(seed), options.retry)
     except BaseException:
         close_all(union, finals)
         raise
@@ -126,11 +136,33 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     declared, store = root
     check_shard(shard, declared.count, url)
     check_shard_directory(url, shard)
-    buf = cls.open(shard_url(url, shard), mode, **open_options)
-    if limiter is not None:
-        buf._actor_gate = ActorGate(limiter, Progress(store, url, declared), shard,
-                                    lambda: int(buf.storage.total.sum()), buf.num_envs, buf.flush)
-    return buf
+    actor = None if limiter is None else ActorLimit(limiter, Progress(store, url, declared), shard)
+    return open_buffer(cls, shard_url(url, shard), mode, actor, **open_options)
+
+
+def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str, actor: ActorLimit | None, *,
+                sampler: Sampler | None = None, storage_options: Mapping[str, Any] | None = None,
+                cache_bytes: int = DEFAULT_CACHE_BYTES, io_threads: int | None = None,
+                memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
+                continue_episodes: bool = False, seed: int | None = None,
+                rate_limiter: RateLimiter | None = None) -> ReplayBuffer:
+    """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
+    buffer; ``actor``: a shard writer's rate limit (`open_writer`)."""
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    url = os.fspath(path)
+    check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
+    options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+    root = None
+    try:
+        opened = open_storages(url, mode, options)
+    except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
+        root = sharded_root(url, storage_options, retry)
+        if root is None:
+            raise
+    if root is not None:
+        return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
+    return open_single(cls, url, mode, opened, sampler, retry, continue_episodes, seed, rate_limiter, actor)
 
 
 def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, shards: Any, commit: bool,
@@ -142,7 +174,7 @@ def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, s
     prepare_location(url, options.storage_options, overwrite, options.break_lock, options.retry)
     for shard in range(count):
         storage, finals = create_storages(shard_plans(plans, url, shard), options, True)
-        cls(storage, Uniform(), np.random.default_rng(), finals, options.retry).close()
+        cls(BufferOpening(storage, finals), Uniform(), np.random.default_rng(), options.retry).close()
     store = root_store(url, options.storage_options, options.retry)
     declare_shards(store, count)
     return open_learner(cls, url, "r", (ShardedRoot(count), store), options, sampler, seed, None)

@@ -13,7 +13,7 @@ from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY
 from ..sampling import SAMPLER_TYPES, Sampler, check_sampler_state, load_sampler_state, sampler_from_state
-from ..storage import Storage
+from ..storage import BufferStorage
 
 STATE_PARTS = ("rng", "sampler", "episodes")
 
@@ -21,7 +21,7 @@ STATE_PARTS = ("rng", "sampler", "episodes")
 class BufferState:
     """Reads, checks and loads the state of a buffer's parts."""
 
-    def __init__(self, storage: Storage, rng: np.random.Generator, sampler: Sampler, episodes: EpisodeIndex,
+    def __init__(self, storage: BufferStorage, rng: np.random.Generator, sampler: Sampler, episodes: EpisodeIndex,
                  view: RowView):
         self.storage, self.rng, self.sampler, self.episodes, self.view = storage, rng, sampler, episodes, view
         self.url, self.layout = storage.url, storage.layout

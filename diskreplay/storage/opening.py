@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
@@ -38,20 +38,21 @@ from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
 from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
+from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
 from .commit_log import CommitLog
 from .cursors import Cursors
-from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
+from .log import Log
 from .mapped import MappedChunks
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
-from .union import UnionLog
+from .union import UnionLog, UnionStorage
 from .warm import Warmer
 from .writer import StagingWriter
 
@@ -88,7 +89,7 @@ def plan_storage(url: str, config: BufferConfig, cache_bytes: int) -> NewStorage
     return NewStorage(url, config, documents)
 
 
-def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> Storage:
+def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> BufferStorage:
     """Write a planned buffer's metadata (the location already cleared) and open it for
     writing. ``commit=False`` writes no commit record yet (the location is not a buffer until
     the first flush)."""
@@ -109,7 +110,7 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> S
         raise
 
 
-def open_storage(url: str, mode: str, options: Options) -> Storage:
+def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
     """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``).
 
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
@@ -127,7 +128,7 @@ def open_storage(url: str, mode: str, options: Options) -> Storage:
         raise
 
 
-def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Storage:
+def open_union_storage(url: str, parts: Sequence[str], options: Options) -> UnionStorage:
     """The buffers at ``parts`` (locations under ``url``, all with one config), read-only as one
     storage whose lanes are theirs side by side: one cache, one read path, chunks read through
     the store at ``url``; its log is a `UnionLog` of theirs.
@@ -150,17 +151,21 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Stor
     prefixes = [part[len(url.rstrip("/")) + 1:] + "/" for part in parts]
     io = ChunkIO(root, config, field_codecs(buffer_codec(first.arrays, first.url), config),
                  options.io_threads or default_io_threads(url), prefixes)
-    return _assemble(url, config, first.arrays, log, io, options)
+    cache, loader, reader, files = _read_side(url, config, first.arrays, log, io, options)
+    return UnionStorage(url, config, log, io, cache, loader, reader, files, options.storage_options)
 
 
 def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
-              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> Storage:
+              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> BufferStorage:
     """One buffer's storage, as its writer (``mode="r+"``) or a reader of it."""
     cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
     log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock)
     io = ChunkIO(store, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
-    return _assemble(url, config, arrays, log, io, options)
+    cache, loader, reader, files = _read_side(url, config, arrays, log, io, options)
+    writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=files.mapped is None)
+              if mode != "r" else None)
+    return BufferStorage(url, config, log, io, cache, loader, reader, writer, files, options.storage_options)
 
 
 def check_location(url: str) -> None:
@@ -197,9 +202,18 @@ def _store(url: str, options: Options) -> ChunkStore:
                            concurrency=options.io_threads or default_io_threads(url), retry=options.retry)
 
 
-def _assemble(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: CommitLog | UnionLog,
-              io: ChunkIO, options: Options) -> Storage:
-    """The parts of a storage, wired together; the read paths chosen for its size and store."""
+class ReadSide(NamedTuple):
+    """The parts of a storage's read side, wired together (`_read_side`)."""
+
+    cache: ChunkCache
+    loader: ChunkLoader
+    reader: ChunkReader
+    files: FileMaps
+
+
+def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: Log, io: ChunkIO,
+               options: Options) -> ReadSide:
+    """The read side of a storage, its read paths chosen for its size and store."""
     layout, schema, store, cursors, mode = config.layout, config.schema, io.store, log.cursors, log.mode
     codec, record = buffer_codec(arrays, url), log.record
     stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
@@ -220,9 +234,7 @@ def _assemble(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log:
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r")
-    writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=mapped is None)
-              if mode != "r" and isinstance(log, CommitLog) else None)
-    return Storage(url, config, log, io, cache, loader, reader, writer, files, options.storage_options)
+    return ReadSide(cache, loader, reader, files)
 
 
 def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck) -> RowReads:

@@ -21,8 +21,7 @@ import numpy as np
 
 from ..errors import StaleReadError
 from .cache import ChunkCache
-from .commit_log import CommitLog
-from .union import UnionLog
+from .log import Log
 
 Window = Callable[[], tuple[np.ndarray, np.ndarray]]
 Retired = list[tuple[int, np.ndarray]]
@@ -32,7 +31,7 @@ Retired = list[tuple[int, np.ndarray]]
 class RetiredCheck:
     """Checks chunks a ring reader fetched against the newest commit."""
 
-    def __init__(self, log: CommitLog | UnionLog, cache: ChunkCache, window: Window):
+    def __init__(self, log: Log, cache: ChunkCache, window: Window):
         self.log = log
         self.cache = cache
         self.window = window

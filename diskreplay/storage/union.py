@@ -1,5 +1,5 @@
-"""`UnionLog`: the commit logs of a sharded buffer's shards, as the log of one read-only storage
-whose lanes are theirs side by side.
+"""`UnionStorage`: the shards of a sharded buffer read together by a learner, as one read-only
+storage whose lanes are theirs side by side; its log, `UnionLog`, holds the shards' logs.
 
 Lane ``e`` of shard ``s`` is lane ``s * num_envs + e`` of the union (`open_union_storage`), so
 samplers, the episode index and the transforms work on the union unchanged, a slice or an n-step
@@ -11,16 +11,23 @@ The union's commit record is composed from the shards' (`compose`); each shard k
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
 from ..errors import ClosedError, ReadOnlyError
 from ..format.commit import CommitRecord
+from ..format.config import BufferConfig
 from ..format.lanes import LaneLayout
 from ..io.threads import Threads
+from .cache import ChunkCache
+from .chunk_io import ChunkIO
 from .commit_log import CommitLog
 from .cursors import Cursors
+from .facade import Storage
+from .file_maps import FileMaps
+from .loading import ChunkLoader
+from .reader import ChunkReader
 
 T = TypeVar("T")
 
@@ -45,7 +52,7 @@ class UnionLog:
         self.closed = False
         self._threads = Threads(min(len(self.logs), 16), "diskreplay-logs")
 
-    def require_writable(self) -> None:
+    def require_writable(self) -> NoReturn:
         """Always raises: ClosedError, or ReadOnlyError (each shard has its own writer)."""
         if self.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
@@ -78,3 +85,47 @@ class UnionLog:
         self._threads.shutdown()
         for log in self.logs:
             log.close()
+
+
+class UnionStorage(Storage):
+    """The shards of a sharded buffer read as one storage, read-only (`open_union_storage`)."""
+
+    sharded = True
+    _log: UnionLog
+
+    def __init__(self, url: str, config: BufferConfig, log: UnionLog, io: ChunkIO, cache: ChunkCache,
+                 loader: ChunkLoader, reader: ChunkReader, files: FileMaps, storage_options: Mapping[str, Any] | None):
+        super().__init__(url, config, log, io, cache, loader, reader, files, storage_options)
+        self._log = log
+
+    @property
+    def shards(self) -> int:
+        """Shards read together."""
+        return len(self._log.logs)
+
+    def shard_records(self, newest: bool = False, shards: Sequence[int] | None = None) -> list[CommitRecord]:
+        logs = self._log.logs if shards is None else [self._log.logs[s] for s in shards]
+        return self._log.each(CommitLog.read_newest, logs) if newest else [log.record for log in logs]
+
+    def shard_states(self, shards: Sequence[int]) -> list[tuple[CommitRecord, dict[str, Any]]]:
+        """The newest commit of each of ``shards`` and the state saved with it (`CommitLog.load_state`)."""
+        return self._log.each(_newest_state, [self._log.logs[s] for s in shards])
+
+    def adopt_shards(self, records: Mapping[int, CommitRecord]) -> None:
+        """Show ``records[s]``, a newer commit of shard ``s`` (see `adopt`)."""
+        self.adopt(self._log.with_shards(records))
+        for s, record in records.items():
+            self._log.logs[s].adopt(record)
+
+    def append(self, lane: int, rows: Mapping[str, np.ndarray], count: int) -> tuple[int, int]:
+        """Never done: raises ReadOnlyError (or ClosedError), as every write to the union. Here
+        so that the union is a `RowStore` that `RowView` reads, as one buffer's storage is."""
+        self._log.require_writable()
+
+    def update_rows(self, lane: int, first: int, values: Mapping[str, np.ndarray]) -> None:
+        """Never done: raises as `append`."""
+        self._log.require_writable()
+
+
+def _newest_state(log: CommitLog) -> tuple[CommitRecord, dict[str, Any]]:
+    return log.load_state(newest=True)
