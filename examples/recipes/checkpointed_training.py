@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> nn.Module:
         url = os.path.join(args.workdir, "dataset")
         try:
             with dr.ReplayBuffer.open(url) as buf:
-                made = len(buf) == args.rows
+                made = len(buf) > 0  # its rows are committed at the end, all at once
         except dr.NotABufferError:
             made = False
         if not made:  # first run (or one killed while it made the dataset)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> DQN:
         model = DQN("MlpPolicy", env, learning_starts=200, train_freq=4, buffer_size=100_000,
                     policy_kwargs=dict(net_arch=[64, 64]), seed=args.seed,
                     replay_buffer_class=dr.sb3.DiskReplayBuffer,
-                    replay_buffer_kwargs={"url": os.path.join(args.workdir, "buffer")})
+                    replay_buffer_kwargs={"url": os.path.abspath(os.path.join(args.workdir, "buffer"))})
     callback = CallbackList([dr.sb3.CheckpointCallback(save_freq=args.save_every, save_path=models),
                              SayCheckpoint(args.save_every)])
     model.learn(max(0, args.steps - model.num_timesteps), callback=callback, reset_num_timesteps=False)
