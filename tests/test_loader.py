@@ -5,9 +5,11 @@ not per batch; resume exact after any batch. Real fork (and spawn) DataLoader wo
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
+import os
 import pickle
 
 import numpy as np
@@ -131,6 +133,50 @@ def test_epoch_resume_inside_an_epoch_is_exact(buf, workers, stop):
     again.load_state_dict(state)
     assert_same(head + as_numpy(again), whole)
     assert_same(as_numpy(again), whole_next)
+
+
+@pytest.mark.parametrize("mode", ["sample", "epoch"])
+def test_workers_leave_torchs_global_generator_alone(buf, mode):
+    """A training loop that saves torch's generator with the loader's state resumes it exactly:
+    the DataLoader under the Loader draws its worker seeds from a generator of its own, not
+    from torch's global one (a resumed run starts one more iter than an uninterrupted one)."""
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in range(2):  # two passes: two DataLoader iterators
+        list(itertools.islice(loader(buf, 2, mode), 40))
+    assert torch.equal(torch.rand(3), want)
+
+
+def _record_worker_seed(path: str, worker_id: int) -> None:
+    with open(path, "a") as f:
+        f.write(f"{worker_id} {torch.initial_seed()}\n")
+
+
+def test_resumed_workers_get_the_torch_seeds_of_uninterrupted_ones(buf, tmp_path):
+    """Workers' torch seeds are a function of the dataset's seed and the loader's position."""
+    path = str(tmp_path / "seeds.txt")
+
+    def recording() -> Loader:
+        return Loader(dataset(buf, "epoch"), num_workers=2, multiprocessing_context="fork",
+                      worker_init_fn=functools.partial(_record_worker_seed, path))
+
+    def seeds(ld: Loader) -> list[str]:
+        if os.path.exists(path):
+            os.unlink(path)
+        list(itertools.islice(iter(ld), 8))
+        with open(path) as f:
+            return sorted(f.read().splitlines())
+
+    uninterrupted = recording()
+    list(itertools.islice(iter(uninterrupted), 40))
+    state = uninterrupted.state_dict()
+    after_40 = seeds(uninterrupted)
+    resumed = recording()
+    resumed.load_state_dict(state)
+    assert seeds(resumed) == after_40
+    assert seeds(recording()) != after_40  # at batch 0: other seeds
+    assert len(after_40) == 2 and after_40[0].split()[1] != after_40[1].split()[1]
 
 
 def test_epoch_state_says_each_shard_position(buf):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+import torch
 import torch.utils.data as tud
 
 from ..checks import check_int
@@ -157,6 +159,16 @@ class Loader:
                              f"or start at an epoch boundary")
         return [int(state["batch"])]
 
+    def _worker_seeds(self) -> torch.Generator:
+        """The generator the DataLoader draws its workers' torch seeds from: one of its own,
+        seeded by the dataset's seed and the position, so that iterating never moves torch's
+        global generator (a training loop that saves it with `state_dict` resumes it exactly,
+        though a resumed run starts one iterator more) and resumed workers get the seeds
+        uninterrupted ones would."""
+        start = self._start
+        entropy = [int(start.get("seed") or 0), int(start.get("epoch", 0)), *self._positions, self._next_shard]
+        return torch.Generator().manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+
     # ---- iteration --------------------------------------------------------------------------
 
     def _epoch(self, plan: BlockPlan) -> Iterator[Any]:
@@ -173,7 +185,7 @@ class Loader:
         """The batches of the blocks the workers yield, in turn; each taken batch moves the
         position of its shard."""
         loader = tud.DataLoader(self.dataset.blocked(plan), batch_size=None, num_workers=self.num_workers,
-                                **self._options)
+                                generator=self._worker_seeds(), **self._options)
         tensordict = self.dataset.as_tensordict
         block: Block
         for block in loader:
