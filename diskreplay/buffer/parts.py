@@ -13,7 +13,7 @@ import numpy as np
 from ..episodes import RowView
 from ..format.commit import CommitRecord
 from ..io import RetryPolicy
-from ..sampling import Sampler
+from ..sampling import BaseSampler, Sampler, with_defaults
 from ..storage import Storage
 from .appending import Appender
 from .following import CommitAdoption, Follower
@@ -42,14 +42,16 @@ class Parts:
 
 def make_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
                view: RowView, retry: RetryPolicy, learner: LearnerOpening | None) -> Parts:
-    """A learner's parts for the union of a sharded buffer's shards, else one buffer's."""
+    """A learner's parts for the union of a sharded buffer's shards, else one buffer's. A sampler
+    of the user's that is no `BaseSampler` gets the defaults of its optional methods here."""
+    sampler = with_defaults(sampler)
     if storage.sharded:
         assert learner is not None
         return learner_parts(storage, finals, sampler, rng, view, retry, learner)
     return buffer_parts(storage, finals, sampler, rng, view, retry)
 
 
-def buffer_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
+def buffer_parts(storage: Storage, finals: Storage | None, sampler: BaseSampler, rng: np.random.Generator,
                  view: RowView, retry: RetryPolicy) -> Parts:
     """One buffer's parts: its state saved with each commit, the commits it follows (a reader)
     or makes (a writer, through its `Appender`)."""
@@ -58,7 +60,7 @@ def buffer_parts(storage: Storage, finals: Storage | None, sampler: Sampler, rng
     return Parts(state, Follower(storage, CommitAdoption(storage, finals, state, view), retry), appender)
 
 
-def learner_parts(union: Storage, finals: Storage | None, sampler: Sampler, rng: np.random.Generator,
+def learner_parts(union: Storage, finals: Storage | None, sampler: BaseSampler, rng: np.random.Generator,
                   view: RowView, retry: RetryPolicy, opening: LearnerOpening) -> Parts:
     """A learner's parts: its own state, every shard's commits adopted, its sampling counted
     (and limited). Raises CorruptBufferError for a shard's damaged state."""
