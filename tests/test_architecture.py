@@ -13,13 +13,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "diskreplay"
 LAYERS = {
-    "errors": 0, "checks": 0, "build": 0,
+    "errors": 0, "checks": 0, "build": 0, "progress": 0,
     "format": 1, "io": 1,
     "storage": 2,
     "sampling": 3, "episodes": 3,
     "buffer": 4,
-    "torch": 5, "offline": 5, "rollout": 5, "sb3": 5,
-    "demo": 6,
+    "torch": 5, "audit": 5, "rollout": 5, "sb3": 5,
+    "offline": 6, "demo": 6,
     "cli": 7,
     "__init__": 8, "__main__": 8,
 }

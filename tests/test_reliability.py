@@ -16,7 +16,7 @@ import zarr
 from conftest import OWN, logged
 
 import diskreplay as dr
-from diskreplay.offline import verify
+from diskreplay.audit import verify
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),
           "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}

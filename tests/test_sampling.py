@@ -15,7 +15,7 @@ import pytest
 from scipy.stats import chisquare
 
 import diskreplay as dr
-from diskreplay.offline import verify
+from diskreplay.audit import verify
 from diskreplay.sampling import draws
 
 pytestmark = pytest.mark.usefixtures("no_fsync")

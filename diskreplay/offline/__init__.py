@@ -1,7 +1,22 @@
 """Offline datasets: import from files (D4RL, Minari, npz, npy, Parquet, Zarr), export to npz /
-HDF5 / Parquet / Minari, the `info` report and `verify`; fields from gymnasium spaces, named as
-the importers name them. Sits above the buffer: nothing below imports this package."""
+HDF5 / Parquet / Minari; fields from gymnasium spaces, named as the importers name them. Sits
+above the buffer and the audits (`diskreplay.audit`: `info`, `verify`), whose names this package
+also exports, as it did when they lived here: nothing below imports this package."""
 
+from ..audit import (  # the audits' names, as this package exported them before they moved to diskreplay.audit
+    INCOMPLETE_KEY,
+    VerifyReport,
+    buffer_info,
+    describe_incomplete,
+    episode_stats,
+    format_info,
+    import_status,
+    iter_rows,
+    open_readonly,
+    read_chunk,
+    readable,
+    verify,
+)
 from .export import EXPORT_FORMATS, export_buffer
 from .formats import (
     DETECT_ORDER,
@@ -19,21 +34,10 @@ from .formats.npz import NpzSource
 from .formats.parquet import ParquetSource
 from .formats.zarr_group import ZarrSource
 from .importing import import_dataset
-from .info import (
-    buffer_info,
-    episode_stats,
-    format_info,
-    iter_rows,
-    open_readonly,
-    read_chunk,
-    readable,
-)
 from .naming import EXPORT_ATTR, d4rl_field_name, d4rl_name, field_name
 from .npyfile import FORTRAN_WHOLE_BYTES
 from .source import ImportFormatError, Source
 from .spaces import fields_from_env, fields_from_spaces, flatten_fields, spec_from_env
-from .status import INCOMPLETE_KEY, describe_incomplete, import_status
-from .verify import VerifyReport, verify
 
 __all__ = [
     "DETECT_ORDER",
