@@ -14,7 +14,7 @@ import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
 
-from ..format.schema import Field
+from ...format.schema import Field
 
 Obs = np.ndarray | dict[str, np.ndarray]
 

@@ -11,7 +11,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from stable_baselines3.her.goal_selection_strategy import KEY_TO_GOAL_STRATEGY, GoalSelectionStrategy
 from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 
-from ..episodes import HER
+from ...episodes import HER
 from .buffer import DiskReplayBuffer
 
 if TYPE_CHECKING:

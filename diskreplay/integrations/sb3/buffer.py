@@ -14,9 +14,9 @@ from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from ..buffer import ReplayBuffer as DiskBuffer
-from ..errors import NotABufferError
-from ..sampling import Uniform
+from ...buffer import ReplayBuffer as DiskBuffer
+from ...errors import NotABufferError
+from ...sampling import Uniform
 from .fields import Layout, Obs, make_layout, sample_arrays, slot_rows, step_rows, timeouts_of
 
 if TYPE_CHECKING:
