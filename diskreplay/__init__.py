@@ -29,15 +29,9 @@ from .errors import (
     StoreUnavailableError,
 )
 from .format.schema import Field
+from .integrations.gymnasium import fields_from_env, fields_from_spaces, flatten_fields, spec_from_env
 from .io import RetryPolicy
-from .offline import (
-    export_buffer,
-    fields_from_env,
-    fields_from_spaces,
-    flatten_fields,
-    import_dataset,
-    spec_from_env,
-)
+from .offline import export_buffer, import_dataset
 from .rollout import RolloutBuffer
 from .sampling import Draw, Prioritized, Sampler, Uniform, WithoutReplacement, ere_recent_rows, ere_schedule
 from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
@@ -69,9 +63,9 @@ def __getattr__(name: str) -> Any:
         from . import torch as torch_layer
         return getattr(torch_layer, name)
     if name == "sb3":  # Stable-Baselines3 buffers: imports stable_baselines3 (and torch) when first used
-        import importlib  # not `from . import sb3`: its hasattr check would come back here
-        return importlib.import_module(".sb3", __name__)
+        from .integrations import sb3
+        return sb3
     if name == "torchrl":  # dr.torchrl.ZarrStorage: imports torchrl and tensordict when first used
-        from .torch import torchrl_storage
-        return torchrl_storage
+        from .integrations import torchrl
+        return torchrl
     raise AttributeError(f"module 'diskreplay' has no attribute {name!r}")

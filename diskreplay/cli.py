@@ -329,8 +329,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .audit import buffer_info, format_info
     from .build import build_info, format_build_info
-    from .offline import buffer_info, format_info
 
     if args.build:
         print(json.dumps(build_info(), indent=2) if args.json else format_build_info(build_info()))
@@ -343,7 +343,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .offline import describe_incomplete, import_status, verify
+    from .audit import describe_incomplete, import_status, verify
 
     report = verify(args.url, _storage_options(args), progress=not args.no_progress)
     text = str(report)

@@ -1499,7 +1499,7 @@ VERIFY_CASES = {
 
 @pytest.mark.parametrize("case_id", list(VERIFY_CASES))
 def test_verify_reports_damage(case_id, templates, tmp_path):
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
     case = next(c for c in CASES if c.id == case_id)
     path = str(tmp_path / "site" / "buf")
     shutil.copytree(templates[case.template], path)
@@ -1520,7 +1520,7 @@ def test_verify_cases_cover_tampered_metadata():
 
 @pytest.mark.parametrize("template", ["ring", "raw", "per", "per1", "wor", "empty"])
 def test_verify_accepts_healthy_buffers(template, templates):
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
     report = verify(templates[template])
     assert report.ok, str(report)
     assert report.rows == (0 if template == "empty" else 20 * ENVS)

@@ -16,7 +16,7 @@ from s3server import s3
 
 import diskreplay as dr
 from diskreplay import cli
-from diskreplay.offline import INCOMPLETE_KEY
+from diskreplay.audit import INCOMPLETE_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 h5py = pytest.importorskip("h5py")

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diskreplay as dr
+from diskreplay.audit import verify
 from diskreplay.format import keys
 from diskreplay.io import open_chunkstore
-from diskreplay.offline import verify
 
 SPEC_FIELDS = {
     "obs": dr.Field((17,), "float32"),

@@ -30,8 +30,8 @@ import pytest
 from s3server import s3
 
 import diskreplay as dr
+from diskreplay.audit import verify
 from diskreplay.io import lock as drlock
-from diskreplay.offline import verify
 from diskreplay.storage import own_stores
 
 ROWS_CODE = """

@@ -52,9 +52,9 @@ from conftest import OWN, writers, writes_done
 from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
 
 import diskreplay as dr
+from diskreplay.audit import verify
 from diskreplay.format.journal import JOURNAL_MARK, JournalRef
 from diskreplay.io import LocalChunkStore, open_chunkstore
-from diskreplay.offline import verify
 
 CHUNK = 8
 LANE_CAP = 48  # ring: 6 chunks per lane

@@ -20,7 +20,7 @@ import zarr
 from format_v1 import downgrade
 
 import diskreplay as dr
-from diskreplay.offline import verify
+from diskreplay.audit import verify
 
 
 @pytest.fixture

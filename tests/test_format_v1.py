@@ -13,8 +13,8 @@ import pytest
 from format_v1 import downgrade
 
 import diskreplay as dr
+from diskreplay.audit import verify
 from diskreplay.cli import main as cli
-from diskreplay.offline import verify
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"), "reward": dr.Field((), "float32"),
           "done": dr.Field((), "bool")}

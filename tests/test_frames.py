@@ -18,11 +18,11 @@ import zstandard
 from conftest import exit_code_in_fork
 
 import diskreplay as dr
+from diskreplay.audit import buffer_info, format_info, verify
 from diskreplay.format import codecs
 from diskreplay.format.codecs import Codec, checksum
 from diskreplay.format.commit import CommitRecord
 from diskreplay.io import LocalChunkStore
-from diskreplay.offline import buffer_info, format_info, verify
 from diskreplay.storage import shard_maps
 
 FIELDS = {"obs": dr.Field((32, 32), "uint8"), "next_obs": dr.Field((32, 32), "uint8"),

@@ -686,7 +686,7 @@ def test_damaged_buffer_source_is_one_corrupt_buffer_error(tmp_path):
                                     b" " * (MAX_METADATA_BYTES + 1)])
 def test_damaged_interrupted_import_marker_is_still_refused_clearly(tmp_path, marker):
     """An interrupted import's marker is read with a size cap and never trusted for its values."""
-    from diskreplay.offline import INCOMPLETE_KEY
+    from diskreplay.audit import INCOMPLETE_KEY
 
     dest = tmp_path / "dest"
     os.makedirs(dest)

@@ -17,16 +17,9 @@ from conftest import dir_snapshot
 import diskreplay as dr
 import diskreplay.offline.export as export_module
 from diskreplay import offline as importers
+from diskreplay.audit import INCOMPLETE_KEY, import_status
 from diskreplay.errors import BufferExistsError, LockedError, NotABufferError
-from diskreplay.offline import (
-    INCOMPLETE_KEY,
-    ImportFormatError,
-    detect_format,
-    export_buffer,
-    import_dataset,
-    import_status,
-    importing,
-)
+from diskreplay.offline import ImportFormatError, detect_format, export_buffer, import_dataset, importing
 
 h5py = pytest.importorskip("h5py")
 

@@ -307,7 +307,7 @@ def journal_refs(path) -> dict[str, dict]:
 
 
 def test_one_flipped_bit_in_a_log_chunk_is_found_by_open_and_verify(tmp_path):
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
 
     path = tmp_path / "b"
     with per_buffer(path, 1 << 14, 6000) as buf:
@@ -332,7 +332,7 @@ def test_journals_written_before_checksums_open_verify_and_move_to_them(tmp_path
     """A commit whose journals carry no checksums (as diskreplay wrote them before) opens with the
     same state and verifies; appends to such a journal stay unchecked until its part writes a new
     generation, which has checksums."""
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
 
     path = tmp_path / "b"
     with per_buffer(path, 1 << 14, 5000) as buf:

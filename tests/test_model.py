@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import diskreplay as dr
-from diskreplay.offline.verify import verify
+from diskreplay.audit.verify import verify
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 SAMPLERS = ("uniform", "recent", "prioritized", "without-replacement")

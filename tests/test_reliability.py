@@ -19,7 +19,7 @@ import zarr
 from conftest import OWN, logged
 
 import diskreplay as dr
-from diskreplay.offline import verify
+from diskreplay.audit import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"obs": dr.Field((3,), "float32"), "next_obs": dr.Field((3,), "float32"),

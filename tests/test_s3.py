@@ -172,7 +172,7 @@ def test_missing_chunk_is_an_error_not_zeros(s3):
     check_rows(reader[np.arange(0, 16)], np.arange(0, 16))
     with pytest.raises(dr.CorruptBufferError, match=r"chunk 'act/c.0.2' is missing, but the last commit says"):
         reader[[17]]
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
     report = verify(url, so)
     assert not report.ok and any("act/c.0.2" in p for p in report.problems)
 

@@ -15,7 +15,7 @@ import pytest
 from scipy.stats import chisquare
 
 import diskreplay as dr
-from diskreplay.offline import verify
+from diskreplay.audit import verify
 from diskreplay.sampling import draws
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
@@ -908,3 +908,92 @@ def test_slices_with_a_recent_share_fit_where_few_starts_fit(tmp_path):
     assert set(starts.tolist()) == {0, 1}
     assert chisquare(np.bincount(starts, minlength=2)).pvalue > 1e-3
     buf.close()
+
+
+# ---- samplers of the user's own -----------------------------------------------------------------
+
+
+class Cycle:
+    """A sampler of the user's own, no subclass of anything: the methods of `dr.Sampler` only.
+    It draws the rows of lane 0 in order, from where its saved ``next`` left off."""
+
+    def __init__(self):
+        self.next = 0
+
+    def attach(self, layout):
+        self.lanes = layout.num_envs
+
+    def on_append(self, lane, first, end):
+        pass
+
+    def sample(self, rng, batch_size, lo, hi, stride=1):
+        step = lo[0] + (self.next + stride * np.arange(batch_size)) % (hi[0] - lo[0])
+        self.next += stride * batch_size
+        return dr.Draw(np.zeros(batch_size, np.int64), step)
+
+    def state_dict(self):
+        return {"type": "Cycle", "next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+class CheckedCycle(Cycle):
+    """`Cycle` with the optional methods: its own commit state, told of commits, checks saved states."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def state_dict(self):
+        return {"type": "CheckedCycle", "next": self.next}
+
+    def commit_state(self):
+        self.calls.append("commit_state")
+        return {**self.state_dict(), "committed_at": self.next}
+
+    def committed(self):
+        self.calls.append("committed")
+
+    @staticmethod
+    def check_state(state, layout, total):
+        if state["next"] < 0:
+            raise ValueError(f"'sampler.next': expected an int >= 0, got {state['next']}")
+
+
+def test_a_sampler_of_the_users_own_is_saved_with_each_commit_and_resumes(tmp_path):
+    """A sampler that only has the methods of `dr.Sampler` gets the defaults of the optional ones:
+    a commit saves its `state_dict`, and it resumes where it was."""
+    buf = make(tmp_path, capacity=None, sampler=Cycle())
+    extend(buf, 10)
+    assert buf.sample(3)["obs"].tolist() == [0, 1, 2]
+    assert buf.sample(2, stride=2)["obs"].tolist() == [3, 5]
+    buf.close()
+    with pytest.raises(ValueError, match=r"the buffer was saved with sampler 'Cycle'; pass sampler= to open"):
+        dr.ReplayBuffer.open(tmp_path / "buf", "r")
+    with dr.ReplayBuffer.open(tmp_path / "buf", "r+", sampler=Cycle()) as again:
+        assert again.sampler.next == 7
+        assert again.sample(4)["obs"].tolist() == [7, 8, 9, 0]
+        state = again.state_dict()
+        assert state["sampler"] == {"type": "Cycle", "next": 11}
+        again.sample(1)
+        again.load_state_dict(state)
+        assert again.sampler.next == 11
+
+
+def test_a_sampler_of_the_users_own_with_the_optional_methods_gets_them_called(tmp_path):
+    buf = make(tmp_path, capacity=None, sampler=CheckedCycle())
+    extend(buf, 10)
+    buf.sample(3)
+    buf.flush()
+    calls = buf.sampler.calls
+    assert len(calls) >= 2 and calls == ["commit_state", "committed"] * (len(calls) // 2)  # each commit, in order
+    buf.close()
+    with dr.ReplayBuffer.open(tmp_path / "buf", "r", sampler=CheckedCycle()) as again:
+        assert again.sampler.next == 3
+        state = again.state_dict()
+        with pytest.raises(ValueError, match=r"does not fit this buffer: 'sampler.next': expected an int >= 0, got -1"):
+            again.load_state_dict({**state, "sampler": {**state["sampler"], "next": -1}})
+        assert again.sampler.next == 3
+        with pytest.raises(ValueError, match=r"does not fit this buffer: 'sampler': 'next' is missing"):
+            again.load_state_dict({**state, "sampler": {"type": "CheckedCycle"}})

@@ -299,6 +299,23 @@ def test_save_replay_buffer_pickles_the_url_not_the_rows(tmp_path):
     copy.close()
 
 
+def test_buffers_pickled_under_the_former_sb3_paths_load(tmp_path):
+    """Replay buffers (and models) saved before SB3's buffers moved to diskreplay.integrations.sb3
+    name their classes by the former paths (diskreplay.sb3.buffer, .fields, .her): they still load,
+    as the same classes."""
+    model = dqn(gym.make("CartPole-v1"), str(tmp_path / "rows"), learning_starts=50)
+    model.learn(60)
+    old = pickle.dumps(model.replay_buffer, protocol=0).replace(b"diskreplay.integrations.sb3.", b"diskreplay.sb3.")
+    assert b"cdiskreplay.sb3.buffer\nDiskReplayBuffer\n" in old and b"cdiskreplay.sb3.fields\nLayout\n" in old
+    model.replay_buffer.close()
+    copy = pickle.loads(old)
+    assert type(copy) is dr.sb3.DiskReplayBuffer and type(copy.layout) is dr.sb3.Layout and copy.size() == 60
+    copy.close()
+    assert pickle.loads(b"cdiskreplay.sb3.her\nDiskHerReplayBuffer\n.") is dr.sb3.DiskHerReplayBuffer
+    from diskreplay.sb3 import CheckpointCallback, DiskReplayBuffer
+    assert (DiskReplayBuffer, CheckpointCallback) == (dr.sb3.DiskReplayBuffer, dr.sb3.CheckpointCallback)
+
+
 def test_load_replay_buffer_whose_url_moved_raises_naming_the_url(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     model = dqn(gym.make("CartPole-v1"), str(old), learning_starts=50)

@@ -219,7 +219,7 @@ def test_a_shard_directory_that_is_a_symbolic_link_is_refused_and_reported(shard
     """Each shard must be a directory of its own: a shard replaced by a link to another shard
     (whose rows would be read twice) or to a copy elsewhere is refused by open and open_shard,
     and reported by verify, naming the shard and the link."""
-    from diskreplay.offline import verify
+    from diskreplay.audit import verify
 
     shard = shard_url(sharded, 2)
     os.rename(shard, tmp_path / "elsewhere")

@@ -13,8 +13,8 @@ from conftest import OWN
 
 import diskreplay as dr
 from diskreplay import cli
+from diskreplay.audit import buffer_info, format_info, verify
 from diskreplay.format.shards import LEARNER_KEY, LearnerProgress
-from diskreplay.offline import buffer_info, format_info, verify
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "next_obs": dr.Field((2,), "float32"),
           "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}

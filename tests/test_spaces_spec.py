@@ -132,6 +132,14 @@ def test_dict_keys_use_the_importers_naming_rule():
     assert dr.flatten_fields("action", np.int64(3)) == {"action": 3}
 
 
+def test_importing_diskreplay_imports_no_integrated_library():
+    """The integrations (diskreplay.integrations: gymnasium spaces, SB3, TorchRL) load their
+    library when used, never at ``import diskreplay``."""
+    code = ("import sys, diskreplay; loaded = {'gymnasium', 'stable_baselines3', 'torchrl', 'tensordict', 'torch'}"
+            " & set(sys.modules); assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_vector_env_one_line_create(tmp_path):
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(3)])
     assert dr.fields_from_env(envs) == dr.fields_from_env(gym.make("CartPole-v1"))

@@ -136,7 +136,7 @@ def test_field_names_and_tensordict_keys_map_both_ways():
 
 
 def test_importing_diskreplay_imports_neither_torchrl_nor_tensordict():
-    assert dr.torchrl.ZarrStorage.__module__ == "diskreplay.torch.torchrl_storage"
+    assert dr.torchrl.ZarrStorage.__module__ == "diskreplay.integrations.torchrl"
     code = "import sys, diskreplay; assert 'torchrl' not in sys.modules and 'tensordict' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

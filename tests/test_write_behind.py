@@ -19,8 +19,8 @@ import pytest
 from conftest import OWN, dir_snapshot
 
 import diskreplay as dr
+from diskreplay.audit import verify
 from diskreplay.io import LocalChunkStore
-from diskreplay.offline import verify
 from diskreplay.storage import ring_reads, write_behind
 from diskreplay.storage.chunk_io import ChunkIO, balanced
 from diskreplay.storage.ring_reads import READ_AHEAD_CHUNKS

@@ -17,7 +17,7 @@ from ..episodes import EpisodeIndex, RowView
 from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.shards import shard_url
-from ..sampling import Sampler, check_sampler_state, load_sampler_state
+from ..sampling import BaseSampler, Sampler, check_sampler_state, load_sampler_state
 from ..storage import UnionStorage
 from .following import forget_named_finals
 from .state import announce, check_rng_state, state_origin
@@ -26,7 +26,7 @@ from .state import announce, check_rng_state, state_origin
 class LearnerState:
     """The learner's state: generator, sampler and, per union lane, the steps its sampler knows."""
 
-    def __init__(self, union: UnionStorage, rng: np.random.Generator, sampler: Sampler):
+    def __init__(self, union: UnionStorage, rng: np.random.Generator, sampler: BaseSampler):
         self.union, self.rng, self.sampler = union, rng, sampler
         self.samples = 0
         """Rows this learner sampled (what a `RateLimiter` counts)."""

@@ -14,7 +14,7 @@ import numpy as np
 from ..episodes import RowView
 from ..format.commit import CommitRecord
 from ..io import RetryPolicy
-from ..sampling import Sampler
+from ..sampling import Sampler, with_defaults
 from ..storage import BufferStorage, UnionStorage
 from .appending import Appender
 from .following import CommitAdoption, Follower
@@ -65,7 +65,7 @@ class BufferOpening:
         """One buffer's parts: its state saved with each commit (loaded from ``saved``), the
         commits it follows (a reader) or makes (a writer, through its `Appender`; ``commit()``
         commits). Raises CorruptBufferError for a damaged saved state."""
-        storage, finals = self.storage, self.finals
+        storage, finals, sampler = self.storage, self.finals, with_defaults(sampler)
         state = BufferState(storage, rng, sampler, view.episodes, view)
         appender = Appender(storage, finals, view, sampler, view.inputs(), state, set(self.cut))
         follower = Follower(storage, CommitAdoption(storage, finals, state, view), retry)
@@ -94,7 +94,7 @@ class LearnerOpening:
               commit: Callable[[], object]) -> Parts:
         """A learner's parts: its own state, every shard's commits adopted, its sampling counted
         (and limited); it commits nothing. Raises CorruptBufferError for a shard's damaged state."""
-        union = self.storage
+        union, sampler = self.storage, with_defaults(sampler)
         state = LearnerState(union, rng, sampler)
         shards = ShardAdoption(union, self.finals, sampler, view)
         follower = Follower(union, shards, retry)

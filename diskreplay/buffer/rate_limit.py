@@ -175,7 +175,7 @@ class LearnerGate:
 
     def publish(self, force: bool = False) -> None:
         inserts = self.union.total.reshape(self.union.shards, -1).sum(axis=1)
-        self.progress.publish(self.state.samples, tuple(inserts.tolist()), force, type(self.state.sampler).__name__)
+        self.progress.publish(self.state.samples, tuple(inserts.tolist()), force, self.state.sampler.type_name)
 
 
 class ActorGate:

@@ -12,7 +12,7 @@ from ..episodes import EpisodeIndex, RowView
 from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.keys import COMMIT_KEY
-from ..sampling import SAMPLER_TYPES, Sampler, check_sampler_state, load_sampler_state, sampler_from_state
+from ..sampling import SAMPLER_TYPES, BaseSampler, Sampler, check_sampler_state, load_sampler_state, sampler_from_state
 from ..storage import BufferStorage
 
 STATE_PARTS = ("rng", "sampler", "episodes")
@@ -21,7 +21,7 @@ STATE_PARTS = ("rng", "sampler", "episodes")
 class BufferState:
     """Reads, checks and loads the state of a buffer's parts."""
 
-    def __init__(self, storage: BufferStorage, rng: np.random.Generator, sampler: Sampler, episodes: EpisodeIndex,
+    def __init__(self, storage: BufferStorage, rng: np.random.Generator, sampler: BaseSampler, episodes: EpisodeIndex,
                  view: RowView):
         self.storage, self.rng, self.sampler, self.episodes, self.view = storage, rng, sampler, episodes, view
         self.url, self.layout = storage.url, storage.layout
@@ -36,13 +36,12 @@ class BufferState:
     def for_commit(self) -> dict[str, Any]:
         """`current` as a commit saves it: the growing parts (priorities, episode ends) as the
         changes since the last commit (`JournalChange`)."""
-        commit_state = getattr(self.sampler, "commit_state", self.sampler.state_dict)
-        return {"rng": self.rng.bit_generator.state, "sampler": commit_state(),
+        return {"rng": self.rng.bit_generator.state, "sampler": self.sampler.commit_state(),
                 "episodes": self.episodes.commit_state(), "last_next": self.view.state_dict()}
 
     def committed(self) -> None:
         """The state of the last `for_commit` was committed."""
-        getattr(self.sampler, "committed", lambda: None)()
+        self.sampler.committed()
         self.episodes.committed()
 
     def parse(self, state: Mapping[str, Any], total: np.ndarray, origin: str | None) -> dict[str, Any]:

@@ -1,7 +1,23 @@
 """Offline datasets: import from files (D4RL, Minari, npz, npy, Parquet, Zarr), export to npz /
-HDF5 / Parquet / Minari, the `info` report and `verify`; fields from gymnasium spaces, named as
-the importers name them. Sits above the buffer: nothing below imports this package."""
+HDF5 / Parquet / Minari. Sits above the buffer and the audits (`diskreplay.audit`: `info`,
+`verify`), whose names this package also exports, as it did when they lived here: nothing below
+imports this package. Fields from gymnasium spaces, named as the importers name them (`naming`),
+are an integration: `diskreplay.integrations.gymnasium`."""
 
+from ..audit import (  # the audits' names, as this package exported them before they moved to diskreplay.audit
+    INCOMPLETE_KEY,
+    VerifyReport,
+    buffer_info,
+    describe_incomplete,
+    episode_stats,
+    format_info,
+    import_status,
+    iter_rows,
+    open_readonly,
+    read_chunk,
+    readable,
+    verify,
+)
 from .export import EXPORT_FORMATS, export_buffer
 from .formats import (
     DETECT_ORDER,
@@ -19,21 +35,9 @@ from .formats.npz import NpzSource
 from .formats.parquet import ParquetSource
 from .formats.zarr_group import ZarrSource
 from .importing import import_dataset
-from .info import (
-    buffer_info,
-    episode_stats,
-    format_info,
-    iter_rows,
-    open_readonly,
-    read_chunk,
-    readable,
-)
 from .naming import EXPORT_ATTR, d4rl_field_name, d4rl_name, field_name
 from .npyfile import FORTRAN_WHOLE_BYTES
 from .source import ImportFormatError, Source
-from .spaces import fields_from_env, fields_from_spaces, flatten_fields, spec_from_env
-from .status import INCOMPLETE_KEY, describe_incomplete, import_status
-from .verify import VerifyReport, verify
 
 __all__ = [
     "DETECT_ORDER",
@@ -62,9 +66,6 @@ __all__ = [
     "episode_stats",
     "export_buffer",
     "field_name",
-    "fields_from_env",
-    "fields_from_spaces",
-    "flatten_fields",
     "format_info",
     "import_dataset",
     "import_status",
@@ -73,6 +74,5 @@ __all__ = [
     "open_source",
     "read_chunk",
     "readable",
-    "spec_from_env",
     "verify",
 ]

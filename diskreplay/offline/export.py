@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from ..audit.rows import episode_fields, iter_rows, open_readonly, readable
 from ..episodes import end_flags
+from ..progress import progress_bar
 from .hdf5 import require_h5py
-from .info import episode_fields, iter_rows, open_readonly, readable
 from .minari_export import minari_dataset_id, write_minari
 from .naming import EXPORT_ATTR, d4rl_name
 from .parquet_export import write_parquet
-from .progress import progress_bar
 
 EXPORT_FORMATS = ("npz", "hdf5", "parquet", "minari")
 DONE_FIELDS = ("terminated", "truncated", "done")

@@ -76,17 +76,17 @@ import socket
 import time
 from typing import Any
 
+from ..audit.status import INCOMPLETE_KEY, describe_incomplete, import_status
 from ..buffer import ReplayBuffer
 from ..buffer.setup import check_open_options, replaceable_location
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
+from ..progress import progress_bar
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows, own_stores
 from .formats import detect_format, open_source
 from .partial import break_stale_lock, claim_partial, partial_url, remove_partial, swap_in
-from .progress import progress_bar
 from .source import ImportFormatError, Source, require_source
-from .status import INCOMPLETE_KEY, describe_incomplete, import_status
 
 IMPORT_BATCH_BYTES = 32 << 20
 """The most bytes of rows an import reads (and writes) per slice: ``batch_rows`` is lowered to fit."""

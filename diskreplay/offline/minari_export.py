@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from ..audit.rows import episode_fields, iter_rows, readable
 from ..episodes import end_flags
 from .formats.parquet import require_arrow
-from .info import episode_fields, iter_rows, readable
 
 REQUIRED = ("obs", "action", "reward")
 WRITTEN = (*REQUIRED, "terminated", "truncated", "next_obs")

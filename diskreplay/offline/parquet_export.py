@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from ..audit.rows import episode_fields, iter_rows, readable
 from ..episodes import end_flags
 from .formats.parquet import PLACE_COLUMNS, parquet_field_name, require_arrow, require_pyarrow
-from .info import episode_fields, iter_rows, readable
 
 EXPORT_NAMES = {"obs": "observation.state", "next_obs": "next.observation.state", "reward": "next.reward",
                 "terminated": "next.done", "truncated": "next.truncated", "action": "action"}

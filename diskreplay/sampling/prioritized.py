@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from ..format.journal import JournalChange, JournalContent
 from ..format.lanes import LaneLayout
 from .priority_table import PriorityTable
-from .protocols import Draw, PrioritySampler
+from .protocols import BaseSampler, Draw, PrioritySampler
 from .state import is_int
 
 PRIORITY_RECORD = np.dtype([("leaf", "<i8"), ("value", "<f4")])
@@ -19,7 +19,7 @@ PRIORITY_RECORD = np.dtype([("leaf", "<i8"), ("value", "<f4")])
 MAX_LEAF = float(np.finfo(np.float32).max)
 
 
-class Prioritized(PrioritySampler):
+class Prioritized(BaseSampler, PrioritySampler):
     """Proportional prioritized replay (Schaul et al. 2016) on in-RAM sum and min segment trees.
 
     New rows get the largest priority seen so far (or ``initial_priority``). ``update_priorities``
@@ -231,7 +231,7 @@ class Prioritized(PrioritySampler):
             self._logged, self._changed = 0, None
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> Prioritized:
+    def from_state_dict(cls, state: dict[str, Any]) -> Self:
         """A sampler with the settings saved in ``state`` (its priorities come with `load_state_dict`)."""
         return cls(state["alpha"], state["beta"], state["eps"], state["initial_priority"], state["stratified"])
 

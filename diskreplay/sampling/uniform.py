@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from ..format.lanes import LaneLayout
 from .draws import integers
-from .protocols import Draw, Sampler
+from .protocols import BaseSampler, Draw
 
 
-class Uniform(Sampler):
+class Uniform(BaseSampler):
     """Uniform sampling with replacement over every readable row of every lane.
 
     ``recent_ratio`` of each batch (rounded) is drawn from the newest ``recent_rows`` rows
@@ -57,7 +57,7 @@ class Uniform(Sampler):
         """Nothing to restore: the settings come with `from_state_dict`."""
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> Uniform:
+    def from_state_dict(cls, state: dict[str, Any]) -> Self:
         """A sampler with the settings saved in ``state``."""
         return cls(state.get("recent_ratio", 0.0), state.get("recent_rows", 0))
 

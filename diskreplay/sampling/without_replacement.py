@@ -8,14 +8,14 @@ import numpy as np
 
 from ..format.lanes import LaneLayout, flat_to_lane_step
 from .permutation import SeededPermutation
-from .protocols import Draw, Sampler
+from .protocols import BaseSampler, Draw
 from .state import is_int
 
 BLOCK = 1 << 16
 """Positions of the epoch's order computed at a time (1 MiB of rows)."""
 
 
-class WithoutReplacement(Sampler):
+class WithoutReplacement(BaseSampler):
     """Each readable row once per epoch, in a seeded random order; then a new epoch.
 
     An epoch's order is a pure function of (epoch seed, rows readable at the epoch's start), so

@@ -1,20 +1,17 @@
-"""Stable-Baselines3 replay buffers on disk: a one-line switch for off-policy algorithms.
+"""Compatibility: Stable-Baselines3's buffers live in `diskreplay.integrations.sb3`; this package
+keeps the paths they had (``from diskreplay.sb3 import DiskReplayBuffer``, and the class paths in
+SB3 models and replay buffers pickled before they moved: `buffer`, `her`, `fields`, `checkpoints`).
+``dr.sb3`` is `diskreplay.integrations.sb3` itself."""
 
-``DQN("MlpPolicy", env, replay_buffer_class=dr.sb3.DiskReplayBuffer,
-replay_buffer_kwargs={"url": "runs/dqn.zarr"})``; for goal envs, `DiskHerReplayBuffer` in place
-of SB3's ``HerReplayBuffer``. Importing this package imports stable_baselines3 (and torch);
-``import diskreplay`` alone does not. Modules: `fields` (SB3's arrays as fields, pure numpy),
-`buffer` (`DiskReplayBuffer`), `her` (`DiskHerReplayBuffer`), `checkpoints` (`CheckpointCallback`:
-the buffer commits with each model checkpoint).
-"""
-
-from .buffer import DiskReplayBuffer, moved_buffers
-from .checkpoints import CheckpointCallback
-from .fields import Layout, make_layout
-from .her import DiskHerReplayBuffer
-
-DiskDictReplayBuffer = DiskReplayBuffer
-"""The same class: it serves Dict observation spaces (SB3's ``DictReplayBuffer`` API) too."""
+from ..integrations.sb3 import (
+    CheckpointCallback,
+    DiskDictReplayBuffer,
+    DiskHerReplayBuffer,
+    DiskReplayBuffer,
+    Layout,
+    make_layout,
+    moved_buffers,
+)
 
 __all__ = ["CheckpointCallback", "DiskReplayBuffer", "DiskDictReplayBuffer", "DiskHerReplayBuffer", "Layout",
            "make_layout", "moved_buffers"]

@@ -9,8 +9,8 @@ Importing this package imports torch (``import diskreplay`` alone does not). Mod
 * `device` - `to_device`: batches copied to a device through pinned host slots;
 * `shared_ring` - the shared-memory slots fork DataLoader workers gather batches into;
 * `batch_rng`, `epoch_order` - per-batch generators and epoch orders as pure functions of a few ints.
-* `formats` - batches as tensors or TensorDicts (``sample(format=...)``); `torchrl_storage` -
-  ``dr.torchrl.ZarrStorage``, a TorchRL storage (imports torchrl: not imported here).
+* `formats` - batches as tensors or TensorDicts (``sample(format=...)``). TorchRL's storage
+  (``dr.torchrl.ZarrStorage``) is an integration: `diskreplay.integrations.torchrl`.
 
 Tunables read at run time (e.g. ``shared_ring.DEFAULT_WORKERS``) stay in their module.
 torch is an extra (``pip install "diskreplay[torch]"``): without it, importing this package (which

@@ -4,7 +4,7 @@ Tensors share memory with the gathered arrays (``torch.from_numpy``): no row is 
 Field names map to TensorDict keys as TorchRL lays them out (`name_to_key`): ``next_obs`` ->
 ``("next", "obs")``, ``a__b`` -> ``("a", "b")``, ``__next_x`` -> ``"next_x"`` (a root key that
 would otherwise read as nested), every other name stays a root key. `key_to_name` is its
-inverse, used by `diskreplay.torch.torchrl_storage` to store TensorDicts as fields.
+inverse, used by `diskreplay.integrations.torchrl` to store TensorDicts as fields.
 """
 
 from __future__ import annotations

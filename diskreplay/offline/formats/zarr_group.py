@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from ...audit.status import describe_incomplete, import_status
 from ...buffer import ReplayBuffer
 from ...errors import NotABufferError
 from ...format.keys import BUFFER_MARKERS, COMMIT_KEY, GROUP_KEY, MAX_METADATA_BYTES
@@ -18,7 +19,6 @@ from ...io import is_local, local_path
 from ...sampling import Uniform
 from ...storage import own_stores
 from ..source import Batch, ColumnsSource, ImportFormatError, as_bool_flags, field_for
-from ..status import describe_incomplete, import_status
 
 
 class ZarrSource(ColumnsSource):

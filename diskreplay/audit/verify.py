@@ -50,8 +50,8 @@ from ..format.schema import Schema
 from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
 from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
+from ..progress import NoBar, progress_bar
 from ..storage.journal import Journal, MissingObject
-from .progress import NoBar, progress_bar
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 _BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)

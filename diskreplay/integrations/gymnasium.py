@@ -21,7 +21,7 @@ import numpy as np
 from ..buffer.spec import BufferSpec
 from ..errors import SchemaError
 from ..format.schema import Field
-from .naming import field_name
+from ..offline.naming import field_name
 
 SUPPORTED = ("Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict")
 

@@ -1,13 +1,10 @@
-"""Look inside a buffer without the hot path: the `info` report and a chunk-level row reader.
-
-Everything here reads *committed* rows straight from their chunk objects (one field at a time if
-wanted), so scanning a big buffer touches only the fields asked for and keeps memory bounded.
-"""
+"""The `info` report: what a buffer holds (fields, rows, episodes, chunks, size on disk, sampler,
+last commit), of one buffer or of all the shards of a sharded one, read with the chunk-level
+reader of `rows`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,75 +12,12 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..buffer.setup import read_sharded_root
-from ..episodes import end_flags, episode_end_fields
-from ..errors import CorruptBufferError, NotABufferError
+from ..episodes import end_flags
+from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.shards import LearnerProgress, shard_name
-from ..sampling import Uniform
 from ..storage import Storage
-from .status import describe_incomplete, import_status
-
-
-def open_readonly(url: str, storage_options: dict | None = None, cache_bytes: int = 8 * 2**20) -> ReplayBuffer:
-    """Open for inspection: read-only, any saved sampler (its state is not needed here).
-
-    Raises NotABufferError with a clear message for an interrupted import.
-    """
-    try:
-        return ReplayBuffer.open(url, "r", sampler=Uniform(), storage_options=storage_options,
-                                 cache_bytes=cache_bytes)
-    except NotABufferError:
-        marker = import_status(url, storage_options)
-        if marker is not None:
-            raise NotABufferError(describe_incomplete(url, marker)) from None
-        raise
-
-
-# ---- chunk-level reading ---------------------------------------------------------------------
-
-
-def read_chunk(buf: ReplayBuffer, name: str, lane: int, chunk: int) -> np.ndarray:
-    """One whole stored chunk of one field of lane ``lane`` (a lane of the union, for a sharded
-    buffer), decoded. Raises CorruptBufferError if missing/undecodable."""
-    return buf.storage.read_chunk(name, lane, chunk)
-
-
-def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: int,
-              batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
-    """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows,
-    with the values ``buf[ids]`` reads: stored fields from their chunks, derived ``next_*`` fields
-    (``derive_next``) rebuilt, episodic returns of episodes not ended in the commit as their default."""
-    layout = buf.layout
-    twins = tuple(n for n in names if n in buf.view.derived)
-    stored = [n for n in names if n not in twins]
-    step = first = lo
-    parts: list[dict[str, np.ndarray]] = []
-    count = 0
-    while step < hi:
-        chunk, offset = divmod(int(layout.slot(step)), layout.chunk_rows)
-        piece = layout.piece_length(step, hi - step)
-        parts.append({n: read_chunk(buf, n, lane, chunk)[offset:offset + piece] for n in stored})
-        count += piece
-        step += piece
-        if count >= batch_rows or step >= hi:
-            steps = np.arange(first, step)
-            rows = {n: np.concatenate([p[n] for p in parts]) for n in stored}
-            if twins:
-                rows.update(buf.view.gather(np.full(len(steps), lane), steps, twins))
-            returns = buf.episodic_return
-            if returns is not None and returns.name in rows:
-                returns.mask(rows[returns.name], buf.episode_index, np.full(len(steps), lane), steps)
-            yield {n: rows[n] for n in names}
-            parts, count, first = [], 0, step
-
-
-def readable(buf: ReplayBuffer) -> list[tuple[int, int, int]]:
-    """(lane, lo, hi) of every lane's committed readable steps."""
-    lo, hi = buf.window()
-    return [(lane, int(lo[lane]), int(hi[lane])) for lane in range(buf.num_envs)]
-
-
-# ---- info ------------------------------------------------------------------------------------
+from .rows import episode_fields, iter_rows, open_readonly, readable
 
 
 @dataclass
@@ -95,12 +29,6 @@ class EpisodeStats:
     lengths: list[np.ndarray] = field(default_factory=list)
     returns: list[np.ndarray] = field(default_factory=list)
     in_progress: int = 0
-
-
-def episode_fields(buf: ReplayBuffer) -> tuple[str, ...]:
-    """The scalar bool fields that end an episode: the buffer's own, else (a buffer that keeps no
-    episode index) those the ``"auto"`` rule finds: ``done``, else ``terminated`` and ``truncated``."""
-    return buf.episode_index.end_fields or episode_end_fields(buf.fields)
 
 
 def episode_stats(buf: ReplayBuffer, batch_rows: int = 65536) -> EpisodeStats | None:

@@ -43,7 +43,7 @@ from ..buffer import ReplayBuffer
 from ..checks import check_int
 from ..errors import NotABufferError
 from ..format.schema import Field
-from .formats import key_to_name, to_tensordict
+from ..torch.formats import key_to_name, to_tensordict
 
 WRITER_INDEX = "index"
 """The entry TorchRL's ``TensorDictRoundRobinWriter`` adds to what it writes (not stored)."""
