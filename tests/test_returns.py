@@ -14,6 +14,7 @@ from diskreplay.episodes.returns import (
     gae_advantages,
     normalize_advantages,
     nstep_targets,
+    nstep_window,
 )
 
 
@@ -279,6 +280,15 @@ def test_nstep_random(seed, n):
     np.testing.assert_array_equal(k, want_k)
     np.testing.assert_array_equal(ret, want_r)
     np.testing.assert_array_equal(disc, want_d)
+
+
+def test_nstep_discounts_are_pythons_powers_of_gamma():
+    """Every discount is exactly Python's ``gamma**k``, under any numpy: numpy 1.26 (the floor)
+    computes ``gamma ** np.arange(n)`` with a vectorised power that rounds some an ulp apart."""
+    k = np.arange(1, 21)
+    for gamma in (0.9, 0.97, 0.99, 0.995):
+        _, discounts = nstep_window(np.zeros((20, 20)), k, np.zeros(20, dtype=bool), gamma)
+        assert discounts.tolist() == [gamma**i for i in range(1, 21)]
 
 
 @given(fl=flags, seed=st.integers(0, 2**16), gamma=gammas, n=st.integers(1, 8), f32=st.booleans())

@@ -229,7 +229,9 @@ def nstep_window(rewards: np.ndarray, k: np.ndarray, terminated_last: np.ndarray
     gamma**k * (1 - terminated_last): a truncation bootstraps, a termination does not.
     """
     n = rewards.shape[1]
-    powers = gamma ** np.arange(n + 1, dtype=np.float64)
+    # Python's pow, so that gamma**k is the same number under every numpy: numpy 1.26's vectorised
+    # float64 power rounds some powers an ulp apart from it.
+    powers = np.array([float(gamma) ** i for i in range(n + 1)], dtype=np.float64)
     returns = np.zeros(rewards.shape[:1] + rewards.shape[2:], dtype=np.float64)
     for i in range(n):
         returns += np.where(i < k, powers[i] * rewards[:, i].astype(np.float64), 0.0)
