@@ -108,17 +108,22 @@ def train(url: str, checkpoint: str, steps: int, save_every: int, batch_size: in
     return policy
 
 
-def main(argv: list[str] | None = None) -> nn.Module:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default="runs/checkpointed_training", help="dataset and checkpoint.pt")
-    p.add_argument("--dataset", help="a diskreplay buffer with 'obs' and 'action' (default: a synthetic one)")
-    p.add_argument("--rows", type=int, default=4096, help="rows of the synthetic dataset")
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The options of `train`, which the offline RL recipe shares."""
     p.add_argument("--steps", type=int, default=200, help="train until this many steps in all")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint period (steps)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers (resume inside an epoch: the same)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", help="append every step's batch row ids to this file")
+
+
+def main(argv: list[str] | None = None) -> nn.Module:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="runs/checkpointed_training", help="dataset and checkpoint.pt")
+    p.add_argument("--dataset", help="a diskreplay buffer with 'obs' and 'action' (default: a synthetic one)")
+    p.add_argument("--rows", type=int, default=4096, help="rows of the synthetic dataset")
+    add_training_args(p)
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     url = args.dataset

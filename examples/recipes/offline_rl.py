@@ -25,7 +25,7 @@ import numpy as np
 import diskreplay as dr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpointed_training import train
+from checkpointed_training import add_training_args, train
 
 
 def make_d4rl_file(path: str, rows: int = 5000, seed: int = 0) -> None:
@@ -57,12 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", help="what to import (default: a synthetic D4RL-layout file in --workdir)")
     p.add_argument("--workdir", default="runs/offline_rl", help="dataset.zarr and checkpoint.pt")
-    p.add_argument("--steps", type=int, default=200, help="train until this many steps in all")
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint period (steps)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers (resume inside an epoch: the same)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", help="append every step's batch row ids to this file")
+    add_training_args(p)
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     source = args.dataset
