@@ -9,9 +9,10 @@
   it, counted in ``holds`` and ``abandoned``, or the proxy closes). It counts
   requests per (method, path), tracks the most GETs in flight at once and can add latency to
   every request (the benchmarks use that to stand in for a real network). With ``cache=True`` it
-  answers repeated GETs of an object from its own copy, so moto's per-request CPU (one Python
-  process) does not cap a benchmark of many concurrent GETs; a PUT or DELETE through the proxy
-  drops the copy.
+  answers repeated GETs of an object from its own copy (a ranged GET from the copy of the whole
+  object, fetched once), so moto's per-request CPU (one Python process) does not cap a benchmark
+  of many concurrent GETs; a PUT or DELETE through the proxy drops the copy. ``bytes_out`` counts
+  the body bytes of the GETs answered.
 
 Fixtures ``s3`` (one server per test session) and ``fault_proxy`` (a fresh proxy per test) are
 defined here; test modules import them (``from s3server import s3, fault_proxy``).
@@ -120,6 +121,7 @@ class FaultProxy:
         self.faults: Counter = Counter()
         self.in_flight = 0
         self.max_in_flight = 0
+        self.bytes_out = 0  # body bytes of the GETs answered (benchmarks: bytes fetched)
         self.holds = 0  # blackholed requests held so far
         self.abandoned = 0  # held connections the client closed
         self.holding = 0  # held right now
@@ -201,7 +203,7 @@ class FaultProxy:
                 req.wfile.write(payload)
             return
         get = req.command == "GET"
-        cacheable = get and self.cache is not None and "Range" not in req.headers
+        cacheable = get and self.cache is not None
         if self.cache is not None and req.command in ("PUT", "DELETE", "POST"):
             with self.lock:
                 self.cache.clear()
@@ -214,11 +216,11 @@ class FaultProxy:
                 time.sleep(self.latency_s)
             hit = self.cache.get(req.path) if cacheable else None
             if hit is not None:
-                status, reason, response_headers, data = hit
+                status, reason, response_headers, data = _ranged(hit, req.headers.get("Range"))
             else:
                 conn = http.client.HTTPConnection(self.upstream, timeout=60)
                 headers = {k: v for k, v in req.headers.items()
-                           if k.lower() not in ("connection", "proxy-connection")}
+                           if k.lower() not in ("connection", "proxy-connection", *(("range",) if cacheable else ()))}
                 conn.request(req.command, req.path, body=body if body else None, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
@@ -227,10 +229,14 @@ class FaultProxy:
                 if cacheable and status == 200:
                     with self.lock:
                         self.cache[req.path] = (status, reason, response_headers, data)
+                    status, reason, response_headers, data = _ranged(self.cache[req.path], req.headers.get("Range"))
         finally:
             if get:
                 with self.lock:
                     self.in_flight -= 1
+        if get:
+            with self.lock:
+                self.bytes_out += len(data)
         req.send_response(status, reason)
         length_sent = False
         for name, value in response_headers:
@@ -290,6 +296,7 @@ class FaultProxy:
             self.hits.clear()
             self.faults.clear()
             self.max_in_flight = 0
+            self.bytes_out = 0
             self.holds = self.abandoned = 0
             self.max_holding = self.holding
 
@@ -299,6 +306,19 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
         self.wait_until(lambda: self.holding == 0, 5.0)
+
+
+def _ranged(hit: tuple[int, str, list, bytes], spec: str | None) -> tuple[int, str, list, bytes]:
+    """A cached whole object answered as the GET asked: all of it, or the ``bytes=a-b`` /
+    ``bytes=a-`` / ``bytes=-n`` range of it (206 with Content-Range)."""
+    status, reason, headers, data = hit
+    if not spec or not spec.startswith("bytes=") or "," in spec:
+        return hit
+    first, _, last = spec[len("bytes="):].partition("-")
+    size = len(data)
+    lo, hi = (max(0, size - int(last)), size - 1) if not first else (int(first), min(size - 1, int(last or size - 1)))
+    kept = [(k, v) for k, v in headers if k.lower() not in ("content-length", "content-range")]
+    return 206, "Partial Content", [*kept, ("Content-Range", f"bytes {lo}-{hi}/{size}")], data[lo:hi + 1]
 
 
 def _peek_closed(sock: socket.socket) -> bool:

@@ -1,36 +1,43 @@
-"""Cloud benchmark (issue #6): a buffer on S3 (moto over HTTP on loopback) vs the same on local disk.
+"""Object-storage benchmark (issues #6 and #41): diskreplay vs Lance on the same S3 server, side by side.
 
 The script starts its own S3 server: moto's ``ThreadedMotoServer`` in a child process on
 127.0.0.1, plus (in the same child) the proxy of ``tests/s3server.py`` that adds a fixed latency
-to every request — loopback answers in well under a millisecond, real S3 in ~10-30 ms to first
-byte, and that latency is what concurrency hides. Every measurement runs on both: "loopback"
-(straight to moto) and "+N ms" (through the proxy; ``--latency-ms``). moto is one Python
-process whose CPU per request (several ms) caps any client at a few hundred GETs/s however many
-are in flight, unlike S3; so the proxy serves repeat GETs of an object from its own copy (the
-*client* is still cold: a fresh reader with an empty cache, every chunk fetched over HTTP).
+to every request (``--latency-ms``, default 20: real S3 answers in ~10-30 ms to first byte, and
+that latency is what requests in flight hide). moto is one Python process whose CPU per request
+caps any client at a few hundred GETs/s, unlike S3; so the proxy serves repeated GETs (ranged ones
+too) from its own copy of each object. Every client is still cold: a freshly opened reader with
+an empty cache, every byte fetched over HTTP. The proxy counts what each run fetches: GETs, body
+bytes, and the most GETs in flight at once. Every workload runs one untimed round first (which
+fills the proxy's copy), then ``--repeats`` rounds, the contestants in turns; medians reported.
 
-Workload: dataset-mode buffer, five fields — obs (17,) f32, action (6,) f32, reward f32,
-next_obs (17,) f32, done bool (165 B per row) — zstd, ``--chunk-rows`` per chunk.
+Data: ``--rows`` rows of obs (17,) f32, action (6,) f32, reward f32, next_obs (17,) f32, done
+bool (165 B per row), written once per ``--compression`` (raw, zstd) as a diskreplay dataset
+(``--chunk-rows`` per chunk) and as a Lance dataset (the same rows; fixed-size lists; zstd: Lance's
+``lance-encoding:compression`` field metadata), both to S3 and to local disk.
 
-Measured (median of repeats):
-1. sample(256), cold: a freshly opened reader, nothing cached; 1 vs 16 requests in flight
-   (``io_threads``);
-2. bytes fetched per sampled byte (cold sample(256): compressed bytes GETted / 256 rows' bytes);
-3. sample(256), warm: every chunk in the cache; vs the same on local disk (warm too);
-4. sequential epoch, cold: rows in order, with read-ahead (``--read-ahead`` chunks per gather,
-   ``--ahead-threads`` requests in flight) vs one chunk at a time (one chunk per gather, 1 request
-   in flight), over ``--seq-chunks`` chunks.
+Workloads (one table each):
+1. epoch from S3: open + every row once, rows/s and MB/s (165 B per row): diskreplay
+   ``Loader(buf.as_dataset(B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle) vs
+   Lance ``dataset.to_batches(batch_size=B)`` (each column to numpy), ``B = --epoch-batch``;
+2. cold random batches from S3: a freshly opened dataset, ``sample(256)`` (diskreplay) vs
+   ``dataset.take(256 random rows)`` (Lance): the first batch's time, GETs and bytes (and
+   bytes fetched per byte sampled), then the next 20 random batches;
+3. local disk: the same cold first batch after every file of both stores was evicted from the
+   page cache (fsync + ``POSIX_FADV_DONTNEED``), and a warm epoch (Loader w0 / w2 vs the scan);
+4. diskreplay only (zstd or the first compression, through the proxy): cold ``sample(256)`` with
+   1 request in flight, warm ``sample(256)`` (every chunk cached) vs the same on local disk, and a
+   cold in-order pass reading ahead (``--read-ahead`` chunks per gather, ``--ahead-threads`` in
+   flight) vs one chunk at a time.
 
-Targets: warm sampling within 1.5x of local disk; cold sequential iteration with read-ahead at
-least 8x faster than one chunk at a time (judged on the latency run, where the network is what
-costs; on bare loopback moto's own CPU per request is the bottleneck and is reported as is).
+mosaic streaming and HF datasets columns: not measured (`SKIPPED`, printed with the report).
 
-Usage: python tools/bench_cloud.py [--quick] [--latency-ms 20] [--out FILE]
+Usage: python tools/bench_cloud.py [--quick] [--rows 2M] [--compression raw,zstd] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -38,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +60,21 @@ import benchlib as bl  # noqa: E402
 
 import diskreplay as dr  # noqa: E402
 
+os.environ.setdefault("LANCE_LOG", "error")  # not "No existing dataset ..., it will be created"
+# Lance's threads never run in the Loader's forked workers (they read diskreplay only).
+warnings.filterwarnings("ignore", message="lance is not fork-safe")
+
 FIELDS = {"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"),
           "reward": dr.Field((), "float32"), "next_obs": dr.Field((17,), "float32"),
           "done": dr.Field((), "bool")}
 ROW_BYTES = sum(f.row_bytes for f in FIELDS.values())
 BUCKET = "bench"
-PACKAGES = ["numpy", "zarr", "fsspec", "s3fs", "aiobotocore", "moto"]
+SAMPLE = 256
+NEXT_BATCHES = 20
+SKIPPED = ("mosaic streaming and HF datasets: no columns (installing mosaicml-streaming 0.13 and datasets 5.0 "
+           "replaces the torch, numpy and fsspec the project is tested with: torch 2.14 with CUDA, numpy 2.1, "
+           "fsspec 2026.6)")
+PACKAGES = ["numpy", "zarr", "fsspec", "s3fs", "aiobotocore", "moto", "pylance", "pyarrow", "torch"]
 
 SERVER_CODE = """
 import json, sys
@@ -65,7 +83,13 @@ from s3server import FaultProxy, MotoS3
 s3 = MotoS3(sys.argv[2])
 proxy = FaultProxy(s3.endpoint, latency_s=float(sys.argv[3]), cache=True)
 print(json.dumps({"loopback": s3.endpoint, "latency": proxy.endpoint}), flush=True)
-sys.stdin.read()  # serve until the parent closes our stdin
+for line in sys.stdin:  # serve until the parent closes our stdin; "reset" / "stats" lines
+    with proxy.lock:
+        stats = {"gets": sum(n for (m, _), n in proxy.hits.items() if m == "GET"), "bytes": proxy.bytes_out,
+                 "in_flight": proxy.max_in_flight}
+    if line.strip() == "reset":
+        proxy.reset_stats()
+    print(json.dumps(stats), flush=True)
 """
 
 
@@ -73,17 +97,41 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def start_server(latency_s: float) -> tuple[subprocess.Popen, dict[str, str]]:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, str(ROOT / "tests"), BUCKET, str(latency_s)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError("the moto server did not start (is moto[server] installed?)")
-    return proc, json.loads(line)
+class Server:
+    """moto + the latency proxy in a child process; the proxy's counters on request."""
+
+    def __init__(self, latency_s: float):
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, str(ROOT / "tests"), BUCKET, str(latency_s)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the moto server did not start (is moto[server] installed?)")
+        self.endpoints = json.loads(line)
+
+    def _ask(self, command: str) -> dict[str, int]:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+    def stats(self) -> dict[str, int]:
+        """GETs, body bytes and the most GETs in flight since the last `reset`."""
+        return self._ask("stats")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
-def options(endpoint: str) -> dict[str, Any]:
+def dr_options(endpoint: str) -> dict[str, Any]:
     return {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
+
+
+def lance_options(endpoint: str) -> dict[str, str]:
+    return {"aws_endpoint": endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench",
+            "aws_region": "us-east-1", "allow_http": "true"}
 
 
 def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
@@ -94,44 +142,203 @@ def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
             "done": rng.random(rows) < 0.001}
 
 
-def write_buffer(url: str, data: dict, chunk_rows: int, storage_options: dict | None) -> None:
-    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression="zstd",
-                                 storage_options=storage_options, io_threads=16, overwrite=True)
+def write_buffer(url: str, data: dict, chunk_rows: int, compression: str | None, so: dict | None) -> None:
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression=compression,
+                                 storage_options=so, io_threads=16, overwrite=True)
     step = 64 * chunk_rows
     for start in range(0, len(data["obs"]), step):
         buf.extend({k: v[start:start + step] for k, v in data.items()})
     buf.close()
 
 
-def open_reader(url: str, so: dict | None, threads: int) -> dr.ReplayBuffer:
+def write_lance(uri: str, data: dict, compression: str | None, so: dict | None) -> None:
+    import lance
+    import pyarrow as pa
+
+    meta = {"lance-encoding:compression": compression} if compression else None
+    columns, fields = [], []
+    for name, arr in data.items():
+        col = pa.array(arr) if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(pa.array(arr.ravel()), arr.shape[1])
+        columns.append(col)
+        fields.append(pa.field(name, col.type, metadata=meta))
+    lance.write_dataset(pa.table(columns, schema=pa.schema(fields)), uri, storage_options=so, mode="overwrite")
+
+
+def open_reader(url: str, so: dict | None, threads: int = 16) -> dr.ReplayBuffer:
     return dr.ReplayBuffer.open(url, "r", storage_options=so, io_threads=threads, cache_bytes=2**30)
 
 
-def count_fetched(buf: dr.ReplayBuffer) -> list[int]:
-    """Instrument the reader's store: returns a cell that accumulates bytes GETted."""
-    store = buf.storage.store
-    original = store.get_many
-    cell = [0]
+def open_lance(uri: str, so: dict | None):
+    import lance
 
-    def get_many(keys):
-        out = original(keys)
-        cell[0] += sum(len(b) for b in out if b is not None)
-        return out
-
-    store.get_many = get_many
-    return cell
+    return lance.dataset(uri, storage_options=so)
 
 
-def bench_cold_sample(url: str, so: dict, threads: int, repeats: int) -> tuple[bl.Stats, float]:
-    stats, ratios = bl.Stats(), []
-    for r in range(repeats):
-        buf = open_reader(url, so, threads)
-        fetched = count_fetched(buf)
-        secs, _ = bl.timed(lambda buf=buf, r=r: buf.sample(256, seed=1000 + r))
-        stats.samples.append(secs)
-        ratios.append(fetched[0] / (256 * ROW_BYTES))
+# ---- contestants: each call is one repeat; returns {"total": seconds, phase: value, ...} -----
+
+
+def counted(server: Server | None, fn: Callable[[], float]) -> dict[str, float]:
+    """``fn()``'s seconds, with the proxy's GETs, MB and in-flight high-water mark of the call."""
+    if server is not None:
+        server.reset()
+    secs = fn()
+    st = server.stats() if server is not None else {"gets": 0, "bytes": 0, "in_flight": 0}
+    return {"total": secs, "gets": st["gets"], "mb": st["bytes"] / 1e6, "in_flight": st["in_flight"]}
+
+
+def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
+             server: Server | None) -> Callable[[], Any]:
+    def once() -> float:
+        started = time.perf_counter()
+        buf = open_reader(url, so)
+        got = sum(len(b["index"]) for b in dr.Loader(buf.as_dataset(batch, mode="epoch", seed=0),
+                                                       num_workers=workers))
+        secs = time.perf_counter() - started
         buf.close()
-    return stats, float(np.median(ratios))
+        assert got == rows, (got, rows)
+        return secs
+    return lambda: counted(server, once)
+
+
+def lance_epoch(uri: str, so: dict | None, batch: int, rows: int, server: Server | None) -> Callable[[], Any]:
+    def once() -> float:
+        started = time.perf_counter()
+        got = 0
+        for b in open_lance(uri, so).to_batches(batch_size=batch):
+            cols = [c.flatten().to_numpy() if hasattr(c, "flatten") else c.to_numpy(zero_copy_only=False)
+                    for c in b.columns]
+            got += len(cols[2])
+        secs = time.perf_counter() - started
+        assert got == rows, (got, rows)
+        return secs
+    return lambda: counted(server, once)
+
+
+def cold_random(opener: Callable[[], Any], draw: Callable[[Any, int], Any], server: Server | None,
+                evict: str | None = None) -> Callable[[], Any]:
+    """A fresh dataset: the open, the first random batch (the timed total), the next ones."""
+    round_, box = [0], []
+
+    def once() -> dict[str, float]:
+        if evict:
+            bl.evict_page_cache(evict)
+        r = round_[0] = round_[0] + 1
+        opened = counted(server, lambda: bl.timed(lambda: box.append(opener()))[0])
+        handle = box.pop()
+        first = counted(server, lambda: bl.timed(lambda: draw(handle, 1000 * r))[0])
+        rest = counted(server, lambda: bl.timed(
+            lambda: [draw(handle, 1000 * r + i) for i in range(1, 1 + NEXT_BATCHES)])[0])
+        if hasattr(handle, "close"):
+            handle.close()
+        return {**first, "open": opened["total"], "open_gets": opened["gets"], "next": rest["total"],
+                "next_gets": rest["gets"], "next_mb": rest["mb"]}
+    return once
+
+
+def lance_take(rows: int) -> Callable[[Any, int], Any]:
+    def draw(ds, seed: int):
+        return ds.take(np.random.default_rng(seed).integers(0, rows, SAMPLE))
+    return draw
+
+
+def dr_sample(buf: dr.ReplayBuffer, seed: int):
+    return buf.sample(SAMPLE, seed=seed)
+
+
+# ---- the workloads ------------------------------------------------------------------------
+
+
+def run_rounds(contestants: dict[str, Callable[[], Any]], repeats: int, what: str) -> dict[str, bl.Stats]:
+    log(f"{what} ...")
+    return bl.interleaved(contestants, repeats, warmup=1, progress=log)
+
+
+def med(stats: bl.Stats, phase: str | None = None) -> float:
+    return stats.median if phase is None else stats.phases[phase].median
+
+
+def spread(stats: bl.Stats) -> str:
+    """The median, and the range of the rounds when there were several."""
+    text = bl.format_seconds(stats.median)
+    if len(stats.samples) > 1:
+        text += f" ({bl.format_seconds(stats.min)}–{bl.format_seconds(stats.max)})"
+    return text
+
+
+def rate(stats: bl.Stats, rows: int) -> str:
+    per_s = rows / stats.median
+    count = f"{per_s / 1e6:.2f}M" if per_s >= 1e6 else f"{per_s / 1e3:,.0f}k"
+    return f"{count} rows/s ({per_s * ROW_BYTES / 1e6:,.0f} MB/s)"
+
+
+def markdown(title: str, columns: list[str], rows: list[tuple[str, list[str], str]],
+             ratio: str = "diskreplay / Lance") -> str:
+    lines = [f"| {title} | " + " | ".join(columns) + f" | {ratio} |", "|---|" + "---:|" * (len(columns) + 1)]
+    lines += [f"| {label} | " + " | ".join(cells) + f" | {ratio} |" for label, cells, ratio in rows]
+    return "\n".join(lines)
+
+
+def epoch_table(title: str, st: dict[str, bl.Stats], rows: int) -> tuple[str, dict]:
+    w0, w2, ln = st["dr w0"], st["dr w2"], st["lance"]
+    lr = rows / ln.median
+
+    def counts(s: bl.Stats) -> str:
+        return f"{med(s, 'gets'):,.0f} GETs, {med(s, 'mb'):,.0f} MB, ≤{med(s, 'in_flight'):.0f} in flight"
+
+    table = markdown(title, ["diskreplay", "Lance"], [
+        ("rows/s: `Loader` num_workers=0 vs the scanner", [rate(w0, rows), rate(ln, rows)],
+         bl.format_ratio(rows / w0.median / lr)),
+        ("rows/s: `Loader` num_workers=2 vs the scanner", [rate(w2, rows), rate(ln, rows)],
+         bl.format_ratio(rows / w2.median / lr)),
+        ("requests per epoch (w0 / w2; scanner)", [f"{counts(w0)} / {counts(w2)}", counts(ln)], ""),
+    ])
+    data = {k: {"rows_per_s": rows / s.median, "seconds": s.samples,
+                **{p: med(s, p) for p in ("gets", "mb", "in_flight")}} for k, s in st.items()}
+    return table, data
+
+
+def random_table(title: str, st: dict[str, bl.Stats]) -> tuple[str, dict]:
+    d, ln = st["dr"], st["lance"]
+    sampled = SAMPLE * ROW_BYTES / 1e6
+
+    def per_byte(s: bl.Stats) -> float:
+        return med(s, "mb") / sampled
+    table = markdown(title, ["diskreplay `sample(256)`", "Lance `take(256 rows)`"], [
+        ("open (fresh dataset)", [f"{bl.format_seconds(med(s, 'open'))}, {med(s, 'open_gets'):,.0f} GETs"
+                                  for s in (d, ln)],
+         bl.format_ratio(med(d, "open") / med(ln, "open"))),
+        ("first batch", [spread(s) for s in (d, ln)],
+         bl.format_ratio(d.median / ln.median)),
+        ("first batch: GETs, MB fetched", [f"{med(s, 'gets'):,.0f}, {med(s, 'mb'):.2f} MB" for s in (d, ln)],
+         bl.format_ratio(med(d, "gets") / max(1.0, med(ln, "gets")))),
+        ("bytes fetched per byte sampled (first batch)", [f"{per_byte(s):,.0f}" for s in (d, ln)],
+         bl.format_ratio(per_byte(d) / max(1e-9, per_byte(ln)))),
+        (f"next {NEXT_BATCHES} random batches (all {NEXT_BATCHES})",
+         [f"{spread(s.phases['next'])}, {med(s, 'next_gets'):,.0f} GETs" for s in (d, ln)],
+         bl.format_ratio(med(d, "next") / med(ln, "next"))),
+    ])
+    data = {k: {"first_s": s.samples, **{p: med(s, p) for p in s.phases}} for k, s in st.items()}
+    return table, data
+
+
+def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], rows: int) -> tuple[str, dict]:
+    d, ln = cold["dr"], cold["lance"]
+    w0, w2, scan = ep["dr w0"], ep["dr w2"], ep["lance"]
+    table = markdown(title, ["diskreplay", "Lance"], [
+        ("cold first random batch (page cache evicted); the open before it",
+         [f"{spread(s)}; open {bl.format_seconds(med(s, 'open'))}" for s in (d, ln)],
+         bl.format_ratio(d.median / ln.median)),
+        (f"next {NEXT_BATCHES} random batches (all {NEXT_BATCHES})", [spread(s.phases["next"]) for s in (d, ln)],
+         bl.format_ratio(med(d, "next") / med(ln, "next"))),
+        ("epoch (warm), `Loader` num_workers=0 vs the scanner", [rate(w0, rows), rate(scan, rows)],
+         bl.format_ratio(scan.median / w0.median)),
+        ("epoch (warm), `Loader` num_workers=2 vs the scanner", [rate(w2, rows), rate(scan, rows)],
+         bl.format_ratio(scan.median / w2.median)),
+        ("epoch, `Loader` num_workers=2 / num_workers=0", [bl.format_ratio(w0.median / w2.median), ""], ""),
+    ])
+    data = {"cold": {k: {"first_s": s.samples, **{p: med(s, p) for p in s.phases}} for k, s in cold.items()},
+            "epoch": {k: {"rows_per_s": rows / s.median, "seconds": s.samples} for k, s in ep.items()}}
+    return table, data
 
 
 def warm(buf: dr.ReplayBuffer, rows: int, chunk_rows: int) -> None:
@@ -139,124 +346,150 @@ def warm(buf: dr.ReplayBuffer, rows: int, chunk_rows: int) -> None:
         buf[np.arange(start, min(rows, start + 32 * chunk_rows))]
 
 
-def bench_warm_sample(readers: dict[str, dr.ReplayBuffer], batches: int, repeats: int) -> dict[str, bl.Stats]:
-    def run(buf):
-        return lambda: [buf.sample(256) for _ in range(batches)] and None
-    return bl.interleaved({k: run(b) for k, b in readers.items()}, repeats, number=batches, warmup=1)
+def sequential(url: str, so: dict, chunk_rows: int, rows: int, threads: int, per_gather: int) -> Callable[[], float]:
+    """Seconds for a cold in-order pass over the first ``rows`` rows, ``per_gather`` chunks per read."""
+
+    def once() -> float:
+        buf = open_reader(url, so, threads)
+        started = time.perf_counter()
+        for start in range(0, rows, per_gather * chunk_rows):
+            buf[np.arange(start, min(rows, start + per_gather * chunk_rows))]
+        secs = time.perf_counter() - started
+        buf.close()
+        return secs
+    return once
 
 
-def bench_sequential(url: str, so: dict, chunk_rows: int, chunks: int, read_ahead: int, ahead_threads: int,
-                     repeats: int) -> dict[str, bl.Stats]:
-    """Seconds per row for a cold in-order pass over ``chunks`` chunks."""
-    rows = chunks * chunk_rows
-
-    def run(threads: int, per_gather: int):
-        def once():
+def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, repeats: int) -> tuple[str, dict]:
+    """The diskreplay-only measurements of issue #6: in flight, warm vs local, read-ahead."""
+    def first_batch(threads: int) -> Callable[[], float]:
+        def once() -> float:
             buf = open_reader(url, so, threads)
-            started = time.perf_counter()
-            for start in range(0, rows, per_gather * chunk_rows):
-                buf[np.arange(start, min(rows, start + per_gather * chunk_rows))]
-            secs = time.perf_counter() - started
+            secs, _ = bl.timed(lambda: buf.sample(SAMPLE, seed=int(time.time_ns() % 2**31)))
             buf.close()
             return secs
         return once
+    cold = run_rounds({"1": first_batch(1), "16": first_batch(16)}, max(1, repeats - 2),
+                      "diskreplay: cold sample(256), 1 vs 16 requests in flight")
+    chunks = min(-(-rows // args.chunk_rows), args.seq_chunks)
+    first = min(rows, chunks * args.chunk_rows)
+    seq = run_rounds({"ahead": sequential(url, so, args.chunk_rows, first, args.ahead_threads, args.read_ahead),
+                      "one": sequential(url, so, args.chunk_rows, first, 1, 1)}, max(1, repeats - 2),
+                     f"diskreplay: in-order pass over {chunks} chunks, read-ahead vs one chunk at a time")
+    remote, loc = open_reader(url, so), open_reader(local, None)
+    warm(remote, rows, args.chunk_rows)
+    warm(loc, rows, args.chunk_rows)
+    n = 1000
 
-    stats = bl.interleaved({"read-ahead": run(ahead_threads, read_ahead), "one chunk at a time": run(1, 1)},
-                           repeats, number=rows, warmup=1)
-    return stats
+    def hot(buf):
+        return lambda: [buf.sample(SAMPLE) for _ in range(n)] and None
+    hot_st = bl.interleaved({"s3": hot(remote), "local": hot(loc)}, repeats, number=n, warmup=1)
+    remote.close()
+    loc.close()
+    mb = first * ROW_BYTES / 1e6
+    ahead, one = seq["ahead"].median, seq["one"].median
+    table = markdown("diskreplay alone (zstd, through the proxy)", ["measured", "against"], [
+        ("cold `sample(256)`, 16 vs 1 request in flight (`io_threads`)",
+         [bl.format_seconds(cold["16"].median), bl.format_seconds(cold["1"].median)],
+         bl.format_ratio(cold["16"].median / cold["1"].median)),
+        ("warm `sample(256)` (every chunk cached) vs the same on local disk, warm",
+         [bl.format_seconds(hot_st["s3"].median), bl.format_seconds(hot_st["local"].median)],
+         bl.format_ratio(hot_st["s3"].median / hot_st["local"].median)),
+        (f"cold in-order pass, reading ahead ({args.read_ahead} chunks per gather, {args.ahead_threads} in flight) "
+         "vs one chunk at a time", [f"{mb / ahead:.1f} MB/s", f"{mb / one:.1f} MB/s"], bl.format_ratio(one / ahead)),
+    ], ratio="measured / against")
+    data = {"cold_16_s": cold["16"].median, "cold_1_s": cold["1"].median, "warm_s3_s": hot_st["s3"].median,
+            "warm_local_s": hot_st["local"].median, "read_ahead_mb_s": mb / ahead, "one_chunk_mb_s": mb / one}
+    return table, data
+
+
+def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argparse.Namespace,
+                    repeats: int) -> tuple[list[str], dict]:
+    codec = None if comp == "raw" else comp
+    rows = len(data["obs"])
+    url, uri = f"s3://{BUCKET}/dr-{comp}", f"s3://{BUCKET}/lance-{comp}"
+    local, local_lance = os.path.join(tmp, f"dr-{comp}"), os.path.join(tmp, f"lance-{comp}")
+    log(f"[{comp}] writing diskreplay and Lance datasets, local and S3 ...")
+    write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]))
+    write_buffer(local, data, args.chunk_rows, codec, None)
+    write_lance(uri, data, codec, lance_options(server.endpoints["loopback"]))
+    write_lance(local_lance, data, codec, None)
+    so, lso = dr_options(server.endpoints["latency"]), lance_options(server.endpoints["latency"])
+    b = args.epoch_batch
+    tag = f"{comp}, {bl.format_count(rows)} rows"
+    ep = run_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
+                     "lance": lance_epoch(uri, lso, b, rows, server)}, repeats, f"[{comp}] epoch from S3")
+    t1, d1 = epoch_table(f"epoch from S3 ({tag}, batches of {b})", ep, rows)
+    cold = run_rounds({"dr": cold_random(lambda: open_reader(url, so), dr_sample, server),
+                       "lance": cold_random(lambda: open_lance(uri, lso), lance_take(rows), server)},
+                      repeats, f"[{comp}] cold random batches from S3")
+    t2, d2 = random_table(f"cold random batches of 256 from S3 ({tag})", cold)
+    lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
+                        "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
+                                             evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
+    lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
+                      "dr w2": dr_epoch(local, None, 2, b, rows, None),
+                      "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
+    t3, d3 = local_table(f"local disk ({tag})", lcold, lep, rows)
+    out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "urls": [url, uri, local, local_lance]}
+    return [t1, t2, t3], out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small buffer, few repeats (about a minute)")
-    p.add_argument("--rows", type=int, default=None, help="rows in the buffer (default 400k; --quick 100k)")
+    p.add_argument("--quick", action="store_true", help="a small smoke run (about two minutes)")
+    p.add_argument("--rows", type=bl.parse_count, default=None, help="rows (default 2M; --quick 40k), e.g. 20M")
+    p.add_argument("--compression", default="raw,zstd", help="comma-separated: raw, zstd")
     p.add_argument("--chunk-rows", type=int, default=4096)
+    p.add_argument("--epoch-batch", type=int, default=1024, help="rows per batch in the epochs")
     p.add_argument("--latency-ms", type=float, default=20.0, help="latency the proxy adds per request")
     p.add_argument("--read-ahead", type=int, default=32, help="chunks per gather in the read-ahead pass")
     p.add_argument("--ahead-threads", type=int, default=32, help="requests in flight in the read-ahead pass")
-    p.add_argument("--seq-chunks", type=int, default=None, help="chunks read by the sequential passes")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--out", default=None, help="also write the report to this file")
+    p.add_argument("--seq-chunks", type=int, default=64, help="chunks read by the in-order passes")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per workload (default 3; --quick 1)")
+    p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args()
-    q = args.quick
-    rows = args.rows or (100_000 if q else 400_000)
-    repeats = args.repeats or (3 if q else 5)
-    total_chunks = -(-rows // args.chunk_rows)
-    seq_chunks = min(total_chunks, args.seq_chunks or (24 if q else 64))
+    if importlib.util.find_spec("lance") is None:
+        print("bench_cloud: skipped: it measures diskreplay against Lance, and pylance is not installed "
+              "(pip install pylance)", flush=True)
+        return
+    rows = args.rows or (40_000 if args.quick else 2_000_000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    comps = [c.strip() for c in args.compression.split(",") if c.strip()]
+    if not comps or set(comps) - {"raw", "zstd"}:
+        p.error(f"--compression takes raw and/or zstd, not {args.compression!r}")
 
-    header = bl.report_header("diskreplay cloud benchmark", q, PACKAGES, details=[
-        f"workload: {rows:,} rows x {ROW_BYTES} B, chunks of {args.chunk_rows} rows (zstd), "
-        f"{total_chunks} chunks per field; moto {bl.package_versions(['moto'])['moto']} in a child "
-        f"process on 127.0.0.1; latency run: +{args.latency_ms:g} ms per request via a proxy"])
+    header = bl.report_header("diskreplay object-storage benchmark (vs Lance)", args.quick, PACKAGES, details=[
+        f"workload: {rows:,} rows x {ROW_BYTES} B ({rows * ROW_BYTES / 1e6:,.0f} MB), diskreplay chunks of "
+        f"{args.chunk_rows} rows; {', '.join(comps)}; moto {bl.package_versions(['moto'])['moto']} in a child "
+        f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
+        f"from its copy); {repeats} timed round(s) after one untimed, medians", SKIPPED])
     print(header + "\n", flush=True)
     started = time.perf_counter()
-    proc, endpoints = start_server(args.latency_ms / 1000)
+    server = Server(args.latency_ms / 1000)
     tmp = tempfile.mkdtemp(prefix="diskreplay-cloud-")
+    tables: list[str] = []
+    results: dict[str, Any] = {"rows": rows, "row_bytes": ROW_BYTES, "latency_ms": args.latency_ms,
+                               "repeats": repeats, "epoch_batch": args.epoch_batch, "command": bl.command_line()}
     try:
         data = make_data(rows, seed=0)
-        local = os.path.join(tmp, "local")
-        url = f"s3://{BUCKET}/bench"
-        log("writing the buffer (local disk and S3) ...")
-        write_buffer(local, data, args.chunk_rows, None)
-        write_buffer(url, data, args.chunk_rows, options(endpoints["loopback"]))
+        for comp in comps:
+            got, results[comp] = one_compression(comp, data, server, tmp, args, repeats)
+            tables += got
         del data
-        runs = {"loopback": options(endpoints["loopback"]), f"+{args.latency_ms:g} ms": options(endpoints["latency"])}
-        table = bl.Table(list(runs), corner="S3 (moto)")
-        results: dict[str, dict[str, Any]] = {}
-        for name, so in runs.items():
-            log(f"[{name}] cold sample(256) ...")
-            cold1, amp = bench_cold_sample(url, so, 1, max(2, repeats - 2))
-            cold16, _ = bench_cold_sample(url, so, 16, repeats)
-            log(f"[{name}] sequential epoch ({seq_chunks} chunks) ...")
-            seq = bench_sequential(url, so, args.chunk_rows, seq_chunks, args.read_ahead, args.ahead_threads,
-                                   max(2, repeats - 2))
-            log(f"[{name}] warm sample(256) ...")
-            remote = open_reader(url, so, 16)
-            warm(remote, rows, args.chunk_rows)
-            loc = open_reader(local, None, 16)
-            warm(loc, rows, args.chunk_rows)
-            hot = bench_warm_sample({"s3": remote, "local": loc}, 200 if q else 1000, repeats)
-            remote.close()
-            loc.close()
-            results[name] = {"cold1": cold1.median, "cold16": cold16.median, "amp": amp,
-                             "warm": hot["s3"].median, "local": hot["local"].median,
-                             "ahead": seq["read-ahead"].median, "one": seq["one chunk at a time"].median}
-        col = list(runs)
-        table.add("sample(256) cold, 1 request in flight", {c: results[c]["cold1"] for c in col}, unit="ms")
-        table.add("sample(256) cold, 16 in flight", {c: results[c]["cold16"] for c in col}, unit="ms")
-        table.add("cold speed-up, 16 vs 1 in flight",
-                  {c: f"{results[c]['cold1'] / results[c]['cold16']:.1f}x" for c in col}, kind="text")
-        table.add("bytes fetched per sampled byte (cold sample(256))",
-                  {c: f"{results[c]['amp']:,.0f}" for c in col}, kind="text")
-        table.add("sample(256) warm (all chunks cached)", {c: results[c]["warm"] for c in col}, unit="us")
-        table.add("same on local disk, warm", {c: results[c]["local"] for c in col}, unit="us")
-        table.add("warm S3 / warm local", {c: f"{results[c]['warm'] / results[c]['local']:.2f}x" for c in col},
-                  kind="text")
-        mb = ROW_BYTES / 1e6
-        table.add(f"sequential epoch, cold, read-ahead ({args.read_ahead} chunks/gather, "
-                  f"{args.ahead_threads} in flight)",
-                  {c: f"{mb / results[c]['ahead']:.1f} MB/s ({1 / results[c]['ahead'] / 1e3:,.0f}k rows/s)"
-                   for c in col}, kind="text")
-        table.add("sequential epoch, cold, one chunk at a time",
-                  {c: f"{mb / results[c]['one']:.1f} MB/s ({1 / results[c]['one'] / 1e3:,.0f}k rows/s)"
-                   for c in col}, kind="text")
-        table.add("read-ahead speed-up", {c: f"{results[c]['one'] / results[c]['ahead']:.1f}x" for c in col},
-                  kind="text")
-        lat = f"+{args.latency_ms:g} ms"
-        worst_warm = max(results[c]["warm"] / results[c]["local"] for c in col)
-        seq_gain = results[lat]["one"] / results[lat]["ahead"]
-        targets = [
-            bl.Target("warm-cache sample(256) within 1.5x of local disk (worse of both runs)",
-                      f"{worst_warm:.2f}x", worst_warm <= 1.5),
-            bl.Target(f"cold sequential iteration >= 8x faster than one chunk at a time ({lat} run)",
-                      f"{seq_gain:.1f}x (loopback: {results['loopback']['one'] / results['loopback']['ahead']:.1f}x)",
-                      seq_gain >= 8),
-        ]
-        bl.publish_report(header, table.render() + "\n\n" + bl.render_targets(targets), args.out, started)
+        url, _, local, _ = results[comps[-1]].pop("urls")
+        extra, results["diskreplay_alone"] = extras(url, local, dr_options(server.endpoints["latency"]), args,
+                                                    rows, repeats)
+        tables.append(extra)
+        for comp in comps:
+            results[comp].pop("urls", None)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+            log(f"results written to {args.out}")
+        bl.publish_report(header, "\n\n".join(tables), None, started)
     finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
+        server.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
