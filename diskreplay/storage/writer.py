@@ -3,7 +3,9 @@
 Rows are copied into the chunk they belong to, which sits pinned in the chunk cache (its
 *staging* slot). A chunk that fills up is *sealed* and written whole, once; `write_all` (at a
 flush) also writes each lane's partial tail chunk. The whole chunks an append covers skip staging:
-they are written straight from the caller's arrays before `append` returns.
+they are written straight from the caller's arrays before `append` returns. A single step of
+every lane that lands inside the staged chunks takes a short way (`StepStaging`): one assignment
+per field; the writer resets its plan whenever staging changes.
 
 Failed writes. An `append` that fails (a full disk, an unreachable store) is undone before it
 raises (`unappend`): the lane's cursor, staging and cache are as before the call, so nothing of it
