@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from ..episodes import RowView
+from ..episodes.index import end_flags
 from ..errors import SchemaError
 from ..format.schema import Schema
-from ..sampling import Sampler
+from ..sampling.protocols import BaseSampler
 from ..storage import BufferStorage
 from .state import BufferState
 
@@ -21,7 +22,7 @@ class Appender:
     """Adds steps to a buffer's storage (and its ``derive_next`` side store). ``inputs``: the
     fields `add` and `extend` take (every field but a computed return); ``cut``: as `cut`."""
 
-    def __init__(self, storage: BufferStorage, finals: BufferStorage | None, view: RowView, sampler: Sampler,
+    def __init__(self, storage: BufferStorage, finals: BufferStorage | None, view: RowView, sampler: BaseSampler,
                  inputs: Schema, state: BufferState, cut: set[int]):
         self.storage, self.finals, self.view, self.sampler, self.state = storage, finals, view, sampler, state
         self.episodes, self.returns = view.episodes, view.returns
@@ -29,9 +30,15 @@ class Appender:
         self.num_envs = storage.layout.num_envs
         self.cut = cut
         """Lanes whose open episode the last writer left: closed, as truncated, by their next rows."""
+        lead = () if self.num_envs == 1 else (self.num_envs,)
+        self._exact = [(name, field.dtype, lead + field.shape) for name, field in inputs.items()]
+        self._staging = storage.writer  # None: a reader's (which never adds)
+        self._short = finals is None and self.returns is None and not view.derived
 
     def add(self, step: Mapping[str, Any], env_ids: Any) -> None:
         """One step of every lane (or of ``env_ids``): see `ReplayBuffer.add`."""
+        if env_ids is None and self._short and not self.cut and self._is_exact(step) and self._add_step(step):
+            return
         if self.num_envs == 1 and env_ids is None:
             rows = self.inputs.rows(step, lead=())
             self.append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
@@ -39,6 +46,38 @@ class Appender:
         lanes = self._env_ids(env_ids)
         rows = self.inputs.rows(step, lead=(len(lanes),))
         self.append(lanes, {k: v[None] for k, v in rows.items()}, 1)
+
+    def _is_exact(self, step: Mapping[str, Any]) -> bool:
+        """Whether ``step`` has every field and nothing else, each an array (or numpy scalar) of
+        exactly its stored dtype and shape: nothing to cast, `Schema.rows` would pass it as is."""
+        if len(step) != len(self._exact):
+            return False
+        for name, dtype, shape in self._exact:
+            value = step.get(name)
+            if not (type(value) is np.ndarray or isinstance(value, np.generic)) \
+                    or value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+                return False
+        return True
+
+    def _add_step(self, rows: Mapping[str, Any]) -> bool:
+        """One step of every lane, checked (`_is_exact`), the short way: staged in place
+        (`StepStaging.append`), episode ends and the sampler told. False: nothing was
+        done, `append` must."""
+        assert self._staging is not None  # `ReplayBuffer.add` checked the buffer is writable
+        step = self._staging.steps.append(rows)
+        if step < 0:
+            return False
+        try:
+            for name in self.episodes.end_fields:
+                if np.count_nonzero(rows[name]):
+                    for lane in np.flatnonzero(end_flags(rows, self.episodes.end_fields)).tolist():
+                        self.episodes.add_end(lane, step)
+                    break
+            self.sampler.on_append_lanes(self.num_envs, step, step + 1)
+        except BaseException:
+            self._undo([(lane, step, 0, {}) for lane in range(self.num_envs)], 1)
+            raise
+        return True
 
     def extend(self, data: Mapping[str, Any], env_ids: Any) -> None:
         """N steps of every lane (or of ``env_ids``), time-major: see `ReplayBuffer.extend`."""

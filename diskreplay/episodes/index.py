@@ -159,7 +159,12 @@ class EpisodeIndex:
 
     def add_end(self, lane: int, step: int) -> None:
         """Record an episode end at ``step`` (after every recorded end of the lane)."""
-        self._store(lane, np.append(self.ends(lane), np.int64(step)))
+        count = int(self._count[lane])
+        if count + 3 > len(self._ends[lane]):
+            return self._store(lane, np.append(self.ends(lane), np.int64(step)))
+        self._ends[lane][count + 1:count + 3] = step, NO_END  # in place: as `_store` would
+        self._starts[lane][count + 2] = step + 1
+        self._count[lane] = count + 1
 
     def rewind(self, lane: int, step: int) -> None:
         """Forget the lane's ends at or after ``step`` (steps a failed call had added)."""

@@ -50,7 +50,7 @@ class Prioritized(BaseSampler, PrioritySampler):
         self.initial_priority = initial_priority
         self.stratified = stratified
         self.max_priority = 1.0 if initial_priority is None else float(initial_priority)
-        self._pending: list[tuple[int, int, int]] = []
+        self._pending: list[tuple[int | range, int, int]] = []  # (lane or lanes, first, end) queued
         self._changed: list[np.ndarray] | None = None  # leaves changed since the last commit; None: all
         self._changed_count = 0
         self._logged = 0  # records in the journal since its base
@@ -98,7 +98,19 @@ class Prioritized(BaseSampler, PrioritySampler):
 
     def on_append(self, lane: int, first: int, end: int) -> None:
         """Queue the new rows; they get the max priority before the next draw or update."""
-        self._pending.append((lane, first, end))
+        self._queue(lane, first, end)
+
+    def on_append_lanes(self, lanes: int, first: int, end: int) -> None:
+        """Queue the new rows of lanes ``0 .. lanes - 1`` (see `on_append`)."""
+        self._queue(range(lanes), first, end)
+
+    def _queue(self, lanes: int | range, first: int, end: int) -> None:
+        """Queue rows; the steps right after those of the last entry of the same lanes extend it."""
+        pending = self._pending
+        if pending and pending[-1][2] == first and pending[-1][0] == lanes:
+            pending[-1] = (lanes, pending[-1][1], end)
+        else:
+            pending.append((lanes, first, end))
 
     def _apply_pending(self) -> None:
         """Give newly appended rows the current max priority (batched: adds stay cheap)."""
@@ -106,8 +118,8 @@ class Prioritized(BaseSampler, PrioritySampler):
             return
         if self.layout.lane_capacity is None:
             self._grow(max(end for _, _, end in self._pending))
-        lanes = np.concatenate([np.full(e - f, lane, np.int64) for lane, f, e in self._pending])
-        steps = np.concatenate([np.arange(f, e, dtype=np.int64) for _, f, e in self._pending])
+        rows = [_queued_rows(lanes, f, e) for lanes, f, e in self._pending]
+        lanes, steps = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
         self._pending = []
         self._set_leaves(self._leaf(lanes, steps), np.full(len(steps), self.max_priority ** self.alpha))
 
@@ -310,6 +322,15 @@ def replay(journal: JournalContent, leaves: np.ndarray) -> None:
         backwards = journal.records[::-1]
         leaf, last = np.unique(backwards["leaf"], return_index=True)
         leaves[leaf] = backwards["value"][last]
+
+
+def _queued_rows(lanes: int | range, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lane, step) of the rows of a queue entry, in the order they were added: step by step."""
+    steps = np.arange(first, end, dtype=np.int64)
+    if isinstance(lanes, int):
+        return np.full(end - first, lanes, np.int64), steps
+    ids = np.arange(lanes.start, lanes.stop, dtype=np.int64)
+    return np.tile(ids, end - first), np.repeat(steps, len(ids))
 
 
 @dataclass

@@ -90,6 +90,12 @@ class BaseSampler(Sampler):
     """A `Sampler` with the optional methods a buffer calls, and their defaults: the base class of
     the built-in samplers. A sampler of your own need not subclass it (`with_defaults`)."""
 
+    def on_append_lanes(self, lanes: int, first: int, end: int) -> None:
+        """Steps ``[first, end)`` of each lane ``0 .. lanes - 1`` were just stored; by default
+        `on_append` of each lane."""
+        for lane in range(lanes):
+            self.on_append(lane, first, end)
+
     def commit_state(self) -> dict[str, Any]:
         """The state a commit saves; by default `state_dict`. A sampler whose state grows (the
         priorities) saves what changed since the last commit instead (a `JournalChange`)."""

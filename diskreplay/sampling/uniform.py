@@ -36,6 +36,9 @@ class Uniform(BaseSampler):
     def on_append(self, lane: int, first: int, end: int) -> None:
         """Nothing to track: every readable row is equally likely."""
 
+    def on_append_lanes(self, lanes: int, first: int, end: int) -> None:
+        """Nothing to track (see `on_append`)."""
+
     def sample(self, rng: np.random.Generator, batch_size: int, lo: np.ndarray, hi: np.ndarray,
                recent_rows: int | None = None) -> Draw:
         """``batch_size`` rows among the readable steps ``[lo, hi)`` (with ``recent_rows=c``: the

@@ -42,6 +42,9 @@ class WithoutReplacement(BaseSampler):
     def on_append(self, lane: int, first: int, end: int) -> None:
         """Nothing to track: rows added during an epoch wait for the next one."""
 
+    def on_append_lanes(self, lanes: int, first: int, end: int) -> None:
+        """Nothing to track (see `on_append`)."""
+
     def _start_epoch(self, rng: np.random.Generator, lo: np.ndarray, hi: np.ndarray) -> None:
         self.epoch += 1
         self.cursor = 0

@@ -3,7 +3,9 @@
 Rows are copied into the chunk they belong to, which sits pinned in the chunk cache (its
 *staging* slot). A chunk that fills up is *sealed* and written whole, once; `write_all` (at a
 flush) also writes each lane's partial tail chunk. The whole chunks an append covers skip staging:
-they are written straight from the caller's arrays before `append` returns.
+they are written straight from the caller's arrays before `append` returns. A single step of
+every lane that lands inside the staged chunks takes a short way (`StepStaging`): one assignment
+per field; the writer resets its plan whenever staging changes.
 
 Failed writes. An `append` that fails (a full disk, an unreachable store) is undone before it
 raises (`unappend`): the lane's cursor, staging and cache are as before the call, so nothing of it
@@ -39,6 +41,7 @@ from .commit_log import CommitLog
 from .cursors import Cursors
 from .loading import ChunkLoader
 from .ring_reads import RingReads
+from .step_staging import StepStaging
 from .stored_chunks import StoredChunks
 from .write_behind import Sealed, WriteBehind
 
@@ -48,7 +51,6 @@ the store's stalls); past that an append waits for the batch in flight."""
 PACE_SHARE = 4
 """Past 1/PACE_SHARE of that backlog, each append gives the batch in flight up to `PACE_S`."""
 PACE_S = 0.001
-
 
 class StagingWriter:
     """Staging, sealing and chunk writes of the one writer of a buffer. Not thread-safe."""
@@ -71,6 +73,7 @@ class StagingWriter:
         self.failure: BaseException | None = None
         """The error of the last background write, not raised yet."""
         self.reads = RingReads(cursors, io, cache, loader, self.stored, self.behind)
+        self.steps = StepStaging(self)  # single steps the short way; told when staging changes
 
     # ---- appends ---------------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class StagingWriter:
             raise
 
     def _append(self, lane: int, rows: Mapping[str, np.ndarray], count: int, start: int) -> tuple[int, int]:
+        self.steps.reset()
         layout = self.layout
         cap = layout.lane_capacity
         skip = count - cap if cap is not None and count > cap else 0
@@ -122,6 +126,7 @@ class StagingWriter:
         """
         self.wait()
         self.reads.merge(lane)
+        self.steps.reset()
         layout, cursors = self.layout, self.cursors
         cursors.total[lane] = start
         if layout.lane_capacity is not None:
@@ -143,6 +148,7 @@ class StagingWriter:
     def rewind(self, total: np.ndarray) -> None:
         """Right after open: forget steps at or after ``total`` per lane (steps a parent buffer
         never committed); they are overwritten by the next appends."""
+        self.steps.reset()
         self.cursors.total = np.minimum(self.cursors.total, total)
 
     def _unstaged(self, lane: int, chunk: int) -> bool:
@@ -203,6 +209,7 @@ class StagingWriter:
             self.cache.unpin(self.cache.slot_of(lane, chunk))
         self.staging[lane] = -1
         self.dirty[lane] = False
+        self.steps.reset()
 
     # ---- patches ---------------------------------------------------------------------------
 
@@ -264,7 +271,7 @@ class StagingWriter:
     def write_behind(self) -> None:
         """Start writing the sealed chunks on the background thread, unless a batch is in flight
         (they go with the next one) or the last one failed (`settle` raises its error first)."""
-        self._reap(wait=False)
+        self.reap(wait=False)
         self._pace()
         if not self.sealed or self.behind.busy or self.failure is not None:
             return
@@ -291,21 +298,23 @@ class StagingWriter:
             self.settle(wait=True)
         elif len(self.sealed) > max(backlog // PACE_SHARE, 1):
             self.behind.wait(PACE_S)
-            self._reap(wait=False)
+            self.reap(wait=False)
 
     def settle(self, wait: bool = False) -> None:
         """Take back a background write that ended (``wait``: wait for the one in flight); raise
         its error, once, if it failed (its chunks are sealed again, written with the next batch)."""
-        self._reap(wait)
+        self.reap(wait)
         error, self.failure = self.failure, None
         if error is not None:
             raise error
 
     def wait(self) -> None:
         """Wait for the background write in flight; a failure is kept for the next call to raise."""
-        self._reap(wait=True)
+        self.reap(wait=True)
 
-    def _reap(self, wait: bool) -> None:
+    def reap(self, wait: bool) -> None:
+        """Take back the background write if it ended (``wait``: wait for it); a failure is kept
+        for the next `settle` to raise, its chunks sealed again."""
         ended = self.behind.finish(wait)
         if ended is None:
             return
@@ -329,6 +338,7 @@ class StagingWriter:
         self._release(self.sealed)
         self.sealed = []
         self.dirty[:] = False
+        self.steps.reset()
         if durable:
             self.io.sync()
 
