@@ -195,3 +195,23 @@ def test_remote_fetches_are_concurrent_bounded_and_head_free(s3, stored):
             reader.close()
     finally:
         proxy.close()
+
+
+def test_get_many_has_as_many_requests_in_flight_as_asked(s3):
+    """botocore's default pool of 10 connections must not cap the GETs ``concurrency`` asks for."""
+    from diskreplay.io import FsspecChunkStore
+
+    url = s3.new_url("pool")
+    prefix = url.split(f"s3://{s3.bucket}/")[1]
+    client = s3.client()
+    for i in range(32):
+        client.put_object(Bucket=s3.bucket, Key=f"{prefix}/k{i}", Body=bytes([i]) * 100)
+    proxy = FaultProxy(s3.endpoint, latency_s=0.2)
+    try:
+        store = FsspecChunkStore(url, proxy_options(s3, proxy), concurrency=32)
+        got = store.get_many([f"k{i}" for i in range(32)])
+        assert got == [bytes([i]) * 100 for i in range(32)]
+        assert proxy.count("/k", "GET") == 32
+        assert 10 < proxy.max_in_flight <= 32
+    finally:
+        proxy.close()
