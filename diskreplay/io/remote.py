@@ -212,13 +212,24 @@ class FsspecChunkStore(RemoteCalls):
         return list(found)
 
     async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
-        path, span = self.path(key), {} if limit is None else {"start": 0, "end": limit}
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}",
-                                                 lambda: self.fs._cat_file(path, **self._cat_kwargs, **span))
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit))
             return blob
         except FileNotFoundError:
             return None
+
+    async def _cat_async(self, path: str, limit: int | None) -> bytes:
+        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
+        if limit is not None:
+            try:
+                ranged: bytes = await self.fs._cat_file(path, start=0, end=limit, **self._cat_kwargs)
+                return ranged
+            except OSError as exc:
+                if "range is not satisfiable" not in str(exc):
+                    raise
+                # an empty object has no byte 0 to range over (HTTP 416): it is shorter than limit
+        blob: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
+        return blob
 
     def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
         span = {} if limit is None else {"start": 0, "end": limit}

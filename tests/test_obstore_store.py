@@ -1,0 +1,110 @@
+"""Which client serves an ``s3://`` URL, and how s3fs's storage options reach obstore.
+
+`open_chunkstore` picks `ObstoreChunkStore` when obstore is installed and every storage option has
+an obstore equivalent; anything else goes to s3fs with the user's options, never dropped. The
+stores' behaviour (retries, deadlines, faults) is tested on both clients in test_s3*.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("obstore")
+
+from diskreplay.io import FsspecChunkStore, open_chunkstore
+from diskreplay.io.obstore_store import ObstoreChunkStore, UntranslatableOptionError, s3store_config
+
+URL = "s3://bucket/prefix/buf"
+AWS_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ENDPOINT_URL", "DISKREPLAY_S3_CLIENT")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    """No AWS variables, and a home without ~/.aws: only what a test sets counts."""
+    for name in AWS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def test_fsspec_style_options_translate():
+    config, cap = s3store_config({
+        "endpoint_url": "http://127.0.0.1:9000", "key": "K", "secret": "S", "token": "T",
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 3, "mode": "standard"}, "connect_timeout": 2,
+                          "read_timeout": 7.5, "max_pool_connections": 8}})
+    assert config == {"access_key_id": "K", "secret_access_key": "S", "session_token": "T",
+                      "retry_config": {"max_retries": 2}, "region": "eu-west-1", "endpoint": "http://127.0.0.1:9000",
+                      "client_options": {"allow_http": True, "connect_timeout": timedelta(seconds=2),
+                                         "read_timeout": timedelta(seconds=7.5)}}
+    assert cap == 8
+
+
+def test_anonymous_access_region_from_the_environment_and_https(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    assert s3store_config({"anon": True, "client_kwargs": {"endpoint_url": "https://s3.example.com"},
+                           "config_kwargs": {"retries": {"max_attempts": 4}}}) == (
+        {"skip_signature": True, "retry_config": {"max_retries": 4}, "region": "us-west-2",
+         "endpoint": "https://s3.example.com", "client_options": {"allow_http": False}}, None)
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"requester_pays": True, "key": "K", "secret": "S"}, r"storage option 'requester_pays' has"),
+    ({"config_kwargs": {"signature_version": "s3v4"}}, r"storage option config_kwargs\['signature_version'\] has"),
+    ({"client_kwargs": {"verify": False}}, r"storage option client_kwargs\['verify'\] has"),
+    ({"config_kwargs": {"retries": {"mode": "adaptive"}}}, r"config_kwargs\['retries'\] mode 'adaptive' has"),
+])
+def test_an_option_without_an_obstore_equivalent_is_named(options, named):
+    with pytest.raises(UntranslatableOptionError, match=named + " no obstore equivalent$"):
+        s3store_config({"endpoint_url": "http://127.0.0.1:9000", **options})
+
+
+def test_settings_only_botocore_finds_are_untranslatable(monkeypatch, tmp_path):
+    with pytest.raises(UntranslatableOptionError, match=r"^no region is set .*s3fs looks the bucket's region up$"):
+        s3store_config({"key": "K", "secret": "S"})
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = K\n")
+    with pytest.raises(UntranslatableOptionError, match=r"^credentials would come from an AWS profile"):
+        s3store_config({"endpoint_url": "http://127.0.0.1:9000"})
+    assert s3store_config({"endpoint_url": "http://127.0.0.1:9000", "key": "K", "secret": "S"})[0]["region"] == \
+        "us-east-1"  # given credentials: the profile does not matter; an endpoint without a region: us-east-1
+
+
+def test_untranslatable_options_go_to_s3fs_unchanged(monkeypatch):
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S", "requester_pays": True}
+    store = open_chunkstore(URL, options)
+    assert type(store) is FsspecChunkStore and store.fs.requester_pays is True
+    assert store.fs.config_kwargs == {"max_pool_connections": 16}  # the pool of the store's concurrency
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "obstore")
+    with pytest.raises(UntranslatableOptionError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but storage option "
+                                                        r"'requester_pays' has no obstore equivalent$"):
+        open_chunkstore(URL, options)
+
+
+def test_the_client_is_chosen_by_url_options_and_environment(monkeypatch):
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S",
+               "config_kwargs": {"max_pool_connections": 4}}
+    store = open_chunkstore(URL, options, concurrency=16)
+    assert type(store) is ObstoreChunkStore and store.root == "bucket/prefix/buf"
+    assert store.concurrency == 4  # the user's cap on connections caps the requests in flight
+    assert store.path("obs/c.0.0") == "bucket/prefix/buf/obs/c.0.0"
+    assert type(open_chunkstore("s3a://bucket/buf", options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "s3fs")
+    assert type(open_chunkstore(URL, options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "boto")
+    with pytest.raises(ValueError, match=r"^DISKREPLAY_S3_CLIENT must be one of auto, obstore, s3fs, got 'boto'$"):
+        open_chunkstore(URL, options)
+
+
+def test_without_obstore_s3fs_serves(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # `import obstore` raises ImportError
+    monkeypatch.delitem(sys.modules, "diskreplay.io.obstore_store")
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S"}
+    assert type(open_chunkstore(URL, options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "obstore")
+    with pytest.raises(ImportError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but obstore is not installed"):
+        open_chunkstore(URL, options)
+
