@@ -11,10 +11,12 @@ import sys
 from datetime import timedelta
 
 import pytest
+from s3server import s3
 
 pytest.importorskip("obstore")
 
 from diskreplay.io import FsspecChunkStore, open_chunkstore
+from diskreplay.io.access import access_problem
 from diskreplay.io.obstore_store import ObstoreChunkStore, UntranslatableOptionError, s3store_config
 
 URL = "s3://bucket/prefix/buf"
@@ -62,15 +64,14 @@ def test_an_option_without_an_obstore_equivalent_is_named(options, named):
         s3store_config({"endpoint_url": "http://127.0.0.1:9000", **options})
 
 
-def test_settings_only_botocore_finds_are_untranslatable(monkeypatch, tmp_path):
+def test_settings_only_botocore_finds_are_untranslatable(monkeypatch):
     with pytest.raises(UntranslatableOptionError, match=r"^no region is set .*s3fs looks the bucket's region up$"):
         s3store_config({"key": "K", "secret": "S"})
-    (tmp_path / ".aws").mkdir()
-    (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = K\n")
-    with pytest.raises(UntranslatableOptionError, match=r"^credentials would come from an AWS profile"):
+    with pytest.raises(UntranslatableOptionError, match=r"^no credentials are given .*profiles and instance metadata$"):
         s3store_config({"endpoint_url": "http://127.0.0.1:9000"})
-    assert s3store_config({"endpoint_url": "http://127.0.0.1:9000", "key": "K", "secret": "S"})[0]["region"] == \
-        "us-east-1"  # given credentials: the profile does not matter; an endpoint without a region: us-east-1
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "K")  # obstore reads the environment's credentials as botocore does
+    assert s3store_config({"endpoint_url": "http://127.0.0.1:9000"}) == (
+        {"region": "us-east-1", "endpoint": "http://127.0.0.1:9000", "client_options": {"allow_http": True}}, None)
 
 
 def test_untranslatable_options_go_to_s3fs_unchanged(monkeypatch):
@@ -108,3 +109,17 @@ def test_without_obstore_s3fs_serves(monkeypatch):
     with pytest.raises(ImportError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but obstore is not installed"):
         open_chunkstore(URL, options)
 
+
+
+def test_obstore_errors_name_the_callers_setup(s3):
+    """What the CLI tells users: a missing bucket, credentials the store rejects (obstore quotes
+    S3's XML answer in its errors, where botocore parses it)."""
+    from obstore.exceptions import GenericError
+
+    store = ObstoreChunkStore("s3://no-such-bucket/buf", s3.storage_options())
+    with pytest.raises(FileNotFoundError) as missing:
+        store.put("commit.json", b"{}")
+    assert access_problem(missing.value) == "bucket"
+    rejected = GenericError("Server returned non-2xx status code: 403 Forbidden: <?xml version=\"1.0\"?><Error>"
+                            "<Code>SignatureDoesNotMatch</Code><Message>The signature ...</Message></Error>")
+    assert access_problem(rejected) == "rejected SignatureDoesNotMatch"

@@ -16,7 +16,6 @@ import re
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import fsspec.asyn
@@ -35,6 +34,8 @@ _NETWORK = ("error sending request", "connection", "timed out", "timeout", "erro
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _CONFIG_KWARGS = {"retries", "connect_timeout", "read_timeout", "max_pool_connections", "region_name"}
 _CREDENTIALS = ("key", "secret", "token", "anon")
+_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                         "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
 class UntranslatableOptionError(ValueError):
@@ -182,9 +183,10 @@ def s3store_config(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], 
     ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs["region_name"]`` and
     ``config_kwargs`` ``region_name``, ``retries`` (``total_max_attempts`` / ``max_attempts``;
     mode standard or legacy), ``connect_timeout``, ``read_timeout`` and ``max_pool_connections``.
-    Anything else raises `UntranslatableOptionError` naming it, as do settings botocore finds that
-    obstore does not: credentials from AWS profile files when no credentials are given, and no
-    region at all (s3fs looks the bucket's region up).
+    Anything else raises `UntranslatableOptionError` naming it, as do settings that botocore would
+    look for where obstore does not: credentials neither given nor in the environment (botocore
+    reads AWS profiles and instance metadata), and no region at all (s3fs looks the bucket's
+    region up).
     """
     options = dict(storage_options)
     client = _known(options.pop("client_kwargs", None) or {}, _CLIENT_KWARGS, "client_kwargs")
@@ -193,7 +195,8 @@ def s3store_config(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], 
     endpoint = options.pop("endpoint_url", None) or client.get("endpoint_url")
     if options:
         raise UntranslatableOptionError(f"storage option {sorted(options)[0]!r} has no obstore equivalent")
-    out: dict[str, Any] = {**_credentials(credentials), **_retries(config.get("retries"))}
+    retries = _retries(config.get("retries"))  # every option first, then what they leave to the environment
+    out: dict[str, Any] = {**_credentials(credentials), **retries}
     region = client.get("region_name") or config.get("region_name") or _env_region()
     if region is None and endpoint is None:
         raise UntranslatableOptionError("no region is set (AWS_REGION, client_kwargs['region_name']): "
@@ -223,17 +226,10 @@ def _credentials(given: Mapping[str, Any]) -> dict[str, Any]:
         return {"skip_signature": True}
     names = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
     out = {names[k]: str(v) for k, v in given.items() if k in names and v is not None}
-    if not out and "AWS_ACCESS_KEY_ID" not in os.environ and _profile_files():
-        raise UntranslatableOptionError("credentials would come from an AWS profile (AWS_PROFILE or ~/.aws), "
-                                        "which obstore does not read")
+    if not out and not any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES):
+        raise UntranslatableOptionError("no credentials are given (no key/secret or anon option, no "
+                                        "AWS_ACCESS_KEY_ID): s3fs looks for them in AWS profiles and instance metadata")
     return out
-
-
-def _profile_files() -> bool:
-    """Whether botocore would read credentials from a profile that obstore ignores."""
-    aws = Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or Path.home() / ".aws" / "credentials")
-    return "AWS_PROFILE" in os.environ or aws.exists() or Path(os.environ.get("AWS_CONFIG_FILE") or
-                                                                 Path.home() / ".aws" / "config").exists()
 
 
 def _env_region() -> str | None:
