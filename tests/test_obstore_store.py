@@ -7,11 +7,12 @@ stores' behaviour (retries, deadlines, faults) is tested on both clients in test
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from datetime import timedelta
 
 import pytest
-from s3server import s3
+from s3server import SAFETY_S, s3
 
 pytest.importorskip("obstore")
 
@@ -123,3 +124,25 @@ def test_obstore_errors_name_the_callers_setup(s3):
     rejected = GenericError("Server returned non-2xx status code: 403 Forbidden: <?xml version=\"1.0\"?><Error>"
                             "<Code>SignatureDoesNotMatch</Code><Message>The signature ...</Message></Error>")
     assert access_problem(rejected) == "rejected SignatureDoesNotMatch"
+
+
+def _use_after_fork(store: ObstoreChunkStore, options: dict, results) -> None:
+    reopened = open_chunkstore(store.url, options)
+    results.put((store.get("k"), store.exists("k"), type(reopened).__name__, reopened.get("k")))
+
+
+def test_a_forked_child_is_served_by_s3fs(s3):
+    """obstore's runtime does not survive a fork (a request in the child would hang): a store
+    inherited through a fork, and one opened in the child, go through s3fs."""
+    options = s3.storage_options()
+    store = ObstoreChunkStore(s3.new_url("fork"), options)
+    store.put("k", b"value")
+    assert store.get("k") == b"value"  # the parent's runtime is running
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    child = fork.Process(target=_use_after_fork, args=(store, options, results))
+    child.start()
+    child.join(SAFETY_S)
+    assert child.exitcode == 0, "the child hung or failed"
+    assert results.get(timeout=SAFETY_S) == (b"value", True, "FsspecChunkStore", b"value")
+    assert store.get("k") == b"value"  # the parent goes on with obstore

@@ -3,7 +3,8 @@
 ``s3://`` URLs go to `ObstoreChunkStore` when obstore is installed and every storage option has
 an obstore equivalent, else to s3fs (`FsspecChunkStore`). The environment variable
 ``DISKREPLAY_S3_CLIENT`` overrides the choice: ``s3fs``, or ``obstore`` (then an option obstore
-cannot take, or obstore missing, is an error instead of a quiet fallback).
+cannot take, or obstore missing, is an error instead of a quiet fallback). In a child forked
+after its parent used obstore, s3fs serves (see `diskreplay.io.obstore_store`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,14 @@ def _obstore_store(url: str, options: dict[str, Any], concurrency: int,
     if choice == "s3fs":
         return None
     try:
-        from .obstore_store import ObstoreChunkStore, UntranslatableOptionError
+        from .obstore_store import ObstoreChunkStore, UntranslatableOptionError, obstore_usable
     except ImportError:
         if choice == "obstore":
             raise ImportError(f"{CLIENT_VARIABLE}=obstore, but obstore is not installed "
                               "(pip install 'diskreplay[s3]')") from None
+        return None
+    if not obstore_usable():  # a forked child of a process that used obstore: its runtime is gone
+        log.debug("%r: s3fs serves this URL in a forked child", url)
         return None
     try:
         return ObstoreChunkStore(url, options, concurrency=concurrency, retry=retry)

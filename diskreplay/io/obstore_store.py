@@ -7,6 +7,11 @@ installed and `s3store_config` can translate every storage option; otherwise s3f
 
 Its coroutines run on fsspec's I/O event loop; a try still running at the policy's deadline is
 cancelled, which drops its request (the connection is closed).
+
+obstore's runtime (Rust threads, started once per process) does not survive ``fork``: in a child
+forked after its parent used obstore, any request would hang. There s3fs serves instead: a store
+inherited through a fork hands every call to an `FsspecChunkStore` of the same URL and options,
+and `obstore_usable` tells `open_chunkstore` to open s3fs stores.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, GenericError, NotFoundError
 from obstore.store import S3Store
 
-from .remote import RemoteCalls
+from .remote import FsspecChunkStore, RemoteCalls
 from .retry import RetryPolicy, is_transient
 from .store import Data, parts_of
 
@@ -36,6 +41,15 @@ _CONFIG_KWARGS = {"retries", "connect_timeout", "read_timeout", "max_pool_connec
 _CREDENTIALS = ("key", "secret", "token", "anon")
 _CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
                          "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+_RUNTIME_PID: int | None = None
+"""The process whose obstore runtime is live (None: no obstore store was made yet)."""
+
+
+def obstore_usable() -> bool:
+    """Whether obstore works in this process: not in a child forked after its parent used it."""
+    return _RUNTIME_PID in (None, os.getpid())
 
 
 class UntranslatableOptionError(ValueError):
@@ -55,12 +69,27 @@ class ObstoreChunkStore(RemoteCalls):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any], *, concurrency: int = 16,
                  retry: RetryPolicy | None = None):
+        global _RUNTIME_PID
+        if not obstore_usable():
+            raise RuntimeError(f"{url!r}: obstore cannot run in a child forked after its parent used it")
         config, cap = s3store_config(storage_options)
         super().__init__(url, concurrency if cap is None else min(concurrency, cap), retry)
         bucket, _, prefix = url.split("://", 1)[1].partition("/")
         self.root = f"{bucket}/{prefix}".rstrip("/")
         self.s3 = S3Store(bucket, prefix=prefix.strip("/") or None, **config)
         self.loop = fsspec.asyn.get_loop()
+        self._options, self._pid = dict(storage_options), os.getpid()
+        self._forked: FsspecChunkStore | None = None
+        _RUNTIME_PID = _RUNTIME_PID or self._pid
+
+    def _after_fork(self) -> FsspecChunkStore | None:
+        """The s3fs store that serves this one's calls in a forked child (None in its own process)."""
+        if self._pid == os.getpid():
+            return None
+        if self._forked is None:
+            self._forked = FsspecChunkStore(self.url, self._options, concurrency=self.concurrency, retry=self.retry)
+        self._forked.retry, self._forked.concurrency = self.retry, self.concurrency
+        return self._forked
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -77,6 +106,8 @@ class ObstoreChunkStore(RemoteCalls):
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
+        if (forked := self._after_fork()) is not None:
+            return forked.get_many(keys, limit)
         if not keys:
             return []
         found = self._sync(self._gather_bounded, [partial(self._get_async, k, limit) for k in keys], True)
@@ -106,11 +137,16 @@ class ObstoreChunkStore(RemoteCalls):
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
         """One PUT (atomic and durable, whatever ``durable`` says)."""
+        if (forked := self._after_fork()) is not None:
+            forked.put(key, data)
+            return
         blob = b"".join(parts_of(data))
         self._op(f"write of {key!r}", lambda: obstore.put_async(self.s3, key, blob, use_multipart=False))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create the object only if it does not exist (a PUT with ``If-None-Match: *``). False if it did."""
+        if (forked := self._after_fork()) is not None:
+            return forked.put_if_absent(key, data)
         try:
             self._op(f"conditional write of {key!r}",
                      lambda: obstore.put_async(self.s3, key, bytes(data), mode="create", use_multipart=False))
@@ -119,9 +155,14 @@ class ObstoreChunkStore(RemoteCalls):
             return False
 
     def delete(self, key: str) -> None:
+        if (forked := self._after_fork()) is not None:
+            forked.delete(key)
+            return
         self._op(f"delete of {key!r}", lambda: obstore.delete_async(self.s3, key))
 
     def exists(self, key: str) -> bool:
+        if (forked := self._after_fork()) is not None:
+            return forked.exists(key)
         try:
             self._op(f"existence check of {key!r}", lambda: obstore.head_async(self.s3, key))
             return True
@@ -130,6 +171,8 @@ class ObstoreChunkStore(RemoteCalls):
 
     def sizes(self) -> dict[str, int]:
         """Every object under the root (one listing): its key and its size in bytes."""
+        if (forked := self._after_fork()) is not None:
+            return forked.sizes()
         found = self._op(f"listing of {self.root!r}", self._list)
         return {meta["path"]: int(meta["size"]) for meta in found}
 
@@ -139,6 +182,8 @@ class ObstoreChunkStore(RemoteCalls):
     def clear(self) -> None:
         """Remove every object under the root (a missing root is no error); nothing outside it.
         One operation for the retry policy: a retry lists and deletes again."""
+        if (forked := self._after_fork()) is not None:
+            return forked.clear()
         self._op(f"clear of every object under {self.root!r}", self._clear_async)
 
     async def _clear_async(self) -> None:
