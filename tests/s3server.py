@@ -14,13 +14,15 @@
   of many concurrent GETs; a PUT or DELETE through the proxy drops the copy. ``bytes_out`` counts
   the body bytes of the GETs answered.
 
-Fixtures ``s3`` (one server per test session) and ``fault_proxy`` (a fresh proxy per test) are
-defined here; test modules import them (``from s3server import s3, fault_proxy``).
+Fixtures ``s3`` (one server per test session), ``fault_proxy`` (a fresh proxy per test) and
+``s3_client`` (each test once per S3 client diskreplay has: s3fs and obstore) are defined here;
+test modules import them (``from s3server import s3, fault_proxy``).
 """
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import logging
 import select
 import socket
@@ -393,3 +395,34 @@ def proxy_options(s3: MotoS3, proxy: FaultProxy, **extra: Any) -> dict[str, Any]
     instance (fsspec caches instances by their options)."""
     return s3.storage_options(proxy.endpoint, config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}},
                               **extra)
+
+
+S3_CLIENTS = ["s3fs", pytest.param("obstore", marks=pytest.mark.skipif(
+    importlib.util.find_spec("obstore") is None, reason="obstore is not installed"))]
+
+
+@pytest.fixture(params=S3_CLIENTS)
+def s3_client(request, monkeypatch) -> str:
+    """The S3 client that serves ``s3://`` URLs in this test (and its subprocesses):
+    ``DISKREPLAY_S3_CLIENT`` set to "s3fs" or "obstore"."""
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", request.param)
+    return str(request.param)
+
+
+def remote_store(url: str, storage_options: dict[str, Any], client: str, **kwargs: Any) -> Any:
+    """The store of ``client`` for ``url``: an `FsspecChunkStore` with s3fs's own retry loop off
+    (botocore's are off in `proxy_options`), or an `ObstoreChunkStore`."""
+    if client == "obstore":
+        from diskreplay.io.obstore_store import ObstoreChunkStore
+
+        return ObstoreChunkStore(url, storage_options, **kwargs)
+    from diskreplay.io import FsspecChunkStore
+
+    store = FsspecChunkStore(url, storage_options, **kwargs)
+    store.fs.retries = 1
+    return store
+
+
+def store_loop(store: Any) -> Any:
+    """The event loop a remote store runs its requests on."""
+    return store.fs.loop if hasattr(store, "fs") else store.loop

@@ -34,6 +34,7 @@ UPWARD_ALLOWED = {
 OWNERS = {  # a third-party library -> the only places that may import it
     "zarr": ("diskreplay.format", "diskreplay.offline.formats.zarr_group"),
     "fsspec": ("diskreplay.io",),
+    "obstore": ("diskreplay.io",),
     # rollout and demo import torch at call time
     "torch": ("diskreplay.torch", "diskreplay.integrations", "diskreplay.rollout", "diskreplay.demo"),
     "safetensors": ("diskreplay.format.state",),

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import OWN, writers, writes_done
-from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3
+from s3server import SAFETY_S, FaultProxy, outcome, proxy_options, s3, s3_client
 
 import diskreplay as dr
 from diskreplay.audit import verify
@@ -231,10 +231,7 @@ def named_state_keys(commit: bytes) -> list[str]:
 def stored_keys(url: str, so: dict | None) -> list[str]:
     if "://" not in url:
         return [os.path.relpath(os.path.join(root, name), url) for root, _, names in os.walk(url) for name in names]
-    store = open_chunkstore(url, so)
-    root = store.root
-    store.fs.invalidate_cache(root)
-    return [p[len(root) + 1:] for p in store.fs.find(root)]
+    return sorted(open_chunkstore(url, so).sizes())
 
 
 # ---- the tally of faults ---------------------------------------------------------------------
@@ -794,12 +791,13 @@ def give_up(url: str, what: str, tries: int, reason: str, last: str) -> str:
             rf"\({reason}\); last error: {last}")
 
 
-# how s3fs reports a 503 ServiceUnavailable answer (it maps the S3 error to an OSError)
-UNAVAILABLE = rf"OSError: \[Errno {errno.EBUSY}\] Service is unable to handle request\.$"
+# how each S3 client reports a 503 ServiceUnavailable answer (s3fs maps the S3 error to an OSError)
+UNAVAILABLE = {"s3fs": rf"OSError: \[Errno {errno.EBUSY}\] Service is unable to handle request\.$",
+               "obstore": r"GenericError: HTTP 503 ServiceUnavailable: Service is unable to handle request\.$"}
 
 
 @pytest.mark.parametrize("mode", ["dataset", "ring"])
-def test_s3_chunk_put_failing_during_extend(s3, opened, fault_proxy, faults, mode):
+def test_s3_chunk_put_failing_during_extend(s3, s3_client, opened, fault_proxy, faults, mode):
     """Every PUT of an obs chunk fails: extend raises StoreUnavailableError; the other fields'
     chunks it wrote are never seen; in a full ring, rows whose slots it reached are retired."""
     buf, so = s3_buffer(s3, fault_proxy, opened, mode)
@@ -814,7 +812,7 @@ def test_s3_chunk_put_failing_during_extend(s3, opened, fault_proxy, faults, mod
     # failed twice, its act PUT went through (unseen), the sealed chunk was never written
     whole = 3 if mode == "dataset" else 24 % S3_CAP // CHUNK
     assert re.search(give_up(buf.url, re.escape(f"write of 'obs/c.0.{whole}.0'"), 2, "all 2 attempts used",
-                             UNAVAILABLE), str(error)), str(error)
+                             UNAVAILABLE[s3_client]), str(error)), str(error)
     assert fault_proxy.faults["503"] == 2 and fault_proxy.count("/obs/c.", "PUT") == 2
     assert fault_proxy.count(f"/act/c.0.{whole}", "PUT") == 1 and fault_proxy.count("/c.", "PUT") == 3
     faults.injected("S3 HTTP error", 2)
@@ -830,7 +828,7 @@ def test_s3_chunk_put_failing_during_extend(s3, opened, fault_proxy, faults, mod
 
 
 @pytest.mark.parametrize("mode,lanes", [("dataset", 1), ("ring", 2)])
-def test_s3_commit_put_failing_during_flush(s3, opened, fault_proxy, faults, mode, lanes):
+def test_s3_commit_put_failing_during_flush(s3, s3_client, opened, fault_proxy, faults, mode, lanes):
     """The commit PUT fails: nothing new is committed (readers see the previous commit), the
     rows stay staged, and the next flush commits them; its state object is collected."""
     buf, so = s3_buffer(s3, fault_proxy, opened, mode, lanes)
@@ -839,7 +837,8 @@ def test_s3_commit_put_failing_during_flush(s3, opened, fault_proxy, faults, mod
     fault_proxy.fail("503", "/" + OWN + "commit.json", times=10**6, method="PUT")
     _, error = outcome(buf.flush)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
+    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
+                             UNAVAILABLE[s3_client]),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 2 and fault_proxy.count("/" + OWN + "commit.json", "PUT") == 2
     faults.injected("S3 HTTP error", 2)
@@ -854,7 +853,7 @@ def test_s3_commit_put_failing_during_flush(s3, opened, fault_proxy, faults, mod
 
 
 @pytest.mark.parametrize("op", ["extend", "add"])
-def test_s3_retire_commit_of_a_full_ring_failing(s3, opened, fault_proxy, faults, op):
+def test_s3_retire_commit_of_a_full_ring_failing(s3, s3_client, opened, fault_proxy, faults, op):
     """A full ring commits a raised first step before overwriting chunks; when that commit
     fails, no chunk is overwritten: readers keep every row of the last commit."""
     buf, so = s3_buffer(s3, fault_proxy, opened, "ring")
@@ -876,7 +875,8 @@ def test_s3_retire_commit_of_a_full_ring_failing(s3, opened, fault_proxy, faults
         call = lambda: buf.add(**one_step(step, 1, s3_rows))  # noqa: E731
     _, error = outcome(call)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used", UNAVAILABLE),
+    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
+                             UNAVAILABLE[s3_client]),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 2
     assert fault_proxy.count("/c.", "PUT") == 0  # no chunk was overwritten
@@ -896,7 +896,7 @@ def test_s3_retire_commit_of_a_full_ring_failing(s3, opened, fault_proxy, faults
     faults.survived()
 
 
-def test_s3_blackholed_flush_fails_at_the_retry_deadline(s3, opened, fault_proxy, faults):
+def test_s3_blackholed_flush_fails_at_the_retry_deadline(s3, s3_client, opened, fault_proxy, faults):
     """An endpoint that never answers: the flush gives up at ``retry.budget_s`` (a RetryPolicy
     passed to create) with StoreUnavailableError. Its first request (reading the writer lock, to
     check it still holds it) is the only one sent: the proxy held it until the client abandoned
@@ -959,7 +959,8 @@ def check_open_buffer(buf: dr.ReplayBuffer) -> None:
 
 
 @pytest.mark.parametrize("obj", list(METADATA))
-def test_s3_open_retries_a_transient_503_on_each_metadata_object(s3, fault_proxy, faults, committed_url, obj):
+def test_s3_open_retries_a_transient_503_on_each_metadata_object(s3, s3_client, fault_proxy, faults, committed_url,
+                                                                  obj):
     path = object_path(s3, committed_url, METADATA[obj][1])
     fault_proxy.fail("503", path, times=2, method="GET")
     buf = dr.ReplayBuffer.open(committed_url, "r", storage_options=proxy_options(s3, fault_proxy),
@@ -978,7 +979,8 @@ def test_s3_open_retries_a_transient_503_on_each_metadata_object(s3, fault_proxy
 
 
 @pytest.mark.parametrize("obj,mode", [("group", "r"), ("array", "r"), ("commit", "r"), ("state", "r+")])
-def test_s3_open_with_a_persistent_503_is_store_unavailable(s3, fault_proxy, faults, committed_url, obj, mode):
+def test_s3_open_with_a_persistent_503_is_store_unavailable(s3, s3_client, fault_proxy, faults, committed_url, obj,
+                                                            mode):
     """Never NotABufferError: the store did not say the object is missing. A writer (r+) reads
     the state object after taking the writer lock: it gives the lock back."""
     state = [k for k in s3.keys(committed_url) if k.startswith(OWN + "state/")]
@@ -990,7 +992,8 @@ def test_s3_open_with_a_persistent_503_is_store_unavailable(s3, fault_proxy, fau
     _, error = outcome(lambda: dr.ReplayBuffer.open(committed_url, mode, storage_options=options,
                                                     retry=dr.RetryPolicy(attempts=3, base_delay=0.01)))
     assert type(error) is dr.StoreUnavailableError, repr(error)
-    assert re.search(give_up(committed_url, re.escape(f"read of {key!r}"), 3, "all 3 attempts used", UNAVAILABLE),
+    assert re.search(give_up(committed_url, re.escape(f"read of {key!r}"), 3, "all 3 attempts used",
+                             UNAVAILABLE[s3_client]),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 3 and fault_proxy.count(path, "GET") == 3
     faults.injected("S3 HTTP error", 3)

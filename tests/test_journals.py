@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 from conftest import OWN
-from s3server import s3
+from s3server import s3, s3_client
 
 import diskreplay as dr
 from diskreplay.format.journal import LOG_CHUNK, JournalRef
@@ -241,7 +241,7 @@ def test_final_observations_commit_what_changed(tmp_path):
     assert big <= 1.2 * small, (small, big)
 
 
-def test_journals_on_s3_commit_reopen_and_collect(s3):
+def test_journals_on_s3_commit_reopen_and_collect(s3, s3_client):
     """The same journals through an object store: every commit PUTs its new objects, a reader
     gets the last commit's priorities and episodes, and replaced tails and bases are deleted."""
     url, options = s3.new_url("journals"), s3.storage_options()

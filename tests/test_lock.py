@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 from conftest import OWN, logged
-from s3server import s3
+from s3server import s3, s3_client
 
 import diskreplay as dr
 from diskreplay.io import lock as drlock
@@ -191,7 +191,7 @@ def test_check_unlocked(tmp_path):
     buf.storage.close()
 
 
-def test_s3_conditional_put_and_second_writer(s3):
+def test_s3_conditional_put_and_second_writer(s3, s3_client):
     url = s3.new_url()
     so = s3.storage_options()
     store = open_chunkstore(url, so)
@@ -209,7 +209,7 @@ def test_s3_conditional_put_and_second_writer(s3):
     buf.close()
 
 
-def test_s3_lock_across_processes(s3):
+def test_s3_lock_across_processes(s3, s3_client):
     url = s3.new_url()
     so = s3.storage_options()
     holder = make(url, storage_options=so)

@@ -1,6 +1,6 @@
-"""`FsspecChunkStore` against a real (moto) S3 server through the fault-injecting proxy: hung
-requests are cancelled at the retry deadline, transient failures are retried, `clear` stays
-under its root; and `RetryPolicy` refuses bad values.
+"""`FsspecChunkStore` and `ObstoreChunkStore` (each test runs on both) against a real (moto) S3
+server through the fault-injecting proxy: hung requests are cancelled at the retry deadline,
+transient failures are retried, `clear` stays under its root; and `RetryPolicy` refuses bad values.
 
 No test here measures time: each asserts what the client and the proxy did (requests seen,
 held, abandoned) and what the error says. Calls that could hang run on a thread joined for
@@ -18,7 +18,7 @@ from typing import Any
 
 import fsspec.asyn
 import pytest
-from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3
+from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, remote_store, s3, s3_client, store_loop
 
 from diskreplay import RetryPolicy, StoreUnavailableError
 from diskreplay.io import ChunkStore, FsspecChunkStore, LocalChunkStore, PrefixedStore
@@ -38,7 +38,7 @@ class Op:
     method: str
     key: str | None
     what: str
-    call: Callable[[FsspecChunkStore], Any]
+    call: Callable[[Any], Any]
     result: Any
     after: dict[str, bytes]
 
@@ -56,12 +56,18 @@ OPS = {
 }
 
 
-def seeded_store(s3, proxy, **policy: Any) -> FsspecChunkStore:
-    """A store on a fresh prefix through ``proxy``, holding `SEEDED` (written through it, which
-    also opens the client's session before any fault). s3fs's own retry loop is off, so every
-    retry counted in ``store.retried`` is diskreplay's (botocore's are off in proxy_options)."""
-    store = FsspecChunkStore(s3.new_url("faults"), proxy_options(s3, proxy))
-    store.fs.retries = 1
+def op_of(name: str, client: str) -> Op:
+    """`OPS[name]` as ``client`` sends it: obstore deletes even one object with a bulk delete
+    (a POST to the bucket)."""
+    op = OPS[name]
+    return Op("POST", None, op.what, op.call, op.result, op.after) if (name, client) == ("delete", "obstore") else op
+
+
+def seeded_store(s3, proxy, client: str, **policy: Any) -> ChunkStore:
+    """A store of ``client`` on a fresh prefix through ``proxy``, holding `SEEDED` (written
+    through it, which also opens the client's session before any fault). The client's own retry
+    loops are off, so every retry counted in ``store.retried`` is diskreplay's."""
+    store = remote_store(s3.new_url("faults"), proxy_options(s3, proxy), client)
     for key, data in SEEDED.items():  # under the default policy: a loaded machine may be slow here
         store.put(key, data)
     store.retry = RetryPolicy(**policy)
@@ -70,27 +76,27 @@ def seeded_store(s3, proxy, **policy: Any) -> FsspecChunkStore:
     return store
 
 
-def target(s3, store: FsspecChunkStore, op: Op) -> str:
+def target(s3, store: Any, op: Op) -> str:
     """The request path substring that ``op`` sends to (path-style addressing: /bucket/key)."""
     return f"/{s3.bucket}" if op.key is None else f"/{store.root}/{op.key}"
 
 
-def tasks_left(store: FsspecChunkStore) -> list[asyncio.Task]:
+def tasks_left(store: Any) -> list[asyncio.Task]:
     """The tasks still pending on the store's event loop (none once an operation has returned:
     a request left running after the deadline shows up here)."""
     async def pending() -> list[asyncio.Task]:
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
-    return fsspec.asyn.sync(store.fs.loop, pending)
+    return fsspec.asyn.sync(store_loop(store), pending)
 
 
 # ---- hung requests -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(OPS))
-def test_blackholed_request_is_cancelled_at_the_deadline(s3, fault_proxy, name):
-    op = OPS[name]
-    store = seeded_store(s3, fault_proxy, budget_s=BUDGET_S)
+def test_blackholed_request_is_cancelled_at_the_deadline(s3, fault_proxy, s3_client, name):
+    op = op_of(name, s3_client)
+    store = seeded_store(s3, fault_proxy, s3_client, budget_s=BUDGET_S)
     path = target(s3, store, op)
     fault_proxy.fail("blackhole", path, times=10**6, method=op.method)
     _, error = outcome(lambda: op.call(store))
@@ -107,9 +113,9 @@ def test_blackholed_request_is_cancelled_at_the_deadline(s3, fault_proxy, name):
     assert s3.keys(store.url) == SEEDED  # the held request never reached the server
 
 
-def test_get_many_keeps_its_bound_while_requests_hang(s3, fault_proxy):
+def test_get_many_keeps_its_bound_while_requests_hang(s3, fault_proxy, s3_client):
     keys = [f"obs/c.0.{i}.0" for i in range(5)]
-    store = seeded_store(s3, fault_proxy, budget_s=3.0)  # room for each GET to reach the proxy under load
+    store = seeded_store(s3, fault_proxy, s3_client, budget_s=3.0)  # room for each GET to reach the proxy under load
     store.concurrency = 2
     fault_proxy.fail("blackhole", f"/{store.root}/obs/", times=10**6, method="GET")
     _, error = outcome(lambda: store.get_many(keys))
@@ -124,8 +130,8 @@ def test_get_many_keeps_its_bound_while_requests_hang(s3, fault_proxy):
     assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == len(keys), SAFETY_S)
 
 
-def test_proxy_close_releases_held_connections(s3, fault_proxy):
-    store = seeded_store(s3, fault_proxy, budget_s=60.0)
+def test_proxy_close_releases_held_connections(s3, fault_proxy, s3_client):
+    store = seeded_store(s3, fault_proxy, s3_client, budget_s=60.0)
     fault_proxy.fail("blackhole", f"/{store.root}/{KEY}", method="GET")
     box: list[BaseException] = []
     thread = threading.Thread(target=lambda: box.append(outcome(lambda: store.get(KEY))[1]), daemon=True)
@@ -142,9 +148,9 @@ def test_proxy_close_releases_held_connections(s3, fault_proxy):
 
 @pytest.mark.parametrize("fault", ["503", "reset"])
 @pytest.mark.parametrize("name", list(OPS))
-def test_transient_failures_are_retried_then_succeed(s3, fault_proxy, name, fault):
-    op = OPS[name]
-    store = seeded_store(s3, fault_proxy)
+def test_transient_failures_are_retried_then_succeed(s3, fault_proxy, s3_client, name, fault):
+    op = op_of(name, s3_client)
+    store = seeded_store(s3, fault_proxy, s3_client)
     path = target(s3, store, op)
     fault_proxy.fail(fault, path, times=2, method=op.method)
     result, error = outcome(lambda: op.call(store))
@@ -161,10 +167,10 @@ def test_transient_failures_are_retried_then_succeed(s3, fault_proxy, name, faul
 # ---- clear ----------------------------------------------------------------------------------
 
 
-def test_clear_removes_everything_under_the_root_and_nothing_else(s3):
+def test_clear_removes_everything_under_the_root_and_nothing_else(s3, s3_client):
     so = s3.storage_options()
     url = s3.new_url("clear")
-    stores = {u: FsspecChunkStore(u, so) for u in (url, url + "-sibling", s3.new_url("other"))}
+    stores = {u: remote_store(u, so, s3_client) for u in (url, url + "-sibling", s3.new_url("other"))}
     for store in stores.values():
         for key in ("commit.json", "obs/c.0.0", "obs/deep/c.1.2", "writer.lock"):
             store.put(key, key.encode())

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 from conftest import OWN
-from s3server import s3
+from s3server import s3, s3_client
 
 import diskreplay as dr
 from diskreplay.buffer.rate_limit import PUBLISH_EVERY_S
@@ -313,7 +313,7 @@ def test_epoch_dataset_reads_every_row_of_the_union_once_and_resumes_in_workers(
         check_rows(buf, {k: v.numpy() for k, v in batch.items()})
 
 
-def test_sharded_buffer_on_s3(s3):
+def test_sharded_buffer_on_s3(s3, s3_client):
     url, so = s3.new_url("sharded"), s3.storage_options()
     dr.ReplayBuffer.create(url, FIELDS, capacity=64, shards=2, chunk_rows=8, storage_options=so).close()
     for s in range(2):

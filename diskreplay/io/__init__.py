@@ -1,7 +1,9 @@
 """Bytes: the stores a buffer's objects live in, the writer lock, memory maps of local files.
 
 `open_chunkstore` picks the backend of a URL: `LocalChunkStore` for paths and ``file://``,
-`FsspecChunkStore` for every other fsspec URL. Both satisfy `ChunkStore`.
+`ObstoreChunkStore` (``io.obstore_store``, imported only when used) for ``s3://`` when obstore is
+installed and takes the storage options, `FsspecChunkStore` for every other fsspec URL. All
+satisfy `ChunkStore`.
 """
 
 from __future__ import annotations

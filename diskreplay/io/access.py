@@ -3,12 +3,14 @@ store: no credentials, credentials it rejects, a bucket that does not exist."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
+_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
 _REJECTED = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
                        "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled"})
 
@@ -22,14 +24,23 @@ def access_problem(exc: BaseException) -> str | None:
         seen.add(id(cause))
         if any(cls.__name__ in _NO_CREDENTIALS for cls in type(cause).__mro__):
             return "credentials"
-        response = getattr(cause, "response", None)
-        code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+        code = _error_code(cause)
         if code in _REJECTED:
             return f"rejected {code}"
         if code == "NoSuchBucket":
             return "bucket"
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def _error_code(exc: BaseException) -> str:
+    """S3's error code in ``exc``: botocore's parsed response, or the XML answer that obstore's
+    errors quote; "" if none."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    found = _XML_CODE.search(str(exc))
+    return found.group(1) if found else ""
 
 
 def bucket_of(url: str) -> str:

@@ -36,75 +36,23 @@ SLOW_CALL_S = 5.0
 """A store call taking this many seconds or more (retries included) is logged at INFO."""
 
 
-class FsspecChunkStore:
-    """Objects under an fsspec URL. A PUT of one object is atomic on object stores.
+class RemoteCalls:
+    """What the remote stores share: their retry layer under `RetryPolicy` (``retry``; ``retried``
+    counts the transient failures retried so far) and their bounded gathers on an event loop
+    (``concurrency`` at once). ``retry`` and ``concurrency`` may be changed on a live store."""
 
-    ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
-    transient failures and the time of each operation (both may be changed on a live store).
-    On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
-    try still running at the policy's deadline is cancelled. On a sync filesystem (memory://) a
-    call cannot be interrupted: the deadline is only checked between tries.
-    """
-
-    supports_mmap = False
-    needs_sync = False
-
-    def __init__(self, url: str, storage_options: dict[str, Any], *, concurrency: int = 16,
-                 retry: RetryPolicy | None = None):
+    def __init__(self, url: str, concurrency: int, retry: RetryPolicy | None):
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        self.root = root.rstrip("/")
         self.concurrency = max(1, int(concurrency))
         self.retry = retry or RetryPolicy()
-        self.retried = 0  # transient failures retried so far (for tests and benchmarks)
-        self._async = bool(getattr(self.fs, "async_impl", False))
-        self._cat_kwargs: dict[str, Any] = {}
-        if self._async:
-            try:
-                if "max_concurrency" in inspect.signature(self.fs._cat_file).parameters:
-                    self._cat_kwargs = {"max_concurrency": 1}  # s3fs: one GET, no HEAD first
-            except (TypeError, ValueError):
-                pass
-
-    def path(self, key: str) -> str:
-        return f"{self.root}/{key}"
-
-    # ---- operations -------------------------------------------------------------------------
+        self.retried = 0
 
     def get(self, key: str, limit: int | None = None) -> bytes | None:
         """The object's bytes (at most ``limit`` of them: one ranged GET), or None if missing."""
         return self.get_many([key], limit)[0]
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
-        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
-        if not keys:
-            return []
-        if self._async:
-            found = fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
-                                     [partial(self._get_async, k, limit) for k in keys], True)
-        else:
-            found = [self._get_sync(key, limit) for key in keys]
-        for value in found:
-            if isinstance(value, BaseException):
-                raise value
-        return list(found)
-
-    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
-        path, span = self.path(key), {} if limit is None else {"start": 0, "end": limit}
-        try:
-            blob: bytes = await self._call_async(f"read of {key!r}",
-                                                 lambda: self.fs._cat_file(path, **self._cat_kwargs, **span))
-            return blob
-        except FileNotFoundError:
-            return None
-
-    def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
-        span = {} if limit is None else {"start": 0, "end": limit}
-        try:
-            blob: bytes = self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
-            return blob
-        except FileNotFoundError:
-            return None
+        raise NotImplementedError
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
         """The object read (one GET) into the buffers ``out``, one after the other; the bytes
@@ -123,9 +71,7 @@ class FsspecChunkStore:
         """Nothing: remote reads fetch what they need, many at once."""
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
-        """One PUT (atomic and durable on object stores, whatever ``durable`` says)."""
-        data = b"".join(parts_of(data))  # object-store clients want bytes
-        self._run(f"write of {key!r}", "pipe_file", self.path(key), data)
+        raise NotImplementedError
 
     def put_in_place(self, key: str, data: Data) -> None:
         """A `put`: object stores have no cheaper write."""
@@ -133,6 +79,170 @@ class FsspecChunkStore:
 
     def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
         """Nothing: a PUT is durable when it returns."""
+
+    async def _gather_bounded(self, makers: Sequence[Callable[[], Awaitable[Any]]],
+                              return_exceptions: bool = False) -> list[Any]:
+        """Every ``maker()`` awaited, at most ``concurrency`` at once; results in order. With
+        ``return_exceptions`` errors take their result's place; without, the first error is
+        raised and the rest are cancelled (as all are when the caller is cancelled)."""
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(make: Callable[[], Awaitable[Any]]) -> Any:
+            async with gate:
+                return await make()
+
+        tasks = [asyncio.ensure_future(one(make)) for make in makers]
+        try:
+            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+        finally:
+            for task in tasks:
+                task.cancel()  # a no-op for finished tasks
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` retried as `_retry_delay` decides (sync: a try is never interrupted)."""
+        started, failures = time.monotonic(), 0
+        while True:
+            try:
+                result = fn()
+            except Exception as exc:
+                failures += 1
+                time.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
+
+    async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """``await fn()`` retried as `_retry_delay` decides; a try still running at the deadline
+        (``budget_s`` seconds after the first try started) is cancelled."""
+        started, failures = time.monotonic(), 0
+        deadline = started + self.retry.budget_s
+        while True:
+            try:
+                result = await _cancel_at(fn, deadline)
+            except Exception as exc:
+                failures += 1
+                await asyncio.sleep(self._retry_delay(what, failures, started, exc))
+            else:
+                self._log_if_slow(what, started, failures)
+                return result
+
+    def _log_if_slow(self, what: str, started: float, failures: int) -> None:
+        seconds = time.monotonic() - started
+        if seconds >= SLOW_CALL_S:
+            log.info("%r: %s took %.1f s (%d %s)", self.url, what, seconds, failures + 1,
+                     "try" if failures == 0 else "tries")
+
+    def _retry_delay(self, what: str, failures: int, started: float, exc: Exception) -> float:
+        """Seconds to wait before trying again after ``exc`` (the ``failures``-th failure of an
+        operation first tried at monotonic time ``started``). Raises ``exc`` when it is not
+        transient, `StoreUnavailableError` when the attempts are used up or the next try could
+        not start before the deadline."""
+        if not self._is_transient(exc):
+            raise exc
+        policy = self.retry
+        wait = policy.delay(failures)
+        if failures >= policy.attempts:
+            raise self._give_up(what, failures, started, f"all {policy.attempts} attempts used", exc) from exc
+        if time.monotonic() + wait >= started + policy.budget_s:
+            raise self._give_up(what, failures, started,
+                                f"the retry deadline of {policy.budget_s:g} s was reached", exc) from exc
+        self.retried += 1
+        log.info("%r: %s failed (%s); try %d of %d in %.2f s", self.url, what, self._describe(exc),
+                 failures + 1, policy.attempts, wait)
+        return wait
+
+    def _give_up(self, what: str, tries: int, started: float, reason: str,
+                 exc: BaseException) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            errno.EIO, f"{self.url!r}: {what} failed after {tries} {'try' if tries == 1 else 'tries'} "
+            f"in {time.monotonic() - started:.1f} s ({reason}); last error: {self._describe(exc)}")
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        return is_transient(exc)
+
+    def _describe(self, exc: BaseException) -> str:
+        """How errors and logs name ``exc``."""
+        return f"{type(exc).__name__}: {exc}"
+
+
+class FsspecChunkStore(RemoteCalls):
+    """Objects under an fsspec URL. A PUT of one object is atomic on object stores.
+
+    ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
+    transient failures and the time of each operation (both may be changed on a live store).
+    On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
+    try still running at the policy's deadline is cancelled. On a sync filesystem (memory://) a
+    call cannot be interrupted: the deadline is only checked between tries.
+    """
+
+    supports_mmap = False
+    needs_sync = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any], *, concurrency: int = 16,
+                 retry: RetryPolicy | None = None):
+        super().__init__(url, concurrency, retry)
+        self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.concurrency))
+        self.root = root.rstrip("/")
+        self._async = bool(getattr(self.fs, "async_impl", False))
+        self._cat_kwargs: dict[str, Any] = {}
+        if self._async:
+            try:
+                if "max_concurrency" in inspect.signature(self.fs._cat_file).parameters:
+                    self._cat_kwargs = {"max_concurrency": 1}  # s3fs: one GET, no HEAD first
+            except (TypeError, ValueError):
+                pass
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # ---- operations -------------------------------------------------------------------------
+
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
+        if not keys:
+            return []
+        if self._async:
+            found = fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
+                                     [partial(self._get_async, k, limit) for k in keys], True)
+        else:
+            found = [self._get_sync(key, limit) for key in keys]
+        for value in found:
+            if isinstance(value, BaseException):
+                raise value
+        return list(found)
+
+    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
+        try:
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit))
+            return blob
+        except FileNotFoundError:
+            return None
+
+    async def _cat_async(self, path: str, limit: int | None) -> bytes:
+        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
+        if limit is not None:
+            try:
+                ranged: bytes = await self.fs._cat_file(path, start=0, end=limit, **self._cat_kwargs)
+                return ranged
+            except OSError as exc:
+                if "range is not satisfiable" not in str(exc):
+                    raise
+                # an empty object has no byte 0 to range over (HTTP 416): it is shorter than limit
+        blob: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
+        return blob
+
+    def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
+        span = {} if limit is None else {"start": 0, "end": limit}
+        try:
+            blob: bytes = self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
+            return blob
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: Data, durable: bool = False) -> None:
+        """One PUT (atomic and durable on object stores, whatever ``durable`` says)."""
+        data = b"".join(parts_of(data))  # object-store clients want bytes
+        self._run(f"write of {key!r}", "pipe_file", self.path(key), data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create the object only if it does not exist. False if it did.
@@ -195,24 +305,6 @@ class FsspecChunkStore:
             makers = [partial(self.fs._rm_file, path) for path in paths]
         await self._gather_bounded(makers)
 
-    async def _gather_bounded(self, makers: Sequence[Callable[[], Awaitable[Any]]],
-                              return_exceptions: bool = False) -> list[Any]:
-        """Every ``maker()`` awaited, at most ``concurrency`` at once; results in order. With
-        ``return_exceptions`` errors take their result's place; without, the first error is
-        raised and the rest are cancelled (as all are when the caller is cancelled)."""
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def one(make: Callable[[], Awaitable[Any]]) -> Any:
-            async with gate:
-                return await make()
-
-        tasks = [asyncio.ensure_future(one(make)) for make in makers]
-        try:
-            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
-        finally:
-            for task in tasks:
-                task.cancel()  # a no-op for finished tasks
-
     # ---- retries under a deadline -------------------------------------------------------------
 
     def _run(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -228,64 +320,17 @@ class FsspecChunkStore:
         function = getattr(self.fs, method)
         return self._call(what, lambda: function(*args, **kwargs))
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` retried as `_retry_delay` decides (sync: a try is never interrupted)."""
-        started, failures = time.monotonic(), 0
-        while True:
-            try:
-                result = fn()
-            except Exception as exc:
-                failures += 1
-                time.sleep(self._retry_delay(what, failures, started, exc))
-            else:
-                self._log_if_slow(what, started, failures)
-                return result
-
-    async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """``await fn()`` retried as `_retry_delay` decides; a try still running at the deadline
-        (``budget_s`` seconds after the first try started) is cancelled."""
-        started, failures = time.monotonic(), 0
-        deadline = started + self.retry.budget_s
-        while True:
-            try:
-                result = await _cancel_at(fn, deadline)
-            except Exception as exc:
-                failures += 1
-                await asyncio.sleep(self._retry_delay(what, failures, started, exc))
-            else:
-                self._log_if_slow(what, started, failures)
-                return result
-
-    def _log_if_slow(self, what: str, started: float, failures: int) -> None:
-        seconds = time.monotonic() - started
-        if seconds >= SLOW_CALL_S:
-            log.info("%r: %s took %.1f s (%d %s)", self.url, what, seconds, failures + 1,
-                     "try" if failures == 0 else "tries")
-
-    def _retry_delay(self, what: str, failures: int, started: float, exc: Exception) -> float:
-        """Seconds to wait before trying again after ``exc`` (the ``failures``-th failure of an
-        operation first tried at monotonic time ``started``). Raises ``exc`` when it is not
-        transient, `StoreUnavailableError` when the attempts are used up or the next try could
-        not start before the deadline."""
-        if not is_transient(exc):
-            raise exc
-        policy = self.retry
-        wait = policy.delay(failures)
-        if failures >= policy.attempts:
-            raise self._give_up(what, failures, started, f"all {policy.attempts} attempts used", exc) from exc
-        if time.monotonic() + wait >= started + policy.budget_s:
-            raise self._give_up(what, failures, started,
-                                f"the retry deadline of {policy.budget_s:g} s was reached", exc) from exc
-        self.retried += 1
-        log.info("%r: %s failed (%s: %s); try %d of %d in %.2f s", self.url, what, type(exc).__name__, exc,
-                 failures + 1, policy.attempts, wait)
-        return wait
-
-    def _give_up(self, what: str, tries: int, started: float, reason: str,
-                 exc: BaseException) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            errno.EIO, f"{self.url!r}: {what} failed after {tries} {'try' if tries == 1 else 'tries'} "
-            f"in {time.monotonic() - started:.1f} s ({reason}); last error: {type(exc).__name__}: {exc}")
+def pool_options(url: str, storage_options: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    """``storage_options`` with, for s3fs, a botocore connection pool of at least ``concurrency``
+    connections (botocore's default of 10 would cap the requests in flight), unless the options
+    set ``max_pool_connections`` themselves."""
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return storage_options
+    config = dict(storage_options.get("config_kwargs") or {})
+    if "max_pool_connections" in config:
+        return storage_options
+    config["max_pool_connections"] = max(concurrency, 10)
+    return {**storage_options, "config_kwargs": config}
 
 
 async def _cancel_at(fn: Callable[[], Awaitable[Any]], deadline: float) -> Any:

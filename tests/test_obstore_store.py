@@ -1,0 +1,148 @@
+"""Which client serves an ``s3://`` URL, and how s3fs's storage options reach obstore.
+
+`open_chunkstore` picks `ObstoreChunkStore` when obstore is installed and every storage option has
+an obstore equivalent; anything else goes to s3fs with the user's options, never dropped. The
+stores' behaviour (retries, deadlines, faults) is tested on both clients in test_s3*.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from datetime import timedelta
+
+import pytest
+from s3server import SAFETY_S, s3
+
+pytest.importorskip("obstore")
+
+from diskreplay.io import FsspecChunkStore, open_chunkstore
+from diskreplay.io.access import access_problem
+from diskreplay.io.obstore_store import ObstoreChunkStore, UntranslatableOptionError, s3store_config
+
+URL = "s3://bucket/prefix/buf"
+AWS_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ENDPOINT_URL", "DISKREPLAY_S3_CLIENT")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    """No AWS variables, and a home without ~/.aws: only what a test sets counts."""
+    for name in AWS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def test_fsspec_style_options_translate():
+    config, cap = s3store_config({
+        "endpoint_url": "http://127.0.0.1:9000", "key": "K", "secret": "S", "token": "T",
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 3, "mode": "standard"}, "connect_timeout": 2,
+                          "read_timeout": 7.5, "max_pool_connections": 8}})
+    assert config == {"access_key_id": "K", "secret_access_key": "S", "session_token": "T",
+                      "retry_config": {"max_retries": 2}, "region": "eu-west-1", "endpoint": "http://127.0.0.1:9000",
+                      "client_options": {"allow_http": True, "connect_timeout": timedelta(seconds=2),
+                                         "read_timeout": timedelta(seconds=7.5)}}
+    assert cap == 8
+
+
+def test_anonymous_access_region_from_the_environment_and_https(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    assert s3store_config({"anon": True, "client_kwargs": {"endpoint_url": "https://s3.example.com"},
+                           "config_kwargs": {"retries": {"max_attempts": 4}}}) == (
+        {"skip_signature": True, "retry_config": {"max_retries": 4}, "region": "us-west-2",
+         "endpoint": "https://s3.example.com", "client_options": {"allow_http": False}}, None)
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"requester_pays": True, "key": "K", "secret": "S"}, r"storage option 'requester_pays' has"),
+    ({"config_kwargs": {"signature_version": "s3v4"}}, r"storage option config_kwargs\['signature_version'\] has"),
+    ({"client_kwargs": {"verify": False}}, r"storage option client_kwargs\['verify'\] has"),
+    ({"config_kwargs": {"retries": {"mode": "adaptive"}}}, r"config_kwargs\['retries'\] mode 'adaptive' has"),
+])
+def test_an_option_without_an_obstore_equivalent_is_named(options, named):
+    with pytest.raises(UntranslatableOptionError, match=named + " no obstore equivalent$"):
+        s3store_config({"endpoint_url": "http://127.0.0.1:9000", **options})
+
+
+def test_settings_only_botocore_finds_are_untranslatable(monkeypatch):
+    with pytest.raises(UntranslatableOptionError, match=r"^no region is set .*s3fs looks the bucket's region up$"):
+        s3store_config({"key": "K", "secret": "S"})
+    with pytest.raises(UntranslatableOptionError, match=r"^no credentials are given .*profiles and instance metadata$"):
+        s3store_config({"endpoint_url": "http://127.0.0.1:9000"})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "K")  # obstore reads the environment's credentials as botocore does
+    assert s3store_config({"endpoint_url": "http://127.0.0.1:9000"}) == (
+        {"region": "us-east-1", "endpoint": "http://127.0.0.1:9000", "client_options": {"allow_http": True}}, None)
+
+
+def test_untranslatable_options_go_to_s3fs_unchanged(monkeypatch):
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S", "requester_pays": True}
+    store = open_chunkstore(URL, options)
+    assert type(store) is FsspecChunkStore and store.fs.requester_pays is True
+    assert store.fs.config_kwargs == {"max_pool_connections": 16}  # the pool of the store's concurrency
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "obstore")
+    with pytest.raises(UntranslatableOptionError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but storage option "
+                                                        r"'requester_pays' has no obstore equivalent$"):
+        open_chunkstore(URL, options)
+
+
+def test_the_client_is_chosen_by_url_options_and_environment(monkeypatch):
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S",
+               "config_kwargs": {"max_pool_connections": 4}}
+    store = open_chunkstore(URL, options, concurrency=16)
+    assert type(store) is ObstoreChunkStore and store.root == "bucket/prefix/buf"
+    assert store.concurrency == 4  # the user's cap on connections caps the requests in flight
+    assert store.path("obs/c.0.0") == "bucket/prefix/buf/obs/c.0.0"
+    assert type(open_chunkstore("s3a://bucket/buf", options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "s3fs")
+    assert type(open_chunkstore(URL, options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "boto")
+    with pytest.raises(ValueError, match=r"^DISKREPLAY_S3_CLIENT must be one of auto, obstore, s3fs, got 'boto'$"):
+        open_chunkstore(URL, options)
+
+
+def test_without_obstore_s3fs_serves(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # `import obstore` raises ImportError
+    monkeypatch.delitem(sys.modules, "diskreplay.io.obstore_store")
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S"}
+    assert type(open_chunkstore(URL, options)) is FsspecChunkStore
+    monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "obstore")
+    with pytest.raises(ImportError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but obstore is not installed"):
+        open_chunkstore(URL, options)
+
+
+
+def test_obstore_errors_name_the_callers_setup(s3):
+    """What the CLI tells users: a missing bucket, credentials the store rejects (obstore quotes
+    S3's XML answer in its errors, where botocore parses it)."""
+    from obstore.exceptions import GenericError
+
+    store = ObstoreChunkStore("s3://no-such-bucket/buf", s3.storage_options())
+    with pytest.raises(FileNotFoundError) as missing:
+        store.put("commit.json", b"{}")
+    assert access_problem(missing.value) == "bucket"
+    rejected = GenericError("Server returned non-2xx status code: 403 Forbidden: <?xml version=\"1.0\"?><Error>"
+                            "<Code>SignatureDoesNotMatch</Code><Message>The signature ...</Message></Error>")
+    assert access_problem(rejected) == "rejected SignatureDoesNotMatch"
+
+
+def _use_after_fork(store: ObstoreChunkStore, options: dict, results) -> None:
+    reopened = open_chunkstore(store.url, options)
+    results.put((store.get("k"), store.exists("k"), type(reopened).__name__, reopened.get("k")))
+
+
+def test_a_forked_child_is_served_by_s3fs(s3):
+    """obstore's runtime does not survive a fork (a request in the child would hang): a store
+    inherited through a fork, and one opened in the child, go through s3fs."""
+    options = s3.storage_options()
+    store = ObstoreChunkStore(s3.new_url("fork"), options)
+    store.put("k", b"value")
+    assert store.get("k") == b"value"  # the parent's runtime is running
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    child = fork.Process(target=_use_after_fork, args=(store, options, results))
+    child.start()
+    child.join(SAFETY_S)
+    assert child.exitcode == 0, "the child hung or failed"
+    assert results.get(timeout=SAFETY_S) == (b"value", True, "FsspecChunkStore", b"value")
+    assert store.get("k") == b"value"  # the parent goes on with obstore
