@@ -40,6 +40,11 @@ class Loader:
     Sample mode with any ``num_workers``; epoch mode with the same ``num_workers`` inside an
     epoch, any at an epoch boundary.
 
+    Workers: fork workers start with the first pass and persist (``persistent_workers``), keeping
+    their open store and cache; each later pass is posted to them, and they are reseeded and run
+    ``worker_init_fn`` again as new workers would be. `close` stops them. Other start methods,
+    and a pass begun while another one iterates the workers, start workers for that pass.
+
     Args:
         dataset: from `make_dataset` (its own position and epoch are where the loader starts).
         num_workers: DataLoader worker processes (0: none).
