@@ -296,3 +296,107 @@ def test_refusals(buf):
     ds.load_state_dict({**ds.state_dict(), "batch": 40})
     with pytest.raises(ValueError, match="stopped inside epoch 0 in one process; a Loader with num_workers=2"):
         Loader(ds, num_workers=2)
+
+
+# ---- persistent workers (issue 41): one start and one store open per Loader, not per pass ------
+
+
+def _recording_opens(monkeypatch, path: str) -> None:
+    """Every `Reader` open, in any process forked from here, appends its pid to ``path``."""
+    from diskreplay.torch.reader import Reader
+    opening = Reader._open
+
+    def recorded(self):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return opening(self)
+    monkeypatch.setattr(Reader, "_open", recorded)
+
+
+def _opens(path: str) -> list[int]:
+    with open(path) as f:
+        return [int(line) for line in f.read().split()]
+
+
+@pytest.mark.parametrize("mode", ["sample", "epoch"])
+def test_workers_persist_across_passes_and_open_the_store_once(buf, tmp_path, monkeypatch, mode):
+    """Two passes (epochs) over one Loader run in the same two worker processes, each opening the
+    store once; the main process reads no chunk; the second epoch is the one a new Loader set to
+    it yields."""
+    path = str(tmp_path / "opens.txt")
+    _recording_opens(monkeypatch, path)
+    ld = loader(buf, 2, mode)
+    first = as_numpy(itertools.islice(ld, 70))
+    second = as_numpy(itertools.islice(ld, 70))
+    opens = _opens(path)
+    assert len(opens) == 2 and len(set(opens)) == 2 and os.getpid() not in opens
+    assert ld.dataset.io_stats() == {"chunk_fetches": 0, "bytes_decoded": 0}
+    fresh = loader(buf, 2, mode)
+    if mode == "epoch":
+        assert len(first) == 70  # a part of epoch 0; the next iter continues it
+        fresh.set_epoch(0)
+    assert_same(as_numpy(itertools.islice(fresh, 140)), first + second)
+
+
+def test_a_second_epoch_on_persistent_workers_is_a_new_loaders(buf, tmp_path, monkeypatch):
+    path = str(tmp_path / "opens.txt")
+    _recording_opens(monkeypatch, path)
+    ld = loader(buf, 2, "epoch")
+    list(ld)
+    second = as_numpy(ld)
+    assert len(_opens(path)) == 2
+    fresh = loader(buf, 2, "epoch")
+    fresh.set_epoch(1)
+    assert_same(as_numpy(fresh), second)
+
+
+def test_resume_across_an_epoch_boundary_with_persistent_workers(buf):
+    """Stopped inside epoch 1 of a Loader whose workers ran epoch 0, then shut down: a new Loader
+    loading its state yields the rest of epoch 1 and epoch 2 as the uninterrupted one does."""
+    ld = loader(buf, 2, "epoch")
+    list(ld)
+    it = iter(ld)
+    head = as_numpy(itertools.islice(it, 45))
+    state = ld.state_dict()
+    rest, after = as_numpy(it), as_numpy(ld)
+    del it
+    ld.close()
+    resumed = loader(buf, 2, "epoch")
+    resumed.load_state_dict(state)
+    assert_same(as_numpy(resumed), rest)
+    assert_same(as_numpy(resumed), after)
+    whole = loader(buf, 2, "epoch")
+    whole.set_epoch(1)
+    assert_same(as_numpy(whole), head + rest)
+
+
+def test_two_passes_at_once_each_get_their_batches(buf):
+    """A pass started while another still iterates the persistent workers gets workers of its
+    own; both yield what they would alone."""
+    ld = loader(buf, 2)
+    one = iter(ld)
+    head = as_numpy(itertools.islice(one, 5))
+    two = as_numpy(itertools.islice(iter(ld), 40))
+    assert_same(head + as_numpy(itertools.islice(one, 35)), in_process(buf, 40))
+    assert_same(two, in_process(buf, 45)[5:])
+
+
+def test_persistent_workers_read_the_rows_a_refreshed_epoch_adopts(tmp_path):
+    """Rows committed after the workers' first epoch are read in the next one, once the Loader's
+    dataset adopts them (``set_epoch(e, refresh=True)``): the live workers refresh their store."""
+    writer = make_buf(tmp_path / "live", steps=100)
+    try:
+        ld = Loader(make_dataset(writer, 16, "epoch", seed=1, cache_bytes=CACHE), num_workers=2,
+                    multiprocessing_context="fork")
+        assert sorted(np.concatenate([b["index"].numpy() for b in ld]).tolist()) == list(range(200))
+        ids = np.arange(100, 400)[:, None] * 2 + np.arange(2)[None, :]
+        writer.extend({"obs": np.zeros((300, 2, 3), np.float32), "act": ids, "reward": np.zeros((300, 2), np.float32),
+                       "done": np.zeros((300, 2), bool)})
+        writer.flush(durable=False)
+        ld.set_epoch(1, refresh=True)
+        batches = list(ld)
+        assert sorted(np.concatenate([b["index"].numpy() for b in batches]).tolist()) == list(range(800))
+        np.testing.assert_array_equal(np.concatenate([b["act"].numpy() for b in batches]),
+                                      np.concatenate([b["index"].numpy() for b in batches]))
+    finally:
+        writer.close()

@@ -29,11 +29,20 @@ buffer, and PASS/FAIL lines for the issue #13 targets (ratios within this run):
 A last table: chunk fetches and bytes per epoch of epoch mode, block vs global shuffle, with a
 cache smaller than the data.
 
-Usage: python tools/bench_loader.py [--quick] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
+Last (issue 41; alone with ``--epochs-only``): do workers add throughput to a training loop? Two
+epochs over 2,000,000 zstd rows (``--epoch-rows``) with a stand-in training step after each batch
+(a float32 matmul of fixed size, ~1 ms in one BLAS thread; ``--step-ms``/``--step-n``), through
+``dr.Loader`` and a plain ``DataLoader(buf.as_dataset(...))`` (and with ``persistent_workers``):
+epoch rows/s and their ratio to num_workers=0, time to each epoch's first batch, and the main
+process's CPU time per batch (all its threads, the step included: the number that decides whether
+workers add throughput, least disturbed by other load on a shared machine).
+
+Usage: python tools/bench_loader.py [--quick] [--epochs-only] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
 """
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (one BLAS thread is set before numpy is imported)
 import argparse
 import gc
 import os
@@ -46,8 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # one BLAS thread: a fixed-cost step
+    os.environ.setdefault(_var, "1")
+
 import numpy as np
-import psutil
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -139,6 +150,7 @@ def loaders(data: dict[str, Any]) -> dict[str, Callable[[int], Any]]:
 
 def memory_of(workers: int) -> tuple[float, float]:
     """Mean (RSS, USS) bytes of the DataLoader workers, or of this process without workers."""
+    import psutil  # only the throughput table needs it
     procs = psutil.Process().children(recursive=True) if workers else [psutil.Process()]
     infos = [p.memory_full_info() for p in procs if p.is_running()]
     if not infos:
@@ -308,13 +320,155 @@ def epoch_io_table(root: str, rows: int) -> str:
             f"stored chunk size (all fields)\n\n" + "\n".join(lines))
 
 
+# ---- issue 41: do workers add throughput to a training loop? ------------------------------------
+
+
+def training_step(milliseconds: float, n: int | None = None) -> tuple[int, Callable[[], None]]:
+    """A stand-in training step of fixed CPU cost: a float32 matmul of a size whose fastest of
+    several timings here takes about ``milliseconds`` (one BLAS thread, set at the top), or of
+    size ``n``. Returns the size and the step."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n or 64, n or 64), dtype=np.float32)
+    while n is None:
+        fastest = min(bl.timed(lambda a=a: a @ a)[0] for _ in range(30))
+        if fastest * 1e3 >= milliseconds or len(a) >= 2048:
+            n = len(a)
+        else:
+            a = rng.standard_normal((int(len(a) * 1.1),) * 2, dtype=np.float32)
+
+    def step() -> None:
+        a @ a
+    return n, step
+
+
+def epoch_contestants(url: str, batch: int) -> dict[str, Callable[[int], Any]]:
+    """name -> (num_workers -> an epoch iterable whose ``iter()`` runs one epoch)."""
+    def fork(w: int) -> dict[str, Any]:
+        return {"num_workers": w, "multiprocessing_context": "fork"} if w else {"num_workers": 0}
+
+    def plain(w: int, persistent: bool) -> Any:
+        ds = dr.ReplayBuffer.open(url, "r").as_dataset(batch, mode="epoch", seed=0)
+        return DataLoader(ds, batch_size=None, persistent_workers=persistent and w > 0, **fork(w))
+
+    return {"dr.Loader": lambda w: Loader(make_dataset(url, batch, "epoch", seed=0), **fork(w)),
+            "DataLoader(buf.as_dataset)": lambda w: plain(w, False),
+            "DataLoader(buf.as_dataset, persistent_workers)": lambda w: plain(w, True)}
+
+
+def run_epochs(iterable: Any, epochs: int, step: Callable[[], None]) -> list[dict[str, float]]:
+    """Per epoch: rows, batches, wall seconds, seconds to its first batch and this process's CPU
+    seconds (all its threads), with ``step()`` after each batch (a plain DataLoader's dataset is
+    told its epoch, as its docs ask of non-persistent workers)."""
+    out = []
+    for epoch in range(epochs):
+        if isinstance(iterable, DataLoader) and not iterable.persistent_workers:
+            iterable.dataset.set_epoch(epoch)
+        cpu, start = time.process_time(), time.perf_counter()
+        first, rows, batches = None, 0, 0
+        for b in iterable:
+            if first is None:
+                first = time.perf_counter() - start
+            rows += len(b["reward"])
+            batches += 1
+            step()
+        out.append({"rows": rows, "batches": batches, "seconds": time.perf_counter() - start,
+                    "first": first or 0.0, "cpu": time.process_time() - cpu})
+    return out
+
+
+def epoch_workers_table(url: str, batch: int, worker_counts: list[int], repeats: int,
+                        step: Callable[[], None], epochs: int = 2) -> tuple[str, list[str]]:
+    """Epoch rows/s with a training step per batch, per contestant and num_workers, epochs 1 and 2
+    (and their first-batch times); ratios to the same contestant's num_workers=0. Interleaved
+    repeats, medians."""
+    builders = epoch_contestants(url, batch)
+    runs: dict[tuple[str, int], list[list[dict[str, float]]]] = {}
+    keys = [(name, w) for name in builders for w in worker_counts
+            if not (w == 0 and "persistent" in name)]
+    for r in range(repeats):
+        for name, w in keys[r % len(keys):] + keys[:r % len(keys)]:
+            bl.log(f"  repeat {r + 1}/{repeats}: {name}, num_workers={w}")
+            gc.collect()
+            runs.setdefault((name, w), []).append(run_epochs(builders[name](w), epochs, step))
+    med = {key: [{m: statistics.median(run[e][m] for run in rs) for m in rs[0][e]} for e in range(epochs)]
+           for key, rs in runs.items()}
+    cols = " | ".join(f"epoch {e + 1} rows/s | × w0 | first batch {e + 1} | main CPU / batch {e + 1}"
+                      for e in range(epochs))
+    lines = [f"| loader | num_workers | {cols} |", "|---|---:|" + "---:|---:|---:|---:|" * epochs]
+    checks = []
+    for name, w in keys:
+        base = med.get((name, 0), med[("DataLoader(buf.as_dataset)", 0)])
+        cells = []
+        for e in range(epochs):
+            rate = med[(name, w)][e]["rows"] / med[(name, w)][e]["seconds"]
+            ratio = rate / (base[e]["rows"] / base[e]["seconds"])
+            m = med[(name, w)][e]
+            cells.append(f"{rate:,.0f} | {ratio:.2f}× | {bl.format_seconds(m['first'])} "
+                         f"| {m['cpu'] / m['batches'] * 1e6:,.0f} µs")
+            if w:
+                checks.append(f"{'PASS' if ratio >= 1 else 'FAIL'} {name} num_workers={w}, epoch {e + 1}: "
+                              f"{ratio:.2f}x num_workers=0 (target >= 1.00x)")
+        lines.append(f"| {name} | {w} | {' | '.join(cells)} |")
+    return "\n".join(lines), checks
+
+
+def open_seconds(url: str, repeats: int = 5) -> float:
+    """Median seconds of ``ReplayBuffer.open(url, "r")`` (what a worker does first)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dr.ReplayBuffer.open(url, "r").close()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def epochs_section(args: argparse.Namespace) -> str:
+    """Issue 41: epochs with a training step, workers vs in-process (zstd, local disk)."""
+    rows = 200_000 if args.quick else args.epoch_rows
+    repeats = args.repeats or (1 if args.quick else 3)
+    workers = [int(w) for w in args.workers.split(",")]
+    url = os.path.join(args.dir, f"epochs-zstd-{rows}")
+    if not os.path.exists(url):
+        bl.log(f"writing {rows:,} rows (zstd) under {url}")
+        write_buffer(url, make_rows(rows, seed=2), "zstd")
+    torch.set_num_threads(1)
+    opened = open_seconds(url)
+    bl.log("epochs with a training step")
+    n, step = training_step(args.step_ms, args.step_n)
+    step_s = statistics.median(bl.timed(step)[0] for _ in range(200))
+    table, checks = epoch_workers_table(url, args.epoch_batch, workers, repeats, step)
+    return "\n".join([
+        "## Epochs with a training step: do workers add throughput? (issue 41)", "",
+        f"{rows:,} rows × 165 B, zstd, local disk (page cache warm), batch {args.epoch_batch}; after each "
+        f"batch the main process runs a stand-in training step (a {n}×{n} float32 matmul, one thread: "
+        f"{bl.format_seconds(step_s)} median here); two epochs per iterable, each timed from its "
+        f"``iter()`` to its last batch; "
+        f"× w0: rows/s over the same loader's num_workers=0 (the plain DataLoaders': over the plain "
+        f"DataLoader's num_workers=0); first batch: seconds from ``iter()``; main CPU / batch: this "
+        f"process's CPU time (all threads, the training step included) per batch. Median of {repeats} "
+        f"interleaved repeats; fork workers. Opening the store (``ReplayBuffer.open``): "
+        f"{bl.format_seconds(opened)}.", "", table, "", "```", *checks, "```", ""])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat (a few minutes)")
     parser.add_argument("--dir", default="/tmp/diskreplay-bench-loader")
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated num_workers values")
+    parser.add_argument("--epochs-only", action="store_true", help="only the epochs-with-a-training-step section")
+    parser.add_argument("--epoch-rows", type=bl.parse_count, default=2_000_000, help="rows of that section")
+    parser.add_argument("--epoch-batch", type=int, default=BATCH, help="batch size of that section")
+    parser.add_argument("--step-ms", type=float, default=1.0, help="the stand-in training step's CPU cost")
+    parser.add_argument("--step-n", type=int, help="the step's matrix size (default: timed to --step-ms)")
+    parser.add_argument("--repeats", type=int, help="repeats of that section (default 3, --quick 1)")
     args = parser.parse_args()
+    if args.epochs_only:
+        report = epochs_section(args)
+        print(report)
+        if args.out:
+            Path(args.out).write_text(report)
+        return
     rows, repeats = (100_000, 1) if args.quick else (1_000_000, 3)
     window = Window(32, 300) if args.quick else Window(256, 3000)
     workers = [int(w) for w in args.workers.split(",")]
@@ -345,7 +499,7 @@ def main() -> None:
         "Median µs per batch of interleaved runs; dataset batch = ``next()`` on "
         f"``iter(make_dataset(url, {BATCH}, mode))``.",
         "", inproc, "", "## Targets (issue #13)", "", "```", *checks, "```", "",
-        "## Epoch mode: bytes read per epoch", "", io, ""])
+        "## Epoch mode: bytes read per epoch", "", io, "", epochs_section(args)])
     print(report)
     if args.out:
         Path(args.out).write_text(report)

@@ -21,11 +21,11 @@ from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from .batch_rng import BatchRngs
 from .epoch_order import EpochOrder, Shard
-from .formats import Key, key_to_name, to_tensordict
-from .handoff import WorkerUse
+from .formats import Key
+from .handoff import PassChannel, WorkerUse, reseed_worker
 from .reader import Reader, current_shard
-from .shared_ring import SlotBatch, WorkerRing
-from .tensors import Block, Sink, sink_for, to_tensors
+from .shared_ring import WorkerRing
+from .tensors import Block, Sink, TensorDictSink, by_name, sink_for, to_tensors
 
 READ_AHEAD_BATCHES = 8
 """Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
@@ -73,6 +73,8 @@ class _BufferDataset(tud.IterableDataset):
         self.block_batches = block_batches
         """Batches a `Loader`'s worker hands over at once (up to `BLOCK_BATCHES` and `BLOCK_BYTES`)."""
         self._blocks: BlockPlan | None = None
+        self._relay: tuple[PassChannel, Callable[[int], None] | None] | None = None  # persistent workers' passes
+        self._passes = 0  # passes this copy began in this process (a persistent worker's)
         self._workers: WorkerUse | None = WorkerUse()  # None in copies: workers' and a Loader's
 
     def __getstate__(self) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class _BufferDataset(tud.IterableDataset):
         the worker-use flag (a pickle for a spawned process sets it)."""
         if self._workers is not None:
             self._workers.mark_if_spawning()
-        return {**self.__dict__, "_ring": None, "_workers": None}
+        return {**self.__dict__, "_ring": None, "_workers": None, "_relay": None}
 
     @property
     def worker_ring(self) -> WorkerRing | None:
@@ -105,7 +107,7 @@ class _BufferDataset(tud.IterableDataset):
         returns just before it (``[>= B, *shape]`` per name, or per TensorDict key for an
         ``as_tensordict`` dataset; None: new arrays): how `to_device` fills its pinned host slots
         without a copy. Yields what `__iter__` yields, its tensors sharing those arrays' memory."""
-        return self._iterate(self._formatted(Sink(functools.partial(_by_name, destination), to_tensors)))
+        return self._iterate(self._formatted(Sink(functools.partial(by_name, destination), to_tensors)))
 
     def __iter__(self) -> Iterator[Any]:
         """Batches as dicts of tensors ``{name: [B, *shape]}`` (``as_tensordict``: TensorDicts of
@@ -113,6 +115,8 @@ class _BufferDataset(tud.IterableDataset):
         that become such batches when the DataLoader's process receives them."""
         if self._workers is not None and tud.get_worker_info() is not None:
             self._workers.mark()
+        if self._relay is not None and tud.get_worker_info() is not None:
+            self._take_pass(*self._relay)
         sink = sink_for(self._ring)
         return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
 
@@ -123,12 +127,35 @@ class _BufferDataset(tud.IterableDataset):
         twin._ring, twin._blocks = self._ring, plan
         return twin
 
+    def relayed(self, channel: PassChannel, worker_init_fn: Callable[[int], None] | None) -> Any:
+        """A copy for the persistent fork workers of a `Loader`: each time a worker starts iterating
+        it, it takes the pass last posted in ``channel`` (a rank-global dataset state, a
+        `BlockPlan`, a base seed) and, from its second pass on, is seeded as a new worker would
+        be (``worker_init_fn`` runs again)."""
+        twin = self.blocked(BlockPlan(self.block_batches))
+        twin._relay = (channel, worker_init_fn)
+        return twin
+
+    def _take_pass(self, channel: PassChannel, worker_init_fn: Callable[[int], None] | None) -> None:
+        state, plan, base_seed = channel.read()
+        if self._passes:  # as a new worker would: its seeds, and the newest commit
+            reseed_worker(base_seed, worker_init_fn)
+            if self.reader.opened:
+                self.reader.get().refresh()
+        self._passes += 1
+        self.load_state_dict(state)
+        self._blocks = plan
+
     def _worker_blocks(self) -> BlockPlan | None:
         """The block plan, if this copy runs in a DataLoader worker and has one."""
         return self._blocks if self._blocks is not None and tud.get_worker_info() is not None else None
 
     def _formatted(self, sink: Sink) -> Sink:
-        return _TensorDictSink(sink) if self.as_tensordict else sink
+        return TensorDictSink(sink) if self.as_tensordict else sink
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (each mode defines it)."""
+        raise NotImplementedError
 
     def _iterate(self, sink: Sink) -> Iterator[Any]:
         """This copy's batches, each gathered as ``sink`` says and yielded as ``sink.emit`` makes it
@@ -571,31 +598,6 @@ def _out(names: frozenset[str], into: dict[str, np.ndarray] | None, rows: int) -
         return None
     return {k: v[:rows] for k, v in into.items() if k in names}
 
-
-
-class _TensorDictSink(Sink):
-    """Another sink's batches as TensorDicts (`to_tensordict`; slot handles flagged to unpickle
-    into one)."""
-
-    def __init__(self, inner: Sink):
-        self.inner = inner
-        self.gathers = inner.gathers
-
-    def destination(self) -> dict[str, np.ndarray] | None:
-        return self.inner.destination()
-
-    def emit(self, batch: Mapping[str, np.ndarray]) -> Any:
-        out = self.inner.emit(batch)
-        return out.received_as_tensordict() if isinstance(out, SlotBatch) else to_tensordict(out)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _by_name(destination: Callable[[], Mapping[Key, np.ndarray] | None]) -> dict[str, np.ndarray] | None:
-    """``destination()`` keyed by field names (a TensorDict key becomes its name, `key_to_name`)."""
-    into = destination()
-    return None if into is None else {k if isinstance(k, str) else key_to_name(k): v for k, v in into.items()}
 
 
 def _raising(exc: Exception) -> Iterator[Any]:

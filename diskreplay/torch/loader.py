@@ -10,6 +10,7 @@ process: the DataLoader's per-item cost is paid once per block.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.utils.data as tud
 from ..checks import check_int
 from .datasets import BlockPlan, EpochDataset, SampleDataset
 from .formats import to_tensordict
+from .handoff import PassChannel
 from .tensors import Block
 
 
@@ -37,6 +39,11 @@ class Loader:
     Resume: `state_dict` after any batch; `load_state_dict` continues with the batch after it.
     Sample mode with any ``num_workers``; epoch mode with the same ``num_workers`` inside an
     epoch, any at an epoch boundary.
+
+    Workers: fork workers start with the first pass and persist (``persistent_workers``), keeping
+    their open store and cache; each later pass is posted to them, and they are reseeded and run
+    ``worker_init_fn`` again as new workers would be. `close` stops them. Other start methods,
+    and a pass begun while another one iterates the workers, start workers for that pass.
 
     Args:
         dataset: from `make_dataset` (its own position and epoch are where the loader starts).
@@ -67,6 +74,9 @@ class Loader:
                              f"load a rank-global state into it first (dataset_state_from_loader / "
                              f"merge_worker_states), or the Loader's own state")
         self._start = _pass_start(state)  # the dataset state of the pass: epoch, rows
+        self._pool: tud.DataLoader | None = None  # persistent fork workers, made by the first pass
+        self._channel = PassChannel()
+        self._pool_busy = False  # a pass is iterating the pool
         self._positions = [0] * max(self.num_workers, 1)  # next batch: rank-global (sample), per shard (epoch)
         self._next_shard = 0  # epoch mode: the shard the next batch comes from
         if isinstance(dataset, SampleDataset):
@@ -181,19 +191,55 @@ class Loader:
             self._positions[0] += 1
             yield batch
 
+    def close(self) -> None:
+        """Shut the worker processes down now (else when the Loader is garbage-collected); a
+        later pass starts new ones."""
+        self._pool = None
+
     def _unblocked(self, plan: BlockPlan) -> Iterator[Any]:
         """The batches of the blocks the workers yield, in turn; each taken batch moves the
         position of its shard."""
-        loader = tud.DataLoader(self.dataset.blocked(plan), batch_size=None, num_workers=self.num_workers,
-                                generator=self._worker_seeds(), **self._options)
         tensordict = self.dataset.as_tensordict
-        block: Block
-        for block in loader:
-            batches = block.batches()
-            for left, batch in zip(range(len(batches) - 1, -1, -1), batches):
-                self._positions[block.shard] = block.end - left
-                self._next_shard = block.shard if left else (block.shard + 1) % len(self._positions)
-                yield to_tensordict(batch) if tensordict else batch
+        pooled = self._posted(plan)
+        loader = self._pool if pooled else tud.DataLoader(
+            self.dataset.blocked(plan), batch_size=None, num_workers=self.num_workers,
+            generator=self._worker_seeds(), **self._options)
+        assert loader is not None
+        self._pool_busy |= pooled
+        try:
+            block: Block
+            for block in loader:
+                batches = block.batches()
+                for left, batch in zip(range(len(batches) - 1, -1, -1), batches):
+                    self._positions[block.shard] = block.end - left
+                    self._next_shard = block.shard if left else (block.shard + 1) % len(self._positions)
+                    yield to_tensordict(batch) if tensordict else batch
+        finally:
+            self._pool_busy &= not pooled
+
+    def _posted(self, plan: BlockPlan) -> bool:
+        """Whether this pass runs on the persistent workers (made now if need be), its position,
+        plan and seed posted for them: with fork workers, unless another pass iterates them or
+        the pass does not fit the channel."""
+        if self._pool_busy or _start_method(self._options["multiprocessing_context"]) != "fork":
+            return False
+        seeds = self._worker_seeds()
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=seeds).item())  # as torch draws it
+        if not self._channel.post(({**self._start, "batch": self._positions[0]}, plan, base_seed)):
+            return False
+        if self._pool is None:
+            self._pool = tud.DataLoader(
+                self.dataset.relayed(self._channel, self._options["worker_init_fn"]), batch_size=None,
+                num_workers=self.num_workers, persistent_workers=True, generator=self._worker_seeds(),
+                **self._options)
+        return True
+
+
+def _start_method(context: Any) -> str:
+    """The start method of a DataLoader's ``multiprocessing_context`` (None: the default one)."""
+    if context is None:  # without fixing the default, as get_start_method() would
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return context if isinstance(context, str) else str(context.get_start_method())
 
 
 def _pass_start(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate_fn_map  # torch's documented extension point
 
+from .formats import Key, key_to_name, to_tensordict
 from .shared_ring import SlotBatch, WorkerRing
 
 
@@ -154,6 +155,31 @@ def sink_for(ring: WorkerRing | None) -> Sink:
     if info is not None and ring is not None and ring.usable_in(info.id):
         return RingSink(ring, info.id)
     return Sink(_nowhere, to_tensors if info is None else packed_tensors)
+
+
+class TensorDictSink(Sink):
+    """Another sink's batches as TensorDicts (`to_tensordict`; slot handles flagged to unpickle
+    into one)."""
+
+    def __init__(self, inner: Sink):
+        self.inner = inner
+        self.gathers = inner.gathers
+
+    def destination(self) -> dict[str, np.ndarray] | None:
+        return self.inner.destination()
+
+    def emit(self, batch: Mapping[str, np.ndarray]) -> Any:
+        out = self.inner.emit(batch)
+        return out.received_as_tensordict() if isinstance(out, SlotBatch) else to_tensordict(out)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def by_name(destination: Callable[[], Mapping[Key, np.ndarray] | None]) -> dict[str, np.ndarray] | None:
+    """``destination()`` keyed by field names (a TensorDict key becomes its name, `key_to_name`)."""
+    into = destination()
+    return None if into is None else {k if isinstance(k, str) else key_to_name(k): v for k, v in into.items()}
 
 
 def _nowhere() -> None:
