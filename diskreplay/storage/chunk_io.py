@@ -126,6 +126,14 @@ class ChunkIO:
                         f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
                 rows[...] = 0
 
+    def read_here(self, work: ChunkRead) -> bool:
+        """Read one chunk into its rows on the calling thread (a read-ahead's job): False if it
+        is missing. Raises CorruptBufferError as `read`."""
+        key, _, rows = work
+        if self.store.supports_mmap and self.raw:
+            return self._read_raw(key, rows)
+        return self._decode(work, self.store.get(key))
+
     def _read_raw(self, key: str, rows: np.ndarray) -> bool:
         """Read a raw chunk file straight into ``rows`` (no copy), its checksum beside it."""
         values = rows.reshape(-1).view(np.uint8).data
