@@ -19,7 +19,9 @@ Measured (median of repeats):
 3. sample(256), warm: every chunk in the cache; vs the same on local disk (warm too);
 4. sequential epoch, cold: rows in order, with read-ahead (``--read-ahead`` chunks per gather,
    ``--ahead-threads`` requests in flight) vs one chunk at a time (one chunk per gather, 1 request
-   in flight), over ``--seq-chunks`` chunks.
+   in flight), over ``--seq-chunks`` chunks;
+5. epoch, cold: every row once through ``Loader(make_dataset(url, 256, mode="epoch"))`` in this
+   process (block shuffle), a fresh reader each time, reading ahead by bytes (``--epoch-ahead-mib``).
 
 Targets: warm sampling within 1.5x of local disk; cold sequential iteration with read-ahead at
 least 8x faster than one chunk at a time (judged on the latency run, where the network is what
@@ -94,8 +96,9 @@ def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
             "done": rng.random(rows) < 0.001}
 
 
-def write_buffer(url: str, data: dict, chunk_rows: int, storage_options: dict | None) -> None:
-    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression="zstd",
+def write_buffer(url: str, data: dict, chunk_rows: int, storage_options: dict | None,
+                 compression: str | None = "zstd") -> None:
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression=compression,
                                  storage_options=storage_options, io_threads=16, overwrite=True)
     step = 64 * chunk_rows
     for start in range(0, len(data["obs"]), step):
@@ -166,6 +169,23 @@ def bench_sequential(url: str, so: dict, chunk_rows: int, chunks: int, read_ahea
     return stats
 
 
+def bench_epoch(url: str, so: dict, rows: int, ahead_mib: float | None, repeats: int) -> bl.Stats:
+    """Seconds per row of one cold epoch in this process (every row once, batches of 256)."""
+    from diskreplay.torch import Loader, make_dataset
+
+    def once() -> float:
+        ds = make_dataset(url, 256, mode="epoch", storage_options=so, cache_bytes=2**30, io_threads=16)
+        if ahead_mib is not None:
+            ds.read_ahead_bytes = int(ahead_mib * 2**20)
+        started = time.perf_counter()
+        seen = sum(len(batch["index"]) for batch in Loader(ds))
+        secs = time.perf_counter() - started
+        assert seen == rows, (seen, rows)
+        ds.reader.get().close()
+        return secs
+    return bl.interleaved({"epoch": once}, repeats, number=rows)["epoch"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,6 +197,9 @@ def main() -> None:
     p.add_argument("--ahead-threads", type=int, default=32, help="requests in flight in the read-ahead pass")
     p.add_argument("--seq-chunks", type=int, default=None, help="chunks read by the sequential passes")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--compression", default="zstd", help="codec of the buffer: zstd, lz4 or none")
+    p.add_argument("--epoch-ahead-mib", type=float, default=None,
+                   help="epoch read-ahead budget (default: the library's)")
     p.add_argument("--out", default=None, help="also write the report to this file")
     args = p.parse_args()
     q = args.quick
@@ -198,8 +221,9 @@ def main() -> None:
         local = os.path.join(tmp, "local")
         url = f"s3://{BUCKET}/bench"
         log("writing the buffer (local disk and S3) ...")
-        write_buffer(local, data, args.chunk_rows, None)
-        write_buffer(url, data, args.chunk_rows, options(endpoints["loopback"]))
+        compression = None if args.compression == "none" else args.compression
+        write_buffer(local, data, args.chunk_rows, None, compression)
+        write_buffer(url, data, args.chunk_rows, options(endpoints["loopback"]), compression)
         del data
         runs = {"loopback": options(endpoints["loopback"]), f"+{args.latency_ms:g} ms": options(endpoints["latency"])}
         table = bl.Table(list(runs), corner="S3 (moto)")
@@ -211,6 +235,8 @@ def main() -> None:
             log(f"[{name}] sequential epoch ({seq_chunks} chunks) ...")
             seq = bench_sequential(url, so, args.chunk_rows, seq_chunks, args.read_ahead, args.ahead_threads,
                                    max(2, repeats - 2))
+            log(f"[{name}] epoch ({rows:,} rows) ...")
+            epoch = bench_epoch(url, so, rows, args.epoch_ahead_mib, max(2, repeats - 2))
             log(f"[{name}] warm sample(256) ...")
             remote = open_reader(url, so, 16)
             warm(remote, rows, args.chunk_rows)
@@ -221,7 +247,8 @@ def main() -> None:
             loc.close()
             results[name] = {"cold1": cold1.median, "cold16": cold16.median, "amp": amp,
                              "warm": hot["s3"].median, "local": hot["local"].median,
-                             "ahead": seq["read-ahead"].median, "one": seq["one chunk at a time"].median}
+                             "ahead": seq["read-ahead"].median, "one": seq["one chunk at a time"].median,
+                             "epoch": epoch.median}
         col = list(runs)
         table.add("sample(256) cold, 1 request in flight", {c: results[c]["cold1"] for c in col}, unit="ms")
         table.add("sample(256) cold, 16 in flight", {c: results[c]["cold16"] for c in col}, unit="ms")
@@ -240,6 +267,9 @@ def main() -> None:
                    for c in col}, kind="text")
         table.add("sequential epoch, cold, one chunk at a time",
                   {c: f"{mb / results[c]['one']:.1f} MB/s ({1 / results[c]['one'] / 1e3:,.0f}k rows/s)"
+                   for c in col}, kind="text")
+        table.add("epoch, cold, Loader in this process (read-ahead by bytes)",
+                  {c: f"{mb / results[c]['epoch']:.1f} MB/s ({1 / results[c]['epoch'] / 1e3:,.0f}k rows/s)"
                    for c in col}, kind="text")
         table.add("read-ahead speed-up", {c: f"{results[c]['one'] / results[c]['ahead']:.1f}x" for c in col},
                   kind="text")

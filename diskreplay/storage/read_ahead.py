@@ -86,10 +86,11 @@ class ReadAhead:
                     yield key
 
     def top_up(self) -> None:
-        """Start chunks of the plan until the budget is used (chunks cached already are only
-        marked recently used)."""
+        """Start chunks of the plan until the budget is used, at most ``4 * io.threads`` a call
+        (chunks cached already are only marked recently used)."""
         wanted: list[tuple[int, int]] = []
-        room = min(self.budget - len(self._ahead), self.cache.evictable() - 1)  # a slot left for reads
+        # a slot left for reads; a few threads' worth at a time, so no read waits for the whole plan
+        room = min(self.budget - len(self._ahead), self.cache.evictable() - 1, 4 * self.io.threads)
         while len(wanted) < room:
             key = next(self._next, None)
             if key is None:
