@@ -170,8 +170,7 @@ class Storage(ABC):
         chunks. Replaces an earlier announcement; None: stop reading ahead. Reads that differ
         from the announcement stay right (they load what they miss). A no-op where reads need
         no read-ahead (memory-mapped files, raw chunks on local disk, a local window held whole
-        in the cache). Raises
-        ClosedError for a closed storage (stopping is no error)."""
+        in the cache). Raises ClosedError for a closed storage (stopping is no error)."""
         if steps is not None and self._log.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         self._reader.read_ahead(steps, budget_bytes)

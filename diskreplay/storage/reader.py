@@ -62,14 +62,16 @@ class ChunkReader:
 
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         """Fetch and decode the chunks of ``steps`` ahead of the reads that will ask for them
-        (`ReadAhead`), within ``budget_bytes``; None: stop. Readers through the chunk cache only,
-        and not of raw local chunks (memory maps, or the first-read fill, a copy of the files, need
-        none); the first-read fill of decoded chunks is not done then."""
-        if steps is not None and (not self.reader or self.mapped is not None or self.row_reads is not None
-                                  or self.warmer.resident_span is not None
-                                  or (self.warmer.local and self.loader.io.raw)):
+        (`ReadAhead`), within ``budget_bytes``; None: stop. For readers through the chunk cache:
+        memory maps, a window resident in the cache and raw local chunks (the first-read fill
+        copies those files) need none."""
+        if steps is None:
+            self.ahead.plan(None)
             return
-        self.warmer.pending = self.warmer.pending and steps is None
+        if (not self.reader or self.mapped is not None or self.row_reads is not None
+                or self.warmer.resident_span is not None or (self.warmer.local and self.loader.io.raw)):
+            return
+        self.warmer.pending = False  # the announced reads bring the chunks in, each decoded when needed
         self.ahead.plan(steps, budget_bytes)
 
     def output(self, name: str, count: int, given: np.ndarray | None) -> np.ndarray:
