@@ -1,10 +1,10 @@
 """`ReadAhead`: the chunks a reader will need next, fetched and decoded ahead of its reads.
 
 A reader that knows the order of its next reads (an epoch, `Storage.read_ahead`) hands it over as
-(lane, step) arrays, read lazily. Chunks are started in order of first need: each field's chunk
-is one job on a pool of ``io.threads`` threads (as many requests in flight as the store allows),
-which fetches it and decodes it (zstd, lz4 and checksums run without the GIL) straight into a
-cache slot reserved for it, off the reader's thread. The slot is shown to reads
+(lane, step) arrays, read lazily. Chunks are started in order of first need, each one job on a
+pool of threads that keeps about ``io.threads`` requests in flight (as many as the store allows):
+it fetches the chunk of every field at once and decodes them (zstd, lz4 and checksums run
+without the GIL) straight into a cache slot reserved for it, off the reader's thread. The slot is shown to reads
 (`ChunkCache.place`) on the reader's thread when a read needs it, waiting for that chunk alone.
 
 What is started and not yet read is bounded by bytes (decoded, ``budget_bytes``, at most half
@@ -35,7 +35,7 @@ Steps = Iterable[tuple[np.ndarray, np.ndarray]]
 
 @dataclass
 class _Fill:
-    """A chunk started ahead: its reserved slot and one job per field."""
+    """A chunk started ahead: its reserved slot and the job that fills it."""
 
     lane: int
     chunk: int
@@ -50,7 +50,8 @@ class ReadAhead:
         self.loader, self.cache, self.io, self.retired = loader, loader.cache, loader.io, retired
         self.layout = retired.layout
         self.slot_bytes = self.layout.chunk_rows * self.io.schema.row_bytes
-        self.workers = Threads(self.io.threads, "diskreplay-ahead")
+        fields = len(loader.all_fields)  # one job per chunk, a request per field: io.threads in flight
+        self.workers = Threads(max(1, -(-self.io.threads // fields)), "diskreplay-ahead")
         self.budget = 0
         """Chunks that may be started and not yet read (0: no plan)."""
         self.started = 0
@@ -105,10 +106,9 @@ class ReadAhead:
             return
         for (lane, chunk), slot in zip(wanted, self.cache.reserve(len(wanted)).tolist()):
             io = self.io
-            jobs = [self.workers.submit(io.read_here, (io.key(name, lane, chunk), io.codecs[name],
-                                                      self.cache.chunk_rows_of(name, slot)))
+            work = [(io.key(name, lane, chunk), io.codecs[name], self.cache.chunk_rows_of(name, slot))
                     for name in self.loader.all_fields]
-            self._ahead[lane, chunk] = _Fill(lane, chunk, slot, jobs)
+            self._ahead[lane, chunk] = _Fill(lane, chunk, slot, [self.workers.submit(io.read_here, work)])
         self.loader.chunks_loaded += len(wanted)
         self.started += len(wanted)
 
