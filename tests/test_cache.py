@@ -104,6 +104,22 @@ def test_pinned_slots_are_never_evicted():
         make_cache(slots=2).assign(A(0, 0, 0), A(0, 1, 2))
 
 
+def test_reserved_slots_are_pinned_and_found_only_once_placed():
+    cache = make_cache(slots=3)
+    old = cache.assign(A(0), A(1))
+    cache.unpin(old)
+    reserved = cache.reserve(3)  # a read-ahead's slots: the least recently used one emptied too
+    assert sorted(reserved.tolist()) == [0, 1, 2]
+    assert cache.is_pinned(reserved).all() and cache.evictable() == 0
+    assert (table(cache) == -1).all()  # reads find none of them yet
+    with pytest.raises(RuntimeError, match="chunk cache has 0 free slots, 1 needed"):
+        cache.reserve(1)
+    cache.place(A(1), A(2), reserved[:1])
+    assert table(cache)[1, 2] == reserved[0]
+    cache.release(reserved[1:])
+    assert cache.evictable() == 2 and cache.cached_chunks() == 1
+
+
 def test_evict_and_invalidate():
     cache = make_cache(slots=3)
     s = cache.assign(A(0, 0, 1), A(0, 1, 1))

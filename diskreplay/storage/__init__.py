@@ -19,11 +19,13 @@ from .opening import (
     plan_storage,
 )
 from .outputs import check_output
+from .read_ahead import READ_AHEAD_BYTES
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots, default_chunk_rows
 from .union import UnionStorage
 from .warm import physical_memory
 
-__all__ = ["BufferStorage", "DEFAULT_CACHE_BYTES", "NewStorage", "Options", "Storage", "StorageStats", "UnionStorage",
+__all__ = ["BufferStorage", "DEFAULT_CACHE_BYTES", "READ_AHEAD_BYTES",
+           "NewStorage", "Options", "Storage", "StorageStats", "UnionStorage",
            "cache_slots", "check_location", "create_storage", "default_chunk_rows", "open_storage", "check_output",
            "physical_memory", "open_union_storage", "own_stores", "plan_storage"]
 

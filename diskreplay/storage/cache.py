@@ -149,6 +149,19 @@ class ChunkCache:
             return np.zeros(0, dtype=np.int64)
         if n > self.evictable(whole):
             raise RuntimeError(f"chunk cache has {self.evictable(whole)} free slots, {n} needed")
+        return self.place(lanes, chunks, self._victims(n, whole))
+
+    def reserve(self, n: int) -> np.ndarray:
+        """``n`` slots with room for every field, emptied and pinned but holding no chunk: a fill
+        that reads find only once it is `place`d. Raises RuntimeError as `assign`."""
+        if n > self.evictable():
+            raise RuntimeError(f"chunk cache has {self.evictable()} free slots, {n} needed")
+        slots = self._victims(n, whole=True)
+        self._pinned[slots] = True
+        return slots
+
+    def _victims(self, n: int, whole: bool) -> np.ndarray:
+        """``n`` unpinned slots, emptied: unused ones first, else the least recently used."""
         eligible = self.full_slots if whole else self.slots
         empty = np.flatnonzero((self._owner_lane[:eligible] < 0) & ~self._pinned[:eligible])
         if len(empty) >= n:  # unused slots first: no LRU scan
@@ -157,7 +170,7 @@ class ChunkCache:
             age = np.where(self._pinned[:eligible], np.iinfo(np.int64).max, self._last_used[:eligible])
             victims = np.argpartition(age, n - 1)[:n] if n < eligible else np.arange(n)
         self.evict(victims)
-        return self.place(lanes, chunks, victims)
+        return victims
 
     def assign_zeroed(self, lane: int, chunk: int) -> int:
         """A pinned slot for a chunk with no stored rows yet, every field zero (a recycled slot

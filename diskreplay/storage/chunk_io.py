@@ -126,6 +126,15 @@ class ChunkIO:
                         f"{self.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
                 rows[...] = 0
 
+    def read_here(self, work: Sequence[ChunkRead]) -> bool:
+        """Read chunks into their rows, decoded on the calling thread (a read-ahead's job; one
+        request each, all in flight at once): False if one is missing. Raises
+        CorruptBufferError as `read`."""
+        if self.store.supports_mmap and self.raw:
+            return all(self._read_raw(key, rows) for key, _, rows in work)
+        blobs = self.store.get_many([key for key, _, _ in work])
+        return all(self._decode(one, blob) for one, blob in zip(work, blobs))
+
     def _read_raw(self, key: str, rows: np.ndarray) -> bool:
         """Read a raw chunk file straight into ``rows`` (no copy), its checksum beside it."""
         values = rows.reshape(-1).view(np.uint8).data

@@ -27,6 +27,7 @@ from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .outputs import Rows
+from .read_ahead import READ_AHEAD_BYTES, Steps
 from .reader import ChunkReader
 from .row_reads import RowReads
 
@@ -51,6 +52,8 @@ class StorageStats:
     commit_sequence: int
     stale_reads: int
     """Reads refused (`StaleReadError`) because the writer had overwritten rows they asked for."""
+    chunks_read_ahead: int = 0
+    """Of ``chunks_loaded``, those fetched and decoded ahead of the reads (`Storage.read_ahead`)."""
 
 
 
@@ -128,7 +131,7 @@ class Storage(ABC):
             self.mapped is not None, self.mapped.maps if self.mapped is not None else 0,
             {name: int(self._io.codecs[name].inner_rows or 0) for name in row_fields},
             self._reader.warmer.resident_span is not None, self._log.record.sequence,
-            self._reader.retired.stale_reads)
+            self._reader.retired.stale_reads, self._reader.ahead.started)
 
     # ---- windows ---------------------------------------------------------------------------
 
@@ -159,12 +162,26 @@ class Storage(ABC):
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         return self._reader.gather(lane, step, names, out)
 
+    def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
+        """Announce the next reads: ``steps`` yields (lane, step) arrays in the order `gather`
+        will ask for them (read lazily). Their chunks are then fetched and decoded on threads
+        ahead of those reads, in that order, with up to ``budget_bytes`` of decoded chunks
+        (at most half the cache) started and not yet read; each read waits only for its own
+        chunks. Replaces an earlier announcement; None: stop reading ahead. Reads that differ
+        from the announcement stay right (they load what they miss). A no-op where reads need
+        no read-ahead (memory-mapped files, raw chunks on local disk, a local window held whole
+        in the cache). Raises ClosedError for a closed storage (stopping is no error)."""
+        if steps is not None and self._log.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        self._reader.read_ahead(steps, budget_bytes)
+
     def read_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
         return self._log.read_newest()
 
     def adopt(self, record: CommitRecord) -> None:
         """Reader: follow ``record``, dropping cached or mapped chunks it may have rewritten."""
+        self._reader.ahead.drop()
         shown = self._log.record
         for lane in np.flatnonzero(shown.committed != record.committed).tolist():
             old = min(int(shown.committed[lane]), int(record.committed[lane]))
@@ -176,6 +193,7 @@ class Storage(ABC):
         """Reader: cached or mapped copies of steps ``[first, end)`` are out of date (rewritten by
         the writer, or a field of them patched after they were committed: episodic returns)."""
         chunks = self.layout.chunks_between(first, end)
+        self._reader.ahead.drop()  # its pinned chunks would stay
         self._cache.invalidate(lane, chunks)
         self._files.forget(lane, chunks)
         self._reader.warmer.reset()
@@ -202,6 +220,7 @@ class Storage(ABC):
         """Release threads, maps and the writer lock (idempotent). Nothing is written."""
         if self._log.closed:
             return
+        self._reader.ahead.close()
         self._io.close()
         self._files.close()
         self._log.close()

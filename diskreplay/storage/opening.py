@@ -47,6 +47,7 @@ from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
+from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
@@ -233,7 +234,8 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     files = FileMaps(mapped, row_reads)
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
-    reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r")
+    reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r",
+                         ReadAhead(loader, retired))
     return ReadSide(cache, loader, reader, files)
 
 

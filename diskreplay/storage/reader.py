@@ -20,6 +20,7 @@ from .cursors import Cursors
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .outputs import Rows, output_rows, take_into
+from .read_ahead import READ_AHEAD_BYTES, ReadAhead, Steps
 from .row_reads import RowReads
 from .stale import RetiredCheck
 from .warm import Warmer
@@ -30,7 +31,7 @@ class ChunkReader:
 
     def __init__(self, schema: Schema, cursors: Cursors, cache: ChunkCache, loader: ChunkLoader,
                  mapped: MappedChunks | None, row_reads: RowReads | None, retired: RetiredCheck, warmer: Warmer,
-                 reader: bool):
+                 reader: bool, ahead: ReadAhead):
         self.schema = schema
         self.field_names = tuple(schema.fields)
         self.layout = cursors.layout
@@ -38,6 +39,7 @@ class ChunkReader:
         self.row_names = frozenset(row_reads.names if row_reads is not None else ())
         self.retired, self.warmer = retired, warmer
         self.reader = reader
+        self.ahead = ahead
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
@@ -51,7 +53,26 @@ class ChunkReader:
             return self._gather_mapped(self.mapped, lane, step, names, out or {})
         if self.row_reads is not None and not self.row_names.isdisjoint(names):
             return self._gather_by_rows(self.row_reads, lane, step, names, out or {})
-        return self._gather_cached(lane, step, names, out)
+        if not self.ahead.active:
+            return self._gather_cached(lane, step, names, out)
+        self.ahead.before(lane, step)
+        rows = self._gather_cached(lane, step, names, out)
+        self.ahead.top_up()
+        return rows
+
+    def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
+        """Fetch and decode the chunks of ``steps`` ahead of the reads that will ask for them
+        (`ReadAhead`), within ``budget_bytes``; None: stop. For readers through the chunk cache:
+        memory maps, a window resident in the cache and raw local chunks (the first-read fill
+        copies those files) need none."""
+        if steps is None:
+            self.ahead.plan(None)
+            return
+        if (not self.reader or self.mapped is not None or self.row_reads is not None
+                or self.warmer.resident_span is not None or (self.warmer.local and self.loader.io.raw)):
+            return
+        self.warmer.pending = False  # the announced reads bring the chunks in, each decoded when needed
+        self.ahead.plan(steps, budget_bytes)
 
     def output(self, name: str, count: int, given: np.ndarray | None) -> np.ndarray:
         return output_rows(self.schema[name], count, given)

@@ -19,6 +19,7 @@ from ..buffer.batches import BATCH_EXTRAS, TRANSFORMS, split_batches
 from ..errors import EmptyBufferError
 from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
+from ..storage import READ_AHEAD_BYTES as CHUNKS_AHEAD_BYTES
 from .batch_rng import BatchRngs
 from .epoch_order import EpochOrder, Shard
 from .formats import Key
@@ -366,6 +367,9 @@ class EpochDataset(_BufferDataset):
         self._epoch = 0
         self._done = False  # this copy produced every batch of its shard's epoch
         self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
+        self.read_ahead_bytes = CHUNKS_AHEAD_BYTES
+        """Decoded bytes of chunks each reader fetches ahead of its batches and has not read yet
+        (`diskreplay.storage.Storage.read_ahead`; at most half its cache)."""
 
     @property
     def epoch(self) -> int:
@@ -472,6 +476,7 @@ class EpochDataset(_BufferDataset):
         names, last, batches = _out_names(buf), order.num_batches, order.batches(first)
         ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf))
         k = first
+        buf.storage.read_ahead(order.batches(first), self.read_ahead_bytes)  # the same rows, announced
         try:
             while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
                 lane, step = group[0] if len(group) == 1 else (np.concatenate(parts) for parts in zip(*group))
@@ -486,6 +491,7 @@ class EpochDataset(_BufferDataset):
                     self._batch, self._done = k, k == last
                     yield sink.emit(batch)
         finally:
+            buf.storage.read_ahead(None)
             sink.close()
 
 

@@ -1,0 +1,133 @@
+"""Epochs read ahead: the chunks of the next batches are fetched and decoded on threads, in order
+of need, bounded by bytes (`diskreplay.storage.read_ahead`). Checked by counts: requests and the
+most in flight at the S3 proxy (tests/s3server.py), bytes fetched, chunks in `stats()`."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from s3server import FaultProxy, proxy_options, s3
+
+import diskreplay as dr
+from diskreplay.errors import CorruptBufferError
+from diskreplay.torch import Loader, make_dataset
+from diskreplay.torch.datasets import batches_per_read
+
+FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
+CHUNK = 64
+CHUNKS = 48
+ROW_BYTES = 12 + 8
+CHUNK_BYTES = CHUNK * ROW_BYTES
+
+
+def write(url: str, storage_options: dict | None = None, compression: str | None = "zstd") -> None:
+    """``CHUNKS`` chunks of ``CHUNK`` rows; row id ``i`` has act == i and obs == (i, i + .5, -i)."""
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=CHUNK, compression=compression,
+                                 storage_options=storage_options)
+    ids = np.arange(CHUNKS * CHUNK)
+    buf.extend({"obs": np.stack([ids, ids + 0.5, -ids], -1).astype(np.float32), "act": ids})
+    buf.close()
+
+
+def check_epoch(ds) -> None:
+    """One epoch in this process: every row exactly once, each with its own values."""
+    seen = []
+    for batch in Loader(ds):
+        ids = batch["index"].numpy()
+        np.testing.assert_array_equal(batch["act"].numpy(), ids)
+        np.testing.assert_array_equal(batch["obs"].numpy(), np.stack([ids, ids + 0.5, -ids], -1).astype(np.float32))
+        seen.append(ids)
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(CHUNKS * CHUNK))
+
+
+def chunk_gets(proxy: FaultProxy) -> dict[str, int]:
+    """GETs of each chunk object the proxy saw."""
+    with proxy.lock:
+        return {path: n for (method, path), n in proxy.hits.items() if method == "GET" and "/c." in path}
+
+
+@pytest.mark.parametrize("shuffle", ["none", "block"])
+def test_s3_epoch_keeps_the_store_busy_and_fetches_each_chunk_once(s3, shuffle):
+    url = s3.new_url("ahead")
+    write(url, s3.storage_options())
+    proxy = FaultProxy(s3.endpoint, latency_s=0.05)
+    try:
+        ds = make_dataset(url, 16, mode="epoch", shuffle=shuffle, io_threads=8,
+                          storage_options=proxy_options(s3, proxy))
+        reader = ds.reader.get()
+        reader.storage.store.fs.retries = 1  # s3fs would retry a slow answer silently: an uncounted GET
+        proxy.reset_stats()
+        check_epoch(ds)
+        gets = chunk_gets(proxy)
+        assert len(gets) == 2 * CHUNKS
+        assert sum(gets.values()) == 2 * CHUNKS + reader.storage.store.retried
+        # before: one batch's chunk at a time (2 requests in flight with shuffle="none")
+        assert proxy.max_in_flight == 8  # the store's concurrency, never more
+        stats = reader.stats()
+        assert stats.chunks_loaded == stats.chunks_read_ahead == CHUNKS
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_first_batch_decodes_its_chunks_and_the_budget_only(s3, tmp_path, where):
+    so = s3.storage_options() if where == "s3" else None
+    url = s3.new_url("first") if where == "s3" else str(tmp_path / "b")
+    write(url, so)
+    ds = make_dataset(url, 16, mode="epoch", shuffle="none", storage_options=so)
+    ds.read_ahead_bytes = 4 * CHUNK_BYTES
+    reader = ds.reader.get()
+    batches = iter(Loader(ds))
+    next(batches)
+    first_read = 16 * batches_per_read(16, reader)  # rows the first gather reads: whole chunks here
+    assert first_read % CHUNK == 0
+    # before: 48 on local disk (the first read filled the cache with every chunk, decoding each)
+    assert reader.stats().chunks_loaded == first_read // CHUNK + 4
+    assert reader.stats().chunks_read_ahead == first_read // CHUNK + 4
+    for _ in batches:
+        pass
+    assert reader.stats().chunks_loaded == CHUNKS
+
+
+def test_read_ahead_stays_within_its_byte_budget(s3):
+    url = s3.new_url("budget")
+    write(url, s3.storage_options(), compression=None)
+    buf = dr.ReplayBuffer.open(url, "r", storage_options=s3.storage_options(), io_threads=4)
+    storage, fetched = buf.storage, {}
+    keys = {storage.chunk_key(name, 0, c): c for name in FIELDS for c in range(CHUNKS)}
+    original = storage.store.get_many
+
+    def counted(names, *args):
+        blobs = original(names, *args)
+        for name, blob in zip(names, blobs):
+            fetched[keys[name]] = fetched.get(keys[name], 0) + len(blob)
+        return blobs
+
+    storage.store.get_many = counted
+    budget = 3 * CHUNK_BYTES + CHUNK_BYTES // 2
+    lane = np.zeros(CHUNK, np.int64)
+    steps = [np.arange(c * CHUNK, (c + 1) * CHUNK)[::-1].copy() for c in range(CHUNKS)]
+    storage.read_ahead(((lane, s) for s in steps), budget)
+    for c, step in enumerate(steps):
+        rows = storage.gather(lane, step)
+        np.testing.assert_array_equal(rows["act"], step)
+        ahead = sum(n for chunk, n in fetched.items() if chunk > c)  # fetched, not yet read
+        assert ahead <= budget + CHUNK_BYTES
+        assert storage.stats().chunks_loaded == min(CHUNKS, c + 1 + 3)  # 3 chunks of the budget ahead
+    assert sorted(fetched) == list(range(CHUNKS))
+    assert all(n == 2 * 4 + CHUNK_BYTES for n in fetched.values())  # each chunk once (+ 2 checksums)
+    buf.close()
+
+
+def test_a_missing_chunk_is_reported_by_the_read_that_needs_it(tmp_path):
+    url = str(tmp_path / "b")
+    write(url)
+    reader = dr.ReplayBuffer.open(url, "r")
+    key = reader.storage.chunk_key("obs", 0, 5)
+    reader.close()
+    os.remove(os.path.join(url, key))
+    ds = make_dataset(url, 16, mode="epoch", shuffle="none")
+    with pytest.raises(CorruptBufferError, match=f"chunk '{key}' is missing, but the last commit says it holds rows"):
+        check_epoch(ds)
