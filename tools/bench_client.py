@@ -56,41 +56,12 @@ PACKAGES = ["s3fs", "aiobotocore", "botocore", "obstore", "moto"]
 SMALL, LARGE, RANGE = 122 * 1024, 5 * 1024 * 1024, 4096
 
 SERVER_CODE = """
-import json, re, sys, time
+import json, sys
 sys.path.insert(0, sys.argv[1])
 from s3server import FaultProxy, MotoS3
 
-class RangeCachingProxy(FaultProxy):
-    '''Byte ranges of a cached object are cut out of the proxy's copy (moto's CPU stays out).'''
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.server.socket.listen(1024)  # socketserver's backlog of 5 drops bursts of connections
-
-    def _serve(self, req):
-        span = re.fullmatch(r"bytes=(\\d+)-(\\d+)", req.headers.get("Range", ""))
-        whole = self.cache.get(req.path) if span and req.command == "GET" else None
-        if whole is None:
-            return super()._serve(req)
-        with self.lock:
-            self.hits[(req.command, req.path.split("?", 1)[0])] += 1
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            time.sleep(self.latency_s)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-        data = whole[3]
-        start, end = int(span.group(1)), min(int(span.group(2)), len(data) - 1)
-        req.send_response(206)
-        req.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        req.send_header("Content-Length", str(end + 1 - start))
-        req.end_headers()
-        req.wfile.write(data[start:end + 1])
-
 s3 = MotoS3(sys.argv[2])
-proxy = RangeCachingProxy(s3.endpoint, latency_s=float(sys.argv[3]), cache=True)
+proxy = FaultProxy(s3.endpoint, latency_s=float(sys.argv[3]), cache=True)
 print(json.dumps({"moto": s3.endpoint, "proxy": proxy.endpoint}), flush=True)
 for line in sys.stdin:  # "stats": requests and bytes served since the last "stats"
     with proxy.lock:
