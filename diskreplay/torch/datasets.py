@@ -368,8 +368,7 @@ class EpochDataset(_BufferDataset):
         self._done = False  # this copy produced every batch of its shard's epoch
         self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
         self.read_ahead_bytes = CHUNKS_AHEAD_BYTES
-        """Decoded bytes of chunks each reader fetches ahead of its batches and has not read yet
-        (`diskreplay.storage.Storage.read_ahead`; at most half its cache)."""
+        """Decoded bytes of chunks fetched ahead of the batches, not yet read (at most half the cache)."""
 
     @property
     def epoch(self) -> int:
