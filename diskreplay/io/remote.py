@@ -19,6 +19,7 @@ import asyncio
 import errno
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
@@ -32,6 +33,10 @@ from .retry import RetryPolicy, is_transient
 from .store import Data, ParallelMap, parts_of
 
 log = logging.getLogger(__name__)
+# older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does not run:
+# every call would wait on it forever (later fsspecs reset it themselves, as this does)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
 SLOW_CALL_S = 5.0
 """A store call taking this many seconds or more (retries included) is logged at INFO."""
 
