@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -164,7 +165,10 @@ def test_resumed_workers_get_the_torch_seeds_of_uninterrupted_ones(buf, tmp_path
     def seeds(ld: Loader) -> list[str]:
         if os.path.exists(path):
             os.unlink(path)
-        list(itertools.islice(iter(ld), 8))
+        list(itertools.islice(iter(ld), 8))  # may all come from one worker's blocks: wait for both to start
+        deadline = time.monotonic() + 60
+        while (not os.path.exists(path) or len(open(path).read().splitlines()) < 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
         with open(path) as f:
             return sorted(f.read().splitlines())
 
