@@ -190,6 +190,8 @@ def test_ranged_reads_of_short_and_empty_objects(s3):
     assert [store.get("full", 4), store.get("full", 100), store.get("empty", 10), store.get("absent", 10)] == \
         [b"0123", b"0123456789", b"", None]
     assert store.get_many(["empty", "full"]) == [b"", b"0123456789"]
+    assert store.get_ranges([("full", 2, 5), ("full", 8, 20), ("full", 10, 12), ("empty", 0, 4), ("absent", 0, 1)]) \
+        == [b"234", b"89", b"", b"", None]
     assert store.sizes() == {"full": 10, "empty": 0}
 
 
@@ -231,5 +233,10 @@ def test_get_many_has_as_many_requests_in_flight_as_asked(s3, s3_client):
         assert got == [bytes([i]) * 100 for i in range(32)]
         assert proxy.count("/k", "GET") == 32
         assert 10 < proxy.max_in_flight <= 32
+        proxy.reset_stats()
+        ranges = [(f"k{i % 32}", j, j + 3) for i in range(128) for j in (10 * (i // 32),)]
+        assert store.get_ranges(ranges) == [bytes([int(key[1:])]) * 3 for key, _, _ in ranges]
+        assert proxy.count("/k", "GET") == 128 and proxy.bytes_out == 3 * 128
+        assert 32 < proxy.max_in_flight <= 4 * 32  # small ranged GETs: more in flight than whole objects
     finally:
         proxy.close()

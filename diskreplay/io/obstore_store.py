@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -30,7 +30,7 @@ from obstore.store import S3Store
 
 from .remote import FsspecChunkStore, RemoteCalls
 from .retry import RetryPolicy, is_transient
-from .store import Data, parts_of
+from .store import Data, Range, parts_of
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _XML_CODE, _XML_MESSAGE = re.compile(r"<Code>([^<]*)</Code>"), re.compile(r"<Message>([^<]*)</Message>")
@@ -108,32 +108,46 @@ class ObstoreChunkStore(RemoteCalls):
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
         if (forked := self._after_fork()) is not None:
             return forked.get_many(keys, limit)
-        if not keys:
+        return self._fetch_all([(key, 0, limit) for key in keys], self.concurrency)
+
+    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+        """Each range's bytes (None where the object is missing), at most ``range_concurrency``
+        ranged GETs in flight."""
+        if (forked := self._after_fork()) is not None:
+            return forked.get_ranges(ranges)
+        return self._fetch_all(ranges, self.range_concurrency)
+
+    def _fetch_all(self, spans: Sequence[tuple[str, int, int | None]], concurrency: int) -> list[bytes | None]:
+        """Each ``(key, start, stop)``'s bytes (``stop`` None: to the object's end); None where missing."""
+        if not spans:
             return []
-        found = self._sync(self._gather_bounded, [partial(self._get_async, k, limit) for k in keys], True)
+        found = self._sync(self._gather_bounded, [partial(self._get_async, *span) for span in spans], True,
+                           concurrency)
         for value in found:
             if isinstance(value, BaseException):
                 raise value
         return list(found)
 
-    async def _get_async(self, key: str, limit: int | None) -> bytes | None:
+    async def _get_async(self, key: str, start: int, stop: int | None) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit))
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, start, stop))
             return blob
         except (FileNotFoundError, NotFoundError):
             return None
 
-    async def _fetch(self, key: str, limit: int | None) -> bytes:
-        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
-        if limit is not None:
-            try:
-                return bytes(await obstore.get_range_async(self.s3, key, start=0, end=limit))
-            except GenericError as exc:
-                if _status(exc) != 416:
-                    raise
-                # an empty object has no byte 0 to range over: the whole object is shorter than limit
-        result = await obstore.get_async(self.s3, key)
-        return bytes(await result.bytes_async())
+    async def _fetch(self, key: str, start: int, stop: int | None) -> bytes:
+        """One GET of the object's bytes ``[start, stop)`` (``stop`` None: all of them)."""
+        if stop is None:
+            result = await obstore.get_async(self.s3, key)
+            return bytes(await result.bytes_async())
+        if stop <= start:
+            return b""
+        try:
+            return bytes(await obstore.get_range_async(self.s3, key, start=start, end=stop))
+        except GenericError as exc:
+            if _status(exc) != 416:
+                raise
+            return b""  # the object ends before ``start`` (an empty one has no byte 0)
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
         """One PUT (atomic and durable, whatever ``durable`` says)."""

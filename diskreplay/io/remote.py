@@ -30,13 +30,16 @@ import fsspec.asyn
 
 from ..errors import StoreUnavailableError
 from .retry import RetryPolicy, is_transient
-from .store import Data, ParallelMap, parts_of
+from .store import Data, ParallelMap, Range, parts_of
 
 log = logging.getLogger(__name__)
 # older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does not run:
 # every call would wait on it forever (later fsspecs reset it themselves, as this does)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
+RANGES_PER_REQUEST = 4
+"""`get_ranges` keeps this many times ``concurrency`` ranged GETs in flight (and an s3fs store's
+connection pool has room for them)."""
 SLOW_CALL_S = 5.0
 """A store call taking this many seconds or more (retries included) is logged at INFO."""
 
@@ -56,7 +59,15 @@ class RemoteCalls:
         """The object's bytes (at most ``limit`` of them: one ranged GET), or None if missing."""
         return self.get_many([key], limit)[0]
 
+    @property
+    def range_concurrency(self) -> int:
+        """Ranged GETs in flight in `get_ranges`: small ones cost their latency, not bandwidth."""
+        return RANGES_PER_REQUEST * self.concurrency
+
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
         raise NotImplementedError
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
@@ -86,11 +97,11 @@ class RemoteCalls:
         """Nothing: a PUT is durable when it returns."""
 
     async def _gather_bounded(self, makers: Sequence[Callable[[], Awaitable[Any]]],
-                              return_exceptions: bool = False) -> list[Any]:
-        """Every ``maker()`` awaited, at most ``concurrency`` at once; results in order. With
+                              return_exceptions: bool = False, concurrency: int | None = None) -> list[Any]:
+        """Every ``maker()`` awaited, at most ``concurrency`` (default: the store's) at once; results in order. With
         ``return_exceptions`` errors take their result's place; without, the first error is
         raised and the rest are cancelled (as all are when the caller is cancelled)."""
-        gate = asyncio.Semaphore(self.concurrency)
+        gate = asyncio.Semaphore(concurrency or self.concurrency)
 
         async def one(make: Callable[[], Awaitable[Any]]) -> Any:
             async with gate:
@@ -186,7 +197,7 @@ class FsspecChunkStore(RemoteCalls):
     def __init__(self, url: str, storage_options: dict[str, Any], *, concurrency: int = 16,
                  retry: RetryPolicy | None = None):
         super().__init__(url, concurrency, retry)
-        self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.concurrency))
+        self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.range_concurrency))
         self.root = root.rstrip("/")
         self._async = bool(getattr(self.fs, "async_impl", False))
         self._cat_kwargs: dict[str, Any] = {}
@@ -204,40 +215,50 @@ class FsspecChunkStore(RemoteCalls):
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
-        if not keys:
+        return self._fetch_all([(key, 0, limit) for key in keys], self.concurrency)
+
+    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+        """Each range's bytes (None where the object is missing), at most ``range_concurrency``
+        ranged GETs in flight."""
+        return self._fetch_all(ranges, self.range_concurrency)
+
+    def _fetch_all(self, spans: Sequence[tuple[str, int, int | None]], concurrency: int) -> list[bytes | None]:
+        """Each ``(key, start, stop)``'s bytes (``stop`` None: to the object's end); None where missing."""
+        if not spans:
             return []
         if self._async:
             found = fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
-                                     [partial(self._get_async, k, limit) for k in keys], True)
+                                     [partial(self._get_async, *span) for span in spans], True, concurrency)
         else:
-            found = [self._get_sync(key, limit) for key in keys]
+            found = [self._get_sync(*span) for span in spans]
         for value in found:
             if isinstance(value, BaseException):
                 raise value
         return list(found)
 
-    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
+    async def _get_async(self, key: str, start: int, stop: int | None) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit))
+            blob: bytes = await self._call_async(f"read of {key!r}",
+                                                 partial(self._cat_async, self.path(key), start, stop))
             return blob
         except FileNotFoundError:
             return None
 
-    async def _cat_async(self, path: str, limit: int | None) -> bytes:
-        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
-        if limit is not None:
-            try:
-                ranged: bytes = await self.fs._cat_file(path, start=0, end=limit, **self._cat_kwargs)
-                return ranged
-            except OSError as exc:
-                if "range is not satisfiable" not in str(exc):
-                    raise
-                # an empty object has no byte 0 to range over (HTTP 416): it is shorter than limit
-        blob: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
-        return blob
+    async def _cat_async(self, path: str, start: int, stop: int | None) -> bytes:
+        """One GET of the object's bytes ``[start, stop)`` (``stop`` None: all of them)."""
+        if stop is None:
+            whole: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
+            return whole
+        try:
+            ranged: bytes = await self.fs._cat_file(path, start=start, end=stop, **self._cat_kwargs)
+            return ranged
+        except OSError as exc:
+            if "range is not satisfiable" not in str(exc):
+                raise
+            return b""  # HTTP 416: the object ends before ``start`` (an empty one has no byte 0)
 
-    def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
-        span = {} if limit is None else {"start": 0, "end": limit}
+    def _get_sync(self, key: str, start: int, stop: int | None) -> bytes | None:
+        span = {} if stop is None else {"start": start, "end": stop}
         try:
             blob: bytes = self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
             return blob

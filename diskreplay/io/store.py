@@ -22,6 +22,9 @@ from typing import Protocol, runtime_checkable
 Data = bytes | memoryview | Sequence[bytes | memoryview]
 """An object's bytes, whole or in parts that are stored one after the other."""
 
+Range = tuple[str, int, int]
+"""``(key, start, stop)``: the bytes ``[start, stop)`` of an object."""
+
 ParallelMap = Callable[[Callable[[str], None], Iterable[str]], Iterable[None]]
 """``map``, or an executor's ``map``: how `ChunkStore.sync` runs its per-file syncs."""
 
@@ -51,6 +54,12 @@ class ChunkStore(Protocol):
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """Every key's bytes, None where missing (remote: many requests in flight)."""
+        ...
+
+    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+        """The bytes ``[start, stop)`` of each ``(key, start, stop)``: fewer where the object ends
+        before ``stop`` (none where it ends before ``start``), None where it does not exist
+        (remote: one ranged GET each, many in flight)."""
         ...
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
@@ -144,6 +153,9 @@ class PrefixedStore:
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self.store.get_many([self.prefix + key for key in keys])
+
+    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+        return self.store.get_ranges([(self.prefix + key, start, stop) for key, start, stop in ranges])
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
         return self.store.read_into(self.prefix + key, out)
