@@ -48,9 +48,12 @@ def test_first_read_of_rows_that_fit_the_cache_loads_every_chunk(tmp_path):
     with dr.ReplayBuffer.create(url, FIELDS, capacity=4000, chunk_rows=64, compression="zstd") as buf:
         buf.extend(rows(0, 4000))
     reader = dr.ReplayBuffer.open(url)
-    check(reader, np.array([7]))
-    assert reader.stats().cached_chunks == 63  # every chunk, read once
+    check(reader, np.array([7]))  # its chunk loaded into its home slot; the fill of the others started behind it
+    reader.warm()
+    stats = reader.stats()
+    assert stats.cached_chunks == 63 and stats.resident  # every chunk, in its home slot
     check(reader, reader.row_ids())
+    assert reader.stats().chunks_loaded == 63  # every chunk, read once
     small = dr.ReplayBuffer.open(url, cache_bytes=16 * 64 * 23)  # 16 of the 63 chunks: loaded as read
     check(small, np.array([7]))
     assert small.stats().cached_chunks == 1
@@ -198,23 +201,27 @@ def test_create_picks_the_default_chunk_rows(tmp_path):
     assert dr.ReplayBuffer.create(str(tmp_path / "c"), FIELDS, capacity=100).storage.layout.chunk_rows == 100
 
 
-def test_first_read_maps_every_chunk_of_a_buffer_that_fits_in_memory(tmp_path):
+def test_first_read_maps_its_own_chunks_and_the_files_are_read_behind_it(tmp_path):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=1000, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 1000))
     reader = dr.ReplayBuffer.open(url, memory_map=True)
     assert reader.storage.mapped.maps == 0
-    check(reader, np.array([5]))
-    assert reader.storage.mapped.maps == 16 and not reader.storage.mapped.unmapped  # every chunk
+    check(reader, np.array([5, 70]))
+    assert reader.storage.mapped.maps == 2 and reader.storage.mapped.prefetch_pages  # its pages asked for first
+    reader.warm()  # the page cache holds every file (below); a read asks for its pages no more
+    assert reader.storage.mapped.maps == 2 and not reader.storage.mapped.prefetch_pages
     check(reader, reader.row_ids())
+    assert reader.storage.mapped.maps == 16 and not reader.storage.mapped.unmapped
 
 
-def test_a_ring_reader_whose_writer_moved_on_before_its_first_read_reads_its_own_rows(tmp_path):
+@pytest.mark.parametrize("memory_map", [True, False])
+def test_a_ring_reader_whose_writer_moved_on_before_its_first_read_reads_its_own_rows(tmp_path, memory_map):
     url = str(tmp_path / "b")
     writer = dr.ReplayBuffer.create(url, FIELDS, capacity=256, chunk_rows=32, compression=None)
     writer.extend(rows(0, 256))
     writer.flush()
-    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    reader = dr.ReplayBuffer.open(url, memory_map=memory_map)  # False: rows read straight from the files
     writer.extend(rows(256, 100))  # rewrites chunks 0-3 of the ring
     writer.flush()
     batch = reader.sample(200, seed=0)  # stale rows are found, the reader adopts the newest commit
@@ -233,6 +240,8 @@ def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_p
     reader = dr.ReplayBuffer.open(url)
     ids = reader.row_ids()
     got = reader[ids]
+    assert reader.storage._reader.warmer.resident_span is None  # the fill runs behind the first read
+    reader.warm()
     width = 7 if capacity else 16  # a ring's 7 chunks per lane; 13 in dataset mode, room for 16
     assert reader.storage._reader.warmer.resident_span == width * 32
     np.testing.assert_array_equal(got["img"], data["img"][ids])
@@ -244,6 +253,7 @@ def test_a_reader_whose_window_fits_the_cache_reads_it_in_lane_major_order(tmp_p
     batch = reader.sample(500, seed=1)
     np.testing.assert_array_equal(reader[ids]["obs"], data["obs"][ids])
     np.testing.assert_array_equal(batch["flag"], data["flag"][batch["index"]])
+    reader.warm()
     assert reader.storage._reader.warmer.resident_span == width * 32
 
 
@@ -282,7 +292,8 @@ def evict(url):
 
 
 @pytest.mark.parametrize("memory_map", [None, True])
-def test_the_first_read_of_an_evicted_buffer_brings_every_chunk_file_into_the_page_cache(tmp_path, memory_map):
+def test_the_first_read_of_an_evicted_buffer_reads_its_rows_and_brings_every_file_close_behind_it(tmp_path,
+                                                                                                   memory_map):
     url = str(tmp_path / "b")
     with dr.ReplayBuffer.create(url, FIELDS, capacity=64 * 40, chunk_rows=64, compression=None) as buf:
         buf.extend(rows(0, 64 * 40))
@@ -290,9 +301,17 @@ def test_the_first_read_of_an_evicted_buffer_brings_every_chunk_file_into_the_pa
     files = chunk_files(url)
     assert len(files) == 3 * 40 and sum(cached_pages(f)[0] for f in files) < len(files)
     reader = dr.ReplayBuffer.open(url, memory_map=memory_map)
-    check(reader, np.array([3]))  # one row of one chunk
+    check(reader, np.array([3, 4, 700]))  # rows of two chunks
+    stats = reader.stats()
+    if memory_map:
+        assert stats.maps == 2 and stats.rows_read_directly == 0
+    else:  # read straight from the chunk files: a range per chunk and field
+        assert (stats.rows_read_directly, stats.ranges_read, stats.chunks_loaded, stats.cached_chunks) == (3, 6, 40, 0)
+    reader.warm()
     assert [cached_pages(f)[0] for f in files] == [cached_pages(f)[1] for f in files]
+    assert reader.stats().cached_chunks == (0 if memory_map else 40)
     check(reader, reader.row_ids())
+    assert reader.stats().rows_read_directly == (0 if memory_map else 3)
 
 
 def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkeypatch):

@@ -190,8 +190,8 @@ def test_ranged_reads_of_short_and_empty_objects(s3):
     assert [store.get("full", 4), store.get("full", 100), store.get("empty", 10), store.get("absent", 10)] == \
         [b"0123", b"0123456789", b"", None]
     assert store.get_many(["empty", "full"]) == [b"", b"0123456789"]
-    assert store.get_ranges([("full", 2, 5), ("full", 8, 20), ("full", 10, 12), ("empty", 0, 4), ("absent", 0, 1)]) \
-        == [b"234", b"89", b"", b"", None]
+    assert store.get_ranges([("full", 2, 5), ("full", 8, 20), ("absent", 0, 1)]) == [(b"234", 10), (b"89", 10), None]
+    assert [ranged[0] for ranged in store.get_ranges([("full", 10, 12), ("empty", 0, 4)])] == [b"", b""]
     assert store.sizes() == {"full": 10, "empty": 0}
 
 
@@ -235,8 +235,44 @@ def test_get_many_has_as_many_requests_in_flight_as_asked(s3, s3_client):
         assert 10 < proxy.max_in_flight <= 32
         proxy.reset_stats()
         ranges = [(f"k{i % 32}", j, j + 3) for i in range(128) for j in (10 * (i // 32),)]
-        assert store.get_ranges(ranges) == [bytes([int(key[1:])]) * 3 for key, _, _ in ranges]
+        assert store.get_ranges(ranges) == [(bytes([int(key[1:])]) * 3, 100) for key, _, _ in ranges]
         assert proxy.count("/k", "GET") == 128 and proxy.bytes_out == 3 * 128
         assert 32 < proxy.max_in_flight <= 4 * 32  # small ranged GETs: more in flight than whole objects
+    finally:
+        proxy.close()
+
+
+def test_cold_rows_are_read_as_byte_ranges_of_their_chunks(s3):
+    """A reader missing rows of raw fields fetches just their bytes: one ranged GET per run of
+    nearby rows of a chunk and field; with a window that fits its cache, the whole window follows
+    behind the first read, and reads after it fetch nothing."""
+    url = s3.new_url("ranges-rows")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=256, compression=None,
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend(rows(0, 4096))
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        small = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=4 * 256 * 21)
+        proxy.reset_stats()
+        ids = [5, 6, 900, 3000, 5]
+        check_rows(small[ids], ids)
+        assert proxy.count("/c.", "GET") == 3 * 3  # rows 5-6, 900, 3000: 3 ranges per field
+        assert proxy.bytes_out == 4 * 21  # each distinct row's 12 + 8 + 1 bytes, once
+        stats = small.stats()
+        assert (stats.rows_read_directly, stats.ranges_read, stats.chunks_loaded) == (5, 9, 0)
+        check_rows(small[[7, 260]], [7, 260])  # not cached: read again, as ranges
+        assert proxy.count("/c.", "GET") == 9 + 6
+        small.close()
+
+        whole = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))
+        proxy.reset_stats()
+        check_rows(whole[ids], ids)
+        whole.warm()
+        assert whole.stats().resident and whole.stats().chunks_loaded == 16
+        assert proxy.count("/c.", "GET") == 9 + 16 * 3  # the first read's ranges, then each chunk once
+        proxy.reset_stats()
+        check_rows(whole.sample(500, seed=0), whole.sample(500, seed=0)["act"])
+        assert proxy.count("/c.", "GET") == 0
+        whole.close()
     finally:
         proxy.close()

@@ -291,6 +291,15 @@ class ReplayBuffer:
         (counts, not times). Also after `close`: the final counts."""
         return self.storage.stats()
 
+    def warm(self) -> None:
+        """Bring the window close now and wait: what a reader's first read starts behind it. A
+        window that fits the cache is loaded into it (afterwards reads never touch the store);
+        local raw files that fit half the RAM are read into the OS page cache. Reads before
+        this returns are served as the fill proceeds: rows missing from the cache are read
+        straight from their chunk objects. Raises ClosedError."""
+        self._require_open()
+        self.storage.warm()
+
     def _require_open(self) -> None:
         if self._closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")

@@ -30,7 +30,7 @@ from obstore.store import S3Store
 
 from .remote import FsspecChunkStore, RemoteCalls
 from .retry import RetryPolicy, is_transient
-from .store import Data, Range, parts_of
+from .store import Data, Range, Ranged, parts_of
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _XML_CODE, _XML_MESSAGE = re.compile(r"<Code>([^<]*)</Code>"), re.compile(r"<Message>([^<]*)</Message>")
@@ -108,46 +108,59 @@ class ObstoreChunkStore(RemoteCalls):
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
         if (forked := self._after_fork()) is not None:
             return forked.get_many(keys, limit)
-        return self._fetch_all([(key, 0, limit) for key in keys], self.concurrency)
+        return self._gather_all([partial(self._get_async, key, limit) for key in keys], self.concurrency)
 
-    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
-        """Each range's bytes (None where the object is missing), at most ``range_concurrency``
-        ranged GETs in flight."""
+    def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
+        """Each range's bytes and its object's size (None where missing), at most
+        ``range_concurrency`` ranged GETs in flight."""
         if (forked := self._after_fork()) is not None:
             return forked.get_ranges(ranges)
-        return self._fetch_all(ranges, self.range_concurrency)
+        return self._gather_all([partial(self._range_async, *one) for one in ranges], self.range_concurrency)
 
-    def _fetch_all(self, spans: Sequence[tuple[str, int, int | None]], concurrency: int) -> list[bytes | None]:
-        """Each ``(key, start, stop)``'s bytes (``stop`` None: to the object's end); None where missing."""
-        if not spans:
-            return []
-        found = self._sync(self._gather_bounded, [partial(self._get_async, *span) for span in spans], True,
-                           concurrency)
+    def _gather_all(self, makers: list[Any], concurrency: int) -> list[Any]:
+        found = self._sync(self._gather_bounded, makers, True, concurrency) if makers else []
         for value in found:
             if isinstance(value, BaseException):
                 raise value
         return list(found)
 
-    async def _get_async(self, key: str, start: int, stop: int | None) -> bytes | None:
+    async def _get_async(self, key: str, limit: int | None) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, start, stop))
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit))
             return blob
         except (FileNotFoundError, NotFoundError):
             return None
 
-    async def _fetch(self, key: str, start: int, stop: int | None) -> bytes:
-        """One GET of the object's bytes ``[start, stop)`` (``stop`` None: all of them)."""
-        if stop is None:
-            result = await obstore.get_async(self.s3, key)
-            return bytes(await result.bytes_async())
-        if stop <= start:
-            return b""
+    async def _fetch(self, key: str, limit: int | None) -> bytes:
+        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
+        if limit is not None:
+            try:
+                return bytes(await obstore.get_range_async(self.s3, key, start=0, end=limit))
+            except GenericError as exc:
+                if _status(exc) != 416:
+                    raise
+                # an empty object has no byte 0 to range over: the whole object is shorter than limit
+        result = await obstore.get_async(self.s3, key)
+        return bytes(await result.bytes_async())
+
+    async def _range_async(self, key: str, start: int, stop: int) -> Ranged | None:
         try:
-            return bytes(await obstore.get_range_async(self.s3, key, start=start, end=stop))
+            ranged: Ranged = await self._call_async(f"read of {key!r}", partial(self._ranged_get, key, start, stop))
+            return ranged
+        except (FileNotFoundError, NotFoundError):
+            return None
+
+    async def _ranged_get(self, key: str, start: int, stop: int) -> Ranged:
+        """One ranged GET: the bytes, and the object's size its answer gives."""
+        if stop <= start:
+            return b"", -1
+        try:
+            result = await obstore.get_async(self.s3, key, options={"range": (start, stop)})
+            return bytes(await result.bytes_async()), int(result.meta["size"])
         except GenericError as exc:
             if _status(exc) != 416:
                 raise
-            return b""  # the object ends before ``start`` (an empty one has no byte 0)
+            return b"", -1  # the object ends before ``start``
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
         """One PUT (atomic and durable, whatever ``durable`` says)."""

@@ -30,7 +30,7 @@ import fsspec.asyn
 
 from ..errors import StoreUnavailableError
 from .retry import RetryPolicy, is_transient
-from .store import Data, ParallelMap, Range, parts_of
+from .store import Data, ParallelMap, Range, Ranged, parts_of
 
 log = logging.getLogger(__name__)
 # older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does not run:
@@ -67,7 +67,7 @@ class RemoteCalls:
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
         raise NotImplementedError
 
-    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+    def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         raise NotImplementedError
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
@@ -215,55 +215,93 @@ class FsspecChunkStore(RemoteCalls):
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
-        return self._fetch_all([(key, 0, limit) for key in keys], self.concurrency)
-
-    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
-        """Each range's bytes (None where the object is missing), at most ``range_concurrency``
-        ranged GETs in flight."""
-        return self._fetch_all(ranges, self.range_concurrency)
-
-    def _fetch_all(self, spans: Sequence[tuple[str, int, int | None]], concurrency: int) -> list[bytes | None]:
-        """Each ``(key, start, stop)``'s bytes (``stop`` None: to the object's end); None where missing."""
-        if not spans:
+        if not keys:
             return []
         if self._async:
-            found = fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
-                                     [partial(self._get_async, *span) for span in spans], True, concurrency)
-        else:
-            found = [self._get_sync(*span) for span in spans]
-        for value in found:
-            if isinstance(value, BaseException):
-                raise value
-        return list(found)
+            return self._results(fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
+                                                  [partial(self._get_async, key, limit) for key in keys], True))
+        return [self._get_sync(key, limit) for key in keys]
 
-    async def _get_async(self, key: str, start: int, stop: int | None) -> bytes | None:
+    def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
+        """Each range's bytes and its object's size (None where missing), at most
+        ``range_concurrency`` ranged GETs in flight."""
+        if not ranges:
+            return []
+        if self._async:
+            makers = [partial(self._range_async, *one) for one in ranges]
+            return self._results(fsspec.asyn.sync(self.fs.loop, self._gather_bounded, makers, True,
+                                                  self.range_concurrency))
+        return [self._range_sync(*one) for one in ranges]
+
+    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}",
-                                                 partial(self._cat_async, self.path(key), start, stop))
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit))
             return blob
         except FileNotFoundError:
             return None
 
-    async def _cat_async(self, path: str, start: int, stop: int | None) -> bytes:
-        """One GET of the object's bytes ``[start, stop)`` (``stop`` None: all of them)."""
-        if stop is None:
-            whole: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
-            return whole
-        try:
-            ranged: bytes = await self.fs._cat_file(path, start=start, end=stop, **self._cat_kwargs)
-            return ranged
-        except OSError as exc:
-            if "range is not satisfiable" not in str(exc):
-                raise
-            return b""  # HTTP 416: the object ends before ``start`` (an empty one has no byte 0)
+    async def _cat_async(self, path: str, limit: int | None) -> bytes:
+        """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
+        if limit is not None:
+            try:
+                ranged: bytes = await self.fs._cat_file(path, start=0, end=limit, **self._cat_kwargs)
+                return ranged
+            except OSError as exc:
+                if not _unsatisfiable(exc):
+                    raise
+                # an empty object has no byte 0 to range over (HTTP 416): it is shorter than limit
+        blob: bytes = await self.fs._cat_file(path, **self._cat_kwargs)
+        return blob
 
-    def _get_sync(self, key: str, start: int, stop: int | None) -> bytes | None:
-        span = {} if stop is None else {"start": start, "end": stop}
+    def _get_sync(self, key: str, limit: int | None = None) -> bytes | None:
+        span = {} if limit is None else {"start": 0, "end": limit}
         try:
             blob: bytes = self._run(f"read of {key!r}", "cat_file", self.path(key), **span)
             return blob
         except FileNotFoundError:
             return None
+
+    async def _range_async(self, key: str, start: int, stop: int) -> Ranged | None:
+        try:
+            ranged: Ranged = await self._call_async(f"read of {key!r}",
+                                                    partial(self._ranged_get, self.path(key), start, stop))
+            return ranged
+        except FileNotFoundError:
+            return None
+
+    async def _ranged_get(self, path: str, start: int, stop: int) -> Ranged:
+        """One ranged GET on S3 (the object's size from its ``Content-Range``); elsewhere the
+        object's size (a HEAD), then the range."""
+        if stop <= start:
+            return b"", -1
+        try:
+            if not hasattr(self.fs, "_call_s3"):
+                size = int((await self.fs._info(path))["size"])
+                return await self.fs._cat_file(path, start=start, end=stop), size
+            bucket, key, _ = self.fs.split_path(path)
+            answer = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}")
+            try:
+                return await answer["Body"].read(), int(answer["ContentRange"].rsplit("/", 1)[1])
+            finally:
+                answer["Body"].close()
+        except OSError as exc:
+            if not _unsatisfiable(exc):
+                raise
+            return b"", -1  # HTTP 416: the object ends before ``start``
+
+    def _range_sync(self, key: str, start: int, stop: int) -> Ranged | None:
+        try:
+            size = int(self._run(f"read of {key!r}", "info", self.path(key))["size"])
+            return self._run(f"read of {key!r}", "cat_file", self.path(key), start=start, end=stop), size
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _results(found: list[Any]) -> list[Any]:
+        for value in found:
+            if isinstance(value, BaseException):
+                raise value
+        return found
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
         """One PUT (atomic and durable on object stores, whatever ``durable`` says)."""
@@ -357,6 +395,11 @@ def pool_options(url: str, storage_options: dict[str, Any], concurrency: int) ->
         return storage_options
     config["max_pool_connections"] = max(concurrency, 10)
     return {**storage_options, "config_kwargs": config}
+
+
+def _unsatisfiable(exc: OSError) -> bool:
+    """Whether s3fs reports HTTP 416: a range starting past the object's end."""
+    return "range is not satisfiable" in str(exc)
 
 
 async def _cancel_at(fn: Callable[[], Awaitable[Any]], deadline: float) -> Any:

@@ -25,6 +25,9 @@ Data = bytes | memoryview | Sequence[bytes | memoryview]
 Range = tuple[str, int, int]
 """``(key, start, stop)``: the bytes ``[start, stop)`` of an object."""
 
+Ranged = tuple[bytes, int]
+"""A range's bytes, and the size of its whole object (-1 where the store did not say)."""
+
 ParallelMap = Callable[[Callable[[str], None], Iterable[str]], Iterable[None]]
 """``map``, or an executor's ``map``: how `ChunkStore.sync` runs its per-file syncs."""
 
@@ -56,10 +59,10 @@ class ChunkStore(Protocol):
         """Every key's bytes, None where missing (remote: many requests in flight)."""
         ...
 
-    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
-        """The bytes ``[start, stop)`` of each ``(key, start, stop)``: fewer where the object ends
-        before ``stop`` (none where it ends before ``start``), None where it does not exist
-        (remote: one ranged GET each, many in flight)."""
+    def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
+        """The bytes ``[start, stop)`` of each ``(key, start, stop)`` (fewer where the object ends
+        before ``stop``, none where it ends before ``start``) and the object's size; None where
+        it does not exist (remote: one ranged GET each, many in flight)."""
         ...
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
@@ -154,7 +157,7 @@ class PrefixedStore:
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self.store.get_many([self.prefix + key for key in keys])
 
-    def get_ranges(self, ranges: Sequence[Range]) -> list[bytes | None]:
+    def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         return self.store.get_ranges([(self.prefix + key, start, stop) for key, start, stop in ranges])
 
     def read_into(self, key: str, out: list[memoryview]) -> int | None:

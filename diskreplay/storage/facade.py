@@ -54,6 +54,10 @@ class StorageStats:
     """Reads refused (`StaleReadError`) because the writer had overwritten rows they asked for."""
     chunks_read_ahead: int = 0
     """Of ``chunks_loaded``, those fetched and decoded ahead of the reads (`Storage.read_ahead`)."""
+    rows_read_directly: int = 0
+    """Rows read straight from their chunk objects, not through the cache (cold reads of raw fields)."""
+    ranges_read: int = 0
+    """Byte ranges those reads fetched (one request each on an object store)."""
 
 
 
@@ -131,7 +135,8 @@ class Storage(ABC):
             self.mapped is not None, self.mapped.maps if self.mapped is not None else 0,
             {name: int(self._io.codecs[name].inner_rows or 0) for name in row_fields},
             self._reader.warmer.resident_span is not None, self._log.record.sequence,
-            self._reader.retired.stale_reads, self._reader.ahead.started)
+            self._reader.retired.stale_reads, self._reader.ahead.started,
+            *((points.rows_read, points.ranges_read) if (points := self._reader.points) is not None else (0, 0)))
 
     # ---- windows ---------------------------------------------------------------------------
 
@@ -174,6 +179,10 @@ class Storage(ABC):
         if steps is not None and self._log.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
         self._reader.read_ahead(steps, budget_bytes)
+
+    def warm(self) -> None:
+        """Start the first-read fill if it is due, and wait until it is in (see `Warmer`)."""
+        self._reader.warmer.wait()
 
     def read_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
@@ -221,6 +230,7 @@ class Storage(ABC):
         if self._log.closed:
             return
         self._reader.ahead.close()
+        self._reader.warmer.close()
         self._io.close()
         self._files.close()
         self._log.close()

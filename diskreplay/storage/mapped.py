@@ -74,6 +74,8 @@ class MappedChunks:
         self.store, self.chunk_key, self.schema, self.layout = store, chunk_key, schema, layout
         self.budget = map_budget(len(schema.fields))
         self.random_reads = False  # see `read_randomly`
+        self.prefetch_pages = False
+        """Whether `gather` asks for a batch's pages first (the files are being read in meanwhile)."""
         self.chunks = layout.chunks_per_lane() if layout.lane_capacity else max(DATASET_CHUNKS, chunks_per_lane)
         self.regions: dict[str, Reservation] = {}
         self._reserve()
@@ -190,7 +192,7 @@ class MappedChunks:
         ``out[name]`` where given (C-contiguous, right shape and dtype)."""
         plan = self._read_plan(names)
         positions = self._positions(plan, lane, slot)
-        if self.random_reads:
+        if self.random_reads or self.prefetch_pages:
             for name, row in zip(names, plan.rows):
                 self.regions[name].prefetch(positions[row])
         rows = {}

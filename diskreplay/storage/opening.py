@@ -47,6 +47,7 @@ from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
+from .point_reads import PointReads
 from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
@@ -235,7 +236,7 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r",
-                         ReadAhead(loader, retired))
+                         ReadAhead(loader, retired), PointReads(io, layout.chunk_rows) if mode == "r" else None)
     return ReadSide(cache, loader, reader, files)
 
 

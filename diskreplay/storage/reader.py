@@ -20,6 +20,7 @@ from .cursors import Cursors
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .outputs import Rows, output_rows, take_into
+from .point_reads import PointReads
 from .read_ahead import READ_AHEAD_BYTES, ReadAhead, Steps
 from .row_reads import RowReads
 from .stale import RetiredCheck
@@ -31,7 +32,7 @@ class ChunkReader:
 
     def __init__(self, schema: Schema, cursors: Cursors, cache: ChunkCache, loader: ChunkLoader,
                  mapped: MappedChunks | None, row_reads: RowReads | None, retired: RetiredCheck, warmer: Warmer,
-                 reader: bool, ahead: ReadAhead):
+                 reader: bool, ahead: ReadAhead, points: PointReads | None):
         self.schema = schema
         self.field_names = tuple(schema.fields)
         self.layout = cursors.layout
@@ -40,13 +41,18 @@ class ChunkReader:
         self.retired, self.warmer = retired, warmer
         self.reader = reader
         self.ahead = ahead
+        self.points = points
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
         """Rows at (lane, step) of every field (or of ``names``); ``out`` as in `Storage.gather`."""
-        names = names or self.field_names
-        if self.warmer.pending:
-            self.warmer.warm()
+        self.warmer.before_read()
+        rows = self._gather(lane, step, names or self.field_names, out)
+        self.warmer.after_read()
+        return rows
+
+    def _gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                out: Mapping[str, np.ndarray] | None) -> Rows:
         if self.warmer.resident_span is not None:
             return self._gather_resident(lane, step, names, out)
         if self.mapped is not None:
@@ -115,21 +121,45 @@ class ChunkReader:
 
     def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
                             step: np.ndarray, out: Rows) -> None:
-        miss = slots < 0
+        if self._reads_points(out):
+            self._fill(out, slots >= 0, lane, chunk, offset)
+            self._read_points(out, slots < 0, lane, chunk, offset, step)
+            return
         width = self.cache.width
-        keys = np.unique(lane[miss] * width + chunk[miss])
+        keys = np.unique(lane[slots < 0] * width + chunk[slots < 0])
+        if self.warmer.fill is not None and self.cache.evictable(whole=False) < len(keys):
+            self.warmer.settle()  # its reserved slots are the room these chunks need
+            slots = self.cache.slots_of(lane, chunk)
+            keys = np.unique(lane[slots < 0] * width + chunk[slots < 0])
+        miss = slots < 0
+        self._fill(out, ~miss, lane, chunk, offset)
         room = self.cache.evictable(whole=False)
         if room == 0:
             raise RuntimeError("chunk cache has no free slot: raise cache_bytes")
-        self._fill(out, ~miss, lane, chunk, offset)
         for start in range(0, len(keys), room):
             group = keys[start:start + room]
-            self.loader.load(group // width, group % width, whole=False)
+            lanes, chunks = group // width, group % width
+            self.loader.load(lanes, chunks, self.warmer.homes(lanes, chunks), whole=False)
             todo = miss & np.isin(lane * width + chunk, group)
             tainted = self.retired.check(lane[todo], step[todo], group // width, group % width)
             self._fill(out, todo, lane, chunk, offset)
             for ln, chunks in tainted:  # right for the rows asked for, not for all their slots
                 self.cache.invalidate(ln, chunks)
+
+    def _reads_points(self, out: Rows) -> bool:
+        """Whether a reader's misses are read straight from the chunk objects (`PointReads`):
+        raw fields, not read ahead, from an object store or while the first-read fill is due."""
+        return (self.points is not None and self.reader and not self.ahead.active and self.points.covers(tuple(out))
+                and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage)
+
+    def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+                     step: np.ndarray) -> None:
+        assert self.points is not None
+        missed = {name: rows[miss] for name, rows in out.items()}
+        self.points.read(lane[miss], chunk[miss], offset[miss], missed)
+        self.retired.check(lane[miss], step[miss], lane[miss], chunk[miss])
+        for name, rows in missed.items():
+            out[name][miss] = rows
 
     def _fill(self, out: Rows, mask: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> None:
         if not mask.any():

@@ -1,12 +1,16 @@
-"""`Warmer`: the first read from local disk brings the whole window close.
+"""`Warmer`: the first read brings the whole window close.
 
-Afterwards reads never wait for the disk (remote stores fetch what reads need). Rows that fit the
-cache are loaded into it, every file asked of the OS at once (`fill_cache`); a reader places chunk
-``(lane, c)`` in slot ``lane * width + c``, so that later reads find rows from their steps alone
-(``resident_span``). Rows that do not fit, but fit in half this machine's RAM, are mapped with
-their pages read (`MappedChunks.warm`); bigger ones are read page by page as sampled, each batch's
-pages asked for at once (`MappedChunks.read_randomly`). Best effort: a damaged chunk is reported by
-the read that needs it. A ring reader whose writer retired rows meanwhile forgets what it filled.
+A reader's window that fits its cache is loaded into it behind its reads (`start_fill`): chunk
+``(lane, c)`` goes to slot ``lane * width + c``, so that once the fill is in (`settle`) reads
+find rows from their steps alone (``resident_span``). The fill starts after the first read and
+runs on a thread of its own, a group of chunks per job; until it is in, reads take what they
+miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. On local
+disk, a reader's rows that do not fit the cache but fit half this machine's RAM are memory-mapped
+as read while the OS reads every file in the background (each batch asking for its own pages
+first meanwhile); bigger ones are read page by page as sampled (`MappedChunks.read_randomly`).
+A local writer fills before its first read returns (`fill_cache`, `MappedChunks.warm`). Best
+effort: a damaged chunk is reported by the read that needs it. A ring reader whose writer
+retired rows meanwhile forgets what it filled.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import CorruptBufferError
+from ..io.threads import Threads
 from .loading import ChunkLoader
 from .mapped import MappedChunks
 from .stale import RetiredCheck, Window
@@ -32,8 +39,33 @@ def physical_memory() -> int:
         return 1 << 40
 
 
+FILL_JOB_BYTES = 16 * 2**20
+"""Decoded bytes of the chunks one job of a background fill reads (a few requests' worth in
+flight on an object store; the jobs run one after another)."""
+
+
+@dataclass
+class _Fill:
+    """A fill running behind the reads: the chunks, the slots reserved for them, its jobs."""
+
+    lanes: np.ndarray
+    chunks: np.ndarray
+    slots: np.ndarray
+    width: int | None
+    """Home slots per lane (None: the slots are not home)."""
+    jobs: list[Future[bool]]
+
+    def done(self) -> bool:
+        return all(job.done() for job in self.jobs)
+
+    def succeeded(self) -> bool:
+        """Wait for every job: whether each read all its chunks."""
+        failed = [job.exception() for job in self.jobs]
+        return all(error is None and job.result() for job, error in zip(self.jobs, failed))
+
+
 class Warmer:
-    """The first-read fill of a local reader or writer, and the lane-major layout it leaves."""
+    """The first-read fill of a reader or local writer, and the lane-major layout it leaves."""
 
     def __init__(self, loader: ChunkLoader, mapped: MappedChunks | None, retired: RetiredCheck, window: Window,
                  forget_files: Callable[[int, np.ndarray], None], stored_bytes: int, reader: bool, local: bool):
@@ -44,53 +76,179 @@ class Warmer:
         self.stored_bytes = stored_bytes
         self.reader = reader
         self.local = local
-        self.pending = local
-        """Whether the next read fills first."""
+        self.pending = local or reader
+        """Whether a fill is due: before the next read (a writer), after it (a reader)."""
         self.resident_span: int | None = None
         """Set while a reader's cache holds its window in lane-major order: slab rows per lane."""
         self.home_width: int | None = None
+        self.fill: _Fill | None = None
+        """A reader's fill running behind its reads."""
+        self.paging: Future[None] | None = None
+        """A reader's memory-mapped files being read into the page cache."""
+        self.threads = Threads(1, "diskreplay-fill")
+        self.found_damage = False
+        """Whether a fill found a chunk missing or damaged: reads then read whole chunks (checked)."""
+
+    @property
+    def filling(self) -> bool:
+        """Whether a fill is due or running behind the reads (reads miss until it is in)."""
+        return self.reader and (self.pending or self.fill is not None)
+
+    @property
+    def _page_by_page(self) -> bool:
+        """Whether mapped files are too big to read whole into the page cache (`read_randomly`)."""
+        return self.mapped is not None and self.stored_bytes > physical_memory() // 2
 
     def reset(self) -> None:
-        """The window moved: fill again at the next read (readers), forget the resident layout."""
+        """The window moved: fill again after the next read (readers), forget the resident layout."""
+        self._drop_fill()
         self.resident_span = None
-        self.pending = self.reader and self.local
+        self.pending = self.reader
 
-    def warm(self) -> None:
-        self.pending = False
-        lo, hi = self.window()
-        spans = [self.layout.chunks_between(int(lo[ln]), int(hi[ln])) for ln in range(self.layout.num_envs)]
-        lanes = np.concatenate([np.full(len(c), ln, dtype=np.int64) for ln, c in enumerate(spans)])
-        chunks = np.concatenate(spans)
-        if self.mapped is None:
-            self.fill_cache(lanes, chunks, self.layout.chunks_per_lane(int(hi.max(initial=0))))
-        elif self.stored_bytes <= physical_memory() // 2:
-            self.drop_if_moved(*self.mapped.warm(lanes, chunks))
-        else:
+    def before_read(self) -> None:
+        """A writer's due fill; a reader's fill put in place if it is done (the cache is touched
+        on the reading thread only)."""
+        if self.pending and (not self.reader or self._page_by_page):
+            self.pending = False
+            self._warm()
+        elif self.pending and self.mapped is not None:
+            self.mapped.prefetch_pages = True  # a reader's first read asks for its pages; the files follow
+        if self.fill is not None and self.fill.done():
+            self.settle()
+        if self.paging is not None and self.paging.done():
+            self.paging = None
+            assert self.mapped is not None
+            self.mapped.prefetch_pages = False
+
+    def wait(self) -> None:
+        """Start a due fill, and wait until it is in place."""
+        self.after_read()
+        self.before_read()
+        if self.fill is not None:
+            self.settle()
+        if self.paging is not None:
+            self.paging.result()
+            self.before_read()
+
+    def after_read(self) -> None:
+        """A reader's due fill, started behind its first read."""
+        if self.pending and self.reader:
+            self.pending = False
+            self._warm()
+
+    def _warm(self) -> None:
+        lanes, chunks = self.window_chunks()
+        if self.mapped is None and self.reader:
+            self.start_fill(lanes, chunks, self.layout.chunks_per_lane(int(self.window()[1].max(initial=0))))
+        elif self.mapped is None:
+            self.fill_cache(lanes, chunks)
+        elif self._page_by_page:
             self.mapped.read_randomly()
+        elif self.reader:
+            self._page_in(lanes, chunks)
+        else:
+            self.drop_if_moved(*self.mapped.warm(lanes, chunks))
 
-    def fill_cache(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
-        """Load every chunk not cached, all files asked of the OS at once (many requests in
-        flight), if they fit; a reader's in lane-major slots."""
+    def _page_in(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Ask the OS to read these chunk files into the page cache, on the fill's thread; until
+        it has, each mapped read asks for its own pages first."""
+        assert self.mapped is not None
+        io = self.loader.io
+        keys = [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist()) for name in io.schema.fields]
+        self.mapped.prefetch_pages = True
+        self.paging = self.threads.submit(io.store.prefetch, keys)
+
+    def start_fill(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
+        """Load every chunk not cached behind the reads, if they fit the cache: into their home
+        slots where those are free and every cached chunk is home, else into free slots; `settle`
+        puts them in place."""
         cache = self.cache
         width = self._home_width(chunks_per_lane)
         home = lanes * width + chunks
         at = cache.slots_of(lanes, chunks)
         missing = at < 0
-        in_place = (self.reader and len(home) > 0 and home.max() < cache.full_slots
-                    and (at[~missing] == home[~missing]).all() and cache.free(home[missing]))
-        staging = 0 if self.reader else 2 * self.layout.num_envs + 2
-        if not in_place and missing.sum() > cache.evictable() - staging:
+        in_place = (len(home) > 0 and home.max() < cache.full_slots and (at[~missing] == home[~missing]).all()
+                    and cache.free(home[missing]))
+        if not in_place and missing.sum() > cache.evictable() - 1:  # a slot left for reads
             return
-        lanes, chunks, home = lanes[missing], chunks[missing], home[missing]
+        lanes, chunks = lanes[missing], chunks[missing]
+        slots = home[missing] if in_place else cache.reserve(len(lanes))
+        cache.pin(slots)
+        io = self.loader.io
+        group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * io.schema.row_bytes, 1))
+        jobs = [self.threads.submit(io.read_here, [
+            (io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
+            for ln, ch, slot in zip(lanes[i:i + group].tolist(), chunks[i:i + group].tolist(),
+                                    slots[i:i + group].tolist()) for name in io.schema.fields])
+            for i in range(0, len(slots), group)]
+        self.loader.chunks_loaded += len(slots)
+        self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs)
+
+    def homes(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray | None:
+        """Where a reader whose fill is due loads these chunks: their free home slots (so that
+        the fill can leave the window in lane-major order), or None (any slots)."""
+        if not (self.pending and self.reader and self.mapped is None):
+            return None
+        home = lanes * self._home_width(self.layout.chunks_per_lane(int(self.window()[1].max(initial=0)))) + chunks
+        return home if home.max(initial=0) < self.cache.full_slots and self.cache.free(home) else None
+
+    def settle(self) -> None:
+        """Wait for the fill and put its chunks in place (copies read meanwhile are dropped); a
+        fill that failed frees its slots (the reads that need a damaged chunk report it)."""
+        fill, self.fill = self.fill, None
+        if fill is None:
+            return
+        if not fill.succeeded():
+            self.cache.release(fill.slots)
+            self.found_damage = True
+            return
+        held = self.cache.slots_of(fill.lanes, fill.chunks)
+        self.cache.evict(held[held >= 0])
+        self.cache.unpin(self.cache.place(fill.lanes, fill.chunks, fill.slots))
+        if self.drop_if_moved(fill.lanes, fill.chunks) or fill.width is None:
+            return
+        lanes, chunks = self.window_chunks()
+        if (self.cache.slots_of(lanes, chunks) == lanes * fill.width + chunks).all():
+            self.resident_span = fill.width * self.layout.chunk_rows
+
+    def window_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (lane, chunk) of the window: lanes and chunks, lane by lane."""
+        lo, hi = self.window()
+        spans = [self.layout.chunks_between(int(lo[ln]), int(hi[ln])) for ln in range(self.layout.num_envs)]
+        return (np.concatenate([np.full(len(c), ln, dtype=np.int64) for ln, c in enumerate(spans)]),
+                np.concatenate(spans))
+
+    def _drop_fill(self) -> None:
+        """Stop a fill running behind the reads and free its slots."""
+        fill, self.fill = self.fill, None
+        if fill is None:
+            return
+        for job in fill.jobs:
+            job.cancel()
+        for job in fill.jobs:
+            if not job.cancelled():
+                job.exception()
+        self.cache.release(fill.slots)
+
+    def close(self) -> None:
+        self._drop_fill()
+        self.threads.shutdown()
+
+    def fill_cache(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """A writer's fill: every chunk not cached loaded now, all files asked of the OS at once,
+        if they fit beside its staging."""
+        missing = self.cache.slots_of(lanes, chunks) < 0
+        if missing.sum() > self.cache.evictable() - (2 * self.layout.num_envs + 2):
+            return
+        lanes, chunks = lanes[missing], chunks[missing]
         io = self.loader.io
         io.store.prefetch([io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
                            for name in io.schema.fields])
         try:
-            self.loader.load(lanes, chunks, home if in_place else None)
+            self.loader.load(lanes, chunks)
         except CorruptBufferError:
             return
-        if not self.drop_if_moved(lanes, chunks) and in_place:
-            self.resident_span = width * self.layout.chunk_rows
+        self.drop_if_moved(lanes, chunks)
 
     def _home_width(self, needed: int) -> int:
         """Slots per lane of a reader's lane-major cache: the ring's chunks; in dataset mode
