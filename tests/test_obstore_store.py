@@ -79,7 +79,7 @@ def test_untranslatable_options_go_to_s3fs_unchanged(monkeypatch):
     options = {"endpoint_url": "http://127.0.0.1:9", "key": "K", "secret": "S", "requester_pays": True}
     store = open_chunkstore(URL, options)
     assert type(store) is FsspecChunkStore and store.fs.storage_options["requester_pays"] is True
-    assert store.fs.config_kwargs == {"max_pool_connections": 64}  # room for the ranged GETs of 16 x 4 in flight
+    assert store.fs.config_kwargs == {"max_pool_connections": 128}  # room for the ranged GETs of 16 x 8 in flight
     monkeypatch.setenv("DISKREPLAY_S3_CLIENT", "obstore")
     with pytest.raises(UntranslatableOptionError, match=r"^DISKREPLAY_S3_CLIENT=obstore, but storage option "
                                                         r"'requester_pays' has no obstore equivalent$"):

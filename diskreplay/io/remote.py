@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # every call would wait on it forever (later fsspecs reset it themselves, as this does)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
-RANGES_PER_REQUEST = 4
+RANGES_PER_REQUEST = 8
 """`get_ranges` keeps this many times ``concurrency`` ranged GETs in flight (and an s3fs store's
 connection pool has room for them)."""
 SLOW_CALL_S = 5.0

@@ -2,7 +2,7 @@
 
 A reader that knows the order of its next reads (an epoch, `Storage.read_ahead`) hands it over as
 (lane, step) arrays, read lazily. Chunks are started in order of first need, each one job on a
-pool of threads that keeps about ``io.threads`` requests in flight (as many as the store allows):
+pool of threads that keeps ``io.threads`` requests in flight locally, four times that on an object store:
 it fetches the chunk of every field at once and decodes them (zstd, lz4 and checksums run
 without the GIL) straight into a cache slot reserved for it, off the reader's thread. The slot is shown to reads
 (`ChunkCache.place`) on the reader's thread when a read needs it, waiting for that chunk alone.
@@ -29,6 +29,10 @@ READ_AHEAD_BYTES = 128 * 2**20
 """Default budget: decoded bytes fetched ahead of the reads and not yet read. Sized for object
 stores (tens of ms per request): enough for every connection to be busy with chunks of any size."""
 
+REMOTE_IN_FLIGHT = 4
+"""On an object store, requests a read-ahead keeps in flight per I/O thread: the decoding of a
+chunk and the round trip of the next overlap."""
+
 Steps = Iterable[tuple[np.ndarray, np.ndarray]]
 """(lane, step) arrays, in the order they will be read."""
 
@@ -50,8 +54,9 @@ class ReadAhead:
         self.loader, self.cache, self.io, self.retired = loader, loader.cache, loader.io, retired
         self.layout = retired.layout
         self.slot_bytes = self.layout.chunk_rows * self.io.schema.row_bytes
-        fields = len(loader.all_fields)  # one job per chunk, a request per field: io.threads in flight
-        self.workers = Threads(max(1, -(-self.io.threads // fields)), "diskreplay-ahead")
+        fields = len(loader.all_fields)  # one job per chunk, a request per field
+        in_flight = self.io.threads * (1 if self.io.store.supports_mmap else REMOTE_IN_FLIGHT)
+        self.workers = Threads(max(1, -(-in_flight // fields)), "diskreplay-ahead")
         self.budget = 0
         """Chunks that may be started and not yet read (0: no plan)."""
         self.started = 0

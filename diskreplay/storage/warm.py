@@ -40,28 +40,38 @@ def physical_memory() -> int:
 
 
 FILL_JOB_BYTES = 16 * 2**20
-"""Decoded bytes of the chunks one job of a background fill reads (a few requests' worth in
-flight on an object store; the jobs run one after another)."""
+"""Decoded bytes of the chunks one job of a background fill reads."""
+REMOTE_FILL_JOBS = 4
+"""Jobs of a fill from an object store at once (each keeps the store's requests in flight);
+from local disk they run one after another."""
 
 
 @dataclass
 class _Fill:
-    """A fill running behind the reads: the chunks, the slots reserved for them, its jobs."""
+    """A fill running behind the reads: the chunks, the slots reserved for them, and its jobs,
+    each reading the chunks of its part; parts before ``placed`` are in place."""
 
     lanes: np.ndarray
     chunks: np.ndarray
     slots: np.ndarray
     width: int | None
     """Home slots per lane (None: the slots are not home)."""
-    jobs: list[Future[bool]]
+    jobs: list[tuple[slice, Future[bool]]]
+    placed: int = 0
+    whole: bool = True
+    """Whether every part placed so far read all its chunks."""
 
-    def done(self) -> bool:
-        return all(job.done() for job in self.jobs)
-
-    def succeeded(self) -> bool:
-        """Wait for every job: whether each read all its chunks."""
-        failed = [job.exception() for job in self.jobs]
-        return all(error is None and job.result() for job, error in zip(self.jobs, failed))
+    def finished(self, wait: bool) -> list[tuple[slice, bool]]:
+        """The parts not placed yet whose jobs are done (``wait``: all, once done), in order,
+        and whether each read all its chunks; they count as placed from now on."""
+        out = []
+        for part, job in self.jobs[self.placed:]:
+            if not wait and not job.done():
+                break
+            error = job.exception()
+            out.append((part, error is None and job.result()))
+        self.placed += len(out)
+        return out
 
 
 class Warmer:
@@ -85,7 +95,7 @@ class Warmer:
         """A reader's fill running behind its reads."""
         self.paging: Future[None] | None = None
         """A reader's memory-mapped files being read into the page cache."""
-        self.threads = Threads(1, "diskreplay-fill")
+        self.threads = Threads(1 if local else REMOTE_FILL_JOBS, "diskreplay-fill")
         self.found_damage = False
         """Whether a fill found a chunk missing or damaged: reads then read whole chunks (checked)."""
 
@@ -113,8 +123,7 @@ class Warmer:
             self._warm()
         elif self.pending and self.mapped is not None:
             self.mapped.prefetch_pages = True  # a reader's first read asks for its pages; the files follow
-        if self.fill is not None and self.fill.done():
-            self.settle()
+        self.settle(wait=False)
         if self.paging is not None and self.paging.done():
             self.paging = None
             assert self.mapped is not None
@@ -169,18 +178,18 @@ class Warmer:
         missing = at < 0
         in_place = (len(home) > 0 and home.max() < cache.full_slots and (at[~missing] == home[~missing]).all()
                     and cache.free(home[missing]))
-        if not in_place and missing.sum() > cache.evictable() - 1:  # a slot left for reads
-            return
+        if len(home) >= cache.full_slots or (not in_place and missing.sum() > cache.evictable() - 1):
+            return  # a slot is left for reads
         lanes, chunks = lanes[missing], chunks[missing]
         slots = home[missing] if in_place else cache.reserve(len(lanes))
         cache.pin(slots)
         io = self.loader.io
         group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * io.schema.row_bytes, 1))
-        jobs = [self.threads.submit(io.read_here, [
+        parts = [slice(i, i + group) for i in range(0, len(slots), group)]
+        jobs = [(part, self.threads.submit(io.read_here, [
             (io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
-            for ln, ch, slot in zip(lanes[i:i + group].tolist(), chunks[i:i + group].tolist(),
-                                    slots[i:i + group].tolist()) for name in io.schema.fields])
-            for i in range(0, len(slots), group)]
+            for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(), slots[part].tolist())
+            for name in io.schema.fields])) for part in parts]
         self.loader.chunks_loaded += len(slots)
         self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs)
 
@@ -192,23 +201,29 @@ class Warmer:
         home = lanes * self._home_width(self.layout.chunks_per_lane(int(self.window()[1].max(initial=0)))) + chunks
         return home if home.max(initial=0) < self.cache.full_slots and self.cache.free(home) else None
 
-    def settle(self) -> None:
-        """Wait for the fill and put its chunks in place (copies read meanwhile are dropped); a
-        fill that failed frees its slots (the reads that need a damaged chunk report it)."""
-        fill, self.fill = self.fill, None
+    def settle(self, wait: bool = True) -> None:
+        """Put the chunks of the fill's finished parts in place (copies read meanwhile are
+        dropped), waiting for every part unless not ``wait``; a part that failed frees its slots
+        (the reads that need a damaged chunk report it)."""
+        fill = self.fill
         if fill is None:
             return
-        if not fill.succeeded():
-            self.cache.release(fill.slots)
-            self.found_damage = True
+        for part, whole in fill.finished(wait):
+            lanes, chunks, slots = fill.lanes[part], fill.chunks[part], fill.slots[part]
+            if not whole:
+                self.cache.release(slots)
+                fill.whole, self.found_damage = False, True
+                continue
+            held = self.cache.slots_of(lanes, chunks)
+            self.cache.evict(held[held >= 0])
+            self.cache.unpin(self.cache.place(lanes, chunks, slots))
+            fill.whole &= not self.drop_if_moved(lanes, chunks)
+        if fill.placed < len(fill.jobs):
             return
-        held = self.cache.slots_of(fill.lanes, fill.chunks)
-        self.cache.evict(held[held >= 0])
-        self.cache.unpin(self.cache.place(fill.lanes, fill.chunks, fill.slots))
-        if self.drop_if_moved(fill.lanes, fill.chunks) or fill.width is None:
-            return
+        self.fill = None
         lanes, chunks = self.window_chunks()
-        if (self.cache.slots_of(lanes, chunks) == lanes * fill.width + chunks).all():
+        if (fill.whole and fill.width is not None
+                and (self.cache.slots_of(lanes, chunks) == lanes * fill.width + chunks).all()):
             self.resident_span = fill.width * self.layout.chunk_rows
 
     def window_chunks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -219,16 +234,17 @@ class Warmer:
                 np.concatenate(spans))
 
     def _drop_fill(self) -> None:
-        """Stop a fill running behind the reads and free its slots."""
+        """Stop a fill running behind the reads and free the slots of its parts not in place."""
         fill, self.fill = self.fill, None
         if fill is None:
             return
-        for job in fill.jobs:
+        left = fill.jobs[fill.placed:]
+        for _, job in left:
             job.cancel()
-        for job in fill.jobs:
+        for part, job in left:
             if not job.cancelled():
                 job.exception()
-        self.cache.release(fill.slots)
+            self.cache.release(fill.slots[part])
 
     def close(self) -> None:
         self._drop_fill()
