@@ -4,6 +4,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from diskreplay.format.schema import Schema
 from diskreplay.io import mmap as mapped
 from diskreplay.storage import mapped as mapped_chunks
 from diskreplay.storage import warm
+from diskreplay.storage.chunk_io import ChunkIO
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "flag": dr.Field((), "bool"), "img": dr.Field((2, 5), "uint8")}
 
@@ -331,3 +333,36 @@ def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkey
     assert advised == [8, 8, 8]  # each field's pages asked for before the batch is read
     cached = sum(cached_pages(f)[0] for f in chunk_files(url))
     assert 0 < cached <= 3 * 8 * 2  # the pages of 8 rows (a row may straddle two), not whole files
+
+
+def test_a_forked_child_fills_its_own_cache_when_the_parents_fill_is_still_running(tmp_path, monkeypatch):
+    """A child forked while its parent's fill runs inherits the fill but not its thread: it
+    forgets it and fills again itself (else it would wait for it forever)."""
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=1000, chunk_rows=64, compression="zstd") as buf:
+        buf.extend(rows(0, 1000))
+    reader = dr.ReplayBuffer.open(url)
+    parent, release = os.getpid(), threading.Event()
+    read_here = ChunkIO.read_here
+
+    def held_in_the_parent(io, work):
+        if os.getpid() == parent:
+            release.wait()
+        return read_here(io, work)
+
+    monkeypatch.setattr(ChunkIO, "read_here", held_in_the_parent)
+    check(reader, np.array([5]))  # the fill starts behind this read, and waits
+    child = os.fork()
+    if child == 0:
+        try:
+            reader.warm()
+            check(reader, reader.row_ids())
+            os._exit(0 if reader.stats().resident else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    release.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    reader.warm()
+    assert reader.stats().resident
+    check(reader, reader.row_ids())

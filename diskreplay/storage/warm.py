@@ -57,6 +57,8 @@ class _Fill:
     width: int | None
     """Home slots per lane (None: the slots are not home)."""
     jobs: list[tuple[slice, Future[bool]]]
+    pid: int
+    """The process whose threads run the jobs (a forked child inherits the fill, not its threads)."""
     placed: int = 0
     whole: bool = True
     """Whether every part placed so far read all its chunks."""
@@ -94,7 +96,8 @@ class Warmer:
         self.fill: _Fill | None = None
         """A reader's fill running behind its reads."""
         self.paging: Future[None] | None = None
-        """A reader's memory-mapped files being read into the page cache."""
+        """A reader's memory-mapped files being read into the page cache (by process ``paging_pid``)."""
+        self.paging_pid = 0
         self.threads = Threads(1 if local else REMOTE_FILL_JOBS, "diskreplay-fill")
         self.found_damage = False
         """Whether a fill found a chunk missing or damaged: reads then read whole chunks (checked)."""
@@ -117,7 +120,12 @@ class Warmer:
 
     def before_read(self) -> None:
         """A writer's due fill; a reader's fill put in place if it is done (the cache is touched
-        on the reading thread only)."""
+        on the reading thread only). In a forked child, the parent's fill is forgotten and due again."""
+        if self.fill is not None and self.fill.pid != os.getpid():
+            self.cache.release(self.fill.slots[slice(self.fill.jobs[self.fill.placed][0].start, None)])
+            self.fill, self.pending = None, True
+        if self.paging is not None and self.paging_pid != os.getpid():
+            self.paging, self.pending = None, True
         if self.pending and (not self.reader or self._page_by_page):
             self.pending = False
             self._warm()
@@ -131,6 +139,7 @@ class Warmer:
 
     def wait(self) -> None:
         """Start a due fill, and wait until it is in place."""
+        self.before_read()
         self.after_read()
         self.before_read()
         if self.fill is not None:
@@ -165,7 +174,7 @@ class Warmer:
         io = self.loader.io
         keys = [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist()) for name in io.schema.fields]
         self.mapped.prefetch_pages = True
-        self.paging = self.threads.submit(io.store.prefetch, keys)
+        self.paging, self.paging_pid = self.threads.submit(io.store.prefetch, keys), os.getpid()
 
     def start_fill(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
         """Load every chunk not cached behind the reads, if they fit the cache: into their home
@@ -178,7 +187,7 @@ class Warmer:
         missing = at < 0
         in_place = (len(home) > 0 and home.max() < cache.full_slots and (at[~missing] == home[~missing]).all()
                     and cache.free(home[missing]))
-        if len(home) >= cache.full_slots or (not in_place and missing.sum() > cache.evictable() - 1):
+        if not in_place and (len(home) >= cache.full_slots or missing.sum() > cache.evictable() - 1):
             return  # a slot is left for reads
         lanes, chunks = lanes[missing], chunks[missing]
         slots = home[missing] if in_place else cache.reserve(len(lanes))
@@ -191,7 +200,7 @@ class Warmer:
             for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(), slots[part].tolist())
             for name in io.schema.fields])) for part in parts]
         self.loader.chunks_loaded += len(slots)
-        self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs)
+        self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs, os.getpid())
 
     def homes(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray | None:
         """Where a reader whose fill is due loads these chunks: their free home slots (so that
