@@ -409,6 +409,13 @@ class BufferMachine(RuleBasedStateMachine):
             self.readers[-1].view = self.model.committed.copy()
         self.check_reader(self.readers[-1], exact=self.model.staged == self.model.committed)
 
+    @rule()
+    def warm_reader(self) -> None:
+        """The fill a reader's first read started behind it, waited for: reads after it show the same."""
+        if self.readers:
+            self.readers[-1].buf.warm()
+            self.check_reader(self.readers[-1], exact=False)
+
     @rule(batch=st.integers(1, 64), reader=st.booleans())
     def sample(self, batch: int, reader: bool) -> None:
         if reader and self.readers:

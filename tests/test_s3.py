@@ -276,3 +276,41 @@ def test_cold_rows_are_read_as_byte_ranges_of_their_chunks(s3):
         whole.close()
     finally:
         proxy.close()
+
+
+def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
+    """Compressed frames (sharded chunks) missing from a reader's cache cost their shard's index
+    (read once, kept) and one inner chunk each, never the whole chunk; a damaged inner chunk is
+    an error naming its chunk."""
+    frames = {"img": dr.Field((32, 32), "uint8"), "act": dr.Field((), "int64")}
+    data = {"img": (np.arange(512)[:, None, None] * 7 + np.arange(1024).reshape(32, 32)).astype(np.uint8),
+            "act": np.arange(512)}
+    url = s3.new_url("frames")
+    with dr.ReplayBuffer.create(url, frames, capacity=None, chunk_rows=64, compression="zstd",
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend(data)
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=2 * 64 * 1032)
+        sizes = reader.storage.store.sizes()
+        proxy.reset_stats()
+        ids = np.array([3, 5, 100, 500])  # 1 KiB frames: inner chunks of 8 frames (8 KiB)
+        np.testing.assert_array_equal(reader[ids]["img"], data["img"][ids])
+        assert proxy.count("/img/c.", "GET") == 3 + 3  # 3 shard indexes, 3 inner chunks (rows 3 and 5 share one)
+        assert proxy.count("/act/c.", "GET") == 3  # a chunk each: act is not sharded
+        assert proxy.bytes_out < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
+        proxy.reset_stats()
+        np.testing.assert_array_equal(reader[[4, 101]]["img"], data["img"][[4, 101]])
+        assert proxy.count("/img/c.", "GET") == 2  # the indexes were kept: inner chunks only
+        reader.close()
+        client, key = s3.client(), url.split(f"s3://{s3.bucket}/")[1] + "/img/c.0.2.0.0"
+        blob = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+        blob[-1] ^= 1  # the checksum of the shard's last inner chunk
+        client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(blob))
+        damaged = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=2 * 64 * 1032)
+        np.testing.assert_array_equal(damaged[[128]]["img"], data["img"][[128]])  # another inner chunk of it
+        with pytest.raises(dr.CorruptBufferError, match=r"chunk 'img/c.0.2.0.0' does not decode \(checksum mismatch"):
+            damaged[[191]]
+        damaged.close()
+    finally:
+        proxy.close()

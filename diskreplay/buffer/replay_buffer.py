@@ -116,9 +116,11 @@ class ReplayBuffer:
             seed: seed of the buffer's own ``numpy.random.Generator``.
             storage_options: passed to fsspec for remote URLs.
             cache_bytes: bound on chunks kept in RAM (bytes); a writer needs at least
-                ``(2 * num_envs + 2)`` chunks for staging.
+                ``(2 * num_envs + 2)`` chunks for staging. A reader whose rows fit fills it with
+                every chunk behind its first read (`warm`).
             io_threads: concurrent chunk reads/writes; default: the CPU count (at most 4) on local
-                disk, 16 for remote stores (latency-bound).
+                disk, 16 for remote stores (latency-bound), where reading ahead keeps four times
+                that many requests in flight and ranged reads of rows eight times.
             overwrite: replace an existing buffer at ``url``.
             episode_end: the bool field(s) whose OR ends an episode; ``"auto"`` takes ``done``, or
                 ``terminated`` and ``truncated``, when present; ``None`` keeps no episode index.

@@ -220,8 +220,8 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     codec, record = buffer_codec(arrays, url), log.record
     stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
     fits = stored_bytes <= options.cache_bytes
-    # sharded fields are read row by row on a miss, unless every field fits the cache
-    row_fields = () if fits or not store.supports_mmap else tuple(
+    # sharded fields are read row by row on a miss, unless every field fits the cache (remote: readers)
+    row_fields = () if fits or not (store.supports_mmap or mode == "r") else tuple(
         name for name, c in io.codecs.items() if c.inner_rows is not None)
     slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", row_fields)
     chunks_per_lane = layout.chunks_per_lane(int(record.committed.max(initial=0)))
@@ -231,18 +231,24 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     mapped = (MappedChunks(store, io.key, schema, layout, chunks_per_lane, trailer=codec.trailer)
               if memory_map and codec.raw and store.supports_mmap and mmap_supported() else None)
     retired = RetiredCheck(log, cache, cursors.window)
-    row_reads = _row_reads(row_fields, io, cache, retired) if row_fields else None
+    points = PointReads(io, layout.chunk_rows) if mode == "r" else None
+    row_reads = _row_reads(row_fields, io, cache, retired, points) if row_fields else None
     files = FileMaps(mapped, row_reads)
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r",
-                         ReadAhead(loader, retired), PointReads(io, layout.chunk_rows) if mode == "r" else None)
+                         ReadAhead(loader, retired), points)
     return ReadSide(cache, loader, reader, files)
 
 
-def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck) -> RowReads:
-    """Row-by-row reads of the sharded fields ``names``, their shard files mapped as read."""
+def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck,
+               points: PointReads | None) -> RowReads:
+    """Row-by-row reads of the sharded fields ``names``: their shard files mapped as read, or
+    (an object store's reader) their inner chunks read as byte ranges."""
     schema = io.schema
+    if not io.store.supports_mmap:
+        assert points is not None, "remote row reads are a reader's"
+        return RowReads(names, schema, cache, io, points, retired)
     codecs = {name: io.codecs[name] for name in names}
     inner_bytes = {name: int(codecs[name].inner_rows or 0) * schema[name].row_bytes for name in names}
     maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)),

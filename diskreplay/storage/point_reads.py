@@ -1,14 +1,19 @@
-"""`PointReads`: rows of raw fields read straight from their chunk objects, never whole chunks.
+"""`PointReads`: rows read straight from their chunk objects, never whole chunks.
 
-A raw chunk object holds its rows' values one row after another (then a checksum). A reader
-that misses rows its cache does not hold (a cold read from an object store, or from local disk
-while the first-read fill runs behind it, `Warmer`) reads just their bytes: one byte range per
-run of nearby rows of one chunk object, every range of a read at once (`ChunkStore.get_ranges`:
-ranged GETs in flight on an object store, ``pread`` locally, each range asked of the OS first).
-Nothing is cached. Each object must have its chunk's size and each range must come back whole;
-a run over half its chunk or more reads the chunk whole and checks its checksum. The checksum of
-a chunk read in part is checked where the chunk is read whole (the fill, an epoch, `verify`), as
-with memory-mapped reads.
+A raw chunk object holds its rows' values one row after another (then a checksum); a sharded one
+(compressed images, `Codec.inner_rows`) an index of its inner chunks, then each inner chunk
+compressed and checksummed alone. A reader that misses rows its cache does not hold (a cold read
+from an object store, or from local disk while the first-read fill runs behind it, `Warmer`)
+reads just their bytes: a byte range per run of nearby raw rows of one object, an inner chunk per
+sharded row (its shard's index read once and kept, until the chunk is rewritten: `forget`), every
+range of a read at once (`ChunkStore.get_ranges`: ranged GETs in flight on an object store,
+``pread`` locally, each range asked of the OS first). Nothing else is cached.
+
+What is read is checked before use: each object must have its chunk's size where the store says
+it, each range must come back whole, an index and each inner chunk must match their checksums,
+and a raw run over half its chunk or more reads the chunk whole and checks its checksum. The
+checksum of a raw chunk read in part is checked where the chunk is read whole (the fill, an
+epoch, `verify`), as with memory-mapped reads.
 """
 
 from __future__ import annotations
@@ -16,88 +21,187 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import checksum
+from ..format.codecs import EMPTY_INNER, Codec, checksum
+from ..io.store import Range, Ranged
 from .chunk_io import ChunkIO
 from .outputs import Rows
 
 GAP_BYTES = 4096
-"""Rows of one chunk object at most this many bytes apart are read in one range: a request
+"""Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
+
+Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""A field's ranges for rows sorted by (lane, chunk, offset): each row's range, each range's
+first row, and its bytes ``[start, stop)`` in its chunk object."""
 
 
 class PointReads:
-    """Targeted reads of the raw fields of one buffer; counts what they read."""
+    """Targeted reads of the raw fields (`read`) and sharded fields (`decode`) of one buffer;
+    counts what they read."""
 
     def __init__(self, io: ChunkIO, chunk_rows: int):
         self.io, self.chunk_rows = io, chunk_rows
-        self.names = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
+        self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
+        self.indexes: dict[tuple[str, int, int], np.ndarray] = {}
+        """Each read shard's inner chunks: ``(offset, nbytes)`` rows, -1 where stored empty."""
         self.rows_read = 0
         """Rows (of every field asked) read this way so far."""
         self.ranges_read = 0
-        """Byte ranges read so far (one request each on an object store)."""
+        """Byte ranges read so far (one request each on an object store), indexes included."""
 
     def covers(self, names: tuple[str, ...]) -> bool:
-        """Whether every field of ``names`` can be read row by row."""
-        return self.names.issuperset(names)
+        """Whether every field of ``names`` is raw: `read` reads them row by row."""
+        return self.raw.issuperset(names)
+
+    def forget(self, lane: int, chunks: np.ndarray) -> None:
+        """These chunks were rewritten: read their shard indexes again."""
+        gone = set(chunks.tolist())
+        for key in [key for key in self.indexes if key[1] == lane and key[2] in gone]:
+            del self.indexes[key]
 
     def read(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, out: Rows) -> None:
         """The rows at (lane, chunk, offset) of every field of ``out`` (raw: `covers`) into it.
 
-        Raises CorruptBufferError naming a chunk object that is missing or ends before the rows."""
+        Raises CorruptBufferError naming a chunk object that is missing, has the wrong size,
+        ends before the rows or fails its checksum."""
         order = np.lexsort((offset, chunk, lane))
         lane, chunk, offset = lane[order], chunk[order], offset[order]
         plans = {name: self._plan(name, lane, chunk, offset) for name in out}
-        ranges = [(self.io.key(name, ln, ch), start, stop) for name, (_, firsts, starts, stops) in plans.items()
-                  for ln, ch, start, stop in zip(lane[firsts].tolist(), chunk[firsts].tolist(), starts.tolist(),
-                                                 stops.tolist())]
-        found = self.io.store.get_ranges(ranges)
+        asked = {name: self._ranges(name, lane, chunk, plan) for name, plan in plans.items()}
+        found = self._get([one for ranges in asked.values() for one in ranges])
         self.rows_read += len(order)
-        self.ranges_read += len(ranges)
         done = 0
-        for name, (run_of, firsts, starts, stops) in plans.items():
-            row_bytes = self.io.schema[name].row_bytes
-            got = [self._checked(one, ranged, self.chunk_rows * row_bytes, self.io.codecs[name].trailer)
-                   for one, ranged in zip(ranges[done:done + len(firsts)], found[done:done + len(firsts)])]
-            done += len(firsts)
-            data = np.frombuffer(b"".join(got), np.uint8)
-            base = np.concatenate([[0], np.cumsum(stops - starts)[:-1]])
-            at = base[run_of] + offset * row_bytes - starts[run_of]
-            rows = out[name].reshape(len(order), -1).view(np.uint8)
-            rows[order] = data[at[:, None] + np.arange(row_bytes)]
+        for name, plan in plans.items():
+            got = found[done:done + len(asked[name])]
+            done += len(got)
+            out[name].reshape(len(order), -1).view(np.uint8)[order] = self._take_raw(name, plan, offset, asked[name],
+                                                                                     got)
 
-    def _plan(self, name: str, lane: np.ndarray, chunk: np.ndarray,
-              offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """A field's runs (`_runs`); a run over half its chunk or more reads the chunk whole, its
-        checksum with it."""
+    def _get(self, ranges: list[Range]) -> list[Ranged | None]:
+        self.ranges_read += len(ranges)
+        return self.io.store.get_ranges(ranges)
+
+    def _plan(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> Plan:
+        """A raw field's ranges: runs of nearby rows (`_runs`); a run over half its chunk or more
+        reads the chunk whole, its checksum with it."""
         run_of, firsts, starts, stops = _runs(lane, chunk, offset, self.io.schema[name].row_bytes)
         values = self.chunk_rows * self.io.schema[name].row_bytes
         whole = 2 * (stops - starts) >= values
         starts[whole], stops[whole] = 0, values + self.io.codecs[name].trailer
         return run_of, firsts, starts, stops
 
-    def _checked(self, asked: tuple[str, int, int], ranged: tuple[bytes, int] | None, values: int,
-                 trailer: int) -> bytes:
-        """A range's bytes, once the object exists, has the size of its chunk and gave them all
-        (and a whole chunk matches its checksum)."""
+    def _ranges(self, name: str, lane: np.ndarray, chunk: np.ndarray, plan: Plan) -> list[Range]:
+        _, firsts, starts, stops = plan
+        return [(self.io.key(name, ln, ch), start, stop) for ln, ch, start, stop
+                in zip(lane[firsts].tolist(), chunk[firsts].tolist(), starts.tolist(), stops.tolist())]
+
+    def _checked(self, asked: Range, ranged: Ranged | None, size: int | None = None) -> bytes:
+        """A range's bytes, once the object exists, has ``size`` bytes (where both are known)
+        and gave them all."""
         key, start, stop = asked
         if ranged is None:
             raise CorruptBufferError(
                 f"{self.io.url!r}: chunk {key!r} is missing, but the last commit says it holds rows")
         data, stored = ranged
-        if stored not in (values + trailer, -1):
-            raise CorruptBufferError(f"{self.io.url!r}: chunk {key!r} has {stored} bytes, expected {values + trailer}")
+        if size is not None and stored not in (size, -1):
+            raise CorruptBufferError(f"{self.io.url!r}: chunk {key!r} has {stored} bytes, expected {size}")
         if len(data) != stop - start:
             raise CorruptBufferError(f"{self.io.url!r}: chunk {key!r} ends at byte {start + len(data)}, "
                                      f"before the rows read from it (bytes {start} to {stop})")
-        if trailer and stop == values + trailer and checksum(data[:values]) != data[values:]:
-            raise CorruptBufferError(f"{self.io.url!r}: chunk {key!r} fails its checksum (the file is damaged)")
         return data
 
+    def _undecodable(self, key: str, exc: ValueError) -> CorruptBufferError:
+        return CorruptBufferError(f"{self.io.url!r}: chunk {key!r} does not decode ({exc})")
 
-def _runs(lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
-          row_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rows sorted by (lane, chunk, offset) cut into runs, one byte range each: each row's run,
-    each run's first row, and its bytes ``[start, stop)`` in its chunk object."""
+    # ---- raw fields -----------------------------------------------------------------------
+
+    def _take_raw(self, name: str, plan: Plan, offset: np.ndarray, asked: list[Range],
+                  got: list[Ranged | None]) -> np.ndarray:
+        """Each row of a raw field (a uint8 row) from its ranges."""
+        run_of, _, starts, stops = plan
+        row_bytes, trailer = self.io.schema[name].row_bytes, self.io.codecs[name].trailer
+        values = self.chunk_rows * row_bytes
+        data = np.frombuffer(b"".join(self._raw_range(one, ranged, values, trailer)
+                                      for one, ranged in zip(asked, got)), np.uint8)
+        base = np.concatenate([[0], np.cumsum(stops - starts)[:-1]])
+        at = base[run_of] + offset * row_bytes - starts[run_of]
+        rows: np.ndarray = data[at[:, None] + np.arange(row_bytes)]
+        return rows
+
+    def _raw_range(self, asked: Range, ranged: Ranged | None, values: int, trailer: int) -> bytes:
+        """A raw range's bytes, checked (and a whole chunk against its checksum)."""
+        data = self._checked(asked, ranged, values + trailer)
+        if trailer and asked[2] == values + trailer and checksum(data[:values]) != data[values:]:
+            raise CorruptBufferError(f"{self.io.url!r}: chunk {asked[0]!r} fails its checksum (the file is damaged)")
+        return data
+
+    # ---- sharded fields -------------------------------------------------------------------
+
+    def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
+               rows: np.ndarray) -> None:
+        """Decode inner chunks ``inners[i]`` of chunks ``(lanes[i], chunks[i])`` of the sharded
+        field ``name`` into ``out[rows[i]]`` (C-contiguous; one inner chunk's rows each; stored
+        empty: zeros), as `ShardMaps.decode` does from mapped files.
+
+        Raises CorruptBufferError: a shard is missing, its index or a span is bad, or an inner
+        chunk fails its checksum or does not decode; the message names the chunk."""
+        self._read_indexes(name, lanes, chunks)
+        spans = np.array([self.indexes[name, ln, ch][i] for ln, ch, i in
+                          zip(lanes.tolist(), chunks.tolist(), inners.tolist())], np.int64).reshape(-1, 2)
+        stored = np.flatnonzero(spans[:, 0] >= 0)
+        asked = [(self.io.key(name, int(lanes[i]), int(chunks[i])), int(spans[i, 0]), int(spans[i, :].sum()))
+                 for i in stored.tolist()]
+        codec = self.io.codecs[name]
+        bodies: list[bytes | memoryview | None] = [None] * len(spans)
+        for i, one, ranged in zip(stored.tolist(), asked, self._get(asked)):
+            bodies[i] = self._body(codec, one, ranged)
+        self.rows_read += len(spans) * (codec.inner_rows or 1)
+        try:
+            codec.decode_bodies(bodies, out, rows)
+        except ValueError as exc:
+            raise self._undecodable(asked[0][0] if asked else name, exc) from None
+
+    def _read_indexes(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """The index of every shard of these chunks no read kept yet, read and checked."""
+        want = sorted({(ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())} - {
+            key[1:] for key in self.indexes if key[0] == name})
+        head = self.io.codecs[name].index_bytes(self.chunk_rows)
+        asked = [(self.io.key(name, ln, ch), 0, head) for ln, ch in want]
+        for (ln, ch), one, ranged in zip(want, asked, self._get(asked) if asked else []):
+            data = self._checked(one, ranged)
+            try:
+                entries = self.io.codecs[name].verified_body(data)
+                self.indexes[name, ln, ch] = _spans(entries, head, -1 if ranged is None else ranged[1])
+            except ValueError as exc:
+                raise self._undecodable(one[0], exc) from None
+
+    def _body(self, codec: Codec, asked: Range, ranged: Ranged | None) -> bytes | memoryview:
+        try:
+            return codec.verified_body(self._checked(asked, ranged))
+        except ValueError as exc:
+            raise self._undecodable(asked[0], exc) from None
+
+    def close(self) -> None:
+        """Nothing to release (`RowReads` closes its maps)."""
+
+
+def _spans(entries: bytes | memoryview, index_bytes: int, size: int) -> np.ndarray:
+    """A shard index's ``(offset, nbytes)`` pairs as int64 rows, -1 for stored-empty inner chunks,
+    each checked to lie in the object's data (``size`` bytes, -1: unknown). Raises ValueError."""
+    pairs = np.frombuffer(entries, "<u8").reshape(-1, 2)
+    empty = (pairs == EMPTY_INNER).all(axis=1)
+    big = (pairs[~empty] >= 1 << 62).any(axis=1)
+    spans = np.where(empty[:, None], -1, np.minimum(pairs, 1 << 62).astype(np.int64))
+    offset, nbytes = spans[~empty, 0], spans[~empty, 1]
+    bad = big | (offset < index_bytes) | (nbytes <= 4) | ((size >= 0) & (offset + nbytes > size))
+    if bad.any():
+        i = int(np.flatnonzero(~empty)[np.argmax(bad)])
+        raise ValueError(f"inner chunk {i}: span {tuple(pairs[i].tolist())} outside the shard's data")
+    return spans
+
+
+def _runs(lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, row_bytes: int) -> Plan:
+    """Raw rows sorted by (lane, chunk, offset) cut into runs of rows at most `GAP_BYTES` apart."""
     gap = (offset[1:] - offset[:-1] - 1) * row_bytes
     new = np.ones(len(offset), bool)
     new[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1]) | (gap > GAP_BYTES)

@@ -141,15 +141,15 @@ class ChunkReader:
             lanes, chunks = group // width, group % width
             self.loader.load(lanes, chunks, self.warmer.homes(lanes, chunks), whole=False)
             todo = miss & np.isin(lane * width + chunk, group)
-            tainted = self.retired.check(lane[todo], step[todo], group // width, group % width)
+            tainted = self.retired.check(lane[todo], step[todo], lanes, chunks)
             self._fill(out, todo, lane, chunk, offset)
-            for ln, chunks in tainted:  # right for the rows asked for, not for all their slots
-                self.cache.invalidate(ln, chunks)
+            for ln, stale in tainted:  # right for the rows asked for, not for all their slots
+                self.cache.invalidate(ln, stale)
 
     def _reads_points(self, out: Rows) -> bool:
         """Whether a reader's misses are read straight from the chunk objects (`PointReads`):
         raw fields, not read ahead, from an object store or while the first-read fill is due."""
-        return (self.points is not None and self.reader and not self.ahead.active and self.points.covers(tuple(out))
+        return (self.points is not None and not self.ahead.active and self.points.covers(tuple(out))
                 and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage)
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,

@@ -1,13 +1,16 @@
 """`RowReads`: sharded fields (compressed images) read row by row, never whole chunks.
 
 A compressed field whose rows take 1 KiB or more is stored as Zarr shards of small inner chunks
-(`Codec.inner_rows`). A local reader whose rows do not fit its cache reads such a field by
-mapping each shard file once (`ShardMaps`), and decoding only the inner chunks a batch needs:
-an inner chunk of one row (a frame) straight into the output row that asks for it, a larger one
-once. The chunk cache then holds the other fields.
+(`Codec.inner_rows`). A reader whose rows do not fit its cache reads such a field by decoding
+only the inner chunks a batch needs (`InnerChunks`: from shard files mapped once each locally,
+`ShardMaps`; from byte ranges of the shard objects on an object store, `PointReads`): an inner
+chunk of one row (a frame) straight into the output row that asks for it, a larger one once.
+The chunk cache then holds the other fields.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -15,14 +18,29 @@ from ..format.schema import Schema
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .outputs import output_rows
-from .shard_maps import ShardMaps
 from .stale import RetiredCheck
+
+
+class InnerChunks(Protocol):
+    """Where `RowReads` decodes inner chunks from: `ShardMaps` or `PointReads`."""
+
+    def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
+               rows: np.ndarray) -> None:
+        """Inner chunk ``inners[i]`` of chunk ``(lanes[i], chunks[i])`` decoded into ``out[rows[i]]``."""
+        ...
+
+    def forget(self, lane: int, chunks: np.ndarray) -> None:
+        """These chunks were rewritten."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 class RowReads:
     """Row-by-row reads of the sharded fields ``names``."""
 
-    def __init__(self, names: tuple[str, ...], schema: Schema, cache: ChunkCache, io: ChunkIO, maps: ShardMaps,
+    def __init__(self, names: tuple[str, ...], schema: Schema, cache: ChunkCache, io: ChunkIO, maps: InnerChunks,
                  retired: RetiredCheck):
         self.names = names
         self.schema, self.cache, self.io, self.maps, self.retired = schema, cache, io, maps, retired

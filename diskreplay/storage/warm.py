@@ -75,6 +75,10 @@ class _Fill:
         self.placed += len(out)
         return out
 
+    def unplaced(self) -> np.ndarray:
+        """The slots of the parts not placed yet."""
+        return self.slots[self.jobs[self.placed][0].start:] if self.placed < len(self.jobs) else self.slots[:0]
+
 
 class Warmer:
     """The first-read fill of a reader or local writer, and the lane-major layout it leaves."""
@@ -122,7 +126,7 @@ class Warmer:
         """A writer's due fill; a reader's fill put in place if it is done (the cache is touched
         on the reading thread only). In a forked child, the parent's fill is forgotten and due again."""
         if self.fill is not None and self.fill.pid != os.getpid():
-            self.cache.release(self.fill.slots[slice(self.fill.jobs[self.fill.placed][0].start, None)])
+            self.cache.release(self.fill.unplaced())
             self.fill, self.pending = None, True
         if self.paging is not None and self.paging_pid != os.getpid():
             self.paging, self.pending = None, True
@@ -141,12 +145,10 @@ class Warmer:
         """Start a due fill, and wait until it is in place."""
         self.before_read()
         self.after_read()
-        self.before_read()
-        if self.fill is not None:
-            self.settle()
+        self.settle()
         if self.paging is not None:
             self.paging.result()
-            self.before_read()
+        self.before_read()
 
     def after_read(self) -> None:
         """A reader's due fill, started behind its first read."""
@@ -247,13 +249,13 @@ class Warmer:
         fill, self.fill = self.fill, None
         if fill is None:
             return
-        left = fill.jobs[fill.placed:]
-        for _, job in left:
+        left = [job for _, job in fill.jobs[fill.placed:]]
+        for job in left:
             job.cancel()
-        for part, job in left:
+        for job in left:
             if not job.cancelled():
                 job.exception()
-            self.cache.release(fill.slots[part])
+        self.cache.release(fill.unplaced())
 
     def close(self) -> None:
         self._drop_fill()
