@@ -118,6 +118,8 @@ class _BufferDataset(tud.IterableDataset):
             self._workers.mark()
         if self._relay is not None and tud.get_worker_info() is not None:
             self._take_pass(*self._relay)
+        if tud.get_worker_info() is not None:  # torch makes the iterator before it starts the other
+            self.reader.get()  # workers and sends the first index: open the store meanwhile
         sink = sink_for(self._ring)
         return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
 
