@@ -103,7 +103,8 @@ def _stamped(probe: StartupProbe, fn: Callable[..., Any], label: str) -> Callabl
 
 def first_batch(probe: StartupProbe, loader: Any) -> tuple[Any, dict[str, float]]:
     """``iter(loader)`` and its first batch, and the phases of the worker it came from (seconds;
-    ``"fill"``: the part of the first read spent filling the cache; ``"total"``: iter to batch).
+    ``"fill"``: the part of the first read spent filling the cache; ``"total"``: iter to batch;
+    ``"rest"``: the total less the open and the first read).
     Returns the iterator (still running) and the phases."""
     probe.clear()
     probe.stamp("start")
@@ -128,6 +129,7 @@ def phases(stamps: list[tuple[int, float, str]]) -> dict[str, float]:
     out = {name: b - a for name, a, b in zip(PHASES, marks, marks[1:])}
     out["fill"] = fills[1] - fills[0] if len(fills) >= 2 else 0.0
     out["total"] = main["first"] - main["start"]
+    out["rest"] = out["total"] - out["open"] - out["first read"]  # what start-up costs besides those
     return out
 
 
