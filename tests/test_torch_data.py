@@ -20,9 +20,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import diskreplay as dr
 from diskreplay.format.lanes import row_ids
 from diskreplay.torch import datasets
-from diskreplay.torch.batch_rng import BatchRngs
+from diskreplay.torch.batch_rng import BatchRngs, StridedRngs
 from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
-from diskreplay.torch.datasets import _Generators
 from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
 from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
 from diskreplay.torch.tensors import Batch
@@ -451,7 +450,7 @@ def test_a_loader_passes_batches_on_as_batches(buf):
 
 def test_the_generators_of_a_read_are_each_batch_s_own_every_time():
     rngs = BatchRngs(5, 0, stride=2)
-    gens = _Generators(rngs, 4, 2, 3)
+    gens = StridedRngs(rngs, 4, 2, 3)
     want = [np.random.default_rng([5, 0, b]).integers(1 << 62, size=4) for b in (4, 6, 8)]
     for _ in range(2):  # a retried read asks again: the same states, not the generators' later ones
         for gen, w in zip(gens, want, strict=True):

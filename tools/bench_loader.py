@@ -35,9 +35,13 @@ epochs over 2,000,000 zstd rows (``--epoch-rows``) with a stand-in training step
 ``dr.Loader`` and a plain ``DataLoader(buf.as_dataset(...))`` (and with ``persistent_workers``):
 epoch rows/s and their ratio to num_workers=0, time to each epoch's first batch, and the main
 process's CPU time per batch (all its threads, the step included: the number that decides whether
-workers add throughput, least disturbed by other load on a shared machine).
+workers add throughput, least disturbed by other load on a shared machine). Then where a worker's
+start-up goes (``tools/worker_startup.py``): ``iter()`` to the first batch of num_workers=2, in
+phases (fork, torch's set-up, the store's open in the worker, its first read and the cache fill in
+it, the hand-over). ``--s3``: the same again from S3 (moto and the latency proxy of
+``tests/s3server.py``, as ``tools/bench_cloud.py`` starts them; ``--s3-rows`` rows).
 
-Usage: python tools/bench_loader.py [--quick] [--epochs-only] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
+Usage: python tools/bench_loader.py [--quick] [--epochs-only [--s3]] [--dir /tmp/diskreplay-bench-loader] [--out FILE]
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchlib as bl
+import worker_startup
 
 import diskreplay as dr
 from diskreplay.torch.data import make_dataset
@@ -89,9 +94,9 @@ def make_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_buffer(path: str, rows: dict[str, np.ndarray], compression: str | None,
-                 chunk_rows: int = CHUNK_ROWS) -> str:
+                 chunk_rows: int = CHUNK_ROWS, storage_options: dict | None = None) -> str:
     buf = dr.ReplayBuffer.create(path, FIELDS, None, chunk_rows=chunk_rows, compression=compression,
-                                 overwrite=True)
+                                 overwrite=True, storage_options=storage_options)
     buf.extend(rows)
     buf.close()
     return path
@@ -341,16 +346,17 @@ def training_step(milliseconds: float, n: int | None = None) -> tuple[int, Calla
     return n, step
 
 
-def epoch_contestants(url: str, batch: int) -> dict[str, Callable[[int], Any]]:
-    """name -> (num_workers -> an epoch iterable whose ``iter()`` runs one epoch)."""
+def epoch_contestants(url: str, batch: int, so: dict | None = None) -> dict[str, Callable[[int], Any]]:
+    """name -> (num_workers -> an epoch iterable whose ``iter()`` runs one epoch); ``so``: the
+    store's storage options."""
     def fork(w: int) -> dict[str, Any]:
         return {"num_workers": w, "multiprocessing_context": "fork"} if w else {"num_workers": 0}
 
     def plain(w: int, persistent: bool) -> Any:
-        ds = dr.ReplayBuffer.open(url, "r").as_dataset(batch, mode="epoch", seed=0)
+        ds = dr.ReplayBuffer.open(url, "r", storage_options=so).as_dataset(batch, mode="epoch", seed=0)
         return DataLoader(ds, batch_size=None, persistent_workers=persistent and w > 0, **fork(w))
 
-    return {"dr.Loader": lambda w: Loader(make_dataset(url, batch, "epoch", seed=0), **fork(w)),
+    return {"dr.Loader": lambda w: Loader(make_dataset(url, batch, "epoch", seed=0, storage_options=so), **fork(w)),
             "DataLoader(buf.as_dataset)": lambda w: plain(w, False),
             "DataLoader(buf.as_dataset, persistent_workers)": lambda w: plain(w, True)}
 
@@ -377,11 +383,11 @@ def run_epochs(iterable: Any, epochs: int, step: Callable[[], None]) -> list[dic
 
 
 def epoch_workers_table(url: str, batch: int, worker_counts: list[int], repeats: int,
-                        step: Callable[[], None], epochs: int = 2) -> tuple[str, list[str]]:
+                        step: Callable[[], None], epochs: int = 2, so: dict | None = None) -> tuple[str, list[str]]:
     """Epoch rows/s with a training step per batch, per contestant and num_workers, epochs 1 and 2
     (and their first-batch times); ratios to the same contestant's num_workers=0. Interleaved
     repeats, medians."""
-    builders = epoch_contestants(url, batch)
+    builders = epoch_contestants(url, batch, so)
     runs: dict[tuple[str, int], list[list[dict[str, float]]]] = {}
     keys = [(name, w) for name in builders for w in worker_counts
             if not (w == 0 and "persistent" in name)]
@@ -412,34 +418,91 @@ def epoch_workers_table(url: str, batch: int, worker_counts: list[int], repeats:
     return "\n".join(lines), checks
 
 
-def open_seconds(url: str, repeats: int = 5) -> float:
+def open_seconds(url: str, repeats: int = 5, so: dict | None = None) -> float:
     """Median seconds of ``ReplayBuffer.open(url, "r")`` (what a worker does first)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dr.ReplayBuffer.open(url, "r").close()
+        dr.ReplayBuffer.open(url, "r", storage_options=so).close()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+def startup_table(url: str, batch: int, repeats: int, so: dict | None = None) -> str:
+    """Milliseconds from ``iter()`` to the first batch of num_workers=2 (fork), in the phases of
+    `worker_startup` (worker 0's), medians of ``repeats`` fresh loaders each."""
+    def fork2() -> dict[str, Any]:
+        return {"num_workers": 2, "multiprocessing_context": "fork"}
+
+    contestants: dict[str, Callable[[], Any]] = {
+        "dr.Loader, epoch": lambda: Loader(make_dataset(url, batch, "epoch", seed=0, storage_options=so), **fork2()),
+        "DataLoader(buf.as_dataset), epoch": lambda: DataLoader(
+            dr.ReplayBuffer.open(url, "r", storage_options=so).as_dataset(batch, mode="epoch", seed=0),
+            batch_size=None, **fork2()),
+        "dr.Loader, sample": lambda: Loader(make_dataset(url, batch, "sample", seed=0, storage_options=so),
+                                            **fork2())}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in contestants}
+    with worker_startup.installed() as probe:
+        for _ in range(repeats):
+            for name, build in contestants.items():
+                gc.collect()
+                loader = build()
+                it, phases = worker_startup.first_batch(probe, loader)
+                runs[name].append(phases)
+                del it, loader
+    names = [*worker_startup.PHASES, "fill", "total", "rest"]
+    lines = [f"| loader | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
+    for name, got in runs.items():
+        m = worker_startup.median_phases(got)
+        lines.append(f"| {name} | " + " | ".join(f"{m[k] * 1e3:,.1f}" for k in names) + " |")
+    return "\n".join(lines)
+
+
 def epochs_section(args: argparse.Namespace) -> str:
-    """Issue 41: epochs with a training step, workers vs in-process (zstd, local disk)."""
+    """Issue 41: epochs with a training step, workers vs in-process (zstd, local disk; ``--s3``:
+    then from S3)."""
     rows = 200_000 if args.quick else args.epoch_rows
-    repeats = args.repeats or (1 if args.quick else 3)
-    workers = [int(w) for w in args.workers.split(",")]
     url = os.path.join(args.dir, f"epochs-zstd-{rows}")
     if not os.path.exists(url):
         bl.log(f"writing {rows:,} rows (zstd) under {url}")
         write_buffer(url, make_rows(rows, seed=2), "zstd")
+    parts = [epochs_report(args, url, rows, "local disk (page cache warm)")]
+    if args.s3:
+        parts.append(s3_epochs(args))
+    return "\n".join(parts)
+
+
+def s3_epochs(args: argparse.Namespace) -> str:
+    """The epochs section from S3: moto and the latency proxy in a child process (`bench_cloud.Server`)."""
+    from bench_cloud import BUCKET, Server, dr_options
+    rows = 100_000 if args.quick else args.s3_rows
+    server = Server(args.latency_ms / 1000)
+    try:
+        url = f"s3://{BUCKET}/epochs-zstd-{rows}"
+        bl.log(f"writing {rows:,} rows (zstd) to {url}")
+        write_buffer(url, make_rows(rows, seed=2), "zstd", storage_options=dr_options(server.endpoints["loopback"]))
+        where = f"S3 (moto behind a proxy adding {args.latency_ms:g} ms per request, repeated GETs from its copy)"
+        return epochs_report(args, url, rows, where, dr_options(server.endpoints["latency"]))
+    finally:
+        server.close()
+
+
+def epochs_report(args: argparse.Namespace, url: str, rows: int, where: str, so: dict | None = None) -> str:
+    """The epochs table, its checks and the start-up table for one store."""
+    repeats = args.repeats or (1 if args.quick else 3)
+    workers = [int(w) for w in args.workers.split(",")]
     torch.set_num_threads(1)
-    opened = open_seconds(url)
-    bl.log("epochs with a training step")
+    opened = open_seconds(url, so=so)
+    bl.log(f"epochs with a training step: {where}")
     n, step = training_step(args.step_ms, args.step_n)
     step_s = statistics.median(bl.timed(step)[0] for _ in range(200))
-    table, checks = epoch_workers_table(url, args.epoch_batch, workers, repeats, step)
+    table, checks = epoch_workers_table(url, args.epoch_batch, workers, repeats, step, so=so)
+    bl.log(table)
+    bl.log(f"worker start-up: {where}")
+    startup = startup_table(url, args.epoch_batch, 3 if args.quick else 5, so)
     return "\n".join([
-        "## Epochs with a training step: do workers add throughput? (issue 41)", "",
-        f"{rows:,} rows × 165 B, zstd, local disk (page cache warm), batch {args.epoch_batch}; after each "
+        f"## Epochs with a training step: do workers add throughput? (issue 41): {where}", "",
+        f"{rows:,} rows × 165 B, zstd, {where}, batch {args.epoch_batch}; after each "
         f"batch the main process runs a stand-in training step (a {n}×{n} float32 matmul, one thread: "
         f"{bl.format_seconds(step_s)} median here); two epochs per iterable, each timed from its "
         f"``iter()`` to its last batch; "
@@ -447,7 +510,14 @@ def epochs_section(args: argparse.Namespace) -> str:
         f"DataLoader's num_workers=0); first batch: seconds from ``iter()``; main CPU / batch: this "
         f"process's CPU time (all threads, the training step included) per batch. Median of {repeats} "
         f"interleaved repeats; fork workers. Opening the store (``ReplayBuffer.open``): "
-        f"{bl.format_seconds(opened)}.", "", table, "", "```", *checks, "```", ""])
+        f"{bl.format_seconds(opened)}.", "", table, "", "```", *checks, "```", "",
+        "### Worker start-up (num_workers=2, fork): milliseconds from ``iter()`` to the first batch", "",
+        "Worker 0's phases (tools/worker_startup.py): fork: until the worker runs; torch set-up: until "
+        "the dataset's ``__iter__``; to open: until the store's open in the worker; to read: until its "
+        "first read (the row order, the read-ahead announced, waiting for torch's first index); first "
+        "read: that read (a Loader's: a block of batches), the cache fill (fill) included; hand-over: "
+        "until the main process holds the batch; rest: the total less the open and the first read. Medians "
+        "of fresh loaders, each phase's own.", "", startup, ""])
 
 
 def main() -> None:
@@ -462,6 +532,9 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=1.0, help="the stand-in training step's CPU cost")
     parser.add_argument("--step-n", type=int, help="the step's matrix size (default: timed to --step-ms)")
     parser.add_argument("--repeats", type=int, help="repeats of that section (default 3, --quick 1)")
+    parser.add_argument("--s3", action="store_true", help="that section also from S3 (moto + latency proxy)")
+    parser.add_argument("--s3-rows", type=bl.parse_count, default=500_000, help="rows of the S3 run")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="latency the S3 proxy adds per request")
     args = parser.parse_args()
     if args.epochs_only:
         report = epochs_section(args)

@@ -11,7 +11,8 @@ extension), with the very same draws (tested against numpy).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -165,3 +166,30 @@ class BatchRngs:
         self._table_first, self._table = b, _pcg64_states(_seed_states(entropy))
         self.block = min(4 * self.block, self.max_block)
         return 0
+
+
+class StridedRngs(Sequence[np.random.Generator]):
+    """The generators of batches ``b, b + stride, ...`` (``count``), each made when asked for:
+    `BatchRngs` hands out shared generators, used before the next is asked for."""
+
+    def __init__(self, rngs: BatchRngs, b: int, stride: int, count: int):
+        self.rngs, self.b, self.stride, self.size = rngs, b, stride, count
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[np.random.Generator]:
+        return (self.rngs(self.b + i * self.stride) for i in range(self.size))
+
+    @overload
+    def __getitem__(self, i: int) -> np.random.Generator: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[np.random.Generator]: ...
+
+    def __getitem__(self, i: int | slice) -> np.random.Generator | Sequence[np.random.Generator]:
+        if isinstance(i, slice):
+            raise TypeError("the generators of a read are handed out one at a time, not sliced")
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.rngs(self.b + i * self.stride)

@@ -9,7 +9,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch.utils.data as tud
@@ -20,7 +20,7 @@ from ..errors import EmptyBufferError
 from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from ..storage import READ_AHEAD_BYTES as CHUNKS_AHEAD_BYTES
-from .batch_rng import BatchRngs
+from .batch_rng import BatchRngs, StridedRngs
 from .epoch_order import EpochOrder, Shard
 from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
@@ -118,6 +118,8 @@ class _BufferDataset(tud.IterableDataset):
             self._workers.mark()
         if self._relay is not None and tud.get_worker_info() is not None:
             self._take_pass(*self._relay)
+        if tud.get_worker_info() is not None:  # torch makes the iterator before it starts the other
+            self.reader.get()  # workers and sends the first index: open the store meanwhile
         sink = sink_for(self._ring)
         return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
 
@@ -516,7 +518,7 @@ def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: M
     read, last first; one batch is gathered into ``out`` if given."""
     if count == 1:
         return [buf.sample(size, rng=rngs(b), out=out, **options)]
-    generators = _Generators(rngs, b, stride, count)
+    generators = StridedRngs(rngs, b, stride, count)
     return buf.sample_batches(size, count, rngs=generators, **options)[::-1]
 
 
@@ -563,33 +565,6 @@ class _RefreshClock:
         except EmptyBufferError:
             self.refresh()
             return read(*args)
-
-
-class _Generators(Sequence[np.random.Generator]):
-    """The generators of batches ``b, b + stride, ...`` (``count``), each made when asked for:
-    `BatchRngs` hands out shared generators, used before the next is asked for."""
-
-    def __init__(self, rngs: BatchRngs, b: int, stride: int, count: int):
-        self.rngs, self.b, self.stride, self.size = rngs, b, stride, count
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Iterator[np.random.Generator]:
-        return (self.rngs(self.b + i * self.stride) for i in range(self.size))
-
-    @overload
-    def __getitem__(self, i: int) -> np.random.Generator: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[np.random.Generator]: ...
-
-    def __getitem__(self, i: int | slice) -> np.random.Generator | Sequence[np.random.Generator]:
-        if isinstance(i, slice):
-            raise TypeError("the generators of a read are handed out one at a time, not sliced")
-        if not 0 <= i < self.size:
-            raise IndexError(i)
-        return self.rngs(self.b + i * self.stride)
 
 
 def _out_names(buf: ReplayBuffer) -> frozenset[str]:
