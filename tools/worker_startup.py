@@ -2,7 +2,7 @@
 
 `StartupProbe` wraps (in this process, before the workers fork, so the workers inherit the
 wrappers) torch's worker loop, the dataset's ``__iter__``, the reader's open, its first read (an
-epoch's gather, a sample-mode draw) and the first-read cache fill (`Warmer.warm`), each writing a
+epoch's gather, a sample-mode draw) and what it waits for before reading (`Warmer.before_read`), each writing a
 time stamp (``time.perf_counter``: one monotonic clock for every process of this machine) to a
 file. `phases` reads them back for the worker whose batch comes first (worker 0):
 
@@ -74,7 +74,7 @@ def installed() -> Iterator[StartupProbe]:
         (torch_worker, "_worker_loop", "loop", False), (datasets_module._BufferDataset, "__iter__", "iter", False),
         (reader_module.Reader, "_open", "open", False), (datasets_module._BufferDataset, "_gather", "gather", True),
         (datasets_module, "_read", "gather", False),
-        (warm_module.Warmer, "warm", "fill", False)]
+        (warm_module.Warmer, "before_read", "fill", False)]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _, _ in targets]
     try:
         for owner, name, label, static in targets:
