@@ -163,3 +163,18 @@ def test_prioritized_queue_merges_consecutive_steps_in_the_order_they_came():
     assert sampler._pending == [(range(3), 0, 4), (1, 4, 7)]
     lanes, steps_ = _queued_rows(range(3), 0, 2)
     assert lanes.tolist() == [0, 1, 2, 0, 1, 2] and steps_.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_one_lane_steps_of_0d_arrays_end_episodes_as_numpy_scalars_do(tmp_path):
+    """With one lane a scalar field may come as a numpy scalar or a 0-d array: both take the short
+    way, and a true end flag of either ends the episode there."""
+    scalars, arrays = created(tmp_path, "scalars", 1, None), created(tmp_path, "arrays", 1, None)
+    taken = short_path_calls(arrays)
+    for step in steps(30, 1, seed=5):
+        scalars.add(**step)
+        arrays.add(**{k: np.asarray(v) for k, v in step.items()})
+    assert len(taken) > 20
+    ends = [i for i, step in enumerate(steps(30, 1, seed=5)) if step["done"]]
+    assert ends and arrays.episodes().start.tolist() == scalars.episodes().start.tolist() == [0] + [
+        e + 1 for e in ends if e + 1 < 30]
+    scalars.close(), arrays.close()

@@ -96,6 +96,23 @@ def prioritized(tmp: Path) -> list[Any]:
     return out
 
 
+def prioritized_adds(tmp: Path) -> list[Any]:
+    """Single-step adds (the short path of `add`), sampled and updated between them: 1 and 3 lanes."""
+    out = []
+    for lanes in (1, 3):
+        with dr.ReplayBuffer.create(tmp / f"b{lanes}", FIELDS, capacity=48, num_envs=lanes, chunk_rows=8, seed=7,
+                                    sampler=dr.Prioritized(alpha=0.6, beta=0.4)) as buf:
+            for t in range(70):
+                rows = steps(t, 1, lanes)
+                buf.add(**{k: v[0] if lanes > 1 else v[0, 0] for k, v in rows.items()})
+                if t % 11 == 10:
+                    batch = buf.sample(8)
+                    buf.update_priorities(batch["index"], np.cos(batch["index"] * 0.29 + t) * 2)
+                    out.append(batch)
+            out.append(buf.sample(16, n_step=2, gamma=0.9))
+    return out
+
+
 def without_replacement(tmp: Path) -> list[Any]:
     with dr.ReplayBuffer.create(tmp / "b", FIELDS, capacity=None, chunk_rows=8, seed=2,
                                 sampler=dr.WithoutReplacement()) as buf:
@@ -147,6 +164,7 @@ CASES: dict[str, Callable[[Path], list[Any]]] = {
     "uniform ring zstd 3 lanes": lambda tmp: uniform_ring(tmp, "zstd", 3),
     "uniform ring lz4 2 lanes": lambda tmp: uniform_ring(tmp, "lz4", 2),
     "prioritized": prioritized,
+    "prioritized after single-step adds": prioritized_adds,
     "without replacement": without_replacement,
     "derived next and returns": derived,
     "datasets": datasets,

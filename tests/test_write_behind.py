@@ -121,6 +121,41 @@ def test_adds_go_on_while_a_sealed_chunk_is_written(writes, compression):
     assert verify(writes.root).ok
 
 
+def test_adds_stage_in_place_while_a_sealed_chunk_waits_for_the_write_in_flight(writes):
+    """A chunk sealed while the one before is still being written waits for that write whichever
+    way the next adds go: they take the short way (`StepStaging`, one assignment per field) and
+    store the same rows, not the long way for as long as the write lasts."""
+    buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=None, chunk_rows=CHUNK, seed=0)
+    writer = buf.storage.writer
+    staging, short = writer.steps, []
+    inner = staging.append
+
+    def counted(rows: dict[str, np.ndarray]) -> int:
+        step = inner(rows)
+        if step >= 0:
+            short.append(step)
+        return step
+    staging.append = counted  # type: ignore[method-assign]
+    try:
+        writes.hold = is_chunk
+        add(buf, 0, CHUNK)  # seals chunk 0: its write starts and is held
+        assert writes.held.wait(SAFETY_S)
+        add(buf, CHUNK, CHUNK)  # seals chunk 1: it waits for chunk 0's write
+        del short[:]
+        add(buf, 2 * CHUNK, CHUNK - 1)
+        assert short == list(range(2 * CHUNK + 1, 3 * CHUNK - 1))  # all but the chunk's first row
+        assert [chunk for _, chunk, _ in writer.sealed] == [1] and writer.behind.busy
+        np.testing.assert_array_equal(buf[buf.row_ids()]["act"], rows(np.arange(3 * CHUNK - 1))["act"])
+        writes.released.set()
+        add(buf, 3 * CHUNK - 1, 2)
+        buf.flush()
+        np.testing.assert_array_equal(committed_ids(writes.root), np.arange(3 * CHUNK + 1))
+    finally:
+        writes.released.set()
+        buf.close()
+    assert verify(writes.root).ok
+
+
 def test_the_retire_commit_of_a_full_ring_is_behind_the_add_too(writes):
     buf = dr.ReplayBuffer.create(writes.root, FIELDS, capacity=2 * CHUNK, chunk_rows=CHUNK, seed=0)
     try:

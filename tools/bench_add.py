@@ -3,12 +3,15 @@
 Workload: five fields — obs (17,) f32, action (6,) f32, reward () f32, next_obs (17,) f32,
 done () bool — added one step per call into an empty 1M-capacity buffer on the local disk.
 
-Contestants, repeats interleaved (median reported), each compared with the numpy floor:
-- ``numpy (SB3-style)``: what SB3's in-RAM ``ReplayBuffer.add`` does per field: ``np.array(v)``
-  assigned into a preallocated array at one index (the baseline of the ratios);
-- ``SB3 ReplayBuffer``: SB3's own buffer, if stable-baselines3 is installed;
+Contestants, repeats interleaved (median reported), each compared with the numpy floor of the
+same number of lanes:
+- ``numpy (SB3-style), num_envs=N``: what SB3's in-RAM ``ReplayBuffer.add`` with ``n_envs=N`` does
+  per field: ``np.array(v)`` of the ``(N, *shape)`` step assigned at one index of a preallocated
+  ``(capacity // N, N, *shape)`` array (``(capacity, *shape)`` for one lane): the baselines;
+- ``SB3 ReplayBuffer, num_envs=N``: SB3's own buffer, if stable-baselines3 is installed;
 - diskreplay ``add`` with num_envs 1 / 4 / 16 (one row per lane per call), uniform and prioritized
-  sampler, raw and zstd chunks: µs per call and per row, and the ratio per call to the floor.
+  sampler, raw and zstd chunks: µs per call and per row, and the ratio per call to the floor of
+  its num_envs.
 
 Two clocks: wall time (what the caller waits, with the writer's background thread competing for
 the CPU as it encodes and writes the chunks the adds fill) and the calling thread's CPU time
@@ -40,7 +43,7 @@ CAPACITY = 1 << 20  # divisible by every lane count below
 FIELDS = {name: dr.Field(*spec) for name, spec in bl.WORKLOAD_FIELDS.items()}
 LANES = (1, 4, 16)
 POOL = 1024
-NUMPY, SB3 = "numpy (SB3-style)", "SB3 ReplayBuffer"
+NUMPY, SB3 = "numpy (SB3-style), num_envs={}", "SB3 ReplayBuffer, num_envs={}"
 
 
 def steps(num_envs: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -64,11 +67,12 @@ def timed(loop: Callable[[], None]) -> Timed:
     return {"total": (time.perf_counter_ns() - wall) / 1e9, "cpu": (time.thread_time_ns() - cpu) / 1e9}
 
 
-def numpy_case(adds: int) -> Callable[[], Timed]:
-    rows = steps(1)
+def numpy_case(adds: int, num_envs: int) -> Callable[[], Timed]:
+    rows = steps(num_envs)
+    lead = (CAPACITY,) if num_envs == 1 else (CAPACITY // num_envs, num_envs)
 
     def run() -> Timed:
-        store = {k: np.zeros((CAPACITY, *f.shape), f.dtype) for k, f in FIELDS.items()}
+        store = {k: np.zeros((*lead, *f.shape), f.dtype) for k, f in FIELDS.items()}
 
         def loop() -> None:
             for i in range(adds):
@@ -78,23 +82,24 @@ def numpy_case(adds: int) -> Callable[[], Timed]:
     return run
 
 
-def sb3_case(adds: int) -> Callable[[], Timed] | None:
+def sb3_case(adds: int, num_envs: int) -> Callable[[], Timed] | None:
     try:
         from gymnasium import spaces
         from stable_baselines3.common.buffers import ReplayBuffer as SB3Buffer
     except ImportError:
         return None
-    rows = steps(1)
+    rows = steps(num_envs)
     obs_space = spaces.Box(-np.inf, np.inf, (17,), np.float32)
     act_space = spaces.Box(-1, 1, (6,), np.float32)
+    infos: list[dict[str, object]] = [{} for _ in range(num_envs)]
 
     def run() -> Timed:
-        rb = SB3Buffer(CAPACITY, obs_space, act_space, device="cpu", n_envs=1)
+        rb = SB3Buffer(CAPACITY, obs_space, act_space, device="cpu", n_envs=num_envs)
 
         def loop() -> None:
             for i in range(adds):
                 s = rows[i % POOL]
-                rb.add(s["obs"], s["next_obs"], s["action"], s["reward"], s["done"], [{}])
+                rb.add(s["obs"], s["next_obs"], s["action"], s["reward"], s["done"], infos)
         return timed(loop)
     return run
 
@@ -131,11 +136,13 @@ def main() -> None:
     p.add_argument("--out", help="also write the markdown report to this file")
     args = p.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    cases: dict[str, Callable[[], Timed]] = {NUMPY: numpy_case(args.adds)}
-    sb3 = sb3_case(args.adds)
-    if sb3 is not None:
-        cases[SB3] = sb3
+    cases: dict[str, Callable[[], Timed]] = {}
     lanes: dict[str, int] = {}
+    for n in LANES:
+        cases[NUMPY.format(n)], lanes[NUMPY.format(n)] = numpy_case(args.adds, n), n
+        sb3 = sb3_case(args.adds, n)
+        if sb3 is not None:
+            cases[SB3.format(n)], lanes[SB3.format(n)] = sb3, n
     for compression in (None, "zstd"):
         for prioritized in (False, True):
             for n in LANES:
@@ -143,11 +150,11 @@ def main() -> None:
                 cases[name], lanes[name] = dr_case(args.dir, args.adds, n, prioritized, compression), n
     bl.log(f"{args.repeats} interleaved repeats x {args.adds:,} add calls")
     stats = bl.interleaved(cases, args.repeats, number=args.adds)
-    floor, floor_cpu = stats[NUMPY].median, stats[NUMPY].phases["cpu"].median
     lines = ["| contestant | wall per call (vs numpy) | wall per row | caller CPU per call (vs numpy) |",
              "|---|---:|---:|---:|"]
     for name, st in stats.items():
-        wall, cpu, n = st.median, st.phases["cpu"].median, lanes.get(name, 1)
+        wall, cpu, n = st.median, st.phases["cpu"].median, lanes[name]
+        floor, floor_cpu = stats[NUMPY.format(n)].median, stats[NUMPY.format(n)].phases["cpu"].median
         lines.append(f"| {name} | {wall * 1e6:.2f} µs ({wall / floor:.2f}×) | {wall / n * 1e6:.2f} µs | "
                      f"{cpu * 1e6:.2f} µs ({cpu / floor_cpu:.2f}×) |")
     report = "\n".join(lines)

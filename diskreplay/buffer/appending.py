@@ -31,14 +31,20 @@ class Appender:
         self.cut = cut
         """Lanes whose open episode the last writer left: closed, as truncated, by their next rows."""
         lead = () if self.num_envs == 1 else (self.num_envs,)
-        self._exact = [(name, field.dtype, lead + field.shape) for name, field in inputs.items()]
+        self._exact = [(name, (np.ndarray, field.dtype.type), field.dtype, lead + field.shape)
+                       for name, field in inputs.items()]
+        """Per input field: the types a value may have to be taken as is (an array, or a numpy
+        scalar of the field's dtype), its dtype and the shape of one step of every lane."""
         self._staging = storage.writer  # None: a reader's (which never adds)
         self._short = finals is None and self.returns is None and not view.derived
 
     def add(self, step: Mapping[str, Any], env_ids: Any) -> None:
         """One step of every lane (or of ``env_ids``): see `ReplayBuffer.add`."""
-        if env_ids is None and self._short and not self.cut and self._is_exact(step) and self._add_step(step):
-            return
+        if env_ids is None and self._short and not self.cut and self._is_exact(step):
+            assert self._staging is not None  # `ReplayBuffer.add` checked the buffer is writable
+            staged = self._staging.steps.append(step)
+            if staged >= 0:
+                return self._staged_step(step, staged)
         if self.num_envs == 1 and env_ids is None:
             rows = self.inputs.rows(step, lead=())
             self.append(np.array([0]), {k: v[None, None] for k, v in rows.items()}, 1)
@@ -52,24 +58,19 @@ class Appender:
         exactly its stored dtype and shape: nothing to cast, `Schema.rows` would pass it as is."""
         if len(step) != len(self._exact):
             return False
-        for name, dtype, shape in self._exact:
-            value = step.get(name)
-            if not (type(value) is np.ndarray or isinstance(value, np.generic)) \
-                    or value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+        for name, types, dtype, shape in self._exact:
+            value: Any = step.get(name)
+            if type(value) not in types or value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
                 return False
         return True
 
-    def _add_step(self, rows: Mapping[str, Any]) -> bool:
-        """One step of every lane, checked (`_is_exact`), the short way: staged in place
-        (`StepStaging.append`), episode ends and the sampler told. False: nothing was
-        done, `append` must."""
-        assert self._staging is not None  # `ReplayBuffer.add` checked the buffer is writable
-        step = self._staging.steps.append(rows)
-        if step < 0:
-            return False
+    def _staged_step(self, rows: Mapping[str, Any], step: int) -> None:
+        """Tell the episode index and the sampler of ``step``, which the short way staged
+        (`StepStaging.append`) from ``rows`` (checked by `_is_exact`); undone if that fails."""
         try:
             for name in self.episodes.end_fields:
-                if np.count_nonzero(rows[name]):
+                # one lane: a numpy bool scalar or 0-d array, truth-tested at no numpy call's cost
+                if rows[name] if self.num_envs == 1 else np.count_nonzero(rows[name]):
                     for lane in np.flatnonzero(end_flags(rows, self.episodes.end_fields)).tolist():
                         self.episodes.add_end(lane, step)
                     break
@@ -77,7 +78,6 @@ class Appender:
         except BaseException:
             self._undo([(lane, step, 0, {}) for lane in range(self.num_envs)], 1)
             raise
-        return True
 
     def extend(self, data: Mapping[str, Any], env_ids: Any) -> None:
         """N steps of every lane (or of ``env_ids``), time-major: see `ReplayBuffer.extend`."""

@@ -60,6 +60,7 @@ class Prioritized(BaseSampler, PrioritySampler):
         """One leaf per storage slot of every lane (dataset mode: 65,536 per lane, growing)."""
         self.layout = layout
         self.stride = layout.lane_capacity or 1 << 16
+        self._lanes = range(layout.num_envs)
         self._make_trees(layout.num_envs * self.stride)
 
     def _make_trees(self, leaves: int) -> None:
@@ -102,15 +103,17 @@ class Prioritized(BaseSampler, PrioritySampler):
 
     def on_append_lanes(self, lanes: int, first: int, end: int) -> None:
         """Queue the new rows of lanes ``0 .. lanes - 1`` (see `on_append`)."""
-        self._queue(range(lanes), first, end)
+        self._queue(self._lanes if lanes == len(self._lanes) else range(lanes), first, end)
 
     def _queue(self, lanes: int | range, first: int, end: int) -> None:
         """Queue rows; the steps right after those of the last entry of the same lanes extend it."""
         pending = self._pending
-        if pending and pending[-1][2] == first and pending[-1][0] == lanes:
-            pending[-1] = (lanes, pending[-1][1], end)
-        else:
-            pending.append((lanes, first, end))
+        if pending:
+            last_lanes, last_first, last_end = pending[-1]
+            if last_end == first and last_lanes == lanes:
+                pending[-1] = (lanes, last_first, end)
+                return
+        pending.append((lanes, first, end))
 
     def _apply_pending(self) -> None:
         """Give newly appended rows the current max priority (batched: adds stay cheap)."""

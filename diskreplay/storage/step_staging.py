@@ -2,10 +2,12 @@
 lane's staged chunk with one assignment per field.
 
 It takes a step while the lanes are in step (the same number of steps each) and each lane's next
-row lies inside its staged chunk, before that chunk's last row, with no sealed chunk waiting, no
-failed background write to raise and no read ahead to land: then only the rows and the cursors
-change. Anything else goes the long way (`StagingWriter.append`), which stages and seals chunks.
-The writer resets the plan of the short way whenever its staging changes.
+row lies inside its staged chunk, before that chunk's last row, with no failed background write to
+raise and no read ahead to land, and no sealed chunk waiting that the long way would start
+writing or slow the appends down for (chunks sealed while a batch is in flight, no more than
+`StagingWriter.paced_past`, wait for it either way): then only the rows and the cursors change.
+Anything else goes the long way (`StagingWriter.append`), which stages and seals chunks. The writer
+resets the plan of the short way whenever its staging changes.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class StepStaging:
         stop, first, views = self.plan if self.plan is not None else self._make_plan()
         total = writer.cursors.total
         step: int = total.item(0)
-        if step >= stop or writer.sealed or writer.reads.old or writer.failure is not None:
+        if step >= stop or writer.reads.old or writer.failure is not None:
+            return -1
+        if writer.sealed and not (writer.behind.busy and len(writer.sealed) <= writer.paced_past):
             return -1
         row = step - first
         for name, value in rows.items():

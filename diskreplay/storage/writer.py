@@ -293,12 +293,16 @@ class StagingWriter:
         (the thread writing it gets the CPU); past the backlog, for the whole batch."""
         if not self.behind.busy:
             return
-        backlog = self.cache.full_slots // BACKLOG_SHARE
-        if len(self.sealed) > backlog:
+        if len(self.sealed) > self.cache.full_slots // BACKLOG_SHARE:
             self.settle(wait=True)
-        elif len(self.sealed) > max(backlog // PACE_SHARE, 1):
+        elif len(self.sealed) > self.paced_past:
             self.behind.wait(PACE_S)
             self.reap(wait=False)
+
+    @property
+    def paced_past(self) -> int:
+        """Sealed chunks past which each append gives the batch in flight a moment (`_pace`)."""
+        return max(self.cache.full_slots // BACKLOG_SHARE // PACE_SHARE, 1)
 
     def settle(self, wait: bool = False) -> None:
         """Take back a background write that ended (``wait``: wait for the one in flight); raise
