@@ -8,6 +8,7 @@ stores' behaviour (retries, deadlines, faults) is tested on both clients in test
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -146,3 +147,21 @@ def test_a_forked_child_is_served_by_s3fs(s3):
     assert child.exitcode == 0, "the child hung or failed"
     assert results.get(timeout=SAFETY_S) == (b"value", True, "FsspecChunkStore", b"value")
     assert store.get("k") == b"value"  # the parent goes on with obstore
+
+
+S3FS_AT_FORK = """
+import os, sys
+from diskreplay.io.obstore_store import ObstoreChunkStore
+ObstoreChunkStore("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"})
+before = "s3fs" in sys.modules
+child = os.fork()
+if child == 0:
+    os._exit(0 if "s3fs" in sys.modules else 3)
+print(before, os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
+def test_s3fs_is_imported_before_a_fork_not_in_each_child():
+    """A forked child serves S3 through s3fs: the parent imports it once, before the fork."""
+    done = subprocess.run([sys.executable, "-c", S3FS_AT_FORK], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "0"], done.stderr
