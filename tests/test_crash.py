@@ -315,7 +315,8 @@ def test_reader_that_did_not_refresh_never_gets_overwritten_rows(tmp_path, monke
     assert writer.do("extend 32") == "ok 32" and writer.do("flush") == "ok 32"
     cold = dr.ReplayBuffer.open(url)  # window [0, 32), nothing cached
     warm = dr.ReplayBuffer.open(url)
-    assert_rows(warm[np.arange(32)], np.arange(32))  # everything cached
+    assert_rows(warm[np.arange(32)], np.arange(32))
+    warm.warm()  # everything cached
     unguarded = dr.ReplayBuffer.open(url)
     # the writer goes round the ring: it commits lower=8, then rewrites chunk 0 with steps 32..39
     assert writer.do("extend 8") == "ok 40"
