@@ -16,8 +16,12 @@ and `obstore_usable` tells `open_chunkstore` to open s3fs stores.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import partial
@@ -82,6 +86,7 @@ class ObstoreChunkStore(RemoteCalls):
         self._forked: FsspecChunkStore | None = None
         if _RUNTIME_PID is None:
             os.register_at_fork(before=_load_s3fs)
+            atexit.register(_runtime_out_of_python)
         _RUNTIME_PID = _RUNTIME_PID or self._pid
 
     def _after_fork(self) -> FsspecChunkStore | None:
@@ -241,6 +246,17 @@ class ObstoreChunkStore(RemoteCalls):
         if status is not None and code and message:
             return f"{type(exc).__name__}: HTTP {status} {code.group(1)}: {message.group(1)}"
         return f"{type(exc).__name__}: {text.split(chr(10) + chr(10), 1)[0]}"
+
+
+def _runtime_out_of_python(timeout_s: float = 1.0) -> None:
+    """At exit, wait (at most ``timeout_s``) until no thread unknown to `threading` runs Python
+    code. obstore's runtime threads complete a request by waking the event loop from Python
+    (``call_soon_threadsafe``, which releases the GIL while it writes to the loop's pipe); one
+    still doing so when the interpreter finalizes cannot take the GIL back and aborts the process."""
+    known = {thread.ident for thread in threading.enumerate() if not isinstance(thread, threading._DummyThread)}
+    deadline = time.monotonic() + timeout_s
+    while set(sys._current_frames()) - known and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _load_s3fs() -> None:
