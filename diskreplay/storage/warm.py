@@ -6,7 +6,7 @@ find rows from their steps alone (``resident_span``). The fill starts after the 
 runs on a thread of its own, a group of chunks per job; until it is in, reads take what they
 miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. On local
 disk, a reader's rows that do not fit the cache but fit half this machine's RAM are memory-mapped
-as read while the OS reads every file in the background (each batch asking for its own pages
+as read while a thread reads every file into the page cache (each batch asking for its own pages
 first meanwhile); bigger ones are read page by page as sampled (`MappedChunks.read_randomly`).
 A local writer fills before its first read returns (`fill_cache`, `MappedChunks.warm`). Best
 effort: a damaged chunk is reported by the read that needs it. A ring reader whose writer
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CorruptBufferError
+from ..io.store import ChunkStore
 from ..io.threads import Threads
 from .loading import ChunkLoader
 from .mapped import MappedChunks
@@ -78,6 +79,14 @@ class _Fill:
     def unplaced(self) -> np.ndarray:
         """The slots of the parts not placed yet."""
         return self.slots[self.jobs[self.placed][0].start:] if self.placed < len(self.jobs) else self.slots[:0]
+
+
+def _read_through(store: ChunkStore, keys: list[str]) -> None:
+    """Bring these files into the page cache: all asked of the OS at once, then each read
+    through, so that they are in when this returns."""
+    store.prefetch(keys)
+    for key in keys:
+        store.get(key)
 
 
 class Warmer:
@@ -170,13 +179,13 @@ class Warmer:
             self.drop_if_moved(*self.mapped.warm(lanes, chunks))
 
     def _page_in(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
-        """Ask the OS to read these chunk files into the page cache, on the fill's thread; until
-        it has, each mapped read asks for its own pages first."""
+        """Read these chunk files into the page cache on the fill's thread; until they are in,
+        each mapped read asks for its own pages first."""
         assert self.mapped is not None
         io = self.loader.io
         keys = [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist()) for name in io.schema.fields]
         self.mapped.prefetch_pages = True
-        self.paging, self.paging_pid = self.threads.submit(io.store.prefetch, keys), os.getpid()
+        self.paging, self.paging_pid = self.threads.submit(_read_through, io.store, keys), os.getpid()
 
     def start_fill(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
         """Load every chunk not cached behind the reads, if they fit the cache: into their home
