@@ -206,6 +206,8 @@ class Warmer:
         io = self.loader.io
         group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * io.schema.row_bytes, 1))
         parts = [slice(i, i + group) for i in range(0, len(slots), group)]
+        self.threads.submit(io.store.prefetch, [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
+                                                for name in io.schema.fields])  # every file asked of the OS at once
         jobs = [(part, self.threads.submit(io.read_here, [
             (io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
             for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(), slots[part].tolist())
