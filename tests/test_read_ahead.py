@@ -132,3 +132,31 @@ def test_a_missing_chunk_is_reported_by_the_read_that_needs_it(tmp_path):
     ds = make_dataset(url, 16, mode="epoch", shuffle="none")
     with pytest.raises(CorruptBufferError, match=f"chunk '{key}' is missing, but the last commit says it holds rows"):
         check_epoch(ds)
+
+
+def test_a_plan_over_cached_chunks_is_walked_as_the_reads_go(tmp_path):
+    """Announced reads whose chunks are all cached (by an earlier pass): the plan is looked at a
+    few chunks per read (``4 * io_threads``), not walked to its end before the first read."""
+    url = str(tmp_path / "b")
+    write(url)
+    reader = dr.ReplayBuffer.open(url, io_threads=2)
+    asked: list[int] = []
+
+    def steps():
+        for chunk in range(CHUNKS):
+            asked.append(chunk)
+            yield np.zeros(CHUNK, np.int64), np.arange(chunk * CHUNK, (chunk + 1) * CHUNK)
+
+    def one_pass():
+        for chunk in range(CHUNKS):
+            ids = np.arange(chunk * CHUNK, (chunk + 1) * CHUNK)
+            np.testing.assert_array_equal(reader[ids]["act"], ids)
+
+    reader.storage.read_ahead(steps())
+    one_pass()  # every chunk read ahead, and cached
+    assert reader.stats().chunks_loaded == CHUNKS and reader.stats().cached_chunks == CHUNKS
+    asked.clear()
+    reader.storage.read_ahead(steps())
+    assert asked == list(range(8))
+    one_pass()
+    assert asked == list(range(CHUNKS)) and reader.stats().chunks_loaded == CHUNKS

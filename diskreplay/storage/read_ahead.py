@@ -92,12 +92,15 @@ class ReadAhead:
                     yield key
 
     def top_up(self) -> None:
-        """Start chunks of the plan until the budget is used, at most ``4 * io.threads`` a call
-        (chunks cached already are only marked recently used)."""
+        """Start chunks of the plan until the budget is used, looking at most ``4 * io.threads``
+        chunks of it a call (chunks cached already are only marked recently used)."""
         wanted: list[tuple[int, int]] = []
         # a slot left for reads; a few threads' worth at a time, so no read waits for the whole plan
+        # (nor, where the plan's chunks are cached already, for a walk through all of them)
         room = min(self.budget - len(self._ahead), self.cache.evictable() - 1, 4 * self.io.threads)
-        while len(wanted) < room:
+        for _ in range(4 * self.io.threads):
+            if len(wanted) >= room:
+                break
             key = next(self._next, None)
             if key is None:
                 self.budget = 0  # the plan is spent
