@@ -65,7 +65,7 @@ def test_s3_epoch_keeps_the_store_busy_and_fetches_each_chunk_once(s3, s3_client
         assert len(gets) == 2 * CHUNKS
         assert sum(gets.values()) == 2 * CHUNKS + reader.storage.store.retried
         # before: one batch's chunk at a time (2 requests in flight with shuffle="none")
-        assert proxy.max_in_flight == 4 * 8  # four requests per I/O thread of the store, never more
+        assert 8 < proxy.max_in_flight <= 4 * 8  # up to four requests per I/O thread of the store, never more
         stats = reader.stats()
         assert stats.chunks_loaded == stats.chunks_read_ahead == CHUNKS
     finally:
