@@ -125,11 +125,7 @@ class ObstoreChunkStore(RemoteCalls):
         return self._gather_all([partial(self._range_async, *one) for one in ranges], self.range_concurrency)
 
     def _gather_all(self, makers: list[Any], concurrency: int) -> list[Any]:
-        found = self._sync(self._gather_bounded, makers, True, concurrency) if makers else []
-        for value in found:
-            if isinstance(value, BaseException):
-                raise value
-        return list(found)
+        return self._results(self._sync(self._gather_bounded, makers, True, concurrency)) if makers else []
 
     async def _get_async(self, key: str, limit: int | None) -> bytes | None:
         try:

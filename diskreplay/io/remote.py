@@ -96,6 +96,14 @@ class RemoteCalls:
     def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
         """Nothing: a PUT is durable when it returns."""
 
+    @staticmethod
+    def _results(found: list[Any]) -> list[Any]:
+        """``found`` (a `_gather_bounded` with ``return_exceptions``), or its first error raised."""
+        for value in found:
+            if isinstance(value, BaseException):
+                raise value
+        return found
+
     async def _gather_bounded(self, makers: Sequence[Callable[[], Awaitable[Any]]],
                               return_exceptions: bool = False, concurrency: int | None = None) -> list[Any]:
         """Every ``maker()`` awaited, at most ``concurrency`` (default: the store's) at once; results in order. With
@@ -295,13 +303,6 @@ class FsspecChunkStore(RemoteCalls):
             return self._run(f"read of {key!r}", "cat_file", self.path(key), start=start, end=stop), size
         except FileNotFoundError:
             return None
-
-    @staticmethod
-    def _results(found: list[Any]) -> list[Any]:
-        for value in found:
-            if isinstance(value, BaseException):
-                raise value
-        return found
 
     def put(self, key: str, data: Data, durable: bool = False) -> None:
         """One PUT (atomic and durable on object stores, whatever ``durable`` says)."""

@@ -205,8 +205,6 @@ class Storage(ABC):
         self._reader.ahead.drop()  # its pinned chunks would stay
         self._cache.invalidate(lane, chunks)
         self._files.forget(lane, chunks)
-        if self._reader.points is not None:
-            self._reader.points.forget(lane, chunks)
         self._reader.warmer.reset()
 
     # ---- shards ----------------------------------------------------------------------------

@@ -163,8 +163,8 @@ class PointReads:
 
     def _read_indexes(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> None:
         """The index of every shard of these chunks no read kept yet, read and checked."""
-        want = sorted({(ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())} - {
-            key[1:] for key in self.indexes if key[0] == name})
+        want = [(ln, ch) for ln, ch in sorted(set(zip(lanes.tolist(), chunks.tolist())))
+                if (name, ln, ch) not in self.indexes]
         head = self.io.codecs[name].index_bytes(self.chunk_rows)
         asked = [(self.io.key(name, ln, ch), 0, head) for ln, ch in want]
         for (ln, ch), one, ranged in zip(want, asked, self._get(asked) if asked else []):

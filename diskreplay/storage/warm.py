@@ -168,7 +168,7 @@ class Warmer:
     def _warm(self) -> None:
         lanes, chunks = self.window_chunks()
         if self.mapped is None and self.reader:
-            self.start_fill(lanes, chunks, self.layout.chunks_per_lane(int(self.window()[1].max(initial=0))))
+            self.start_fill(lanes, chunks)
         elif self.mapped is None:
             self.fill_cache(lanes, chunks)
         elif self._page_by_page:
@@ -187,12 +187,12 @@ class Warmer:
         self.mapped.prefetch_pages = True
         self.paging, self.paging_pid = self.threads.submit(_read_through, io.store, keys), os.getpid()
 
-    def start_fill(self, lanes: np.ndarray, chunks: np.ndarray, chunks_per_lane: int) -> None:
+    def start_fill(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Load every chunk not cached behind the reads, if they fit the cache: into their home
         slots where those are free and every cached chunk is home, else into free slots; `settle`
         puts them in place."""
         cache = self.cache
-        width = self._home_width(chunks_per_lane)
+        width = self._home_width()
         home = lanes * width + chunks
         at = cache.slots_of(lanes, chunks)
         missing = at < 0
@@ -220,7 +220,7 @@ class Warmer:
         the fill can leave the window in lane-major order), or None (any slots)."""
         if not (self.pending and self.reader and self.mapped is None):
             return None
-        home = lanes * self._home_width(self.layout.chunks_per_lane(int(self.window()[1].max(initial=0)))) + chunks
+        home = lanes * self._home_width() + chunks
         return home if home.max(initial=0) < self.cache.full_slots and self.cache.free(home) else None
 
     def settle(self, wait: bool = True) -> None:
@@ -288,9 +288,11 @@ class Warmer:
             return
         self.drop_if_moved(lanes, chunks)
 
-    def _home_width(self, needed: int) -> int:
-        """Slots per lane of a reader's lane-major cache: the ring's chunks; in dataset mode
-        room to grow (a power of two, while the cache has the slots), kept while it suffices."""
+    def _home_width(self) -> int:
+        """Slots per lane of a reader's lane-major cache: the ring's chunks; in dataset mode the
+        window's, with room to grow (a power of two, while the cache has the slots), kept while
+        it suffices."""
+        needed = self.layout.chunks_per_lane(int(self.window()[1].max(initial=0)))
         if self.layout.lane_capacity is None and (self.home_width or 0) < needed:
             roomy = 1 << (needed - 1).bit_length()
             self.home_width = roomy if self.layout.num_envs * roomy <= self.cache.full_slots else needed
