@@ -185,7 +185,7 @@ class FaultProxy:
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
         body = _read_body(req)
         path = req.path.split("?", 1)[0]
-        fault = self._fault_for(req.command, path)
+        fault = "reset" if self.closing.is_set() else self._fault_for(req.command, path)
         if fault == "blackhole":
             self._hold(req)
             return
@@ -304,7 +304,8 @@ class FaultProxy:
             self.max_holding = self.holding
 
     def close(self) -> None:
-        """Stop serving; held connections are closed too (the handlers notice within 50 ms)."""
+        """Stop serving: held connections are closed too (the handlers notice within 50 ms), and
+        a request on a connection kept open is answered by a reset."""
         self.closing.set()
         self.server.shutdown()
         self.server.server_close()

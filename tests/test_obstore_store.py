@@ -8,15 +8,17 @@ stores' behaviour (retries, deadlines, faults) is tested on both clients in test
 from __future__ import annotations
 
 import multiprocessing
+import re
 import subprocess
 import sys
 from datetime import timedelta
 
 import pytest
-from s3server import SAFETY_S, s3
+from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3
 
 pytest.importorskip("obstore")
 
+from diskreplay import RetryPolicy, StoreUnavailableError
 from diskreplay.io import FsspecChunkStore, open_chunkstore
 from diskreplay.io.access import access_problem
 from diskreplay.io.obstore_store import ObstoreChunkStore, UntranslatableOptionError, s3store_config
@@ -125,6 +127,45 @@ def test_obstore_errors_name_the_callers_setup(s3):
     rejected = GenericError("Server returned non-2xx status code: 403 Forbidden: <?xml version=\"1.0\"?><Error>"
                             "<Code>SignatureDoesNotMatch</Code><Message>The signature ...</Message></Error>")
     assert access_problem(rejected) == "rejected SignatureDoesNotMatch"
+
+
+def test_a_failed_first_try_on_a_thread_is_retried_on_the_event_loop(s3, fault_proxy):
+    """GETs are first tried on the store's threads; a transient failure there goes on under the
+    retry policy (counted and retried once), for whole objects and ranges alike."""
+    store = ObstoreChunkStore(s3.new_url("first"), proxy_options(s3, fault_proxy))
+    for key in ("a", "b"):
+        store.put(key, key.encode() * 10)
+    assert store._first_tries_here()
+    fault_proxy.reset_stats()
+    fault_proxy.fail("503", "/a", times=1, method="GET")
+    fault_proxy.fail("reset", "/b", times=1, method="GET")
+    assert store.get_many(["a", "b"]) == [b"a" * 10, b"b" * 10]
+    assert store.retried == 2 and fault_proxy.count("/a", "GET") == fault_proxy.count("/b", "GET") == 2
+    fault_proxy.fail("503", "/a", times=1, method="GET")
+    assert store.get_ranges([("a", 2, 5), ("b", 0, 3), ("missing", 0, 1)]) == [(b"aaa", 10), (b"bbb", 10), None]
+    assert store.retried == 3
+    fault_proxy.fail("500", "/b", times=10, method="GET")
+    with pytest.raises(StoreUnavailableError, match=r"read of 'b' failed after 6 tries .*all 6 attempts used.* "
+                                                    r"HTTP 500 InternalError"):
+        store.get_many(["a", "b"])
+
+
+def test_a_first_try_on_a_thread_ends_at_the_deadline(s3, fault_proxy):
+    """A GET never answered blocks a thread no longer than the policy's deadline, as on the loop."""
+    store = ObstoreChunkStore(s3.new_url("first"), proxy_options(s3, fault_proxy), retry=RetryPolicy(budget_s=1.0))
+    store.put("k", b"value")
+    fault_proxy.fail("blackhole", "/k", times=10**6, method="GET")
+    _, error = outcome(lambda: store.get_many(["k"]))
+    assert isinstance(error, StoreUnavailableError), repr(error)
+    assert re.search(r"read of 'k' failed after 1 try in [\d.]+ s \(the retry deadline of 1 s was reached\); "
+                     r"last error: TimeoutError: no answer within 1.00 s: the request was cancelled",
+                     str(error)), str(error)
+    assert fault_proxy.count("/k", "GET") == 1
+    assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == 1, SAFETY_S)
+    store.retry = RetryPolicy(budget_s=0.5)  # stricter than the client's timeout: every try on the loop
+    assert not store._first_tries_here()
+    _, error = outcome(lambda: store.get_many(["k"]))
+    assert "no answer within" in str(error) and "the request was cancelled" in str(error), str(error)
 
 
 def _use_after_fork(store: ObstoreChunkStore, options: dict, results) -> None:

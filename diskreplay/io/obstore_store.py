@@ -5,8 +5,11 @@ shared through `RemoteCalls`), on a client that keeps more GETs in flight for a 
 CPU (``tools/bench_client.py``). `open_chunkstore` picks it for ``s3://`` URLs when obstore is
 installed and `s3store_config` can translate every storage option; otherwise s3fs serves them.
 
-Its coroutines run on fsspec's I/O event loop; a try still running at the policy's deadline is
-cancelled, which drops its request (the connection is closed).
+The first try of each GET runs on a thread of the store's own (``range_concurrency`` of them),
+a blocking call of obstore's client (which releases the GIL), whose own timeout is the policy's
+deadline: an event loop costs more CPU per request than the request itself. Every other call,
+and every later try of a GET, runs on fsspec's I/O event loop, where a try still running at the
+policy's deadline is cancelled, which drops its request (the connection is closed).
 
 obstore's runtime (Rust threads, started once per process) does not survive ``fork``: in a child
 forked after its parent used obstore, any request would hang. There s3fs serves instead: a store
@@ -17,12 +20,13 @@ and `obstore_usable` tells `open_chunkstore` to open s3fs stores.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -32,9 +36,10 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, GenericError, NotFoundError
 from obstore.store import S3Store
 
-from .remote import FsspecChunkStore, RemoteCalls
+from .remote import FirstTry, FsspecChunkStore, RemoteCalls
 from .retry import RetryPolicy, is_transient
 from .store import Data, Range, Ranged, parts_of
+from .threads import Threads
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _XML_CODE, _XML_MESSAGE = re.compile(r"<Code>([^<]*)</Code>"), re.compile(r"<Message>([^<]*)</Message>")
@@ -81,6 +86,9 @@ class ObstoreChunkStore(RemoteCalls):
         bucket, _, prefix = url.split("://", 1)[1].partition("/")
         self.root = f"{bucket}/{prefix}".rstrip("/")
         self.s3 = S3Store(bucket, prefix=prefix.strip("/") or None, **config)
+        self._first_timeout_s = self.retry.budget_s
+        self._s3_first = S3Store(bucket, prefix=prefix.strip("/") or None, **_first_try_config(config, self.retry))
+        self._threads = Threads(self.range_concurrency, "diskreplay-s3")
         self.loop = fsspec.asyn.get_loop()
         self._options, self._pid = dict(storage_options), os.getpid()
         self._forked: FsspecChunkStore | None = None
@@ -115,6 +123,9 @@ class ObstoreChunkStore(RemoteCalls):
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
         if (forked := self._after_fork()) is not None:
             return forked.get_many(keys, limit)
+        if limit is None and self._first_tries_here():
+            return self._first_here(keys, self.concurrency, self._get_here,
+                                    lambda key, first: partial(self._get_async, key, None, first))
         return self._gather_all([partial(self._get_async, key, limit) for key in keys], self.concurrency)
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
@@ -122,14 +133,71 @@ class ObstoreChunkStore(RemoteCalls):
         ``range_concurrency`` ranged GETs in flight."""
         if (forked := self._after_fork()) is not None:
             return forked.get_ranges(ranges)
+        if self._first_tries_here():
+            return self._first_here(list(ranges), self.range_concurrency, self._range_here,
+                                    lambda one, first: partial(self._range_async, one[0], one[1], one[2], first))
         return self._gather_all([partial(self._range_async, *one) for one in ranges], self.range_concurrency)
 
     def _gather_all(self, makers: list[Any], concurrency: int) -> list[Any]:
         return self._results(self._sync(self._gather_bounded, makers, True, concurrency)) if makers else []
 
-    async def _get_async(self, key: str, limit: int | None) -> bytes | None:
+    def _first_tries_here(self) -> bool:
+        """Whether first tries may block a thread: the client's timeout is within the deadline
+        (a policy made stricter on a live store leaves every try to the event loop)."""
+        return self._first_timeout_s <= self.retry.budget_s
+
+    def _first_here(self, items: list[Any], width: int, first: Callable[[Any], Any],
+                    again: Callable[[Any, FirstTry], Any]) -> list[Any]:
+        """``first(item)`` for every item on the store's threads, ``width`` at once; the items
+        whose first try failed are tried again on the event loop (``again(item, first_try)``:
+        the retry policy goes on from that failure). Raises as `_gather_all`."""
+        found: list[Any] = [None] * len(items)
+        order = itertools.count()
+
+        def work() -> None:
+            while (i := next(order)) < len(items):
+                started = time.monotonic()
+                try:
+                    found[i] = first(items[i])
+                except Exception as exc:
+                    found[i] = FirstTry(started, self._timed_out(exc, started))
+
+        for job in [self._threads.submit(work) for _ in range(min(width, len(items)))]:
+            job.result()
+        retry = [i for i, value in enumerate(found) if isinstance(value, FirstTry)]
+        for i, value in zip(retry, self._gather_all([again(items[i], found[i]) for i in retry], width)):
+            found[i] = value
+        return self._results(found)
+
+    def _timed_out(self, exc: Exception, started: float) -> Exception:
+        """``exc``, or the `TimeoutError` a try on the event loop reports where the client's
+        timeout ended the try."""
+        if time.monotonic() - started < self._first_timeout_s:
+            return exc
+        return TimeoutError(f"no answer within {self._first_timeout_s:.2f} s: the request was cancelled")
+
+    def _get_here(self, key: str) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit))
+            return bytes(obstore.get(self._s3_first, key).bytes())
+        except (FileNotFoundError, NotFoundError):
+            return None
+
+    def _range_here(self, one: Range) -> Ranged | None:
+        key, start, stop = one
+        if stop <= start:
+            return b"", -1
+        try:
+            return _ranged(obstore.get(self._s3_first, key, options={"range": (start, stop)}))
+        except (FileNotFoundError, NotFoundError):
+            return None
+        except GenericError as exc:
+            if _status(exc) != 416:
+                raise
+            return b"", -1  # the object ends before ``start``
+
+    async def _get_async(self, key: str, limit: int | None, first: FirstTry | None = None) -> bytes | None:
+        try:
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit), first)
             return blob
         except (FileNotFoundError, NotFoundError):
             return None
@@ -146,9 +214,10 @@ class ObstoreChunkStore(RemoteCalls):
         result = await obstore.get_async(self.s3, key)
         return bytes(await result.bytes_async())
 
-    async def _range_async(self, key: str, start: int, stop: int) -> Ranged | None:
+    async def _range_async(self, key: str, start: int, stop: int, first: FirstTry | None = None) -> Ranged | None:
         try:
-            ranged: Ranged = await self._call_async(f"read of {key!r}", partial(self._ranged_get, key, start, stop))
+            ranged: Ranged = await self._call_async(f"read of {key!r}", partial(self._ranged_get, key, start, stop),
+                                                    first)
             return ranged
         except (FileNotFoundError, NotFoundError):
             return None
@@ -159,7 +228,7 @@ class ObstoreChunkStore(RemoteCalls):
             return b"", -1
         try:
             result = await obstore.get_async(self.s3, key, options={"range": (start, stop)})
-            return bytes(await result.bytes_async()), int(result.meta["size"])
+            return bytes(await result.bytes_async()), _size(result)
         except GenericError as exc:
             if _status(exc) != 416:
                 raise
@@ -262,6 +331,21 @@ def _load_s3fs() -> None:
         fsspec.get_filesystem_class("s3")
     except ImportError:
         pass
+
+
+def _ranged(result: Any) -> Ranged:
+    return bytes(result.bytes()), _size(result)
+
+
+def _size(result: Any) -> int:
+    return int(result.meta["size"])
+
+
+def _first_try_config(config: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:
+    """``config`` for the client of first tries: each request ends (a timeout error) at the
+    retry policy's deadline, and obstore retries nothing itself (`RemoteCalls` does)."""
+    client = {**config.get("client_options", {}), "timeout": timedelta(seconds=retry.budget_s)}
+    return {**config, "client_options": client, "retry_config": {"max_retries": 0}}
 
 
 def _status(exc: BaseException) -> int | None:

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -42,6 +43,15 @@ RANGES_PER_REQUEST = 8
 connection pool has room for them)."""
 SLOW_CALL_S = 5.0
 """A store call taking this many seconds or more (retries included) is logged at INFO."""
+
+
+@dataclass(frozen=True)
+class FirstTry:
+    """A first try made outside the event loop (a blocking call on a thread): when it started
+    (monotonic seconds) and how it failed."""
+
+    started: float
+    error: Exception
 
 
 class RemoteCalls:
@@ -135,11 +145,14 @@ class RemoteCalls:
                 self._log_if_slow(what, started, failures)
                 return result
 
-    async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """``await fn()`` retried as `_retry_delay` decides; a try still running at the deadline
-        (``budget_s`` seconds after the first try started) is cancelled."""
-        started, failures = time.monotonic(), 0
+    async def _call_async(self, what: str, fn: Callable[[], Awaitable[Any]], first: FirstTry | None = None) -> Any:
+        """``await fn()`` retried as `_retry_delay` decides (after ``first``, a failed first try
+        made elsewhere, if given); a try still running at the deadline (``budget_s`` seconds
+        after the first try started) is cancelled."""
+        started, failures = (time.monotonic(), 0) if first is None else (first.started, 1)
         deadline = started + self.retry.budget_s
+        if first is not None:
+            await asyncio.sleep(self._retry_delay(what, failures, started, first.error))
         while True:
             try:
                 result = await _cancel_at(fn, deadline)

@@ -80,16 +80,19 @@ class ReadAhead:
 
     def _chunks(self, steps: Steps) -> Iterator[tuple[int, int]]:
         """Each (lane, chunk) of ``steps`` once, in order of first need."""
-        seen: set[tuple[int, int]] = set()
+        lanes = self.cache.lanes
+        seen = np.zeros(0, dtype=bool)  # by chunk * lanes + lane
         for lane, step in steps:
-            chunk = self.layout.chunk_and_offset(step)[0]
-            keys = lane * self.cache.width + chunk
-            _, first = np.unique(keys, return_index=True)
-            first.sort()
-            for key in zip(lane[first].tolist(), chunk[first].tolist()):
-                if key not in seen:
-                    seen.add(key)
-                    yield key
+            keys = self.layout.chunk_and_offset(step)[0] * lanes + lane
+            if len(keys) and keys.max() >= len(seen):
+                seen = np.concatenate([seen, np.zeros(2 * int(keys.max()) + 1 - len(seen), dtype=bool)])
+            new = keys[~seen[keys]]
+            if not len(new):
+                continue
+            _, first = np.unique(new, return_index=True)
+            new = new[np.sort(first)]
+            seen[new] = True
+            yield from zip((new % lanes).tolist(), (new // lanes).tolist())
 
     def top_up(self) -> None:
         """Start chunks of the plan until the budget is used, looking at most ``4 * io.threads``
