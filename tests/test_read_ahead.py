@@ -160,3 +160,17 @@ def test_a_plan_over_cached_chunks_is_walked_as_the_reads_go(tmp_path):
     assert asked == list(range(8))
     one_pass()
     assert asked == list(range(CHUNKS)) and reader.stats().chunks_loaded == CHUNKS
+
+
+def test_an_epoch_of_a_fresh_local_reader_reads_whole_chunks_each_once(tmp_path):
+    """Raw local chunks, a reader whose cache holds them all (its fill is due): the epoch's
+    batches load whole chunks, each once, never rows of them one by one (before: every block
+    shuffled batch read its rows of each chunk of its window again, a range each)."""
+    url = str(tmp_path / "b")
+    write(url, compression=None)
+    ds = make_dataset(url, 16, mode="epoch", seed=3)
+    reader = ds.reader.get()
+    check_epoch(ds)
+    stats = reader.stats()
+    assert (stats.rows_read_directly, stats.ranges_read) == (0, 0)
+    assert stats.chunks_loaded == stats.cached_chunks == CHUNKS

@@ -42,6 +42,8 @@ class ChunkReader:
         self.reader = reader
         self.ahead = ahead
         self.points = points
+        self.planned = False
+        """Whether reads were announced (`read_ahead`): they need whole chunks, not rows of them."""
 
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
@@ -71,6 +73,7 @@ class ChunkReader:
         (`ReadAhead`), within ``budget_bytes``; None: stop. For readers through the chunk cache:
         memory maps, a window resident in the cache and raw local chunks (the first-read fill
         copies those files) need none."""
+        self.planned = steps is not None
         if steps is None:
             self.ahead.plan(None)
             return
@@ -148,8 +151,8 @@ class ChunkReader:
 
     def _reads_points(self, out: Rows) -> bool:
         """Whether a reader's misses are read straight from the chunk objects (`PointReads`):
-        raw fields, not read ahead, from an object store or while the first-read fill is due."""
-        return (self.points is not None and not self.ahead.active and self.points.covers(tuple(out))
+        raw fields, no reads announced, from an object store or while the first-read fill is due."""
+        return (self.points is not None and not self.planned and self.points.covers(tuple(out))
                 and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage)
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
