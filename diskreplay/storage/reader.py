@@ -71,14 +71,13 @@ class ChunkReader:
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         """Fetch and decode the chunks of ``steps`` ahead of the reads that will ask for them
         (`ReadAhead`), within ``budget_bytes``; None: stop. For readers through the chunk cache:
-        memory maps, a window resident in the cache and raw local chunks (the first-read fill
-        copies those files) need none."""
+        memory maps and a window resident in the cache need none."""
         self.planned = steps is not None
         if steps is None:
             self.ahead.plan(None)
             return
         if (not self.reader or self.mapped is not None or self.row_reads is not None
-                or self.warmer.resident_span is not None or (self.warmer.local and self.loader.io.raw)):
+                or self.warmer.resident_span is not None):
             return
         self.warmer.pending = False  # the announced reads bring the chunks in, each decoded when needed
         self.ahead.plan(steps, budget_bytes)
