@@ -305,6 +305,22 @@ class EpochRows:
             lane[here], step[here] = window_lane[offsets], window_step[offsets]
         return lane, step
 
+    def run_rows(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lane, step) of the rows at positions ``[a, b)``: slices of the windows they cross."""
+        if self.shuffle != "block":
+            return self.rows(np.arange(a, b, dtype=np.int64))
+        lanes, steps = [], []
+        while a < b:
+            k = int(np.searchsorted(self._window_ends, a, side="right"))
+            lane, step = self._window_rows(k)
+            start, end = int(self._window_ends[k]) - len(lane), min(b, int(self._window_ends[k]))
+            lanes.append(lane[a - start:end - start])
+            steps.append(step[a - start:end - start])
+            a = end
+        if len(lanes) == 1:
+            return lanes[0], steps[0]
+        return (np.concatenate(lanes), np.concatenate(steps)) if lanes else (np.zeros(0, np.int64),) * 2
+
     def _piece_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lane, start, length = self._pieces
         piece = np.searchsorted(self._ends, positions, side="right")
@@ -353,6 +369,11 @@ class EpochOrder:
         if self._sequence is None:
             layout, lo, hi, seed, epoch, shuffle, window = self._make
             self._sequence = EpochRows(layout, lo, hi, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-        sequence, size = self._sequence, self.batch_size
+        sequence, size, span = self._sequence, self.batch_size, self.span
+        run = self.remaining is None and span.stride == 1 and span.hi <= span.count  # contiguous positions
         for k in range(first, self.num_batches):
-            yield sequence.rows(self.positions(k * size, min((k + 1) * size, self.used_rows)))
+            a, b = k * size, min((k + 1) * size, self.used_rows)
+            if run:
+                yield sequence.run_rows(span.first + span.lo + a, span.first + span.lo + b)
+            else:
+                yield sequence.rows(self.positions(a, b))
