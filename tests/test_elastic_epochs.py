@@ -265,3 +265,26 @@ def test_ranks_killed_mid_epoch_resume_on_another_world_size(buf, tmp_path, worl
     for new_world, new_workers in new_worlds:
         resumed = _job(buf.url, new_world, new_workers, None, saved, os.fspath(tmp_path / f"on{new_world}"))
         assert_exactly_once([k["rows"] for k in killed] + [r["rows"] for r in resumed], 2000)
+
+
+def test_states_saved_before_canonical_partitions(buf):
+    """A state without "partitions" comes from the order before them: the same for one rank and
+    one worker (resumed as it is), another for more (refused inside an epoch)."""
+    ds = make_dataset(buf.url, 8, "epoch", seed=5, cache_bytes=CACHE)
+    head = ids(itertools.islice(ds, 30))
+    old = {k: v for k, v in ds.state_dict().items() if k not in ("partitions", "history")}
+    again = make_dataset(buf.url, 8, "epoch", seed=5, cache_bytes=CACHE)
+    again.load_state_dict(old)
+    assert_exactly_once([head, ids(again)], 2000)
+    two = {**old, "world_size": 2}
+    with pytest.raises(ValueError, match="inside epoch 0 on world_size=2, num_workers=1 by a diskreplay without "
+                                         "canonical partitions"):
+        again.load_state_dict(two)
+    again.load_state_dict({**two, "batch": 0})  # at an epoch boundary: any layout
+    ld = loader(buf.url, 0, 1, 2)
+    list(itertools.islice(ld, 20))
+    state = ld.state_dict()
+    state["dataset"] = {k: v for k, v in state["dataset"].items() if k not in ("partitions", "history")}
+    with pytest.raises(ValueError, match="on world_size=1, num_workers=2 by a diskreplay without"):
+        loader(buf.url, 0, 1, 2).load_state_dict(state)
+    ld.close()

@@ -123,7 +123,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             and fails (``TypeError: Multiple dispatch failed for 'torch.Tensor.__getitem__'``).
 
     Raises:
-        ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, rank or world size; epoch
+        ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, canonical_partitions, rank or world size; epoch
             mode with a chunk cache smaller than 2 * shuffle_window chunks; ``as_tensordict`` with
             fields that do not make one TensorDict (`diskreplay.torch.formats.tensordict_keys`).
         ImportError: ``as_tensordict=True`` without the tensordict package.

@@ -247,6 +247,8 @@ def _replayed(total: int, history: Sequence[Mapping[str, Any]], partitions: int,
 def checked_history(state: Mapping[str, Any], partitions: int) -> list[dict[str, Any]]:
     """The runs of an epoch-mode state's ``history``, checked, for a dataset of ``partitions``
     canonical partitions. Raises ValueError: a malformed history, or a state of other partitions."""
+    if "partitions" not in state:  # saved before canonical partitions: one reader's order is the same
+        check_earlier_order(state, [int(state.get("batch", 0))] if not state.get("done") else [0])
     saved = state.get("partitions", partitions)
     if saved != partitions:
         raise ValueError(f"state was saved with {saved} canonical partitions, this dataset has {partitions}: "
@@ -262,6 +264,16 @@ def checked_history(state: Mapping[str, Any], partitions: int) -> list[dict[str,
                              f"int >= 1, 'positions': an int >= 0 per worker}}, got {history!r:.300}")
         runs.append({"world_size": run["world_size"], "num_workers": run["num_workers"], "positions": list(positions)})
     return runs
+
+
+def check_earlier_order(state: Mapping[str, Any], positions: Sequence[int]) -> None:
+    """Raise ValueError if ``state``, saved before canonical partitions (no ``"partitions"``), is
+    inside an epoch (a worker's ``positions``) on several ranks or workers: their order differed."""
+    world, workers = int(state.get("world_size", 1)), max(int(state.get("num_workers", 1)), len(positions))
+    if any(positions) and world * workers > 1:
+        raise ValueError(f"the state was saved inside epoch {state.get('epoch')} on world_size={world}, "
+                         f"num_workers={workers} by a diskreplay without canonical partitions, whose order "
+                         f"on more than one rank or worker differs from this one's: resume at an epoch boundary")
 
 
 class EpochRows:

@@ -20,6 +20,7 @@ import torch.utils.data as tud
 
 from ..checks import check_int
 from .datasets import BlockPlan, EpochDataset, SampleDataset
+from .epoch_order import check_earlier_order
 from .formats import to_tensordict
 from .handoff import PassChannel
 from .tensors import Block
@@ -143,6 +144,8 @@ class Loader:
             raise ValueError(f"Loader state: expected a mapping whose 'dataset' is a rank-global dataset state "
                              f"(num_workers 1), got {state!r:.300}")
         positions = None if isinstance(self.dataset, SampleDataset) else self._checked_positions(state)
+        if positions is not None and "partitions" not in dataset_state:
+            check_earlier_order(dataset_state, positions[0])
         moved = dataset_state.get("world_size") != self.dataset.world_size
         if positions is not None and any(positions[0]) and (moved or len(positions[0]) != len(self._positions)):
             dataset_state = _moved(dataset_state, positions[0], self.dataset.world_size)
