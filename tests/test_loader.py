@@ -193,14 +193,22 @@ def test_epoch_state_says_each_shard_position(buf):
     assert (ld.state_dict()["positions"], ld.state_dict()["next_shard"]) == ([32, 32, 32], 0)
 
 
-def test_epoch_inside_resumes_only_with_the_same_workers(buf):
+def test_epoch_inside_resumes_with_other_workers(buf):
+    """Stopped inside an epoch on 2 workers, continued on 3: the rows the 2 had not reached, once
+    (the run on 2 joins the state's history); the next epoch is the 3-worker loader's own."""
     ld = loader(buf, 2, "epoch")
-    list(itertools.islice(ld, 40))
+    head = as_numpy(itertools.islice(ld, 40))
     state = ld.state_dict()
     other = loader(buf, 3, "epoch")
-    with pytest.raises(ValueError, match=r"epoch 0 was stopped inside with num_workers=2; this Loader has "
-                                         r"num_workers=3: resume with the same num_workers"):
-        other.load_state_dict(state)
+    other.load_state_dict(state)
+    assert other.state_dict()["dataset"]["history"] == [{"world_size": 1, "num_workers": 2, "positions": [32, 8]}]
+    assert other.state_dict()["positions"] == [0, 0, 0]
+    tail = as_numpy(other)
+    np.testing.assert_array_equal(_rows(head + tail)["index"], np.arange(2000))
+    assert other.state_dict()["dataset"]["history"] == [] and other.state_dict()["dataset"]["epoch"] == 1
+    fresh = loader(buf, 3, "epoch")
+    fresh.set_epoch(1)
+    assert_same(as_numpy(other), as_numpy(fresh))
     boundary = loader(buf, 2, "epoch")
     all_rows = as_numpy(boundary)
     other.load_state_dict(boundary.state_dict())  # at an epoch boundary: any num_workers
@@ -296,10 +304,19 @@ def test_refusals(buf):
     worker_position.load_state_dict({**worker_position.state_dict(), "batch": 7, "worker": 1, "num_workers": 2})
     with pytest.raises(ValueError, match="the dataset holds the position of worker 1 of 2: load a rank-global"):
         Loader(worker_position)
+    past = epoch.state_dict()
+    past["positions"] = [200, 0]  # worker 0 of 2 has 125 batches of 8 rows
+    with pytest.raises(ValueError, match="a run on world_size=1 with num_workers=2 says worker 0 read 200 "
+                                         "batches; it has at most 125 on any rank"):
+        loader(buf, 3, "epoch").load_state_dict(past)
+
+
+def test_a_dataset_stopped_in_one_process_continues_on_workers(buf):
+    """An epoch begun in one process continues on 2 workers: the rows the first run had not reached."""
     ds = dataset(buf, "epoch")
-    ds.load_state_dict({**ds.state_dict(), "batch": 40})
-    with pytest.raises(ValueError, match="stopped inside epoch 0 in one process; a Loader with num_workers=2"):
-        Loader(ds, num_workers=2)
+    head = as_numpy(itertools.islice(ds, 40))
+    tail = as_numpy(Loader(ds, num_workers=2, multiprocessing_context="fork"))
+    assert sorted(np.concatenate([b["index"] for b in head + tail]).tolist()) == list(range(2000))
 
 
 # ---- persistent workers (issue 41): one start and one store open per Loader, not per pass ------

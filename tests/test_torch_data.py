@@ -99,17 +99,19 @@ def test_chunk_pieces_cover_window_within_chunks(tmp_path, capacity, steps):
 
 
 def test_shards_get_whole_chunks(buf):
+    """Each shard reads a contiguous run of the epoch sequence: only the windows (4 chunks) cut by
+    its 3 inner cut points are read by two shards, every other chunk by one."""
     lo, hi = buf.storage.window()
+    layout = buf.storage.layout
     owners: dict[tuple[int, int], set] = {}
     for rank, worker in itertools.product(range(2), range(2)):
-        order = EpochOrder(buf.storage.layout, lo, hi, seed=0, epoch=0, shuffle="block", window=4,
+        order = EpochOrder(layout, lo, hi, seed=0, epoch=0, shuffle="block", window=4,
                            shard=Shard(rank, 2, worker, 2), pad=False, drop_last=False, batch_size=50)
-        lane, start, length = order.pieces
-        partial = [(e, s, n) for e, s, n in zip(lane, start, length) if s % CHUNK or (n != CHUNK and s + n != 1000)]
-        assert len(partial) <= 2, partial  # only the two cut points of the shard are partial chunks
-        for e, s in zip(lane, start):
-            owners.setdefault((int(e), int(s) // CHUNK), set()).add((rank, worker))
-    assert sum(len(o) > 1 for o in owners.values()) <= 3  # chunks split at the 3 inner cut points
+        for lane, step in order.batches():
+            for e, s in zip(lane.tolist(), step.tolist()):
+                owners.setdefault((e, s // CHUNK), set()).add((rank, worker))
+    assert len(owners) == 32 and max(len(o) for o in owners.values()) == 2
+    assert sum(len(o) > 1 for o in owners.values()) <= 3 * 4
 
 
 def test_epoch_order_is_pure_function_of_seed_epoch_rows(buf):

@@ -38,6 +38,7 @@ from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
 from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
+from ..io.threads import Threads
 from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
@@ -54,7 +55,7 @@ from .row_reads import RowReads
 from .shard_maps import ShardMaps
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
-from .union import UnionLog, UnionStorage
+from .union import UnionLog, UnionStorage, union_threads
 from .warm import Warmer
 from .writer import StagingWriter
 
@@ -133,28 +134,46 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
 def open_union_storage(url: str, parts: Sequence[str], options: Options) -> UnionStorage:
     """The buffers at ``parts`` (locations under ``url``, all with one config), read-only as one
     storage whose lanes are theirs side by side: one cache, one read path, chunks read through
-    the store at ``url``; its log is a `UnionLog` of theirs.
+    the store at ``url``; its log is a `UnionLog` of theirs. The parts' metadata is read on the
+    union's threads, all parts at once on a remote store (`_part_logs`).
 
     Raises NotABufferError / CorruptBufferError naming the part (one whose config differs too)."""
-    logs: list[CommitLog] = []
-    for part in parts:
-        store = _store(part, options)
-        config, arrays, record = _read_buffer(part, store)
-        if logs and config.to_json() != logs[0].config.to_json():
-            raise CorruptBufferError(f"{part!r}: its config differs from {logs[0].url!r}'s "
-                                     f"({config.to_json()} vs {logs[0].config.to_json()})")
-        cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=True)
-        objects = objects_at(store, objects_prefix(config.format))
-        logs.append(CommitLog(part, store, objects, config, arrays, record, cursors, "r", None))
+    threads = union_threads(len(parts))
+    try:
+        logs = _part_logs(parts, options, threads)
+    except BaseException:
+        threads.shutdown()
+        raise
     first = logs[0]
+    for other in logs[1:]:
+        if other.config.to_json() != first.config.to_json():
+            threads.shutdown()
+            raise CorruptBufferError(f"{other.url!r}: its config differs from {first.url!r}'s "
+                                     f"({other.config.to_json()} vs {first.config.to_json()})")
     config = replace(first.config, num_envs=len(logs) * first.config.num_envs)
-    log = UnionLog(url, logs, config.layout)
+    log = UnionLog(url, logs, config.layout, threads)
     root = _store(url, options)
     prefixes = [part[len(url.rstrip("/")) + 1:] + "/" for part in parts]
     io = ChunkIO(root, config, field_codecs(buffer_codec(first.arrays, first.url), config),
                  options.io_threads or default_io_threads(url), prefixes)
     cache, loader, reader, files = _read_side(url, config, first.arrays, log, io, options)
     return UnionStorage(url, config, log, io, cache, loader, reader, files, options.storage_options)
+
+
+def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list[CommitLog]:
+    """Each part's read-only log, its metadata read and checked (`_read_buffer`: its group, commit
+    record and one document per field, one after the other): on ``threads`` for a remote store,
+    so that every part's reads are in flight at once (a local read costs microseconds: in order).
+    Raises the error of the first part, in order, that fails."""
+    def part_log(part: str) -> CommitLog:
+        store = _store(part, options)
+        config, arrays, record = _read_buffer(part, store)
+        cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=True)
+        objects = objects_at(store, objects_prefix(config.format))
+        return CommitLog(part, store, objects, config, arrays, record, cursors, "r", None)
+    if len(parts) < 2 or is_local(parts[0]):
+        return [part_log(part) for part in parts]
+    return list(threads.map(part_log, parts))
 
 
 def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],

@@ -39,18 +39,24 @@ def compose(records: Sequence[CommitRecord]) -> CommitRecord:
                         np.concatenate([r.lower for r in records]), max(r.time for r in records))
 
 
+def union_threads(shards: int) -> Threads:
+    """The threads a union's per-shard reads run on (its metadata when it opens, the shards'
+    newest commits when it refreshes): one per shard, at most 16."""
+    return Threads(min(max(shards, 1), 16), "diskreplay-logs")
+
+
 class UnionLog:
     """What a union storage knows of commits: the shards' logs, and the record composed of theirs."""
 
     mode = "r"
 
-    def __init__(self, url: str, logs: Sequence[CommitLog], layout: LaneLayout):
+    def __init__(self, url: str, logs: Sequence[CommitLog], layout: LaneLayout, threads: Threads | None = None):
         self.url, self.logs = url, list(logs)
         self.shard_envs = layout.num_envs // len(self.logs)
         self.record = compose([log.record for log in self.logs])
         self.cursors = Cursors(layout, self.record.committed.copy(), self.record.lower.copy(), frozen=True)
         self.closed = False
-        self._threads = Threads(min(len(self.logs), 16), "diskreplay-logs")
+        self._threads = threads or union_threads(len(self.logs))  # the threads that opened them, if given
 
     def require_writable(self) -> NoReturn:
         """Always raises: ClosedError, or ReadOnlyError (each shard has its own writer)."""

@@ -51,7 +51,7 @@ from ..checks import check_int
 from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
 from .datasets import EpochDataset, SampleDataset, batches_per_block
-from .epoch_order import SHUFFLES
+from .epoch_order import PARTITIONS, SHUFFLES
 from .formats import tensordict_class, tensordict_keys
 from .reader import Reader, committed_window, resolve_rank
 from .shared_ring import WorkerRing
@@ -66,7 +66,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int | None = None,
                  storage_options: dict | None = None, sampler: Any = None,
                  sample_options: dict[str, Any] | None = None, worker_ring: bool = True,
-                 as_tensordict: bool = False) -> SampleDataset | EpochDataset:
+                 as_tensordict: bool = False, canonical_partitions: int = PARTITIONS) -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
     batch_size=None, ...)``, or `diskreplay.torch.Loader` for workers that hand over several
     batches at once).
@@ -82,10 +82,16 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             permutation; reads up to a chunk per row) or ``"none"`` (= False; lane/time order).
         drop_last: epoch mode, like ``DistributedSampler``: by default every row exactly once
             per epoch over all ranks and workers (ranks may differ by a row, so by a batch, and each
-            worker's last batch may be short); ``drop_last=True`` drops up to ``world_size - 1``
-            rows for equal ranks and then every short batch.
-        pad: epoch mode, like ``DistributedSampler``: ``pad=True`` repeats up to ``world_size - 1``
-            rows so ranks get equal rows and batches (needed by DDP collectives).
+            worker's last batch may be short); ``drop_last=True`` cuts every rank to the smallest
+            rank's rows (up to ``world_size - 1`` rows dropped when ``world_size`` divides
+            ``canonical_partitions``) and then drops every short batch.
+        pad: epoch mode, like ``DistributedSampler``: ``pad=True`` repeats each rank's first rows
+            up to the largest rank's rows (up to ``world_size - 1`` rows in all when ``world_size``
+            divides ``canonical_partitions``), so ranks get equal rows and batches (DDP collectives).
+        canonical_partitions: epoch mode: the epoch's row sequence is cut into this many partitions
+            and ranks take runs of whole ones (`epoch_order.rank_selection`); the order depends on
+            no world size, so a position resumes on another one. Default `epoch_order.PARTITIONS`
+            (46,126,080: a multiple of every world size up to 16 and of powers of two up to 1024).
         rank: the shard of this process; default torch.distributed's rank if initialised, else 0.
             Workers are detected per process.
         world_size: the number of ranks; default torch.distributed's if initialised, else 1.
@@ -117,7 +123,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             and fails (``TypeError: Multiple dispatch failed for 'torch.Tensor.__getitem__'``).
 
     Raises:
-        ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, rank or world size; epoch
+        ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, canonical_partitions, rank or world size; epoch
             mode with a chunk cache smaller than 2 * shuffle_window chunks; ``as_tensordict`` with
             fields that do not make one TensorDict (`diskreplay.torch.formats.tensordict_keys`).
         ImportError: ``as_tensordict=True`` without the tensordict package.
@@ -148,7 +154,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
                             shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
-                            block)
+                            block, check_int(canonical_partitions, "canonical_partitions", 1))
     finally:
         if opened:
             buf.close()

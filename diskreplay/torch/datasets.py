@@ -21,7 +21,7 @@ from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from ..storage import READ_AHEAD_BYTES as CHUNKS_AHEAD_BYTES
 from .batch_rng import BatchRngs, StridedRngs
-from .epoch_order import EpochOrder, Shard
+from .epoch_order import PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
 from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
 from .reader import Reader, current_shard
@@ -344,16 +344,20 @@ class EpochDataset(_BufferDataset):
     Small batches going to new tensors are gathered several at a time (`batches_per_read`).
 
     Rows of an epoch are the window saved in the state (taken at `make_dataset` or `set_epoch(...,
-    refresh=True)`); its order is a pure function of (seed, epoch, those rows, shard layout). They
+    refresh=True)`); their order is a pure function of (seed, epoch, those rows, the number of
+    canonical partitions), and ranks and workers split it (`diskreplay.torch.epoch_order`). They
     must stay readable for the epoch (a ring must not overwrite them).
 
     Epochs advance by themselves when the same dataset object iterates again (``num_workers=0``,
     or ``persistent_workers=True``); non-persistent workers restart from the main process's copy,
     so call ``ds.set_epoch(e)`` before each epoch then (like ``DistributedSampler``).
 
-    Resume: exact within an epoch for the same ``world_size`` and ``num_workers`` (positions are
-    per worker); at an epoch boundary, for any. A state saved on one rank may be loaded on every
-    rank when ranks advance in lockstep (``pad=True`` or ``drop_last=True``).
+    Resume: exact anywhere. A rank-global state (this dataset iterated in one process, or a
+    `Loader`'s) saved on one rank is loaded on every rank, on the same or another ``world_size``
+    and ``num_workers``: ranks are taken to advance in lockstep (a rank with fewer batches has
+    finished), and the rows the saved run had not reached are split over the new ranks and workers
+    (the state then lists the earlier runs in ``"history"``). A single DataLoader worker's state
+    resumes with the same ``world_size`` and ``num_workers`` only.
     """
 
     mode = "epoch"
@@ -361,11 +365,14 @@ class EpochDataset(_BufferDataset):
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
                  pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False,
-                 block_batches: int = 1):
+                 block_batches: int = 1, partitions: int = PARTITIONS):
         super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
+        self.partitions = partitions
+        """Canonical partitions of the epoch order (`epoch_order.PARTITIONS` by default)."""
+        self._history: list[dict[str, Any]] = []  # earlier runs of this epoch on other layouts
         self._epoch = 0
         self._done = False  # this copy produced every batch of its shard's epoch
         self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
@@ -378,10 +385,14 @@ class EpochDataset(_BufferDataset):
         return self._epoch
 
     def order(self, epoch: int, shard: Shard) -> EpochOrder:
-        """The row order of ``epoch`` for one shard (rank and worker): a pure function of the seed."""
-        return EpochOrder(self.layout, np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64),
-                          seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window,
-                          shard=shard, pad=self.pad, drop_last=self.drop_last, batch_size=self.batch_size)
+        """The row order of ``epoch`` for one shard (rank and worker): a pure function of the seed,
+        of the rows and of the runs of this epoch on other layouts (the state's history)."""
+        lo, hi = np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64)
+        return EpochOrder(self.layout, lo, hi, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                          window=self.shuffle_window, shard=shard, pad=self.pad, drop_last=self.drop_last,
+                          batch_size=self.batch_size, partitions=self.partitions,
+                          remaining=remaining_rows(int((hi - lo).clip(0).sum()), self._history, self.partitions,
+                                                   self.pad, self.drop_last, self.batch_size))
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch, iterated in this process or, inside a DataLoader
@@ -409,46 +420,60 @@ class EpochDataset(_BufferDataset):
             lo, hi = buf.window()
             buf.close()
             self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
-        self._epoch, self._batch, self._done = int(epoch), 0, False
+        self._epoch, self._batch, self._done, self._history = int(epoch), 0, False, []
         self._shard, self._resuming = Shard(self.rank, self.world_size), False
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "seed", "epoch", "batch", "done", "lo", "hi", shard}``: plain ints/lists.
+        """``{"mode", "seed", "epoch", "batch", "done", "lo", "hi", "partitions", "history",
+        shard}``: plain ints/lists (``history``: this epoch's earlier runs on other layouts, each
+        ``{"world_size", "num_workers", "positions"}``; empty unless resumed on another layout).
 
         Raises RuntimeError when DataLoader workers iterate this dataset (see `Loader`)."""
         self._check_position_moves()
         return {"mode": self.mode, "seed": self.seed, "epoch": self._epoch, "batch": self._batch,
-                "done": self._done, "lo": list(self.lo), "hi": list(self.hi), **self._shard.as_dict()}
+                "done": self._done, "lo": list(self.lo), "hi": list(self.hi), "partitions": self.partitions,
+                "history": [dict(run, positions=list(run["positions"])) for run in self._history],
+                **self._shard.as_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``. Inside a worker (StatefulDataLoader) a finished shard stays
         finished for the rest of that epoch; in the main process a finished state means "next epoch".
 
         Raises:
-            ValueError: another mode or seed; a mid-epoch state used with another world size or
-                number of workers (raised when iteration starts).
+            ValueError: another mode, seed or number of canonical partitions, a malformed history;
+                a single worker's mid-epoch state used with another world size or number of workers
+                (raised when iteration starts).
         """
         self._check_state(state)
+        self._history = checked_history(state, self.partitions)
         self.lo, self.hi = [int(x) for x in state["lo"]], [int(x) for x in state["hi"]]
         self._epoch, self._batch, self._done = int(state["epoch"]), int(state["batch"]), bool(state["done"])
         self._shard = Shard(self.rank, int(state["world_size"]), int(state["worker"]), int(state["num_workers"]))
         in_worker = tud.get_worker_info() is not None
         self._resuming = in_worker
         if self._done and not in_worker and self._shard.num_workers == 1:
-            self._epoch, self._batch, self._done = self._epoch + 1, 0, False
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self._epoch, self._batch, self._done, self._history = self._epoch + 1, 0, False, []
 
     def _adopt(self, shard: Shard) -> None:
+        """Continue the saved position as ``shard``: on another layout, a rank-global position
+        becomes a run of the history and ``shard`` reads what it left. Raises ValueError for a
+        single worker's position inside an epoch."""
         saved = self._shard
         same = (saved.world_size, saved.worker, saved.num_workers) == (
             shard.world_size, shard.worker, shard.num_workers)
-        if not same and (self._batch > 0 or self._done):
-            raise ValueError(
-                f"epoch {self._epoch} was stopped mid-epoch with world_size={saved.world_size}, "
-                f"num_workers={saved.num_workers}; it can only resume with the same settings "
-                f"(now world_size={shard.world_size}, num_workers={shard.num_workers}); resume at an "
-                f"epoch boundary to change them")
+        if not same and self._batch > 0 and not self._done:
+            if saved.num_workers != 1:
+                raise ValueError(f"epoch {self._epoch} was stopped inside by worker {saved.worker} of "
+                                 f"{saved.num_workers} (world_size={saved.world_size}); one worker's position resumes "
+                                 f"only with the same settings (now world_size={shard.world_size}, num_workers="
+                                 f"{shard.num_workers}): save a rank's position (a dr.Loader's state) to change them")
+            self._history.append({"world_size": saved.world_size, "num_workers": 1, "positions": [self._batch]})
+            self._batch = 0
         if self._done and not self._resuming:
-            self._epoch, self._batch, self._done = self._epoch + 1, 0, False
+            self._next_epoch()
         self._shard, self._resuming = shard, False
 
     def _iterate(self, sink: Sink) -> Iterator[Any]:

@@ -20,6 +20,7 @@ import torch.utils.data as tud
 
 from ..checks import check_int
 from .datasets import BlockPlan, EpochDataset, SampleDataset
+from .epoch_order import check_earlier_order
 from .formats import to_tensordict
 from .handoff import PassChannel
 from .tensors import Block
@@ -37,8 +38,11 @@ class Loader:
     this process.
 
     Resume: `state_dict` after any batch; `load_state_dict` continues with the batch after it.
-    Sample mode with any ``num_workers``; epoch mode with the same ``num_workers`` inside an
-    epoch, any at an epoch boundary.
+    Sample mode with any ``num_workers``. Epoch mode with any ``num_workers`` and any
+    ``world_size`` too: a state saved on one rank is loaded on every rank (ranks are taken to
+    advance in lockstep), and on another layout the rows the saved run had not reached are split
+    over the new ranks and workers, each row of the epoch once over the whole run
+    (`diskreplay.torch.datasets.EpochDataset`).
 
     Workers: fork workers start with the first pass and persist (``persistent_workers``), keeping
     their open store and cache; each later pass is posted to them, and they are reseeded and run
@@ -82,9 +86,11 @@ class Loader:
         if isinstance(dataset, SampleDataset):
             self._positions[0] = int(state["batch"])
         elif state["done"]:  # an epoch finished in one process: the next one
-            self._start["epoch"] = int(state["epoch"]) + 1
-        elif state["batch"]:
-            self._positions = self._continued(state)
+            self._start.update(epoch=int(state["epoch"]) + 1, history=[])
+        elif state["batch"] and max(self.num_workers, 1) == 1 and state["world_size"] == dataset.world_size:
+            self._positions = [int(state["batch"])]
+        elif state["batch"]:  # stopped inside an epoch in one process, continued on another layout
+            self._start = _pass_start(_moved(state, [int(state["batch"])], dataset.world_size))
 
     def __repr__(self) -> str:
         return f"Loader({self.dataset!r}, num_workers={self.num_workers})"
@@ -126,16 +132,31 @@ class Loader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the batch ``state`` was taken at (from `state_dict`).
 
+        An epoch stopped inside on another ``world_size`` or ``num_workers`` continues with the
+        rows that run had not reached (its run joins the dataset state's ``history``).
+
         Raises:
-            ValueError: a state of another mode, seed or world size, a malformed one, or an epoch
-                stopped inside with another ``num_workers``.
+            ValueError: a state of another mode or seed (or, in sample mode, world size), a
+                malformed one, or one whose positions its layout cannot have reached.
         """
         dataset_state = state.get("dataset") if isinstance(state, Mapping) else None
         if not isinstance(dataset_state, Mapping) or dataset_state.get("num_workers") != 1:
             raise ValueError(f"Loader state: expected a mapping whose 'dataset' is a rank-global dataset state "
                              f"(num_workers 1), got {state!r:.300}")
         positions = None if isinstance(self.dataset, SampleDataset) else self._checked_positions(state)
+        if positions is not None and "partitions" not in dataset_state:
+            check_earlier_order(dataset_state, positions[0])
+        moved = dataset_state.get("world_size") != self.dataset.world_size
+        if positions is not None and any(positions[0]) and (moved or len(positions[0]) != len(self._positions)):
+            dataset_state = _moved(dataset_state, positions[0], self.dataset.world_size)
+            positions = [0] * len(self._positions), 0
+        before = self.dataset.state_dict()
         self.dataset.load_state_dict(dataset_state)
+        try:
+            len(self) if positions is not None else None  # the rows the history left: ValueError if it cannot be
+        except ValueError:
+            self.dataset.load_state_dict(before)
+            raise
         loaded = self.dataset.state_dict()
         self._start = _pass_start(loaded)
         if positions is None:
@@ -151,23 +172,9 @@ class Loader:
                 and type(next_shard) is int and 0 <= next_shard < len(positions)):
             raise ValueError(f"Loader state: expected 'num_workers' (int), 'positions' (an int >= 0 per worker) "
                              f"and 'next_shard' (an int below their count), got {dict(state)!r:.300}")
-        shards = len(self._positions)
         if not any(positions):
-            return [0] * shards, 0
-        if len(positions) != shards:
-            raise ValueError(f"epoch {state['dataset'].get('epoch')} was stopped inside with num_workers={workers}; "
-                             f"this Loader has num_workers={self.num_workers}: resume with the same num_workers, "
-                             f"or at an epoch boundary")
+            return [0] * len(self._positions), 0
         return list(positions), next_shard
-
-    def _continued(self, state: Mapping[str, Any]) -> list[int]:
-        """The position of a dataset stopped inside an epoch in one process, which only a single
-        shard continues. Raises ValueError for several workers."""
-        if self.num_workers > 1:
-            raise ValueError(f"the dataset was stopped inside epoch {state['epoch']} in one process; a Loader "
-                             f"with num_workers={self.num_workers} cannot continue it: use num_workers <= 1, "
-                             f"or start at an epoch boundary")
-        return [int(state["batch"])]
 
     def _worker_seeds(self) -> torch.Generator:
         """The generator the DataLoader draws its workers' torch seeds from: one of its own,
@@ -183,7 +190,7 @@ class Loader:
 
     def _epoch(self, plan: BlockPlan) -> Iterator[Any]:
         yield from self._unblocked(plan) if self.num_workers else self._in_process()
-        self._start["epoch"] += 1
+        self._start.update(epoch=self._start["epoch"] + 1, history=[])
         self._positions, self._next_shard = [0] * len(self._positions), 0
 
     def _in_process(self) -> Iterator[Any]:
@@ -240,6 +247,14 @@ def _start_method(context: Any) -> str:
     if context is None:  # without fixing the default, as get_start_method() would
         return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     return context if isinstance(context, str) else str(context.get_start_method())
+
+
+def _moved(state: Mapping[str, Any], positions: list[int], world_size: int) -> dict[str, Any]:
+    """A rank-global epoch state continuing on ``world_size`` ranks at the start of a new run:
+    the run that reached ``positions`` (a batch per worker) joins its history."""
+    run = {"world_size": int(state["world_size"]), "num_workers": len(positions), "positions": list(positions)}
+    return {**state, "batch": 0, "done": False, "world_size": world_size,
+            "history": [*state.get("history", []), run]}
 
 
 def _pass_start(state: Mapping[str, Any]) -> dict[str, Any]:
