@@ -346,3 +346,24 @@ def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
         assert metadata_in_flight[0] > 1
     finally:
         proxy.close()
+
+
+def test_opening_a_buffer_reads_its_field_documents_together(s3):
+    """A reader's open: its group, then its commit record, then every field's array document at
+    once (they must be read after the commit: they cover its rows), not one after the other."""
+    url, so = s3.new_url("open-one"), s3.storage_options()
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=64, chunk_rows=8, storage_options=so) as buf:
+        buf.extend(rows(0, 20))
+    proxy = FaultProxy(s3.endpoint, latency_s=0.02)  # every request takes a while: overlaps are seen
+    try:
+        options = proxy_options(s3, proxy)
+        dr.ReplayBuffer.open(url, "r", storage_options=options).close()  # the clients' own first requests
+        proxy.reset_stats()
+        proxy.hits.clear()
+        dr.ReplayBuffer.open(url, "r", storage_options=options).close()
+        assert proxy.count("/zarr.json", "GET") == 1 + len(FIELDS)
+        assert proxy.count("/commit.json", "GET") == 1
+        assert proxy.max_in_flight == len(FIELDS)
+        assert sum(proxy.hits.values()) == 3 + len(FIELDS)  # and the saved episode state: docs/guide/cloud.md
+    finally:
+        proxy.close()

@@ -55,8 +55,8 @@ class LocalChunkStore:
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such file (a folder is none)
             return None
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        return [self.get(k, limit) for k in keys]
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         """Each range's bytes (``pread``) and its file's size, each file opened once; every range

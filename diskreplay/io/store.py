@@ -55,8 +55,9 @@ class ChunkStore(Protocol):
         """The object's bytes (at most ``limit`` of them), or None if it does not exist."""
         ...
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        """Every key's bytes, None where missing (remote: many requests in flight)."""
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        """Every key's bytes (at most ``limit`` of each), None where missing (remote: many
+        requests in flight)."""
         ...
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
@@ -154,8 +155,8 @@ class PrefixedStore:
     def get(self, key: str, limit: int | None = None) -> bytes | None:
         return self.store.get(self.prefix + key, limit)
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return self.store.get_many([self.prefix + key for key in keys])
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+        return self.store.get_many([self.prefix + key for key in keys], limit)
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         return self.store.get_ranges([(self.prefix + key, start, stop) for key, start, stop in ranges])

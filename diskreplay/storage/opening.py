@@ -20,6 +20,7 @@ from ..format.keys import (
     INCOMPLETE_IMPORT_KEY,
     MAX_METADATA_BYTES,
     OWN_PREFIXES,
+    array_key,
     objects_prefix,
 )
 from ..format.layout import (
@@ -211,7 +212,10 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
-    arrays = checked_arrays(read_small, url, config)  # after the commit: they cover its rows
+    # after the commit (they cover its rows), every field's at once
+    keys = [array_key(name) for name in config.schema.fields]
+    fetched = dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
+    arrays = checked_arrays(fetched.get, url, config)
     record = CommitRecord.from_bytes(blob, url, config.num_envs)
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
