@@ -11,6 +11,7 @@ Ray in this process too.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,7 +41,9 @@ class RayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.groups: list[int] = []
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0",
+        # a token of its own: not ~/.ray/auth_token, which a local ray.init() elsewhere may have made
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.env = {**os.environ, **self.auth, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0",
                     "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
 
     def start(self) -> None:
@@ -105,8 +108,26 @@ def ray_driver(ray_cluster):
     """This process connected to `ray_cluster` (``ray.init(address=...)``) for one test module."""
     import ray
 
-    ray.init(address=ray_cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    saved = {name: os.environ.get(name) for name in ray_cluster.auth}
+    os.environ.update(ray_cluster.auth)
+    auth_reread()
     try:
+        ray.init(address=ray_cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         yield ray
     finally:
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        auth_reread()
+
+
+def auth_reread() -> None:
+    """This process's Ray reads the token settings from the environment again (it caches them)."""
+    try:
+        from ray._private.authentication_test_utils import reset_auth_token_state
+    except ImportError:  # a Ray without token authentication
+        return
+    reset_auth_token_state()

@@ -296,3 +296,10 @@ def test_import_diskreplay_does_not_import_ray():
     code = "import sys, diskreplay; assert 'ray' not in sys.modules and 'diskreplay.ray' not in sys.modules"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_relative_local_paths_are_the_drivers(ray_driver, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the tasks' working directory is Ray's: they are given absolute paths
+    write_buffer(ray.data.from_items([{"obs": float(i)} for i in range(50)]), "rel/written", shards=2)
+    got = collect(read_buffer("rel/written"))
+    assert np.array_equal(np.sort(got["obs"]), np.arange(50, dtype=np.float64))

@@ -20,6 +20,7 @@ from ..format.shards import check_shards, shard_url
 from ..io import open_chunkstore
 from ..storage import DEFAULT_CACHE_BYTES
 from .columns import block_columns, fields_of_schema
+from .plan import absolute
 
 WRITE_CACHE_BYTES = 64 << 20
 """A write task's chunk cache beside its staging (8 chunks): what it holds of a block's rows."""
@@ -68,7 +69,7 @@ class BufferDatasink(Datasink[dict[str, int]]):
         """``fields``: the buffer's fields (None: one per column of the dataset's schema, see
         `write_buffer`); the other arguments as in `write_buffer`. Raises ValueError /
         SchemaError for ``fields`` and the buffer's arguments, before anything is written."""
-        self.shards = NewShards(os.fspath(url), capacity, chunk_rows, compression, episode_end, storage_options)
+        self.shards = NewShards(absolute(url), capacity, chunk_rows, compression, episode_end, storage_options)
         self.fields = None if fields is None else dict(fields)
         self.overwrite = overwrite
         self._started = False
@@ -143,7 +144,9 @@ def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapp
         capacity: rows each shard keeps (a ring); None: every row (dataset mode).
         shards: the number of shards (``ds`` repartitioned into that many blocks, in order);
             None: one shard per block of ``ds`` as it is.
-        chunk_rows, compression, episode_end: as in `ReplayBuffer.create`.
+        chunk_rows: as in `ReplayBuffer.create`.
+        compression: as in `ReplayBuffer.create`.
+        episode_end: as in `ReplayBuffer.create`.
         overwrite: replace a buffer at ``url`` (removed when the write starts).
         storage_options: as in `ReplayBuffer.create`, for the driver and every write task.
         ray_kwargs: passed to ``Dataset.write_datasink`` (``concurrency``, ``ray_remote_args``).

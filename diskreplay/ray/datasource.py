@@ -104,9 +104,12 @@ def read_buffer(url: str | os.PathLike[str], *, fields: Iterable[str] | None = N
         had committed when this was called, once.
 
     Raises:
-        NotABufferError, CorruptBufferError: as `ReplayBuffer.open`. SchemaError: ``fields``.
-        While the dataset runs: StaleReadError (a ring overwrote rows not yet read),
-        CorruptBufferError (a chunk missing or damaged).
+        NotABufferError: nothing (or something else) is stored at ``url``, as `ReplayBuffer.open`.
+        CorruptBufferError: the buffer's metadata is damaged; while the dataset runs: a chunk
+            missing or damaged.
+        SchemaError: ``fields`` names a field that is not stored.
+        StaleReadError: while the dataset runs: a ring overwrote rows not yet read (or the
+            buffer was cleared or replaced).
     """
     source = BufferDatasource(url, fields=fields, storage_options=storage_options)
     return cast(ray.data.Dataset, ray.data.read_datasource(source, **ray_kwargs))

@@ -16,6 +16,7 @@ from ..errors import SchemaError
 from ..format.lanes import LaneLayout
 from ..format.schema import Field
 from ..format.shards import shard_url
+from ..io import is_local, local_path
 
 ROW_ID = "row_id"
 """The column of row ids: ``buf[row_id]`` returns the row."""
@@ -80,6 +81,13 @@ class ReadPlan:
         return [self.pieces.part(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def absolute(url: str | os.PathLike[str]) -> str:
+    """``url`` as every task reads it: a local path made absolute (a task's working directory
+    is Ray's, not the driver's)."""
+    url = os.fspath(url)
+    return local_path(url) if is_local(url) else url
+
+
 def chosen_fields(stored: Mapping[str, Field], fields: Iterable[str] | None, url: str) -> dict[str, Field]:
     """The stored fields ``fields`` names (None: all), in that order. Raises SchemaError naming
     a field that is not stored, or an empty or repeated choice."""
@@ -98,7 +106,7 @@ def plan_read(url: str | os.PathLike[str], fields: Iterable[str] | None,
     """The committed rows of the buffer at ``url`` (every shard's, as each shows them now).
 
     Raises NotABufferError, CorruptBufferError (as `ReplayBuffer.open`), SchemaError (``fields``)."""
-    url = os.fspath(url)
+    url = absolute(url)
     with ReplayBuffer.open(url, "r", storage_options=storage_options, cache_bytes=PLAN_CACHE_BYTES,
                            memory_map=False) as buf:
         storage = buf.storage
