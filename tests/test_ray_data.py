@@ -26,7 +26,7 @@ from s3server import s3
 import diskreplay as dr
 from diskreplay.audit import verify
 from diskreplay.errors import BufferExistsError, NotABufferError, SchemaError, StaleReadError
-from diskreplay.ray import BufferDatasource, read_buffer, write_buffer
+from diskreplay.ray import BufferDatasink, BufferDatasource, read_buffer, write_buffer
 from diskreplay.storage.chunk_io import ChunkIO
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int16"), "done": dr.Field((), "bool"),
@@ -303,3 +303,29 @@ def test_relative_local_paths_are_the_drivers(ray_driver, tmp_path, monkeypatch)
     write_buffer(ray.data.from_items([{"obs": float(i)} for i in range(50)]), "rel/written", shards=2)
     got = collect(read_buffer("rel/written"))
     assert np.array_equal(np.sort(got["obs"]), np.arange(50, dtype=np.float64))
+
+
+def test_the_datasink_alone_takes_its_fields_from_the_schema(ray_driver, tmp_path):
+    ds = ray.data.from_items([{"obs": np.full((2, 2), i, np.uint8), "done": i % 3 == 2} for i in range(30)])
+    ds.repartition(3).write_datasink(BufferDatasink(tmp_path / "sink"))
+    with dr.ReplayBuffer.open(tmp_path / "sink") as buf:
+        assert buf.shards == 3 and len(buf) == 30
+        assert buf.fields == {"obs": dr.Field((2, 2), "uint8"), "done": dr.Field((), "bool")}
+        episodes = buf.episodes()  # 10 ended by done (row 29 the last of shard 2), shards 0 and 1 end open
+    assert (len(episodes), int(episodes.complete.sum())) == (12, 10)
+
+
+def test_frames_stored_as_zarr_shards_read_whole(tmp_path):
+    # compressed rows of 1 KiB or more are Zarr shards of inner chunks: a task reads and decodes them whole
+    fields = {"frame": dr.Field((32, 32), "uint8"), "done": dr.Field((), "bool")}
+    with dr.ReplayBuffer.create(tmp_path / "frames", fields, capacity=300, chunk_rows=64, compression="zstd") as buf:
+        n = np.arange(400)
+        buf.extend({"frame": (n[:, None, None] + np.arange(32 * 32).reshape(32, 32)).astype(np.uint8),
+                    "done": n % 9 == 8})
+        assert buf.storage.codecs["frame"].inner_rows  # the layout this test is about
+    tasks = BufferDatasource(tmp_path / "frames").get_read_tasks(3)
+    columns = [BlockAccessor.for_block(block).to_numpy() for task in tasks for block in task()]
+    got = {name: np.concatenate([c[name] for c in columns]) for name in ("frame", "done", "row_id")}
+    with dr.ReplayBuffer.open(tmp_path / "frames") as buf:
+        assert np.array_equal(np.sort(got["row_id"]), buf.row_ids())
+        assert np.array_equal(got["frame"], buf[got["row_id"]]["frame"])

@@ -3,7 +3,7 @@ columns as the arrays `ReplayBuffer.extend` takes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,14 @@ def fields_of_schema(schema: pa.Schema, url: str) -> dict[str, Field]:
 
     Raises SchemaError naming the column, its type and what a field can be: a column of another
     type (strings, variable-length lists, variable-shaped tensors, nested structs...)."""
-    return {name: field_of(name, schema.field(name).type, url) for name in schema.names}
+    return fields_of_columns(schema.names, schema.types, url)
+
+
+def fields_of_columns(names: Sequence[str], types: Sequence[Any], url: str) -> dict[str, Field]:
+    """A field per column ``names[i]`` of type ``types[i]`` (Arrow types, or numpy dtypes of
+    pandas blocks); SchemaError as `fields_of_schema`."""
+    return {name: field_of(name, pa.from_numpy_dtype(kind) if isinstance(kind, np.dtype) else kind, url)
+            for name, kind in zip(names, types)}
 
 
 def field_of(name: str, kind: pa.DataType, url: str) -> Field:

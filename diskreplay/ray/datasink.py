@@ -19,7 +19,7 @@ from ..format.schema import Field
 from ..format.shards import check_shards, shard_url
 from ..io import open_chunkstore
 from ..storage import DEFAULT_CACHE_BYTES
-from .columns import block_columns, fields_of_schema
+from .columns import block_columns, fields_of_columns, fields_of_schema
 from .plan import absolute
 
 WRITE_CACHE_BYTES = 64 << 20
@@ -159,7 +159,10 @@ def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapp
     """
     url = os.fspath(url)
     if fields is None:
-        fields = fields_of_schema(ds.schema().base_schema, url)
+        schema = ds.schema()
+        if schema is None:
+            raise ValueError(f"{url!r}: the dataset has no schema to make fields from (no rows?): pass fields=")
+        fields = fields_of_columns(schema.names, schema.types, url)
     sink = BufferDatasink(url, fields, capacity=capacity, chunk_rows=chunk_rows, compression=compression,
                           episode_end=episode_end, overwrite=overwrite, storage_options=storage_options)
     if shards is not None:

@@ -27,7 +27,8 @@ class BufferDatasource(Datasource):
 
     Blocks hold a column per chosen field (``[n]`` for scalar fields, Ray tensor columns
     ``[n, *shape]`` for the others, the field's dtype) and ``row_id`` (int64): ``buf[row_id]``
-    returns the row. Rows come lane by lane in time order (shard by shard).
+    returns the row. Rows come lane by lane in time order (shard by shard). The fields are the
+    stored ones: a ``derive_next`` twin (``next_obs`` read from ``obs``) is not among them.
 
     Reading rows a ring overwrote after the plan (or a buffer cleared or replaced meanwhile)
     raises `StaleReadError` in the task, never other rows' values.
