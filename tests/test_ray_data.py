@@ -282,6 +282,8 @@ def test_bad_writes_name_what_is_wrong(ray_driver, tmp_path):
         write_buffer(ds, tmp_path / "once")
     with pytest.raises(ValueError, match="shards must be"):
         write_buffer(ds, tmp_path / "zero", shards=0)
+    with pytest.raises(ValueError, match=r"the dataset has no schema to make fields from \(no rows\?\): pass fields="):
+        write_buffer(ray.data.from_items([]), tmp_path / "zero")
     assert not (tmp_path / "text").exists() and not (tmp_path / "zero").exists()
 
 
