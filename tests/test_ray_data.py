@@ -331,3 +331,30 @@ def test_frames_stored_as_zarr_shards_read_whole(tmp_path):
     with dr.ReplayBuffer.open(tmp_path / "frames") as buf:
         assert np.array_equal(np.sort(got["row_id"]), buf.row_ids())
         assert np.array_equal(got["frame"], buf[got["row_id"]]["frame"])
+
+
+class KillFirstWrite(BufferDatasink):
+    """Write tasks whose first try (once for the whole write: the marker file) SIGKILLs its own
+    worker after adding its first block to its shard, before the shard's commit."""
+
+    def __init__(self, url, marker: str):
+        super().__init__(url, chunk_rows=64)
+        self.marker = marker
+
+    def write(self, blocks, ctx):
+        return super().write(self._killing(blocks), ctx)
+
+    def _killing(self, blocks):
+        for block in blocks:
+            yield block
+            if not os.path.exists(self.marker):  # the block was added: its chunks are written
+                Path(self.marker).write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_write_task_whose_worker_dies_writes_its_shard_again(ray_driver, tmp_path):
+    marker = tmp_path / "killed"
+    ds = ray.data.from_arrow(source_table(2_000)).repartition(2)
+    ds.write_datasink(KillFirstWrite(tmp_path / "written", str(marker)))
+    assert marker.exists()  # a worker died with its shard half written...
+    check_written(str(tmp_path / "written"), source_table(2_000), 2)  # ...and the retry wrote it whole
