@@ -358,3 +358,14 @@ def test_a_write_task_whose_worker_dies_writes_its_shard_again(ray_driver, tmp_p
     ds.write_datasink(KillFirstWrite(tmp_path / "written", str(marker)))
     assert marker.exists()  # a worker died with its shard half written...
     check_written(str(tmp_path / "written"), source_table(2_000), 2)  # ...and the retry wrote it whole
+
+
+def test_a_buffer_read_and_written_again_reads_the_same(ray_driver, tmp_path):
+    url = str(tmp_path / "ring")
+    make_buffer(url, LOCAL["compressed"])
+    write_buffer(read_buffer(url), tmp_path / "copy", shards=2)  # row_id is left out of the fields
+    with dr.ReplayBuffer.open(tmp_path / "copy") as copy:
+        assert copy.fields == FIELDS
+    got = collect(read_buffer(tmp_path / "copy"))
+    original = collect(read_buffer(url))
+    assert np.array_equal(np.sort(got["obs"][:, 0]), np.sort(original["obs"][:, 0]))

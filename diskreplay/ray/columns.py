@@ -12,6 +12,7 @@ from ray.data.block import Block, BlockAccessor
 
 from ..errors import SchemaError
 from ..format.schema import Field
+from .plan import ROW_ID
 
 TENSOR_TYPES = ("ray.data.arrow_tensor", "ray.data.arrow_tensor_v2")
 """Ray's fixed-shape tensor columns (a shape per row: variable-shaped ones are not a field)."""
@@ -21,7 +22,7 @@ EXPECTED = ("a bool, integer or float column, a fixed-shape Ray tensor column (n
 
 
 def fields_of_schema(schema: pa.Schema, url: str) -> dict[str, Field]:
-    """A field per column of ``schema``, in its order.
+    """A field per column of ``schema`` (but ``row_id``: `fields_of_columns`), in its order.
 
     Raises SchemaError naming the column, its type and what a field can be: a column of another
     type (strings, variable-length lists, variable-shaped tensors, nested structs...)."""
@@ -30,9 +31,10 @@ def fields_of_schema(schema: pa.Schema, url: str) -> dict[str, Field]:
 
 def fields_of_columns(names: Sequence[str], types: Sequence[Any], url: str) -> dict[str, Field]:
     """A field per column ``names[i]`` of type ``types[i]`` (Arrow types, or numpy dtypes of
-    pandas blocks); SchemaError as `fields_of_schema`."""
+    pandas blocks) but ``row_id`` (the row ids `read_buffer` adds: they name rows of the buffer
+    read, not data); SchemaError as `fields_of_schema`."""
     return {name: field_of(name, pa.from_numpy_dtype(kind) if isinstance(kind, np.dtype) else kind, url)
-            for name, kind in zip(names, types)}
+            for name, kind in zip(names, types) if name != ROW_ID}
 
 
 def field_of(name: str, kind: pa.DataType, url: str) -> Field:

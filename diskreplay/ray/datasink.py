@@ -140,7 +140,8 @@ def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapp
         ds: the rows; a column per field, in order (episodes' rows consecutive).
         url: where the buffer is made: a local path every node reaches, or an fsspec URL.
         fields: name -> `Field` of the columns to write; None: every column of ``ds.schema()``
-            (bool, integer and float columns, fixed-shape tensor columns, fixed-size lists).
+            (bool, integer and float columns, fixed-shape tensor columns, fixed-size lists) but
+            ``row_id``, the row ids `read_buffer` adds (a buffer copied keeps its data, not them).
         capacity: rows each shard keeps (a ring); None: every row (dataset mode).
         shards: the number of shards (``ds`` repartitioned into that many blocks, in order);
             None: one shard per block of ``ds`` as it is.
