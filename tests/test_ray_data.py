@@ -86,9 +86,10 @@ def test_every_committed_row_once_bit_equal(ray_driver, tmp_path, kind):
     check_exactly_once(url, collect(ds))
 
 
-def test_s3_ring_read_by_the_cluster(ray_driver, s3):
-    url, options = s3.new_url("ray-ring"), s3.storage_options()
-    make_buffer(url, LOCAL["compressed"], storage_options=options)
+@pytest.mark.parametrize("kind", list(LOCAL))
+def test_s3_buffers_read_by_the_cluster(ray_driver, s3, kind):
+    url, options = s3.new_url(f"ray-{kind}"), s3.storage_options()
+    make_buffer(url, LOCAL[kind], storage_options=options)
     got = collect(read_buffer(url, storage_options=options, override_num_blocks=2))
     check_exactly_once(url, got, options)
 
