@@ -20,7 +20,7 @@ LAYERS = {
     "buffer": 4,
     "torch": 5, "audit": 5, "rollout": 5,
     "offline": 6, "demo": 6,
-    "integrations": 7,
+    "integrations": 7, "ray": 7,
     "cli": 8, "sb3": 8,
     "__init__": 9, "__main__": 9,
 }
@@ -43,7 +43,8 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "stable_baselines3": ("diskreplay.integrations.sb3",),
     "gymnasium": ("diskreplay.integrations", "diskreplay.demo"),
     "yaml": ("diskreplay.buffer.spec",),
-    "pyarrow": ("diskreplay.offline.formats.parquet",),
+    "pyarrow": ("diskreplay.offline.formats.parquet", "diskreplay.ray"),
+    "ray": ("diskreplay.ray",),
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}
 

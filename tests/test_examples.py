@@ -273,3 +273,31 @@ def test_actors_learner_with_ray_actors(tmp_path):
     summary = run_summary(run)
     assert (summary["updates"], summary["start_update"], summary["rows_sampled"]) == (100, 0, 100 * 64)
     assert len(summary["rows_per_shard"]) == 2 and min(summary["rows_per_shard"]) > 0, summary
+
+
+def test_rllib_offline_trains_bc_from_a_buffer_through_ray_data(tmp_path):
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("ray.rllib.algorithms.bc", exc_type=ImportError)  # ray[rllib]: not in the test extra
+    import shutil
+    import tempfile
+
+    env = example_env(tmp_path)
+    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short socket paths
+    try:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "rllib_offline.py"), "--steps", "1000",
+                                 "--iterations", "2", "--batch-size", "128", "--eval-episodes", "1",
+                                 "--buffer", str(tmp_path / "cartpole")], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        try:
+            out = proc.communicate(timeout=600)[0]
+        finally:
+            kill_group(proc)  # the Ray processes too, if any outlived the run
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, out
+    lines = [line for line in out.splitlines() if line.startswith(("1,000 expert", "iteration", "done"))]
+    assert [line.split(":")[0] for line in lines] == [f"1,000 expert steps in {tmp_path / 'cartpole'}",
+                                                      "iteration 1", "iteration 2", "done"]
+    assert lines[-1].endswith(" over 1 episodes")
+    with dr.ReplayBuffer.open(tmp_path / "cartpole") as buf:
+        assert len(buf) == 1000 and buf.fields["obs"].shape == (4,)

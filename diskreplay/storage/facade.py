@@ -113,10 +113,19 @@ class Storage(ABC):
     def read_chunk(self, name: str, lane: int, chunk: int) -> np.ndarray:
         """One whole stored chunk of one field, decoded (``[chunk_rows, *shape]``), bypassing the
         cache. Raises CorruptBufferError if it is missing or does not decode."""
-        field = self.schema[name]
-        rows = np.empty((self.layout.chunk_rows, *field.shape), field.dtype)
-        self._io.read([(self._io.key(name, lane, chunk), self._io.codecs[name], rows)], must_exist=True)
-        return rows
+        return self.read_chunks((name,), lane, np.array([chunk]))[name]
+
+    def read_chunks(self, names: Sequence[str], lane: int, chunks: np.ndarray) -> dict[str, np.ndarray]:
+        """Whole stored chunks ``chunks`` of one lane, of the fields ``names`` only, decoded and
+        laid end to end: ``{name: [len(chunks) * chunk_rows, *shape]}``. Read at once (concurrent
+        requests, decoded on the I/O threads), bypassing the cache; no other field is read.
+        Raises CorruptBufferError if one is missing or does not decode; KeyError: an unknown name."""
+        rows = self.layout.chunk_rows
+        out = {name: np.empty((len(chunks) * rows, *self.schema[name].shape), self.schema[name].dtype)
+               for name in names}
+        self._io.read([(self._io.key(name, lane, chunk), self._io.codecs[name], out[name][i * rows:(i + 1) * rows])
+                       for name in names for i, chunk in enumerate(np.asarray(chunks).tolist())], must_exist=True)
+        return out
 
     @property
     def mapped(self) -> MappedChunks | None:

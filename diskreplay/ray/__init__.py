@@ -1,0 +1,12 @@
+"""Ray Data reads and writes of diskreplay buffers (``pip install "diskreplay[ray]"``).
+
+`read_buffer` gives a buffer's committed rows as a ``ray.data.Dataset`` (`BufferDatasource`);
+`write_buffer` writes a dataset into a new sharded buffer, one shard per write task
+(`BufferDatasink`). The store stays the data plane (rows, commits, durability); Ray schedules
+the tasks. Importing this package imports Ray; ``import diskreplay`` does not.
+"""
+
+from .datasink import BufferDatasink, write_buffer
+from .datasource import BufferDatasource, read_buffer
+
+__all__ = ["BufferDatasink", "BufferDatasource", "read_buffer", "write_buffer"]
