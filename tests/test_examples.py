@@ -277,7 +277,7 @@ def test_actors_learner_with_ray_actors(tmp_path):
 
 def test_rllib_offline_trains_bc_from_a_buffer_through_ray_data(tmp_path):
     pytest.importorskip("gymnasium")
-    pytest.importorskip("ray.rllib.algorithms.bc", exc_type=ImportError)  # ray[rllib]: not in the test extra
+    pytest.importorskip("ray.rllib.algorithms.bc", exc_type=ImportError)  # not in .ci/lowest
     import shutil
     import tempfile
 
