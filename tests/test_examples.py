@@ -122,6 +122,24 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def run_with_ray(tmp_path: Path, start) -> tuple[subprocess.Popen, str]:
+    """``start(env)``, an example that starts Ray, run to its end: the process and its stdout. Ray's
+    unix sockets live under its temp dir, kept short (pytest's tmp_path can be too long)."""
+    import shutil
+    import tempfile
+
+    env = example_env(tmp_path)
+    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    try:
+        proc = start(env)
+        try:
+            return proc, proc.communicate(timeout=600)[0]
+        finally:
+            kill_group(proc)  # the Ray processes too, if any outlived the run
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 def run_summary(run: Path) -> dict:
     import json
 
@@ -253,21 +271,10 @@ def test_actors_learner_resumes_from_its_checkpoint_after_sigkill(tmp_path):
 def test_actors_learner_with_ray_actors(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("ray")
-    import shutil
-    import tempfile
-
-    run, env = tmp_path / "run", example_env(tmp_path)
-    # Ray's unix sockets live under its temp dir: keep the path short (pytest's tmp_path can be too long)
-    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    try:
-        with open(tmp_path / "stderr.txt", "w") as err:
-            proc = start_actors_learner(run, env, err, "--launcher", "ray", "--updates", "100")
-            try:
-                out = proc.communicate(timeout=600)[0]
-            finally:
-                kill_group(proc)  # the Ray processes too, if any outlived the run
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    run = tmp_path / "run"
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc, out = run_with_ray(tmp_path, lambda env: start_actors_learner(
+            run, env, err, "--launcher", "ray", "--updates", "100"))
     assert proc.returncode == 0, out + (tmp_path / "stderr.txt").read_text()
     assert "actor 0 started (ray actor)" in out and "actor 1 started (ray actor)" in out
     summary = run_summary(run)
@@ -278,22 +285,10 @@ def test_actors_learner_with_ray_actors(tmp_path):
 def test_rllib_offline_trains_bc_from_a_buffer_through_ray_data(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("ray.rllib.algorithms.bc", exc_type=ImportError)  # not in .ci/lowest
-    import shutil
-    import tempfile
-
-    env = example_env(tmp_path)
-    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short socket paths
-    try:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "rllib_offline.py"), "--steps", "1000",
-                                 "--iterations", "2", "--batch-size", "128", "--eval-episodes", "1",
-                                 "--buffer", str(tmp_path / "cartpole")], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        try:
-            out = proc.communicate(timeout=600)[0]
-        finally:
-            kill_group(proc)  # the Ray processes too, if any outlived the run
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc, out = run_with_ray(tmp_path, lambda env: subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "rllib_offline.py"), "--steps", "1000", "--iterations", "2",
+         "--batch-size", "128", "--eval-episodes", "1", "--buffer", str(tmp_path / "cartpole")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True))
     assert proc.returncode == 0, out
     lines = [line for line in out.splitlines() if line.startswith(("1,000 expert", "iteration", "done"))]
     assert [line.split(":")[0] for line in lines] == [f"1,000 expert steps in {tmp_path / 'cartpole'}",
