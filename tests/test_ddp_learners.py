@@ -264,5 +264,24 @@ def test_one_rank_waits_for_the_rate_limiter_and_checks_the_batch_size(tmp_path,
             learner.sample(0)
 
 
+def test_one_rank_draws_again_after_a_stale_read(tmp_path, one_rank):
+    from diskreplay.torch import DistributedLearner
+
+    url = str(tmp_path / "ring")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=16, chunk_rows=4, shards=2, episode_end=None).close()
+    for shard in range(2):
+        write(url, shard, 0, 16)
+    with dr.ReplayBuffer.open(url, "r", seed=0) as buf:
+        learner = DistributedLearner(buf)
+        write(url, 0, 16, 16)  # shard 0 goes round its ring: every row the learner knows there is gone
+        batch = learner.sample(16)
+        assert buf.window()[0].tolist() == [16, 0]  # the ranks adopted the newest commits, then drew again
+        shard, step = batch["index"] % 2, batch["index"] // 2  # one lane per shard
+        assert ((shard == 1) | (step >= 16)).all()
+        np.testing.assert_array_equal(batch["obs"][:, 0], shard)  # the rows of the ids drawn
+        np.testing.assert_array_equal(batch["obs"][:, 1], step.astype(np.float32) / 100)
+        assert learner.state_dict()["samples"] == 16
+
+
 if __name__ == "__main__":
     main()
