@@ -98,8 +98,7 @@ def run_learner(rank: int, world: int, args: dict) -> None:
         seen["index"].append(batch["index"].numpy())
         seen["samples"].append(state["samples"])
         seen["inserts"].append(int(state["total"].sum()))
-    if rank == 0:
-        learner.learner.publish()  # the last count, for actors waiting on it
+    learner.publish()  # the last count, for actors waiting on it
     while int(learner.state_dict()["total"].sum()) < ACTORS * ACTOR_ROWS:  # every rank sees the last rows
         time.sleep(0.01)
         learner.refresh()

@@ -15,7 +15,9 @@ bit, because they take the same steps on the same data:
 * `DistributedLearner.update_priorities`: the ranks' row ids and TD errors are all-gathered and
   every rank applies all of them, in rank order.
 
-Calls are collective: every rank of the group makes the same calls in the same order.
+Calls are collective: every rank of the group makes the same calls in the same order. They pass
+Python objects (``broadcast_object_list``, ``all_gather_object``): with NCCL, set each rank's CUDA
+device first, as those need.
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ class DistributedLearner:
             EmptyBufferError: the buffer holds no rows.
         """
         convert = output_converter(format)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < self.world_size \
-                or batch_size % self.world_size:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+                or batch_size < self.world_size or batch_size % self.world_size:
             raise ValueError(f"batch_size: expected a multiple of the world size {self.world_size}, got {batch_size!r}")
+        batch_size = int(batch_size)
         options = {k: v for k, v in (("beta", beta), ("recent_rows", recent_rows)) if v is not None}
         self._wait(batch_size)
         part = slice(self.rank * (batch_size // self.world_size), (self.rank + 1) * (batch_size // self.world_size))
@@ -165,6 +168,13 @@ class DistributedLearner:
         dist.all_gather_object(gathered, mine, group=self.group)
         ids = np.concatenate([np.ravel(i) for i, _ in gathered])
         return self.buffer.update_priorities(ids, np.concatenate([np.ravel(t) for _, t in gathered]))
+
+    def publish(self) -> None:
+        """Rank 0 publishes the learner's progress now, if rate limited (it does so at most every
+        50 ms while sampling): after the last step, for actors waiting on the last count. Not
+        collective: the other ranks do nothing."""
+        if self.rank == 0:
+            self.learner.publish()
 
     def state_dict(self) -> dict[str, Any]:
         """The learners' state (`ReplayBuffer.state_dict`), the same on every rank."""
