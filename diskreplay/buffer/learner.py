@@ -8,19 +8,26 @@ when the learner adopts that commit, as a writer's own rows reach its sampler wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..episodes import EpisodeIndex, RowView
-from ..errors import CorruptBufferError
+from ..errors import CorruptBufferError, EmptyBufferError
 from ..format.commit import CommitRecord
+from ..format.lanes import is_empty, row_ids
 from ..format.shards import shard_url
-from ..sampling import BaseSampler, Sampler, check_sampler_state, load_sampler_state
+from ..sampling import BaseSampler, Draw, Sampler, check_sampler_state, load_sampler_state
 from ..storage import UnionStorage
 from .following import forget_named_finals
 from .state import announce, check_rng_state, state_origin
+
+if TYPE_CHECKING:
+    from .following import Follower
+    from .rate_limit import LearnerGate, RateLimiter
 
 
 class LearnerState:
@@ -66,6 +73,25 @@ class LearnerState:
         return total
 
 
+@dataclass(frozen=True)
+class ShardCommit:
+    """A commit of one shard as a learner adopted it: its record, the shard's episode ends and
+    ``next_*`` values saved with it (checked), and the record of its ``derive_next`` side store."""
+
+    record: CommitRecord
+    state: dict[str, Any]
+    finals: CommitRecord | None
+
+
+@dataclass(frozen=True)
+class ShardCommits:
+    """Shard commits a learner adopted (`ReplayBuffer.shard_commits`), by shard: small and
+    picklable, so that one learner rank reads the shards and the others adopt exactly what it did
+    (`ReplayBuffer.refresh` with ``commits``)."""
+
+    shards: dict[int, ShardCommit]
+
+
 class ShardAdoption:
     """A learner adopting every shard's newest commit: rows, episode ends and ``next_*`` values."""
 
@@ -108,6 +134,34 @@ class ShardAdoption:
             self.union.forget_cached(lane, first, end)
         return True
 
+    def commits(self, shards: Sequence[int] | None = None) -> ShardCommits:
+        """The commits of ``shards`` (default: all) this learner shows now (nothing is read)."""
+        shards = range(self.union.shards) if shards is None else shards
+        records, finals = self.union.shard_records(), self.finals.shard_records() if self.finals else None
+        return ShardCommits({s: ShardCommit(records[s], self.shard_states[s], finals[s] if finals else None)
+                             for s in shards})
+
+    def adopt(self, commits: ShardCommits) -> bool:
+        """Adopt those of ``commits`` newer than what the shards show, as `refresh` adopts the
+        commits it reads (nothing is read). Returns whether any was newer."""
+        shown = self.union.shard_records()
+        newer = {s: c for s, c in commits.shards.items() if c.record.sequence > shown[s].sequence}
+        if not newer:
+            return False
+        before, last_ends, ended = self.union.total.copy(), self.episodes.last_ends(), self.episodes.ended()
+        self.union.adopt_shards({s: dataclasses.replace(c.record) for s, c in newer.items()})  # cursors read-only
+        if self.finals is not None:
+            self.finals.adopt_shards({s: dataclasses.replace(c.finals) for s, c in newer.items() if c.finals})
+        for s, commit in newer.items():
+            self.shard_states[s] = commit.state
+        self._apply()
+        if self.finals is not None:
+            forget_named_finals(self.finals, ended, self.episodes.ended())
+        announce(self.sampler, self.union.window()[0], before, self.union.total)
+        for lane, first, end in self.view.patched_since(before, last_ends):
+            self.union.forget_cached(lane, first, end)
+        return True
+
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
         """A shard's saved episode ends and ``next_*`` values, checked (the rest is its writer's)."""
         origin = state_origin(shard_url(self.union.url, shard), record)
@@ -146,3 +200,63 @@ class ShardAdoption:
         lanes = self.shard_envs
         return {"count": np.zeros(lanes, np.int64), "pruned": np.zeros(lanes, np.int64), "ends": np.zeros(0, np.int64)}
 
+
+
+class LearnerRank:
+    """One of several learner ranks that keep one sampling state (`ReplayBuffer.learner_rank`,
+    for ``diskreplay.torch.DistributedLearner``): the steps of `ReplayBuffer.sample` and
+    `ReplayBuffer.refresh` taken apart, so that the ranks can agree between them. Nothing here
+    adopts a commit on its own (a stale read raises), and only the rank asked to publishes the
+    learner's progress."""
+
+    def __init__(self, state: LearnerState, follower: Follower, gate: LearnerGate, view: RowView):
+        self.state, self.follower, self.gate, self.view = state, follower, gate, view
+        self.shards: ShardAdoption = follower.adoption  # type: ignore[assignment]  # a learner's
+
+    @property
+    def limiter(self) -> RateLimiter | None:
+        """The rate limiter the buffer was opened with."""
+        return self.gate.limiter
+
+    def allowed(self, count: int) -> bool:
+        """Whether ``count`` more rows may be sampled now (always, without a rate limiter)."""
+        limiter, state = self.gate.limiter, self.state
+        return limiter is None or limiter.sample_allowed(int(state.union.total.sum()), state.samples, count)
+
+    def publish(self) -> None:
+        """Publish the learner's progress now (for actors waiting on it), if rate limited."""
+        if self.gate.limiter is not None:
+            self.gate.publish(force=True)
+
+    def refresh(self) -> ShardCommits:
+        """Adopt every shard's newest commit (`ReplayBuffer.refresh`); the commits that changed."""
+        before = self.state.union.shard_records()
+        self.follower.refresh()
+        after = self.state.union.shard_records()
+        return self.shards.commits([s for s, record in enumerate(after) if not record.same_as(before[s])])
+
+    def draw(self, count: int, options: Mapping[str, Any]) -> Draw:
+        """``count`` rows drawn as `ReplayBuffer.sample` draws them. Raises EmptyBufferError."""
+        union = self.state.union
+        lo, hi = union.window()
+        if is_empty(lo, hi):
+            raise EmptyBufferError(f"cannot sample from an empty buffer ({union.url!r} holds 0 readable rows)")
+        return self.state.sampler.sample(self.state.rng, count, lo, hi, **options)
+
+    def gather(self, draw: Draw, part: slice) -> dict[str, np.ndarray]:
+        """The rows ``part`` of ``draw``, with their ``index`` (and ``weight``, extras). Raises
+        StaleReadError (adopting nothing) if a writer overwrote any."""
+        lane, step = draw.lane[part], draw.step[part]
+        batch = self.view.gather(lane, step)
+        batch["index"] = row_ids(lane, step, self.state.union.layout.num_envs)
+        if draw.weight is not None:
+            batch["weight"] = draw.weight[part]
+        batch.update({name: value[part] for name, value in draw.extra.items()})
+        return batch
+
+    def count(self, rows: int, publish: bool) -> None:
+        """``rows`` were sampled (by all ranks together): counted, and published if ``publish``."""
+        if publish:
+            self.gate.after(rows)
+        else:
+            self.state.samples += rows

@@ -29,9 +29,10 @@ from .batches import (
     split_batches,
     takes_priorities,
 )
+from .learner import LearnerRank, ShardCommits
 from .output_format import output_converter
 from .parts import BufferOpening, LearnerOpening
-from .rate_limit import RateLimiter
+from .rate_limit import LearnerGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, plan_buffer, prepare_location
 from .sharding import create_sharded, open_buffer, open_writer
@@ -363,17 +364,38 @@ class ReplayBuffer:
         """
         self._writer().flush(durable)
 
-    def refresh(self) -> bool:
+    def refresh(self, commits: ShardCommits | None = None) -> bool:
         """Read-only buffers: adopt the newest commit with everything that belongs to it (rows,
         episode index, derived-field state, sampler state), all together or not at all.
         Returns True if there was a newer commit. A writer has nothing to adopt (False).
 
+        ``commits``: a learner of a sharded buffer adopts exactly these shard commits (another
+        learner's `shard_commits`; those not newer than what it shows are left out), reading none.
+
         Raises:
             CorruptBufferError: the newest commit or its state object is damaged (nothing changed).
-            ClosedError: the buffer was closed.
+            ClosedError: the buffer was closed. ValueError: ``commits`` for a buffer that is not
+                a learner of a sharded buffer.
         """
         self._require_open()
-        return self._follower.refresh()
+        return self._follower.refresh() if commits is None else self.learner_rank().shards.adopt(commits)
+
+    def shard_commits(self, shards: Sequence[int] | None = None) -> ShardCommits:
+        """A learner of a sharded buffer: the commits of ``shards`` (default: all) it shows now,
+        small and picklable, for other learners to adopt (`refresh` with ``commits``). Raises
+        ValueError for a buffer that is not a learner of a sharded buffer; ClosedError."""
+        return self.learner_rank().shards.commits(shards)
+
+    def learner_rank(self) -> LearnerRank:
+        """A learner of a sharded buffer: its sampling and refresh steps taken apart, for learner
+        ranks that keep one sampling state together (``diskreplay.torch.DistributedLearner``).
+
+        Raises ValueError for a buffer that is not a learner of a sharded buffer; ClosedError."""
+        self._require_open()
+        if not isinstance(self._gate, LearnerGate):
+            raise ValueError(f"{self.url!r} is not a learner of a sharded buffer (dr.ReplayBuffer.open(url, 'r') "
+                             f"of one made with shards=)")
+        return LearnerRank(self._state, self._follower, self._gate, self.view)  # type: ignore[arg-type]
 
     # ---- reading ---------------------------------------------------------------------------
 

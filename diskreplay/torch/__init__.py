@@ -8,6 +8,8 @@ Importing this package imports torch (``import diskreplay`` alone does not). Mod
   `rows` - `IndexBatchSampler` + `RowDataset`; `reader`, `tensors` - their shared parts;
 * `device` - `to_device`: batches copied to a device through pinned host slots;
 * `shared_ring` - the shared-memory slots fork DataLoader workers gather batches into;
+* `distributed` - `DistributedLearner`: torch.distributed learner ranks that keep one sampling
+  state over a sharded buffer (one refresh, one global batch, priorities applied on every rank);
 * `batch_rng`, `epoch_order` - per-batch generators and epoch orders as pure functions of a few ints.
 * `formats` - batches as tensors or TensorDicts (``sample(format=...)``). TorchRL's storage
   (``dr.torchrl.ZarrStorage``) is an integration: `diskreplay.integrations.torchrl`.
@@ -29,6 +31,7 @@ from .batch_rng import BatchRngs
 from .data import dataset_state_from_loader, keep_batch, make_dataset, merge_worker_states
 from .datasets import EpochDataset, SampleDataset
 from .device import DevicePrefetcher, to_device
+from .distributed import DistributedLearner
 from .epoch_order import SHUFFLES, EpochOrder, Shard, chunk_pieces, expand_pieces, shard_range, slice_pieces
 from .formats import to_tensordict
 from .loader import Loader
@@ -44,6 +47,6 @@ __all__ = [
     "Batch", "to_tensors", "packed_tensors", "to_tensordict",
     "to_device", "DevicePrefetcher",
     "WorkerRing", "SlotBatch", "ArraySpec", "plan_slot", "FREE", "SENT", "HELD",
-    "BatchRngs",
+    "BatchRngs", "DistributedLearner",
     "EpochOrder", "Shard", "SHUFFLES", "chunk_pieces", "expand_pieces", "slice_pieces", "shard_range",
 ]
