@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _TORCH_DATA = {"make_dataset", "SampleDataset", "EpochDataset", "Loader", "IndexBatchSampler", "IndexBatch",
-               "RowDataset", "merge_worker_states", "dataset_state_from_loader", "keep_batch"}
+               "RowDataset", "merge_worker_states", "dataset_state_from_loader", "keep_batch", "DistributedLearner"}
 _DEVICE = {"to_device", "DevicePrefetcher", "to_tensordict"}
 __all__ += sorted(_TORCH_DATA | _DEVICE)
 
