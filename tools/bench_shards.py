@@ -947,7 +947,7 @@ def bench_refresh(args: argparse.Namespace, scratch: str, so: dict | None) -> st
                            for index in (True, False)}
                     log(f"  {name}: S={shards} k={k}: {got}")
                     lines.append(f"| {name} | {shards} | {k} | {got[True]['requests']:g} | {got[False]['requests']:g} "
-                                 f"| {got[True]['ms']:.1f} | {got[False]['ms']:.1f} |")
+                                 f"| {got[True]['ms']:.2f} | {got[False]['ms']:.2f} |")
         finally:
             counter.close()
             if proxy is not None:
