@@ -348,6 +348,32 @@ def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
         proxy.close()
 
 
+def test_refresh_of_64_shards_with_2_committed_costs_2k_plus_1_requests(s3):
+    """A learner's refresh lists the root's commit index once (which shards committed), then
+    reads only the k shards that did: their commit record and its state object, 2k + 1 requests
+    (it read every shard's commit record, 64 + 2k: docs/guide/shards.md)."""
+    shards, changed = 64, [5, 40]
+    url, so = s3.new_url("refresh-cost"), s3.storage_options()
+    dr.ReplayBuffer.create(url, FIELDS, capacity=64, shards=shards, chunk_rows=8, storage_options=so).close()
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        with dr.ReplayBuffer.open(url, "r", storage_options=proxy_options(s3, proxy)) as learner:
+            assert learner.refresh() is False
+            for shard in changed:
+                with dr.ReplayBuffer.open_shard(url, shard=shard, storage_options=so) as w:
+                    w.extend(rows(0, 10))
+            proxy.reset_stats()
+            assert learner.refresh() is True
+            requests = sum(proxy.hits.values())
+            assert len(learner) == 20
+            assert requests == 2 * len(changed) + 1, dict(proxy.hits)
+            proxy.reset_stats()
+            assert learner.refresh() is False
+            assert sum(proxy.hits.values()) == 1  # one listing tells nothing changed
+    finally:
+        proxy.close()
+
+
 def test_opening_a_buffer_reads_its_field_documents_together(s3):
     """A reader's open: its group, then its commit record, then every field's array document at
     once (they must be read after the commit: they cover its rows), not one after the other."""

@@ -54,7 +54,7 @@ def sharded(tmp_path):
 def test_create_lays_out_a_zarr_group_of_complete_shard_buffers(sharded):
     root = json.load(open(os.path.join(sharded, "zarr.json")))
     assert root["node_type"] == "group"
-    assert root["attributes"]["diskreplay_shards"] == {"count": 3, "format": "diskreplay/2"}
+    assert root["attributes"]["diskreplay_shards"] == {"count": 3, "format": "diskreplay/2", "commit_index": True}
     assert sorted(os.listdir(sharded)) == ["diskreplay", "shard-00000", "shard-00001", "shard-00002", "zarr.json"]
     with dr.ReplayBuffer.open(shard_url(sharded, 1)) as one:  # a shard is a buffer of its own
         assert len(one) == 80 and one.num_envs == 2 and one.capacity == 200

@@ -37,8 +37,16 @@ next_obs (17,) f32, terminated bool, truncated bool (166 B per row) — episodes
    RayReplayBuffer (actors as Ray tasks, ``extend`` of ``--flush-every`` rows per call) joins
    when ray imports (not with ``--quick`` unless ``--ray``; ``--no-ray`` leaves it out).
 
+4. What a learner's refresh costs. For S = ``--refresh-shards`` (default 4,16,64) shards, k of
+   them (0, 2 and all S) commit ``--refresh-rows`` rows each, then the learner refreshes; the
+   store operations of that refresh are counted (local disk: reads of the local store and
+   listings of the commit index; S3: requests at the proxy of tests/s3server.py, in front of
+   moto with ``--latency-ms`` per request, default 20), median over ``--refresh-rounds`` rounds,
+   with the refresh's wall time. Both for a root with the commit index (buffers made now) and
+   one without (buffers made before it: every shard's commit is read).
+
 Usage: python tools/bench_shards.py [--quick] [--sizes 1M,16M] [--dir /tmp/diskreplay-shards] [--out FILE]
-       [--only 1,2,3] [--[no-]ray] [--profile]
+       [--only 1,2,3,4] [--[no-]ray] [--profile]
 Built union buffers (section 2) are kept in ``--dir`` and reused by the next run (``--rebuild``
 to write them anew).
 """
@@ -844,6 +852,115 @@ def bench_live(workers: Workers, args: argparse.Namespace, root: str, ray_note: 
 # ---- main -----------------------------------------------------------------------------------
 
 
+# ---- 4. what a refresh costs --------------------------------------------------------------
+
+
+class RefreshCounter:
+    """Counts a learner's store operations: local store reads and commit index listings (local
+    disk), or the requests a `FaultProxy` saw (S3)."""
+
+    READS = ("get", "get_many", "get_ranges", "read_into", "sizes")
+
+    def __init__(self, proxy: Any = None):
+        from diskreplay.io.local import LocalChunkStore
+        from diskreplay.storage.union import CommitIndex
+        self.proxy, self.count, self.undo = proxy, 0, []
+        if proxy is not None:
+            return
+        for cls, names in ((LocalChunkStore, self.READS), (CommitIndex, ("_names",))):
+            for name in names:
+                original = getattr(cls, name)
+                self.undo.append((cls, name, original))
+                setattr(cls, name, self._counted(original))
+
+    def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+        return counted
+
+    def reset(self) -> None:
+        self.count = 0
+        if self.proxy is not None:
+            self.proxy.reset_stats()
+
+    def seen(self) -> int:
+        return sum(self.proxy.hits.values()) if self.proxy is not None else self.count
+
+    def close(self) -> None:
+        for cls, name, original in self.undo:
+            setattr(cls, name, original)
+
+
+def drop_index(url: str, so: dict | None) -> None:
+    """Make the root at ``url`` one made before the commit index (its learners read every shard)."""
+    from diskreplay.io import open_chunkstore
+    store = open_chunkstore(url, so)
+    root = json.loads(store.get("zarr.json"))
+    del root["attributes"]["diskreplay_shards"]["commit_index"]
+    store.put("zarr.json", json.dumps(root).encode())
+
+
+def refresh_rounds(url: str, so: dict | None, learner_so: dict | None, shards: int, k: int, index: bool,
+                   counter: RefreshCounter, args: argparse.Namespace) -> dict[str, float]:
+    dr.ReplayBuffer.create(url, FIELDS, capacity=4 * args.refresh_rows * args.refresh_rounds, shards=shards,
+                           chunk_rows=256, storage_options=so).close()
+    if not index:
+        drop_index(url, so)
+    writers = [dr.ReplayBuffer.open_shard(url, shard=s, storage_options=so) for s in range(k)]
+    requests, times = [], []
+    try:
+        with dr.ReplayBuffer.open(url, "r", storage_options=learner_so) as learner:
+            for r in range(args.refresh_rounds):
+                for w in writers:
+                    w.extend(columns(args.refresh_rows, r, r * args.refresh_rows))
+                    w.flush()
+                counter.reset()
+                started = time.perf_counter()
+                learner.refresh()
+                times.append(time.perf_counter() - started)
+                requests.append(counter.seen())
+    finally:
+        for w in writers:
+            w.close()
+    return {"requests": statistics.median(requests), "ms": 1e3 * statistics.median(times)}
+
+
+def bench_refresh(args: argparse.Namespace, scratch: str, so: dict | None) -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from s3server import FaultProxy
+    backends: list[tuple[str, str, dict | None, Any]] = [("local disk", scratch, None, None)]
+    if so is not None:
+        proxy = FaultProxy(so["endpoint_url"], latency_s=args.latency_ms / 1e3)
+        backends.append((f"S3 (moto, {args.latency_ms:g} ms per request)", f"s3://{BUCKET}/refresh", so,
+                         proxy))
+    lines = ["| store | shards S | committed k | requests, index | requests, no index | ms, index | ms, no index |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, base, store_so, proxy in backends:
+        counter = RefreshCounter(proxy)
+        learner_so = None if proxy is None else {**store_so, "endpoint_url": proxy.endpoint}
+        try:
+            for shards in args.refresh_shards:
+                for k in sorted({0, min(2, shards), shards}):
+                    got = {index: refresh_rounds(f"{base}/{shards}-{k}-{index}-{uuid.uuid4().hex[:6]}", store_so,
+                                                 learner_so, shards, k, index, counter, args)
+                           for index in (True, False)}
+                    log(f"  {name}: S={shards} k={k}: {got}")
+                    lines.append(f"| {name} | {shards} | {k} | {got[True]['requests']:g} | {got[False]['requests']:g} "
+                                 f"| {got[True]['ms']:.2f} | {got[False]['ms']:.2f} |")
+        finally:
+            counter.close()
+            if proxy is not None:
+                proxy.close()
+    return "\n".join(lines) + "\n\n" + REFRESH_NOTE
+
+
+REFRESH_NOTE = ("Requests (S3: counted at the proxy; local disk: store reads and listings) and wall time of one "
+                "`refresh()`, median over the rounds. \"index\": a root with the commit index (every buffer "
+                "made now): one listing, then the commit record and state of each shard that committed. "
+                "\"no index\": a root made before it: every shard's commit record, then those that changed.")
+
+
 def ray_status() -> tuple[bool, str]:
     try:
         import ray
@@ -876,7 +993,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--queue-rows", type=int, default=100_000, help="section 3 queue bound, in rows")
     p.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                    help="TorchRL's RayReplayBuffer in section 3 when ray imports (default: yes; quick: no)")
-    p.add_argument("--only", default="1,2,3", help="sections to run")
+    p.add_argument("--only", default="1,2,3,4", help="sections to run")
+    p.add_argument("--refresh-shards", default="4,16,64", help="section 4 shard counts")
+    p.add_argument("--refresh-rows", type=int, default=100, help="section 4 rows each committing shard adds per round")
+    p.add_argument("--refresh-rounds", type=int, default=None, help="section 4 rounds (default 5; quick 3)")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="section 4 S3 latency per request")
     p.add_argument("--profile", action="store_true", help="cProfile sample(256) on 1 vs 16 shards")
     p.add_argument("--dir", default="/tmp/diskreplay-shards", help="section 2 buffers (kept) and scratch")
     p.add_argument("--rebuild", action="store_true", help="write section 2's buffers anew")
@@ -901,6 +1022,8 @@ def parse_args() -> argparse.Namespace:
     a.warm_seconds = 0.5 if q else 2.0
     a.memory_batches = 300 if q else 1000
     a.only = {int(s) for s in a.only.split(",")}
+    a.refresh_shards = [int(n) for n in a.refresh_shards.split(",")]
+    a.refresh_rounds = a.refresh_rounds or (3 if q else 5)
     a.ray = (not q) if a.ray is None else a.ray
     a.refresh_every = [int(n) for n in (a.refresh_every or ("10" if q else "10,100")).split(",")]
     for size in a.sizes:
@@ -928,7 +1051,9 @@ def main() -> None:
         f"section 1: writers {args.writers}; rows per writer: local disk {args.rows:,} (add), {args.extend_rows:,} "
         f"(extend), S3 {args.s3_rows:,}; flush every {args.flush_every:,}; {args.repeats} repeat(s)",
         f"section 2: totals {', '.join(map(bl.format_count, args.sizes))}; 1 vs {UNION_SHARDS} shards, raw",
-        f"section 3: {LIVE_ACTORS} actors, {args.live_seconds:g} s per contestant"])
+        f"section 3: {LIVE_ACTORS} actors, {args.live_seconds:g} s per contestant",
+        f"section 4: shards {args.refresh_shards}, {args.refresh_rows} rows per committing shard, "
+        f"{args.refresh_rounds} rounds; S3 at {args.latency_ms:g} ms per request"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
     body = []
@@ -938,13 +1063,15 @@ def main() -> None:
         if args.only & {1, 3}:
             log("starting worker processes (spawn) ...")
             workers = Workers(max(max(args.writers), LIVE_ACTORS), args.writers, args.queue_rows, args.flush_every)
+        so = None
+        if args.only & {1, 4} and not args.no_s3:
+            log("starting moto (S3) on 127.0.0.1 ...")
+            server, so = start_s3()
         if 1 in args.only:
             backends: dict[str, tuple[str, dict | None]] = {"local disk": (scratch, None)}
-            if not args.no_s3:
-                log("starting moto (S3) on 127.0.0.1 ...")
-                server, so = start_s3()
+            if so is not None:
                 backends["S3 (moto, loopback)"] = (f"s3://{BUCKET}/shards", so)
-            log("[1/3] writer scaling")
+            log("[1/4] writer scaling")
             section = time.perf_counter()
             scaling = bench_scaling(workers, args, backends)
             targets = scaling_targets(scaling, args, list(backends))
@@ -954,7 +1081,7 @@ def main() -> None:
                         + ("\n\n" + bl.render_targets(targets) if targets else "")
                         + f"\n\nSection time: {time.perf_counter() - section:.0f} s.")
         if 2 in args.only:
-            log("[2/3] the learner's union")
+            log("[2/4] the learner's union")
             section = time.perf_counter()
             results = [bench_union(size, args) for size in args.sizes]
             text, targets = union_report(results, args)
@@ -973,10 +1100,16 @@ def main() -> None:
                             body.append(f"### cProfile, {bl.format_count(r['total'])} rows, {sampler}, {n}\n\n"
                                         f"```\n{text.strip()}\n```")
         if 3 in args.only:
-            log("[3/3] live: actors and a learner")
+            log("[3/4] live: actors and a learner")
             section = time.perf_counter()
             body.append("## 3. Live: 4 actor processes and one learner\n\n"
                         + bench_live(workers, args, scratch, ray_note)
+                        + f"\n\nSection time: {time.perf_counter() - section:.0f} s.")
+        if 4 in args.only:
+            log("[4/4] what a learner's refresh costs")
+            section = time.perf_counter()
+            body.append("## 4. Requests per learner refresh: S shards, k of them committed\n\n"
+                        + bench_refresh(args, scratch, so)
                         + f"\n\nSection time: {time.perf_counter() - section:.0f} s.")
     finally:
         if workers is not None:

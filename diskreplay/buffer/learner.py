@@ -112,13 +112,18 @@ class ShardAdoption:
 
     def refresh(self) -> bool:
         """Adopt each shard's newest commit, all together or not at all. Returns whether any
-        shard had a newer one. Raises CorruptBufferError naming the shard's object (nothing changed)."""
+        shard had a newer one. Raises CorruptBufferError naming the shard's object (nothing changed).
+
+        Reads which shards committed (`UnionStorage.committed_shards`: one listing of the commit
+        index), then only those shards' newest commit and its state."""
         shown = self.union.shard_records()
-        changed = [s for s, record in enumerate(self.union.shard_records(newest=True)) if not record.same_as(shown[s])]
+        candidates = self.union.committed_shards()
+        loaded = self.union.shard_states(candidates) if candidates else []
+        newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(candidates, loaded)
+                 if not record.same_as(shown[s])}
+        changed = list(newer)
         if not changed:
             return False
-        loaded = self.union.shard_states(changed)
-        newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(changed, loaded)}
         finals = self.finals.shard_records(newest=True, shards=changed) if self.finals is not None else []
         before, last_ends, ended = self.union.total.copy(), self.episodes.last_ends(), self.episodes.ended()
         self.union.adopt_shards({s: record for s, (record, _) in newer.items()})

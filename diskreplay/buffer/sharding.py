@@ -17,6 +17,8 @@ from ..format.shards import ShardedRoot, check_shards, root_documents, shard_nam
 from ..io import ChunkStore, RetryPolicy, is_local, link_target, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, NewStorage, Options, UnionStorage, check_location, open_union_storage
+from ..storage.commit_log import CommitLog
+from ..storage.union import CommitIndex
 from .parts import ActorLimit, BufferOpening, LearnerOpening
 from .rate_limit import Progress, RateLimiter
 from .setup import (
@@ -39,6 +41,14 @@ UnionParts = tuple[UnionStorage, UnionStorage | None, list[tuple[CommitRecord, M
 
 def root_store(url: str, storage_options: Mapping[str, Any] | None, retry: RetryPolicy | None) -> ChunkStore:
     return open_chunkstore(url, storage_options, retry=retry)
+
+
+def commit_index(url: str, declared: ShardedRoot, storage_options: Mapping[str, Any] | None,
+                 retry: RetryPolicy | None) -> CommitIndex | None:
+    """The commit index of the sharded buffer at ``url`` (None: its root declares none)."""
+    if not declared.index:
+        return None
+    return CommitIndex(root_store(f"{url.rstrip('/')}/{declared.index_prefix}", storage_options, retry), declared.count)
 
 
 def declare_shards(store: ChunkStore, count: int) -> None:
@@ -69,18 +79,20 @@ def check_shard_directory(url: str, shard: int) -> None:
         raise CorruptBufferError(f"{url!r}: {shard_name(shard)} {problem}")
 
 
-def open_union(url: str, count: int, options: Options) -> UnionParts:
+def open_union(url: str, declared: ShardedRoot, options: Options) -> UnionParts:
     """Every shard opened read-only as one storage (and their ``derive_next`` side stores as
     another), with the commit each shard shows and its state.
 
     Raises NotABufferError / CorruptBufferError naming the shard (a missing one, one that is a
     symbolic link, or one whose config differs from shard 0's)."""
+    count = declared.count
     for shard in range(count):
         check_shard_directory(url, shard)
     shards = [shard_url(url, shard) for shard in range(count)]
     union = open_union_storage(url, shards, options)
     finals = None
     try:
+        union.index = commit_index(url, declared, options.storage_options, options.retry)
         states: list[tuple[CommitRecord, Mapping[str, Any]]] = list(union.shard_states(range(count)))
         if union.config.derive_next:
             bases = Schema({base: union.schema[base] for base in union.config.derive_next})
@@ -118,7 +130,7 @@ def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[Shard
     if mode != "r":
         raise ValueError(f"{url!r} is a sharded buffer: open it with mode='r' (the union of its shards) "
                          f"or write one shard with dr.ReplayBuffer.open_shard(url, shard=i)")
-    union, finals, states = open_union(url, declared.count, options)
+    union, finals, states = open_union(url, declared, options)
     try:
         opening = LearnerOpening(union, finals, states, Progress(store, url, declared), limiter)
         return cls(opening, sampler or Uniform(), np.random.default_rng(seed), options.retry)
@@ -137,7 +149,22 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     check_shard(shard, declared.count, url)
     check_shard_directory(url, shard)
     actor = None if limiter is None else ActorLimit(limiter, Progress(store, url, declared), shard)
-    return open_buffer(cls, shard_url(url, shard), mode, actor, **open_options)
+    buffer = open_buffer(cls, shard_url(url, shard), mode, actor, **open_options)
+    index = commit_index(url, declared, open_options.get("storage_options"), open_options.get("retry"))
+    if index is not None and mode == "r+":
+        try:
+            announce_commits(buffer, index, shard)
+        except BaseException:
+            buffer.close()
+            raise
+    return buffer
+
+
+def announce_commits(buffer: ReplayBuffer, index: CommitIndex, shard: int) -> None:
+    """Make the writer ``buffer`` of shard ``shard`` announce each commit in ``index``."""
+    log: CommitLog = getattr(buffer.storage, "_log")  # noqa: B009  (the writer's own log)
+    index.start(shard, log.record.sequence)
+    log.announce = lambda record: index.announce(shard, record.sequence)
 
 
 def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str, actor: ActorLimit | None, *,
@@ -177,4 +204,4 @@ def create_sharded(cls: type[ReplayBuffer], plans: list[NewStorage], url: str, s
         cls(BufferOpening(storage, finals), Uniform(), np.random.default_rng(), options.retry).close()
     store = root_store(url, options.storage_options, options.retry)
     declare_shards(store, count)
-    return open_learner(cls, url, "r", (ShardedRoot(count), store), options, sampler, seed, None)
+    return open_learner(cls, url, "r", (ShardedRoot(count, index=True), store), options, sampler, seed, None)

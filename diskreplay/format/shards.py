@@ -7,12 +7,20 @@ chunking. The root group is written last at create, so an interrupted create nev
 
 ``learner.json`` holds a learner's sample count and the inserts it had seen, for actors that
 keep to a rate limit (`LearnerProgress`).
+
+The commit index (roots that declare ``"commit_index": true``): after each commit, a shard's
+writer puts an empty object ``commits/<shard:05d>-<sequence:012d>`` beside ``learner.json`` and
+deletes its previous one, so one listing of ``commits/`` tells a learner every shard's newest
+sequence (`index_sequences`). Each shard's writer writes only its own names: no two writers
+ever update one object.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +35,9 @@ from .layout import add_own_nodes
 SHARDS_ATTRIBUTE = "diskreplay_shards"
 MAX_SHARDS = 4096
 LEARNER_KEY = "learner.json"
+COMMIT_INDEX_DIR = "commits"
+"""Where, beside ``learner.json``, the shards' writers announce their commits (see the module)."""
+_INDEX_NAME = re.compile(r"(\d{5})-(\d{12})")
 
 
 def shard_name(shard: int) -> str:
@@ -56,11 +67,35 @@ class ShardedRoot:
 
     count: int
     format: str = FORMAT
+    index: bool = False
+    """Whether the shards' writers keep the commit index (roots made before it: False)."""
 
     @property
     def learner_key(self) -> str:
         """Where a learner's progress (`LEARNER_KEY`) is kept, in the root's store."""
         return objects_prefix(self.format) + LEARNER_KEY
+
+    @property
+    def index_prefix(self) -> str:
+        """Where the commit index (`COMMIT_INDEX_DIR`) is, in the root's store."""
+        return objects_prefix(self.format) + COMMIT_INDEX_DIR + "/"
+
+
+def index_name(shard: int, sequence: int) -> str:
+    """The commit index's name for commit ``sequence`` of shard ``shard`` (in `COMMIT_INDEX_DIR`)."""
+    return f"{shard:05d}-{sequence:012d}"
+
+
+def index_sequences(names: Iterable[str], count: int) -> dict[int, int]:
+    """``{shard: newest sequence}`` from the names listed in a commit index of ``count`` shards.
+    Other names (a local store's temp files, a shard number out of range) are not the index's."""
+    newest: dict[int, int] = {}
+    for name in names:
+        found = _INDEX_NAME.fullmatch(name)
+        if found is not None and int(found.group(1)) < count:
+            shard, sequence = int(found.group(1)), int(found.group(2))
+            newest[shard] = max(sequence, newest.get(shard, -1))
+    return newest
 
 
 def root_documents(count: int) -> dict[str, bytes]:
@@ -68,7 +103,7 @@ def root_documents(count: int) -> dict[str, bytes]:
     nodes around its own objects."""
     documents: dict[str, Any] = {}
     group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=documents), mode="w")
-    group.attrs.update({SHARDS_ATTRIBUTE: {"count": count, "format": FORMAT}})
+    group.attrs.update({SHARDS_ATTRIBUTE: {"count": count, "format": FORMAT, "commit_index": True}})
     add_own_nodes(group)
     return {key: value.to_bytes() for key, value in documents.items()}
 
@@ -91,7 +126,11 @@ def read_root(blob: bytes | None, url: str) -> ShardedRoot | None:
     if version not in FORMATS:
         raise CorruptBufferError(f"{url!r}: {GROUP_KEY} field 'attributes.{SHARDS_ATTRIBUTE}.format': expected one "
                                  f"of {list(FORMATS)}, got {version!r:.40}")
-    return ShardedRoot(count, version)
+    index = declared.get("commit_index", False)
+    if not isinstance(index, bool):
+        raise CorruptBufferError(f"{url!r}: {GROUP_KEY} field 'attributes.{SHARDS_ATTRIBUTE}.commit_index': expected "
+                                 f"true or false, got {index!r:.40}")
+    return ShardedRoot(count, version, index)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,8 @@ class CommitLog:
         self.lost_lock: str | None = None
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
         self.journals: dict[str, Journal] = {}
+        self.announce: Callable[[CommitRecord], None] | None = None
+        """Called after each commit with its record (a shard's writer: the root's commit index)."""
 
     # ---- the writer's right to write -------------------------------------------------------
 
@@ -115,6 +118,8 @@ class CommitLog:
         record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
         self.objects.put(COMMIT_KEY, record.to_bytes(), durable)
         previous, self.record = self.record.state_arrays, record
+        if self.announce is not None:
+            self.announce(record)
         if staged is not None and previous and previous != staged.key:
             self._garbage.append(previous)
         for journal in staged.journals if staged is not None else ():

@@ -34,12 +34,13 @@ class Journal:
         self.tail: np.ndarray | None = None  # records past the last full log chunk of `ref`
         self.pending: np.ndarray | None = None  # records a failed commit wrote, written again first
         self.staged: tuple[JournalRef, np.ndarray, np.ndarray] | None = None  # ref, records, tail
+        self.known: dict[str, np.ndarray] = {}  # a reader: the write-once objects (bases, full log chunks) read
 
     def stage(self, change: JournalChange, sequence: int, durable: bool) -> JournalRef:
         """Write what ``change`` needs for commit ``sequence``; the reference to commit.
 
         Raises ValueError for records appended to no generation (the first change needs a base)."""
-        records = change.records
+        records, self.known = change.records, {}  # a writer reads once, at open: keep no copies
         if change.base is None:
             if self.ref is None or self.tail is None or self.ref.record_dtype != records.dtype:
                 raise ValueError(f"journal {self.path!r}: records appended before any base was committed")
@@ -104,13 +105,18 @@ class Journal:
 
     def read(self, ref: JournalRef) -> JournalContent:
         """The content of the journal at ``ref``; it becomes this journal's committed state.
+        Bases and full log chunks are written once: those read for an earlier reference of the
+        same generation are not read again (a reader following commits reads what was appended).
 
         Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
         fails its checksum)."""
+        if self.ref is None or self.ref.generation != ref.generation:
+            self.known = {}
         bases = []
         for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
-            bases.append(self._get(ref, key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
-        logs = [self._get(ref, ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
+            bases.append(self._get_once(ref, key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
+        logs = [self._get_once(ref, ref.log_key(i), ref.record_dtype, LOG_CHUNK)
+                for i in range(ref.records // LOG_CHUNK)]
         tail_key = ref.tail_key()
         tail = (self._get(ref, tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key
                 else np.zeros(0, ref.record_dtype))
@@ -118,6 +124,12 @@ class Journal:
         records = np.concatenate([*logs, tail])
         self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
         return JournalContent(base, records)
+
+    def _get_once(self, ref: JournalRef, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """`_get` of a write-once object, kept for the next `read` of this generation."""
+        if key not in self.known:
+            self.known[key] = self._get(ref, key, dtype, count)
+        return self.known[key]
 
     def _get(self, ref: JournalRef, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The ``count`` elements of the object ``key`` of ``ref``, its size and checksum checked."""

@@ -1,0 +1,219 @@
+"""What a learner's refresh of a sharded buffer reads: which shards committed (one listing of the
+root's commit index), then only those shards' commits, states and journal records since the
+adopted commit (docs/guide/shards.md, "What a refresh reads"). Store operations are counted at
+the local store; the S3 request count is in tests/test_s3.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import diskreplay as dr
+from diskreplay.io.local import LocalChunkStore
+from diskreplay.storage.union import CommitIndex
+
+FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"),
+          "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
+READS = ("get", "get_many", "get_ranges", "read_into", "sizes")
+
+
+def rows(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n, dtype=np.int64)
+    return {"obs": np.stack([ids, ids + 0.5, -ids], -1).astype(np.float32), "act": ids,
+            "terminated": ids % 7 == 6, "truncated": np.zeros(n, bool)}
+
+
+@pytest.fixture
+def reads(monkeypatch) -> Counter:
+    """Counts every read operation of a local store, ``{(operation, last part of its first key): n}``,
+    and each listing of a commit index, ``("list", "commits")``."""
+    counts: Counter = Counter()
+    for name in READS:
+        original = getattr(LocalChunkStore, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            first = args[0] if args else ""
+            while isinstance(first, (list, tuple)) and first:  # get_many's keys, get_ranges' ranges
+                first = first[0]
+            key = first if isinstance(first, str) and first else self.root
+            counts[(_name, key.rsplit("/", 1)[-1])] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(LocalChunkStore, name, counted)
+    names = CommitIndex._names
+
+    def listed(self):
+        counts[("list", "commits")] += 1
+        return names(self)
+    monkeypatch.setattr(CommitIndex, "_names", listed)
+    return counts
+
+
+def commit(url: str, shard: int, start: int, n: int) -> None:
+    with dr.ReplayBuffer.open_shard(url, shard=shard) as w:
+        w.extend(rows(start, n))
+
+
+@pytest.mark.parametrize("shards", [4, 64])
+def test_a_refresh_reads_the_index_and_the_shards_that_committed(tmp_path, reads, shards):
+    """The same reads at 4 and at 64 shards. (A shard in dataset mode whose arrays grew since
+    also has its arrays' metadata read: here each shard is a ring.)"""
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=64, shards=shards, chunk_rows=8).close()
+    with dr.ReplayBuffer.open(url, "r") as learner:
+        for shard in (1, 3):
+            commit(url, shard, 0, 10)
+        reads.clear()
+        assert learner.refresh() is True
+        assert len(learner) == 20
+        # one listing, then per shard that committed: its commit record and its episodes' journal tail
+        assert sum(reads.values()) == 1 + 2 * 2, reads
+        assert reads[("list", "commits")] == 1 and reads[("get", "commit.json")] == 2
+        reads.clear()
+        assert learner.refresh() is False
+        assert dict(reads) == {("list", "commits"): 1}
+
+
+def test_a_refresh_reads_only_the_journal_records_appended_since(tmp_path, reads, monkeypatch):
+    """A shard's episode ends are a journal: full log chunks already read are not read again."""
+    monkeypatch.setattr("diskreplay.format.journal.LOG_CHUNK", 4)
+    monkeypatch.setattr("diskreplay.storage.journal.LOG_CHUNK", 4)
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=2, chunk_rows=8).close()
+    with dr.ReplayBuffer.open(url, "r") as learner, dr.ReplayBuffer.open_shard(url, shard=0) as w:
+        w.extend(rows(0, 70))  # 10 episodes end: 2 full log chunks and a tail
+        w.flush()
+        assert learner.refresh() is True
+        reads.clear()
+        w.extend(rows(70, 35))  # 5 more: a third full log chunk, a new tail
+        w.flush()
+        assert learner.refresh() is True
+        assert sorted(key for _, key in reads if key.startswith(("log.", "base."))) == ["log.2"], reads
+        assert learner.episodes().length.tolist() == [7] * 15
+
+
+def test_a_stale_read_check_reads_only_the_shards_it_fetched_from(tmp_path, reads):
+    """A ring reader checks chunks it fetched against the newest commit of their shards only."""
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=32, shards=8, chunk_rows=8).close()
+    with dr.ReplayBuffer.open(url, "r", memory_map=False) as learner:
+        for shard in range(8):
+            commit(url, shard, 0, 16)
+        learner.refresh()
+        for shard in range(8):
+            commit(url, shard, 16, 8)  # every shard commits again: none overwrote a row yet
+        reads.clear()
+        batch = learner[[8 * 5 + 3]]  # step 5 of shard 3: one chunk fetched
+        assert batch["act"].tolist() == [5]
+        assert reads[("get", "commit.json")] == 1, reads
+
+
+def test_a_root_without_the_index_refreshes_by_reading_every_shard(tmp_path, reads):
+    """Buffers made before the commit index keep working: their refresh reads each shard's commit."""
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=4, chunk_rows=8).close()
+    root = Path(url) / "zarr.json"
+    document = json.loads(root.read_text())
+    del document["attributes"]["diskreplay_shards"]["commit_index"]
+    root.write_text(json.dumps(document))
+    with dr.ReplayBuffer.open(url, "r") as learner:
+        commit(url, 2, 0, 10)
+        assert not (Path(url) / "diskreplay" / "objects" / "commits").exists()
+        reads.clear()
+        assert learner.refresh() is True
+        assert len(learner) == 10
+        assert reads[("get", "commit.json")] == 4 + 1 and ("list", "commits") not in reads
+
+
+def test_a_commit_the_index_missed_is_announced_when_its_shard_reopens(tmp_path, monkeypatch):
+    """A writer killed between its commit and the announcement: the learner sees that commit
+    once the shard commits again or its writer reopens (or the learner opens anew)."""
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=2, chunk_rows=8).close()
+    with dr.ReplayBuffer.open(url, "r") as learner:
+        put = LocalChunkStore.put
+
+        def failing(self, key, data, durable=False):
+            if self.root.endswith("commits"):
+                raise OSError("the writer died here")
+            return put(self, key, data, durable)
+        monkeypatch.setattr(LocalChunkStore, "put", failing)
+        commit(url, 1, 0, 10)  # the commit stands; its announcement failed
+        monkeypatch.setattr(LocalChunkStore, "put", put)
+        assert learner.refresh() is False
+        dr.ReplayBuffer.open_shard(url, shard=1).close()
+        assert learner.refresh() is True
+        assert len(learner) == 10
+
+
+_runs = itertools.count()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(capacity=st.sampled_from([None, 24]),
+       steps=st.lists(st.one_of(st.tuples(st.just("commit"), st.integers(0, 2), st.integers(1, 20)),
+                                st.just(("refresh",))), min_size=1, max_size=12))
+def test_after_a_refresh_the_learner_sees_exactly_what_a_fresh_open_sees(tmp_path, capacity, steps):
+    url = str(tmp_path / f"b{next(_runs)}")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, shards=3, chunk_rows=8).close()
+    added = [0, 0, 0]
+    writers = [dr.ReplayBuffer.open_shard(url, shard=s) for s in range(3)]
+    learner = dr.ReplayBuffer.open(url, "r")
+    try:
+        for step in [*steps, ("refresh",)]:
+            if step[0] == "commit":
+                _, shard, n = step
+                writers[shard].extend(rows(added[shard], n))
+                writers[shard].flush()
+                added[shard] += n
+                continue
+            learner.refresh()
+            with dr.ReplayBuffer.open(url, "r") as fresh:
+                np.testing.assert_array_equal(learner.storage.total, fresh.storage.total)
+                lo, hi = fresh.storage.window()
+                ids = np.concatenate([np.arange(a, b) * 3 + lane for lane, (a, b) in enumerate(zip(lo, hi))])
+                ids = np.sort(ids).astype(np.int64)
+                if len(ids):
+                    got, want = learner[ids], fresh[ids]
+                    for name in FIELDS:
+                        np.testing.assert_array_equal(got[name], want[name])
+                    np.testing.assert_array_equal(got["act"], ids // 3)
+                assert learner.episodes().length.tolist() == fresh.episodes().length.tolist()
+    finally:
+        learner.close()
+        for w in writers:
+            w.close()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_cached_tail_chunk_is_patched_with_the_rows_appended(tmp_path, reads, compression):
+    """Rows a shard appends to a chunk the learner holds are read as a byte range per field (raw
+    fields); a compressed chunk is dropped and read whole by the next read that needs it."""
+    fields = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, fields, capacity=64, shards=2, chunk_rows=16, compression=compression).close()
+    with dr.ReplayBuffer.open_shard(url, shard=1) as w, dr.ReplayBuffer.open(url, "r", memory_map=False) as learner:
+        w.extend({k: v for k, v in rows(0, 5).items() if k in fields})
+        w.flush()
+        learner.refresh()
+        learner.storage.warm()
+        assert learner[np.arange(5) * 2 + 1]["act"].tolist() == [0, 1, 2, 3, 4]
+        w.extend({k: v for k, v in rows(5, 6).items() if k in fields})
+        w.flush()
+        reads.clear()
+        learner.refresh()
+        ranged = sum(n for (op, key), n in reads.items() if op == "get_ranges" and key.startswith("c."))
+        assert ranged == (1 if compression is None else 0), reads  # raw: one call, a range per field
+        reads.clear()
+        batch = learner[np.arange(11) * 2 + 1]
+        assert batch["act"].tolist() == list(range(11))
+        np.testing.assert_array_equal(batch["obs"][:, 1], np.arange(11) + 0.5)
+        whole = sum(n for (op, key), n in reads.items() if op == "get" and key.startswith("c."))
+        ranged = sum(n for (op, key), n in reads.items() if op == "get_ranges" and key.startswith("c."))
+        assert (whole, ranged) == ((0, 0) if compression is None else (2, 0)), reads  # zstd: each field's chunk
