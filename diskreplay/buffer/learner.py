@@ -121,22 +121,11 @@ class ShardAdoption:
         loaded = self.union.shard_states(candidates) if candidates else []
         newer = {s: (record, self._parse(s, record, state)) for s, (record, state) in zip(candidates, loaded)
                  if not record.same_as(shown[s])}
-        changed = list(newer)
-        if not changed:
+        if not newer:
             return False
-        finals = self.finals.shard_records(newest=True, shards=changed) if self.finals is not None else []
-        before, last_ends, ended = self.union.total.copy(), self.episodes.last_ends(), self.episodes.ended()
-        self.union.adopt_shards({s: record for s, (record, _) in newer.items()})
-        if self.finals is not None:
-            self.finals.adopt_shards(dict(zip(changed, finals)))
-        for s, (_, parsed) in newer.items():
-            self.shard_states[s] = parsed
-        self._apply()
-        if self.finals is not None:
-            forget_named_finals(self.finals, ended, self.episodes.ended())
-        announce(self.sampler, self.union.window()[0], before, self.union.total)
-        for lane, first, end in self.view.patched_since(before, last_ends):  # cached copies are stale
-            self.union.forget_cached(lane, first, end)
+        finals = self.finals.shard_records(newest=True, shards=list(newer)) if self.finals is not None else []
+        self._adopt({s: ShardCommit(record, parsed, finals[i] if finals else None)
+                     for i, (s, (record, parsed)) in enumerate(newer.items())})
         return True
 
     def commits(self, shards: Sequence[int] | None = None) -> ShardCommits:
@@ -150,22 +139,28 @@ class ShardAdoption:
         """Adopt those of ``commits`` newer than what the shards show, as `refresh` adopts the
         commits it reads (nothing is read). Returns whether any was newer."""
         shown = self.union.shard_records()
-        newer = {s: c for s, c in commits.shards.items() if c.record.sequence > shown[s].sequence}
+        newer = {s: ShardCommit(dataclasses.replace(c.record), c.state,  # copies: their cursors read-only
+                                dataclasses.replace(c.finals) if c.finals else None)
+                 for s, c in commits.shards.items() if c.record.sequence > shown[s].sequence}
         if not newer:
             return False
+        self._adopt(newer)
+        return True
+
+    def _adopt(self, newer: Mapping[int, ShardCommit]) -> None:
+        """These shards' commits adopted: rows, episode ends, ``next_*`` values, the sampler's rows."""
         before, last_ends, ended = self.union.total.copy(), self.episodes.last_ends(), self.episodes.ended()
-        self.union.adopt_shards({s: dataclasses.replace(c.record) for s, c in newer.items()})  # cursors read-only
+        self.union.adopt_shards({s: c.record for s, c in newer.items()})
         if self.finals is not None:
-            self.finals.adopt_shards({s: dataclasses.replace(c.finals) for s, c in newer.items() if c.finals})
+            self.finals.adopt_shards({s: c.finals for s, c in newer.items() if c.finals})
         for s, commit in newer.items():
             self.shard_states[s] = commit.state
         self._apply()
         if self.finals is not None:
             forget_named_finals(self.finals, ended, self.episodes.ended())
         announce(self.sampler, self.union.window()[0], before, self.union.total)
-        for lane, first, end in self.view.patched_since(before, last_ends):
+        for lane, first, end in self.view.patched_since(before, last_ends):  # cached copies are stale
             self.union.forget_cached(lane, first, end)
-        return True
 
     def _parse(self, shard: int, record: CommitRecord, state: Mapping[str, Any]) -> dict[str, Any]:
         """A shard's saved episode ends and ``next_*`` values, checked (the rest is its writer's)."""
