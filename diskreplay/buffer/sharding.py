@@ -15,6 +15,7 @@ from ..format.commit import CommitRecord
 from ..format.schema import Schema
 from ..format.shards import ShardedRoot, check_shards, root_documents, shard_name, shard_url
 from ..io import ChunkStore, RetryPolicy, is_local, link_target, local_path, open_chunkstore
+from ..io.lock import lease
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, NewStorage, Options, UnionStorage, check_location, open_union_storage
 from .parts import ActorLimit, BufferOpening, LearnerOpening
@@ -145,7 +146,7 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
                 cache_bytes: int = DEFAULT_CACHE_BYTES, io_threads: int | None = None,
                 memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
                 continue_episodes: bool = False, seed: int | None = None,
-                rate_limiter: RateLimiter | None = None) -> ReplayBuffer:
+                rate_limiter: RateLimiter | None = None, lease_s: float | None = None) -> ReplayBuffer:
     """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
     buffer; ``actor``: a shard writer's rate limit (`open_writer`)."""
     if mode not in ("r", "r+"):
@@ -155,7 +156,8 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
     options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
     root = None
     try:
-        opened = open_storages(url, mode, options)
+        with lease(lease_s):
+            opened = open_storages(url, mode, options)
     except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
         root = sharded_root(url, storage_options, retry)
         if root is None:
