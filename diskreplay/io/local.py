@@ -210,7 +210,9 @@ class LocalChunkStore:
             current = self.get(key)
             if current == data:  # written already (as a remote store's retry finds it)
                 return digest(data)
-            if (None if current is None else digest(current)) != version:
+            if version is None:  # create: never over anything there (a directory too), never half-written
+                return digest(data) if self.put_if_absent(key, data) else None
+            if current is None or digest(current) != version:
                 return None
             self.put(key, data, durable)
         return digest(data)

@@ -25,7 +25,9 @@ well within ``lease_s``.
 every commit is a compare-and-swap from the version of the record this writer wrote last. A
 writer that was taken over (paused, partitioned) can therefore never commit again, even if it
 checked its lock just before it stopped: its next commit finds another version and raises
-`LockedError`.
+`LockedError`. On local disk its chunk writes are fenced too: they run after a lock check under
+the ``flock`` that a takeover takes (`fenced`). On object stores a chunk PUT cannot depend on the
+lock: PUTs a writer had in flight when it was frozen can still land when it resumes.
 
 Breaking a live writer's lock is explicit: ``ReplayBuffer.open(url, "r+", break_lock=True)``,
 `break_lock` here, or ``diskreplay unlock URL``. Readers never take the lock.
