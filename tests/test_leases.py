@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -253,3 +254,31 @@ def test_compare_and_swap_of_an_object(location):
     assert store.get("k") == b"two"
     assert store.put_if_version("k", b"two", first) == second  # our own write whose reply was lost
     assert store.get_versioned("missing") is None
+
+
+def test_two_writers_taking_over_one_expired_lease_at_once_one_wins(location):
+    url, so = location
+    make(url, so)
+    expired = {"pid": 4242, "host": "host-gone", "time": 1.0e9, "token": "x", "lease_s": 1.0, "expires": 1.0e9 + 1}
+    assert open_chunkstore(url, so).put_if_version("diskreplay/objects/writer.lock", json.dumps(expired).encode(),
+                                                   None) is not None
+    code = textwrap.dedent("""
+        import json, sys, diskreplay as dr
+        try:
+            buf = dr.ReplayBuffer.open(sys.argv[1], "r+", storage_options=json.loads(sys.argv[2]))
+            print("opened", flush=True)
+        except dr.LockedError as exc:
+            print("refused:", exc, flush=True)
+        sys.stdin.readline()
+        """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, url, json.dumps(so)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, drlock.HOST_ENV: f"host-{n}", "PYTHONPATH": os.getcwd()})
+             for n in "cd"]
+    try:
+        said = sorted(proc.stdout.readline().strip() for proc in procs)
+    finally:
+        for proc in procs:
+            proc.communicate("\n", timeout=PATIENCE_S)
+    assert said[0] == "opened" and said[1].startswith(f"refused: {url!r}"), said
+    assert "host-gone" not in said[1] and re.search(r"by pid \d+ on host 'host-[cd]'", said[1]), said
