@@ -88,7 +88,8 @@ def test_killed_writer_leaves_a_stale_lock_that_the_next_writer_takes_over(tmp_p
         """), url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
-        with pytest.raises(dr.LockedError, match=rf"pid {proc.pid} on host .*if that writer is gone"):
+        with pytest.raises(dr.LockedError, match=rf"pid {proc.pid} on host .*its lease expires in .* s; "
+                                                     r"a writer that stops renewing its lease"):
             dr.ReplayBuffer.open(url, "r+")
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -14,6 +14,7 @@ from ..errors import ClosedError
 from ..format.lanes import LaneLayout, row_ids
 from ..format.schema import Field
 from ..io import RetryPolicy
+from ..io.lock import check_lease
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, Options, Storage, StorageStats
 from . import snapshot
@@ -89,7 +90,8 @@ class ReplayBuffer:
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True,
                memory_map: bool | None = None, break_lock: bool = False,
-               retry: RetryPolicy | None = None, shards: int | None = None) -> ReplayBuffer:
+               retry: RetryPolicy | None = None, shards: int | None = None,
+               lease_s: float | None = None) -> ReplayBuffer:
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Every argument is checked before anything at ``url`` is touched: a bad one raises and
@@ -138,6 +140,9 @@ class ReplayBuffer:
                 the buffer's rows do not fit in ``cache_bytes``; rows that fit are read faster from
                 the cache (huge pages), which the first read fills with every chunk at once.
             break_lock: remove any writer lock (also a live writer's) before taking it.
+            lease_s: the writer lock's lease in seconds (default 30), renewed every third of it
+                while the buffer is open: a writer that stops renewing (killed, paused, its host
+                lost) is taken over by the next writer from any host once it has expired.
             retry: how remote I/O retries transient failures; ``retry.budget_s`` is a deadline
                 per operation, and bounds how long `sample` keeps retrying stale reads.
             shards: make a sharded buffer of this many shards, one per writer (actor): each is
@@ -157,7 +162,8 @@ class ReplayBuffer:
         plans = plan_buffer(url, fields, capacity, num_envs, chunk_rows, compression, compression_level,
                             cache_bytes, episode_end, derive_next, episodic_return)
         check_open_options(io_threads, memory_map, retry, storage_options, sampler)
-        options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+        check_lease(lease_s)
+        options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s)
         if shards is not None:
             return create_sharded(cls, plans, url, shards, commit, overwrite, options, sampler, seed)
         prepare_location(url, storage_options, overwrite, break_lock, retry)
@@ -172,18 +178,21 @@ class ReplayBuffer:
              storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
              io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
              retry: RetryPolicy | None = None, continue_episodes: bool = False, seed: int | None = None,
-             rate_limiter: RateLimiter | None = None) -> ReplayBuffer:
+             rate_limiter: RateLimiter | None = None, lease_s: float | None = None) -> ReplayBuffer:
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
         draws exactly what an uninterrupted one would have. ``sampler`` is only needed for sampler
         types the buffer cannot rebuild from its saved state. ``storage_options``,
-        ``cache_bytes``, ``io_threads``, ``memory_map``, ``break_lock`` and ``retry``: as in `create`.
+        ``cache_bytes``, ``io_threads``, ``memory_map``, ``break_lock``, ``retry`` and
+        ``lease_s``: as in `create`.
 
-        Resuming after a crash: a writer lock left by a process that no longer runs on this host
-        is taken over (with a warning). With ``mode="r+"``, the episode each lane had open is
-        closed as truncated when that lane's next rows arrive: the episode index ends it (slices,
-        n-step returns, ``derive_next`` and episodic returns stop there) and a ``truncated`` end
+        Resuming after a crash: a writer lock whose lease has expired (from any host), or left by
+        a process that no longer runs on this host, is taken over (with a warning naming the old
+        holder); the old writer, should it come back, can no longer commit. With ``mode="r+"``,
+        the episode each lane had open is closed as truncated when that lane's next rows arrive:
+        the episode index ends it (slices, n-step returns, ``derive_next`` and episodic returns
+        stop there) and a ``truncated`` end
         field, if the buffer has one, is set on its last step; a ``done``-only buffer keeps its
         ``done`` values. The new episode never merges with the one the crash or the restart cut.
         ``continue_episodes=True`` keeps them open instead, for a writer that resumes the very
@@ -202,14 +211,14 @@ class ReplayBuffer:
             NotABufferError: nothing (or something else, e.g. a plain file) is stored at ``url``.
             CorruptBufferError: the metadata, the commit record or the state object is damaged
                 or contradicts the arrays (the message names the object and the field).
-            LockedError: ``mode="r+"`` and another writer (alive, or on another host) holds the buffer.
+            LockedError: ``mode="r+"`` and another writer holds the buffer (its lease not expired).
             ValueError: ``mode`` is not "r" or "r+" (a sharded buffer: not "r"); ``seed`` or
                 ``rate_limiter`` for a buffer that is not sharded.
         """
         return open_buffer(cls, url, mode, None, sampler=sampler, storage_options=storage_options,
                            cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map,
                            break_lock=break_lock, retry=retry, continue_episodes=continue_episodes, seed=seed,
-                           rate_limiter=rate_limiter)
+                           rate_limiter=rate_limiter, lease_s=lease_s)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,

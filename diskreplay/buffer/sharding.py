@@ -172,14 +172,14 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
                 cache_bytes: int = DEFAULT_CACHE_BYTES, io_threads: int | None = None,
                 memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
                 continue_episodes: bool = False, seed: int | None = None,
-                rate_limiter: RateLimiter | None = None) -> ReplayBuffer:
+                rate_limiter: RateLimiter | None = None, lease_s: float | None = None) -> ReplayBuffer:
     """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
     buffer; ``actor``: a shard writer's rate limit (`open_writer`)."""
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     url = os.fspath(path)
     check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
-    options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry)
+    options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s)
     root = None
     try:
         opened = open_storages(url, mode, options)

@@ -6,13 +6,16 @@ straight into preallocated memory (``readv``), and files can be memory-mapped (`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
-from .store import Data, ParallelMap, Range, Ranged, parts_of
+from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
 
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
@@ -193,6 +196,27 @@ class LocalChunkStore:
         fsync_dir(os.path.dirname(path))
         return True
 
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """The file's bytes and their digest (`digest`), or None if it does not exist."""
+        blob = self.get(key, limit)
+        return None if blob is None else (blob, digest(blob))
+
+    def put_if_version(self, key: str, data: bytes, version: str | None, durable: bool = False) -> str | None:
+        """Compare the file's digest with ``version`` and replace it (temp file + rename), both
+        under an exclusive ``flock`` of its directory, which every `put_if_version` of that
+        directory takes: no other one can replace the file in between. None: another version."""
+        path = self.path(key)
+        with directory_locked(os.path.dirname(path)):
+            current = self.get(key)
+            if current == data:  # written already (as a remote store's retry finds it)
+                return digest(data)
+            if version is None:  # create: never over anything there (a directory too), never half-written
+                return digest(data) if self.put_if_absent(key, data) else None
+            if current is None or digest(current) != version:
+                return None
+            self.put(key, data, durable)
+        return digest(data)
+
     def put_in_place(self, key: str, data: Data) -> None:
         """Write the object's bytes over the existing file (or a new one), without truncating.
 
@@ -245,6 +269,33 @@ class LocalChunkStore:
     def sync_dirs(self, keys: Iterable[str]) -> None:
         for directory in {os.path.dirname(self.path(k)) for k in keys}:
             fsync_dir(directory)
+
+
+FLOCK_WAIT_S = 60.0
+"""How long `put_if_version` waits for another process's compare-and-swap (microseconds unless
+that process was stopped in the middle of one)."""
+
+
+@contextlib.contextmanager
+def directory_locked(directory: str) -> Iterator[None]:
+    """An exclusive ``flock`` of ``directory`` (released on exit, or when the process dies).
+    Raises TimeoutError after `FLOCK_WAIT_S` (its holder was stopped: SIGSTOP, a frozen VM)."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + FLOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{directory!r}: another process has been replacing an object here for "
+                                       f"{FLOCK_WAIT_S:g} s (it is stopped?)") from None
+                time.sleep(0.002)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import fsspec.asyn
 import obstore
-from obstore.exceptions import AlreadyExistsError, GenericError, NotFoundError
+from obstore.exceptions import AlreadyExistsError, GenericError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
 from .remote import FirstTry, FsspecChunkStore, RemoteCalls
@@ -252,6 +252,37 @@ class ObstoreChunkStore(RemoteCalls):
             return True
         except AlreadyExistsError:
             return False
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """The object's bytes (at most ``limit``) and its ETag, from one GET."""
+        if (forked := self._after_fork()) is not None:
+            return forked.get_versioned(key, limit)
+
+        async def fetch() -> tuple[bytes, str]:
+            try:
+                result = await obstore.get_async(self.s3, key, options={"range": (0, limit)} if limit else None)
+            except GenericError as exc:  # 416: an empty object has no byte 0 to range over
+                if _status(exc) != 416:
+                    raise
+                result = await obstore.get_async(self.s3, key)
+            return bytes(await result.bytes_async()), str(result.meta["e_tag"])
+        try:
+            return self._op(f"read of {key!r}", fetch)  # type: ignore[no-any-return]
+        except (FileNotFoundError, NotFoundError):
+            return None
+
+    def put_if_version(self, key: str, data: bytes, version: str | None, durable: bool = False) -> str | None:
+        """A conditional PUT: ``If-Match: <version>`` (``If-None-Match: *`` for None)."""
+        if (forked := self._after_fork()) is not None:
+            return forked.put_if_version(key, data, version)
+        mode: Any = "create" if version is None else {"e_tag": version}
+        try:
+            result = self._op(f"conditional write of {key!r}",
+                              lambda: obstore.put_async(self.s3, key, bytes(data), mode=mode, use_multipart=False))
+        except (AlreadyExistsError, PreconditionError):
+            found = self.get_versioned(key)  # our PUT may have landed with its reply lost
+            return found[1] if found is not None and found[0] == data else None
+        return str(result["e_tag"])
 
     def delete(self, key: str) -> None:
         if (forked := self._after_fork()) is not None:

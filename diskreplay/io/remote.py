@@ -31,7 +31,7 @@ import fsspec.asyn
 
 from ..errors import StoreUnavailableError
 from .retry import RetryPolicy, is_transient
-from .store import Data, ParallelMap, Range, Ranged, parts_of
+from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
 
 log = logging.getLogger(__name__)
 # older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does not run:
@@ -339,6 +339,39 @@ class FsspecChunkStore(RemoteCalls):
             return False
         self.put(key, data)
         return self.get(key) == data
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """The object's bytes and its ETag (a HEAD, then a GET: `put_if_version` with that ETag
+        fails if the object changed in between), or a digest of its bytes where there is none."""
+        try:
+            etag = self._run(f"read of {key!r}", "info", self.path(key)).get("ETag")
+        except FileNotFoundError:
+            return None
+        blob = self.get(key, limit)
+        return None if blob is None else (blob, etag if isinstance(etag, str) and etag else digest(blob))
+
+    def put_if_version(self, key: str, data: bytes, version: str | None, durable: bool = False) -> str | None:
+        """A conditional PUT: ``If-Match: <version>`` (``If-None-Match: *`` for None) on S3.
+        Where the filesystem keeps no ETags (memory://): read, compare, write, which two racing
+        writers can both pass."""
+        if version is not None and version.startswith("sha256:"):
+            found = self.get_versioned(key)
+            return None if found is None or found[1] != version else self._put_versioned(key, data)
+        try:
+            match: dict[str, Any] = {"mode": "create"} if version is None else {"IfMatch": version}
+            out = self._run(f"conditional write of {key!r}", "pipe_file", self.path(key), data, **match)
+        except (FileExistsError, OSError) as exc:
+            if not isinstance(exc, FileExistsError) and "pre-condition" not in str(exc):
+                raise
+            found = self.get_versioned(key)  # our PUT may have landed with its reply lost
+            return found[1] if found is not None and found[0] == data else None
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        return etag if isinstance(etag, str) and etag else digest(data)
+
+    def _put_versioned(self, key: str, data: bytes) -> str:
+        self.put(key, data)
+        found = self.get_versioned(key)
+        return found[1] if found is not None else digest(data)
 
     def delete(self, key: str) -> None:
         try:

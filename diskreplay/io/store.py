@@ -15,6 +15,7 @@ type:
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -87,6 +88,17 @@ class ChunkStore(Protocol):
         """Create the object only if it does not exist, whole or not at all. False if it did."""
         ...
 
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        """The object's bytes (at most ``limit``) and its version (an S3 ETag; elsewhere a digest
+        of its bytes), or None if it does not exist."""
+        ...
+
+    def put_if_version(self, key: str, data: bytes, version: str | None, durable: bool = False) -> str | None:
+        """Replace the object only if it is still at ``version`` (None: only if it does not exist),
+        atomically against every other `put_if_version`: a compare-and-swap. Its new version, or
+        None if the object had another version (nothing written)."""
+        ...
+
     def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
         """Make these objects, written with ``durable=False``, durable (``needs_sync`` stores)."""
         ...
@@ -105,6 +117,11 @@ class ChunkStore(Protocol):
     def clear(self) -> None:
         """Remove every object under the root (a missing root is no error); nothing outside it."""
         ...
+
+
+def digest(data: bytes) -> str:
+    """The version of an object where the store keeps none: a digest of its bytes."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:32]
 
 
 def is_local(url: str) -> bool:
@@ -175,6 +192,12 @@ class PrefixedStore:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.store.put_if_absent(self.prefix + key, data)
+
+    def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
+        return self.store.get_versioned(self.prefix + key, limit)
+
+    def put_if_version(self, key: str, data: bytes, version: str | None, durable: bool = False) -> str | None:
+        return self.store.put_if_version(self.prefix + key, data, version, durable)
 
     def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
         self.store.sync([self.prefix + key for key in keys], parallel_map)

@@ -10,6 +10,12 @@ its own) and deleted once no commit names it.
 Before every commit, state object and growth of the arrays the log checks that this writer still
 holds the writer lock: a writer whose lock was broken and taken stops writing for good.
 
+The record is *fenced*: each commit replaces it only if it is still the version this writer
+wrote last (`ChunkStore.put_if_version`), and a writer that opens the buffer after replacing
+another's lock (an expired lease, a dead holder, ``break_lock``) first rewrites it (a commit of
+the same rows). A writer that was taken over therefore cannot commit, even one that checked its
+lock just before it was paused: its commit finds another version and raises `LockedError`.
+
 The record, the state objects and the lock are diskreplay's own objects (``objects``: their
 directory, `objects_prefix`); the arrays' metadata is in the buffer's ``store``.
 
@@ -20,10 +26,11 @@ store already is, and its readers union them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +44,7 @@ from ..format.config import BufferConfig
 from ..format.journal import JournalChange, JournalContent, JournalRef, is_journal_key
 from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES, array_key
 from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
-from ..io.lock import WriterLock
+from ..io.lock import WriterLock, fenced
 from ..io.store import ChunkStore
 from .cursors import Cursors
 from .journal import Journal, MissingObject
@@ -82,6 +89,21 @@ class CommitLog:
         self.journals: dict[str, Journal] = {}
         self.announce: Callable[[CommitRecord], None] | None = None
         """Called after each commit with its record (a shard's writer: the root's commit index)."""
+        self._version: str | None = None  # of the commit record as this writer last wrote or read it
+        if lock is not None:
+            self._fence(lock.replaced is not None)
+
+    def _fence(self, rewrite: bool) -> None:
+        """Writer: note the commit record's version (``rewrite``: and replace it by a commit of
+        the same rows), so that no writer that held the lock before this one can commit."""
+        found = self.objects.get_versioned(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
+        if found is None:  # a new buffer's first commit is yet to come
+            return
+        blob, self._version = found
+        if not CommitRecord.from_bytes(blob, self.url, self.config.num_envs).same_as(self.record):
+            raise LockedError(f"{self.url!r}: another writer committed while this one opened the buffer; open it again")
+        if rewrite:
+            self._put_record(self.record.next(self.record.committed, self.record.lower, time.time()), True)
 
     # ---- the writer's right to write -------------------------------------------------------
 
@@ -94,16 +116,25 @@ class CommitLog:
         if self.mode == "r":
             raise ReadOnlyError(f"buffer {self.url!r} was opened read-only (mode='r'); open it with mode='r+' to write")
 
-    def check_lock(self) -> None:
+    def check_lock(self, renew: bool = True) -> None:
         """Refuse to write unless this writer still holds the lock (it may have been broken and
         taken by another writer, which this one must not overwrite)."""
         self.require_writable()
         assert self.lock is not None
         try:
-            self.lock.verify()
+            self.lock.verify(renew)
         except LockedError as exc:
             self.lost_lock = str(exc)  # stop for good: every later write is refused without asking the store
             raise
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """Chunk writes after a `check_lock`. On local disk no takeover comes between the check
+        and the writes (`fenced`): a writer taken over cannot overwrite its successor's chunks.
+        On an object store, PUTs in flight when the writer was paused can still land later."""
+        with fenced(self.objects):
+            self.check_lock(renew=False)
+            yield
 
     # ---- commits ---------------------------------------------------------------------------
 
@@ -116,8 +147,8 @@ class CommitLog:
         state = {} if staged is None else {"state": staged.meta, "state_arrays": staged.key,
                                            "state_checksum": staged.checksum}
         record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
-        self.objects.put(COMMIT_KEY, record.to_bytes(), durable)
-        previous, self.record = self.record.state_arrays, record
+        previous = self.record.state_arrays
+        self._put_record(record, durable)
         if self.announce is not None:
             self.announce(record)
         if staged is not None and previous and previous != staged.key:
@@ -125,6 +156,17 @@ class CommitLog:
         for journal in staged.journals if staged is not None else ():
             self._garbage += journal.committed()
         self.cursors.lower = np.maximum(self.cursors.lower, lower)
+
+    def _put_record(self, record: CommitRecord, durable: bool) -> None:
+        """Replace the commit record by ``record`` if it is still as this writer left it."""
+        version = self.objects.put_if_version(COMMIT_KEY, record.to_bytes(), self._version, durable)
+        if version is None:
+            self.lost_lock = (f"{self.url!r}: this writer's commit was refused: {COMMIT_KEY} changed since its last "
+                              f"commit (another writer took the buffer over: this writer's lease expired or its lock "
+                              f"was broken); it stopped writing so as not to overwrite that writer's rows. Open the "
+                              f"buffer again to write")
+            raise LockedError(self.lost_lock)
+        self._version, self.record = version, record
 
     def retire(self, first_kept: np.ndarray, needed: np.ndarray | None = None) -> None:
         """Before chunk writes: commit the raised lower bound ``first_kept`` (per lane) if the last

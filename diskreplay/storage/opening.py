@@ -71,6 +71,7 @@ class Options:
     memory_map: bool | None = None
     break_lock: bool = False
     retry: RetryPolicy | None = None
+    lease_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> B
     store = _store(plan.url, options)
     config, arrays = read_layout(plan.documents.get, plan.url)
     objects = objects_at(store, objects_prefix(config.format))
-    lock = WriterLock(plan.url, objects).acquire(options.break_lock)
+    lock = WriterLock(plan.url, objects, options.lease_s).acquire(options.break_lock)
     try:
         objects.delete(COMMIT_KEY)
         for key, blob in sorted(plan.documents.items(), key=lambda kv: kv[0] == GROUP_KEY):
@@ -121,7 +122,7 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
     store = _store(url, options)
     config, arrays, record = _read_buffer(url, store)
     objects = objects_at(store, objects_prefix(config.format))
-    lock = WriterLock(url, objects).acquire(options.break_lock) if mode != "r" else None
+    lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
             _, arrays, record = _read_buffer(url, store)

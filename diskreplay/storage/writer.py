@@ -376,8 +376,8 @@ class StagingWriter:
                 for lane, chunk, slot in chunks for name in self.io.schema.fields]
 
     def _put(self, work: list[ChunkWrite], durable: bool, behind: bool = False) -> None:
-        self.log.check_lock()
-        self.io.put(work, durable, behind)
+        with self.log.fenced():
+            self.io.put(work, durable, behind)
 
     def close(self) -> None:
         """Wait for the background write in flight and end the background threads. Nothing more is written."""
