@@ -23,7 +23,7 @@ from ray_cluster import ray_cluster, ray_driver
 
 import diskreplay as dr
 from diskreplay.io import lock as drlock
-from diskreplay.ray import ShardWriter, shard_writer
+from diskreplay.ray import ShardWriter, start_shard_writer
 
 SPEC: dict[str, Any] = {"fields": {"obs": dr.Field((), "int64"), "done": dr.Field((), "bool")}, "shards": 2,
                         "capacity": None}
@@ -103,7 +103,7 @@ def test_restart_on_a_new_host_takes_over_a_dead_writers_lease(ray_driver, tmp_p
     holder = start_holder(url, "host-gone")
     holder.kill()
     holder.wait()
-    writer = shard_writer(url, 0, create=SPEC, lease_s=1)   # waits for the dead writer's lease to expire
+    writer = start_shard_writer(url, 0, create=SPEC, lease_s=1)   # waits for the dead writer's lease to expire
     assert ray.get(writer.committed.remote()) == 5         # the existing buffer was not recreated
     ray.get(writer.extend.remote(steps(np.arange(20, 23))))
     assert ray.get(writer.flush.remote()) == 8
@@ -116,7 +116,7 @@ def test_live_writer_on_another_host_makes_the_open_fail_after_lease_plus_grace(
     dr.ReplayBuffer.create(url, **SPEC).close()
     holder = start_holder(url, "host-alive")
     try:
-        writer = shard_writer(url, 0, lease_s=1, max_restarts=1)
+        writer = start_shard_writer(url, 0, lease_s=1, max_restarts=1)
         with pytest.raises(ray.exceptions.RayActorError,
                            match=r"(?s)LockedError.*shard 0 of .*: its writer lock is still held after "
                                  r"lease_s \+ 5 s = 6 s of retries.*host 'host-alive'"):

@@ -21,6 +21,7 @@ import ray
 from ..buffer import ReplayBuffer
 from ..errors import BufferExistsError, LockedError
 from ..io.lock import DEFAULT_LEASE_S, check_lease
+from .plan import absolute
 
 GRACE_S = 5.0
 """Seconds past the lease that a (re)started `ShardWriter` keeps trying to take its shard's lock."""
@@ -128,15 +129,16 @@ the last `flush` are lost with the process, so the caller decides what to write 
 """
 
 
-def shard_writer(url: str, shard: int, *, create: Mapping[str, Any] | None = None, lease_s: float | None = None,
+def start_shard_writer(url: str, shard: int, *, create: Mapping[str, Any] | None = None, lease_s: float | None = None,
                  max_restarts: int = -1, actor_options: Mapping[str, Any] | None = None,
                  **open_options: Any) -> Any:
     """A `ShardWriter` actor owning shard ``shard`` of ``url`` (a ``ray.actor.ActorHandle``).
 
     ``max_restarts``: how often Ray restarts it (-1: always); ``actor_options``: any other
     ``ray.remote`` actor option (``num_cpus``, ``scheduling_strategy``...). The other arguments
-    are `ShardOwner`'s. Its methods return ``ObjectRef``s: ``ray.get(writer.flush.remote())``.
+    are `ShardOwner`'s; a local path is made absolute here (an actor's working directory is
+    Ray's, not the caller's). Its methods return ``ObjectRef``s: ``ray.get(writer.flush.remote())``.
     """
     check_lease(lease_s)
     options = {**(actor_options or {}), "max_restarts": max_restarts}
-    return ShardWriter.options(**options).remote(url, shard, create=create, lease_s=lease_s, **open_options)
+    return ShardWriter.options(**options).remote(absolute(url), shard, create=create, lease_s=lease_s, **open_options)
