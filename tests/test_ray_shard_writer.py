@@ -22,8 +22,10 @@ import ray
 from ray_cluster import ray_cluster, ray_driver
 
 import diskreplay as dr
+from diskreplay.errors import LockedError
 from diskreplay.io import lock as drlock
 from diskreplay.ray import ShardWriter, start_shard_writer
+from diskreplay.ray.shard_writer import open_shard_patiently
 
 SPEC: dict[str, Any] = {"fields": {"obs": dr.Field((), "int64"), "done": dr.Field((), "bool")}, "shards": 2,
                         "capacity": None}
@@ -31,7 +33,7 @@ HOLDER = """
     import sys
     import numpy as np
     import diskreplay as dr
-    w = dr.ReplayBuffer.open_shard(sys.argv[1], 0, lease_s=1)
+    w = dr.ReplayBuffer.open_shard(sys.argv[1], 0, lease_s=float(sys.argv[2]))
     w.extend({"obs": np.arange(5), "done": np.zeros(5, bool)})
     w.flush()
     print("ready", flush=True)
@@ -65,10 +67,10 @@ def restarted_pid(writer: Any, old_pid: int) -> int:
     raise AssertionError(f"the actor of process {old_pid} was not restarted")
 
 
-def start_holder(url: str, host: str) -> subprocess.Popen:
-    """A writer of shard 0 on host ``host`` (lease 1 s) that committed obs 0..4 and keeps its shard open."""
+def start_holder(url: str, host: str, lease_s: float = 1) -> subprocess.Popen:
+    """A writer of shard 0 on host ``host`` that committed obs 0..4 and keeps its shard open."""
     env = {**os.environ, drlock.HOST_ENV: host, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), url], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), url, str(lease_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     return proc
@@ -124,3 +126,17 @@ def test_live_writer_on_another_host_makes_the_open_fail_after_lease_plus_grace(
     finally:
         holder.communicate("")
     assert learner_obs(url) == [0, 1, 2, 3, 4]
+
+
+def test_open_is_retried_until_a_dead_writers_lease_expires(tmp_path):
+    url = str(tmp_path / "buf")
+    dr.ReplayBuffer.create(url, **SPEC).close()
+    holder = start_holder(url, "host-gone", lease_s=4)
+    holder.kill()
+    holder.wait()
+    with pytest.raises(LockedError, match="host 'host-gone'.*its lease expires in"):  # not yet expired
+        dr.ReplayBuffer.open_shard(url, 0, lease_s=4)
+    with open_shard_patiently(url, 0, 4.0, {}) as writer:   # retried until the lease expired
+        assert len(writer) == 5
+        writer.extend(steps(np.arange(7, 9)))
+    assert learner_obs(url) == [0, 1, 2, 3, 4, 7, 8]
