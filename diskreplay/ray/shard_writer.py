@@ -37,7 +37,8 @@ class ShardOwner:
         shard: which shard this writer owns.
         create: if given, ``ReplayBuffer.create`` arguments (``fields``, ``shards``,
             ``capacity``...) to create the sharded buffer with when there is none at ``url``
-            (an existing one is never replaced; of actors creating it at once, one does).
+            (an existing one is never replaced). Many writers: create it once before starting
+            them rather than let them race to create it.
         lease_s: the writer lock's lease in seconds (None: 30). It also bounds the wait for the
             lock of a writer that died on another host: ``lease_s`` + `GRACE_S` seconds.
         open_options: as in `ReplayBuffer.open_shard` (``storage_options``, ``rate_limiter``...).
@@ -129,9 +130,9 @@ the last `flush` are lost with the process, so the caller decides what to write 
 """
 
 
-def start_shard_writer(url: str, shard: int, *, create: Mapping[str, Any] | None = None, lease_s: float | None = None,
-                 max_restarts: int = -1, actor_options: Mapping[str, Any] | None = None,
-                 **open_options: Any) -> Any:
+def start_shard_writer(url: str, shard: int, *, create: Mapping[str, Any] | None = None,
+                       lease_s: float | None = None, max_restarts: int = -1,
+                       actor_options: Mapping[str, Any] | None = None, **open_options: Any) -> Any:
     """A `ShardWriter` actor owning shard ``shard`` of ``url`` (a ``ray.actor.ActorHandle``).
 
     ``max_restarts``: how often Ray restarts it (-1: always); ``actor_options``: any other
