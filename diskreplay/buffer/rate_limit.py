@@ -35,6 +35,20 @@ PUBLISH_EVERY_S = 0.05
 """How often a learner that is not waiting publishes its progress (seconds)."""
 
 
+class SharedCounts(Protocol):
+    """Where a rate limit's counts live when an engine keeps them (``diskreplay.ray.RateLimiterActor``)
+    instead of the store, answered from memory. Each side sends its own count, not a difference:
+    a message sent twice, or a writer that reopens its shard after a crash (its rows not committed
+    are gone), leaves the counts right. Must pickle: actors are other processes."""
+
+    def set_samples(self, samples: int) -> None:
+        """The learner has sampled ``samples`` rows in all (need not wait for the engine)."""
+
+    def set_inserts(self, shard: int, rows: int) -> tuple[int, int]:
+        """Shard ``shard``'s writer holds ``rows`` rows; the counts then, ``(rows inserted over
+        all shards, rows sampled)``."""
+
+
 @dataclass(frozen=True)
 class RateLimiter:
     """Keep ``samples_per_insert`` sampled rows per inserted row, within ``error_buffer`` rows.
@@ -50,6 +64,10 @@ class RateLimiter:
             waits before raising `RateLimitTimeout`.
         poll_s: seconds between checks while waiting. An actor's check reads one object (the
             learner's progress): one GET per check on an object store, whatever the shard count.
+        counts: where the counts live, if an engine keeps them (`SharedCounts`, e.g.
+            ``diskreplay.ray.EngineCounts()``): then the learner tells it the rows it
+            samples and each actor the rows it adds, and an actor's check is answered from the
+            engine's memory; nothing is read from or written to the store. None: ``learner.json``.
 
     Raises ValueError naming the first argument out of range.
     """
@@ -59,6 +77,7 @@ class RateLimiter:
     min_size: int = 1
     timeout_s: float = 600.0
     poll_s: float = 0.005
+    counts: SharedCounts | None = None
 
     def __post_init__(self) -> None:
         for name in ("samples_per_insert", "error_buffer", "timeout_s", "poll_s"):
@@ -238,7 +257,9 @@ class LearnerGate:
     def after(self, count: int) -> None:
         """``count`` rows were sampled."""
         self.state.samples += count
-        if self.limiter is not None:
+        if self.limiter is not None and self.limiter.counts is not None:
+            self.limiter.counts.set_samples(self.state.samples)
+        elif self.limiter is not None:
             self.publish()
 
     def publish(self, urgent: bool = False, force: bool = False) -> None:
@@ -268,6 +289,9 @@ class ActorGate:
         self.commit = commit
 
     def allowed(self, count: int) -> bool:
+        if self.limiter.counts is not None:
+            inserts, samples = self.limiter.counts.set_inserts(self.shard, self.total())
+            return self.limiter.insert_allowed(inserts, samples, count)
         published = self.progress.read()
         others = sum(published.inserts) - published.inserts[self.shard]
         return self.limiter.insert_allowed(others + self.total(), published.samples, count)

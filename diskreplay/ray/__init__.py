@@ -8,5 +8,6 @@ the tasks. Importing this package imports Ray; ``import diskreplay`` does not.
 
 from .datasink import BufferDatasink, write_buffer
 from .datasource import BufferDatasource, read_buffer
+from .limiter import EngineCounts, RateLimiterActor
 
-__all__ = ["BufferDatasink", "BufferDatasource", "read_buffer", "write_buffer"]
+__all__ = ["BufferDatasink", "BufferDatasource", "EngineCounts", "RateLimiterActor", "read_buffer", "write_buffer"]
