@@ -22,7 +22,7 @@ from diskreplay.format.shards import LEARNER_KEY
 pytestmark = pytest.mark.slow
 
 FIELDS = {"obs": dr.Field((2,), "float64"), "done": dr.Field((), "bool")}
-SHARDS, ACTORS, CHECKS, ROWS = 16, 12, 5, 10
+SHARDS, ACTORS, CHECKS, ROWS = 64, 16, 5, 10
 LIMITER = {"samples_per_insert": 2.0, "error_buffer": 1000.0, "min_size": 1}
 
 ACTOR = f"""
@@ -73,7 +73,7 @@ def test_an_actor_check_reads_one_object_whatever_the_shards(s3, fault_proxy):
     finally:
         for a in actors:
             a.communicate("close\n", timeout=60)
-    # 30 >= 2 * (120 + k - 1) - 1000  <=>  k <= 396: the others' rows as the learner published them
+    # 30 >= 2 * (160 + k - 1) - 1000  <=>  k <= 356: the others' rows as the learner published them
     assert answers == [[True, False, True, False, True]] * ACTORS
     assert checked == {"learner": ACTORS * CHECKS, "commits": 0, "others": 0}
     assert [a.returncode for a in actors] == [0] * ACTORS
@@ -104,3 +104,24 @@ def test_the_learners_sample_never_waits_on_a_write_of_its_progress(s3, fault_pr
     # closed: flushed; the value held, then the newest (the ones between were replaced)
     assert fault_proxy.count(LEARNER_KEY, "PUT") == 2
     assert json.loads(s3.keys(url)[OWN + LEARNER_KEY])["samples"] == 48
+
+
+def test_a_failed_write_of_the_learners_progress_is_raised_by_its_next_sample(tmp_path, monkeypatch):
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=2).close()
+    with dr.ReplayBuffer.open_shard(url, 1) as w:
+        w.extend({"obs": np.zeros((50, 2)), "done": np.zeros(50, bool)})
+
+    def broken(self, progress):
+        raise OSError("disk full")
+
+    with dr.ReplayBuffer.open(url, "r", rate_limiter=dr.RateLimiter(**LIMITER)) as lrn:
+        monkeypatch.setattr(Progress, "write", broken)
+        lrn.sample(8)
+        with pytest.raises(OSError, match="disk full"):
+            lrn.learner_rank().publish()  # waits for the write: its error
+        monkeypatch.undo()
+        lrn.sample(8)
+    assert json.loads((tmp_path / "b" / OWN / LEARNER_KEY).read_text())["samples"] == 16
+    with pytest.raises(ValueError, match="RateLimiter: counts must be None or a SharedCounts"):
+        dr.RateLimiter(1, 1, counts=object())  # type: ignore[arg-type]

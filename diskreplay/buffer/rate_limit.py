@@ -85,6 +85,10 @@ class RateLimiter:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"RateLimiter: {name} must be a finite number > 0, got {value!r}")
         check_int(self.min_size, "RateLimiter: min_size", 1)
+        if self.counts is not None and not all(callable(getattr(self.counts, name, None))
+                                               for name in ("set_samples", "set_inserts")):
+            raise ValueError(f"RateLimiter: counts must be None or a SharedCounts (set_samples, set_inserts), "
+                             f"got {type(self.counts).__name__}")
 
     def sample_allowed(self, inserts: int, samples: int, count: int) -> bool:
         """Whether a learner that sampled ``samples`` rows of ``inserts`` may sample ``count`` more."""
