@@ -387,8 +387,8 @@ LOWER_SLACK = SPI * INSERT_STEPS * RL_LANES
 actors: one insert of the other actor's (4 rows), times ``spi``.
 
 An actor inserts ``k`` rows when ``S_p >= spi * (I + k - min_size) - error_buffer`` with ``I``
-counted from every shard's newest commit (its own rows exactly) and ``S_p <= S`` the learner's
-last published count: alone it keeps the bound exactly. Two actors that check at the same moment
+the other shards' inserts the learner last published plus its own rows (exactly) and ``S_p <= S``
+the learner's last published count: alone it keeps the bound exactly. Two actors that check at the same moment
 each count the other's rows before that one's insert is committed, so together they can pass it
 by the other's insert, ``spi * k``; the insert is flushed right after it is added, so no more.
 """

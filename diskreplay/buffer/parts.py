@@ -43,8 +43,7 @@ class ActorLimit:
 
     def gate(self, storage: BufferStorage, commit: Callable[[], object]) -> ActorGate:
         """The gate of the writer of ``storage``, which ``commit()`` commits."""
-        return ActorGate(self.limiter, self.progress, self.shard, lambda: int(storage.total.sum()),
-                         storage.layout.num_envs, commit)
+        return ActorGate(self.limiter, self.progress, self.shard, lambda: int(storage.total.sum()), commit)
 
 
 @dataclass(frozen=True)

@@ -687,6 +687,7 @@ class ReplayBuffer:
         try:
             if self.mode != "r":
                 self.flush()
+            self._gate.close()  # a learner's last progress reaches the store
         finally:
             self._release()
 
