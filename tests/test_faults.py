@@ -837,7 +837,7 @@ def test_s3_commit_put_failing_during_flush(s3, s3_client, opened, fault_proxy, 
     fault_proxy.fail("503", "/" + OWN + "commit.json", times=10**6, method="PUT")
     _, error = outcome(buf.flush)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
+    assert re.search(give_up(buf.url, f"conditional write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
                              UNAVAILABLE[s3_client]),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 2 and fault_proxy.count("/" + OWN + "commit.json", "PUT") == 2
@@ -875,7 +875,7 @@ def test_s3_retire_commit_of_a_full_ring_failing(s3, s3_client, opened, fault_pr
         call = lambda: buf.add(**one_step(step, 1, s3_rows))  # noqa: E731
     _, error = outcome(call)
     assert isinstance(error, dr.StoreUnavailableError), repr(error)
-    assert re.search(give_up(buf.url, f"write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
+    assert re.search(give_up(buf.url, f"conditional write of '{OWN}commit\\.json'", 2, "all 2 attempts used",
                              UNAVAILABLE[s3_client]),
                      str(error)), str(error)
     assert fault_proxy.faults["503"] == 2

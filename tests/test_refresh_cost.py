@@ -131,25 +131,42 @@ def test_a_root_without_the_index_refreshes_by_reading_every_shard(tmp_path, rea
         assert reads[("get", "commit.json")] == 4 + 1 and ("list", "commits") not in reads
 
 
-def test_a_commit_the_index_missed_is_announced_when_its_shard_reopens(tmp_path, monkeypatch):
-    """A writer killed between its commit and the announcement: the learner sees that commit
-    once the shard commits again or its writer reopens (or the learner opens anew)."""
+def test_the_index_announces_a_commit_before_it_is_made_never_after(tmp_path, monkeypatch):
+    """An announcement that fails fails its commit (nothing changes); a commit that fails after
+    its announcement leaves the index ahead, which only makes the learner read that shard's
+    commit record (nothing new in it) until the shard commits. Before: the announcement came
+    after the commit, and a writer killed in between left a commit no refresh would see."""
     url = str(tmp_path / "b")
     dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=2, chunk_rows=8).close()
     with dr.ReplayBuffer.open(url, "r") as learner:
-        put = LocalChunkStore.put
+        put, put_if_version = LocalChunkStore.put, LocalChunkStore.put_if_version
 
-        def failing(self, key, data, durable=False):
+        def refused(self, key, data, durable=False):
             if self.root.endswith("commits"):
-                raise OSError("the writer died here")
+                raise OSError("the store refused it")
             return put(self, key, data, durable)
-        monkeypatch.setattr(LocalChunkStore, "put", failing)
-        commit(url, 1, 0, 10)  # the commit stands; its announcement failed
+        monkeypatch.setattr(LocalChunkStore, "put", refused)
+        with pytest.raises(OSError, match="the store refused it"):
+            commit(url, 1, 0, 10)
         monkeypatch.setattr(LocalChunkStore, "put", put)
-        assert learner.refresh() is False
-        dr.ReplayBuffer.open_shard(url, shard=1).close()
-        assert learner.refresh() is True
-        assert len(learner) == 10
+        assert learner.refresh() is False and len(learner) == 0
+
+        def cut(self, key, data, version, durable=False):
+            if key.endswith("commit.json"):
+                raise OSError("cut after its announcement")
+            return put_if_version(self, key, data, version, durable)
+        writer = dr.ReplayBuffer.open_shard(url, shard=1)
+        writer.extend(rows(0, 10))
+        monkeypatch.setattr(LocalChunkStore, "put_if_version", cut)
+        with pytest.raises(OSError, match="cut after its announcement"):
+            writer.flush()
+        monkeypatch.setattr(LocalChunkStore, "put_if_version", put_if_version)
+        assert learner.storage.committed_shards() == [1]  # announced ahead of the commit
+        learner.refresh()
+        assert len(learner) == 0 and learner.storage.committed_shards() == [1]
+        writer.close()  # the commit is made
+        assert learner.refresh() is True and len(learner) == 10
+        assert learner.storage.committed_shards() == []
 
 
 _runs = itertools.count()

@@ -341,8 +341,16 @@ class FsspecChunkStore(RemoteCalls):
         return self.get(key) == data
 
     def get_versioned(self, key: str, limit: int | None = None) -> tuple[bytes, str] | None:
-        """The object's bytes and its ETag (a HEAD, then a GET: `put_if_version` with that ETag
-        fails if the object changed in between), or a digest of its bytes where there is none."""
+        """The object's bytes and its ETag: one GET on S3; elsewhere a HEAD, then a GET
+        (`put_if_version` with that ETag fails if the object changed in between), or a digest of
+        its bytes where there is no ETag."""
+        if hasattr(self.fs, "_call_s3"):
+            try:
+                found: tuple[bytes, str] = fsspec.asyn.sync(self.fs.loop, self._call_async, f"read of {key!r}",
+                                                            partial(self._get_with_etag, self.path(key), limit))
+                return found
+            except FileNotFoundError:
+                return None
         try:
             etag = self._run(f"read of {key!r}", "info", self.path(key)).get("ETag")
         except FileNotFoundError:
@@ -367,6 +375,16 @@ class FsspecChunkStore(RemoteCalls):
             return found[1] if found is not None and found[0] == data else None
         etag = out.get("ETag") if isinstance(out, dict) else None
         return etag if isinstance(etag, str) and etag else digest(data)
+
+    async def _get_with_etag(self, path: str, limit: int | None) -> tuple[bytes, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        answer = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        try:
+            body: bytes = await (answer["Body"].read() if limit is None else answer["Body"].read(limit))
+        finally:
+            answer["Body"].close()
+        etag = answer.get("ETag")
+        return body, etag if isinstance(etag, str) and etag else digest(body)
 
     def _put_versioned(self, key: str, data: bytes) -> str:
         self.put(key, data)

@@ -88,7 +88,7 @@ class CommitLog:
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
         self.journals: dict[str, Journal] = {}
         self.announce: Callable[[CommitRecord], None] | None = None
-        """Called after each commit with its record (a shard's writer: the root's commit index)."""
+        """Called before each commit with its record (a shard's writer: the root's commit index)."""
         self._version: str | None = None  # of the commit record as this writer last wrote or read it
         if lock is not None:
             self._fence(lock.replaced is not None)
@@ -149,8 +149,6 @@ class CommitLog:
         record = self.record.next(committed, np.minimum(lower, committed), time.time(), **state)
         previous = self.record.state_arrays
         self._put_record(record, durable)
-        if self.announce is not None:
-            self.announce(record)
         if staged is not None and previous and previous != staged.key:
             self._garbage.append(previous)
         for journal in staged.journals if staged is not None else ():
@@ -158,7 +156,10 @@ class CommitLog:
         self.cursors.lower = np.maximum(self.cursors.lower, lower)
 
     def _put_record(self, record: CommitRecord, durable: bool) -> None:
-        """Replace the commit record by ``record`` if it is still as this writer left it."""
+        """Replace the commit record by ``record`` if it is still as this writer left it; announced
+        first (a shard's writer), so that the announcements may lead the commits, never lag them."""
+        if self.announce is not None:
+            self.announce(record)
         version = self.objects.put_if_version(COMMIT_KEY, record.to_bytes(), self._version, durable)
         if version is None:
             self.lost_lock = (f"{self.url!r}: this writer's commit was refused: {COMMIT_KEY} changed since its last "

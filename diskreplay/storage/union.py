@@ -73,27 +73,25 @@ class CommitIndex:
             return []
 
     def start(self, shard: int, sequence: int) -> None:
-        """The writer of ``shard``, opened at commit ``sequence``: announce it (a writer killed
-        between its commit and the announcement left it out) and delete older names of it."""
+        """The writer of ``shard``, opened at commit ``sequence``: announce it (an announcement
+        of a commit that was never made may be ahead of it) and delete every other name of it."""
         ours = [name for name in self._names() if index_sequences([name], self.count).keys() == {shard}]
         self._announced[shard] = -1
         self.announce(shard, sequence, ours)
 
     def announce(self, shard: int, sequence: int, older: Sequence[str] | None = None) -> None:
-        """After commit ``sequence`` of ``shard``: put its name, then delete the one put before
-        (or ``older``). A failure is left to the next commit: the index lags, the commit stands."""
+        """Before commit ``sequence`` of ``shard`` (or at its writer's open): put its name, then
+        delete the one put before (or ``older``). Raises what the store raises: the commit is
+        then not made (a name ahead of the commits only makes refreshes read that shard's)."""
         name, before = index_name(shard, sequence), self._announced.get(shard, -1)
         stale = [n for n in (older or []) if n != name]
         if before >= 0 and before != sequence:
             stale.append(index_name(shard, before))
-        try:
-            if name not in (older or []):
-                self.store.put(name, b"")
-            self._announced[shard] = sequence
-            for old in stale:
-                self.store.delete(old)
-        except OSError:
-            pass
+        if name not in (older or []):
+            self.store.put(name, b"")
+        self._announced[shard] = sequence
+        for old in stale:
+            self.store.delete(old)
 
 
 class UnionLog:
