@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from ..format.commit import CommitRecord
 from .cursors import Cursors
 
@@ -28,6 +30,11 @@ class Log(Protocol):
 
     def read_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
+        ...
+
+    def read_newest_of(self, lanes: np.ndarray) -> CommitRecord:
+        """`read_newest` where only the commits holding ``lanes`` need be newest (a union reads
+        those shards' alone; one buffer has one commit)."""
         ...
 
     def adopt(self, record: CommitRecord) -> None:

@@ -163,8 +163,8 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Unio
 
 
 def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list[CommitLog]:
-    """Each part's read-only log, its metadata read and checked (`_read_buffer`: its group, commit
-    record and one document per field, one after the other): on ``threads`` for a remote store,
+    """Each part's read-only log, its metadata read and checked (`_read_buffer`: its group, its
+    commit record, then its fields' documents together): on ``threads`` for a remote store,
     so that every part's reads are in flight at once (a local read costs microseconds: in order).
     Raises the error of the first part, in order, that fails."""
     def part_log(part: str) -> CommitLog:

@@ -5,7 +5,7 @@ stay right for that window: a row of a step never changes, and a cached copy pre
 overwrite of it. A chunk *fetched* later may already hold the writer's next round in a ring; but
 the writer commits a raised ``lower`` before overwriting. So after a ring reader fetches (or maps)
 chunks, it re-reads ``commit.json`` (one small GET; a union: that of each shard whose lanes it
-fetched, `UnionLog.read_newest_of`) and, if the newest commit's first visible step
+fetched, `Log.read_newest_of`) and, if the newest commit's first visible step
 has passed any row it asked for from those chunks, it drops them and raises `StaleReadError`
 naming the rows: the buffer then adopts the newest commit with all its in-RAM state and the
 caller draws again. If only rows it did not ask for were retired, it returns the rows asked for
@@ -48,8 +48,7 @@ class RetiredCheck:
         steps of this reader's window: their rows asked for are right, but they must not stay."""
         if not self.active or not len(loaded_chunks):
             return []
-        newest_of = getattr(self.log, "read_newest_of", None)  # a union: only the shards of those lanes
-        record = self.log.read_newest() if newest_of is None else newest_of(loaded_lanes)
+        record = self.log.read_newest_of(loaded_lanes)
         if record.same_as(self.log.record):
             return []
         first = np.maximum(record.lower, self.layout.oldest(record.committed))
