@@ -234,3 +234,23 @@ def test_a_cached_tail_chunk_is_patched_with_the_rows_appended(tmp_path, reads, 
         whole = sum(n for (op, key), n in reads.items() if op == "get" and key.startswith("c."))
         ranged = sum(n for (op, key), n in reads.items() if op == "get_ranges" and key.startswith("c."))
         assert (whole, ranged) == ((0, 0) if compression is None else (2, 0)), reads  # zstd: each field's chunk
+
+
+def test_a_tail_chunk_of_the_wrong_size_is_not_patched_but_reported(tmp_path):
+    """The rows appended to a cached tail chunk come from an object of that chunk's size only: a
+    damaged one (a byte too many) is read whole instead, and the read names it."""
+    fields = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, fields, capacity=64, shards=2, chunk_rows=16, compression=None).close()
+    with dr.ReplayBuffer.open_shard(url, shard=1) as w, dr.ReplayBuffer.open(url, "r", memory_map=False) as learner:
+        w.extend({k: v for k, v in rows(0, 5).items() if k in fields})
+        w.flush()
+        learner.refresh()
+        learner.storage.warm()
+        w.extend({k: v for k, v in rows(5, 6).items() if k in fields})
+        w.flush()
+        damaged = next(Path(url).glob("shard-00001/act/c*"))
+        damaged.write_bytes(damaged.read_bytes() + b"\0")
+        learner.refresh()
+        with pytest.raises(dr.CorruptBufferError, match=r"chunk 'shard-00001/act/c\.0\.0' has 133 bytes, expected 132"):
+            learner[np.arange(11) * 2 + 1]

@@ -89,10 +89,10 @@ def open_union(url: str, declared: ShardedRoot, options: Options) -> UnionParts:
     for shard in range(count):
         check_shard_directory(url, shard)
     shards = [shard_url(url, shard) for shard in range(count)]
-    union = open_union_storage(url, shards, options)
+    index = commit_index(url, declared, options.storage_options, options.retry)
+    union = open_union_storage(url, shards, options, index)
     finals = None
     try:
-        union.index = commit_index(url, declared, options.storage_options, options.retry)
         states: list[tuple[CommitRecord, Mapping[str, Any]]] = list(union.shard_states(range(count)))
         if union.config.derive_next:
             bases = Schema({base: union.schema[base] for base in union.config.derive_next})

@@ -56,7 +56,7 @@ from .row_reads import RowReads
 from .shard_maps import ShardMaps
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
-from .union import UnionLog, UnionStorage, union_threads
+from .union import CommitIndex, UnionLog, UnionStorage, union_threads
 from .warm import Warmer
 from .writer import StagingWriter
 
@@ -133,11 +133,13 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
         raise
 
 
-def open_union_storage(url: str, parts: Sequence[str], options: Options) -> UnionStorage:
+def open_union_storage(url: str, parts: Sequence[str], options: Options,
+                       index: CommitIndex | None = None) -> UnionStorage:
     """The buffers at ``parts`` (locations under ``url``, all with one config), read-only as one
     storage whose lanes are theirs side by side: one cache, one read path, chunks read through
     the store at ``url``; its log is a `UnionLog` of theirs. The parts' metadata is read on the
-    union's threads, all parts at once on a remote store (`_part_logs`).
+    union's threads, all parts at once on a remote store (`_part_logs`). ``index``: the root's
+    commit index (None: it declares none).
 
     Raises NotABufferError / CorruptBufferError naming the part (one whose config differs too)."""
     threads = union_threads(len(parts))
@@ -159,7 +161,7 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options) -> Unio
     io = ChunkIO(root, config, field_codecs(buffer_codec(first.arrays, first.url), config),
                  options.io_threads or default_io_threads(url), prefixes)
     cache, loader, reader, files = _read_side(url, config, first.arrays, log, io, options)
-    return UnionStorage(url, config, log, io, cache, loader, reader, files, options.storage_options)
+    return UnionStorage(url, config, log, io, cache, loader, reader, files, options.storage_options, index)
 
 
 def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list[CommitLog]:

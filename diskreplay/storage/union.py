@@ -156,11 +156,12 @@ class UnionStorage(Storage):
     _log: UnionLog
 
     def __init__(self, url: str, config: BufferConfig, log: UnionLog, io: ChunkIO, cache: ChunkCache,
-                 loader: ChunkLoader, reader: ChunkReader, files: FileMaps, storage_options: Mapping[str, Any] | None):
+                 loader: ChunkLoader, reader: ChunkReader, files: FileMaps, storage_options: Mapping[str, Any] | None,
+                 index: CommitIndex | None = None):
         super().__init__(url, config, log, io, cache, loader, reader, files, storage_options)
         self._log = log
-        self.index: CommitIndex | None = None
-        """The root's commit index, if it declares one (`open_union` sets it)."""
+        self.index = index
+        """The root's commit index, if it declares one."""
 
     def committed_shards(self) -> list[int]:
         """The shards whose newest commit may be newer than the one shown: from one listing of
@@ -238,10 +239,12 @@ def patch_tails(cache: ChunkCache, io: ChunkIO, layout: LaneLayout, shown: np.nd
     ranges = [(io.key(name, lane, chunk), first * f.row_bytes, (first + count) * f.row_bytes)
               for lane, chunk, _, first, count in plans for name, f in ((n, io.schema[n]) for n in cache.slabs)]
     got = iter(io.store.get_ranges(ranges) if ranges else [])
-    patched = {}
+    patched = {}  # not from a short range, nor from an object without its chunk's size: that chunk is read whole
     for lane, chunk, slot, first, count in plans:
         values = {name: next(got) for name in cache.slabs}
-        if all(v is not None and len(v[0]) == count * io.schema[n].row_bytes for n, v in values.items()):
+        if all(v is not None and len(v[0]) == count * io.schema[n].row_bytes
+               and v[1] in (layout.chunk_rows * io.schema[n].row_bytes + io.codecs[n].trailer, -1)
+               for n, v in values.items()):
             cache.write_rows(slot, first, {n: np.frombuffer(v[0], io.schema[n].dtype).reshape(  # type: ignore[index]
                 count, *io.schema[n].shape) for n, v in values.items()}, 0, count)
             patched[lane] = chunk
