@@ -416,6 +416,25 @@ class BufferMachine(RuleBasedStateMachine):
             self.readers[-1].buf.warm()
             self.check_reader(self.readers[-1], exact=False)
 
+    @rule(seed=st.integers(0, 2**16), batch=st.integers(1, 64))
+    def announced_reads(self, seed: int, batch: int) -> None:
+        """A reader told the order of its next reads (as an epoch tells it) reads them as the
+        model says: whole chunks read ahead, the cache's fill or not."""
+        if not self.readers:
+            return
+        r, n = self.readers[-1], self.layout.num_envs
+        lo, hi = self.adopted(r)
+        ids = np.random.default_rng(seed).permutation(ids_of(lo, hi, n))
+        parts = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+        r.buf.storage.read_ahead((part % n, part // n) for part in parts)
+        try:
+            for part in parts:
+                self.check_batch({**r.buf[part], "index": part}, r.view, lo, hi, reader=True)
+        except dr.StaleReadError:  # a ring's writer overwrote rows: the reader adopted its newest commit
+            r.view = self.model.committed.copy()
+        finally:
+            r.buf.storage.read_ahead(None)
+
     @rule(batch=st.integers(1, 64), reader=st.booleans())
     def sample(self, batch: int, reader: bool) -> None:
         if reader and self.readers:
