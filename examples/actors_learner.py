@@ -1,41 +1,44 @@
-"""Distributed prioritized DQN on CartPole-v1: actor processes and one learner that share nothing but a folder.
+"""Distributed prioritized DQN on CartPole-v1: actor processes and one learner that share one sharded buffer.
 
     python examples/actors_learner.py --run-dir runs/apex --actors 4 --updates 20000   # kill it, rerun to resume
-    python examples/actors_learner.py --run-dir runs/apex --launcher ray     # Ray actors: pip install "diskreplay[ray]"
+    python examples/actors_learner.py --launcher ray --url s3://bucket/apex             # Ray actors, rows on S3
+    RAY_ADDRESS=head:6379 python examples/actors_learner.py --launcher ray --url s3://bucket/apex   # a cluster
 
 Each actor runs its own CartPole-v1 with an epsilon-greedy copy of the Q-network (Ape-X style:
 actor i of N explores with epsilon 0.4 ** (1 + 7 i / (N - 1))) and writes its transitions to its
-own shard of one sharded diskreplay buffer (``dr.ReplayBuffer.open_shard``), committing every
-``--flush-every`` steps. The learner (the main process) samples the union of the shards with
-prioritized replay (optionally n-step returns), updates the priorities from its TD errors,
-adopts the shards' newest commits every ``--refresh-every`` updates, and publishes its
-weights for the actors. A ``dr.RateLimiter`` keeps about ``--samples-per-insert`` sampled rows
-per inserted row: the learner waits in ``sample`` when it runs ahead, the actors wait before
-inserting when they do. There is no server: the processes only share ``--run-dir``.
+own shard of one sharded diskreplay buffer at ``--url`` (a local folder, or ``s3://...`` with
+``--storage-options``), committing every ``--flush-every`` steps. The learner (the main process)
+samples the union of the shards with prioritized replay (optionally n-step returns), updates the
+priorities from its TD errors, adopts the shards' newest commits every ``--refresh-every``
+updates, and publishes its weights for the actors. A ``dr.RateLimiter`` keeps about
+``--samples-per-insert`` sampled rows per inserted row: the learner waits in ``sample`` when it
+runs ahead, the actors wait before inserting when they do.
 
-``--run-dir`` holds:
+The rows go only through the buffer. Everything else goes through the launcher, never through a
+shared filesystem: with ``--launcher process`` (spawned processes) the weights are a tensor in
+shared memory, the stop signal an event and the episode returns a queue; with ``--launcher ray``
+they live in one Ray actor (`Board`), and the rate limiter's counts in another
+(``diskreplay.ray.EngineCounts``): an actor's rate-limit check is a message, not a store request.
 
-    buffer/                       the sharded buffer (shard i is written by actor i only)
-    weights.pt                    the learner's latest Q-network (replaced atomically; actors reload it)
+``--run-dir`` is the learner's own folder (its disk only):
+
     checkpoints/update-NNNNNNNN/  model.pt (networks, optimizer, update count) + buffer/ (the
                                   learner's buffer state: priorities, generator, rows sampled),
                                   written to a temporary folder that is then renamed: a kill
                                   never leaves a half-written checkpoint; the newest two are kept
-    returns-<i>.txt               the return of every episode actor i finished
-    stop                          written by the main process when the learner is done: the actors stop
+    returns.txt                   the return of every episode the actors finished
     summary.json                  written when the learner finishes
+    buffer/                       the buffer, unless ``--url`` puts it elsewhere
 
 Kill-and-restart: kill everything at any time (``kill -9`` of the process group, power off) and
 run the same command again: the learner restarts from its newest checkpoint (rows the actors
 committed since are new rows to it, at the highest priority) and every actor reopens its shard
 (the writer lock the killed actor left is taken over, with a warning, and its cut episode is
-closed as truncated). An actor that dies while the learner runs is restarted by the main
-process. Ctrl-C or SIGTERM stop the learner after its current update (a second one: at once),
-then it checkpoints. When the learner has done ``--updates`` updates, the actors are stopped,
-and a summary is printed and written to ``summary.json``.
-
-``--launcher ray`` runs the same actor function as Ray actors (``ray.remote``) in a local Ray
-instance (Ray's own processes; the rows still go only through ``--run-dir``).
+closed as truncated; a lock left on another host is taken over once its lease expired). An
+existing buffer is never created anew. An actor that dies while the learner runs is restarted.
+Ctrl-C or SIGTERM stop the learner after its current update (a second one: at once), then it
+checkpoints. When the learner has done ``--updates`` updates, the actors are stopped, and a
+summary is printed and written to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -75,18 +78,12 @@ def qnet() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
 
 
-def paths(run_dir: str) -> dict[str, str]:
-    return {"buffer": os.path.join(run_dir, "buffer"), "weights": os.path.join(run_dir, "weights.pt"),
-            "checkpoints": os.path.join(run_dir, "checkpoints"), "stop": os.path.join(run_dir, "stop"),
-            "summary": os.path.join(run_dir, "summary.json")}
-
-
 def rate_limiter(cfg: dict[str, Any], timeout_s: float = 600.0) -> dr.RateLimiter:
     """The one limit learner and actors keep to (both must build it from the same settings)."""
     # the limiter's rule of thumb, doubled: a batch plus what an actor adds between two checks
     error_buffer = float(cfg["batch_size"] + cfg["samples_per_insert"] * cfg["flush_every"])
     return dr.RateLimiter(samples_per_insert=cfg["samples_per_insert"], error_buffer=error_buffer,
-                          min_size=cfg["learning_starts"], timeout_s=timeout_s)
+                          min_size=cfg["learning_starts"], timeout_s=timeout_s, counts=cfg["counts"])
 
 
 def fsync_tree(path: str) -> None:
@@ -106,18 +103,92 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """Write ``obj`` to a temporary file beside ``path``, then rename it over ``path``: a reader
-    sees the old file or the new one, never a part of it."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def flat_weights(q: nn.Module) -> torch.Tensor:
+    return nn.utils.parameters_to_vector(q.parameters()).detach()
+
+
+# ---- what the learner and the actors share besides the buffer ------------------------------------
+
+
+class ProcessBoard:
+    """Weights, stop signal and episode returns for actor processes: a tensor in shared memory
+    with a version counter, an event and a queue (they travel to spawned processes as arguments)."""
+
+    def __init__(self, ctx: Any):
+        self.weights = flat_weights(qnet()).share_memory_()
+        self.version = ctx.Value("q", 0)
+        self.stopped = ctx.Event()
+        self.returns = ctx.Queue()
+
+    def publish(self, weights: torch.Tensor) -> None:
+        with self.version.get_lock():
+            self.weights.copy_(weights)
+            self.version.value += 1
+
+    def poll(self, version: int) -> tuple[bool, int, torch.Tensor | None]:
+        """``(stop, newest version, its weights if newer than ``version``)``."""
+        with self.version.get_lock():
+            newest = self.version.value
+            return self.stopped.is_set(), newest, self.weights.clone() if newest != version else None
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def report(self, episode_return: float) -> None:
+        self.returns.put((time.time(), episode_return))
+
+    def drain(self) -> list[tuple[float, float]]:
+        """The episode returns reported since the last drain, as ``(time, return)``."""
+        out = []
+        while not self.returns.empty():
+            out.append(self.returns.get())
+        return out
+
+
+class Board:
+    """The same, kept by one Ray actor (`RayBoard` is its client)."""
+
+    def __init__(self) -> None:
+        self.version, self.weights, self.stopped = 0, None, False
+        self.returns: list[tuple[float, float]] = []
+
+    def publish(self, weights: torch.Tensor) -> None:
+        self.version, self.weights = self.version + 1, weights
+
+    def poll(self, version: int) -> tuple[bool, int, torch.Tensor | None]:
+        return self.stopped, self.version, self.weights if self.version != version else None
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def report(self, when: float, episode_return: float) -> None:
+        self.returns.append((when, episode_return))
+
+    def drain(self) -> list[tuple[float, float]]:
+        out, self.returns = self.returns, []
+        return out
+
+
+class RayBoard:
+    """`ProcessBoard`'s interface over a `Board` actor: one message per call."""
+
+    def __init__(self, ray: Any):
+        self.ray, self.actor = ray, ray.remote(num_cpus=0)(Board).remote()
+
+    def publish(self, weights: torch.Tensor) -> None:
+        self.actor.publish.remote(weights)
+
+    def poll(self, version: int) -> tuple[bool, int, torch.Tensor | None]:
+        return self.ray.get(self.actor.poll.remote(version))
+
+    def stop(self) -> None:
+        self.ray.get(self.actor.stop.remote())
+
+    def report(self, episode_return: float) -> None:
+        self.actor.report.remote(time.time(), episode_return)
+
+    def drain(self) -> list[tuple[float, float]]:
+        return self.ray.get(self.actor.drain.remote())
 
 
 # ---- actors ----------------------------------------------------------------------------------
@@ -128,20 +199,29 @@ def actor_epsilon(shard: int, actors: int) -> float:
     return 0.4 ** (1 + 7 * shard / (actors - 1)) if actors > 1 else 0.4
 
 
-def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | None = None) -> int:
-    """Actor ``shard``: play CartPole-v1 and write every step to shard ``shard`` until the
-    ``stop`` file appears in ``run_dir`` (or, with ``parent_pid``, that process is gone).
-    Returns the steps it added. Run it again after a kill: it reopens its shard."""
+def open_shard(shard: int, cfg: dict[str, Any]) -> dr.ReplayBuffer:
+    """Shard ``shard`` as its writer. Reopening the shard of a killed actor takes its writer lock
+    over (with a warning) and closes the episode the kill cut as truncated; the rows it committed
+    stay. A Ray actor may be restarted on another host: `ShardOwner` then waits until the dead
+    writer's lease has expired."""
+    options = {"storage_options": cfg["storage_options"], "rate_limiter": rate_limiter(cfg)}
+    if cfg["launcher"] == "ray":
+        from diskreplay.ray import ShardOwner
+
+        return ShardOwner(cfg["url"], shard, lease_s=cfg["lease_s"], **options).buffer
+    return dr.ReplayBuffer.open_shard(cfg["url"], shard, lease_s=cfg["lease_s"], **options)
+
+
+def run_actor(board: ProcessBoard | RayBoard, shard: int, cfg: dict[str, Any], parent_pid: int | None = None) -> int:
+    """Actor ``shard``: play CartPole-v1 and write every step to shard ``shard`` until the board
+    says stop (or, with ``parent_pid``, that process is gone). Returns the steps it added. Run it
+    again after a kill: it reopens its shard."""
     import gymnasium as gym  # imported here: the learner does not need it
 
     torch.set_num_threads(1)
     if parent_pid is not None:  # a process of ours: Ctrl-C is the main process's to handle (it stops us)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    where = paths(run_dir)
-    limiter = rate_limiter(cfg)
-    # Reopening the shard of a killed actor takes its writer lock over (with a warning) and
-    # closes the episode the kill cut as truncated; the rows it committed stay.
-    buf = dr.ReplayBuffer.open_shard(where["buffer"], shard, rate_limiter=limiter)
+    buf = open_shard(shard, cfg)
     # a restarted actor draws new random numbers: the steps its shard holds are part of the seed
     steps = int(buf.window()[1].sum())
     say(f"actor {shard} (pid {os.getpid()}) opened shard {shard} ({steps} rows were committed before)")
@@ -149,22 +229,16 @@ def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | N
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
     epsilon = actor_epsilon(shard, cfg["actors"])
-    q, loaded_mtime = qnet(), None
+    q, version = qnet(), 0
     episode_return, added = 0.0, 0
-    returns_file = open(os.path.join(run_dir, f"returns-{shard}.txt"), "a")
 
     def stopping() -> bool:
-        return os.path.exists(where["stop"]) or (parent_pid is not None and os.getppid() != parent_pid)
-
-    def load_weights() -> None:
-        nonlocal loaded_mtime
-        try:
-            mtime = os.stat(where["weights"]).st_mtime_ns
-            if mtime != loaded_mtime:
-                q.load_state_dict(torch.load(where["weights"], weights_only=True))
-                loaded_mtime = mtime
-        except FileNotFoundError:
-            pass  # the learner has not published any yet: act with the initial network
+        nonlocal version
+        stop, newest, weights = board.poll(version)
+        if weights is not None:
+            nn.utils.vector_to_parameters(weights, q.parameters())
+            version = newest
+        return stop or (parent_pid is not None and os.getppid() != parent_pid)
 
     try:
         while not stopping():
@@ -175,7 +249,6 @@ def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | N
                 while not buf.insert_allowed(cfg["flush_every"]) and not stopping():
                     time.sleep(0.01)
                 continue
-            load_weights()
             for _ in range(cfg["flush_every"]):
                 if rng.random() < epsilon:
                     action = int(rng.integers(2))
@@ -189,12 +262,10 @@ def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | N
                 episode_return += float(reward)
                 obs = next_obs
                 if terminated or truncated:
-                    returns_file.write(f"{time.time():.6f} {episode_return:g}\n")
-                    returns_file.flush()
+                    board.report(episode_return)
                     obs, episode_return = env.reset()[0], 0.0
             buf.flush()  # a commit: the learner sees these rows at its next refresh
     finally:
-        returns_file.close()
         buf.close()
         env.close()
     return added
@@ -203,15 +274,16 @@ def run_actor(run_dir: str, shard: int, cfg: dict[str, Any], parent_pid: int | N
 class ProcessActors:
     """Actors as processes (torch.multiprocessing, spawn), restarted when one dies."""
 
-    def __init__(self, run_dir: str, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any]):
         import torch.multiprocessing as mp
 
-        self.run_dir, self.cfg, self.ctx = run_dir, cfg, mp.get_context("spawn")
+        self.cfg, self.ctx = cfg, mp.get_context("spawn")
+        self.board = ProcessBoard(self.ctx)
         self.procs: list[Any] = [None] * cfg["actors"]
         self.restarts = 0
 
     def start(self, shard: int) -> None:
-        proc = self.ctx.Process(target=run_actor, args=(self.run_dir, shard, self.cfg, os.getpid()),
+        proc = self.ctx.Process(target=run_actor, args=(self.board, shard, self.cfg, os.getpid()),
                                 name=f"actor-{shard}", daemon=True)
         proc.start()
         self.procs[shard] = proc
@@ -231,34 +303,29 @@ class ProcessActors:
                     raise RuntimeError(f"actors were restarted {self.restarts - 1} times: giving up")
                 self.start(shard)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Wait for the actors to see the stop file; terminate those that do not in time."""
-        deadline = time.monotonic() + timeout_s
+    def stop(self, timeout_s: float = 30.0) -> list[tuple[float, float]]:
+        """Tell the actors to stop and wait for them (terminating those that do not stop in
+        time); the episode returns they reported last."""
+        self.board.stop()
+        returns, deadline = [], time.monotonic() + timeout_s
         for proc in self.procs:
-            if proc is not None:
-                proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join()
+            while proc is not None and proc.is_alive() and time.monotonic() < deadline:
+                returns += self.board.drain()  # an exiting actor waits until its queue is read
+                proc.join(0.05)
+            if proc is not None and proc.is_alive():
+                proc.terminate()
+                proc.join()
+        return returns + self.board.drain()
 
 
 class RayActors:
     """Actors as Ray actors (``ray.remote``) running the same `run_actor`. A local Ray instance
-    is started; with ``RAY_ADDRESS`` set, that cluster is joined (``--run-dir`` must then be a
-    folder every node sees at the same path)."""
+    is started; with ``RAY_ADDRESS`` set, that cluster is joined (``--url`` must then be a
+    location every node reaches: object storage, or a folder every node sees at the same path)."""
 
-    def __init__(self, run_dir: str, cfg: dict[str, Any]):
-        try:
-            import ray
-        except ImportError:
-            raise SystemExit('--launcher ray needs Ray: pip install "diskreplay[ray]"') from None
-
-        self.ray, self.run_dir, self.cfg = ray, run_dir, cfg
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(configure_logging=False)
-        else:
-            ray.init(num_cpus=max(cfg["actors"], os.cpu_count() or 1), include_dashboard=False,
-                     configure_logging=False)
+    def __init__(self, ray: Any, cfg: dict[str, Any]):
+        self.ray, self.cfg = ray, cfg
+        self.board = RayBoard(ray)
         self.remote_class = ray.remote(num_cpus=1, max_restarts=0)(RayActor)
         self.handles: list[Any] = [None] * cfg["actors"]
         self.runs: list[Any] = [None] * cfg["actors"]
@@ -266,7 +333,7 @@ class RayActors:
 
     def start(self, shard: int) -> None:
         self.handles[shard] = self.remote_class.remote()
-        self.runs[shard] = self.handles[shard].run.remote(self.run_dir, shard, self.cfg)
+        self.runs[shard] = self.handles[shard].run.remote(self.board, shard, self.cfg)
         say(f"actor {shard} started (ray actor)")
 
     def start_all(self) -> None:
@@ -287,20 +354,23 @@ class RayActors:
                     raise RuntimeError(f"actors were restarted {self.restarts - 1} times: giving up")
                 self.start(shard)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 30.0) -> list[tuple[float, float]]:
+        self.board.stop()
         runs = [run for run in self.runs if run is not None]
         _, late = self.ray.wait(runs, num_returns=len(runs), timeout=timeout_s) if runs else ([], [])
         for shard, run in enumerate(self.runs):
             if run in late:
                 self.ray.kill(self.handles[shard])
+        returns = self.board.drain()
         self.ray.shutdown()
+        return returns
 
 
 class RayActor:
     """The Ray actor class (made remote by `RayActors`): one `run_actor` call."""
 
-    def run(self, run_dir: str, shard: int, cfg: dict[str, Any]) -> int:
-        return run_actor(run_dir, shard, cfg)
+    def run(self, board: RayBoard, shard: int, cfg: dict[str, Any]) -> int:
+        return run_actor(board, shard, cfg)
 
 
 # ---- learner ---------------------------------------------------------------------------------
@@ -314,18 +384,19 @@ def checkpoints(root: str) -> list[str]:
 class Learner:
     """DQN (double, prioritized, optionally n-step) from the union of the shards."""
 
-    def __init__(self, args: argparse.Namespace, cfg: dict[str, Any]):
-        self.args, self.cfg, self.where = args, cfg, paths(args.run_dir)
+    def __init__(self, args: argparse.Namespace, cfg: dict[str, Any], board: ProcessBoard | RayBoard):
+        self.args, self.cfg, self.board = args, cfg, board
+        self.root = os.path.join(args.run_dir, "checkpoints")
         torch.manual_seed(args.seed)
         self.q, self.target = qnet(), qnet()
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=args.lr)
-        self.sampler = lambda: dr.Prioritized(alpha=args.alpha, beta=args.beta)
         # a short timeout: the main loop then restarts dead actors, and waits again
-        self.limiter = rate_limiter(cfg, timeout_s=5.0)
-        os.makedirs(self.where["checkpoints"], exist_ok=True)
-        for leftover in glob.glob(os.path.join(self.where["checkpoints"], ".tmp-*")):
+        options = {"sampler": dr.Prioritized(alpha=args.alpha, beta=args.beta),
+                   "rate_limiter": rate_limiter(cfg, timeout_s=5.0), "storage_options": cfg["storage_options"]}
+        os.makedirs(self.root, exist_ok=True)
+        for leftover in glob.glob(os.path.join(self.root, ".tmp-*")):
             shutil.rmtree(leftover)  # a checkpoint a kill interrupted
-        saved = checkpoints(self.where["checkpoints"])
+        saved = checkpoints(self.root)
         self.update = self.start_update = 0
         if saved:
             state = torch.load(os.path.join(saved[-1], "model.pt"), weights_only=True)
@@ -334,34 +405,28 @@ class Learner:
             self.optimizer.load_state_dict(state["optimizer"])
             self.update = self.start_update = int(state["update"])
             # the learner's side of the buffer as it was: priorities, generator, rows sampled
-            self.buf = dr.ReplayBuffer.load_snapshot(os.path.join(saved[-1], "buffer"), mode="r",
-                                                     url=self.where["buffer"], sampler=self.sampler(),
-                                                     rate_limiter=self.limiter)
+            self.buf = dr.ReplayBuffer.load_snapshot(os.path.join(saved[-1], "buffer"), mode="r", url=cfg["url"],
+                                                     **options)
             say(f"resumed from checkpoint {os.path.basename(saved[-1])} at update {self.update} "
                 f"({len(self.buf):,} rows committed in {self.buf.shards} shards)")
         else:
             self.target.load_state_dict(self.q.state_dict())
-            self.buf = dr.ReplayBuffer.open(self.where["buffer"], "r", sampler=self.sampler(), seed=args.seed,
-                                            rate_limiter=self.limiter)
+            self.buf = dr.ReplayBuffer.open(cfg["url"], "r", seed=args.seed, **options)
             say(f"starting at update 0 with {self.buf.shards} shards")
         self.saved_update = self.update
         self.losses: list[float] = []
-        self.publish_weights()
-
-    def publish_weights(self) -> None:
-        atomic_torch_save(self.q.state_dict(), self.where["weights"])
+        self.board.publish(flat_weights(self.q))
 
     def checkpoint(self) -> None:
         """Networks, optimizer and the buffer's learner state, together, in a new folder."""
-        root = self.where["checkpoints"]
-        tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
+        tmp = tempfile.mkdtemp(dir=self.root, prefix=".tmp-")
         torch.save({"q": self.q.state_dict(), "target": self.target.state_dict(),
                     "optimizer": self.optimizer.state_dict(), "update": self.update}, os.path.join(tmp, "model.pt"))
         self.buf.save_snapshot(os.path.join(tmp, "buffer"))
         fsync_tree(tmp)  # the rows it refers to are durable already: the actors' commits are
-        os.rename(tmp, os.path.join(root, f"{CHECKPOINT_PREFIX}{self.update:08d}"))
-        fsync_dir(root)
-        for old in checkpoints(root)[:-KEEP_CHECKPOINTS]:
+        os.rename(tmp, os.path.join(self.root, f"{CHECKPOINT_PREFIX}{self.update:08d}"))
+        fsync_dir(self.root)
+        for old in checkpoints(self.root)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old)
         self.saved_update = self.update
 
@@ -395,15 +460,16 @@ class Learner:
                 continue
             if self.update % args.refresh_every == 0:
                 self.buf.refresh()  # adopt every shard's newest commit
+                record_returns(args.run_dir, self.board.drain())
                 actors.revive()
             if self.update % args.target_every == 0:
                 self.target.load_state_dict(self.q.state_dict())
             if self.update % args.publish_every == 0:
-                self.publish_weights()
+                self.board.publish(flat_weights(self.q))
             if self.update % args.checkpoint_every == 0:
                 self.checkpoint()
                 say(f"update {self.update:6d}  loss {np.mean(self.losses[-100:]):8.4f}  "
-                    f"rows {len(self.buf):,}  {recent_returns(args.run_dir, args.actors)}  checkpoint saved")
+                    f"rows {len(self.buf):,}  {recent_returns(args.run_dir)}  checkpoint saved")
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -421,36 +487,58 @@ class StopRequest:
         self.signal = signum  # no print here: the signal may have come in the midst of one
 
 
-def recent_returns(run_dir: str, actors: int, last: int = 20) -> str:
-    returns = read_returns(run_dir, actors)
+def record_returns(run_dir: str, returns: list[tuple[float, float]]) -> None:
+    """Append ``(time, return)`` pairs to ``returns.txt`` (a line a kill cut is skipped when read)."""
+    if returns:
+        with open(os.path.join(run_dir, "returns.txt"), "a") as f:
+            f.writelines(f"{when:.6f} {value:g}\n" for when, value in returns)
+
+
+def read_returns(run_dir: str) -> list[tuple[float, float]]:
+    """``(time, return)`` of every episode the actors finished, oldest first."""
+    try:
+        with open(os.path.join(run_dir, "returns.txt")) as f:
+            pairs = [line.split() for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+    return sorted((float(when), float(value)) for when, value in pairs)
+
+
+def recent_returns(run_dir: str, last: int = 20) -> str:
+    returns = read_returns(run_dir)
     recent = [r for _, r in returns[-last:]]
     return f"episodes {len(returns):,}  mean return (last {len(recent)}) {np.mean(recent) if recent else 0.0:6.1f}"
 
 
-def read_returns(run_dir: str, actors: int) -> list[tuple[float, float]]:
-    """``(time, return)`` of every episode the actors finished, oldest first."""
-    out = []
-    for shard in range(actors):
-        try:
-            with open(os.path.join(run_dir, f"returns-{shard}.txt")) as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) == 2 and line.endswith("\n"):  # a kill may cut the last line
-                        out.append((float(parts[0]), float(parts[1])))
-        except FileNotFoundError:
-            pass
-    return sorted(out)
-
-
-def open_or_create_buffer(url: str, args: argparse.Namespace) -> None:
-    # A sharded buffer's root group (zarr.json) is written last at create: without it there is
-    # no buffer yet, or a create that a kill interrupted (which never opens): create it anew.
-    if not os.path.exists(os.path.join(url, "zarr.json")):
-        dr.ReplayBuffer.create(url, FIELDS, capacity=args.capacity, shards=args.actors, chunk_rows=args.chunk_rows,
-                               overwrite=True).close()
-    with dr.ReplayBuffer.open(url) as union:
+def open_or_create_buffer(args: argparse.Namespace, storage_options: dict[str, Any] | None) -> None:
+    """Open the sharded buffer at ``--url``, or create it where there is none. An existing buffer
+    is never created anew; a create that a kill interrupted never opens (a sharded buffer's root
+    is written last), so it is created again."""
+    try:
+        union = dr.ReplayBuffer.open(args.url, storage_options=storage_options)
+    except dr.NotABufferError:
+        dr.ReplayBuffer.create(args.url, FIELDS, capacity=args.capacity, shards=args.actors,
+                               chunk_rows=args.chunk_rows, storage_options=storage_options, overwrite=True).close()
+        union = dr.ReplayBuffer.open(args.url, storage_options=storage_options)
+    with union:
         if union.shards != args.actors:
-            raise SystemExit(f"{url} has {union.shards} shards: run with --actors {union.shards}")
+            raise SystemExit(f"{args.url} has {union.shards} shards: run with --actors {union.shards}")
+
+
+def start_ray(cfg: dict[str, Any]) -> Any:
+    """A local Ray instance, or the cluster ``RAY_ADDRESS`` names; the rate limiter's counts in a Ray actor."""
+    try:
+        import ray
+
+        from diskreplay.ray import EngineCounts
+    except ImportError:
+        raise SystemExit('--launcher ray needs Ray: pip install "diskreplay[ray]"') from None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(configure_logging=False)
+    else:
+        ray.init(num_cpus=max(cfg["actors"], os.cpu_count() or 1), include_dashboard=False, configure_logging=False)
+    cfg["counts"] = EngineCounts()
+    return ray
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -463,7 +551,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="Kill it at any time (all of it, or single actors) and rerun it with the same --run-dir: the "
                "learner resumes\nfrom its newest checkpoint, the actors reopen their shards. The module "
                "docstring describes --run-dir.")
-    p.add_argument("--run-dir", default="runs/actors_learner", help="buffer, weights, checkpoints and returns")
+    p.add_argument("--run-dir", default="runs/actors_learner", help="the learner's checkpoints and returns")
+    p.add_argument("--url", default=None, help="the buffer: a folder or s3://... (default: RUN_DIR/buffer)")
+    p.add_argument("--storage-options", type=json.loads, default=None,
+                   help='JSON for fsspec, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
     p.add_argument("--actors", type=int, default=2, help="actors, one shard each (fixed once the buffer exists)")
     p.add_argument("--launcher", choices=("process", "ray"), default="process",
                    help='actors as spawned processes, or as Ray actors (pip install "diskreplay[ray]")')
@@ -490,6 +581,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rows inserted (all shards) before the learner samples")
     g.add_argument("--flush-every", type=int, default=32,
                    help="an actor commits, and checks the rate limit, every this many steps")
+    g.add_argument("--lease-s", type=float, default=30.0,
+                   help="an actor's writer lease: how soon another host may take a dead actor's shard over")
     g.add_argument("--max-actor-restarts", type=int, default=20,
                    help="give up after restarting dead actors this many times")
     args = p.parse_args(argv)
@@ -504,18 +597,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    args.run_dir = os.path.abspath(args.run_dir)  # the actors may not share our working directory (Ray)
+    args.run_dir = os.path.abspath(args.run_dir)
+    # a local buffer path is made absolute: the actors may not share our working directory (Ray)
+    args.url = args.url or os.path.join(args.run_dir, "buffer")
+    if "://" not in args.url:
+        args.url = os.path.abspath(args.url)
     torch.set_num_threads(args.torch_threads)
-    where = paths(args.run_dir)
     os.makedirs(args.run_dir, exist_ok=True)
-    if os.path.exists(where["stop"]):
-        os.unlink(where["stop"])  # left by the run before
-    open_or_create_buffer(where["buffer"], args)
+    open_or_create_buffer(args, args.storage_options)
     cfg = {"actors": args.actors, "seed": args.seed, "batch_size": args.batch_size, "flush_every": args.flush_every,
            "samples_per_insert": args.samples_per_insert, "learning_starts": args.learning_starts,
-           "max_actor_restarts": args.max_actor_restarts}
-    actors = RayActors(args.run_dir, cfg) if args.launcher == "ray" else ProcessActors(args.run_dir, cfg)
-    learner = Learner(args, cfg)
+           "max_actor_restarts": args.max_actor_restarts, "url": args.url, "storage_options": args.storage_options,
+           "lease_s": args.lease_s, "launcher": args.launcher, "counts": None}
+    actors = RayActors(start_ray(cfg), cfg) if args.launcher == "ray" else ProcessActors(cfg)
+    learner = Learner(args, cfg, actors.board)
     stop = StopRequest()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -523,30 +618,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         actors.start_all()
         learner.train(actors, stop)
     finally:
-        with open(where["stop"], "w"):
-            pass
-        actors.stop()
+        record_returns(args.run_dir, actors.stop())
     if learner.update != learner.saved_update:
         learner.checkpoint()
     if stop.signal:
         say(f"{signal.Signals(stop.signal).name}: stopped at update {learner.update}, checkpoint saved; "
             f"run again to resume")
-    learner.publish_weights()
     rows_sampled = int(learner.buf.state_dict()["samples"])
     learner.buf.close()
-    with dr.ReplayBuffer.open(where["buffer"]) as union:
+    with dr.ReplayBuffer.open(args.url, storage_options=args.storage_options) as union:
         rows = [int(n) for n in union.window()[1].reshape(union.shards, -1).sum(axis=1)]  # steps each shard added
-    returns = read_returns(args.run_dir, args.actors)
+    returns = read_returns(args.run_dir)
     recent = [r for _, r in returns[-20:]]
     summary = {"updates": learner.update, "start_update": learner.start_update, "rows_per_shard": rows,
                "episodes": len(returns), "mean_recent_return": float(np.mean(recent)) if recent else None,
                "rows_sampled": rows_sampled, "actor_restarts": actors.restarts,
                "stopped_by_signal": signal.Signals(stop.signal).name if stop.signal else None}
-    with open(where["summary"] + ".tmp", "w") as f:
+    summary_path = os.path.join(args.run_dir, "summary.json")
+    with open(summary_path + ".tmp", "w") as f:
         json.dump(summary, f)
-    os.replace(where["summary"] + ".tmp", where["summary"])
+    os.replace(summary_path + ".tmp", summary_path)
     say(f"done: {learner.update} updates (this run from update {learner.start_update}), rows per shard {rows}, "
-        f"{recent_returns(args.run_dir, args.actors)}")
+        f"{recent_returns(args.run_dir)}")
     return summary
 
 

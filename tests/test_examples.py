@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import logged
+from ray_cluster import ray_cluster  # noqa: F401 (a fixture)
+from s3server import s3  # noqa: F401 (a fixture)
 
 import diskreplay as dr
 
@@ -280,6 +283,57 @@ def test_actors_learner_with_ray_actors(tmp_path):
     summary = run_summary(run)
     assert (summary["updates"], summary["start_update"], summary["rows_sampled"]) == (100, 0, 100 * 64)
     assert len(summary["rows_per_shard"]) == 2 and min(summary["rows_per_shard"]) > 0, summary
+
+
+def test_actors_learner_on_s3_keeps_the_buffer_across_runs(tmp_path, s3):
+    """Rows on S3, weights, stop signal and returns through the launcher: the run folder holds only
+    the learner's own files, and a second run resumes the first's buffer instead of creating one."""
+    pytest.importorskip("gymnasium")
+    run, url, options = tmp_path / "run", s3.new_url("apex"), s3.storage_options()
+    flags = ["--url", url, "--storage-options", json.dumps(options)]
+    rows = []
+    for updates in (100, 150):
+        with open(tmp_path / "stderr.txt", "w") as err:
+            proc = start_actors_learner(run, example_env(tmp_path / str(updates)), err, *flags,
+                                        "--updates", str(updates))
+            try:
+                out = proc.communicate(timeout=600)[0]
+            finally:
+                kill_group(proc)
+        assert proc.returncode == 0, out + (tmp_path / "stderr.txt").read_text()
+        summary = run_summary(run)
+        assert summary["updates"] == updates and min(summary["rows_per_shard"]) > 0, summary
+        rows.append(summary["rows_per_shard"])
+    assert "resumed from checkpoint update-00000100 at update 100 " in out
+    assert all(b > a for a, b in zip(*rows)), rows  # the second run added to the first run's rows
+    assert sorted(os.listdir(run)) == ["checkpoints", "returns.txt", "summary.json"]
+    with dr.ReplayBuffer.open(url, storage_options=options) as union:
+        assert union.window()[1].tolist() == rows[-1]
+
+
+def test_actors_learner_on_a_ray_cluster_with_rows_on_s3(tmp_path, s3, ray_cluster):
+    """The actors run on a two-node Ray cluster; the rate limiter's counts live in a Ray actor, so
+    no one writes or reads the learner's progress object in the store."""
+    pytest.importorskip("gymnasium")
+    run, url, options = tmp_path / "run", s3.new_url("apex"), s3.storage_options()
+    env = {**example_env(tmp_path), **ray_cluster.auth, "RAY_ADDRESS": ray_cluster.address}
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = start_actors_learner(run, env, err, "--launcher", "ray", "--url", url, "--storage-options",
+                                    json.dumps(options), "--updates", "100")
+        try:
+            out = proc.communicate(timeout=600)[0]
+        finally:
+            kill_group(proc)
+    assert proc.returncode == 0, out + (tmp_path / "stderr.txt").read_text()
+    assert "actor 0 started (ray actor)" in out and "actor 1 started (ray actor)" in out
+    summary = run_summary(run)
+    assert (summary["updates"], summary["rows_sampled"]) == (100, 100 * 64)
+    # both actors ran (on a cluster one may start late and commit nothing before the stop)
+    assert "opened shard 0 (0 rows" in out and "opened shard 1 (0 rows" in out
+    assert sum(summary["rows_per_shard"]) >= 200 + 100 * 64 // 8 - 64 - 8 * 32, summary  # the limiter's bound
+    assert sorted(os.listdir(run)) == ["checkpoints", "returns.txt", "summary.json"]
+    keys = s3.keys(url)
+    assert "zarr.json" in keys and not [key for key in keys if "learner" in key], sorted(keys)
 
 
 def test_rllib_offline_trains_bc_from_a_buffer_through_ray_data(tmp_path):

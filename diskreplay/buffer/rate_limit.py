@@ -261,14 +261,16 @@ class LearnerGate:
     def after(self, count: int) -> None:
         """``count`` rows were sampled."""
         self.state.samples += count
-        if self.limiter is not None and self.limiter.counts is not None:
-            self.limiter.counts.set_samples(self.state.samples)
-        elif self.limiter is not None:
+        if self.limiter is not None:
             self.publish()
 
     def publish(self, urgent: bool = False, force: bool = False) -> None:
-        """Have the learner's progress written: within `PUBLISH_EVERY_S` seconds, at once if
-        ``urgent``; ``force``: written before this returns."""
+        """Make the learner's progress known: to the engine that keeps the counts, if any (a
+        message; the store is not touched), else written to the store within `PUBLISH_EVERY_S`
+        seconds, at once if ``urgent``; ``force``: written before this returns."""
+        if self.limiter is not None and self.limiter.counts is not None:
+            self.limiter.counts.set_samples(self.state.samples)
+            return
         inserts = self.union.total.reshape(self.union.shards, -1).sum(axis=1)
         progress = LearnerProgress(self.state.samples, tuple(inserts.tolist()), time.time(),
                                    self.state.sampler.type_name)
