@@ -125,3 +125,33 @@ def test_a_failed_write_of_the_learners_progress_is_raised_by_its_next_sample(tm
     assert json.loads((tmp_path / "b" / OWN / LEARNER_KEY).read_text())["samples"] == 16
     with pytest.raises(ValueError, match="RateLimiter: counts must be None or a SharedCounts"):
         dr.RateLimiter(1, 1, counts=object())  # type: ignore[arg-type]
+
+
+class Counts:
+    """A `SharedCounts` kept in this process (as a Ray actor keeps them)."""
+
+    def __init__(self) -> None:
+        self.samples, self.inserts = 0, {}
+
+    def set_samples(self, samples: int) -> None:
+        self.samples = samples
+
+    def set_inserts(self, shard: int, rows: int) -> tuple[int, int]:
+        self.inserts[shard] = rows
+        return sum(self.inserts.values()), self.samples
+
+
+def test_a_learner_whose_counts_an_engine_keeps_writes_nothing_to_the_store_also_when_it_waits(tmp_path):
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, FIELDS, capacity=None, shards=2).close()
+    with dr.ReplayBuffer.open_shard(url, 1) as w:
+        w.extend({"obs": np.zeros((10, 2)), "done": np.zeros(10, bool)})
+    counts = Counts()
+    limiter = dr.RateLimiter(samples_per_insert=1.0, error_buffer=1.0, min_size=1, timeout_s=0.05, counts=counts)
+    with dr.ReplayBuffer.open(url, "r", rate_limiter=limiter) as lrn:
+        lrn.sample(8)
+        with pytest.raises(dr.RateLimitTimeout, match=r"sample\(8\) waited 0.05 s"):
+            lrn.sample(8)  # 16 > 1 * (10 - 1) + 1: it waits, refreshing, and gives up
+        lrn.learner_rank().publish()
+    assert counts.samples == 8
+    assert not (tmp_path / "b" / OWN / LEARNER_KEY).exists()
