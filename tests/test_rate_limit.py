@@ -22,8 +22,8 @@ from diskreplay.format.shards import LEARNER_KEY
 pytestmark = pytest.mark.slow
 
 FIELDS = {"obs": dr.Field((2,), "float64"), "done": dr.Field((), "bool")}
-SHARDS, ACTORS, CHECKS, ROWS = 64, 16, 5, 10
-LIMITER = {"samples_per_insert": 2.0, "error_buffer": 1000.0, "min_size": 1}
+SHARDS, ACTORS, CHECKS, ROWS = 64, 64, 5, 10
+LIMITER = {"samples_per_insert": 2.0, "error_buffer": 2000.0, "min_size": 1}
 
 ACTOR = f"""
 import json, sys
@@ -73,7 +73,7 @@ def test_an_actor_check_reads_one_object_whatever_the_shards(s3, fault_proxy):
     finally:
         for a in actors:
             a.communicate("close\n", timeout=60)
-    # 30 >= 2 * (160 + k - 1) - 1000  <=>  k <= 356: the others' rows as the learner published them
+    # 30 >= 2 * (640 + k - 1) - 2000  <=>  k <= 376: the others' rows as the learner published them
     assert answers == [[True, False, True, False, True]] * ACTORS
     assert checked == {"learner": ACTORS * CHECKS, "commits": 0, "others": 0}
     assert [a.returncode for a in actors] == [0] * ACTORS
