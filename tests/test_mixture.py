@@ -226,6 +226,17 @@ def test_state_dict_resumes_exactly_also_reopened(tmp_path):
         mix.close()
 
 
+def test_golden_batches(pair):
+    """The batches a seed gives, pinned: a change to how a mixture draws shows here."""
+    mix = dr.Mixture(dict(zip(("offline", "online"), pair)), weights={"offline": 1, "online": 2}, seed=2026)
+    for index in ([170, 35, 139, 44, 71, 100], [166, 158, 147, 35, 79, 98]):
+        batch = mix.sample(6)
+        assert (batch["index"].tolist(), batch["source"].tolist()) == (index, [0, 0, 1, 1, 1, 1])
+    batch = mix.sample(4, n_step=3)
+    assert batch["index"].tolist() == [33, 36, 65, 110]
+    np.testing.assert_allclose(batch["reward"], [100.9635, 3079.9739, 3166.1067, 3299.7612], rtol=1e-6)
+
+
 def test_load_state_dict_is_all_or_nothing(pair, tmp_path):
     mix = dr.Mixture(dict(zip(("offline", "online"), pair)), seed=0)
     state = mix.state_dict()
@@ -292,7 +303,7 @@ def test_s3_offline_and_a_live_sharded_online_source(tmp_path, s3):
     actors[0].extend(steps(20, 1000.0))
     actors[0].flush()
     offline = dr.ReplayBuffer.open(url, "r", storage_options=so)
-    learner = dr.ReplayBuffer.open(online_url, "r", seed=0)
+    learner = dr.ReplayBuffer.open(online_url, "r", seed=0, sampler=dr.Prioritized())  # the learner's own
     mix = dr.Mixture({"offline": offline, "online": learner}, seed=0)
     batch = mix.sample(40)
     online_rows = batch["reward"][batch["source"] == 1]
@@ -302,6 +313,12 @@ def test_s3_offline_and_a_live_sharded_online_source(tmp_path, s3):
     assert mix.sample(400)["reward"].max() < 2000  # not adopted yet
     assert mix.refresh() is True and mix.refresh() is False
     assert (mix.sample(400)["reward"] >= 2000).any()
+    pytest.importorskip("torch")  # each reader opens the sources: S3 with their storage options, the learner's sampler
+    dataset = mix.as_dataset(8, seed=0, sampler={"online": dr.Prioritized()})
+    batch = next(iter(dataset))
+    expected = mix.sample(8, rng=np.random.default_rng([0, 0, 0]))
+    for name, value in expected.items():
+        np.testing.assert_array_equal(batch[name].numpy(), value, err_msg=name)
     for buf in [*actors, offline, learner]:
         buf.close()
 

@@ -36,9 +36,11 @@ class MixtureReader(Reader):
     the mixture's settings."""
 
     def __init__(self, mixture: Mixture, cache_bytes: int | None, io_threads: int | None, sampler: Any = None):
-        sources = {name: SourceAddress(buf.url, buf.storage_options, sampler) for name, buf in mixture.sources.items()}
+        samplers = sampler if isinstance(sampler, Mapping) else dict.fromkeys(mixture.sources, sampler)
+        sources = {name: SourceAddress(buf.url, buf.storage_options, samplers.get(name))
+                   for name, buf in mixture.sources.items()}
         super().__init__(", ".join(f"{name}={src.url}" for name, src in sources.items()), None, cache_bytes,
-                         io_threads, sampler)
+                         io_threads)
         self.sources = sources
         self.weights, self.renames, self.select = dict(mixture.weights), mixture.renames, mixture.select
         self._mixture: Mixture | None = None
@@ -90,9 +92,12 @@ def mixture_dataset(mixture: Mixture, batch_size: int, *, seed: int = 0, rank: i
     ``num_workers``, resumes from ``state_dict()`` as a buffer's does, and each source adopts its
     new commits every ``refresh_every`` batches and/or ``refresh_seconds``.
 
-    The options are `make_dataset`'s for ``mode="sample"``: ``sampler`` (one for every source;
-    default: the one saved with each source), ``cache_bytes`` and ``io_threads`` (each source's
-    reader), ``worker_ring``, ``as_tensordict``... The sources' storage options are theirs.
+    The options are `make_dataset`'s for ``mode="sample"``: ``sampler`` (one for every source, or
+    a mapping of source names to samplers; default, and for a source the mapping leaves out: the
+    one saved with each source, so a learner's own sampler over a sharded buffer must be given),
+    ``cache_bytes`` and ``io_threads`` (each source's reader), ``sample_options``,
+    ``worker_ring``, ``as_tensordict``. The sources' storage options are theirs. Prioritized
+    sources use the priorities of their last commit, as in `SampleDataset`.
 
     Raises:
         ValueError: bad batch_size, seed, rank or world size; as `make_dataset`.
