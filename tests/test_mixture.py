@@ -290,6 +290,25 @@ def test_bad_sources_and_fields(pair, tmp_path):
         buf.close()
 
 
+class Tagged(dr.Uniform):
+    """A sampler of one's own that adds an array to its batches."""
+
+    def sample(self, rng, batch_size, lo, hi, recent_rows=None):
+        draw = super().sample(rng, batch_size, lo, hi, recent_rows)
+        return dr.Draw(draw.lane, draw.step, extra={"tag": np.ones(batch_size)})
+
+
+def test_sources_whose_batches_differ_are_refused(pair, tmp_path):
+    tagged = make(tmp_path / "tagged", 20, 0.0, sampler=Tagged())
+    with pytest.raises(ValueError, match=r"the sources' batches differ: source 'offline' gave \['action', 'done', "
+                                         r"'index', 'obs', 'reward'\], source 'tagged' \['action', 'done', 'index', "
+                                         r"'obs', 'reward', 'tag'\]"):
+        dr.Mixture({"offline": pair[0], "tagged": tagged}).sample(4)
+    assert sorted(dr.Mixture({"tagged": tagged}).sample(4)) == ["action", "done", "index", "obs", "reward",
+                                                                "source", "tag"]
+    tagged.close()
+
+
 # ---- remote, sharded and live sources ---------------------------------------------------------
 
 def test_s3_offline_and_a_live_sharded_online_source(tmp_path, s3):

@@ -119,9 +119,8 @@ class Mixture:
         passed to every source; a sampler option (``beta``, ``recent_rows``, a sampler's own)
         only to the sources whose sampler takes it (``beta`` to the prioritized ones).
         ``stack_fields`` and ``out`` use the mixture's field names; ``her`` names fields as the
-        sources do. Random choices use ``rng``, else a generator
-        seeded with ``seed``, else the mixture's own, for every source in turn. ``format`` as in
-        `ReplayBuffer.sample`.
+        sources do. Random choices use ``rng``, else a generator seeded with ``seed``, else the
+        mixture's own, for every source in turn. ``format`` as in `ReplayBuffer.sample`.
 
         ``"weight"``: when some source has priorities, each row's importance weight as its own
         source computes it (normalized within that source); rows of a source without
@@ -141,12 +140,12 @@ class Mixture:
         counts = self.counts(batch_size)
         _check_out_rows(out, int(batch_size))
         per_source = self._options(options)
-        parts, start = [], 0
+        parts, start = {}, 0
         for name in self.names:
             count = counts[name]
             if count:
                 part_out = _part(out, start, start + count, self._fields[name])
-                parts.append(self._draw(name, count, generator, part_out, stack_fields, per_source[name]))
+                parts[name] = self._draw(name, count, generator, part_out, stack_fields, per_source[name])
             start += count
         return convert(self._joined(parts, counts, out))
 
@@ -183,23 +182,29 @@ class Mixture:
             raise EmptyBufferError(f"source {name!r} of the mixture: {exc}") from None
         return fields.rows(batch)
 
-    def _joined(self, parts: list[Rows], counts: Mapping[str, int], out: Mapping[str, np.ndarray] | None) -> Rows:
+    def _joined(self, parts: Mapping[str, Rows], counts: Mapping[str, int], out: Mapping[str, np.ndarray] | None
+                ) -> Rows:
         """The parts' rows one after another (into ``out``'s arrays where given), with the
-        ``source`` column, and weights of 1 for sources without priorities if some have them."""
-        if any("weight" in part for part in parts):
-            for part in parts:
+        ``source`` column, and weights of 1 for sources without priorities if some have them.
+        Raises ValueError for parts with different arrays (a sampler's own extras)."""
+        if any("weight" in part for part in parts.values()):
+            for part in parts.values():
                 part.setdefault("weight", np.ones(len(part["index"]), np.float32))
+        (first, keys), *others = ((name, sorted(part)) for name, part in parts.items())
+        for name, theirs in others:
+            if theirs != keys:
+                raise ValueError(f"the sources' batches differ: source {first!r} gave {keys}, source {name!r} {theirs}")
         codes = np.repeat(np.arange(len(self.names), dtype=np.uint8), [counts[n] for n in self.names])
         batch: Rows = {}
-        for key in [*parts[0], SOURCE]:
-            pieces = [codes] if key == SOURCE else [part[key] for part in parts]
+        for key in [*parts[first], SOURCE]:
+            pieces = [codes] if key == SOURCE else [part[key] for part in parts.values()]
             given = None if out is None else out.get(key)
             if given is None:
                 batch[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
                 continue
             start = 0
             for piece in pieces:  # a source gathered its fields, index and weight into its part already
-                if not np.shares_memory(piece, given):
+                if not np.may_share_memory(piece, given):
                     given[start:start + len(piece)] = piece
                 start += len(piece)
             batch[key] = given
