@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .buffer import BufferSpec, RateLimiter, ReplayBuffer
+from .buffer import BufferSpec, Mixture, RateLimiter, ReplayBuffer
 from .build import build_info
 from .episodes import (
     HER,
@@ -39,8 +39,8 @@ from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "RateLimiter", "Field", "BufferSpec", "fields_from_spaces", "fields_from_env", "spec_from_env",
-    "flatten_fields", "import_dataset", "export_buffer", "Uniform", "Prioritized",
+    "ReplayBuffer", "Mixture", "RateLimiter", "Field", "BufferSpec", "fields_from_spaces", "fields_from_env",
+    "spec_from_env", "flatten_fields", "import_dataset", "export_buffer", "Uniform", "Prioritized",
     "WithoutReplacement", "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree",
     "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",

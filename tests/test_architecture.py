@@ -28,6 +28,8 @@ UPWARD_ALLOWED = {
     # `ReplayBuffer.as_dataset` is the torch layer's front door on the buffer: made at call time,
     # so that `import diskreplay` never loads torch (the torch layer imports the buffer, not back)
     ("diskreplay.buffer.replay_buffer", "diskreplay.torch.data"),
+    # `Mixture.as_dataset`, the same front door for a mixture of buffers
+    ("diskreplay.buffer.mixture", "diskreplay.torch.mixtures"),
     # `sample(..., format="torch" | "tensordict")`: the converters live in the torch layer, imported when asked for
     ("diskreplay.buffer.output_format", "diskreplay.torch.formats"),
 }

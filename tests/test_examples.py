@@ -1,4 +1,5 @@
-"""The examples: short runs with small flags (offline BC over several epochs, DQN killed and resumed)."""
+"""The examples: short runs with small flags (offline BC over several epochs, DQN killed and resumed, RLPD's
+mixed batches)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,20 @@ def test_online_dqn_resume_after_sigkill_cuts_the_episode(tmp_path, capsys, capl
             assert (bool(last["truncated"][0]), bool(last["terminated"][0])) == (True, False)
         else:
             assert bool(last["truncated"][0]) or bool(last["terminated"][0])
+
+
+def test_rlpd_pendulum_trains_on_half_offline_half_online_batches(tmp_path, capsys, one_torch_thread):
+    pytest.importorskip("gymnasium")
+    updates = load_example("rlpd_pendulum").main(["--steps", "400", "--offline-steps", "1000", "--utd", "2",
+                                                  "--batch-size", "32", "--workdir", str(tmp_path)])
+    assert updates == 800
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"offline: 1,000 rows imported from {tmp_path / 'pendulum-offline.npz'} ")
+    assert [line.split("  return")[0] for line in out[1:3]] == ["step    200  episode   1", "step    400  episode   2"]
+    assert out[-1].startswith("done: 400 steps, 800 updates on 12,800 offline + 12,800 online rows, ")
+    with dr.ReplayBuffer.open(tmp_path / "online") as online, dr.ReplayBuffer.open(tmp_path / "offline") as offline:
+        assert (len(online), len(offline)) == (400, 1000)
+        assert online.fields == offline.fields
 
 
 # ---- actors_learner.py: actor processes and a learner sharing one sharded buffer ------------------

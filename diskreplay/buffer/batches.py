@@ -322,6 +322,12 @@ def check_options(sampler: Sampler, options: Mapping[str, Any]) -> None:
         raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
 
 
+def takes_option(sampler: Sampler, name: str) -> bool:
+    """Whether a sampler's ``sample`` takes the keyword option ``name`` (any, with ``**options``)."""
+    taken = _sampling_options(type(sampler))
+    return taken is None or name in taken
+
+
 @functools.cache
 def _sampling_options(sampler_type: type[Sampler]) -> tuple[str, ...] | None:
     """The keyword options a sampler class's ``sample`` takes (None: any, it has ``**options``)."""

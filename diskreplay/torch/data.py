@@ -138,7 +138,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     try:
         options = storage_options if storage_options is not None else buf.storage_options
         layout, lo, hi = buf.layout, *committed_window(buf)
-        _warn_if_uncommitted(buf, lo, hi, mode)
+        warn_if_uncommitted(buf, lo, hi, mode)
         if as_tensordict:
             _check_tensordict(buf)
         block = batches_per_block(int(batch_size), buf)
@@ -160,7 +160,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             buf.close()
 
 
-def _warn_if_uncommitted(buf: ReplayBuffer, lo: np.ndarray, hi: np.ndarray, mode: str) -> None:
+def warn_if_uncommitted(buf: ReplayBuffer, lo: np.ndarray, hi: np.ndarray, mode: str) -> None:
     """Datasets read committed rows only: say so when the writer given holds rows not yet
     committed, or when an epoch would be empty."""
     staged = len(buf) - int((hi - lo).sum()) if buf.mode != "r" else 0
