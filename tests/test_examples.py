@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import logged
-from ray_cluster import ray_cluster  # noqa: F401 (a fixture)
-from s3server import s3  # noqa: F401 (a fixture)
+from ray_cluster import ray_cluster  # a fixture
+from s3server import s3  # a fixture
 
 import diskreplay as dr
 
