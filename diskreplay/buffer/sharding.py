@@ -17,7 +17,7 @@ from ..format.shards import ShardedRoot, check_shards, root_documents, shard_nam
 from ..io import ChunkStore, RetryPolicy, is_local, link_target, local_path, open_chunkstore
 from ..sampling import Sampler, Uniform
 from ..storage import DEFAULT_CACHE_BYTES, NewStorage, Options, UnionStorage, check_location, open_union_storage
-from ..storage.commit_log import CommitLog
+from ..storage.commit_log import Announcer
 from ..storage.union import CommitIndex
 from .parts import ActorLimit, BufferOpening, LearnerOpening
 from .rate_limit import Progress, RateLimiter
@@ -149,22 +149,9 @@ def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limite
     check_shard(shard, declared.count, url)
     check_shard_directory(url, shard)
     actor = None if limiter is None else ActorLimit(limiter, Progress(store, url, declared), shard)
-    buffer = open_buffer(cls, shard_url(url, shard), mode, actor, **open_options)
     index = commit_index(url, declared, open_options.get("storage_options"), open_options.get("retry"))
-    if index is not None and mode == "r+":
-        try:
-            announce_commits(buffer, index, shard)
-        except BaseException:
-            buffer.close()
-            raise
-    return buffer
-
-
-def announce_commits(buffer: ReplayBuffer, index: CommitIndex, shard: int) -> None:
-    """Make the writer ``buffer`` of shard ``shard`` announce each commit in ``index``."""
-    log: CommitLog = getattr(buffer.storage, "_log")  # noqa: B009  (the writer's own log)
-    index.start(shard, log.record.sequence)
-    log.announce = lambda record: index.announce(shard, record.sequence)
+    announcer = index.of_shard(shard) if index is not None and mode == "r+" else None
+    return open_buffer(cls, shard_url(url, shard), mode, actor, announcer=announcer, **open_options)
 
 
 def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str, actor: ActorLimit | None, *,
@@ -172,14 +159,15 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
                 cache_bytes: int = DEFAULT_CACHE_BYTES, io_threads: int | None = None,
                 memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
                 continue_episodes: bool = False, seed: int | None = None,
-                rate_limiter: RateLimiter | None = None, lease_s: float | None = None) -> ReplayBuffer:
+                rate_limiter: RateLimiter | None = None, lease_s: float | None = None,
+                announcer: Announcer | None = None) -> ReplayBuffer:
     """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
-    buffer; ``actor``: a shard writer's rate limit (`open_writer`)."""
+    buffer; ``actor`` and ``announcer``: a shard writer's rate limit and commit index (`open_writer`)."""
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     url = os.fspath(path)
     check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
-    options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s)
+    options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s, announcer)
     root = None
     try:
         opened = open_storages(url, mode, options)

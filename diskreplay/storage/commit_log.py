@@ -30,9 +30,9 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,12 +64,22 @@ class StagedState:
     checksum: int | None = None  # the CRC32C of the object at ``key``
 
 
+class Announcer(Protocol):
+    """Where a shard's writer announces its commits (a sharded root's commit index)."""
+
+    def start(self, sequence: int) -> None:
+        """The writer opened at commit ``sequence``."""
+
+    def announce(self, sequence: int) -> None:
+        """Commit ``sequence`` is about to be made."""
+
+
 class CommitLog:
     """The commit record, its state objects, the arrays' growth and the writer lock of one buffer."""
 
     def __init__(self, url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig,
                  arrays: dict[str, ArrayMeta], record: CommitRecord, cursors: Cursors, mode: str,
-                 lock: WriterLock | None):
+                 lock: WriterLock | None, announcer: Announcer | None = None):
         self.url = url
         self.store = store
         self.objects = objects
@@ -87,11 +97,12 @@ class CommitLog:
         self.lost_lock: str | None = None
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
         self.journals: dict[str, Journal] = {}
-        self.announce: Callable[[CommitRecord], None] | None = None
-        """Called before each commit with its record (a shard's writer: the root's commit index)."""
+        self.announcer = announcer
         self._version: str | None = None  # of the commit record as this writer last wrote or read it
         if lock is not None:
             self._fence(lock.replaced is not None)
+        if announcer is not None:
+            announcer.start(self.record.sequence)
 
     def _fence(self, rewrite: bool) -> None:
         """Writer: note the commit record's version (``rewrite``: and replace it by a commit of
@@ -158,8 +169,8 @@ class CommitLog:
     def _put_record(self, record: CommitRecord, durable: bool) -> None:
         """Replace the commit record by ``record`` if it is still as this writer left it; announced
         first (a shard's writer), so that the announcements may lead the commits, never lag them."""
-        if self.announce is not None:
-            self.announce(record)
+        if self.announcer is not None:
+            self.announcer.announce(record.sequence)
         version = self.objects.put_if_version(COMMIT_KEY, record.to_bytes(), self._version, durable)
         if version is None:
             self.lost_lock = (f"{self.url!r}: this writer's commit was refused: {COMMIT_KEY} changed since its last "

@@ -43,7 +43,7 @@ from ..io.threads import Threads
 from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
-from .commit_log import CommitLog
+from .commit_log import Announcer, CommitLog
 from .cursors import Cursors
 from .file_maps import FileMaps
 from .loading import ChunkLoader
@@ -72,6 +72,8 @@ class Options:
     break_lock: bool = False
     retry: RetryPolicy | None = None
     lease_s: float | None = None
+    announcer: Announcer | None = None
+    """A shard's writer: where it announces its commits."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,8 @@ def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferCo
               record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> BufferStorage:
     """One buffer's storage, as its writer (``mode="r+"``) or a reader of it."""
     cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
-    log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock)
+    log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock,
+                    options.announcer if mode == "r+" else None)
     io = ChunkIO(store, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
     cache, loader, reader, files = _read_side(url, config, arrays, log, io, options)

@@ -72,6 +72,10 @@ class CommitIndex:
         except FileNotFoundError:  # no shard announced a commit yet
             return []
 
+    def of_shard(self, shard: int) -> ShardAnnouncer:
+        """The `Announcer` of the writer of ``shard``."""
+        return ShardAnnouncer(self, shard)
+
     def start(self, shard: int, sequence: int) -> None:
         """The writer of ``shard``, opened at commit ``sequence``: announce it (an announcement
         of a commit that was never made may be ahead of it) and delete every other name of it."""
@@ -92,6 +96,19 @@ class CommitIndex:
         self._announced[shard] = sequence
         for old in stale:
             self.store.delete(old)
+
+
+class ShardAnnouncer:
+    """A shard writer's `Announcer`: its commits announced in the root's `CommitIndex`."""
+
+    def __init__(self, index: CommitIndex, shard: int):
+        self.index, self.shard = index, shard
+
+    def start(self, sequence: int) -> None:
+        self.index.start(self.shard, sequence)
+
+    def announce(self, sequence: int) -> None:
+        self.index.announce(self.shard, sequence)
 
 
 class UnionLog:
