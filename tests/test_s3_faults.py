@@ -125,7 +125,11 @@ def test_get_many_keeps_its_bound_while_requests_hang(s3, fault_proxy, s3_client
     # every key got its one GET (no HEAD), never more than `concurrency` held at once
     assert [fault_proxy.count(f"/{store.root}/{k}", "GET") for k in keys] == [1] * len(keys)
     assert fault_proxy.count("/", "HEAD") == 0
-    assert fault_proxy.holds == len(keys) and fault_proxy.max_holding == 2
+    # obstore's runtime closes a timed-out request's connection after the call returned its error:
+    # the next request of that thread may reach the proxy first, so one abandoned connection can
+    # still look held for a moment
+    closing = 1 if s3_client == "obstore" else 0
+    assert fault_proxy.holds == len(keys) and 2 <= fault_proxy.max_holding <= 2 + closing
     assert tasks_left(store) == []
     assert fault_proxy.wait_until(lambda: fault_proxy.abandoned == len(keys), SAFETY_S)
 
