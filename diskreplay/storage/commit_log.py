@@ -90,6 +90,8 @@ class CommitLog:
         self.announce: Callable[[CommitRecord], None] | None = None
         """Called before each commit with its record (a shard's writer: the root's commit index)."""
         self._version: str | None = None  # of the commit record as this writer last wrote or read it
+        self.held: Callable[[], CommitRecord] | None = None
+        """A reader opened at one commit: what `read_newest` answers instead (`pins.hold_pinned`)."""
         if lock is not None:
             self._fence(lock.replaced is not None)
 
@@ -196,6 +198,11 @@ class CommitLog:
         return self.read_newest()
 
     def read_newest(self) -> CommitRecord:
+        """The newest commit record in the store (validated); a reader held at one commit: that
+        one (`held`)."""
+        return self.read_store_newest() if self.held is None else self.held()
+
+    def read_store_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
         read_small = functools.partial(self.store.get, limit=MAX_METADATA_BYTES + 1)
         blob = self.objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
@@ -276,8 +283,13 @@ class CommitLog:
         A reader may race the writer: the commit it read names a state object the writer has
         since replaced. It then reads the newer commit and that one's state.
 
+        A reader held at its commit (`held`) never adopts another: asked for the newest, it
+        answers its own commit and no state (the one it loaded when opened is its own).
+
         Raises CorruptBufferError: the state object is missing or unreadable (naming it).
         """
+        if newest and self.held is not None:
+            return self.read_newest(), {}
         record = self.read_newest() if newest else self.record
         key = record.state_arrays
         for attempt in range(STATE_ATTEMPTS):
