@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from format_v1 import downgrade
 
 import diskreplay as dr
 from diskreplay import cli
@@ -233,6 +234,7 @@ def test_an_interrupted_pin_is_never_read_and_its_copies_go(tmp_path, monkeypatc
     with pytest.raises(dr.CommitNotKeptError, match=r"the pinned: none"):
         dr.ReplayBuffer.open(url, "r", at_commit="x")
     assert verify(url, at_commit="x").problems[0].startswith("commit 'x' is not kept")
+    assert f"pins.json: pin {n} ('x') is 'copying', left by an interrupted writer" in verify(url).notes[0]
     assert verify(url, at_commit=n).ok  # the newest commit itself, unpinned
     m = buf.pin("y")  # the writer's next pin deletes what the interrupted one left
     buf.unpin(m)
@@ -286,3 +288,18 @@ def test_sharded_buffers_pin_shard_by_shard(tmp_path):
         union.pins()
     assert verify(url, at_commit=n).problems[0].startswith("a sharded buffer has no commit")
     shard.close()
+
+
+def test_a_format_1_buffer_opens_its_newest_commit_but_takes_no_pins(tmp_path):
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=CAPACITY, num_envs=LANES, chunk_rows=CHUNK) as buf:
+        buf.extend(steps(0, 5))
+    downgrade(url)
+    with dr.ReplayBuffer.open(url, "r") as reader:
+        n = reader.storage.record.sequence
+    with dr.ReplayBuffer.open(url, "r", at_commit=n) as reader:
+        assert len(reader) == 5 * LANES
+    with dr.ReplayBuffer.open(url, "r+") as buf:
+        with pytest.raises(ValueError, match=r"is a diskreplay/1 buffer: pins need format diskreplay/2"):
+            buf.pin()
+        assert buf.pins() == {}

@@ -374,6 +374,10 @@ def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) 
 
 
 def _notes(store: ChunkStore, objects: ChunkStore, report: VerifyReport) -> None:
+    try:
+        report.notes += read_index(objects, report.url).describe_unfinished()
+    except CorruptBufferError as exc:
+        report.problem(_without_url(exc, report.url))
     lock = objects.get(LOCK_KEY)
     if lock is not None:
         holder = LockInfo.from_bytes(lock)

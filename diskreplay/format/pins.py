@@ -62,6 +62,11 @@ class PinIndex:
         """Pins whose making or removal was interrupted: their copies are to be deleted."""
         return [pin for pin in self.pins if pin.status != KEPT]
 
+    def describe_unfinished(self) -> list[str]:
+        """A sentence for each pin an interrupted writer left unfinished."""
+        return [f"{PINS_KEY}: pin {pin.label()} is {pin.status!r}, left by an interrupted writer (not readable; "
+                f"the writer's next pin or unpin deletes its copies)" for pin in self.unfinished()]
+
     def find(self, at: int | str) -> Pin | None:
         """The pin of commit ``at`` (an int) or named ``at`` (a str), in any status."""
         for pin in self.pins:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import CommitNotKeptError, CorruptBufferError
 from ..format.commit import CommitRecord
-from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES
+from ..format.keys import COMMIT_KEY, FORMAT, FORMAT_1, MAX_METADATA_BYTES
 from ..format.lanes import LaneLayout
 from ..format.pins import COPYING, KEPT, MAX_NAME, PINS_KEY, REMOVING, Pin, PinIndex, pin_prefix, state_keys
 from ..io.store import ChunkStore, objects_at
@@ -101,6 +101,9 @@ class Pins:
         if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_NAME and not name.isdigit()):
             raise ValueError(f"a pin's name is a string of 1 to {MAX_NAME} characters, not all digits; "
                              f"got {name!r:.80}")
+        if self.log.config.format == FORMAT_1:  # its own objects share the root with the fields
+            raise ValueError(f"{self.log.url!r} is a {FORMAT_1} buffer: pins need format {FORMAT}, whose own "
+                             f"objects sit apart from the fields (docs/format.md, section 11)")
         taken = self.index().find(name) if name is not None else None
         if taken is not None and taken.status == KEPT:
             raise ValueError(f"{self.log.url!r}: cannot pin as {name!r}: pin {taken.label()} exists (unpin it first)")
