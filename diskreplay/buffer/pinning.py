@@ -30,8 +30,9 @@ class Pinning:
         return self._single("pin").pin(name, self.flush)
 
     def unpin(self, commit: int | str) -> None:
-        """Writer: remove the pin of ``commit`` (its sequence or name) and delete its copy.
-        Raises CommitNotKeptError if no such pin exists; ReadOnlyError for a reader."""
+        """Writer: remove the pin of ``commit`` (its sequence or name) and delete its copy at once
+        (readers still reading it then fail). Raises CommitNotKeptError if no such pin exists;
+        ReadOnlyError for a reader."""
         self._require_open()
         self._single("unpin").unpin(commit)
 

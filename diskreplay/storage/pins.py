@@ -29,8 +29,8 @@ from ..io.store import ChunkStore, objects_at
 from .chunk_io import ChunkIO
 from .commit_log import CommitLog
 
-COPY_BATCH = 256
-"""Objects read (and held) at once while a pin is made."""
+COPY_BATCH = 32
+"""Objects read (and held in RAM) at once while a pin is made: a few MiB of chunks."""
 
 
 def read_index(objects: ChunkStore, url: str) -> PinIndex:
