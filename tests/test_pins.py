@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -303,3 +304,44 @@ def test_a_format_1_buffer_opens_its_newest_commit_but_takes_no_pins(tmp_path):
         with pytest.raises(ValueError, match=r"is a diskreplay/1 buffer: pins need format diskreplay/2"):
             buf.pin()
         assert buf.pins() == {}
+
+
+@pytest.mark.parametrize("index,error", [
+    ('{"pins": [{"commit": 3, "name": null, "time": 1.0, "status": "kept"},'
+     ' {"commit": 3, "name": "b", "time": 1.0, "status": "kept"}]}',
+     r"pins.json field 'pins': expected each commit once, got \[3, 3\]"),
+    ('{"pins": [{"commit": 3, "name": null, "time": 1.0, "status": "done"}]}',
+     r"pins.json field 'pins': 'status': expected one of \['kept', 'copying', 'removing'\], got 'done'"),
+    ('{"pins": [{"commit": -1, "name": null, "time": 1.0, "status": "kept"}]}',
+     r"pins.json field 'pins': 'commit': expected an int >= 0, got -1"),
+    ('[1]', r"pins.json is not a JSON object"),
+], ids=["twice", "status", "commit", "not-an-object"])
+def test_a_damaged_pin_index_is_named(tmp_path, index, error):
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=CAPACITY, num_envs=LANES, chunk_rows=CHUNK) as buf:
+        buf.extend(steps(0, 5))
+        n = buf.pin()
+    with open(os.path.join(url, "diskreplay", "objects", "pins.json"), "w") as f:
+        f.write(index)
+    with pytest.raises(dr.CorruptBufferError, match=error):
+        dr.ReplayBuffer.open(url, "r", at_commit=n)
+    assert [p for p in verify(url).problems if re.search(error, p)]
+
+
+def test_a_damaged_pinned_record_is_named(tmp_path):
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=CAPACITY, num_envs=LANES, chunk_rows=CHUNK) as buf:
+        buf.extend(steps(0, 5))
+        n = buf.pin()
+        buf.extend(steps(5, 5))
+    path = os.path.join(pins_dir(url), f"{n:012d}", "commit.json")
+    record = json.loads(open(path).read())
+    with dr.ReplayBuffer.open(url, "r", at_commit=np.int64(n)) as pinned:  # a numpy int names it too
+        assert len(pinned) == 5 * LANES
+    with open(path, "w") as f:
+        json.dump({**record, "sequence": n + 1}, f)
+    with pytest.raises(dr.CorruptBufferError, match=rf"pins/{n:012d}/commit.json field 'sequence': expected {n}"):
+        dr.ReplayBuffer.open(url, "r", at_commit=n)
+    os.remove(path)
+    with pytest.raises(dr.CorruptBufferError, match=rf"pins/{n:012d}/commit.json is missing, but pins.json keeps"):
+        dr.ReplayBuffer.open(url, "r", at_commit=n)

@@ -95,7 +95,11 @@ class PinIndex:
         entries = json_object(blob, PINS_KEY, url).get("pins")
         if not isinstance(entries, list):
             raise CorruptBufferError(f"{url!r}: {PINS_KEY} field 'pins': expected a list, got {entries!r:.100}")
-        return cls(tuple(_pin(entry, f"{url!r}: {PINS_KEY} field 'pins'") for entry in entries))
+        pins = tuple(_pin(entry, f"{url!r}: {PINS_KEY} field 'pins'") for entry in entries)
+        for what, values in (("commit", [p.commit for p in pins]), ("name", [p.name for p in pins if p.name])):
+            if len(set(values)) != len(values):
+                raise CorruptBufferError(f"{url!r}: {PINS_KEY} field 'pins': expected each {what} once, got {values}")
+        return cls(pins)
 
 
 def _pin(entry: Any, where: str) -> Pin:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
@@ -195,14 +197,17 @@ def open_at_commit(url: str, store: ChunkStore, objects: ChunkStore,
 
     Raises CommitNotKeptError (naming the commits that can be opened), CorruptBufferError."""
     config, arrays, newest = read
-    if isinstance(at, bool) or not isinstance(at, (int, str)):
+    if isinstance(at, bool) or not isinstance(at, (int, np.integer, str)):
         raise TypeError(f"at_commit: expected a commit sequence (int) or a pin's name (str), got {at!r:.80}")
+    at = at if isinstance(at, str) else int(at)
     index = read_index(objects, url)
     pin = index.find(at)
     if pin is not None and pin.status == KEPT:
-        copy = objects_at(objects, pin_prefix(pin.commit))
-        storage = _writable(url, store, copy, config, arrays, pinned_record(objects, url, pin, config.num_envs),
-                            "r", None, options, chunks=copy, hold=hold_pinned)
+        copy, record = objects_at(objects, pin_prefix(pin.commit)), pinned_record(objects, url, pin, config.num_envs)
+        if config.lane_capacity is None:
+            record.check_covered(url, lane_rows(arrays))
+        storage = _writable(url, store, copy, config, arrays, record, "r", None, options, chunks=copy,
+                            hold=hold_pinned)
     elif at == newest.sequence:
         hold = functools.partial(hold_newest, index=lambda: read_index(objects, url))
         storage = _writable(url, store, objects, config, arrays, newest, "r", None, options, hold=hold)
