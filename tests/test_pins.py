@@ -345,3 +345,25 @@ def test_a_damaged_pinned_record_is_named(tmp_path):
     os.remove(path)
     with pytest.raises(dr.CorruptBufferError, match=rf"pins/{n:012d}/commit.json is missing, but pins.json keeps"):
         dr.ReplayBuffer.open(url, "r", at_commit=n)
+
+
+def test_a_torch_dataset_over_a_pinned_reader_reads_the_pinned_commit(tmp_path):
+    """The datasets reopen the buffer in each process (DataLoader workers): at the same commit."""
+    pytest.importorskip("torch")
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=CAPACITY, num_envs=LANES, chunk_rows=CHUNK)
+    buf.extend(steps(0, 45))
+    n = buf.pin()
+    buf.extend(steps(45, 70, sign=-1.0))
+    buf.flush()
+    with dr.ReplayBuffer.open(url, "r", at_commit=n) as pinned:
+        assert pinned.at_commit == n and buf.at_commit is None
+        ids = pinned.row_ids()
+        epoch = list(pinned.as_dataset(16, mode="epoch", shuffle=False))
+        got = np.concatenate([batch["index"].numpy() for batch in epoch])
+        np.testing.assert_array_equal(np.sort(got), np.sort(ids))
+        obs = np.concatenate([batch["obs"].numpy() for batch in epoch])
+        np.testing.assert_array_equal(obs[:, 0], got.astype(np.float32))  # the values of commit n, not the newest
+        batch = next(iter(pinned.as_dataset(32, mode="sample", seed=1)))
+        assert np.isin(batch["index"].numpy(), ids).all()
+    buf.close()

@@ -18,6 +18,12 @@ class Pinning:
     def _require_open(self) -> None:
         raise NotImplementedError
 
+    @property
+    def at_commit(self) -> int | None:
+        """The commit this reader was opened at and stays at (``open(url, "r", at_commit=n)``),
+        or None: it follows the newest (a writer: makes them)."""
+        return self.storage.at_commit
+
     def pin(self, name: str | None = None) -> int:
         """Writer: `flush`, then keep the commit this made readable (``open(url, "r",
         at_commit=n)``, or ``at_commit=name``) until `unpin`, however far the writer goes on.

@@ -37,6 +37,11 @@ class BufferStorage(Storage):
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for
         tests and tools that wait for those writes or tune them."""
 
+    @property
+    def at_commit(self) -> int | None:
+        """The commit a reader opened ``at_commit`` stays at (None: it follows the newest)."""
+        return self._log.record.sequence if self._log.held is not None else None
+
     def shard_records(self, newest: bool = False, shards: Sequence[int] | None = None) -> list[CommitRecord]:
         """``[its commit]`` (or the newest in the store): one buffer is its own only shard."""
         if shards is not None and list(shards) != [0]:
