@@ -15,6 +15,9 @@ from format_v1 import downgrade
 import diskreplay as dr
 from diskreplay import cli
 from diskreplay.audit import verify
+from diskreplay.buffer import setup
+from diskreplay.format.commit import CommitRecord
+from diskreplay.format.pins import state_keys
 from diskreplay.storage.pins import Pins
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "done": dr.Field((), "bool")}
@@ -366,4 +369,33 @@ def test_a_torch_dataset_over_a_pinned_reader_reads_the_pinned_commit(tmp_path):
         np.testing.assert_array_equal(obs[:, 0], got.astype(np.float32))  # the values of commit n, not the newest
         batch = next(iter(pinned.as_dataset(32, mode="sample", seed=1)))
         assert np.isin(batch["index"].numpy(), ids).all()
+    buf.close()
+
+
+def test_the_newest_commit_replaced_while_a_reader_opens_it(tmp_path, monkeypatch):
+    """The writer commits between a reader's read of the newest commit and of its state: the
+    state's objects are gone, and the reader says the commit is no longer kept (not damaged)."""
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=CAPACITY, num_envs=LANES, chunk_rows=CHUNK)
+    buf.extend(steps(0, 5))
+    buf.flush()
+    n = buf.storage.record.sequence
+    opened = setup.open_storage
+
+    def then_commit(*args, **kwargs):
+        storage = opened(*args, **kwargs)
+        buf.extend(steps(5, 10))  # new episode ends: the journal's tail object is replaced
+        buf.flush()
+        return storage
+    monkeypatch.setattr(setup, "open_storage", then_commit)
+    with pytest.raises(dr.CommitNotKeptError, match=rf"commit {n} is not kept: the writer committed since, and "
+                                                     rf"deleted its state object 'state/episodes.ends/"):
+        dr.ReplayBuffer.open(url, "r", at_commit=n)
+    monkeypatch.undo()
+    m = buf.pin()
+    copy = os.path.join(pins_dir(url), f"{m:012d}")
+    key = state_keys(CommitRecord.from_bytes(open(os.path.join(copy, "commit.json"), "rb").read(), url, LANES))[0]
+    os.remove(os.path.join(copy, *key.split("/")))
+    with pytest.raises(dr.CorruptBufferError, match=rf"state object '{key}' is missing"):
+        dr.ReplayBuffer.open(url, "r", at_commit=m)
     buf.close()

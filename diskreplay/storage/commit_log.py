@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ClosedError, CorruptBufferError, LockedError, ReadOnlyError
+from ..errors import ClosedError, CommitNotKeptError, CorruptBufferError, LockedError, ReadOnlyError
 from ..format import state as state_files
 from ..format.codecs import checksum
 from ..format.commit import CommitRecord, is_state_key, state_key
@@ -309,8 +309,11 @@ class CommitLog:
                 except (ValueError, KeyError, TypeError) as exc:
                     what = f"state object {key!r}" if key else f"the state of commit {record.sequence}"
                     raise CorruptBufferError(f"{self.url!r}: {what} does not load ({exc})") from None
-            if self.mode != "r":
+            if self.mode != "r" or self.held is not None:
                 break
+        if self.held is not None and not self.read_store_newest().same_as(record):
+            raise CommitNotKeptError(f"{self.url!r}: commit {record.sequence} is not kept: the writer committed since, "
+                                     f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
     def _read_journal(self, record: CommitRecord, path: str, value: Any) -> JournalContent:
