@@ -17,6 +17,7 @@ from .episodes import (
 from .errors import (
     BufferExistsError,
     ClosedError,
+    CommitNotKeptError,
     CorruptBufferError,
     DiskReplayError,
     EmptyBufferError,
@@ -46,7 +47,7 @@ __all__ = [
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
-    "ClosedError", "RateLimitTimeout",
+    "ClosedError", "RateLimitTimeout", "CommitNotKeptError",
     "RetryPolicy", "build_info",
 ]
 

@@ -234,6 +234,8 @@ def _add_inspection(sub: Subcommands) -> None:
                                    "Prints a report; exit status 1 when anything is missing or corrupt.")
     p.add_argument("url", metavar="URL", help="the buffer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (chunks checked)")
+    p.add_argument("--at-commit", metavar="N", default=None,
+                   help="check this commit (a sequence, or a pin's name) instead of the newest: a pinned one's copy")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("unlock", parents=[_remote_options()],
@@ -345,7 +347,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .audit import describe_incomplete, import_status, verify
 
-    report = verify(args.url, _storage_options(args), progress=not args.no_progress)
+    at = args.at_commit
+    report = verify(args.url, _storage_options(args), progress=not args.no_progress,
+                    at_commit=int(at) if at is not None and at.isdigit() else at)
     text = str(report)
     if not report.ok:
         marker = import_status(args.url, _storage_options(args))

@@ -46,6 +46,12 @@ class StaleReadError(DiskReplayError, IndexError):
     has adopted the newest commit: draw again from its window (`ReplayBuffer.sample` does)."""
 
 
+class CommitNotKeptError(DiskReplayError, LookupError):
+    """A commit asked for (``ReplayBuffer.open(url, "r", at_commit=n)``, ``unpin``) is not kept:
+    neither pinned (`ReplayBuffer.pin`) nor the newest, or the writer has since overwritten rows
+    of the newest commit a reader opened unpinned. The message lists the commits that can be opened."""
+
+
 class StoreUnavailableError(DiskReplayError, OSError):
     """A remote read or write kept failing with transient errors after every retry."""
 

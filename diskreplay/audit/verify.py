@@ -37,7 +37,7 @@ import numpy as np
 from ..buffer import ReplayBuffer
 from ..buffer.setup import finals_url, read_sharded_root
 from ..buffer.sharding import shard_link
-from ..errors import CorruptBufferError, NotABufferError
+from ..errors import CommitNotKeptError, CorruptBufferError, NotABufferError
 from ..format import state as state_files
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
@@ -46,12 +46,14 @@ from ..format.journal import JournalRef
 from ..format.keys import COMMIT_KEY, FINALS_DIR, GROUP_KEY, MAX_METADATA_BYTES, chunk_key, objects_prefix, read_json
 from ..format.lanes import LaneLayout
 from ..format.layout import ArrayMeta, buffer_codec, field_codecs, lane_rows, read_arrays
+from ..format.pins import KEPT, pin_prefix
 from ..format.schema import Schema
 from ..format.shards import LearnerProgress, ShardedRoot, shard_name, shard_url
 from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..progress import NoBar, progress_bar
 from ..storage.journal import Journal, MissingObject
+from ..storage.pins import not_kept, pinned_record, read_index
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 _BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)
@@ -91,10 +93,13 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(url: str | os.PathLike, storage_options: dict | None = None, progress: bool = False) -> VerifyReport:
+def verify(url: str | os.PathLike, storage_options: dict | None = None, progress: bool = False,
+           at_commit: int | str | None = None) -> VerifyReport:
     """Check the buffer at ``url``, or every shard of a sharded one (see the module docstring).
     Reads every committed chunk; ``progress``: a tqdm bar of the chunks checked on stderr (when
-    tqdm is installed). Raises nothing for a damaged buffer (see the report's problems); OSError
+    tqdm is installed). ``at_commit``: check that commit instead of the newest (a sequence or a
+    pin's name; a pinned one: its copy, ``pins/<n>/``, which must hold every chunk of its rows).
+    Raises nothing for a damaged buffer (see the report's problems); OSError
     or StoreUnavailableError where the store cannot be read at all."""
     url = os.fspath(url)
     problem = broken_path(url)
@@ -105,12 +110,12 @@ def verify(url: str | os.PathLike, storage_options: dict | None = None, progress
     with progress_bar(None, "verify", progress, unit=" chunks") as bar:
         token = _BAR.set(bar)
         try:
-            return _verify(url, storage_options)
+            return _verify(url, storage_options, at_commit)
         finally:
             _BAR.reset(token)
 
 
-def _verify(url: str, storage_options: dict | None) -> VerifyReport:
+def _verify(url: str, storage_options: dict | None, at_commit: int | str | None) -> VerifyReport:
     report = VerifyReport(url)
     store = open_chunkstore(url, storage_options)
     try:
@@ -118,18 +123,21 @@ def _verify(url: str, storage_options: dict | None) -> VerifyReport:
     except CorruptBufferError as exc:
         report.problem(_without_url(exc, url))
         return report
-    if root is not None:
+    if root is not None and at_commit is not None:
+        report.problem(f"a sharded buffer has no commit {at_commit!r} of its own (its shards commit on their own): "
+                       f"verify a shard's location at_commit")
+    elif root is not None:
         _verify_shards(store, url, root, storage_options, report)
     else:
-        _verify_buffer(store, url, storage_options, report)
+        _verify_buffer(store, url, storage_options, report, at_commit)
     return report
 
 
 def _verify_buffer(store: ChunkStore, url: str, storage_options: dict | None,
-                   report: VerifyReport) -> BufferConfig | None:
-    """Check the buffer (not sharded) in ``store``; its config, or None when the metadata or
-    the commit is missing or unusable."""
-    checked = _verify_objects(store, url, report)
+                   report: VerifyReport, at_commit: int | str | None = None) -> BufferConfig | None:
+    """Check the buffer (not sharded) in ``store`` (at its newest commit, or ``at_commit``); its
+    config, or None when the metadata or the commit is missing or unusable."""
+    checked = _verify_objects(store, url, report, at_commit)
     if checked is None:
         return None
     config, objects = checked
@@ -137,7 +145,7 @@ def _verify_buffer(store: ChunkStore, url: str, storage_options: dict | None,
         _verify_side_store(url, storage_options, report)
     _notes(store, objects, report)
     if report.ok:
-        _count_episodes(url, storage_options, report)
+        _count_episodes(url, storage_options, report, at_commit)
     return config
 
 
@@ -200,9 +208,11 @@ def _check_learner(store: ChunkStore, url: str, root: ShardedRoot, report: Verif
         report.problem(_without_url(exc, url))
 
 
-def _verify_objects(store: ChunkStore, url: str, report: VerifyReport) -> tuple[BufferConfig, ChunkStore] | None:
-    """Check the metadata, commit, chunks and state of the buffer in ``store``; its config and
-    own objects' store, or None when the metadata or the commit is missing or unusable."""
+def _verify_objects(store: ChunkStore, url: str, report: VerifyReport,
+                    at_commit: int | str | None = None) -> tuple[BufferConfig, ChunkStore] | None:
+    """Check the metadata, commit, chunks and state of the buffer in ``store`` (its newest
+    commit, or ``at_commit``: `_pinned`); its config and own objects' store, or None when the
+    metadata or the commit is missing or unusable."""
     layout_and_codec = _check_metadata(store, url, report)
     if layout_and_codec is None:
         return None
@@ -220,12 +230,36 @@ def _verify_objects(store: ChunkStore, url: str, report: VerifyReport) -> tuple[
     except CorruptBufferError as exc:
         report.problem(str(exc))
         return None
+    chunks, state, prefix = store, objects, ""
+    if at_commit is not None:
+        pinned = _pinned(objects, url, layout.num_envs, at_commit, commit, report)
+        if pinned is None:
+            return None
+        commit, prefix = pinned
+        chunks, state = (store, objects) if not prefix else (objects, objects_at(objects, prefix))
     lo, hi = layout.visible(commit.lower, commit.committed)
     report.rows = int((hi - lo).sum())
-    _check_chunks(store, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
-                  report)
-    _check_state(objects, commit, report)
+    _check_chunks(chunks, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
+                  report, prefix)
+    _check_state(state, commit, report)
     return config, objects
+
+
+def _pinned(objects: ChunkStore, url: str, num_envs: int, at: int | str, newest: CommitRecord,
+            report: VerifyReport) -> tuple[CommitRecord, str] | None:
+    """Commit ``at``: the record of its kept pin and where its copy lies, or the ``newest``
+    unpinned (prefix ""); None if neither (a problem reported)."""
+    try:
+        index = read_index(objects, url)
+        pin = index.find(at)
+        if pin is not None and pin.status == KEPT:
+            return pinned_record(objects, url, pin, num_envs), pin_prefix(pin.commit)
+        if at == newest.sequence:
+            return newest, ""
+        raise not_kept(url, at, index, newest.sequence)
+    except (CorruptBufferError, CommitNotKeptError) as exc:
+        report.problem(_without_url(exc, url))
+        return None
 
 
 def _verify_side_store(url: str, storage_options: dict | None, report: VerifyReport) -> None:
@@ -277,12 +311,14 @@ def _without_url_text(text: str, url: str) -> str:
 
 
 def _check_chunks(store: ChunkStore, schema: Schema, layout: LaneLayout, codecs: dict[str, Codec], separator: str,
-                  lo: np.ndarray, hi: np.ndarray, report: VerifyReport) -> None:
+                  lo: np.ndarray, hi: np.ndarray, report: VerifyReport, prefix: str = "") -> None:
+    """Every chunk holding steps ``[lo, hi)`` (per lane) exists and decodes (``prefix``: of
+    their keys in ``store``: a pin's copy)."""
     work = [(lane, int(c)) for lane in range(layout.num_envs)
             for c in layout.chunks_between(int(lo[lane]), int(hi[lane]))]
     fields = list(schema.items())
     buffers = {name: np.empty((layout.chunk_rows, *f.shape), f.dtype) for name, f in fields}
-    keys = [(chunk_key(name, f, lane, c, separator), name) for lane, c in work for name, f in fields]
+    keys = [(prefix + chunk_key(name, f, lane, c, separator), name) for lane, c in work for name, f in fields]
     bar = _BAR.get()
     bar = NoBar() if bar is None else bar
     for start in range(0, len(keys), BATCH_CHUNKS):
@@ -338,6 +374,10 @@ def _check_state(store: ChunkStore, commit: CommitRecord, report: VerifyReport) 
 
 
 def _notes(store: ChunkStore, objects: ChunkStore, report: VerifyReport) -> None:
+    try:
+        report.notes += read_index(objects, report.url).describe_unfinished()
+    except CorruptBufferError as exc:
+        report.problem(_without_url(exc, report.url))
     lock = objects.get(LOCK_KEY)
     if lock is not None:
         holder = LockInfo.from_bytes(lock)
@@ -353,9 +393,10 @@ def _notes(store: ChunkStore, objects: ChunkStore, report: VerifyReport) -> None
                                 f"e.g. {sorted(partial)[0]!r} (harmless; safe to delete when no writer runs)")
 
 
-def _count_episodes(url: str, storage_options: dict | None, report: VerifyReport) -> None:
+def _count_episodes(url: str, storage_options: dict | None, report: VerifyReport,
+                    at_commit: int | str | None = None) -> None:
     try:
-        buf = ReplayBuffer.open(url, "r", storage_options=storage_options, cache_bytes=1)
+        buf = ReplayBuffer.open(url, "r", storage_options=storage_options, cache_bytes=1, at_commit=at_commit)
     except Exception as exc:
         report.problem(f"the buffer does not open read-only: {type(exc).__name__}: {exc}")
         return

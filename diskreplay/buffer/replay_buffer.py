@@ -33,6 +33,7 @@ from .batches import (
 from .learner import LearnerRank, ShardCommits
 from .output_format import output_converter
 from .parts import BufferOpening, LearnerOpening
+from .pinning import Pinning
 from .rate_limit import LearnerGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, plan_buffer, prepare_location
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 Rows = dict[str, np.ndarray]
 
 
-class ReplayBuffer:
+class ReplayBuffer(Pinning):
     """A replay buffer whose rows live in a Zarr v3 group on disk or any fsspec URL.
 
     Rows are identified by *row ids*: ``step * num_envs + lane``, where ``step`` counts every step
@@ -178,7 +179,8 @@ class ReplayBuffer:
              storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
              io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
              retry: RetryPolicy | None = None, continue_episodes: bool = False, seed: int | None = None,
-             rate_limiter: RateLimiter | None = None, lease_s: float | None = None) -> ReplayBuffer:
+             rate_limiter: RateLimiter | None = None, lease_s: float | None = None,
+             at_commit: int | str | None = None) -> ReplayBuffer:
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
@@ -207,18 +209,27 @@ class ReplayBuffer:
         learner's generator. ``rate_limiter``: `sample` waits while the learner runs ahead of the
         actors (see `RateLimiter`), and publishes its progress for them.
 
+        ``at_commit`` (``mode="r"``): read the buffer exactly as it was at that commit (a
+        sequence, or a pin's name): its rows, ``len``, episodes and saved state (sampler,
+        priorities, generator), while the writer goes on; `refresh` never moves it. Any commit
+        the writer pinned (`pin`) opens; so does the newest commit unpinned, which stays readable
+        only until the writer overwrites rows of it (its reads then raise CommitNotKeptError).
+
         Raises:
             NotABufferError: nothing (or something else, e.g. a plain file) is stored at ``url``.
             CorruptBufferError: the metadata, the commit record or the state object is damaged
                 or contradicts the arrays (the message names the object and the field).
             LockedError: ``mode="r+"`` and another writer holds the buffer (its lease not expired).
             ValueError: ``mode`` is not "r" or "r+" (a sharded buffer: not "r"); ``seed`` or
-                ``rate_limiter`` for a buffer that is not sharded.
+                ``rate_limiter`` for a buffer that is not sharded; ``at_commit`` with ``mode="r+"``
+                or for a sharded buffer's union (open one of its shards' locations instead).
+            CommitNotKeptError: ``at_commit`` is neither pinned nor the newest commit (the
+                message lists those that are).
         """
         return open_buffer(cls, url, mode, None, sampler=sampler, storage_options=storage_options,
                            cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map,
                            break_lock=break_lock, retry=retry, continue_episodes=continue_episodes, seed=seed,
-                           rate_limiter=rate_limiter, lease_s=lease_s)
+                           rate_limiter=rate_limiter, lease_s=lease_s, at_commit=at_commit)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,

@@ -197,10 +197,12 @@ def finals_url(url: str) -> str:
     return f"{url.rstrip('/')}/{FINALS_DIR}"
 
 
-def open_storages(url: str, mode: str, options: Options) -> Opened:
+def open_storages(url: str, mode: str, options: Options, at_commit: int | str | None = None) -> Opened:
     """An existing buffer's storage, its ``derive_next`` side store (if any), the commit they
-    show and the state saved with it. A reader that raced its writer shows the newest commit."""
-    storage = open_storage(url, mode, options)
+    show and the state saved with it. A reader that raced its writer shows the newest commit;
+    one opened ``at_commit`` shows that one (its side store its newest: it reads only rows
+    its commit names, which the writer never rewrites)."""
+    storage = open_storage(url, mode, options, at_commit)
     finals = None
     try:
         record, state = storage.load_state(newest=False)

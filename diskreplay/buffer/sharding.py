@@ -160,21 +160,28 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
                 memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
                 continue_episodes: bool = False, seed: int | None = None,
                 rate_limiter: RateLimiter | None = None, lease_s: float | None = None,
-                announcer: Announcer | None = None) -> ReplayBuffer:
+                at_commit: int | str | None = None, announcer: Announcer | None = None) -> ReplayBuffer:
     """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
-    buffer; ``actor`` and ``announcer``: a shard writer's rate limit and commit index (`open_writer`)."""
+    buffer; ``actor`` and ``announcer``: a shard writer's rate limit and commit index
+    (`open_writer`); ``at_commit``: read-only, held at that commit (not for a sharded buffer's
+    union: its shards commit on their own)."""
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+    if at_commit is not None and mode != "r":
+        raise ValueError(f"at_commit= opens a buffer read-only, as of that commit: use mode='r', not {mode!r}")
     url = os.fspath(path)
     check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
     options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s, announcer)
     root = None
     try:
-        opened = open_storages(url, mode, options)
+        opened = open_storages(url, mode, options, at_commit)
     except NotABufferError:  # perhaps the root of a sharded buffer (it has no commit of its own)
         root = sharded_root(url, storage_options, retry)
         if root is None:
             raise
+    if root is not None and at_commit is not None:
+        raise ValueError(f"{url!r} is a sharded buffer: its shards commit on their own, so it has no commit "
+                         f"{at_commit!r}; open a shard's location ({shard_url(url, 0)!r}, ...) with at_commit=")
     if root is not None:
         return open_learner(cls, url, mode, root, options, sampler, seed, rate_limiter)
     return open_single(cls, url, mode, opened, sampler, retry, continue_episodes, seed, rate_limiter, actor)

@@ -3,13 +3,14 @@ and, for its writer, a `StagingWriter` (staged rows, whole-chunk writes) that th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
+from ..format.pins import PinIndex
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .commit_log import CommitLog
@@ -17,6 +18,7 @@ from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .outputs import Rows
+from .pins import Pins, read_index
 from .reader import ChunkReader
 from .writer import StagingWriter
 
@@ -34,6 +36,11 @@ class BufferStorage(Storage):
         self.writer = writer
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for
         tests and tools that wait for those writes or tune them."""
+
+    @property
+    def at_commit(self) -> int | None:
+        """The commit a reader opened ``at_commit`` stays at (None: it follows the newest)."""
+        return self._log.record.sequence if self._log.held is not None else None
 
     def shard_records(self, newest: bool = False, shards: Sequence[int] | None = None) -> list[CommitRecord]:
         """``[its commit]`` (or the newest in the store): one buffer is its own only shard."""
@@ -57,6 +64,22 @@ class BufferStorage(Storage):
         if self.writer is not None and not self.closed:
             self.writer.close()
         super().close()
+
+    # ---- pins ------------------------------------------------------------------------------
+
+    def pins(self) -> PinIndex:
+        """The buffer's pins (`Pins`), as its store holds them now."""
+        return read_index(self._log.objects, self.url)
+
+    def pin(self, name: str | None, commit: Callable[[], object]) -> int:
+        """Writer: ``commit()``, then keep the commit it made readable (`Pins.pin`); its sequence."""
+        self._writable()
+        return Pins(self._log, self._io).pin(name, commit)
+
+    def unpin(self, at: int | str) -> None:
+        """Writer: remove the pin of commit (or named) ``at`` and its copies (`Pins.unpin`)."""
+        self._writable()
+        Pins(self._log, self._io).unpin(at)
 
     # ---- writes ----------------------------------------------------------------------------
 

@@ -30,13 +30,13 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ClosedError, CorruptBufferError, LockedError, ReadOnlyError
+from ..errors import ClosedError, CommitNotKeptError, CorruptBufferError, LockedError, ReadOnlyError
 from ..format import state as state_files
 from ..format.codecs import checksum
 from ..format.commit import CommitRecord, is_state_key, state_key
@@ -79,7 +79,9 @@ class CommitLog:
 
     def __init__(self, url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig,
                  arrays: dict[str, ArrayMeta], record: CommitRecord, cursors: Cursors, mode: str,
-                 lock: WriterLock | None, announcer: Announcer | None = None):
+                 lock: WriterLock | None, announcer: Announcer | None = None,
+                 hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None):
+        """``hold``: for a reader held at its commit, makes the `held` of this log (`pins`)."""
         self.url = url
         self.store = store
         self.objects = objects
@@ -99,10 +101,12 @@ class CommitLog:
         self.journals: dict[str, Journal] = {}
         self.announcer = announcer
         self._version: str | None = None  # of the commit record as this writer last wrote or read it
+        """A reader opened at one commit: what `read_newest` answers instead (`pins.hold_pinned`)."""
         if lock is not None:
             self._fence(lock.replaced is not None)
         if announcer is not None:
             announcer.start(self.record.sequence)
+        self.held: Callable[[], CommitRecord] | None = hold(self) if hold is not None else None
 
     def _fence(self, rewrite: bool) -> None:
         """Writer: note the commit record's version (``rewrite``: and replace it by a commit of
@@ -207,6 +211,11 @@ class CommitLog:
         return self.read_newest()
 
     def read_newest(self) -> CommitRecord:
+        """The newest commit record in the store (validated); a reader held at one commit: that
+        one (`held`)."""
+        return self.read_store_newest() if self.held is None else self.held()
+
+    def read_store_newest(self) -> CommitRecord:
         """The newest commit record in the store (validated)."""
         read_small = functools.partial(self.store.get, limit=MAX_METADATA_BYTES + 1)
         blob = self.objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
@@ -287,8 +296,13 @@ class CommitLog:
         A reader may race the writer: the commit it read names a state object the writer has
         since replaced. It then reads the newer commit and that one's state.
 
+        A reader held at its commit (`held`) never adopts another: asked for the newest, it
+        answers its own commit and no state (the one it loaded when opened is its own).
+
         Raises CorruptBufferError: the state object is missing or unreadable (naming it).
         """
+        if newest and self.held is not None:
+            return self.read_newest(), {}
         record = self.read_newest() if newest else self.record
         key = record.state_arrays
         for attempt in range(STATE_ATTEMPTS):
@@ -308,8 +322,11 @@ class CommitLog:
                 except (ValueError, KeyError, TypeError) as exc:
                     what = f"state object {key!r}" if key else f"the state of commit {record.sequence}"
                     raise CorruptBufferError(f"{self.url!r}: {what} does not load ({exc})") from None
-            if self.mode != "r":
+            if self.mode != "r" or self.held is not None:
                 break
+        if self.held is not None and not self.read_store_newest().same_as(record):
+            raise CommitNotKeptError(f"{self.url!r}: commit {record.sequence} is not kept: the writer committed since, "
+                                     f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
     def _read_journal(self, record: CommitRecord, path: str, value: Any) -> JournalContent:

@@ -93,6 +93,11 @@ class Storage(ABC):
         return self._io.store
 
     @property
+    def at_commit(self) -> int | None:
+        """The commit a reader opened ``at_commit`` stays at (None: it follows the newest)."""
+        return None
+
+    @property
     def record(self) -> CommitRecord:
         """The commit this storage shows (a reader's adopted one, a writer's last)."""
         return self._log.record

@@ -6,9 +6,11 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from ..errors import CorruptBufferError, NotABufferError
 from ..format.codecs import Codec
@@ -33,6 +35,7 @@ from ..format.layout import (
     read_config,
     read_layout,
 )
+from ..format.pins import KEPT, pin_prefix
 from ..io.backends import open_chunkstore
 from ..io.lock import WriterLock
 from ..io.mmap import map_budget
@@ -49,6 +52,7 @@ from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
+from .pins import hold_newest, hold_pinned, not_kept, pinned_record, read_index
 from .point_reads import PointReads
 from .read_ahead import ReadAhead
 from .reader import ChunkReader
@@ -117,13 +121,17 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> B
         raise
 
 
-def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
-    """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``).
+def open_storage(url: str, mode: str, options: Options, at_commit: int | str | None = None) -> BufferStorage:
+    """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``);
+    ``at_commit``: read-only, held at that commit (`open_at_commit`).
 
-    Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
+    Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError,
+    CommitNotKeptError."""
     store = _store(url, options)
     config, arrays, record = _read_buffer(url, store)
     objects = objects_at(store, objects_prefix(config.format))
+    if at_commit is not None:
+        return open_at_commit(url, store, objects, (config, arrays, record), at_commit, options)
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
@@ -182,13 +190,45 @@ def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list
     return list(threads.map(part_log, parts))
 
 
+def open_at_commit(url: str, store: ChunkStore, objects: ChunkStore,
+                   read: tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord], at: int | str,
+                   options: Options) -> BufferStorage:
+    """A reader of the buffer at commit ``at`` (a sequence, or a pin's name), held there: a kept
+    pin's copy (its record, state and chunks), else the newest commit itself (``read``: the
+    buffer's metadata and newest record), read until the writer retires rows of it.
+
+    Raises CommitNotKeptError (naming the commits that can be opened), CorruptBufferError."""
+    config, arrays, newest = read
+    if isinstance(at, bool) or not isinstance(at, (int, np.integer, str)):
+        raise TypeError(f"at_commit: expected a commit sequence (int) or a pin's name (str), got {at!r:.80}")
+    at = at if isinstance(at, str) else int(at)
+    index = read_index(objects, url)
+    pin = index.find(at)
+    if pin is not None and pin.status == KEPT:
+        copy, record = objects_at(objects, pin_prefix(pin.commit)), pinned_record(objects, url, pin, config.num_envs)
+        if config.lane_capacity is None:
+            record.check_covered(url, lane_rows(arrays))
+        storage = _writable(url, store, copy, config, arrays, record, "r", None, options, chunks=copy,
+                            hold=hold_pinned)
+    elif at == newest.sequence:
+        hold = functools.partial(hold_newest, index=lambda: read_index(objects, url))
+        storage = _writable(url, store, objects, config, arrays, newest, "r", None, options, hold=hold)
+    else:
+        raise not_kept(url, at, index, newest.sequence)
+    return storage
+
+
 def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
-              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options) -> BufferStorage:
-    """One buffer's storage, as its writer (``mode="r+"``) or a reader of it."""
+              record: CommitRecord, mode: str, lock: WriterLock | None, options: Options,
+              chunks: ChunkStore | None = None,
+              hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None) -> BufferStorage:
+    """One buffer's storage, as its writer (``mode="r+"``) or a reader of it; ``chunks``: where
+    its chunks are read (default: ``store``, with its arrays); ``hold``: holds a reader's log at
+    its commit (`pins.hold_pinned`)."""
     cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
     log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock,
-                    options.announcer if mode == "r+" else None)
-    io = ChunkIO(store, config, field_codecs(buffer_codec(arrays, url), config),
+                    options.announcer if mode == "r+" else None, hold)
+    io = ChunkIO(store if chunks is None else chunks, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
     cache, loader, reader, files = _read_side(url, config, arrays, log, io, options)
     writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=files.mapped is None)

@@ -144,14 +144,14 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         block = batches_per_block(int(batch_size), buf)
         ring = _worker_ring(buf, block * int(batch_size)) if worker_ring else None
         if mode == "sample":
-            reader = Reader(buf.url, options, cache_bytes, io_threads, sampler)
+            reader = Reader(buf.url, options, cache_bytes, io_threads, sampler, buf.at_commit)
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
                                  refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict), block)
         shuffle = _shuffle_name(shuffle)
         check_int(shuffle_window, "shuffle_window", 1)
         if shuffle == "block":
             _check_cache(buf, cache_bytes, shuffle_window)
-        reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")
+        reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform", buf.at_commit)
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
                             shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
                             block, check_int(canonical_partitions, "canonical_partitions", 1))

@@ -416,7 +416,7 @@ class EpochDataset(_BufferDataset):
         """Start epoch ``epoch`` at its first batch; ``refresh``: first adopt the rows committed now."""
         if refresh:
             buf = ReplayBuffer.open(self.url, "r", storage_options=self.reader.storage_options,
-                                    sampler=Uniform())
+                                    sampler=Uniform(), at_commit=self.reader.at_commit)
             lo, hi = buf.window()
             buf.close()
             self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]

@@ -56,8 +56,9 @@ class Reader:
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None, cache_bytes: int | None,
-                 io_threads: int | None, sampler: Any = None):
+                 io_threads: int | None, sampler: Any = None, at_commit: int | None = None):
         self.url = url
+        self.at_commit = at_commit  # a reader held at that commit: each process opens it there
         self.storage_options = storage_options
         self.cache_bytes = cache_bytes
         self.io_threads = io_threads
@@ -88,7 +89,8 @@ class Reader:
         return self._buf
 
     def _open(self) -> ReplayBuffer:
-        options: dict[str, Any] = {"storage_options": self.storage_options, "io_threads": self.io_threads}
+        options: dict[str, Any] = {"storage_options": self.storage_options, "io_threads": self.io_threads,
+                                   "at_commit": self.at_commit}
         if self.cache_bytes is not None:
             options["cache_bytes"] = self.cache_bytes
         sampler = Uniform() if self.sampler == "uniform" else self.sampler

@@ -115,11 +115,13 @@ class RowDataset(tud.Dataset):
         if as_tensordict:
             tensordict_class("RowDataset(as_tensordict=True)")
         self.as_tensordict = as_tensordict
+        at_commit = None
         if isinstance(buf, ReplayBuffer):
             url, options = buf.url, storage_options if storage_options is not None else buf.storage_options
+            at_commit = buf.at_commit
         else:
             url, options = os.fspath(buf), storage_options
-        self.reader = Reader(url, options, cache_bytes, io_threads, "uniform")
+        self.reader = Reader(url, options, cache_bytes, io_threads, "uniform", at_commit)
         self.refresh_seconds = refresh_seconds
         self._last_refresh = 0.0
 
