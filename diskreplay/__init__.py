@@ -24,6 +24,7 @@ from .errors import (
     NotABufferError,
     RateLimitTimeout,
     ReadOnlyError,
+    ResizeInProgressError,
     SchemaError,
     StaleReadError,
     StoreUnavailableError,
@@ -46,7 +47,7 @@ __all__ = [
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
-    "ClosedError", "RateLimitTimeout",
+    "ClosedError", "RateLimitTimeout", "ResizeInProgressError",
     "RetryPolicy", "build_info",
 ]
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from ..errors import CorruptBufferError, NotABufferError
+from ..errors import CorruptBufferError, NotABufferError, ResizeInProgressError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
@@ -20,6 +20,7 @@ from ..format.keys import (
     INCOMPLETE_IMPORT_KEY,
     MAX_METADATA_BYTES,
     OWN_PREFIXES,
+    RESIZE_KEY,
     array_key,
     objects_prefix,
 )
@@ -40,6 +41,7 @@ from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
 from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
 from ..io.threads import Threads
+from . import resizing
 from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
@@ -120,12 +122,18 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
 
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
     store = _store(url, options)
-    config, arrays, record = _read_buffer(url, store)
+    try:
+        config = _read_buffer(url, store)[0]
+    except ResizeInProgressError:
+        if mode == "r":
+            raise
+        config = read_config(functools.partial(store.get, limit=MAX_METADATA_BYTES + 1), url)
     objects = objects_at(store, objects_prefix(config.format))
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
-            _, arrays, record = _read_buffer(url, store)
+            resizing.finish(url, store, objects)  # a change of capacity a killed writer made visible
+        config, arrays, record = _read_buffer(url, store)
         return _writable(url, store, objects, config, arrays, record, mode, lock, options)
     except BaseException:
         if lock is not None:
@@ -209,7 +217,8 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
     config = read_config(read_small, url)
     objects = objects_at(store, objects_prefix(config.format))
-    blob = objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
+    blob, resize = objects.get_many([COMMIT_KEY, RESIZE_KEY], limit=MAX_METADATA_BYTES + 1)
+    resizing.resize_pending(url, resize)
     if blob is None:
         if objects.exists(INCOMPLETE_IMPORT_KEY):
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
