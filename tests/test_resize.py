@@ -10,6 +10,7 @@ returns), the episode table and priorities are compared with them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,8 +20,10 @@ import warnings
 
 import numpy as np
 import pytest
+from format_v1 import downgrade
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from s3server import s3
 
 import diskreplay as dr
 from diskreplay.audit import verify
@@ -372,4 +375,75 @@ def test_resize_matches_a_model_of_the_ring(tmp_path_factory, envs, old, new, be
     assert_model(buf, np.maximum(lower, counts - new), counts)
     buf.close()
     assert_model(dr.ReplayBuffer.open(url), np.maximum(lower, counts - new), counts)
+    assert verify(url).ok
+
+
+def test_a_diskreplay_1_buffer_keeps_its_format(tmp_path):
+    """A buffer of format ``diskreplay/1`` (its own objects at its root) is resized in place and
+    stays ``diskreplay/1``."""
+    url = str(tmp_path / "old")
+    counts = np.zeros(2, np.int64)
+    a = create(url, 16, 2)
+    add([a], counts, [0, 1], 11)
+    a.close()
+    downgrade(url)
+    with pytest.warns(UserWarning, match=r"dropped \[3, 3\] rows per lane"):
+        a = dr.ReplayBuffer.open(url, "r+", capacity=10)
+    assert_model(a, counts - 5, counts)
+    add([a], counts, [0, 1], 2)
+    a.close()
+    assert json.loads((tmp_path / "old" / "zarr.json").read_text())["attributes"]["diskreplay"]["format"] == \
+        "diskreplay/1"
+    assert not (tmp_path / "old" / "diskreplay").exists() and not (tmp_path / "old" / "resize.json").exists()
+    assert_model(dr.ReplayBuffer.open(url), counts - 5, counts)
+    assert verify(url).ok
+
+
+def test_a_ring_on_s3_grows(s3):
+    url, options = s3.new_url("resize"), s3.storage_options()
+    counts = np.zeros(2, np.int64)
+    a = create(url, 16, 2, storage_options=options)
+    add([a], counts, [0, 1], 11)
+    a.close()
+    a = dr.ReplayBuffer.open(url, "r+", capacity=24, storage_options=options)
+    assert_model(a, counts - 8, counts)
+    add([a], counts, [0, 1], 6)
+    assert_model(a, counts - 12, counts)
+    a.close()
+    assert_model(dr.ReplayBuffer.open(url, storage_options=options), counts - 12, counts)
+    assert not [key for key in s3.keys(url) if "resize" in key]
+    assert verify(url, options).ok
+
+
+def test_a_change_made_visible_but_not_finished_is_finished_by_the_next_writer(tmp_path, monkeypatch):
+    """The change fails right after its commit point (``resize.json`` written, nothing copied):
+    readers refuse to open, naming the way out; the next writer finishes the change."""
+    from diskreplay.buffer import resize as resize_module
+
+    url = str(tmp_path / "a")
+    counts = np.zeros(2, np.int64)
+    a = create(url, 16, 2)
+    add([a], counts, [0, 1], 11)
+    a.close()
+    finish = resize_module.finish
+    calls = []
+
+    def fails_after_the_commit_point(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("disk gone")
+        return finish(*args)
+
+    monkeypatch.setattr(resize_module, "finish", fails_after_the_commit_point)
+    with pytest.raises(OSError, match="disk gone"):
+        dr.ReplayBuffer.open(url, "r+", capacity=40)
+    monkeypatch.undo()
+    with pytest.raises(dr.ResizeInProgressError, match=r"a change of its capacity is under way, or was interrupted "
+                                                       r"\(resize.json is present\); its writer finishes it"):
+        dr.ReplayBuffer.open(url)
+    assert not verify(url).ok
+    with dr.ReplayBuffer.open(url, "r+") as b:
+        assert b.capacity == 40
+        assert_model(b, counts - 8, counts)
+    assert_model(dr.ReplayBuffer.open(url), counts - 8, counts)
     assert verify(url).ok

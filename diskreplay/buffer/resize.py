@@ -58,6 +58,7 @@ def resize(cls: type[ReplayBuffer], url: str, mode: str, capacity: Any, options:
         finally:
             reader.close()
         if intent is not None:
+            lock.verify(True)  # still this writer's buffer (LockedError: it was taken over)
             make_visible(objects, intent)
             finish(url, store, objects)
     finally:
