@@ -27,6 +27,7 @@ from s3server import s3
 
 import diskreplay as dr
 from diskreplay.audit import verify
+from diskreplay.buffer import resize as resize_module
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "next_obs": dr.Field((2,), "float32"), "reward": dr.Field((), "float32"),
           "done": dr.Field((), "bool")}
@@ -87,10 +88,13 @@ def resized(url: str, capacity: int, **kwargs) -> dr.ReplayBuffer:
         return dr.ReplayBuffer.open(url, "r+", capacity=capacity, **kwargs)
 
 
-def test_grow_keeps_every_row_of_a_wrapped_multi_lane_ring(tmp_path):
+@pytest.mark.parametrize("stage_bytes", [64 << 20, 1])
+def test_grow_keeps_every_row_of_a_wrapped_multi_lane_ring(tmp_path, monkeypatch, stage_bytes):
     """3 lanes of 8 steps, wrapped (19 to 24 steps per lane), grown to 20 per lane: every row,
     derived field and episode reads as before, at the same row ids; added rows go to their new
-    slots, and once the ring holds 20 steps per lane it reads as its twin (created at 60 rows)."""
+    slots, and once the ring holds 20 steps per lane it reads as its twin (created at 60 rows).
+    ``stage_bytes=1``: the new chunks are staged one at a time."""
+    monkeypatch.setattr(resize_module, "STAGE_BYTES", stage_bytes)
     url, twin_url = str(tmp_path / "a"), str(tmp_path / "twin")
     counts = np.zeros(3, np.int64)
     a, twin = create(url, 24, 3), create(twin_url, 60, 3)
@@ -125,10 +129,12 @@ def test_grow_keeps_every_row_of_a_wrapped_multi_lane_ring(tmp_path):
     assert verify(url).ok, verify(url).problems
 
 
-def test_shrink_keeps_the_newest_rows_per_lane_and_warns(tmp_path):
+@pytest.mark.parametrize("stage_bytes", [64 << 20, 1])
+def test_shrink_keeps_the_newest_rows_per_lane_and_warns(tmp_path, monkeypatch, stage_bytes):
     """3 lanes of 12 steps, unevenly filled (5 to 30 steps), shrunk to 4 per lane: each lane keeps
     its newest 4 rows (the warning says how many each dropped), episodes cut at the new first row,
     and the ring reads as its twin created at 12 rows, before and after more adds and a reopen."""
+    monkeypatch.setattr(resize_module, "STAGE_BYTES", stage_bytes)
     url, twin_url = str(tmp_path / "a"), str(tmp_path / "twin")
     counts = np.zeros(3, np.int64)
     a, twin = create(url, 36, 3), create(twin_url, 12, 3)
@@ -418,8 +424,6 @@ def test_a_ring_on_s3_grows(s3):
 def test_a_change_made_visible_but_not_finished_is_finished_by_the_next_writer(tmp_path, monkeypatch):
     """The change fails right after its commit point (``resize.json`` written, nothing copied):
     readers refuse to open, naming the way out; the next writer finishes the change."""
-    from diskreplay.buffer import resize as resize_module
-
     url = str(tmp_path / "a")
     counts = np.zeros(2, np.int64)
     a = create(url, 16, 2)

@@ -206,7 +206,8 @@ class ReplayBuffer:
         lane. Row ids, episodes, priorities, episodic returns and ``next_*`` fields stay as they
         were for the rows kept. The change is atomic: a crash leaves the old buffer or the new
         one (a writer that opens the buffer finishes a change that was made visible; readers
-        meanwhile get `ResizeInProgressError`). The capacity it has already: nothing changes.
+        meanwhile get `ResizeInProgressError`; readers open during the change must open the buffer
+        again: their rows moved). The capacity it has already: nothing changes.
 
         A sharded buffer (``create(..., shards=N)``) opens with ``mode="r"`` as the union of its
         shards, for a learner: lane ``e`` of shard ``s`` is lane ``s * num_envs + e`` (row ids

@@ -34,6 +34,9 @@ from .setup import read_sharded_root
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
 
+STAGE_BYTES = 64 << 20
+"""Rows (of every field) a change of capacity stages at once: what it holds in RAM, about twice."""
+
 def resize(cls: type[ReplayBuffer], url: str, mode: str, capacity: Any, options: Options,
            sampler: Sampler | None) -> None:
     """Change the capacity of the ring at ``url`` to ``capacity`` rows (`ReplayBuffer.open`'s
@@ -104,21 +107,34 @@ def _stage(reader: ReplayBuffer, capacity: Any, store: ChunkStore, objects: Chun
 
 def _stage_lane(storage: Storage, target: ChunkStore, lane: int, steps: np.ndarray, new: int) -> None:
     """Stage in ``target`` the chunks of ``lane`` that hold ``steps`` at their slots of ``new``
-    steps per lane (every field's, one field at a time)."""
-    if not len(steps):
-        return
-    layout, rows = storage.layout, storage.layout.chunk_rows
-    old_slots, new_slots = layout.slot(steps), steps % new
-    chunks = np.unique(old_slots // rows)
-    at = np.searchsorted(chunks, old_slots // rows) * rows + old_slots % rows
-    written = np.unique(new_slots // rows).tolist()
+    steps per lane, a few chunks at a time (about `STAGE_BYTES` of rows)."""
+    rows = storage.layout.chunk_rows
+    new_chunk = (steps % new) // rows
+    order = np.argsort(new_chunk, kind="stable")
+    ordered, chunks = new_chunk[order], np.unique(new_chunk)
+    per_batch = max(1, STAGE_BYTES // (rows * storage.schema.row_bytes))
+    for start in range(0, len(chunks), per_batch):
+        batch = chunks[start:start + per_batch]
+        first, end = np.searchsorted(ordered, [batch[0], batch[-1] + 1])
+        _stage_chunks(storage, target, lane, steps[np.sort(order[first:end])], new, batch)
+
+
+def _stage_chunks(storage: Storage, target: ChunkStore, lane: int, steps: np.ndarray, new: int,
+                  chunks: np.ndarray) -> None:
+    """Stage the new chunks ``chunks`` of ``lane``, which hold ``steps`` (every field's, one
+    field at a time), read from the chunks that hold them now."""
+    rows = storage.layout.chunk_rows
+    old_slots, new_slots = storage.layout.slot(steps), steps % new
+    sources = np.unique(old_slots // rows)
+    source_at = np.searchsorted(sources, old_slots // rows) * rows + old_slots % rows
+    target_at = np.searchsorted(chunks, new_slots // rows) * rows + new_slots % rows
     for name, field in storage.schema.items():
-        stored = storage.read_chunks((name,), lane, chunks)[name]
-        ring = np.zeros((-(-new // rows) * rows, *field.shape), field.dtype)
-        ring[new_slots] = stored[at]
-        keys = [storage.chunk_key(name, lane, chunk) for chunk in written]
-        for key, chunk in zip(keys, written):
-            target.put(key, storage.codecs[name].encode(ring[chunk * rows:(chunk + 1) * rows]))
+        stored = storage.read_chunks((name,), lane, sources)[name]
+        staged = np.zeros((len(chunks) * rows, *field.shape), field.dtype)
+        staged[target_at] = stored[source_at]
+        keys = [storage.chunk_key(name, lane, chunk) for chunk in chunks.tolist()]
+        for i, key in enumerate(keys):
+            target.put(key, storage.codecs[name].encode(staged[i * rows:(i + 1) * rows]))
         target.sync(keys)
 
 
