@@ -296,6 +296,9 @@ os.kill(os.getpid(), signal.SIGKILL)  # the new buffer stays as the change left 
 """
 
 
+COMMIT = "diskreplay/objects/commit.json"
+
+
 def run_resize(url: str, capacity: int, kill_at: int) -> list[str]:
     """Resize ``url`` in a subprocess SIGKILLed at its ``kill_at``-th store write or delete (0:
     after the change); the keys it wrote or deleted, in order."""
@@ -311,7 +314,7 @@ def run_resize(url: str, capacity: int, kill_at: int) -> list[str]:
 def test_a_resize_killed_anywhere_leaves_the_old_buffer_or_the_new_one(tmp_path, new):
     """A subprocess changing a 2-lane ring of 8 per lane (wrapped, derive_next, episodic returns)
     to ``new`` rows is SIGKILLed at one of its store writes or deletes, for points spread over the
-    whole change (staging, the commit point ``resize.json``, the copy, the cleanup). Readers then
+    whole change (staging, the commit point: the marked commit record, the copy, the cleanup). Readers then
     open the old buffer or refuse (`ResizeInProgressError`); the next writer opens the old buffer
     with every old row, or the new one as its twin shows it; `verify` finds nothing wrong."""
     pristine, twin_url = str(tmp_path / "pristine"), str(tmp_path / "twin")
@@ -324,8 +327,8 @@ def test_a_resize_killed_anywhere_leaves_the_old_buffer_or_the_new_one(tmp_path,
     old = dr.ReplayBuffer.open(pristine)
     twin = dr.ReplayBuffer.open(twin_url)
     keys = run_resize(str(tmp_path / "probe"), new, 0) if shutil.copytree(pristine, tmp_path / "probe") else []
-    commit_point = keys.index("diskreplay/objects/resize.json") + 1  # its put, then its delete when done
-    done_point = len(keys) - keys[::-1].index("diskreplay/objects/resize.json")
+    commit_point = keys.index(COMMIT) + 1  # the marked record's put, then the record's without its mark
+    done_point = commit_point + keys[commit_point:].index(COMMIT) + 1
     points = sorted({1, commit_point - 1, commit_point, commit_point + 1, done_point, done_point + 1,
                      *np.linspace(1, len(keys), 8).astype(int).tolist()})
     outcomes = set()
@@ -400,7 +403,8 @@ def test_a_diskreplay_1_buffer_keeps_its_format(tmp_path):
     a.close()
     assert json.loads((tmp_path / "old" / "zarr.json").read_text())["attributes"]["diskreplay"]["format"] == \
         "diskreplay/1"
-    assert not (tmp_path / "old" / "diskreplay").exists() and not (tmp_path / "old" / "resize.json").exists()
+    assert not (tmp_path / "old" / "diskreplay").exists()
+    assert "resize" not in json.loads((tmp_path / "old" / "commit.json").read_text())["extra"]
     assert_model(dr.ReplayBuffer.open(url), counts - 5, counts)
     assert verify(url).ok
 
@@ -422,7 +426,7 @@ def test_a_ring_on_s3_grows(s3):
 
 
 def test_a_change_made_visible_but_not_finished_is_finished_by_the_next_writer(tmp_path, monkeypatch):
-    """The change fails right after its commit point (``resize.json`` written, nothing copied):
+    """The change fails right after its commit point (the marked record written, nothing copied):
     readers refuse to open, naming the way out; the next writer finishes the change."""
     url = str(tmp_path / "a")
     counts = np.zeros(2, np.int64)
@@ -443,7 +447,7 @@ def test_a_change_made_visible_but_not_finished_is_finished_by_the_next_writer(t
         dr.ReplayBuffer.open(url, "r+", capacity=40)
     monkeypatch.undo()
     with pytest.raises(dr.ResizeInProgressError, match=r"a change of its capacity is under way, or was interrupted "
-                                                       r"\(resize.json is present\); its writer finishes it"):
+                                                       r"\(commit.json has 'extra.resize'\); its writer finishes it"):
         dr.ReplayBuffer.open(url)
     assert not verify(url).ok
     with dr.ReplayBuffer.open(url, "r+") as b:

@@ -20,7 +20,6 @@ from ..format.keys import (
     INCOMPLETE_IMPORT_KEY,
     MAX_METADATA_BYTES,
     OWN_PREFIXES,
-    RESIZE_KEY,
     array_key,
     objects_prefix,
 )
@@ -123,7 +122,7 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
     store = _store(url, options)
     try:
-        config = _read_buffer(url, store)[0]
+        config, arrays, record = _read_buffer(url, store)
     except ResizeInProgressError:
         if mode == "r":
             raise
@@ -132,8 +131,7 @@ def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
-            resizing.finish(url, store, objects)  # a change of capacity a killed writer made visible
-        config, arrays, record = _read_buffer(url, store)
+            config, arrays, record = _read_writable(url, store, objects)
         return _writable(url, store, objects, config, arrays, record, mode, lock, options)
     except BaseException:
         if lock is not None:
@@ -217,13 +215,13 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
     config = read_config(read_small, url)
     objects = objects_at(store, objects_prefix(config.format))
-    blob, resize = objects.get_many([COMMIT_KEY, RESIZE_KEY], limit=MAX_METADATA_BYTES + 1)
-    resizing.resize_pending(url, resize)
+    blob = objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
     if blob is None:
         if objects.exists(INCOMPLETE_IMPORT_KEY):
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+    resizing.resize_pending(url, blob)  # before the arrays: they may be either capacity's then
     # after the commit (they cover its rows), every field's at once
     keys = [array_key(name) for name in config.schema.fields]
     fetched = dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
@@ -232,6 +230,17 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
     return config, arrays, record
+
+
+def _read_writable(url: str, store: ChunkStore, objects: ChunkStore
+                   ) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
+    """`_read_buffer` for its writer (the lock held): a change of capacity that a killed writer
+    made visible is finished first."""
+    try:
+        return _read_buffer(url, store)
+    except ResizeInProgressError:
+        resizing.finish(url, store, objects)
+        return _read_buffer(url, store)
 
 
 def _store(url: str, options: Options) -> ChunkStore:

@@ -1,21 +1,21 @@
-"""A ring's capacity change made visible at once: staged objects, one intent record, a roll-forward.
+"""A ring's capacity change made visible at once: staged objects, one marked commit, a roll-forward.
 
 A new capacity moves every stored step (its slot is ``step % lane_capacity``), so the change
 cannot be made in place row by row without a moment where neither capacity reads right. It is
 made in three steps:
 
-1. `stage`: the new chunks and the new ``zarr.json`` documents are written under
-   ``<objects>/resize-staging/`` (keyed as in the buffer), the new state object under
-   ``<objects>/state/``; the buffer itself is untouched (a crash here leaves the old buffer and
-   some garbage that the next change deletes).
-2. `make_visible`: ``<objects>/resize.json`` is written in one atomic put (the commit point): the
-   capacities before and after, and the new commit record.
-3. `finish`: the staged objects are copied over the buffer's (chunks and arrays' documents, the
-   group's last), the new commit record replaces ``commit.json``, chunks outside the new grid and
-   state objects no commit names are deleted, then the staging and ``resize.json``. Every step
-   can be repeated, so a writer that finds ``resize.json`` when it opens the buffer repeats them
-   all (a crash anywhere after step 2 leaves the new buffer); a reader refuses to open meanwhile
+1. `stage`: the new chunks, the new ``zarr.json`` documents and the new state object are written
+   under ``<objects>/resize-staging/`` (keyed as in the buffer); the buffer itself is untouched
+   (a crash here leaves the old buffer and some garbage that the next change deletes).
+2. `make_visible`: ``commit.json`` is replaced, in one atomic put (the commit point), by the new
+   commit record *marked* with ``extra.resize`` (the capacities before and after). Readers read
+   ``commit.json`` first anyway: a marked one costs them no request, and they refuse it
    (`ResizeInProgressError`).
+3. `finish`: the staged objects are copied over the buffer's (the group's ``zarr.json`` last),
+   chunks outside the new grid and state objects the new record does not name are deleted, the
+   staging too; then the record is put again without its mark. Every step can be repeated, so a
+   writer that opens a buffer whose record is marked repeats them all (a crash anywhere after
+   step 2 leaves the new buffer).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from ..format.keys import (
     COMMIT_KEY,
     GROUP_KEY,
     MAX_METADATA_BYTES,
-    RESIZE_KEY,
     RESIZE_STAGING,
     array_key,
     chunk_key,
@@ -46,45 +45,54 @@ from ..io.backends import open_chunkstore
 from ..io.lock import WriterLock
 from ..io.store import ChunkStore, objects_at
 
+RESIZE_MARK = "resize"
+"""The field of a commit record's ``extra`` that marks a change of capacity not yet in place."""
 COPY_BATCH = 64
 """Staged objects read (and held) at once while they are copied into place."""
 
 
 @dataclass(frozen=True)
 class ResizeIntent:
-    """The content of ``resize.json``: ``previous`` and ``lane_capacity`` (steps per lane before
-    and after the change) and ``record``, the commit record that shows the new buffer."""
+    """A change of capacity: ``previous`` and ``lane_capacity`` (steps per lane before and after)
+    and ``record``, the commit record of the new buffer."""
 
     previous: int
     lane_capacity: int
     record: CommitRecord
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"previous": self.previous, "lane_capacity": self.lane_capacity,
-                           "commit": json.loads(self.record.to_bytes())}).encode()
+        """The record marked with the change (`RESIZE_MARK` in its ``extra``)."""
+        data = json.loads(self.record.to_bytes())
+        data["extra"][RESIZE_MARK] = {"previous": self.previous, "lane_capacity": self.lane_capacity}
+        return json.dumps(data).encode()
 
     @classmethod
-    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> ResizeIntent:
-        """Raises CorruptBufferError naming ``resize.json`` and the field."""
-        data = json_object(blob, RESIZE_KEY, url)
+    def from_bytes(cls, blob: bytes, url: str, num_envs: int) -> ResizeIntent | None:
+        """The change a commit record's bytes are marked with (None: not marked). Raises
+        CorruptBufferError naming the field."""
+        record = CommitRecord.from_bytes(blob, url, num_envs)
+        mark = marked(blob, url)
+        if mark is None:
+            return None
         for name in ("previous", "lane_capacity"):
-            value = data.get(name)
+            value = mark.get(name) if isinstance(mark, dict) else None
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
-                raise CorruptBufferError(f"{url!r}: {RESIZE_KEY} field {name!r}: expected an int in "
-                                         f"[1, {MAX_STEPS}], got {value!r:.100}")
-        if not isinstance(data.get("commit"), dict):
-            raise CorruptBufferError(f"{url!r}: {RESIZE_KEY} field 'commit': expected an object, "
-                                     f"got {data.get('commit')!r:.100}")
-        record = CommitRecord.from_bytes(json.dumps(data["commit"]).encode(), url, num_envs,
-                                         key=f"{RESIZE_KEY} field 'commit'")
-        return cls(data["previous"], data["lane_capacity"], record)
+                raise CorruptBufferError(f"{url!r}: {COMMIT_KEY} field 'extra.{RESIZE_MARK}.{name}': expected an "
+                                         f"int in [1, {MAX_STEPS}], got {value!r:.100}")
+        return cls(mark["previous"], mark["lane_capacity"], record)
 
 
-def resize_pending(url: str, blob: bytes | None) -> None:
-    """Raise ResizeInProgressError if ``blob`` (what ``resize.json`` holds) shows a change under way."""
-    if blob is not None:
+def marked(blob: bytes, url: str) -> Any:
+    """The mark of a change of capacity in the commit record ``blob`` (None: none)."""
+    extra = json_object(blob, COMMIT_KEY, url).get("extra")
+    return extra.get(RESIZE_MARK) if isinstance(extra, dict) else None
+
+
+def resize_pending(url: str, blob: bytes) -> None:
+    """Raise ResizeInProgressError if the commit record ``blob`` is marked with a change."""
+    if marked(blob, url) is not None:
         raise ResizeInProgressError(f"{url!r}: a change of its capacity is under way, or was interrupted "
-                                    f"({RESIZE_KEY} is present); its writer finishes it: "
+                                    f"({COMMIT_KEY} has 'extra.{RESIZE_MARK}'); its writer finishes it: "
                                     f"ReplayBuffer.open(url, 'r+')")
 
 
@@ -117,28 +125,27 @@ def stage_documents(url: str, store: ChunkStore, target: ChunkStore, lane_capaci
 
 def make_visible(objects: ChunkStore, intent: ResizeIntent) -> None:
     """The commit point: after this, the change is made (now or by the next writer)."""
-    objects.put(RESIZE_KEY, intent.to_bytes(), durable=True)
+    objects.put(COMMIT_KEY, intent.to_bytes(), durable=True)
 
 
 def finish(url: str, store: ChunkStore, objects: ChunkStore) -> ResizeIntent | None:
-    """Complete a change whose ``resize.json`` is present (the caller holds the writer lock);
-    returns its intent, or None when there is none."""
-    blob = objects.get(RESIZE_KEY, limit=MAX_METADATA_BYTES + 1)
-    if blob is None:
-        return None
+    """Complete a change whose marked record is ``commit.json`` (the caller holds the writer
+    lock); returns it, or None when the record is not marked."""
     config = read_config(functools.partial(store.get, limit=MAX_METADATA_BYTES + 1), url)
-    intent = ResizeIntent.from_bytes(blob, url, config.num_envs)
+    blob = objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
+    intent = None if blob is None else ResizeIntent.from_bytes(blob, url, config.num_envs)
+    if intent is None:
+        return None
     staged = staging(objects)
     keys = sorted(staged.sizes(), key=lambda key: key == GROUP_KEY)  # the group's document last
     _copy(staged, store, keys)
-    objects.put(COMMIT_KEY, intent.record.to_bytes(), durable=True)
     for key in _outside_grid(config, intent):
         store.delete(key)
     for key in objects.sizes():
         if (is_state_key(key) or is_journal_key(key)) and key != intent.record.state_arrays:
             objects.delete(key)
     staged.clear()
-    objects.delete(RESIZE_KEY)
+    objects.put(COMMIT_KEY, intent.record.to_bytes(), durable=True)
     return intent
 
 
