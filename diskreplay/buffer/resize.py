@@ -54,8 +54,8 @@ def resize(cls: type[ReplayBuffer], url: str, mode: str, capacity: Any, options:
     try:
         finish(url, store, objects)  # an interrupted change first
         staging(objects).clear()  # what a change killed before its commit point left
-        reader = cls.open(url, "r", sampler=sampler, storage_options=options.storage_options,
-                          io_threads=options.io_threads, retry=options.retry)
+        reader = cls.open(url, "r", sampler=sampler, storage_options=options.storage_options, cache_bytes=1,
+                          io_threads=options.io_threads, retry=options.retry)  # reads bypass the cache
         try:
             intent = _stage(reader, capacity, store, objects)
         finally:
