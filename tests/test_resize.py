@@ -244,6 +244,9 @@ def test_bad_capacity_is_refused_and_changes_nothing(tmp_path):
         dr.ReplayBuffer.open(url, "r+", capacity=25)
     with pytest.raises(ValueError, match=r"capacity=6 gives 3 rows per lane, fewer than chunk_rows=4: at least 8"):
         dr.ReplayBuffer.open(url, "r+", capacity=6)
+    with pytest.raises(ValueError, match=r"capacity=268,435,464 with chunk_rows=4 needs 67,108,866 chunks; at most "
+                                         r"67,108,864 are kept: raise chunk_rows"):
+        dr.ReplayBuffer.open(url, "r+", capacity=2 * (2**27 + 4))
     with pytest.raises(ValueError, match=r"capacity must be an int >= 1, got 0"):
         dr.ReplayBuffer.open(url, "r+", capacity=0)
     with pytest.raises(ValueError, match=r"capacity= changes the buffer .*open it with mode='r\+', not 'r'"):

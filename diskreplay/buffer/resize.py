@@ -29,13 +29,14 @@ from ..sampling import Sampler, with_defaults
 from ..sampling.state import check_sampler_state
 from ..storage import Options, Storage
 from ..storage.resizing import ResizeIntent, finish, lock_buffer, make_visible, stage_documents, staging
-from .setup import read_sharded_root
+from .setup import lane_capacity_of, read_sharded_root
 
 if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
 
 STAGE_BYTES = 64 << 20
 """Rows (of every field) a change of capacity stages at once: what it holds in RAM, about twice."""
+
 
 def resize(cls: type[ReplayBuffer], url: str, mode: str, capacity: Any, options: Options,
            sampler: Sampler | None) -> None:
@@ -81,7 +82,7 @@ def lane_capacity_for(url: str, capacity: Any, layout: LaneLayout) -> int:
     if capacity // envs < rows:
         raise ValueError(f"capacity={capacity} gives {capacity // envs} rows per lane, fewer than "
                          f"chunk_rows={rows}: at least {rows * envs} rows")
-    return int(capacity) // envs
+    return int(lane_capacity_of(int(capacity), envs, rows) or 0)  # and the limits of create
 
 
 def _stage(reader: ReplayBuffer, capacity: Any, store: ChunkStore, objects: ChunkStore) -> ResizeIntent | None:
