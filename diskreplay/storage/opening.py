@@ -119,7 +119,8 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> B
 def open_storage(url: str, mode: str, options: Options) -> BufferStorage:
     """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``).
 
-    Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError."""
+    Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError;
+    ResizeInProgressError: a reader, while a change of capacity is under way (a writer finishes it)."""
     store = _store(url, options)
     try:
         config, arrays, record = _read_buffer(url, store)
