@@ -25,6 +25,7 @@ from .errors import (
     NotABufferError,
     RateLimitTimeout,
     ReadOnlyError,
+    ResizeInProgressError,
     SchemaError,
     StaleReadError,
     StoreUnavailableError,
@@ -47,7 +48,7 @@ __all__ = [
     "discount_cumsum", "episodic_returns", "gae_advantages", "normalize_advantages", "nstep_targets",
     "DiskReplayError", "SchemaError", "NotABufferError", "BufferExistsError", "ReadOnlyError",
     "EmptyBufferError", "CorruptBufferError", "LockedError", "StaleReadError", "StoreUnavailableError",
-    "ClosedError", "RateLimitTimeout", "CommitNotKeptError",
+    "ClosedError", "RateLimitTimeout", "CommitNotKeptError", "ResizeInProgressError",
     "RetryPolicy", "build_info",
 ]
 

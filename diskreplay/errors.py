@@ -37,6 +37,11 @@ class LockedError(DiskReplayError, RuntimeError):
     """Another writer holds the buffer's write lock (or took it from this writer)."""
 
 
+class ResizeInProgressError(LockedError):
+    """A capacity change of the buffer is under way, or was interrupted (its writer was killed):
+    the buffer's writer finishes it when it opens the buffer (``mode="r+"``)."""
+
+
 class ClosedError(DiskReplayError, ValueError):
     """The buffer (or dataset) was closed: open it again to use it."""
 

@@ -180,7 +180,7 @@ class ReplayBuffer(Pinning):
              io_threads: int | None = None, memory_map: bool | None = None, break_lock: bool = False,
              retry: RetryPolicy | None = None, continue_episodes: bool = False, seed: int | None = None,
              rate_limiter: RateLimiter | None = None, lease_s: float | None = None,
-             at_commit: int | str | None = None) -> ReplayBuffer:
+             at_commit: int | str | None = None, capacity: int | None = None) -> ReplayBuffer:
         """Open an existing buffer: ``mode="r+"`` to resume writing, ``"r"`` read-only.
 
         The sampler and generator state saved with the last commit are restored, so a resumed run
@@ -199,6 +199,16 @@ class ReplayBuffer(Pinning):
         ``done`` values. The new episode never merges with the one the crash or the restart cut.
         ``continue_episodes=True`` keeps them open instead, for a writer that resumes the very
         env streams it was writing (their env state restored).
+
+        ``capacity`` (``mode="r+"``, a ring): first change the ring's capacity to ``capacity``
+        rows, a multiple of ``num_envs`` (``capacity // num_envs`` per lane, at least
+        ``chunk_rows``). Growing keeps every row; shrinking keeps the newest
+        ``capacity // num_envs`` rows of each lane and warns (UserWarning) how many it dropped per
+        lane. Row ids, episodes, priorities, episodic returns and ``next_*`` fields stay as they
+        were for the rows kept. The change is atomic: a crash leaves the old buffer or the new
+        one (a writer that opens the buffer finishes a change that was made visible; readers
+        meanwhile get `ResizeInProgressError`; readers open during the change must open the buffer
+        again: their rows moved). The capacity it has already: nothing changes.
 
         A sharded buffer (``create(..., shards=N)``) opens with ``mode="r"`` as the union of its
         shards, for a learner: lane ``e`` of shard ``s`` is lane ``s * num_envs + e`` (row ids
@@ -222,14 +232,17 @@ class ReplayBuffer(Pinning):
             LockedError: ``mode="r+"`` and another writer holds the buffer (its lease not expired).
             ValueError: ``mode`` is not "r" or "r+" (a sharded buffer: not "r"); ``seed`` or
                 ``rate_limiter`` for a buffer that is not sharded; ``at_commit`` with ``mode="r+"``
-                or for a sharded buffer's union (open one of its shards' locations instead).
+                or for a sharded buffer's union (open one of its shards' locations instead);
+                ``capacity`` with ``mode="r"``, for a dataset or a sharded buffer, not a multiple
+                of ``num_envs``, too small, or while the buffer has pinned commits.
             CommitNotKeptError: ``at_commit`` is neither pinned nor the newest commit (the
                 message lists those that are).
+            ResizeInProgressError: ``mode="r"`` while a change of capacity is under way.
         """
         return open_buffer(cls, url, mode, None, sampler=sampler, storage_options=storage_options,
                            cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map,
                            break_lock=break_lock, retry=retry, continue_episodes=continue_episodes, seed=seed,
-                           rate_limiter=rate_limiter, lease_s=lease_s, at_commit=at_commit)
+                           rate_limiter=rate_limiter, lease_s=lease_s, at_commit=at_commit, capacity=capacity)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,

@@ -21,6 +21,7 @@ from ..storage.commit_log import Announcer
 from ..storage.union import CommitIndex
 from .parts import ActorLimit, BufferOpening, LearnerOpening
 from .rate_limit import Progress, RateLimiter
+from .resize import resize
 from .setup import (
     check_open_options,
     close_all,
@@ -142,6 +143,8 @@ def open_learner(cls: type[ReplayBuffer], url: str, mode: str, root: tuple[Shard
 def open_writer(cls: type[ReplayBuffer], url: str, shard: int, mode: str, limiter: RateLimiter | None,
                 open_options: Mapping[str, Any]) -> ReplayBuffer:
     """Shard ``shard`` of the sharded buffer at ``url`` (`ReplayBuffer.open_shard`)."""
+    if open_options.get("capacity") is not None:
+        raise ValueError(f"{url!r}: capacity= is not supported for a shard (the shards of a buffer share one config)")
     root = sharded_root(url, open_options.get("storage_options"), open_options.get("retry"))
     if root is None:
         raise NotABufferError(f"{url!r} is not a sharded buffer (made by dr.ReplayBuffer.create(..., shards=N))")
@@ -160,11 +163,13 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
                 memory_map: bool | None = None, break_lock: bool = False, retry: RetryPolicy | None = None,
                 continue_episodes: bool = False, seed: int | None = None,
                 rate_limiter: RateLimiter | None = None, lease_s: float | None = None,
-                at_commit: int | str | None = None, announcer: Announcer | None = None) -> ReplayBuffer:
+                at_commit: int | str | None = None, capacity: int | None = None,
+                announcer: Announcer | None = None) -> ReplayBuffer:
     """The buffer at ``path`` (`ReplayBuffer.open`), or the union of its shards if it is a sharded
     buffer; ``actor`` and ``announcer``: a shard writer's rate limit and commit index
     (`open_writer`); ``at_commit``: read-only, held at that commit (not for a sharded buffer's
-    union: its shards commit on their own)."""
+    union: its shards commit on their own); ``capacity``: a ring's new capacity, changed first
+    (`resize`)."""
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
     if at_commit is not None and mode != "r":
@@ -172,6 +177,8 @@ def open_buffer(cls: type[ReplayBuffer], path: str | os.PathLike[str], mode: str
     url = os.fspath(path)
     check_open_options(io_threads, memory_map, retry, storage_options, sampler, rate_limiter)
     options = Options(storage_options, cache_bytes, io_threads, memory_map, break_lock, retry, lease_s, announcer)
+    if capacity is not None:
+        resize(cls, url, mode, capacity, options, sampler)
     root = None
     try:
         opened = open_storages(url, mode, options, at_commit)

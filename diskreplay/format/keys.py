@@ -13,6 +13,9 @@ GROUP_KEY = "zarr.json"
 COMMIT_KEY = "commit.json"
 INCOMPLETE_IMPORT_KEY = "import-incomplete.json"
 """The commit record of an import in progress: an interrupted import never opens as a buffer."""
+RESIZE_STAGING = "resize-staging/"
+"""Where a capacity change writes the new chunks, metadata documents and state object, keyed as
+in the buffer, before it makes them the buffer's (not a Python identifier: never a field's directory)."""
 CHUNK_KEY_SEPARATOR = "."
 """New buffers name chunks ``<field>/c.<lane>.<chunk>.0``: one directory per field. With zarr's
 default "/" every chunk file sits in a directory of its own, and creating those directories costs

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CorruptBufferError, NotABufferError
+from ..errors import CorruptBufferError, NotABufferError, ResizeInProgressError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
@@ -43,6 +43,7 @@ from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
 from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
 from ..io.threads import Threads
+from . import resizing
 from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
@@ -126,16 +127,22 @@ def open_storage(url: str, mode: str, options: Options, at_commit: int | str | N
     ``at_commit``: read-only, held at that commit (`open_at_commit`).
 
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError,
-    CommitNotKeptError."""
+    CommitNotKeptError; ResizeInProgressError: a reader, while a change of capacity is under
+    way (a writer finishes it)."""
     store = _store(url, options)
-    config, arrays, record = _read_buffer(url, store)
+    try:
+        config, arrays, record = _read_buffer(url, store)
+    except ResizeInProgressError:
+        if mode == "r":
+            raise
+        config = read_config(functools.partial(store.get, limit=MAX_METADATA_BYTES + 1), url)
     objects = objects_at(store, objects_prefix(config.format))
     if at_commit is not None:
         return open_at_commit(url, store, objects, (config, arrays, record), at_commit, options)
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
-            _, arrays, record = _read_buffer(url, store)
+            config, arrays, record = _read_writable(url, store, objects)
         return _writable(url, store, objects, config, arrays, record, mode, lock, options)
     except BaseException:
         if lock is not None:
@@ -258,6 +265,7 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
+    resizing.resize_pending(url, blob)  # before the arrays: they may be either capacity's then
     # after the commit (they cover its rows), every field's at once
     keys = [array_key(name) for name in config.schema.fields]
     fetched = dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
@@ -266,6 +274,17 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
     return config, arrays, record
+
+
+def _read_writable(url: str, store: ChunkStore, objects: ChunkStore
+                   ) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
+    """`_read_buffer` for its writer (the lock held): a change of capacity that a killed writer
+    made visible is finished first."""
+    try:
+        return _read_buffer(url, store)
+    except ResizeInProgressError:
+        resizing.finish(url, store, objects)
+        return _read_buffer(url, store)
 
 
 def _store(url: str, options: Options) -> ChunkStore:
