@@ -458,3 +458,37 @@ def test_a_change_made_visible_but_not_finished_is_finished_by_the_next_writer(t
         assert_model(b, counts - 8, counts)
     assert_model(dr.ReplayBuffer.open(url), counts - 8, counts)
     assert verify(url).ok
+
+
+def test_a_reader_open_across_a_change_refuses_to_read_on(tmp_path):
+    url = str(tmp_path / "a")
+    counts = np.zeros(2, np.int64)
+    a = create(url, 16, 2)
+    add([a], counts, [0, 1], 11)
+    a.close()
+    reader = dr.ReplayBuffer.open(url, "r")
+    a = resized(url, 32)
+    add([a], counts, [0, 1], 3)
+    a.flush()
+    # every later commit carries the new capacity: the old reader's slots would be wrong rows
+    with pytest.raises(dr.StaleReadError, match=r"the ring's capacity was changed since this reader opened it "
+                                                r"\(8 steps per lane\): open the buffer again"):
+        reader.refresh()
+    reader.close()
+    with dr.ReplayBuffer.open(url, "r") as fresh:
+        assert_model(fresh, np.full(2, 11 - 8), counts)  # the 8 rows per lane kept, and the 3 added
+    a.close()
+
+
+def test_a_buffer_with_pins_refuses_a_change(tmp_path):
+    url = str(tmp_path / "a")
+    counts = np.zeros(2, np.int64)
+    a = create(url, 16, 2)
+    add([a], counts, [0, 1], 11)
+    n = a.pin()
+    a.close()
+    with pytest.raises(ValueError, match=rf"has pinned commits \[{n}\]: a change of capacity deletes what they keep; "
+                                         r"unpin them first"):
+        dr.ReplayBuffer.open(url, "r+", capacity=32)
+    with dr.ReplayBuffer.open(url, "r", at_commit=n) as pinned:
+        assert_model(pinned, counts - 8, counts)

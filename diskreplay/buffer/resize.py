@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..io import ChunkStore, open_chunkstore
 from ..sampling import Sampler, with_defaults
 from ..sampling.state import check_sampler_state
 from ..storage import Options, Storage
+from ..storage.pins import read_index
 from ..storage.resizing import ResizeIntent, finish, lock_buffer, make_visible, stage_documents, staging
 from .setup import lane_capacity_of, read_sharded_root
 
@@ -94,6 +96,9 @@ def _stage(reader: ReplayBuffer, capacity: Any, store: ChunkStore, objects: Chun
     if new == old:
         return None
     assert old is not None
+    if pins := read_index(objects, url).pins:
+        raise ValueError(f"{url!r} has pinned commits {[pin.commit for pin in pins]}: a change of capacity "
+                         f"deletes what they keep; unpin them first (buf.unpin(n))")
     record = storage.record
     first, _ = storage.committed_window()
     lower = np.maximum(record.lower, record.committed - min(old, new))
@@ -103,7 +108,7 @@ def _stage(reader: ReplayBuffer, capacity: Any, store: ChunkStore, objects: Chun
         _stage_lane(storage, target, lane, np.arange(lower[lane], record.committed[lane]), new)
     stage_documents(url, store, target, new)
     _warn_dropped(url, int(capacity), new, lower - first)
-    return ResizeIntent(old, new, _staged_record(storage, target, record, lower, state))
+    return ResizeIntent(old, new, replace(_staged_record(storage, target, record, lower, state), lane_capacity=new))
 
 
 def _stage_lane(storage: Storage, target: ChunkStore, lane: int, steps: np.ndarray, new: int) -> None:

@@ -33,6 +33,8 @@ from .keys import COMMIT_KEY, STATE_DIR, json_object
 
 CHECKSUM_FIELD = "state_arrays_crc32c"
 """The field of ``extra`` that holds the state object's CRC32C."""
+CAPACITY_FIELD = "lane_capacity"
+"""The field of ``extra`` that holds a ring's steps per lane after a change of capacity."""
 STATE_KEY = re.compile(rf"{STATE_DIR}/(\d{{12}})(-[0-9a-f]{{16}})?\.safetensors")
 
 
@@ -66,6 +68,9 @@ class CommitRecord:
     state_arrays: str | None = None
     state_checksum: int | None = None
     """The CRC32C of the state object's bytes (None: a record written before checksums)."""
+    lane_capacity: int | None = None
+    """A ring's steps per lane since its capacity was changed (``open(url, "r+", capacity=n)``;
+    None: as created). Every later record carries it: a reader opened before the change refuses it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "committed", _frozen(self.committed))
@@ -84,6 +89,8 @@ class CommitRecord:
         extra: dict[str, Any] = {} if self.state is None else {"state": self.state, "state_arrays": self.state_arrays}
         if self.state is not None and self.state_checksum is not None:
             extra[CHECKSUM_FIELD] = self.state_checksum
+        if self.lane_capacity is not None:
+            extra[CAPACITY_FIELD] = self.lane_capacity
         return json.dumps({
             "sequence": self.sequence, "time": self.time,
             "committed": self.committed.tolist(), "lower": self.lower.tolist(), "extra": extra,
@@ -138,7 +145,12 @@ class CommitRecord:
                                         or not 0 <= crc < 2**32):
             raise CorruptBufferError(f"{where} field 'extra.{CHECKSUM_FIELD}': expected an int in [0, 2**32) "
                                      f"beside a state object, got {crc!r:.100}")
-        return cls(sequence, committed, lower, float(stamp), extra.get("state"), arrays, crc)
+        capacity = extra.get(CAPACITY_FIELD)
+        if CAPACITY_FIELD in extra and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                        or not 1 <= capacity < 2**62):
+            raise CorruptBufferError(f"{where} field 'extra.{CAPACITY_FIELD}': expected an int >= 1, "
+                                     f"got {capacity!r:.100}")
+        return cls(sequence, committed, lower, float(stamp), extra.get("state"), arrays, crc, capacity)
 
 
 def _cursors(data: dict[str, Any], name: str, where: str, num_envs: int) -> np.ndarray:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ClosedError, CommitNotKeptError, CorruptBufferError, LockedError, ReadOnlyError
+from ..errors import ClosedError, CommitNotKeptError, CorruptBufferError, LockedError, ReadOnlyError, StaleReadError
 from ..format import state as state_files
 from ..format.codecs import checksum
 from ..format.commit import CommitRecord, is_state_key, state_key
@@ -48,6 +48,7 @@ from ..io.lock import WriterLock, fenced
 from ..io.store import ChunkStore
 from .cursors import Cursors
 from .journal import Journal, MissingObject
+from .resizing import marked
 
 STATE_ATTEMPTS = 10
 """Reads of the newest commit a reader makes while its writer keeps replacing the state object."""
@@ -224,6 +225,9 @@ class CommitLog:
         if self._newest is not None and self._newest[0] == blob:  # unchanged: parsed and checked already
             return self._newest[1]
         record = CommitRecord.from_bytes(blob, self.url, self.config.num_envs)
+        if record.lane_capacity not in (None, self.config.lane_capacity) or marked(blob, self.url):
+            raise StaleReadError(f"{self.url!r}: the ring's capacity was changed since this reader opened it "
+                                 f"({self.config.lane_capacity} steps per lane): open the buffer again to read on")
         if self.config.lane_capacity is None and int(record.committed.max(initial=0)) > self.lane_rows:
             _, arrays = read_layout(read_small, self.url)  # the writer grew them since
             record.check_covered(self.url, lane_rows(arrays))
