@@ -50,12 +50,11 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
                            dimension_names=dimension_names(name, field, config.lane_capacity is not None),
                            fill_value=0)
     for name, field in config.user_schema.ragged.items():
-        group.create_array(name, shape=values_shape(config, field, lane_rows, value_chunk_for(field.shape, field.dtype)),
-                           chunks=(1, 1, value_chunk_for(field.shape, field.dtype), *field.shape), dtype=field.dtype,
-                           **values_codec(config).zarr_codecs(field),
+        vc = value_chunk_for(field.shape, field.dtype)
+        group.create_array(name, shape=values_shape(config, field, lane_rows, vc), chunks=(1, 1, vc, *field.shape),
+                           dtype=field.dtype, **values_codec(config).zarr_codecs(field),
                            chunk_key_encoding={"name": "default", "separator": config.chunk_key_separator},
-                           dimension_names=("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape)))),
-                           fill_value=0)
+                           dimension_names=values_dimension_names(name, field), fill_value=0)
     group.attrs.update({"diskreplay": config.to_json()})
     if config.format != FORMAT_1:
         add_own_nodes(group)
@@ -65,6 +64,12 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
 def values_shape(config: BufferConfig, field: Field, lane_rows: int, n_values: int) -> tuple[int, ...]:
     """The shape of a ragged field's values array for ``lane_rows`` steps per lane."""
     return (config.num_envs, -(-max(lane_rows, 1) // config.chunk_rows), n_values, *field.shape)
+
+
+def values_dimension_names(name: str, field: Field) -> tuple[str, ...]:
+    """``lane``, ``chunk`` (the row chunk), ``value`` (the position in the row chunk's values),
+    then ``<name>_dim<i>`` for each trailing axis."""
+    return ("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape))))
 
 
 def values_codec(config: BufferConfig) -> Codec:

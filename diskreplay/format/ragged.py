@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -75,8 +75,25 @@ class Ragged:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Row ``i``'s values (a view)."""
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, i: slice | np.ndarray) -> Ragged: ...
+
+    def __getitem__(self, i: int | slice | np.ndarray) -> np.ndarray | Ragged:
+        """Row ``i``'s values (a view); a slice (of step 1, a view) or an array of row indices: a `Ragged`."""
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self))
+            if step != 1:
+                return self[np.arange(a, b, step)]
+            b = max(a, b)
+            return Ragged(self.values[self.offsets[a]:self.offsets[b]], self.offsets[a:b + 1] - self.offsets[a])
+        if isinstance(i, np.ndarray):
+            rows = np.arange(len(self))[i]
+            lengths = self.lengths[rows]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            index = np.repeat(self.offsets[rows] - offsets[:-1], lengths) + np.arange(int(offsets[-1]))
+            return Ragged(self.values[index], offsets)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} of a Ragged of {n} rows")

@@ -233,9 +233,8 @@ class Schema:
     def _lead(self, data: Mapping[str, Any]) -> tuple[int, ...]:
         """The leading shape of a batch (one step axis), from a fixed field if there is one."""
         for name, field in self.fields.items():
-            value = data.get(name)
             if not field.ragged and name in data:
-                shape = np.shape(value)
+                shape = np.shape(data[name])
                 return tuple(shape[:1]) if len(shape) > len(field.shape) else ()
         value = next((data[name] for name in self.ragged if name in data), None)
         if isinstance(value, tuple) and len(value) == 2:

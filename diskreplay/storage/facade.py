@@ -28,8 +28,8 @@ from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .outputs import Rows
-from .read_ahead import READ_AHEAD_BYTES, Steps
 from .ragged_reads import RaggedReads
+from .read_ahead import READ_AHEAD_BYTES, Steps
 from .reader import ChunkReader
 from .row_reads import RowReads
 

@@ -95,7 +95,7 @@ class RaggedReads:
         self.width = MAX_CHUNKS // config.num_envs
         self.writer = writer
         self.staging: ValueStaging | None = None
-        self.n_values = {name: -1 for name in self.fields}
+        self.n_values = dict.fromkeys(self.fields, -1)
 
     def code(self, lane: np.ndarray, chunk: np.ndarray, k: np.ndarray) -> np.ndarray:
         code: np.ndarray = ((lane * self.width + chunk) << K_BITS) | k
@@ -147,7 +147,8 @@ class RaggedReads:
                 cache.slab[slots[i]] = staged
                 bound[i] = 0  # staged values change: not kept past this read
             else:
-                fetch.append((values_key_of(self.io, f, name, ln, c, kk), values_codec(self.config), cache.slab[slots[i]]))
+                key = values_key_of(self.io, f, name, ln, c, kk)
+                fetch.append((key, values_codec(self.config), cache.slab[slots[i]]))
                 if not self.writer:
                     bound[i] = int(valid[ln])
         try:
@@ -172,10 +173,11 @@ class RaggedReads:
             bad = end > self.n_values[name]
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise CorruptBufferError(
-                f"{self.io.url!r}: ragged field {name!r}: row chunk {int(chunk[i])} of lane {int(lane[i])} has a row "
-                f"ending at value {int(end[i])} after its start {int(start[i])}, or beyond the {self.n_values[name]} "
-                f"values its array holds")
+            why = (f"values [{int(start[i])}, {int(end[i])}): ends that do not add up (a row starts after its end)"
+                   if end[i] < start[i] or start[i] < 0 else
+                   f"a row ending at value {int(end[i])}, beyond the {self.n_values[name]} values its array holds")
+            raise CorruptBufferError(f"{self.io.url!r}: ragged field {name!r}: row chunk {int(chunk[i])} of lane "
+                                     f"{int(lane[i])} has {why}")
 
     def forget(self, name: str, keys: list[tuple[int, int, int]]) -> None:
         """The writer rewrote these value chunks: cached copies go."""

@@ -61,7 +61,8 @@ class ValueStaging:
 
     # ---- appends ---------------------------------------------------------------------------
 
-    def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn], prev_end: PrevEnd) -> dict[str, np.ndarray]:
+    def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn],
+              prev_end: PrevEnd) -> dict[str, np.ndarray]:
         """Stage the values of steps ``[start, start + count)`` of ``lane``; returns each owner's
         ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows."""
         out = {}
