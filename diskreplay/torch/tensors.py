@@ -101,7 +101,8 @@ def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
     A DataLoader worker sends each tensor storage through its own shared-memory segment; one
     storage per batch instead of one per field makes that transfer several times cheaper.
     """
-    apart = {k: _tensor(v) for k, v in batch.items() if isinstance(v, Ragged) or getattr(v, "dtype", None) is np.dtype(object)}
+    apart = {k: _tensor(v) for k, v in batch.items()
+             if isinstance(v, Ragged) or getattr(v, "dtype", None) is np.dtype(object)}
     arrays = {k: np.asarray(v) for k, v in batch.items() if k not in apart}
     offsets, total = {}, 0
     for k, a in arrays.items():
