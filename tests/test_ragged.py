@@ -204,7 +204,8 @@ def test_bad_input_is_refused(tmp_path: Path, change: dict[str, Any], match: str
 
 def test_extend_lengths_must_match_length_of(tmp_path: Path) -> None:
     buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
-    with pytest.raises(dr.SchemaError, match=r"field 'lp' \(length_of='tok'\): row lengths \[1, 2\] differ"):
+    with pytest.raises(dr.SchemaError, match=r"field 'lp' \(length_of='tok'\): row lengths \[1, 1\] differ from "
+                                             r"those of 'tok': \[1, 2\]"):
         buf.extend({"obs": np.zeros((2, 2), np.float32), "tok": [np.zeros(1, np.int32), np.zeros(2, np.int32)],
                     "lp": [np.zeros(1), np.zeros(1)], "txt": ["a", "b"], "pts": [np.zeros((0, 3))] * 2})
     assert len(buf) == 0

@@ -79,7 +79,8 @@ class Storage(ABC):
         self.storage_options = storage_options
         self._log, self._io, self._cache, self._loader = log, io, cache, loader
         self._reader, self._files = reader, files
-        self._ragged = RaggedReads(config, io, writer=log.mode != "r") if config.user_schema.ragged else None
+        self._ragged = (RaggedReads(config, io, log.mode != "r", sum(slab.nbytes for slab in cache.slabs.values()))
+                        if config.user_schema.ragged else None)
 
     # ---- what it is ------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ from ..format.schema import Field
 from .chunk_io import ChunkIO
 from .ragged_values import ValueStaging, read_values_meta, values_key_of
 
-CACHE_BYTES = 64 << 20
-"""The value chunks cached per ragged field (at least one batch's are kept meanwhile)."""
+MIN_CACHE_BYTES = 16 << 20
+"""The least a ragged field caches of value chunks. Each ragged field caches up to half the
+buffer's chunk cache bytes more (at least this; more for a batch that touches more)."""
 K_BITS = 37
 """A value chunk's code: ``(lane * width + row chunk) << K_BITS | k`` (below 2**63: at most
 `MAX_CHUNKS` row chunks, `MAX_VALUES` values per row chunk)."""
@@ -86,11 +87,12 @@ class ValueCache:
 class RaggedReads:
     """Reads of the ragged fields of one storage."""
 
-    def __init__(self, config: BufferConfig, io: ChunkIO, writer: bool):
+    def __init__(self, config: BufferConfig, io: ChunkIO, writer: bool, cache_bytes: int):
         self.config, self.io = config, io
         self.fields = config.user_schema.ragged
         self.vc = {name: value_chunk_for(f.shape, f.dtype) for name, f in self.fields.items()}
-        self.caches = {name: ValueCache(f, self.vc[name], max(CACHE_BYTES // (self.vc[name] * max(f.row_bytes, 1)), 1))
+        budget = max(MIN_CACHE_BYTES, cache_bytes // 2)
+        self.caches = {name: ValueCache(f, self.vc[name], max(budget // (self.vc[name] * max(f.row_bytes, 1)), 1))
                        for name, f in self.fields.items()}
         self.width = MAX_CHUNKS // config.num_envs
         self.writer = writer
@@ -124,12 +126,14 @@ class RaggedReads:
             slots[bad] = self._load(name, codes[bad], step[row[bad]], lane[row[bad]], valid, slots[~bad], check)
         cache.tick += 1
         cache.used[slots] = cache.tick
+        # each (row, value chunk) pair is one run of the slab; the runs end to end are the values
+        first = np.maximum(start[row], k * vc)
+        runs = np.minimum(end[row], (k + 1) * vc) - first
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        vrow = np.repeat(np.arange(len(step)), lengths)
-        pos = start[vrow] + np.arange(int(offsets[-1])) - offsets[:-1][vrow]
-        slot = slots[pair_first[vrow] + pos // vc - k0[vrow]]
+        index = np.repeat(slots * vc + first - k * vc - (np.cumsum(runs) - runs), runs)
+        index += np.arange(len(index))
         flat = cache.slab.reshape(-1, *cache.slab.shape[2:])
-        return Ragged(flat.take(slot * vc + pos % vc, axis=0), offsets)
+        return Ragged(flat.take(index, axis=0), offsets)
 
     def _load(self, name: str, codes: np.ndarray, steps: np.ndarray, lanes: np.ndarray, valid: np.ndarray,
               keep: np.ndarray, check: Check) -> np.ndarray:

@@ -4,7 +4,7 @@ dataset copy hands its batches to (zero-copy tensors, packed tensors, or worker-
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,12 @@ def _tensor(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.dtype == object:
         return value
     return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def ragged_as(form: str, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches`` with their ragged fields as nested tensors (``form="nested"``: as they are) or
+    packed (``"packed"``: `pack_ragged`)."""
+    return map(pack_ragged, batches) if form == "packed" else batches
 
 
 def pack_ragged(batch: Any) -> Any:
