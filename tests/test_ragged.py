@@ -129,6 +129,22 @@ def test_ragged_type() -> None:
         r[3]
 
 
+@pytest.mark.parametrize("extension", [True, False])
+def test_gather_runs(monkeypatch: pytest.MonkeyPatch, extension: bool) -> None:
+    """Runs of rows end to end, by the C extension's copy_runs and by the numpy fallback."""
+    from diskreplay.format import ragged
+    if not extension:
+        monkeypatch.setattr(ragged, "_COPY_RUNS", None)
+    elif ragged._COPY_RUNS is None:
+        pytest.skip("the _batch extension is not built with copy_runs")
+    source = np.arange(30, dtype=np.int16).reshape(10, 3)
+    got = ragged.gather_runs(source, np.array([7, 0, 4]), np.array([2, 0, 3]))
+    assert got.tolist() == source[[7, 8, 4, 5, 6]].tolist()
+    if extension:
+        with pytest.raises(ValueError, match="run 0 falls outside the source or the target"):
+            ragged._COPY_RUNS(source, np.empty(6, np.int16), np.array([54]), np.array([8]))
+
+
 # ---- schema ----------------------------------------------------------------------------------
 
 def test_field_json_round_trip_and_old_json() -> None:

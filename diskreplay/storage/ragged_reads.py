@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CorruptBufferError
 from ..format.config import MAX_CHUNKS, BufferConfig
 from ..format.layout import values_codec
-from ..format.ragged import MAX_VALUES, Ragged, value_chunk_for
+from ..format.ragged import MAX_VALUES, Ragged, gather_runs, value_chunk_for
 from ..format.schema import Field
 from .chunk_io import ChunkIO
 from .ragged_values import ValueStaging, read_values_meta, values_key_of
@@ -130,10 +130,8 @@ class RaggedReads:
         first = np.maximum(start[row], k * vc)
         runs = np.minimum(end[row], (k + 1) * vc) - first
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        index = np.repeat(slots * vc + first - k * vc - (np.cumsum(runs) - runs), runs)
-        index += np.arange(len(index))
         flat = cache.slab.reshape(-1, *cache.slab.shape[2:])
-        return Ragged(flat.take(index, axis=0), offsets)
+        return Ragged(gather_runs(flat, slots * vc + first - k * vc, runs), offsets)
 
     def _load(self, name: str, codes: np.ndarray, steps: np.ndarray, lanes: np.ndarray, valid: np.ndarray,
               keep: np.ndarray, check: Check) -> np.ndarray:
