@@ -394,3 +394,46 @@ def test_model(tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, An
             assert np.array_equal(rows["tok"][j], model[i])
             assert rows["txt"][j] == "é" * len(model[i])
     buf.close()
+
+
+# ---- readers of a live writer, shards ---------------------------------------------------------
+
+def test_reader_follows_rows_appended_to_a_cached_row_chunk(tmp_path: Path) -> None:
+    """A reader that cached a value chunk reads it again for rows its writer appended since."""
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, {"tok": dr.Field((None,), "int32")}, capacity=None, chunk_rows=64)
+    writer.add(tok=tokens(0, 3))
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url)
+    assert reader[np.array([0])]["tok"][0].tolist() == tokens(0, 3).tolist()
+    writer.add(tok=tokens(1, 5))
+    writer.flush()
+    reader.refresh()
+    assert [r.tolist() for r in reader[np.array([0, 1])]["tok"]] == [tokens(0, 3).tolist(), tokens(1, 5).tolist()]
+
+
+def test_sharded_union(tmp_path: Path) -> None:
+    url = str(tmp_path / "b")
+    fields = {"tok": dr.Field((None,), "int32"), "txt": dr.Field((), "str")}
+    dr.ReplayBuffer.create(url, fields, capacity=64, shards=2, chunk_rows=4).close()
+    writers = [dr.ReplayBuffer.open_shard(url, shard, "r+") for shard in range(2)]
+    for step in range(10):
+        for shard, writer in enumerate(writers):
+            writer.add(tok=tokens(100 * shard + step, step % 4), txt=f"{shard}-{step}")
+    for writer in writers:
+        writer.close()
+    batch = dr.ReplayBuffer.open(url).sample(32, seed=0)
+    for text, got in zip(batch["txt"].tolist(), batch["tok"]):
+        shard, step = map(int, text.split("-"))
+        assert got.tolist() == tokens(100 * shard + step, step % 4).tolist()
+
+
+def test_buffer_spec_round_trip() -> None:
+    spec = dr.BufferSpec(fields={"t": dr.Field((None, 2), "int32"), "lp": dr.Field((None, 2), "float32", length_of="t"),
+                                 "s": dr.Field((), "str"), "o": dr.Field((3,), "float32")})
+    data = spec.to_dict()
+    assert data["fields"]["t"] == {"shape": [None, 2], "dtype": "int32"}
+    assert data["fields"]["lp"] == {"shape": [None, 2], "dtype": "float32", "length_of": "t"}
+    assert data["fields"]["s"] == {"shape": [], "dtype": "str"}
+    assert dr.BufferSpec.from_dict(data).fields == spec.fields
+    assert dr.BufferSpec.from_json(spec.to_json()).fields == spec.fields

@@ -77,8 +77,11 @@ def values_codec(config: BufferConfig) -> Codec:
     return Codec(config.compression, config.level)
 
 
-def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig) -> list[str]:
-    """What is wrong with a ragged field's values array metadata (empty: fine)."""
+def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig,
+                    lanes: int | None = None) -> list[str]:
+    """What is wrong with a ragged field's values array metadata (empty: fine); ``lanes``: those
+    of its buffer (a shard of a union's), default the config's."""
+    lanes = config.num_envs if lanes is None else lanes
     key = array_key(name)
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         return [f"{key}: not a Zarr v3 array"]
@@ -89,9 +92,9 @@ def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConf
     problems = []
     if chunks != expected:
         problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected} (values of ragged field {name!r})")
-    if (not isinstance(shape, list) or len(shape) != 3 + len(field.shape) or shape[0] != config.num_envs
+    if (not isinstance(shape, list) or len(shape) != 3 + len(field.shape) or shape[0] != lanes
             or shape[3:] != list(field.shape) or not all(isinstance(s, int) and 0 <= s <= MAX_VALUES for s in shape)):
-        problems.append(f"{key}: shape {shape!r:.200}, expected [{config.num_envs}, chunks, values, *{field.shape}]")
+        problems.append(f"{key}: shape {shape!r:.200}, expected [{lanes}, chunks, values, *{field.shape}]")
     if meta.get("data_type") != str(field.dtype.newbyteorder("=")):
         problems.append(f"{key}: data_type {meta.get('data_type')!r}, expected {field.dtype.name}")
     return problems

@@ -170,8 +170,8 @@ class RaggedReads:
         within the values array (its ``zarr.json``, read again when a row passes it)."""
         bad = (end < start) | (start < 0) | (end > MAX_VALUES)
         if not bad.any() and self.staging is None and len(end) and int(end.max()) > self.n_values[name]:
-            meta = read_values_meta(self.io, self.config, name)
-            self.n_values[name] = int(meta["shape"][2])
+            self.n_values[name] = max(int(read_values_meta(self.io, self.config, name, prefix)["shape"][2])
+                                      for prefix in self.io.prefixes)
             bad = end > self.n_values[name]
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
