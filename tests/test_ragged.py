@@ -437,3 +437,27 @@ def test_buffer_spec_round_trip() -> None:
     assert data["fields"]["s"] == {"shape": [], "dtype": "str"}
     assert dr.BufferSpec.from_dict(data).fields == spec.fields
     assert dr.BufferSpec.from_json(spec.to_json()).fields == spec.fields
+
+
+def test_n_step_and_derive_next_beside_a_ragged_field(tmp_path: Path) -> None:
+    fields = {"obs": dr.Field((2,), "float32"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool"),
+              "next_obs": dr.Field((2,), "float32"), "tok": dr.Field((None,), "int32")}
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), fields, capacity=64, chunk_rows=8, episode_end="done",
+                                 derive_next=("obs",))
+    for i in range(50):
+        buf.add(obs=np.full(2, i, np.float32), reward=1.0, done=i % 9 == 8, next_obs=np.full(2, i + 1, np.float32),
+                tok=tokens(i, i % 3))
+    for batch in (buf.sample(8, n_step=3, seed=0), buf.sample(8, n_step=3, stack=2, seed=1)):
+        for j, i in enumerate(batch["index"].tolist()):
+            assert batch["tok"][j].tolist() == tokens(i, i % 3).tolist()
+
+
+def test_rows_of_2d_ids_and_out_refused_for_ragged(tmp_path: Path) -> None:
+    buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
+    for i in range(6):
+        buf.add(**row(i))
+    got = buf.rows(np.array([[0, 1], [4, 5]]))
+    assert got["obs"].shape == (2, 2, 2) and got["txt"].shape == (2, 2)
+    assert [r.tolist() for r in got["tok"]] == [tokens(i, i % 6).tolist() for i in (0, 1, 4, 5)]
+    with pytest.raises(ValueError, match=r"out\['tok'\]: field 'tok' is ragged: its rows come as a dr.Ragged"):
+        buf.rows(np.array([0, 1]), out={"tok": np.zeros(2, np.int32)})
