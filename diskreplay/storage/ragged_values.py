@@ -11,6 +11,7 @@ arrays ride the fixed-field machinery; this class computes them (`ends`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -24,8 +25,9 @@ from ..format.ragged import RaggedColumn, value_chunk_for
 from ..format.schema import Field
 from .chunk_io import ChunkIO, ChunkWrite
 
-PENDING_BYTES = 64 << 20
-"""Pending values past which an append writes them (the writer's memory stays bounded)."""
+HELD_BYTES = 64 << 20
+"""Values held (pending and staged) past which an append writes them, the staged tails too:
+the writer's memory stays bounded between flushes."""
 PrevEnd = Callable[[str, int, int], int]
 """``(ends field, lane, step)`` -> the stored end of that step's values in its row chunk."""
 
@@ -128,8 +130,11 @@ class ValueStaging:
         lv.chunk, lv.dirty = -1, False
 
     @property
-    def pending_bytes(self) -> int:
-        return sum(values.nbytes for _, values in self.pending.values())
+    def held_bytes(self) -> int:
+        """Bytes of values held here: pending and staged."""
+        staged = sum(lv.fill * lv.buf.itemsize * math.prod(lv.buf.shape[1:]) for lanes in self.lanes.values()
+                     for lv in lanes if lv.dirty)
+        return staged + sum(values.nbytes for _, values in self.pending.values())
 
     # ---- reads of staged values ------------------------------------------------------------
 
