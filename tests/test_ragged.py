@@ -478,3 +478,28 @@ def test_writer_writes_held_values_between_flushes(tmp_path: Path, monkeypatch: 
     buf.close()
     got = dr.ReplayBuffer.open(str(tmp_path / "b"))[np.arange(3000)]["tok"]
     assert all(np.array_equal(got[i], want[i]) for i in range(3000))
+
+
+def test_ring_reader_never_gets_values_of_overwritten_rows(tmp_path: Path) -> None:
+    """A ring reader that did not refresh while its writer wrapped: every row it samples holds its
+    own values (a stale read makes it adopt the newest commit and draw again)."""
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, {"x": dr.Field((), "int64"), "tok": dr.Field((None,), "int32")},
+                                    capacity=16, chunk_rows=4)
+    step = 0
+    for _ in range(12):
+        writer.add(x=step, tok=tokens(step, step % 5 + 1))
+        step += 1
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url)
+    steps = np.arange(12)  # the ends (a fixed field) cached at the first commit, not the values
+    reader.storage.gather(np.zeros(12, np.int64), steps, ("x", "tok.ends"))
+    for round_ in range(6):
+        for _ in range(7):
+            writer.add(x=step, tok=tokens(step, step % 5 + 1))
+            step += 1
+        writer.flush()
+        batch = reader.sample(8, seed=round_)
+        for j, i in enumerate(batch["index"].tolist()):
+            assert batch["x"][j] == i and batch["tok"][j].tolist() == tokens(i, i % 5 + 1).tolist()
+    assert reader.stats().stale_reads > 0
