@@ -503,3 +503,13 @@ def test_ring_reader_never_gets_values_of_overwritten_rows(tmp_path: Path) -> No
         for j, i in enumerate(batch["index"].tolist()):
             assert batch["x"][j] == i and batch["tok"][j].tolist() == tokens(i, i % 5 + 1).tolist()
     assert reader.stats().stale_reads > 0
+
+
+def test_extend_needs_a_row_axis(tmp_path: Path) -> None:
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), {"o": dr.Field((), "float32"), "t": dr.Field((), "str")})
+    with pytest.raises(dr.SchemaError, match=r"extend expects arrays with a leading step axis \(N, \*field.shape\); "
+                                             r"got shapes {'o': \(\), 't': \(\)}"):
+        buf.extend({"o": 1.0, "t": "abc"})
+    with pytest.raises(dr.SchemaError, match=r"field 'o': expected shape \(2,\), got \(\)"):
+        buf.extend({"o": 1.0, "t": ["a", "bc"]})
+    assert len(buf) == 0

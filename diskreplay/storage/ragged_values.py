@@ -21,7 +21,7 @@ from ..errors import CorruptBufferError
 from ..format.config import BufferConfig
 from ..format.keys import array_key
 from ..format.layout import values_codec, values_problems, values_shape
-from ..format.ragged import RaggedColumn, value_chunk_for
+from ..format.ragged import RaggedColumn, ends_name, value_chunk_for, values_key
 from ..format.schema import Field
 from .chunk_io import ChunkIO, ChunkWrite
 
@@ -66,7 +66,8 @@ class ValueStaging:
     def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn],
               prev_end: PrevEnd) -> dict[str, np.ndarray]:
         """Stage the values of steps ``[start, start + count)`` of ``lane``; returns each owner's
-        ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows."""
+        ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows. Python loops run per
+        row chunk the steps touch, not per row."""
         out = {}
         for owner in dict.fromkeys(self.owner.values()):
             lengths = columns[owner].lengths.reshape(-1)
@@ -82,7 +83,7 @@ class ValueStaging:
             before = total[firsts] - lengths[firsts]
             ends = total - before[seg]
             ends[seg == 0] += prev
-            out[owner + ".ends"] = ends
+            out[ends_name(owner)] = ends
             self.last[(owner, lane)] = (start + len(lengths), int(chunk[-1]), int(ends[-1]))
             bounds = np.append(firsts, len(lengths))
             for name in (n for n, o in self.owner.items() if o == owner):
@@ -235,7 +236,6 @@ def read_values_meta(io: ChunkIO, config: BufferConfig, name: str, prefix: str =
 
 def values_key_of(io: ChunkIO, f: Field, name: str, lane: int, chunk: int, k: int) -> str:
     """The store key of a value chunk through ``io`` (a union's lanes live in their shards' directories)."""
-    from ..format.ragged import values_key
     if len(io.prefixes) == 1:
         return io.prefixes[0] + values_key(name, f.shape, lane, chunk, k, io.separator)
     group, lane = divmod(lane, io.prefix_lanes)
