@@ -513,3 +513,18 @@ def test_extend_needs_a_row_axis(tmp_path: Path) -> None:
     with pytest.raises(dr.SchemaError, match=r"field 'o': expected shape \(2,\), got \(\)"):
         buf.extend({"o": 1.0, "t": ["a", "bc"]})
     assert len(buf) == 0
+
+
+def test_xarray_opens_a_buffer_with_ragged_fields(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
+    for i in range(9):
+        buf.add(**row(i))
+    buf.close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = xr.open_zarr(str(tmp_path / "b"), consolidated=False)
+    assert ds["tok"].dims == ("lane", "tok_chunk", "tok_value")
+    assert ds["pts"].dims == ("lane", "pts_chunk", "pts_value", "pts_dim0")
+    assert ds["tok.ends"].dims == ("lane", "step") and "lp.ends" not in ds
