@@ -528,3 +528,20 @@ def test_xarray_opens_a_buffer_with_ragged_fields(tmp_path: Path) -> None:
     assert ds["tok"].dims == ("lane", "tok_chunk", "tok_value")
     assert ds["pts"].dims == ("lane", "pts_chunk", "pts_value", "pts_dim0")
     assert ds["tok.ends"].dims == ("lane", "step") and "lp.ends" not in ds
+
+
+def test_info_and_export(tmp_path: Path) -> None:
+    from diskreplay.audit.info import buffer_info
+    buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
+    for i in range(5):
+        buf.add(**row(i))
+    buf.close()
+    fields = buffer_info(str(tmp_path / "b"))["fields"]
+    assert fields["tok"] == {"shape": [None], "dtype": "int32"}
+    assert fields["lp"] == {"shape": [None], "dtype": "float32"}
+    assert fields["pts"] == {"shape": [None, 3], "dtype": "float16"}
+    assert fields["txt"] == {"shape": [], "dtype": "str"}
+    with pytest.raises(ValueError, match=r"export to 'npz' does not support ragged or text fields yet; .* has "
+                                         r"\['tok', 'lp', 'txt', 'pts'\]"):
+        dr.export_buffer(str(tmp_path / "b"), str(tmp_path / "out.npz"), progress=False)
+    assert not (tmp_path / "out.npz").exists() and not (tmp_path / "out.npz.partial").exists()
