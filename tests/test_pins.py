@@ -399,3 +399,13 @@ def test_the_newest_commit_replaced_while_a_reader_opens_it(tmp_path, monkeypatc
     with pytest.raises(dr.CorruptBufferError, match=rf"state object '{key}' is missing"):
         dr.ReplayBuffer.open(url, "r", at_commit=m)
     buf.close()
+
+
+def test_a_buffer_with_variable_length_fields_takes_no_pins(tmp_path):
+    fields = {"tokens": dr.Field((None,), "int32"), "done": dr.Field((), "bool")}
+    with dr.ReplayBuffer.create(tmp_path / "b", fields, capacity=64, chunk_rows=8) as buf:
+        buf.add(tokens=np.arange(5, dtype=np.int32), done=False)
+        with pytest.raises(ValueError, match=r"pins do not keep variable-length fields yet \(the values arrays of "
+                                             r"\['tokens'\]\)"):
+            buf.pin()
+        assert buf.pins() == {}

@@ -54,6 +54,7 @@ from ..io.lock import LOCK_KEY, LockInfo
 from ..progress import NoBar, progress_bar
 from ..storage.journal import Journal, MissingObject
 from ..storage.pins import not_kept, pinned_record, read_index
+from .verify_ragged import check_ragged
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 _BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)
@@ -241,6 +242,8 @@ def _verify_objects(store: ChunkStore, url: str, report: VerifyReport,
     report.rows = int((hi - lo).sum())
     _check_chunks(chunks, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
                   report, prefix)
+    if config.user_schema.ragged:
+        check_ragged(chunks, config, field_codecs(codec, config), lo, hi, report)
     _check_state(state, commit, report)
     return config, objects
 

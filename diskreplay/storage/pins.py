@@ -104,6 +104,9 @@ class Pins:
         if self.log.config.format == FORMAT_1:  # its own objects share the root with the fields
             raise ValueError(f"{self.log.url!r} is a {FORMAT_1} buffer: pins need format {FORMAT}, whose own "
                              f"objects sit apart from the fields (docs/format.md, section 11)")
+        if ragged := list(self.log.config.user_schema.ragged):
+            raise ValueError(f"{self.log.url!r}: pins do not keep variable-length fields yet (the values arrays "
+                             f"of {ragged}); copy the buffer to keep it as it is now")
         taken = self.index().find(name) if name is not None else None
         if taken is not None and taken.status == KEPT:
             raise ValueError(f"{self.log.url!r}: cannot pin as {name!r}: pin {taken.label()} exists (unpin it first)")

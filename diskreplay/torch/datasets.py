@@ -26,7 +26,7 @@ from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
 from .reader import Reader, current_shard
 from .shared_ring import WorkerRing
-from .tensors import Block, Sink, TensorDictSink, by_name, sink_for, to_tensors
+from .tensors import Block, Sink, TensorDictSink, by_name, ragged_as, sink_for, to_tensors
 
 READ_AHEAD_BATCHES = 8
 """Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
@@ -61,8 +61,10 @@ class _BufferDataset(tud.IterableDataset):
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, ring: WorkerRing | None = None, as_tensordict: bool = False,
-                 block_batches: int = 1):
+                 block_batches: int = 1, ragged: str = "nested"):
         self.reader = reader
+        self.ragged = ragged
+        """How ragged fields come: ``"nested"`` (jagged nested tensors) or ``"packed"`` (`pack_ragged`)."""
         self.layout = layout
         self.batch_size = batch_size
         self.seed = seed
@@ -121,7 +123,7 @@ class _BufferDataset(tud.IterableDataset):
         if tud.get_worker_info() is not None:  # torch makes the iterator before it starts the other
             self.reader.get()  # workers and sends the first index: open the store meanwhile
         sink = sink_for(self._ring)
-        return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
+        return ragged_as(self.ragged, self._iterate(sink if self._worker_blocks() else self._formatted(sink)))
 
     def blocked(self, plan: BlockPlan) -> Any:
         """A copy whose DataLoader workers yield `Block`s as ``plan`` says (what a `Loader`
@@ -222,8 +224,9 @@ class SampleDataset(_BufferDataset):
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, refresh_every: int | None, refresh_seconds: float | None,
                  sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None,
-                 as_tensordict: bool = False, block_batches: int = 1):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches)
+                 as_tensordict: bool = False, block_batches: int = 1, ragged: str = "nested"):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches,
+                         ragged)
         self.refresh_every = refresh_every
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
@@ -365,8 +368,9 @@ class EpochDataset(_BufferDataset):
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
                  pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False,
-                 block_batches: int = 1, partitions: int = PARTITIONS):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches)
+                 block_batches: int = 1, partitions: int = PARTITIONS, ragged: str = "nested"):
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches,
+                         ragged)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
