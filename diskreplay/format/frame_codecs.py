@@ -124,6 +124,7 @@ class FrameCodec:
         if self.video:
             stream = VideoEncoder(self)
             blobs = [stream.encode(frame, keyframe=not i) for i, frame in enumerate(frames)]
+            stream.close()
         else:
             blobs = [self.encode_frame(frame) for frame in frames]
         values = np.frombuffer(b"".join(blobs), np.uint8)
@@ -196,6 +197,7 @@ class VideoEncoder:
         first frame, and after the encoder held a frame back: its stream ended there)."""
         av = _av()
         if keyframe or self._context is None:
+            self.close()
             self._context, self._next = _open_encoder(av, self.codec), 0
         picture = _picture(av, frame, self._context.height, self._context.width)
         picture.pts = self._next
@@ -207,6 +209,12 @@ class VideoEncoder:
                                f"of frame {self._next}, expected exactly its own (a keyframe first)")
         self._next += 1
         return bytes(packets[0])
+
+    def close(self) -> None:
+        """End the stream (its encoder holds no frame: each packet came out with its frame)."""
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.encode(None)
 
 
 def _open_encoder(av: Any, codec: FrameCodec) -> Any:
