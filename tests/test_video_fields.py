@@ -132,6 +132,20 @@ def test_a_writer_reopened_mid_chunk_starts_a_new_group_of_pictures_there(tmp_pa
     assert psnr(written, frames[:, 0]) > 36
 
 
+@pytest.mark.parametrize("codec", ["png", "h264"])
+def test_repeated_rows_in_a_batch_with_a_cache_of_few_frames(tmp_path, monkeypatch, codec):
+    """Rows repeated in a batch (stack windows at an episode start) were kept twice: the cache's
+    byte count grew past its budget and it evicted the batch's own frames (KeyError)."""
+    from diskreplay.storage import frames as frame_reads
+    monkeypatch.setattr(frame_reads, "FRAME_CACHE_BYTES", 3 * CHUNK * int(np.prod(SHAPE)))
+    frames = lane_frames(40, 1)
+    url = filled(str(tmp_path / "b"), codec, frames)
+    with dr.ReplayBuffer.open(url) as buf:
+        expected = buf[np.arange(40)]["obs"]
+        for rows in ([0, 0, 1, 1, 9], [17, 17, 30, 3, 3, 25, 39, 39], list(range(40)) * 2):
+            np.testing.assert_array_equal(buf[rows]["obs"], expected[rows])
+
+
 def test_stacks_of_video_frames(tmp_path):
     frames = lane_frames(30, 1)
     url = filled(str(tmp_path / "b"), "h264", frames)

@@ -11,12 +11,22 @@ random frames, each from its own chunk, decoded by ``--threads`` threads (video:
 chunk up to the end; images: the 32 frames; LZ4: the 32 frames' blocks). A warm read finds the
 decoded frames in the cache and only gathers them.
 
+The buffer level (`buffer_table`) stores the same frames in real buffers (a dataset with an
+``obs`` field, an action, episodes of 100 steps; ``--chunk-rows`` rows per chunk): LZ4 (a plain
+uint8 field), and ``codec="png"``, ``"h264"``, ``"av1"``, all with ``compression="lz4"``. Bytes per frame
+are the files of ``obs`` (and ``obs.ends``) on disk. ``sample(32)`` and ``sample(32, stack=4)``
+are timed cold (each on a buffer just opened: nothing decoded yet, the files in the OS page
+cache) and warm (after enough batches that every chunk is decoded and cached).
+
 Usage: python tools/bench_video.py [--frames 512] [--chunk-rows 32] [--threads 2] [--sizes 96x96,480x640]
+       [--buffer-frames 2048,256] [--dir /tmp/bench_video]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchlib as bl
 
+import diskreplay as dr
 from diskreplay.format.frame_codecs import FrameCodec
 
 CODECS = ("lz4", "png", "jpeg", "h264", "av1")
@@ -123,6 +134,62 @@ def codec_table(size: tuple[int, int], n: int, chunk_rows: int, threads: int, re
     return lines
 
 
+STORED = {"lz4": None, "png": "png", "h264": "h264", "av1": "av1"}
+
+
+def build_buffer(url: str, codec: str, frames: np.ndarray, chunk_rows: int) -> float:
+    """A dataset of ``frames`` stored by ``codec``; its ``obs`` bytes per frame."""
+    obs = dr.Field(frames.shape[1:], "uint8", codec=STORED[codec])
+    fields = {"obs": obs, "action": dr.Field((), "int64"), "done": dr.Field((), "bool")}
+    steps = np.arange(len(frames))
+    with dr.ReplayBuffer.create(url, fields, chunk_rows=chunk_rows, episode_end="done", overwrite=True,
+                                compression="lz4") as buf:  # lz4 also packs the zero padding of value chunks
+        for t0 in range(0, len(frames), 64):
+            buf.extend({"obs": frames[t0:t0 + 64], "action": steps[t0:t0 + 64], "done": steps[t0:t0 + 64] % 100 == 99})
+    files = [os.path.join(root, name) for array in ("obs", "obs.ends") if os.path.isdir(os.path.join(url, array))
+             for root, _, names in os.walk(os.path.join(url, array)) for name in names if name != "zarr.json"]
+    return sum(os.path.getsize(f) for f in files) / len(frames)
+
+
+def time_samples(url: str, stack: int | None, threads: int, repeats: int, warm_batches: int) -> tuple[float, float]:
+    """Seconds of one sample(32) (or with ``stack``) on a just-opened buffer, and once warm (medians)."""
+    kwargs = {} if stack is None else {"stack": stack}
+    cold = []
+    for seed in range(repeats):
+        with dr.ReplayBuffer.open(url, io_threads=threads) as buf:
+            start = time.perf_counter()
+            buf.sample(32, rng=np.random.default_rng(seed), **kwargs)
+            cold.append(time.perf_counter() - start)
+    with dr.ReplayBuffer.open(url, io_threads=threads) as buf:
+        for seed in range(warm_batches):
+            buf.sample(32, rng=np.random.default_rng(seed), **kwargs)
+        warm = []
+        for seed in range(repeats * 4):
+            start = time.perf_counter()
+            buf.sample(32, rng=np.random.default_rng(seed), **kwargs)
+            warm.append(time.perf_counter() - start)
+    return float(np.median(cold)), float(np.median(warm))
+
+
+def buffer_table(size: tuple[int, int], n: int, chunk_rows: int, threads: int, repeats: int, work: str) -> list[str]:
+    frames = camera_frames(n, *size)
+    lines = []
+    for codec in STORED:
+        url = os.path.join(work, f"{size[0]}x{size[1]}-{codec}")
+        start = time.perf_counter()
+        per_frame = build_buffer(url, codec, frames, chunk_rows)
+        built = (time.perf_counter() - start) / n
+        cold, warm = time_samples(url, None, threads, repeats, warm_batches=4 * n // 32)
+        cold4, warm4 = time_samples(url, 4, threads, repeats, warm_batches=4 * n // 32)
+        log(f"{size}: {codec} buffer: {per_frame:,.0f} B/frame, sample(32) cold {cold * 1e3:.2f} ms warm "
+            f"{warm * 1e3:.2f} ms")
+        lines.append(f"| {size[0]}×{size[1]} | {codec} | {per_frame:,.0f} | {bl.format_seconds(built)} | "
+                     f"{bl.format_seconds(cold)} | {bl.format_seconds(warm)} | {bl.format_seconds(cold4)} | "
+                     f"{bl.format_seconds(warm4)} |")
+        shutil.rmtree(url)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, default=512)
@@ -130,14 +197,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", default="96x96,480x640")
+    parser.add_argument("--buffer-frames", default="2048,256", help="frames per buffer, one per size")
+    parser.add_argument("--dir", default="/tmp/bench_video")
     args = parser.parse_args()
     sizes = [tuple(int(s) for s in size.split("x")) for size in args.sizes.split(",")]
+    counts = [int(c) for c in args.buffer_frames.split(",")]
     lines = [f"Codec level: {args.frames} frames in chunks of {args.chunk_rows}, sample(32) of rows in 32 "
              f"chunks decoded by {args.threads} threads (mean of {args.repeats}).", "",
              "| frames | codec | bytes / frame | vs raw | PSNR | encode / frame | sample(32) cold | warm |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size in sizes:
         lines += codec_table(size, args.frames, args.chunk_rows, args.threads, args.repeats)  # type: ignore[arg-type]
+    lines += ["", f"Buffers: sample(32) and sample(32, stack=4), medians; io_threads={args.threads}, "
+              f"{args.chunk_rows}-row chunks.", "",
+              "| frames | stored as | bytes / frame | extend / frame | sample(32) cold | warm | "
+              "sample(32, stack=4) cold | warm |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for size, count in zip(sizes, counts):
+        lines += buffer_table(size, count, args.chunk_rows, args.threads, args.repeats, args.dir)  # type: ignore[arg-type]
     print("\n".join(lines))
 
 

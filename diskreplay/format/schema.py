@@ -34,7 +34,9 @@ class Field:
     """One per-step quantity: its shape (without the step axis) and dtype.
 
     ``Field((17,), "float32")`` is a 17-vector per step; ``Field((), "bool")`` a scalar flag.
-    The dtype is stored little-endian (``">f4"`` is float32 too).
+    The dtype is stored little-endian (``">f4"`` is float32 too). ``Field((96, 96, 3), "uint8",
+    codec="av1")`` stores frames encoded (``"png"``, ``"jpeg"``, ``"av1"``, ``"h264"``; see
+    docs/format.md, section 12) and reads them back decoded.
     """
 
     shape: tuple[int, ...]

@@ -84,11 +84,11 @@ class FrameWrites:
 class FrameReads:
     """Decodes encoded frame fields' rows, through an LRU of decoded frames."""
 
-    def __init__(self, fields: Mapping[str, Field], layout: LaneLayout, threads: Threads,
-                 budget: int = FRAME_CACHE_BYTES):
+    def __init__(self, fields: Mapping[str, Field], layout: LaneLayout, threads: Threads):
         self.codecs = {name: f.frames for name, f in fields.items() if f.frames is not None}
-        self.layout, self.threads, self.budget = layout, threads, budget
-        self._cache: OrderedDict[tuple[int, ...] | tuple[str, int, int, int], np.ndarray] = OrderedDict()
+        self.layout, self.threads, self.budget = layout, threads, FRAME_CACHE_BYTES
+        self._cache: OrderedDict[tuple[str, int, int, int], np.ndarray] = OrderedDict()
+        """(field, lane, first step, rows) -> decoded frames: a video chunk's, or one image row's (rows 1)."""
         self._bytes = 0
 
     def read(self, name: str, lane: np.ndarray, step: np.ndarray, total: np.ndarray, fetch: Fetch,
@@ -96,41 +96,39 @@ class FrameReads:
         """The frames of rows ``(lane, step)`` of field ``name``: ``[len(step), *shape]``."""
         codec = self.codecs[name]
         if codec.video:
-            return self._video(name, codec, lane, step, total, fetch, where)
-        out = np.empty((len(step), *codec.shape), np.uint8)
-        keys = [(name, ln, st, 1) for ln, st in zip(lane.tolist(), step.tolist())]
-        missing = [i for i, key in enumerate(keys) if key not in self._cache]
+            _, offset = self.layout.chunk_and_offset(step)
+            first = step - offset
+            size = np.minimum(self.layout.chunk_rows, total[lane] - first)
+            keys = [(name, ln, f, n) for ln, f, n in zip(lane.tolist(), first.tolist(), size.tolist())]
+            at = offset.tolist()
+        else:
+            keys = [(name, ln, st, 1) for ln, st in zip(lane.tolist(), step.tolist())]
+            at = [0] * len(keys)
+        found = {key: self._cache[key] for key in dict.fromkeys(keys) if key in self._cache}
+        for key in found:
+            self._cache.move_to_end(key)
+        missing = [key for key in dict.fromkeys(keys) if key not in found]
         if missing:
-            rows = fetch(name, lane[missing], step[missing])
-            frames = list(self.threads.map(lambda blob: _decoded(codec, blob.tobytes(), where), list(rows)))
-            for i, frame in zip(missing, frames):
-                self._keep(keys[i], frame)
-        for i, key in enumerate(keys):
-            out[i] = self._get(key)
+            found.update(zip(missing, self._decode(codec, missing, fetch, where)))
+            for key in missing:
+                self._keep(key, found[key])
+        out = np.empty((len(keys), *codec.shape), np.uint8)
+        for i, (key, row) in enumerate(zip(keys, at)):
+            out[i] = found[key][row]
         return out
 
-    def _video(self, name: str, codec: FrameCodec, lane: np.ndarray, step: np.ndarray, total: np.ndarray,
-               fetch: Fetch, where: str) -> np.ndarray:
-        _, offset = self.layout.chunk_and_offset(step)
-        first = step - offset
-        size = np.minimum(self.layout.chunk_rows, total[lane] - first)
-        keys = [(name, ln, f, n) for ln, f, n in zip(lane.tolist(), first.tolist(), size.tolist())]
-        missing = list(dict.fromkeys(key for key in keys if key not in self._cache))
-        if missing:
-            chunks = [fetch(name, np.full(n, ln), f + np.arange(n)) for _, ln, f, n in missing]
-            decoded = list(self.threads.map(lambda rows: _decoded_chunk(codec, rows, where), chunks))
-            for key, frames in zip(missing, decoded):
-                self._keep(key, frames)
-        out = np.empty((len(step), *codec.shape), np.uint8)
-        for i, (key, at) in enumerate(zip(keys, offset.tolist())):
-            out[i] = self._get(key)[at]
-        return out
+    def _decode(self, codec: FrameCodec, keys: list[tuple[str, int, int, int]], fetch: Fetch,
+                where: str) -> list[np.ndarray]:
+        """The decoded frames of each key: a video chunk's ``n`` rows from step ``first``, or one
+        image row (``[1, *shape]``), decoded on the threads."""
+        name = keys[0][0]
+        if codec.video:
+            chunks = [fetch(name, np.full(n, ln), f + np.arange(n)) for _, ln, f, n in keys]
+            return list(self.threads.map(lambda rows: _decoded_chunk(codec, rows, where), chunks))
+        rows = fetch(name, np.array([key[1] for key in keys]), np.array([key[2] for key in keys]))
+        return list(self.threads.map(lambda blob: _decoded(codec, blob.tobytes(), where)[None], list(rows)))
 
-    def _get(self, key: tuple) -> np.ndarray:
-        self._cache.move_to_end(key)
-        return self._cache[key]
-
-    def _keep(self, key: tuple, frames: np.ndarray) -> None:
+    def _keep(self, key: tuple[str, int, int, int], frames: np.ndarray) -> None:
         self._cache[key] = frames
         self._bytes += frames.nbytes
         while self._bytes > self.budget and len(self._cache) > 1:
