@@ -19,7 +19,7 @@ are timed cold (each on a buffer just opened: nothing decoded yet, the files in 
 cache) and warm (after enough batches that every chunk is decoded and cached).
 
 Usage: python tools/bench_video.py [--frames 512] [--chunk-rows 32] [--threads 2] [--sizes 96x96,480x640]
-       [--buffer-frames 2048,256] [--dir /tmp/bench_video]
+       [--buffer-frames 2048,256] [--dir /tmp/bench_video] [--quick]
 """
 
 from __future__ import annotations
@@ -199,7 +199,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="96x96,480x640")
     parser.add_argument("--buffer-frames", default="2048,256", help="frames per buffer, one per size")
     parser.add_argument("--dir", default="/tmp/bench_video")
+    parser.add_argument("--quick", action="store_true", help="fewer frames and repeats (a minute)")
     args = parser.parse_args()
+    if args.quick:
+        args.frames, args.repeats, args.buffer_frames = 128, 2, "512,64"
     sizes = [tuple(int(s) for s in size.split("x")) for size in args.sizes.split(",")]
     counts = [int(c) for c in args.buffer_frames.split(",")]
     lines = [f"Codec level: {args.frames} frames in chunks of {args.chunk_rows}, sample(32) of rows in 32 "
