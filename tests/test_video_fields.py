@@ -213,3 +213,17 @@ def test_damaged_image_bytes_are_a_corrupt_buffer_naming_the_field(tmp_path):
     with dr.ReplayBuffer.open(url) as buf:
         with pytest.raises(CorruptBufferError, match=r"encoded frame field 'obs': png image does not decode"):
             buf[[0]]
+
+
+def test_a_buffer_spec_keeps_the_codec_through_dict_json_and_yaml(tmp_path):
+    with dr.ReplayBuffer.create(str(tmp_path / "b"), fields("jpeg", quality=70), capacity=64, chunk_rows=CHUNK,
+                                episode_end="done") as buf:
+        spec = dr.BufferSpec.from_buffer(buf)
+    assert spec.to_dict()["fields"]["obs"] == {"shape": list(SHAPE), "dtype": "uint8", "codec": "jpeg", "quality": 70}
+    for again in (dr.BufferSpec.from_dict(spec.to_dict()), dr.BufferSpec.from_json(spec.to_json()),
+                  dr.BufferSpec.from_yaml(spec.to_yaml())):
+        assert again.fields["obs"] == dr.Field(SHAPE, "uint8", codec="jpeg", quality=70)
+    with pytest.raises(ValueError, match=r"fields\.obs: Field\(\(24, 32, 3\), uint8, codec='gif'\): codec must be "
+                                         r"one of \['png', 'jpeg', 'av1', 'h264'\], got 'gif'"):
+        dr.BufferSpec.from_dict({**spec.to_dict(), "fields": {"obs": {"shape": list(SHAPE), "dtype": "uint8",
+                                                                      "codec": "gif"}}})

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 KEYS = ("fields", "capacity", "num_envs", "chunk_rows", "compression", "compression_level", "episode_end",
         "derive_next", "episodic_return", "shards")
 """The keys of a spec, in order: `ReplayBuffer.create`'s arguments that describe the buffer."""
-FIELD_KEYS = ("shape", "dtype")
+FIELD_KEYS = ("shape", "dtype", "codec", "quality")
 RETURN_KEYS = ("gamma", "reward", "name", "default_return", "clip")
 CHECK_URL = "memory://diskreplay-buffer-spec"  # planning a buffer touches no store: the URL is only a name
 CHECK_CACHE_BYTES = 1 << 62  # the spec has no cache budget: `create`'s cache_bytes is an open option
@@ -143,7 +143,7 @@ class BufferSpec(Mapping[str, Any]):
         "dtype": "float32"}}``, tuples as lists, ``episodic_return`` as its settings."""
         end = self.episode_end
         return {
-            "fields": {name: {"shape": list(f.shape), "dtype": f.dtype.name} for name, f in self.fields.items()},
+            "fields": {name: _field_data(f) for name, f in self.fields.items()},
             "capacity": self.capacity, "num_envs": self.num_envs, "chunk_rows": self.chunk_rows,
             "compression": self.compression, "compression_level": self.compression_level,
             "episode_end": list(end) if isinstance(end, tuple) else end,
@@ -250,6 +250,16 @@ def _check_fields(fields: Any) -> dict[str, Field]:
     return dict(fields)
 
 
+def _field_data(f: Field) -> dict[str, Any]:
+    """A field as `to_dict` writes it: shape and dtype, and an encoded field's codec (and quality)."""
+    data: dict[str, Any] = {"shape": list(f.shape), "dtype": f.dtype.name}
+    if f.codec is not None:
+        data["codec"] = f.codec
+    if f.quality is not None:
+        data["quality"] = f.quality
+    return data
+
+
 def _fields_from_data(data: Any) -> dict[str, Field]:
     """``{name: {"shape": [...], "dtype": "..."}}`` as Fields (``shape`` may be left out: a scalar)."""
     if not isinstance(data, Mapping) or not data:
@@ -270,7 +280,7 @@ def _fields_from_data(data: Any) -> dict[str, Field]:
         except TypeError:
             raise ValueError(f"fields.{name}.dtype: unknown dtype {spec['dtype']!r:.200}") from None
         try:
-            out[str(name)] = Field(tuple(shape), dtype)
+            out[str(name)] = Field(tuple(shape), dtype, codec=spec.get("codec"), quality=spec.get("quality"))
         except SchemaError as exc:
             raise ValueError(f"fields.{name}: {exc}") from None
     return out
