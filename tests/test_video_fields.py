@@ -227,3 +227,33 @@ def test_a_buffer_spec_keeps_the_codec_through_dict_json_and_yaml(tmp_path):
                                          r"one of \['png', 'jpeg', 'av1', 'h264'\], got 'gif'"):
         dr.BufferSpec.from_dict({**spec.to_dict(), "fields": {"obs": {"shape": list(SHAPE), "dtype": "uint8",
                                                                       "codec": "gif"}}})
+
+
+def test_info_names_the_codec_and_verify_passes(tmp_path):
+    from diskreplay.audit import buffer_info, format_info, verify
+    url = filled(str(tmp_path / "b"), "av1", lane_frames(20, 1))
+    info = buffer_info(url)
+    assert info["fields"]["obs"] == {"shape": list(SHAPE), "dtype": "uint8", "codec": "av1"}
+    assert "(24, 32, 3)    uint8    codec: av1" in format_info(info)
+    assert verify(url).ok
+
+
+@pytest.mark.parametrize("codec", ["png", "h264"])
+def test_a_ring_of_encoded_frames_keeps_its_newest_rows_through_wraps_and_flushes(tmp_path, codec):
+    frames = scene(61, *SHAPE[:2])
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, {"obs": dr.Field(SHAPE, "uint8", codec=codec)}, capacity=3 * CHUNK,
+                                chunk_rows=CHUNK) as buf:
+        for t in range(61):
+            buf.add(obs=frames[t])
+            if t % 5 == 0:
+                buf.flush()
+        lo, hi = (int(x[0]) for x in buf.window())
+        assert (lo, hi) == (40, 61)
+        written = buf[np.arange(lo, hi)]["obs"]
+    with dr.ReplayBuffer.open(url) as buf:
+        np.testing.assert_array_equal(buf[np.arange(lo, hi)]["obs"], written)
+    if codec == "png":
+        np.testing.assert_array_equal(written, frames[lo:hi])
+    else:
+        assert psnr(written, frames[lo:hi]) > 36
