@@ -4,6 +4,10 @@ rows), decoded on read, video chunks decoded once and then served from the cache
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import zarr
 from test_frame_codecs import DECODER, psnr, scene
 
 import diskreplay as dr
+from diskreplay.audit import buffer_info, format_info, verify
 from diskreplay.errors import CorruptBufferError, SchemaError
 from diskreplay.format.frame_codecs import video_chunk_decodes
 
@@ -230,7 +235,6 @@ def test_a_buffer_spec_keeps_the_codec_through_dict_json_and_yaml(tmp_path):
 
 
 def test_info_names_the_codec_and_verify_passes(tmp_path):
-    from diskreplay.audit import buffer_info, format_info, verify
     url = filled(str(tmp_path / "b"), "av1", lane_frames(20, 1))
     info = buffer_info(url)
     assert info["fields"]["obs"] == {"shape": list(SHAPE), "dtype": "uint8", "codec": "av1"}
@@ -257,3 +261,40 @@ def test_a_ring_of_encoded_frames_keeps_its_newest_rows_through_wraps_and_flushe
         np.testing.assert_array_equal(written, frames[lo:hi])
     else:
         assert psnr(written, frames[lo:hi]) > 36
+
+
+CHILD = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import diskreplay as dr
+from test_frame_codecs import scene
+frames = scene(18, 24, 32)
+buf = dr.ReplayBuffer.create({url!r}, {{"obs": dr.Field((24, 32, 3), "uint8", codec={codec!r})}}, chunk_rows=8)
+for t in range(13):
+    buf.add(obs=frames[t])
+buf.flush()
+for t in range(13, 18):
+    buf.add(obs=frames[t])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("codec", ["h264", "av1"])
+def test_a_writer_killed_mid_chunk_loses_no_committed_frame_and_the_next_one_goes_on(tmp_path, codec):
+    url = str(tmp_path / "b")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", CHILD.format(tests=tests, url=url, codec=codec)], timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    frames = scene(20, *SHAPE[:2])
+    with dr.ReplayBuffer.open(url) as buf:
+        assert len(buf) == 13
+        committed = buf[np.arange(13)]["obs"]
+    np.testing.assert_array_equal(committed, plain_frames(url, codec, 0, 13))
+    with dr.ReplayBuffer.open(url, "r+") as buf:  # step 13 is row 5 of chunk 1: a new stream starts there
+        buf.extend({"obs": frames[13:]})
+    with dr.ReplayBuffer.open(url) as buf:
+        rows = buf[np.arange(20)]["obs"]
+    np.testing.assert_array_equal(rows[:13], committed)
+    np.testing.assert_array_equal(rows, plain_frames(url, codec, 0, 20))
+    assert psnr(rows, frames) > 36
