@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 KEYS = ("fields", "capacity", "num_envs", "chunk_rows", "compression", "compression_level", "episode_end",
         "derive_next", "episodic_return", "shards")
 """The keys of a spec, in order: `ReplayBuffer.create`'s arguments that describe the buffer."""
-FIELD_KEYS = ("shape", "dtype", "codec", "quality")
+FIELD_KEYS = ("shape", "dtype", "length_of", "codec", "quality")
 RETURN_KEYS = ("gamma", "reward", "name", "default_return", "clip")
 CHECK_URL = "memory://diskreplay-buffer-spec"  # planning a buffer touches no store: the URL is only a name
 CHECK_CACHE_BYTES = 1 << 62  # the spec has no cache budget: `create`'s cache_bytes is an open option
@@ -251,8 +251,11 @@ def _check_fields(fields: Any) -> dict[str, Field]:
 
 
 def _field_data(f: Field) -> dict[str, Any]:
-    """A field as `to_dict` writes it: shape and dtype, and an encoded field's codec (and quality)."""
-    data: dict[str, Any] = {"shape": list(f.shape), "dtype": f.dtype.name}
+    """One field as `to_dict` spells it (a ragged one: shape ``[null, ...]``, maybe ``length_of``;
+    text: dtype ``"str"``; an encoded one: its ``codec`` and maybe ``quality``)."""
+    data: dict[str, Any] = {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name}
+    if f.length_of is not None:
+        data["length_of"] = f.length_of
     if f.codec is not None:
         data["codec"] = f.codec
     if f.quality is not None:
@@ -270,17 +273,20 @@ def _fields_from_data(data: Any) -> dict[str, Field]:
             raise ValueError(f"fields.{name}: expected a mapping with 'shape' and 'dtype', got {spec!r:.200}")
         _refuse_unknown(f"fields.{name}", spec, FIELD_KEYS)
         shape = spec.get("shape", [])
-        if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
-            raise ValueError(f"fields.{name}.shape: expected a list of non-negative ints, got {shape!r:.200}")
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 or (s is None and i == 0)
+                                                            for i, s in enumerate(shape)):
+            raise ValueError(f"fields.{name}.shape: expected a list of non-negative ints (the first may be null: "
+                             f"a ragged field), got {shape!r:.200}")
         if not isinstance(spec.get("dtype"), str):
             raise ValueError(f"fields.{name}.dtype: expected a dtype name such as 'float32', "
                              f"got {spec.get('dtype', '<missing>')!r:.200}")
         try:
-            dtype = np.dtype(spec["dtype"])
+            dtype = "str" if spec["dtype"] == "str" else np.dtype(spec["dtype"])
         except TypeError:
             raise ValueError(f"fields.{name}.dtype: unknown dtype {spec['dtype']!r:.200}") from None
         try:
-            out[str(name)] = Field(tuple(shape), dtype, codec=spec.get("codec"), quality=spec.get("quality"))
+            out[str(name)] = Field(tuple(shape), dtype, length_of=spec.get("length_of"), codec=spec.get("codec"),
+                                   quality=spec.get("quality"))
         except SchemaError as exc:
             raise ValueError(f"fields.{name}: {exc}") from None
     return out

@@ -36,7 +36,7 @@ class Field:
     ``Field((17,), "float32")`` is a 17-vector per step; ``Field((), "bool")`` a scalar flag.
     The dtype is stored little-endian (``">f4"`` is float32 too). ``Field((96, 96, 3), "uint8",
     codec="av1")`` stores frames encoded (``"png"``, ``"jpeg"``, ``"av1"``, ``"h264"``; see
-    docs/format.md, section 12) and reads them back decoded.
+    docs/format.md, section 13) and reads them back decoded.
     """
 
     shape: tuple[int, ...]
@@ -93,6 +93,12 @@ class Field:
             raise SchemaError(f"{what}: {exc}") from None
         object.__setattr__(self, "codec", codec)
         object.__setattr__(self, "quality", quality)
+
+    @property
+    def varies(self) -> bool:
+        """Whether reads give this field a varying shape per step (ragged, text): an encoded frame
+        field is ragged in the store, but its frames come back with the field's fixed shape."""
+        return self.ragged and self.codec is None
 
     @property
     def frames(self) -> FrameCodec | None:
@@ -283,7 +289,6 @@ class Schema:
     def _lead(self, data: Mapping[str, Any]) -> tuple[int, ...]:
         """The leading shape of a batch (one step axis), from a fixed field if there is one."""
         for name, field in self.fields.items():
-            value = data.get(name)
             if (not field.ragged or field.codec is not None) and name in data:
                 shape = np.shape(data[name])
                 return tuple(shape[:1]) if len(shape) > len(field.shape) else ()
