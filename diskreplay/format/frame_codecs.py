@@ -191,15 +191,18 @@ class VideoEncoder:
         self.codec = codec
         self._context: Any = None
         self._next = 0
+        self._reformatter: Any = None
 
     def encode(self, frame: np.ndarray, keyframe: bool) -> bytes:
         """``frame``'s packet; ``keyframe``: it starts a new group of pictures (always so for the
         first frame, and after the encoder held a frame back: its stream ended there)."""
         av = _av()
+        if self._reformatter is None:
+            self._reformatter = av.video.reformatter.VideoReformatter()
         if keyframe or self._context is None:
             self.close()
             self._context, self._next = _open_encoder(av, self.codec), 0
-        picture = _picture(av, frame, self._context.height, self._context.width)
+        picture = _picture(av, self._reformatter, frame, self._context.height, self._context.width)
         picture.pts = self._next
         packets = self._context.encode(picture)
         if not packets:  # held back (SVT-AV1 under load, say): end the stream to get it now
@@ -227,12 +230,13 @@ def _open_encoder(av: Any, codec: FrameCodec) -> Any:
     return context
 
 
-def _picture(av: Any, frame: np.ndarray, height: int, width: int) -> Any:
+def _picture(av: Any, reformatter: Any, frame: np.ndarray, height: int, width: int) -> Any:
     """``frame`` as a yuv420p VideoFrame of ``height`` x ``width`` (padded by repeating edges)."""
     pixels: np.ndarray = frame.reshape(frame.shape[0], frame.shape[1], -1)
     padded = np.pad(pixels, ((0, height - pixels.shape[0]), (0, width - pixels.shape[1]), (0, 0)), mode="edge")
     if padded.shape[2] == 3:
-        return av.VideoFrame.from_ndarray(padded, format="rgb24").reformat(format="yuv420p", dst_colorspace=_BT601)
+        rgb = av.VideoFrame.from_ndarray(padded, format="rgb24")
+        return reformatter.reformat(rgb, format="yuv420p", dst_colorspace=_BT601, threads=1)
     planes = np.full((height * 3 // 2, width), 128, np.uint8)
     planes[:height] = padded[..., 0]
     return av.VideoFrame.from_ndarray(planes, format="yuv420p")
@@ -242,6 +246,7 @@ def _decode_video(codec: FrameCodec, blobs: list[bytes]) -> np.ndarray:
     av = _av()
     context: Any = av.CodecContext.create(_decoder(av, codec.codec), "r")
     context.thread_count = 1  # chunks decode in parallel on the reader's threads
+    reformatter = av.video.reformatter.VideoReformatter()
     height, width = codec.shape[:2]
     coded = coded_size(codec.shape)
     out = np.empty((len(blobs), *codec.shape), np.uint8)
@@ -252,7 +257,7 @@ def _decode_video(codec: FrameCodec, blobs: list[bytes]) -> np.ndarray:
                 if (picture.height, picture.width) != coded or done == len(out):
                     raise ValueError(f"{codec.codec} chunk holds a picture {done} of {picture.height}x{picture.width}"
                                      f", expected {len(out)} of {coded[0]}x{coded[1]}")
-                out[done] = _pixels(picture, codec.channels)[:height, :width].reshape(codec.shape)
+                out[done] = _pixels(reformatter, picture, codec.channels)[:height, :width].reshape(codec.shape)
                 done += 1
     except av.FFmpegError as exc:
         raise ValueError(f"{codec.codec} chunk does not decode: {exc}") from None
@@ -262,10 +267,13 @@ def _decode_video(codec: FrameCodec, blobs: list[bytes]) -> np.ndarray:
     return out
 
 
-def _pixels(picture: Any, channels: int) -> np.ndarray:
-    """A decoded picture's RGB pixels (swscale, BT.601) or, for one channel, its luma plane."""
+def _pixels(reformatter: Any, picture: Any, channels: int) -> np.ndarray:
+    """A decoded picture's RGB pixels (swscale, BT.601) or, for one channel, its luma plane. One
+    reformatter per chunk keeps its swscale context, on the caller's thread (chunks decode side by
+    side: swscale's own threads cost more than they save on a frame)."""
     if channels == 3:
-        return picture.to_ndarray(format="rgb24", src_colorspace=_BT601)  # type: ignore[no-any-return]
+        rgb = reformatter.reformat(picture, format="rgb24", src_colorspace=_BT601, threads=1)
+        return rgb.to_ndarray()  # type: ignore[no-any-return]
     return picture.to_ndarray()[:picture.height]  # type: ignore[no-any-return]
 
 
