@@ -122,9 +122,14 @@ class FrameReads:
         """The decoded frames of each key: a video chunk's ``n`` rows from step ``first``, or one
         image row (``[1, *shape]``), decoded on the threads."""
         name = keys[0][0]
-        if codec.video:
-            chunks = [fetch(name, np.full(n, ln), f + np.arange(n)) for _, ln, f, n in keys]
-            return list(self.threads.map(lambda rows: _decoded_chunk(codec, rows, where), chunks))
+        if codec.video:  # every chunk's rows in one read, then one decode per chunk
+            sizes = [n for *_, n in keys]
+            rows = fetch(name, np.repeat([key[1] for key in keys], sizes),
+                         np.concatenate([first + np.arange(n) for _, _, first, n in keys]))
+            bounds = np.cumsum([0, *sizes]).tolist()
+            chunks = [Ragged(rows.values[rows.offsets[a]:rows.offsets[b]], rows.offsets[a:b + 1] - rows.offsets[a])
+                      for a, b in zip(bounds[:-1], bounds[1:])]
+            return list(self.threads.map(lambda chunk: _decoded_chunk(codec, chunk, where), chunks))
         rows = fetch(name, np.array([key[1] for key in keys]), np.array([key[2] for key in keys]))
         return list(self.threads.map(lambda blob: _decoded(codec, blob.tobytes(), where)[None], list(rows)))
 
