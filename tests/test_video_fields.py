@@ -298,3 +298,11 @@ def test_a_writer_killed_mid_chunk_loses_no_committed_frame_and_the_next_one_goe
     np.testing.assert_array_equal(rows[:13], committed)
     np.testing.assert_array_equal(rows, plain_frames(url, codec, 0, 20))
     assert psnr(rows, frames) > 36
+
+
+def test_derive_next_of_an_encoded_field_is_refused_naming_it():
+    with pytest.raises(SchemaError, match=r"derive_next: field 'obs' is stored encoded \(Field\(shape=\(24, 32, 3\), "
+                                          r"dtype=dtype\('uint8'\), codec='av1'\)\); derive_next needs a field stored "
+                                          r"with a fixed shape per step"):
+        dr.ReplayBuffer.create("memory://video-derive", {**fields("av1"), "next_obs": fields("av1")["obs"]},
+                               capacity=64, episode_end="done", derive_next=("obs",))

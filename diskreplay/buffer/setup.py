@@ -103,8 +103,9 @@ def check_ragged_uses(declared: Schema, end_fields: tuple[str, ...], derived: tu
     for option, names in uses:
         for name in names:
             if name in declared.fields and declared[name].ragged:
-                raise SchemaError(f"{option}: field {name!r} is ragged ({declared[name]}); {option} needs a "
-                                  f"field with a fixed shape per step")
+                kind = "stored encoded" if declared[name].codec is not None else "ragged"
+                raise SchemaError(f"{option}: field {name!r} is {kind} ({declared[name]}); {option} needs a "
+                                  f"field stored with a fixed shape per step")
 
 
 def create_storages(plans: list[NewStorage], options: Options,
