@@ -47,6 +47,8 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "yaml": ("diskreplay.buffer.spec",),
     "pyarrow": ("diskreplay.offline.formats.parquet", "diskreplay.ray"),
     "ray": ("diskreplay.ray",),
+    "av": ("diskreplay.format.frame_codecs",),  # PyAV (extra video), imported at first use
+    "PIL": ("diskreplay.format.frame_codecs",),  # Pillow (extra images), imported at first use
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}
 

@@ -744,13 +744,15 @@ CASES += [
     Case("config-fields-not-mapping", open_ro, dr.CorruptBufferError, CONFIG + r"fields: expected dict, got \['obs'\]",
          prepare=edit_config(fields=["obs"])),
     Case("config-field-bad-dtype", open_ro, dr.CorruptBufferError,
-         CONFIG + r"fields: expected a valid field table \(Field dtype must be one of .*got complex64\)",
+         CONFIG + r"fields: expected a valid field table \(field 'obs': Field dtype must be one of .*got complex64\)",
          prepare=edit_config(**{"fields.obs.dtype": "<c8"})),
     Case("config-field-negative-shape", open_rw, dr.CorruptBufferError,
-         CONFIG + r"fields: expected a valid field table \(Field shape must be non-negative, got \(-3,\)\)",
+         CONFIG + r"fields: expected a valid field table "
+                  r"\(field 'obs': Field shape must be non-negative, got \(-3,\)\)",
          prepare=edit_config(**{"fields.obs.shape": [-3]})),
     Case("config-field-huge-shape", open_ro, dr.CorruptBufferError,
-         CONFIG + r"fields: expected a valid field table \(Field shape \(1000000000000,\) of float32 holds",
+         CONFIG + r"fields: expected a valid field table "
+                  r"\(field 'obs': Field shape \(1000000000000,\) of float32 holds",
          prepare=edit_config(**{"fields.obs.shape": [10**12]})),
     Case("config-field-float-shape", open_ro, dr.CorruptBufferError, CONFIG + r"fields: expected a valid field table",
          prepare=edit_config(**{"fields.obs.shape": [3.7]})),
@@ -1458,7 +1460,8 @@ VERIFY_CASES = {
     "config-lane-capacity-huge-chunk-table": HUGE_LANE_CAPACITY,
     "config-chunk-rows-above-capacity": CONFIG + r"chunk_rows: expected an int in \[1, 32\], got 33",
     "config-compression-unknown": CONFIG + r"compression: expected one of",
-    "config-field-huge-shape": CONFIG + r"fields: expected a valid field table \(Field shape \(1000000000000,\)",
+    "config-field-huge-shape": CONFIG + r"fields: expected a valid field table "
+                               r"\(field 'obs': Field shape \(1000000000000,\)",
     "config-episode-end-not-bool": CONFIG + r"episode_end: .*got \['act'\]",
     "config-separator-unknown": CONFIG + r"chunk_key_separator: expected one of",
     "group-zarr-json-not-object": r"zarr\.json is not a JSON object, got list",

@@ -127,7 +127,8 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "rows_per_lane": [hi - lo for _, lo, hi in windows],
         "capacity": buf.capacity,
         "fields": {n: {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name,
-                       **_derivation(buf, n)} for n, f in buf.fields.items()},
+                       **_derivation(buf, n), **({"codec": f.codec} if f.codec is not None else {})}
+                   for n, f in buf.fields.items()},
         "chunk_rows": layout.chunk_rows,
         "chunks_per_field": sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows),
         "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()
@@ -234,6 +235,7 @@ def format_info(info: dict[str, Any]) -> str:
     width = max(len(n) for n in info["fields"])
     for name, spec in info["fields"].items():
         derived = f" derived: {spec['derived']}" if "derived" in spec else ""
+        derived += f" codec: {spec['codec']}" if "codec" in spec else ""
         lines.append(f"  {name:<{width}}  {tuple(spec['shape'])!s:<14} {spec['dtype']:<8}{derived}".rstrip())
     lines.append(_episodes_line(info["episodes"]))
     files = sum(info["chunk_files"].values())

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 KEYS = ("fields", "capacity", "num_envs", "chunk_rows", "compression", "compression_level", "episode_end",
         "derive_next", "episodic_return", "shards")
 """The keys of a spec, in order: `ReplayBuffer.create`'s arguments that describe the buffer."""
-FIELD_KEYS = ("shape", "dtype", "length_of")
+FIELD_KEYS = ("shape", "dtype", "length_of", "codec", "quality")
 RETURN_KEYS = ("gamma", "reward", "name", "default_return", "clip")
 CHECK_URL = "memory://diskreplay-buffer-spec"  # planning a buffer touches no store: the URL is only a name
 CHECK_CACHE_BYTES = 1 << 62  # the spec has no cache budget: `create`'s cache_bytes is an open option
@@ -252,10 +252,14 @@ def _check_fields(fields: Any) -> dict[str, Field]:
 
 def _field_data(f: Field) -> dict[str, Any]:
     """One field as `to_dict` spells it (a ragged one: shape ``[null, ...]``, maybe ``length_of``;
-    text: dtype ``"str"``)."""
+    text: dtype ``"str"``; an encoded one: its ``codec`` and maybe ``quality``)."""
     data: dict[str, Any] = {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name}
     if f.length_of is not None:
         data["length_of"] = f.length_of
+    if f.codec is not None:
+        data["codec"] = f.codec
+    if f.quality is not None:
+        data["quality"] = f.quality
     return data
 
 
@@ -281,7 +285,8 @@ def _fields_from_data(data: Any) -> dict[str, Field]:
         except TypeError:
             raise ValueError(f"fields.{name}.dtype: unknown dtype {spec['dtype']!r:.200}") from None
         try:
-            out[str(name)] = Field(tuple(shape), dtype, length_of=spec.get("length_of"))
+            out[str(name)] = Field(tuple(shape), dtype, length_of=spec.get("length_of"), codec=spec.get("codec"),
+                                   quality=spec.get("quality"))
         except SchemaError as exc:
             raise ValueError(f"fields.{name}: {exc}") from None
     return out
