@@ -44,6 +44,7 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "gymnasium": ("diskreplay.integrations", "diskreplay.demo"),
     "yaml": ("diskreplay.buffer.spec",),
     "pyarrow": ("diskreplay.offline.formats.parquet", "diskreplay.ray"),
+    "av": ("diskreplay.offline.mp4",),
     "ray": ("diskreplay.ray",),
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}

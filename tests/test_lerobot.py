@@ -1,0 +1,207 @@
+"""LeRobot v3 import and export: a dataset built here in LeRobot's own layout (pyarrow + PyAV, as
+``LeRobotDatasetMetadata`` / ``DatasetWriter`` write it: many episodes per data file and per
+video file, ``meta/episodes`` offsets), imported with every value, frame and episode boundary
+checked; export -> import round trips."""
+
+from __future__ import annotations
+
+import json
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from diskreplay.offline import ImportFormatError, detect_format, import_dataset
+
+pa = pytest.importorskip("pyarrow", reason="LeRobot import/export needs pyarrow")
+pq = pytest.importorskip("pyarrow.parquet", reason="LeRobot import/export needs pyarrow")
+av = pytest.importorskip("av", reason="LeRobot video needs PyAV")
+
+FPS = 10
+LENGTHS = (5, 8, 3, 6)
+DATA_FILES = (0, 0, 1, 1)  # data file of each episode
+TASKS = ("pick up the red cube", "place it in the bowl")
+EPISODE_TASK = (0, 1, 0, 1)
+CAMERAS = {  # key: (height, width, codec, video file of each episode)
+    "observation.images.top": (48, 64, "libsvtav1", (0, 0, 0, 1)),
+    "observation.images.wrist": (32, 48, "libx264", (0, 0, 1, 1)),
+}
+CODEC_NAMES = {"libsvtav1": "av1", "libx264": "h264"}
+CHUNK_FILE = "chunk-{chunk_index:03d}/file-{file_index:03d}"
+
+
+def source_columns(seed=0) -> dict[str, np.ndarray]:
+    """The data columns of every frame, episode after episode (``next.done`` ends episode 0 only)."""
+    rng = np.random.default_rng(seed)
+    n = sum(LENGTHS)
+    frame = np.concatenate([np.arange(k) for k in LENGTHS])
+    done = np.zeros(n, bool)
+    done[LENGTHS[0] - 1] = True
+    return {"observation.state": rng.normal(size=(n, 4)).astype(np.float32),
+            "action": rng.normal(size=(n, 2)).astype(np.float32),
+            "next.reward": rng.normal(size=n).astype(np.float32),
+            "next.done": done,
+            "timestamp": (frame / FPS).astype(np.float32),
+            "frame_index": frame.astype(np.int64),
+            "episode_index": np.repeat(np.arange(len(LENGTHS)), LENGTHS).astype(np.int64),
+            "index": np.arange(n, dtype=np.int64),
+            "task_index": np.repeat(EPISODE_TASK, LENGTHS).astype(np.int64)}
+
+
+def camera_frames(height, width, seed) -> np.ndarray:
+    """Every frame of one camera: a moving square on a gradient, so that frames differ."""
+    n = sum(LENGTHS)
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, width, dtype=np.float32)[None, :, None] * np.ones((height, 1, 3), np.float32)
+    frames = np.repeat(base[None], n, 0).astype(np.uint8)
+    for i in range(n):
+        y, x = (3 * i) % (height - 8), (5 * i) % (width - 8)
+        frames[i, y:y + 8, x:x + 8] = rng.integers(0, 256, 3)
+    return frames
+
+
+def write_video(path, frames_by_episode, fps, codec):
+    """One MP4 holding several episodes back to back (as LeRobot concatenates them), each
+    starting with a keyframe; LeRobot's encoder settings (yuv420p, g=2, crf=30)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=fps, options={"g": "2", "crf": "30"})
+        stream.height, stream.width = frames_by_episode[0].shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        pts = 0
+        for frames in frames_by_episode:
+            for i, image in enumerate(frames):
+                frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+                frame.pts, frame.time_base = pts, Fraction(1, fps)
+                if i == 0:
+                    frame.pict_type = av.video.frame.PictureType.I
+                out.mux(stream.encode(frame))
+                pts += 1
+        out.mux(stream.encode())
+
+
+def column(values: np.ndarray):
+    if values.ndim == 2:  # HF datasets' Sequence(length=n): a fixed-size list
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.ravel()), values.shape[1])
+    return pa.array(values)
+
+
+def features() -> dict:
+    found = {"observation.state": {"dtype": "float32", "shape": [4], "names": [f"joint_{i}" for i in range(4)]},
+             "action": {"dtype": "float32", "shape": [2], "names": ["x", "y"]},
+             "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+             "next.done": {"dtype": "bool", "shape": [1], "names": None}}
+    for key, (h, w, codec, _) in CAMERAS.items():
+        found[key] = {"dtype": "video", "shape": [h, w, 3], "names": ["height", "width", "channels"],
+                      "info": {"video.height": h, "video.width": w, "video.codec": CODEC_NAMES[codec],
+                               "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "video.fps": FPS,
+                               "video.channels": 3, "has_audio": False}}
+    for name in ("timestamp", "frame_index", "episode_index", "index", "task_index"):
+        found[name] = {"dtype": "float32" if name == "timestamp" else "int64", "shape": [1], "names": None}
+    return found
+
+
+def write_lerobot_v3(root) -> dict:
+    """A LeRobot v3.0 dataset at ``root``: 4 episodes in 2 data files, 2 camera keys (AV1 and
+    H.264) whose episodes lie in their own video files, 2 episode metadata files. Returns the
+    columns, the frames of each camera, and what PyAV decodes from each video file."""
+    cols = source_columns()
+    starts = np.cumsum((0, *LENGTHS))
+    for f in sorted(set(DATA_FILES)):
+        rows = np.isin(cols["episode_index"], [e for e, d in enumerate(DATA_FILES) if d == f])
+        path = root / "data" / f"{CHUNK_FILE.format(chunk_index=0, file_index=f)}.parquet"
+        os.makedirs(path.parent, exist_ok=True)
+        pq.write_table(pa.table({k: column(v[rows]) for k, v in cols.items()}), path, row_group_size=4)
+    pixels, decoded, episodes = {}, {}, {}
+    for c, (key, (h, w, codec, files)) in enumerate(CAMERAS.items()):
+        pixels[key] = camera_frames(h, w, seed=c)
+        for f in sorted(set(files)):
+            eps = [e for e, v in enumerate(files) if v == f]
+            path = root / "videos" / key / f"{CHUNK_FILE.format(chunk_index=0, file_index=f)}.mp4"
+            write_video(path, [pixels[key][starts[e]:starts[e + 1]] for e in eps], FPS, codec)
+            with av.open(str(path)) as container:
+                decoded[key, f] = [fr.to_ndarray(format="rgb24") for fr in container.decode(video=0)]
+            at = 0.0
+            for e in eps:
+                episodes.setdefault(e, {}).update({
+                    f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": f,
+                    f"videos/{key}/from_timestamp": at, f"videos/{key}/to_timestamp": at + LENGTHS[e] / FPS})
+                at += LENGTHS[e] / FPS
+    _write_meta(root, cols, starts, episodes)
+    return {"cols": cols, "pixels": pixels, "decoded": decoded}
+
+
+def _write_meta(root, cols, starts, videos):
+    import pandas as pd
+
+    rows = []
+    for e, length in enumerate(LENGTHS):
+        rows.append({"episode_index": e, "tasks": [TASKS[EPISODE_TASK[e]]], "length": length,
+                     "data/chunk_index": 0, "data/file_index": DATA_FILES[e],
+                     "dataset_from_index": int(starts[e]), "dataset_to_index": int(starts[e + 1]),
+                     **videos[e], "stats/action/mean": [0.0, 0.0],
+                     "meta/episodes/chunk_index": 0, "meta/episodes/file_index": e // 2})
+    for f in (0, 1):
+        path = root / "meta" / "episodes" / f"{CHUNK_FILE.format(chunk_index=0, file_index=f)}.parquet"
+        os.makedirs(path.parent, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows[2 * f:2 * f + 2]), path)
+    pd.DataFrame({"task_index": range(len(TASKS))}, index=pd.Index(TASKS, name="task")).to_parquet(
+        root / "meta" / "tasks.parquet")
+    info = {"codebase_version": "v3.0", "robot_type": "so100", "total_episodes": len(LENGTHS),
+            "total_frames": int(starts[-1]), "total_tasks": len(TASKS), "chunks_size": 1000,
+            "data_files_size_in_mb": 100, "video_files_size_in_mb": 500, "fps": FPS,
+            "splits": {"train": f"0:{len(LENGTHS)}"},
+            "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+            "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+            "features": features()}
+    (root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    stats = {k: {"mean": v.mean(0).tolist(), "std": v.std(0).tolist(), "min": v.min(0).tolist(),
+                 "max": v.max(0).tolist(), "count": [len(v)]} for k, v in cols.items() if k != "next.done"}
+    (root / "meta" / "stats.json").write_text(json.dumps(stats, indent=4))
+
+
+def expected_frames(built, key) -> np.ndarray:
+    """What PyAV decodes from the source files for each row: the episode's frames in its video
+    file, counted from the episodes before it there."""
+    files = CAMERAS[key][3]
+    out = []
+    for e, length in enumerate(LENGTHS):
+        before = sum(LENGTHS[p] for p in range(e) if files[p] == files[e])
+        out.extend(built["decoded"][key, files[e]][before:before + length])
+    return np.stack(out)
+
+
+def rows_of(buf):
+    return buf[buf.row_ids()]
+
+
+def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
+    built = write_lerobot_v3(tmp_path / "ds")
+    assert detect_format(str(tmp_path / "ds")) == "lerobot"
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, progress=False)
+    cols = built["cols"]
+    assert dict(buf.fields) == {
+        "obs": dr.Field((4,), "float32"), "action": dr.Field((2,), "float32"),
+        "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
+        "observation_images_top": dr.Field((48, 64, 3), "uint8"),
+        "observation_images_wrist": dr.Field((32, 48, 3), "uint8"),
+        "timestamp": dr.Field((), "float32"), "task_index": dr.Field((), "int64"),
+        "truncated": dr.Field((), "bool")}
+    rows = rows_of(buf)
+    assert len(buf) == sum(LENGTHS)
+    for field, name in (("obs", "observation.state"), ("action", "action"), ("reward", "next.reward"),
+                        ("terminated", "next.done"), ("timestamp", "timestamp"), ("task_index", "task_index")):
+        np.testing.assert_array_equal(rows[field], cols[name], err_msg=field)
+    for key in CAMERAS:
+        field = key.replace(".", "_")
+        np.testing.assert_array_equal(rows[field], expected_frames(built, key), err_msg=field)
+        assert np.abs(rows[field].astype(int) - built["pixels"][key]).mean() < 8  # the lossy codecs kept the images
+    last = np.cumsum(LENGTHS) - 1
+    truncated = np.zeros(sum(LENGTHS), bool)
+    truncated[last[1:]] = True  # episode 0 ends with next.done
+    np.testing.assert_array_equal(rows["truncated"], truncated)
+    table = buf.episodes()
+    assert table.start.tolist() == [0, *np.cumsum(LENGTHS)[:-1].tolist()]
+    assert table.length.tolist() == list(LENGTHS) and table.complete.all()
