@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import diskreplay as dr
-from diskreplay.offline import ImportFormatError, detect_format, import_dataset
+from diskreplay.offline import ImportFormatError, detect_format, export_buffer, import_dataset
 
 pa = pytest.importorskip("pyarrow", reason="LeRobot import/export needs pyarrow")
 pq = pytest.importorskip("pyarrow.parquet", reason="LeRobot import/export needs pyarrow")
@@ -205,3 +205,77 @@ def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
     table = buf.episodes()
     assert table.start.tolist() == [0, *np.cumsum(LENGTHS)[:-1].tolist()]
     assert table.length.tolist() == list(LENGTHS) and table.complete.all()
+
+
+def decode_all(path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b) ** 2)
+    return float(10 * np.log10(255**2 / max(mse, 1e-12)))
+
+
+def test_export_import_round_trip(tmp_path, monkeypatch):
+    from diskreplay.offline import lerobot_export
+
+    write_lerobot_v3(tmp_path / "ds")
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", progress=False)
+    monkeypatch.setattr(lerobot_export, "DATA_FILE_BYTES", 1)  # each episode starts new files
+    assert export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", batch_rows=4, progress=False) == 22
+    out = tmp_path / "out"
+    info = json.loads((out / "meta" / "info.json").read_text())
+    assert (info["codebase_version"], info["fps"], info["total_episodes"], info["total_frames"]) == ("v3.0", 10, 4, 22)
+    assert info["features"]["observation.images.top"]["dtype"] == "video"
+    assert info["features"]["observation.state"] == {"dtype": "float32", "shape": [4], "names": None}
+    assert sorted(p.name for p in (out / "data" / "chunk-000").iterdir()) == [f"file-{i:03d}.parquet" for i in range(4)]
+    episodes = pq.read_table(out / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    assert [(e["dataset_from_index"], e["dataset_to_index"], e["data/file_index"]) for e in episodes] == \
+        [(0, 5, 0), (5, 13, 1), (13, 16, 2), (16, 22, 3)]
+    assert [e["videos/observation.images.top/to_timestamp"] for e in episodes] == [n / FPS for n in LENGTHS]
+    stats = json.loads((out / "meta" / "stats.json").read_text())
+    assert stats["action"]["count"] == [22] and np.array(stats["observation.images.top"]["mean"]).shape == (3, 1, 1)
+    back = import_dataset(out, tmp_path / "back", batch_rows=5, progress=False)
+    assert dict(back.fields) == dict(buf.fields)
+    a, b = rows_of(buf), rows_of(back)
+    for name in a:
+        if name.startswith("observation_images_"):
+            key = name.replace("observation_images_", "observation.images.")
+            exported = [decode_all(out / "videos" / key / "chunk-000" / f"file-{e:03d}.mp4") for e in range(4)]
+            np.testing.assert_array_equal(b[name], np.concatenate(exported), err_msg=name)
+            assert psnr(b[name], a[name]) > 30, name
+        else:
+            np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    assert back.episodes().length.tolist() == list(LENGTHS)
+
+
+def test_tasks_table_reads_in_pandas_as_lerobot_does(tmp_path):
+    pd = pytest.importorskip("pandas")
+    write_lerobot_v3(tmp_path / "ds")
+    import_dataset(tmp_path / "ds", tmp_path / "b", progress=False)
+    export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", progress=False)
+    tasks = pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet")
+    assert tasks.index.name == "task" and tasks["task_index"].tolist() == [0, 1]
+
+
+def test_two_lane_buffer_exports_its_episodes_at_the_fps_given(tmp_path):
+    fields = {"obs": dr.Field((3,), "float32"), "terminated": dr.Field((), "bool"),
+              "observation_images_cam": dr.Field((16, 16, 3), "uint8")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, num_envs=2, chunk_rows=4)
+    rng = np.random.default_rng(1)
+    for lane, n in ((0, 7), (1, 5)):
+        terminated = np.zeros(n, bool)
+        terminated[2] = True
+        buf.extend({"obs": rng.normal(size=(n, 1, 3)).astype(np.float32), "terminated": terminated[:, None],
+                    "observation_images_cam": np.full((n, 1, 16, 16, 3), 40 * lane, np.uint8)}, env_ids=[lane])
+    buf.flush()
+    assert export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", fps=15, progress=False) == 12
+    info = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())
+    assert info["fps"] == 15 and info["total_episodes"] == 4
+    back = import_dataset(tmp_path / "out", tmp_path / "back", progress=False)
+    rows = rows_of(back)
+    assert back.episodes().length.tolist() == [3, 4, 3, 2]
+    np.testing.assert_array_equal(rows["obs"], rows_of(buf)["obs"])
+    np.testing.assert_allclose(rows["timestamp"], np.r_[0:3, 0:4, 0:3, 0:2] / 15, rtol=1e-6)
+    assert np.abs(rows["observation_images_cam"].astype(int) - rows_of(buf)["observation_images_cam"]).max() <= 2
