@@ -279,3 +279,59 @@ def test_two_lane_buffer_exports_its_episodes_at_the_fps_given(tmp_path):
     np.testing.assert_array_equal(rows["obs"], rows_of(buf)["obs"])
     np.testing.assert_allclose(rows["timestamp"], np.r_[0:3, 0:4, 0:3, 0:2] / 15, rtol=1e-6)
     assert np.abs(rows["observation_images_cam"].astype(int) - rows_of(buf)["observation_images_cam"]).max() <= 2
+
+
+def _edit_info(root, **changes):
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info.update(changes)
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+
+
+def _edit_episodes(root, file, column, values):
+    path = root / "meta" / "episodes" / "chunk-000" / f"file-{file:03d}.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.column_names.index(column), column, pa.array(values)), path)
+
+
+def _edit_data(root, file, column, values):
+    path = root / "data" / "chunk-000" / f"file-{file:03d}.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.column_names.index(column), column, pa.array(values)), path)
+
+
+TOP = ("videos", "observation.images.top", "chunk-000")
+DAMAGE = {
+    "data path outside": (
+        lambda r: _edit_info(r, data_path="../elsewhere/chunk-{chunk_index:03d}/f{file_index}.parquet"),
+        r"info\.json'?: data_path '\.\./elsewhere/chunk-000/f0\.parquet' leads outside the dataset"),
+    "template field": (
+        lambda r: _edit_info(r, video_path="videos/{video_key.__class__}/{chunk_index}/{file_index}.mp4"),
+        r"info\.json'?: video_path .* expected a path template with fields "
+        r"\['chunk_index', 'file_index', 'video_key'\]"),
+    "version": (lambda r: _edit_info(r, codebase_version="v2.1"),
+                r"codebase_version is 'v2\.1', expected 'v3\.0' \(LeRobot v2 datasets import with format 'parquet'\)"),
+    "fps": (lambda r: _edit_info(r, fps=0), r"info\.json'?: fps is 0, expected a number > 0"),
+    "offsets": (lambda r: _edit_episodes(r, 1, "dataset_from_index", [14, 16]),
+                r"episode 2 holds rows \[14, 16\) of length 3, expected rows from 13 on"),
+    "rows of another episode": (
+        lambda r: _edit_data(r, 1, "episode_index", [2, 2, 3, 3, 3, 3, 3, 3, 3]),
+        r"file-001\.parquet'?: row 2 belongs to episode 3, meta/episodes places episode 2 there"),
+    "no frame there": (
+        lambda r: _edit_episodes(r, 0, "videos/observation.images.top/from_timestamp", [0.0, 0.55]),
+        r"file-000\.mp4'?: video key 'observation\.images\.top': no frame at 0\.550000 s "
+        r"\(the next frame is at 0\.600000 s\)"),
+    "missing video": (lambda r: os.remove(r / "videos" / "observation.images.wrist" / "chunk-000" / "file-001.mp4"),
+                      r"file-001\.mp4'?: missing \(named by the dataset's metadata\)"),
+    "damaged video": (lambda r: r.joinpath(*TOP, "file-001.mp4").write_bytes(b"\0\0\0\x18ftypisom" + bytes(64)),
+                      r"file-001\.mp4'?: video key 'observation\.images\.top': not a readable video"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_lerobot_datasets_are_refused_and_leave_no_buffer(tmp_path, damage):
+    write_lerobot_v3(tmp_path / "ds")
+    edit, message = DAMAGE[damage]
+    edit(tmp_path / "ds")
+    with pytest.raises(ImportFormatError, match=message):
+        import_dataset(tmp_path / "ds", tmp_path / "b", format="lerobot", progress=False)
+    assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "b.import-partial")

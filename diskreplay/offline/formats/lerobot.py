@@ -112,10 +112,7 @@ class LeRobotSource(Source):
             seen = 0
             for rb in self._record_batches(file, len(expected)):
                 episode = _plain(file, "episode_index", rb.column("episode_index"), ())
-                if not np.array_equal(episode, expected[seen:seen + len(episode)]):
-                    raise ImportFormatError(f"{file!r}: rows {seen}.. belong to episodes "
-                                            f"{np.unique(episode).tolist()}, meta/episodes says "
-                                            f"{np.unique(expected[seen:seen + len(episode)]).tolist()}")
+                _check_episodes(file, episode, expected[seen:seen + len(episode)], seen)
                 seen += len(episode)
                 batch = self._decode(file, rb)
                 for name, reader in readers.items():
@@ -164,6 +161,16 @@ class LeRobotSource(Source):
             span = episodes[ep].videos[key]
             out[i] = reader.frame(span.path, span.from_timestamp + t)
         return out
+
+
+def _check_episodes(file: str, found: np.ndarray, expected: np.ndarray, first: int) -> None:
+    """Raises ImportFormatError at the first row of ``file`` (from row ``first``) whose
+    episode_index is not the one meta/episodes places there."""
+    wrong = np.flatnonzero(found[:len(expected)] != expected)
+    if len(wrong):
+        row = int(wrong[0])
+        raise ImportFormatError(f"{file!r}: row {first + row} belongs to episode {int(found[row])}, "
+                                f"meta/episodes places episode {int(expected[row])} there")
 
 
 def open_lerobot(src: str, batch_rows: int) -> Source:
