@@ -192,7 +192,9 @@ class Appender:
 def _leading(data: Mapping[str, Any], schema: Schema) -> int:
     """N, the steps in an extend: the leading size most fields with a step axis agree on."""
     sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
-             if name in data and np.ndim(data[name]) > len(field.shape)}
+             if name in data and not field.ragged and np.ndim(data[name]) > len(field.shape)}
+    if not sizes and any(name in data for name in schema.ragged):
+        return schema._lead({name: data[name] for name in schema.ragged if name in data})[0]
     if not sizes:
         raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
                           f"{ {name: np.shape(value) for name, value in data.items()} }")

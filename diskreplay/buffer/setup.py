@@ -66,7 +66,9 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     if episodic_return is not None:
         _check_episodic_return(episodic_return, user)
         stored[episodic_return.name] = episodic_return.field()
-    stored_schema = Schema(stored)
+    declared = Schema(stored)
+    check_ragged_uses(declared, end_fields, tuple(derived.values()), episodic_return)
+    stored_schema = declared.storage()
     check_schema_compatible(stored_schema, tuple(derived.values()))
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None)
@@ -75,13 +77,27 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     config = BufferConfig(stored_schema, num_envs, lane_capacity, chunk_rows, compression, level,
                           chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, episode_end=end_fields,
                           derive_next=tuple(derived.values()),
-                          episodic_return=episodic_return.to_json() if episodic_return else None)
+                          episodic_return=episodic_return.to_json() if episodic_return else None,
+                          fields=declared if declared.ragged else None)
     plans = [plan_storage(url, config, cache_bytes)]
     if derived:
         finals = BufferConfig(Schema({base: user[base] for base in derived.values()}), num_envs, None,
                               FINALS_CHUNK_ROWS, compression, level, keys.CHUNK_KEY_SEPARATOR)
         plans.append(plan_storage(finals_url(url), finals, finals_cache(finals.schema, num_envs)))
     return plans
+
+
+def check_ragged_uses(declared: Schema, end_fields: tuple[str, ...], derived: tuple[str, ...],
+                      episodic_return: EpisodicReturn | None) -> None:
+    """Raises SchemaError naming a ragged field used where a fixed shape is needed (episode ends,
+    ``derive_next``, an episodic return's reward)."""
+    uses = [("episode_end", end_fields), ("derive_next", derived),
+            ("episodic_return", (episodic_return.reward,) if episodic_return else ())]
+    for option, names in uses:
+        for name in names:
+            if name in declared.fields and declared[name].ragged:
+                raise SchemaError(f"{option}: field {name!r} is ragged ({declared[name]}); {option} needs a "
+                                  f"field with a fixed shape per step")
 
 
 def create_storages(plans: list[NewStorage], options: Options,

@@ -61,7 +61,7 @@ def row_view(storage: RowStore, config: BufferConfig, finals: RowStore | None) -
     ``derive_next`` (their finals in ``finals``), episodic returns masked until committed."""
     episodes = EpisodeIndex(config.num_envs, config.episode_end)
     derived = {f"next_{base}": base for base in config.derive_next}
-    logical = {**config.schema.fields, **{twin: config.schema[base] for twin, base in derived.items()}}
+    logical = {**config.user_schema.fields, **{twin: config.schema[base] for twin, base in derived.items()}}
     spec = config.episodic_return
     returns = EpisodicReturn.from_json(dict(spec)) if spec else None
     return RowView(storage, episodes, Schema(logical), derived, finals, returns)

@@ -57,6 +57,14 @@ class BufferConfig:
     derive_next: tuple[str, ...] = ()
     episodic_return: Mapping[str, Any] | None = field(default=None, hash=False)
     format: str = FORMAT
+    fields: Schema | None = field(default=None, hash=False)
+    """The fields as declared, ragged ones included, when some are ragged (``schema`` then holds
+    the fixed arrays that store them: `Schema.storage`); None: ``schema``."""
+
+    @property
+    def user_schema(self) -> Schema:
+        """The fields as declared (ragged and text fields included)."""
+        return self.fields if self.fields is not None else self.schema
 
     @property
     def layout(self) -> LaneLayout:
@@ -65,7 +73,7 @@ class BufferConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The ``attributes.diskreplay`` object of the group's ``zarr.json``."""
-        return {"format": self.format, "fields": self.schema.to_json(), "num_envs": self.num_envs,
+        return {"format": self.format, "fields": self.user_schema.to_json(), "num_envs": self.num_envs,
                 "lane_capacity": self.lane_capacity, "chunk_rows": self.chunk_rows,
                 "compression": self.compression, "level": self.level,
                 "chunk_key_separator": self.chunk_key_separator, "row_access": self.row_access,
@@ -94,9 +102,10 @@ class BufferConfig:
 
 def _parse(check: _ConfigCheck) -> BufferConfig:
     try:
-        schema = Schema.from_json(check.get("fields", dict))
+        declared = Schema.from_json(check.get("fields", dict))
     except (SchemaError, KeyError, TypeError, ValueError) as exc:
         raise check.bad("fields", f"a valid field table ({exc})") from None
+    schema = declared.storage()
     num_envs = check.integer("num_envs", 1, MAX_LANES)
     lane_capacity = check.optional_integer("lane_capacity", 1, MAX_STEPS)
     chunk_rows = check.integer("chunk_rows", 1, min(MAX_CHUNK_ROWS, lane_capacity or MAX_CHUNK_ROWS))
@@ -113,7 +122,7 @@ def _parse(check: _ConfigCheck) -> BufferConfig:
     if (derive_next or episodic_return) and not episode_end:
         raise check.bad("episode_end", "end fields when derive_next or episodic_return is set")
     return BufferConfig(schema, num_envs, lane_capacity, chunk_rows, compression, level, separator, row_access,
-                        episode_end, derive_next, episodic_return)
+                        episode_end, derive_next, episodic_return, fields=declared if declared.ragged else None)
 
 
 class _ConfigCheck:

@@ -30,6 +30,7 @@ from ..errors import CorruptBufferError, NotABufferError, SchemaError
 from .codecs import Codec, inner_rows_for
 from .config import MAX_CHUNKS, MAX_STEPS, BufferConfig
 from .keys import FINALS_DIR, FORMAT_1, GROUP_KEY, OWN_GROUP, array_key, read_json, side_stores
+from .ragged import MAX_VALUES, value_chunk_for
 from .schema import Field, Schema
 
 ArrayMeta = dict[str, Any]
@@ -48,10 +49,47 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
                            chunk_key_encoding={"name": "default", "separator": config.chunk_key_separator},
                            dimension_names=dimension_names(name, field, config.lane_capacity is not None),
                            fill_value=0)
+    for name, field in config.user_schema.ragged.items():
+        group.create_array(name, shape=values_shape(config, field, lane_rows, value_chunk_for(field.shape, field.dtype)),
+                           chunks=(1, 1, value_chunk_for(field.shape, field.dtype), *field.shape), dtype=field.dtype,
+                           **values_codec(config).zarr_codecs(field),
+                           chunk_key_encoding={"name": "default", "separator": config.chunk_key_separator},
+                           dimension_names=("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape)))),
+                           fill_value=0)
     group.attrs.update({"diskreplay": config.to_json()})
     if config.format != FORMAT_1:
         add_own_nodes(group)
     return {key: value.to_bytes() for key, value in documents.items()}
+
+
+def values_shape(config: BufferConfig, field: Field, lane_rows: int, n_values: int) -> tuple[int, ...]:
+    """The shape of a ragged field's values array for ``lane_rows`` steps per lane."""
+    return (config.num_envs, -(-max(lane_rows, 1) // config.chunk_rows), n_values, *field.shape)
+
+
+def values_codec(config: BufferConfig) -> Codec:
+    """The codec of ragged values chunks: the buffer's, never sharded."""
+    return Codec(config.compression, config.level)
+
+
+def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig) -> list[str]:
+    """What is wrong with a ragged field's values array metadata (empty: fine)."""
+    key = array_key(name)
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return [f"{key}: not a Zarr v3 array"]
+    grid = meta.get("chunk_grid")
+    chunks = (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
+    expected = [1, 1, value_chunk_for(field.shape, field.dtype), *field.shape]
+    shape = meta.get("shape")
+    problems = []
+    if chunks != expected:
+        problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected} (values of ragged field {name!r})")
+    if (not isinstance(shape, list) or len(shape) != 3 + len(field.shape) or shape[0] != config.num_envs
+            or shape[3:] != list(field.shape) or not all(isinstance(s, int) and 0 <= s <= MAX_VALUES for s in shape)):
+        problems.append(f"{key}: shape {shape!r:.200}, expected [{config.num_envs}, chunks, values, *{field.shape}]")
+    if meta.get("data_type") != str(field.dtype.newbyteorder("=")):
+        problems.append(f"{key}: data_type {meta.get('data_type')!r}, expected {field.dtype.name}")
+    return problems
 
 
 def add_own_nodes(group: zarr.Group) -> None:

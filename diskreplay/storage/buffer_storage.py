@@ -16,7 +16,9 @@ from .commit_log import CommitLog
 from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
+from ..format.layout import values_codec
 from .outputs import Rows
+from .ragged_values import PENDING_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
 from .writer import StagingWriter
 
@@ -34,6 +36,9 @@ class BufferStorage(Storage):
         self.writer = writer
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for
         tests and tools that wait for those writes or tune them."""
+        self._values = ValueStaging(config, io, self._read_value_chunk) if writer and self._ragged else None
+        if self._ragged is not None:
+            self._ragged.staging = self._values
 
     def shard_records(self, newest: bool = False, shards: Sequence[int] | None = None) -> list[CommitRecord]:
         """``[its commit]`` (or the newest in the store): one buffer is its own only shard."""
@@ -66,8 +71,54 @@ class BufferStorage(Storage):
         return self.writer
 
     def append(self, lane: int, rows: Mapping[str, np.ndarray], count: int) -> tuple[int, int]:
-        """Stage ``count`` steps for one lane; the steps stored ``[first, end)`` (`StagingWriter.append`)."""
-        return self._writable().append(lane, rows, count)
+        """Stage ``count`` steps for one lane; the steps stored ``[first, end)`` (`StagingWriter.append`).
+        Ragged fields' values are staged apart (`ValueStaging`), their ends with the fixed fields."""
+        writer = self._writable()
+        if self._values is None:
+            return writer.append(lane, rows, count)
+        start = int(self.total[lane])
+        self._retire_wrapped(lane, start + count)
+        fixed = {name: value for name, value in rows.items() if name not in self._values.fields}
+        fixed.update(self._values.stage(lane, start, {name: rows[name] for name in self._values.fields},
+                                        self._prev_end))
+        stored = writer.append(lane, fixed, count)
+        if self._values.pending_bytes > PENDING_BYTES:
+            self._write_values(tails=False)
+        return stored
+
+    def _retire_wrapped(self, lane: int, end: int) -> None:
+        """A ring with ragged fields: the old rows of the row chunk that step ``end - 1`` lands in
+        are retired (new rows' values start at the chunk's first value, over theirs)."""
+        cap, rows = self.layout.lane_capacity, self.layout.chunk_rows
+        if cap is None:
+            return
+        slot = (end - 1) % cap
+        first_old = end - 1 - slot % rows - cap + min(rows, cap - slot // rows * rows)
+        cursors = self._log.cursors
+        if first_old > cursors.lower[lane]:
+            cursors.lower[lane] = min(first_old, end - 1)
+
+    def _prev_end(self, ends: str, lane: int, step: int) -> int:
+        return int(self.gather(np.array([lane]), np.array([step]), (ends,))[ends][0])
+
+    def _read_value_chunk(self, name: str, lane: int, chunk: int, k: int) -> np.ndarray:
+        assert self._ragged is not None
+        f = self.config.user_schema[name]
+        out = np.zeros((self._ragged.vc[name], *f.shape), f.dtype)
+        self._io.read([(values_key_of(self._io, f, name, lane, chunk, k), values_codec(self.config), out)], True)
+        return out
+
+    def _write_values(self, tails: bool) -> None:
+        """Write the pending value chunks (and staged tails), after the writer's background
+        writes ended and a retire commit covers the rows they overwrite."""
+        assert self._values is not None and self._ragged is not None and self.writer is not None
+        self.writer.settle(wait=True)
+        self._log.retire(self._log.cursors.first_kept())
+        work, keys = self._values.work(tails)
+        if work:
+            self.writer._put(work, durable=False)
+        for name in self._values.fields:
+            self._ragged.forget(name, [(ln, c, k) for n, ln, c, k in keys if n == name])
 
     def unappend(self, lane: int, start: int, attempted_end: int) -> None:
         """Forget steps a failed call staged or wrote (`StagingWriter.unappend`)."""
@@ -111,8 +162,14 @@ class BufferStorage(Storage):
         try:
             if side is not None:
                 side.flush(durable)
+            if self._values is not None:
+                self._write_values(tails=True)
             writer.write_all(durable)
             log.grow_arrays(int(log.cursors.total.max(initial=0)))
+            if self._values is not None:
+                for key, document in self._values.grown_documents(log.lane_rows).items():
+                    log.check_lock()
+                    self.store.put(key, document, durable=True)
             log.commit(log.cursors.total.copy(), log.cursors.first_kept(), durable, staged)
         except BaseException:
             if staged is not None:

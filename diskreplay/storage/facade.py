@@ -19,6 +19,7 @@ from ..errors import ClosedError
 from ..format.codecs import Codec
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
+from ..format.ragged import decode_text, ends_name
 from ..io.store import ChunkStore
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
@@ -28,6 +29,7 @@ from .log import Log
 from .mapped import MappedChunks
 from .outputs import Rows
 from .read_ahead import READ_AHEAD_BYTES, Steps
+from .ragged_reads import RaggedReads
 from .reader import ChunkReader
 from .row_reads import RowReads
 
@@ -77,6 +79,7 @@ class Storage(ABC):
         self.storage_options = storage_options
         self._log, self._io, self._cache, self._loader = log, io, cache, loader
         self._reader, self._files = reader, files
+        self._ragged = RaggedReads(config, io, writer=log.mode != "r") if config.user_schema.ragged else None
 
     # ---- what it is ------------------------------------------------------------------------
 
@@ -174,7 +177,38 @@ class Storage(ABC):
         """
         if self._log.closed:
             raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
-        return self._reader.gather(lane, step, names, out)
+        if self._ragged is None:
+            return self._reader.gather(lane, step, names, out)
+        names = tuple(self.config.user_schema.fields) if names is None else names
+        if not any(name in self._ragged.fields for name in names):
+            return self._reader.gather(lane, step, names, out)
+        return self._gather_ragged(self._ragged, lane, step, names, out or {})
+
+    def _gather_ragged(self, ragged: RaggedReads, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
+                       out: Mapping[str, np.ndarray]) -> Rows:
+        """Rows with ragged fields: their ends (this row's and the previous row's of its chunk)
+        with the fixed fields, then the values those ends delimit (`RaggedReads`)."""
+        fields = self.config.user_schema
+        varying = [name for name in names if name in ragged.fields]
+        ends = tuple(dict.fromkeys(ends_name(fields[name].length_of or name) for name in varying))
+        fixed = tuple(name for name in names if name not in ragged.fields)
+        rows = self._reader.gather(lane, step, fixed + ends, {k: v for k, v in out.items() if k in fixed})
+        chunk, offset = self.layout.chunk_and_offset(step)
+        inner = offset > 0
+        before = self._reader.gather(lane[inner], step[inner] - 1, ends) if inner.any() else {}
+        result: Rows = {}
+        for name in names:
+            if name not in ragged.fields:
+                result[name] = rows[name]
+                continue
+            key = ends_name(fields[name].length_of or name)
+            start = np.zeros(len(step), np.int64)
+            if inner.any():
+                start[inner] = before[key]
+            values = ragged.read(name, lane, step, chunk, start, rows[key].astype(np.int64), self._log.cursors.total,
+                                 self._reader.retired.check)
+            result[name] = decode_text(values) if fields[name].text else values  # type: ignore[assignment]
+        return result
 
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         """Announce the next reads: ``steps`` yields (lane, step) arrays in the order `gather`
