@@ -187,13 +187,14 @@ def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
         "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
         "observation_images_top": dr.Field((48, 64, 3), "uint8"),
         "observation_images_wrist": dr.Field((32, 48, 3), "uint8"),
-        "timestamp": dr.Field((), "float32"), "task_index": dr.Field((), "int64"),
+        "timestamp": dr.Field((), "float32"), "task": dr.Field((), "str"),
         "truncated": dr.Field((), "bool")}
     rows = rows_of(buf)
     assert len(buf) == sum(LENGTHS)
     for field, name in (("obs", "observation.state"), ("action", "action"), ("reward", "next.reward"),
-                        ("terminated", "next.done"), ("timestamp", "timestamp"), ("task_index", "task_index")):
+                        ("terminated", "next.done"), ("timestamp", "timestamp")):
         np.testing.assert_array_equal(rows[field], cols[name], err_msg=field)
+    assert list(rows["task"]) == [TASKS[i] for i in cols["task_index"]]
     for key in CAMERAS:
         field = key.replace(".", "_")
         np.testing.assert_array_equal(rows[field], expected_frames(built, key), err_msg=field)
@@ -257,6 +258,9 @@ def test_tasks_table_reads_in_pandas_as_lerobot_does(tmp_path):
     export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", progress=False)
     tasks = pd.read_parquet(tmp_path / "out" / "meta" / "tasks.parquet")
     assert tasks.index.name == "task" and tasks["task_index"].tolist() == [0, 1]
+    assert tasks.index.tolist() == list(TASKS)
+    episodes = pq.read_table(tmp_path / "out" / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    assert episodes["tasks"].to_pylist() == [[TASKS[t]] for t in EPISODE_TASK]
 
 
 def test_two_lane_buffer_exports_its_episodes_at_the_fps_given(tmp_path):
@@ -324,7 +328,44 @@ DAMAGE = {
                       r"file-001\.mp4'?: missing \(named by the dataset's metadata\)"),
     "damaged video": (lambda r: r.joinpath(*TOP, "file-001.mp4").write_bytes(b"\0\0\0\x18ftypisom" + bytes(64)),
                       r"file-001\.mp4'?: video key 'observation\.images\.top': not a readable video"),
+    "unknown task": (lambda r: _edit_data(r, 0, "task_index", [0] * 5 + [7] * 8),
+                     r"file-000\.parquet'?: task_index \[7\] not in .*tasks\.parquet'"),
+    "null string": (lambda r: _add_string_feature(r, [None] + ["x"] * 12),
+                    r"file-000\.parquet'?: column 'language\.instruction' must hold strings without nulls"),
 }
+
+
+def _add_string_feature(root, first_file_values):
+    """A ``string`` feature (a language annotation per frame) in info.json and the data files."""
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["language.instruction"] = {"dtype": "string", "shape": [1], "names": None}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    for f, values in ((0, first_file_values), (1, [f"say {i}" for i in range(9)])):
+        path = root / "data" / "chunk-000" / f"file-{f:03d}.parquet"
+        pq.write_table(pq.read_table(path).append_column("language.instruction", pa.array(values, pa.string())), path)
+
+
+def test_string_features_import_as_text_fields_and_export_back(tmp_path):
+    write_lerobot_v3(tmp_path / "ds")
+    texts = [f"step {i} ünïcode" for i in range(13)]
+    _add_string_feature(tmp_path / "ds", texts)
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", progress=False)
+    assert buf.fields["language_instruction"] == dr.Field((), "str")
+    assert list(rows_of(buf)["language_instruction"]) == texts + [f"say {i}" for i in range(9)]
+    export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", progress=False)
+    info = json.loads((tmp_path / "out" / "meta" / "info.json").read_text())
+    assert info["features"]["language_instruction"] == {"dtype": "string", "shape": [1], "names": None}
+    back = import_dataset(tmp_path / "out", tmp_path / "back", progress=False)
+    assert list(rows_of(back)["language_instruction"]) == list(rows_of(buf)["language_instruction"])
+
+
+def test_variable_length_fields_are_refused_by_the_lerobot_export(tmp_path):
+    buf = dr.ReplayBuffer.create(tmp_path / "b", {"tokens": dr.Field((None,), "int32"), "x": dr.Field((), "float32")})
+    buf.extend({"tokens": [np.arange(3, dtype=np.int32), np.arange(1, dtype=np.int32)], "x": np.zeros(2, np.float32)})
+    buf.close()
+    with pytest.raises(ValueError, match=r"field 'tokens' cannot be exported to LeRobot: its rows vary in length"):
+        export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", progress=False)
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.partial")
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))

@@ -45,7 +45,7 @@ PLACE = ("episode_index", "frame_index", "index")
 
 def is_camera(spec: Any) -> bool:
     """Whether a field is exported as a camera key (a video): ``uint8 [height, width, 3]``."""
-    return bool(spec.dtype == np.uint8 and len(spec.shape) == 3 and spec.shape[2] == 3)
+    return bool(spec.dtype == np.uint8 and len(spec.shape) == 3 and spec.shape[2] == 3 and not spec.ragged)
 
 
 def lerobot_name(field: str, spec: Any) -> str:
@@ -73,38 +73,54 @@ def write_lerobot(buf: Any, path: str, batch_rows: int, compress: bool, bar: Any
     fps = default_fps(buf) if fps is None else float(fps)
     if not math.isfinite(fps) or fps <= 0:
         raise ValueError(f"fps must be a number > 0, got {fps!r}")
-    names = {f: lerobot_name(f, s) for f, s in buf.fields.items() if f != "timestamp"}
-    check_parquet_names([f for f, c in names.items() if c == parquet_name(f)])
+    names = _names(buf.fields)
+    task_text = "task" in buf.fields and buf.fields["task"].text  # no column: its strings give task_index
     cameras = {names[f]: s.shape for f, s in buf.fields.items() if is_camera(s)}
-    columns = {c: buf.fields[f] for f, c in names.items() if c not in cameras}
+    columns = {c: buf.fields[f] for f, c in names.items() if c not in cameras and not (task_text and f == "task")}
     os.makedirs(path)
     files = EpisodeFiles(path, fps, _schema(columns), cameras, compress)
     stats = Stats()
     try:
         for part in _rows(buf, batch_rows):
-            features = _features_of(part, names, fps, files.task_names)
+            features = _features_of(part, names, fps, files.task_names, task_text)
             for segment in _episode_segments(features):
                 if segment["frame_index"][0] == 0 and files.bytes >= DATA_FILE_BYTES:
                     files.roll()
                 files.write(segment)
-            stats.add(features, set(cameras))
+            stats.add({k: v for k, v in features.items() if k not in columns or not columns[k].text}, set(cameras))
             bar.update(len(part["index"]))
     finally:
         files.close()
     _write_meta(path, fps, columns, cameras, files, stats)
 
 
-def _features_of(part: dict[str, np.ndarray], names: dict[str, str], fps: float,
-                 tasks: dict[str, int]) -> dict[str, np.ndarray]:
-    """The rows of ``part`` keyed by feature, with ``timestamp`` and ``task_index`` (its tasks
-    registered in ``tasks``)."""
+def _names(fields: dict) -> dict[str, str]:
+    """``{field: feature}`` of every field but ``timestamp``. Raises ValueError for a field LeRobot
+    cannot hold (variable-length) or one that would be read back as another."""
+    names = {f: lerobot_name(f, s) for f, s in fields.items() if f != "timestamp"}
+    for field, spec in fields.items():
+        if spec.ragged and not spec.text:
+            raise ValueError(f"field {field!r} cannot be exported to LeRobot: its rows vary in length "
+                             f"(shape {spec.declared_shape}); LeRobot features have fixed shapes")
+    check_parquet_names([f for f, c in names.items() if c == parquet_name(f)])
+    return names
+
+
+def _features_of(part: dict[str, Any], names: dict[str, str], fps: float, tasks: dict[str, int],
+                 task_text: bool) -> dict[str, Any]:
+    """The rows of ``part`` keyed by feature, with ``timestamp`` and ``task_index``: indices of
+    the ``task`` text field's strings (registered in ``tasks`` as they first come), else of the
+    ``task_index`` field (tasks named ``"task <i>"``), else 0 (task ``""``)."""
     features = {names.get(k, k): v for k, v in part.items() if k != "timestamp"}
     features["timestamp"] = (part["frame_index"] / fps).astype(np.float32)
+    if task_text:
+        texts = features.pop("task")
+        features["task_index"] = np.array([tasks.setdefault(t, len(tasks)) for t in texts.tolist()], np.int64)
+        return features
     if "task_index" not in features:
         features["task_index"] = np.zeros(len(part["index"]), np.int64)
-        tasks.setdefault("", 0)
     for i in np.unique(features["task_index"]).tolist():
-        tasks.setdefault(f"task {i}", i)
+        tasks.setdefault(f"task {i}" if "task_index" in names else "", i)
     return features
 
 
@@ -113,7 +129,7 @@ def _schema(columns: dict[str, Any]) -> Any:
     pa = require_arrow()
     out = []
     for column, spec in columns.items():
-        typ = pa.from_numpy_dtype(spec.dtype)
+        typ = pa.string() if spec.text else pa.from_numpy_dtype(spec.dtype)
         for size in reversed(spec.shape):
             typ = pa.list_(typ, size)
         out.append(pa.field(column, typ))
@@ -132,7 +148,8 @@ def _episode_segments(part: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]
 def _features(columns: dict[str, Any], cameras: dict[str, tuple[int, ...]], fps: float, codec: str) -> dict:
     features: dict[str, dict] = {}
     for column, spec in columns.items():
-        features[column] = {"dtype": spec.dtype.name, "shape": list(spec.shape) or [1], "names": None}
+        dtype = "string" if spec.text else spec.dtype.name
+        features[column] = {"dtype": dtype, "shape": list(spec.shape) or [1], "names": None}
     for key, (h, w, c) in cameras.items():
         features[key] = {"dtype": "video", "shape": [h, w, c], "names": ["height", "width", "channels"],
                          "info": {"video.height": h, "video.width": w, "video.codec": codec,

@@ -76,6 +76,9 @@ class EpisodeFiles:
             row[f"videos/{key}/to_timestamp"] = video.seconds
         arrays = []
         for column in self.schema:
+            if column.type == self.pa.string():
+                arrays.append(self.pa.array(list(segment[column.name]), self.pa.string()))
+                continue
             values = np.ascontiguousarray(segment[column.name])
             array = self.pa.array(values.reshape(-1))
             for size in reversed(values.shape[1:]):

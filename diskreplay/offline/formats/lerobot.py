@@ -8,13 +8,13 @@ Fields, from info.json's ``features``:
   import names columns (`parquet_field_name`: ``observation.state`` -> ``obs``, ``action`` ->
   ``action``, ``next.reward`` -> ``reward``, ``next.done`` -> bool ``terminated``, other dots
   ``_``), ``timestamp`` kept; ``episode_index``, ``frame_index`` and ``index`` only place rows.
-* ``task_index`` -> ``task_index`` (int64; the task strings of ``meta/tasks.parquet`` are not
-  kept yet: text fields are not available).
+* ``task_index`` -> ``task``: a text field (``Field((), "str")``) holding each frame's task
+  string from ``meta/tasks.parquet``; ``string`` features (language annotations) -> text fields.
 * ``video`` features (camera keys, e.g. ``observation.images.top`` -> ``observation_images_top``):
   every frame decoded (PyAV) from the key's MP4 file at ``from_timestamp + timestamp`` into a
   plain ``uint8 [height, width, 3]`` field (the fallback until encoded video fields exist: the
   frames are stored as pixels, compressed by the buffer's codec).
-* ``image`` and ``string`` features are skipped with a warning.
+* ``image`` features are skipped with a warning.
 
 Episode ends: each episode's last frame ends it, ``truncated`` unless ``next.done`` is set there
 (as the ``"parquet"`` import does). Everything read is checked against the metadata: each data
@@ -42,7 +42,8 @@ from .parquet import FLAG_FIELDS, _plain, _with_ends, parquet_field_name
 __all__ = ["LeRobotSource", "is_lerobot"]
 
 PLACE = ("episode_index", "frame_index", "index")
-SKIPPED_DTYPES = ("image", "string")
+FIELD_NAMES = {"task_index": "task"}  # beyond the "parquet" import's names
+SKIPPED_DTYPES = ("image",)
 
 
 class LeRobotSource(Source):
@@ -59,7 +60,8 @@ class LeRobotSource(Source):
             field = self._field(column, ft)
             if field is None:
                 continue
-            name = d4rl_field_name(column) if ft["dtype"] == "video" else parquet_field_name(column)
+            name = d4rl_field_name(column) if ft["dtype"] == "video" else FIELD_NAMES.get(column) or \
+                parquet_field_name(column)
             if name in self.fields:
                 raise ImportFormatError(f"{self.meta.info_file!r}: two features map to field {name!r}")
             self.fields[name] = field
@@ -81,6 +83,8 @@ class LeRobotSource(Source):
             return None
         if ft["dtype"] == "video":
             return Field(frame_shape(ft, where), np.dtype(np.uint8))
+        if ft["dtype"] == "string" or column == "task_index":
+            return Field((), "str")
         try:
             dtype = np.dtype(ft["dtype"])
         except TypeError:
@@ -145,6 +149,9 @@ class LeRobotSource(Source):
     def _decode(self, file: str, rb: Any) -> Batch:
         batch = {}
         for name, (column, shape) in self.columns.items():
+            if self.fields[name].text:
+                batch[name] = self._text(file, column, rb.column(column))
+                continue
             stored = () if shape == (1,) and not hasattr(rb.column(column), "value_lengths") else shape
             values = _plain(file, column, rb.column(column), stored).reshape(-1, *self.fields[name].shape)
             if values.dtype != self.fields[name].dtype and self.fields[name].dtype != np.bool_:
@@ -152,6 +159,15 @@ class LeRobotSource(Source):
                                         f"{self.fields[name].dtype}")
             batch[name] = values
         return as_bool_flags(batch, self.fields)
+
+    def _text(self, file: str, column: str, values: Any) -> np.ndarray:
+        """A text column as an array of str: task strings for ``task_index``, else the strings held."""
+        if column == "task_index":
+            return np.array(self.meta.task_names(_plain(file, column, values, ()), file), dtype=object)
+        texts = values.to_pylist()
+        if not all(isinstance(t, str) for t in texts):
+            raise ImportFormatError(f"{file!r}: column {column!r} must hold strings without nulls, got {values.type}")
+        return np.array(texts, dtype=object)
 
     def _frames(self, reader: FrameReader, key: str, episode: np.ndarray, timestamps: np.ndarray,
                 episodes: dict[int, Episode]) -> np.ndarray:
