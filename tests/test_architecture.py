@@ -46,6 +46,8 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "pyarrow": ("diskreplay.offline.formats.parquet", "diskreplay.ray"),
     "av": ("diskreplay.offline.mp4",),
     "ray": ("diskreplay.ray",),
+    "av": ("diskreplay.format.frame_codecs",),  # PyAV (extra video), imported at first use
+    "PIL": ("diskreplay.format.frame_codecs",),  # Pillow (extra images), imported at first use
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}
 
