@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..build import missing_extra
 from .source import ImportFormatError
 
 MAGIC = {b"\xff\xd8\xff": "jpeg", b"\x89PNG\r\n\x1a\n": "png"}
@@ -24,7 +25,7 @@ def require_pil() -> Any:
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("decoding JPEG / PNG images needs Pillow: pip install pillow") from e
+        raise missing_extra("Pillow", "images", "decoding JPEG / PNG images") from e
     return Image
 
 

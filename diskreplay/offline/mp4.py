@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..build import missing_extra
 from .source import ImportFormatError
 
 TOLERANCE_S = 1e-4
@@ -23,7 +24,7 @@ def require_av() -> Any:
     try:
         import av
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("LeRobot video needs PyAV: pip install av") from e
+        raise missing_extra("PyAV", "video", "LeRobot video") from e
     return av
 
 
