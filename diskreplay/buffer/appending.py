@@ -36,7 +36,8 @@ class Appender:
         """Per input field: the types a value may have to be taken as is (an array, or a numpy
         scalar of the field's dtype), its dtype and the shape of one step of every lane."""
         self._staging = storage.writer  # None: a reader's (which never adds)
-        self._short = finals is None and self.returns is None and not view.derived
+        # ragged and encoded frame fields are staged apart from the fixed fields (`BufferStorage.append`)
+        self._short = finals is None and self.returns is None and not view.derived and not inputs.ragged
 
     def add(self, step: Mapping[str, Any], env_ids: Any) -> None:
         """One step of every lane (or of ``env_ids``): see `ReplayBuffer.add`."""

@@ -72,6 +72,8 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     check_schema_compatible(stored_schema, tuple(derived.values()))
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None)
+        if any(f.frames is not None and f.frames.video for f in declared.fields.values()):
+            chunk_rows = min(chunk_rows, VIDEO_CHUNK_ROWS)  # a row chunk is a video's group of pictures
     lane_capacity = lane_capacity_of(capacity, num_envs, chunk_rows)
     chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
     config = BufferConfig(stored_schema, num_envs, lane_capacity, chunk_rows, compression, level,
@@ -85,6 +87,11 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
                               FINALS_CHUNK_ROWS, compression, level, keys.CHUNK_KEY_SEPARATOR)
         plans.append(plan_storage(finals_url(url), finals, finals_cache(finals.schema, num_envs)))
     return plans
+
+
+VIDEO_CHUNK_ROWS = 32
+"""The default rows per chunk of a buffer with a video field: a random frame decodes at most
+this many frames (about 10 ms of 480x640 frames on one core), and a keyframe is sent this often."""
 
 
 def check_ragged_uses(declared: Schema, end_fields: tuple[str, ...], derived: tuple[str, ...],

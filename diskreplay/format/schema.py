@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ..errors import SchemaError
+from .frame_codecs import FRAME_CODECS, FrameCodec
 from .ragged import Ragged, column, ends_name
 
 MAX_ROW_BYTES = 1 << 30
@@ -45,12 +46,18 @@ class Field:
     """A ragged field whose rows have the lengths of ragged field ``length_of`` (stored once)."""
     text: bool = False
     """UTF-8 text (``Field((), "str")``), stored as ragged uint8."""
+    codec: str | None = None
+    """Frames stored encoded (one of `FRAME_CODECS`): each step's frame is its PNG or JPEG file,
+    or its packet of the video of its row chunk, stored as ragged uint8 (`format.frame_codecs`)."""
+    quality: int | None = None
+    """The codec's quality: JPEG's (1-100), or the video encoder's CRF (None: the codec's default)."""
 
     def __init__(self, shape: Iterable[SupportsIndex | None], dtype: DTypeLike | str,
-                 length_of: str | None = None):
+                 length_of: str | None = None, codec: str | None = None, quality: int | None = None):
         """Raises SchemaError for a shape that is not non-negative ints (its first may be None: a
         ragged field), a dtype diskreplay does not store (`ALLOWED_DTYPES`, or ``"str"`` with
-        shape ``()``), a step of more than 1 GiB, or ``length_of`` on a field that is not ragged."""
+        shape ``()``), a step of more than 1 GiB, ``length_of`` on a field that is not ragged, or
+        a ``codec`` (``quality``) on a field that is not uint8 frames ``(H, W)`` or ``(H, W, C)``."""
         try:
             given = tuple(shape)
             ragged = bool(given) and given[0] is None
@@ -65,15 +72,40 @@ class Field:
                               f"and length_of={length_of!r}")
         if length_of is not None and not ragged:
             raise SchemaError(f"length_of={length_of!r} needs a ragged field (shape (None, ...)), got shape {given}")
-        object.__setattr__(self, "ragged", ragged or text)
+        object.__setattr__(self, "ragged", ragged or text or codec is not None)
         object.__setattr__(self, "length_of", length_of)
         object.__setattr__(self, "text", text)
         self._store(dims, np.dtype(np.uint8) if text else np.dtype(dtype))
+        if codec is not None or quality is not None:
+            self._set_codec(given, codec, quality)
+
+    def _set_codec(self, given: tuple[Any, ...], codec: str | None, quality: int | None) -> None:
+        what = f"Field({given}, {self.dtype.name}, codec={codec!r})"
+        if codec not in FRAME_CODECS:
+            raise SchemaError(f"{what}: codec must be one of {list(FRAME_CODECS)}, got {codec!r}")
+        if self.text or self.length_of is not None or given[:1] == (None,) or self.dtype != np.uint8:
+            raise SchemaError(f"{what}: a codec takes uint8 frames of a fixed shape (H, W) or (H, W, C)")
+        try:
+            FrameCodec(codec, self.shape, quality)
+        except ValueError as exc:
+            raise SchemaError(f"{what}: {exc}") from None
+        object.__setattr__(self, "codec", codec)
+        object.__setattr__(self, "quality", quality)
+
+    @property
+    def frames(self) -> FrameCodec | None:
+        """The codec of an encoded frame field (None: the field is stored as it is)."""
+        return None if self.codec is None else FrameCodec(self.codec, self.shape, self.quality)
+
+    @property
+    def stored(self) -> Field:
+        """The field its values are stored as: an encoded frame field's are ragged uint8 bytes."""
+        return self if self.codec is None else Field((None,), "uint8")
 
     @property
     def declared_shape(self) -> tuple[int | None, ...]:
         """The shape as declared: ``(None, *shape)`` for a ragged field (``()`` for text)."""
-        return () if self.text else (None, *self.shape) if self.ragged else self.shape
+        return () if self.text else (None, *self.shape) if self.ragged and self.codec is None else self.shape
 
     def _store(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
         if dtype.newbyteorder("=") not in ALLOWED_DTYPES:  # ">f4" is float32 too (stored "<f4")
@@ -97,6 +129,10 @@ class Field:
         spec: dict[str, Any] = {"shape": list(self.declared_shape), "dtype": "str" if self.text else self.dtype.str}
         if self.length_of is not None:
             spec["length_of"] = self.length_of
+        if self.codec is not None:
+            spec["codec"] = self.codec
+        if self.quality is not None:
+            spec["quality"] = self.quality
         return spec
 
     @classmethod
@@ -105,9 +141,15 @@ class Field:
         length_of = spec.get("length_of")
         if length_of is not None and not isinstance(length_of, str):
             raise SchemaError(f"length_of: expected a field name, got {length_of!r:.60}")
-        return cls(tuple(spec["shape"]), spec["dtype"], length_of=length_of)
+        codec, quality = spec.get("codec"), spec.get("quality")
+        if quality is not None and (not isinstance(quality, int) or isinstance(quality, bool)):
+            raise SchemaError(f"quality: expected an int, got {quality!r:.60}")
+        return cls(tuple(spec["shape"]), spec["dtype"], length_of=length_of, codec=codec, quality=quality)
 
     def __repr__(self) -> str:
+        if self.codec is not None:
+            extra = f", quality={self.quality!r}" if self.quality is not None else ""
+            return f"Field(shape={self.shape!r}, dtype={self.dtype!r}, codec={self.codec!r}{extra})"
         if not self.ragged:
             return f"Field(shape={self.shape!r}, dtype={self.dtype!r})"
         extra = f", length_of={self.length_of!r}" if self.length_of else ""
@@ -152,8 +194,8 @@ class Schema:
 
     @property
     def ragged(self) -> dict[str, Field]:
-        """The ragged (and text) fields."""
-        return {name: f for name, f in self.fields.items() if f.ragged}
+        """The ragged (and text) fields, encoded frame fields as the ragged bytes that store them."""
+        return {name: f.stored for name, f in self.fields.items() if f.ragged}
 
     def storage(self) -> Schema:
         """The fixed-shape arrays that store this schema: every fixed field, and for each ragged
@@ -177,7 +219,13 @@ class Schema:
 
     @classmethod
     def from_json(cls, spec: Mapping[str, Any]) -> Schema:
-        return cls({name: Field.from_json(s) for name, s in spec.items()})
+        fields = {}
+        for name, field in spec.items():
+            try:
+                fields[name] = Field.from_json(field)
+            except SchemaError as exc:
+                raise SchemaError(f"field {name!r}: {exc}") from None
+        return cls(fields)
 
     def rows(self, data: Mapping[str, Any], lead: tuple[int, ...] | None = None) -> dict[str, Any]:
         """Validate a batch and cast it to the stored dtypes.
@@ -206,7 +254,7 @@ class Schema:
         if lead is None and self.ragged:
             lead = self._lead(data)
         for name, field in self.fields.items():
-            if field.ragged:
+            if field.ragged and field.codec is None:
                 packed = column(name, data[name], tuple(lead or ()), field.shape, field.text)
                 packed.values = (_cast(name, packed.values, field.dtype) if packed.values.size
                                  else packed.values.astype(field.dtype))
@@ -234,8 +282,8 @@ class Schema:
         """The leading shape of a batch (one step axis), from a fixed field if there is one."""
         for name, field in self.fields.items():
             value = data.get(name)
-            if not field.ragged and name in data:
-                shape = np.shape(value)
+            if (not field.ragged or field.codec is not None) and name in data:
+                shape = np.shape(data[name])
                 return tuple(shape[:1]) if len(shape) > len(field.shape) else ()
         value = next((data[name] for name in self.ragged if name in data), None)
         if isinstance(value, tuple) and len(value) == 2:

@@ -18,6 +18,7 @@ from .file_maps import FileMaps
 from .loading import ChunkLoader
 from ..format.layout import values_codec
 from .outputs import Rows
+from .frames import FrameWrites
 from .ragged_values import PENDING_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
 from .writer import StagingWriter
@@ -37,6 +38,8 @@ class BufferStorage(Storage):
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for
         tests and tools that wait for those writes or tune them."""
         self._values = ValueStaging(config, io, self._read_value_chunk) if writer and self._ragged else None
+        encoded = {name: f for name, f in config.user_schema.items() if f.codec is not None}
+        self._encoders = FrameWrites(encoded, self.layout) if writer and encoded else None
         if self._ragged is not None:
             self._ragged.staging = self._values
 
@@ -61,6 +64,8 @@ class BufferStorage(Storage):
         """Stop the writer's background thread, then release as `Storage.close`. Nothing is written."""
         if self.writer is not None and not self.closed:
             self.writer.close()
+        if self._encoders is not None:
+            self._encoders.close()
         super().close()
 
     # ---- writes ----------------------------------------------------------------------------
@@ -78,6 +83,8 @@ class BufferStorage(Storage):
             return writer.append(lane, rows, count)
         start = int(self.total[lane])
         self._retire_wrapped(lane, start + count)
+        if self._encoders is not None:
+            rows = {**rows, **self._encoders.encode(lane, start, rows)}  # type: ignore[dict-item]
         fixed = {name: value for name, value in rows.items() if name not in self._values.fields}
         fixed.update(self._values.stage(lane, start, {name: rows[name] for name in self._values.fields},
                                         self._prev_end))
@@ -103,7 +110,7 @@ class BufferStorage(Storage):
 
     def _read_value_chunk(self, name: str, lane: int, chunk: int, k: int) -> np.ndarray:
         assert self._ragged is not None
-        f = self.config.user_schema[name]
+        f = self.config.user_schema.ragged[name]
         out = np.zeros((self._ragged.vc[name], *f.shape), f.dtype)
         self._io.read([(values_key_of(self._io, f, name, lane, chunk, k), values_codec(self.config), out)], True)
         return out
@@ -123,6 +130,9 @@ class BufferStorage(Storage):
     def unappend(self, lane: int, start: int, attempted_end: int) -> None:
         """Forget steps a failed call staged or wrote (`StagingWriter.unappend`)."""
         self._writable().unappend(lane, start, attempted_end)
+        if self._encoders is not None and self._frames is not None:
+            self._encoders.reset(lane)
+            self._frames.forget()
 
     def update_rows(self, lane: int, first: int, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite fields of steps already added (`StagingWriter.update_rows`)."""

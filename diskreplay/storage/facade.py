@@ -28,6 +28,7 @@ from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .outputs import Rows
+from .frames import FrameReads
 from .read_ahead import READ_AHEAD_BYTES, Steps
 from .ragged_reads import RaggedReads
 from .reader import ChunkReader
@@ -80,6 +81,8 @@ class Storage(ABC):
         self._log, self._io, self._cache, self._loader = log, io, cache, loader
         self._reader, self._files = reader, files
         self._ragged = RaggedReads(config, io, writer=log.mode != "r") if config.user_schema.ragged else None
+        encoded = {name: f for name, f in config.user_schema.items() if f.codec is not None}
+        self._frames = FrameReads(encoded, self.layout, io.workers) if encoded else None
 
     # ---- what it is ------------------------------------------------------------------------
 
@@ -185,10 +188,13 @@ class Storage(ABC):
         return self._gather_ragged(self._ragged, lane, step, names, out or {})
 
     def _gather_ragged(self, ragged: RaggedReads, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
-                       out: Mapping[str, np.ndarray]) -> Rows:
+                       out: Mapping[str, np.ndarray], decode: bool = True) -> Rows:
         """Rows with ragged fields: their ends (this row's and the previous row's of its chunk)
-        with the fixed fields, then the values those ends delimit (`RaggedReads`)."""
+        with the fixed fields, then the values those ends delimit (`RaggedReads`); encoded frame
+        fields decoded (`FrameReads`; ``decode=False``: their bytes)."""
         fields = self.config.user_schema
+        if decode and self._frames is not None and any(fields[name].codec is not None for name in names):
+            return self._gather_frames(self._frames, ragged, lane, step, names, out)
         varying = [name for name in names if name in ragged.fields]
         ends = tuple(dict.fromkeys(ends_name(fields[name].length_of or name) for name in varying))
         fixed = tuple(name for name in names if name not in ragged.fields)
@@ -209,6 +215,20 @@ class Storage(ABC):
                                  self._reader.retired.check)
             result[name] = decode_text(values) if fields[name].text else values  # type: ignore[assignment]
         return result
+
+    def _gather_frames(self, frames: FrameReads, ragged: RaggedReads, lane: np.ndarray, step: np.ndarray,
+                       names: tuple[str, ...], out: Mapping[str, np.ndarray]) -> Rows:
+        encoded = [name for name in names if self.config.user_schema[name].codec is not None]
+        rest = tuple(name for name in names if name not in encoded)
+        result: Rows = self._gather_ragged(ragged, lane, step, rest, out) if rest else {}
+
+        def fetch(name: str, lanes: np.ndarray, steps: np.ndarray) -> Any:
+            return self._gather_ragged(ragged, lanes, steps, (name,), {}, decode=False)[name]
+
+        for name in encoded:
+            result[name] = frames.read(name, lane, step, self._log.cursors.total, fetch,
+                                       f"{self.url!r}: encoded frame field {name!r}")
+        return {name: result[name] for name in names}
 
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         """Announce the next reads: ``steps`` yields (lane, step) arrays in the order `gather`

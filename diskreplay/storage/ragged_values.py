@@ -218,7 +218,7 @@ def read_values_meta(io: ChunkIO, config: BufferConfig, name: str) -> dict:
         meta = json.loads(blob)
     except ValueError as exc:
         raise CorruptBufferError(f"{io.url!r}: {array_key(name)} is not valid JSON ({exc})") from None
-    problems = values_problems(name, config.user_schema[name], meta, config) if isinstance(meta, dict) else [
+    problems = values_problems(name, config.user_schema.ragged[name], meta, config) if isinstance(meta, dict) else [
         f"{array_key(name)}: not a JSON object"]
     if problems:
         raise CorruptBufferError(f"{io.url!r}: {problems[0]}")
