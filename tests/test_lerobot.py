@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -62,12 +64,12 @@ def camera_frames(height, width, seed) -> np.ndarray:
     return frames
 
 
-def write_video(path, frames_by_episode, fps, codec):
+def write_video(path, frames_by_episode, fps, codec, gop=2):
     """One MP4 holding several episodes back to back (as LeRobot concatenates them), each
     starting with a keyframe; LeRobot's encoder settings (yuv420p, g=2, crf=30)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with av.open(str(path), "w") as out:
-        stream = out.add_stream(codec, rate=fps, options={"g": "2", "crf": "30"})
+        stream = out.add_stream(codec, rate=fps, options={"g": str(gop), "crf": "30"})
         stream.height, stream.width = frames_by_episode[0].shape[1:3]
         stream.pix_fmt = "yuv420p"
         pts = 0
@@ -103,10 +105,11 @@ def features() -> dict:
     return found
 
 
-def write_lerobot_v3(root) -> dict:
+def write_lerobot_v3(root, gop=2) -> dict:
     """A LeRobot v3.0 dataset at ``root``: 4 episodes in 2 data files, 2 camera keys (AV1 and
-    H.264) whose episodes lie in their own video files, 2 episode metadata files. Returns the
-    columns, the frames of each camera, and what PyAV decodes from each video file."""
+    H.264, a keyframe every ``gop`` frames) whose episodes lie in their own video files, 2 episode
+    metadata files. Returns the columns, the frames of each camera, and what PyAV decodes from
+    each video file."""
     cols = source_columns()
     starts = np.cumsum((0, *LENGTHS))
     for f in sorted(set(DATA_FILES)):
@@ -120,7 +123,7 @@ def write_lerobot_v3(root) -> dict:
         for f in sorted(set(files)):
             eps = [e for e, v in enumerate(files) if v == f]
             path = root / "videos" / key / f"{CHUNK_FILE.format(chunk_index=0, file_index=f)}.mp4"
-            write_video(path, [pixels[key][starts[e]:starts[e + 1]] for e in eps], FPS, codec)
+            write_video(path, [pixels[key][starts[e]:starts[e + 1]] for e in eps], FPS, codec, gop)
             with av.open(str(path)) as container:
                 decoded[key, f] = [fr.to_ndarray(format="rgb24") for fr in container.decode(video=0)]
             at = 0.0
@@ -177,28 +180,17 @@ def rows_of(buf):
     return buf[buf.row_ids()]
 
 
-def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
-    built = write_lerobot_v3(tmp_path / "ds")
-    assert detect_format(str(tmp_path / "ds")) == "lerobot"
-    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, progress=False)
-    cols = built["cols"]
-    assert dict(buf.fields) == {
-        "obs": dr.Field((4,), "float32"), "action": dr.Field((2,), "float32"),
-        "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"),
-        "observation_images_top": dr.Field((48, 64, 3), "uint8"),
-        "observation_images_wrist": dr.Field((32, 48, 3), "uint8"),
-        "timestamp": dr.Field((), "float32"), "task": dr.Field((), "str"),
-        "truncated": dr.Field((), "bool")}
+VIDEO_FIELDS = {"observation_images_top": dr.Field((48, 64, 3), "uint8", codec="av1"),
+                "observation_images_wrist": dr.Field((32, 48, 3), "uint8", codec="h264")}
+
+
+def check_values_and_episodes(buf, cols):
     rows = rows_of(buf)
     assert len(buf) == sum(LENGTHS)
     for field, name in (("obs", "observation.state"), ("action", "action"), ("reward", "next.reward"),
                         ("terminated", "next.done"), ("timestamp", "timestamp")):
         np.testing.assert_array_equal(rows[field], cols[name], err_msg=field)
     assert list(rows["task"]) == [TASKS[i] for i in cols["task_index"]]
-    for key in CAMERAS:
-        field = key.replace(".", "_")
-        np.testing.assert_array_equal(rows[field], expected_frames(built, key), err_msg=field)
-        assert np.abs(rows[field].astype(int) - built["pixels"][key]).mean() < 8  # the lossy codecs kept the images
     last = np.cumsum(LENGTHS) - 1
     truncated = np.zeros(sum(LENGTHS), bool)
     truncated[last[1:]] = True  # episode 0 ends with next.done
@@ -206,6 +198,58 @@ def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
     table = buf.episodes()
     assert table.start.tolist() == [0, *np.cumsum(LENGTHS)[:-1].tolist()]
     assert table.length.tolist() == list(LENGTHS) and table.complete.all()
+    return rows
+
+
+def test_lerobot_v3_imports_every_value_frame_and_episode(tmp_path):
+    built = write_lerobot_v3(tmp_path / "ds", gop=1)  # every frame a keyframe: every chunk fits
+    assert detect_format(str(tmp_path / "ds")) == "lerobot"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no chunk re-encoded
+        buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, chunk_rows=4, progress=False)
+    assert dict(buf.fields) == {
+        "obs": dr.Field((4,), "float32"), "action": dr.Field((2,), "float32"),
+        "reward": dr.Field((), "float32"), "terminated": dr.Field((), "bool"), **VIDEO_FIELDS,
+        "timestamp": dr.Field((), "float32"), "task": dr.Field((), "str"), "truncated": dr.Field((), "bool")}
+    rows = check_values_and_episodes(buf, built["cols"])
+    for key in CAMERAS:
+        field = key.replace(".", "_")
+        np.testing.assert_array_equal(rows[field], expected_frames(built, key), err_msg=field)
+        assert np.abs(rows[field].astype(int) - built["pixels"][key]).mean() < 8  # the lossy codecs kept the images
+    reopened = dr.ReplayBuffer.open(tmp_path / "b")
+    ids = np.array([21, 0, 9, 13])
+    for key in CAMERAS:
+        field = key.replace(".", "_")
+        np.testing.assert_array_equal(reopened[ids][field], expected_frames(built, key)[ids])
+
+
+def row_keyframes(root, key) -> np.ndarray:
+    """Whether each row's frame is a keyframe of its MP4 (packets in display order)."""
+    files, out = CAMERAS[key][3], []
+    for f in sorted(set(files)):
+        with av.open(str(root / "videos" / key / "chunk-000" / f"file-{f:03d}.mp4")) as container:
+            packets = sorted((p for p in container.demux(video=0) if p.size), key=lambda p: p.pts)
+            out.extend(p.is_keyframe for p in packets)
+    return np.array(out)  # the files hold the episodes in row order
+
+
+def test_chunks_the_mp4_groups_of_pictures_do_not_fit_are_re_encoded_and_said_so(tmp_path):
+    built = write_lerobot_v3(tmp_path / "ds")  # LeRobot's g=2: episodes 1 and 2 start on odd rows
+    with pytest.warns(UserWarning) as caught:
+        buf = import_dataset(tmp_path / "ds", tmp_path / "b", chunk_rows=4, progress=False)
+    messages = sorted(str(w.message) for w in caught)
+    rows = check_values_and_episodes(buf, built["cols"])
+    starts = np.arange(0, sum(LENGTHS), 4)
+    for key, message in zip(CAMERAS, messages, strict=True):
+        field = key.replace(".", "_")
+        fits = row_keyframes(tmp_path / "ds", key)[starts]  # chunks that start on a keyframe keep the MP4's packets
+        codec = CODEC_NAMES[CAMERAS[key][2]]
+        assert f"video key {key!r}: {int((~fits).sum())} of 6 row chunks re-encoded as {codec}" in message
+        kept = np.concatenate([np.arange(s, min(s + 4, sum(LENGTHS))) for s in starts[fits]])
+        redone = np.setdiff1d(np.arange(sum(LENGTHS)), kept)
+        assert len(kept) and len(redone)
+        np.testing.assert_array_equal(rows[field][kept], expected_frames(built, key)[kept], err_msg=field)
+        assert psnr(rows[field][redone], expected_frames(built, key)[redone]) > 30, field
 
 
 def decode_all(path) -> list[np.ndarray]:
@@ -221,8 +265,8 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def test_export_import_round_trip(tmp_path, monkeypatch):
     from diskreplay.offline import lerobot_export
 
-    write_lerobot_v3(tmp_path / "ds")
-    buf = import_dataset(tmp_path / "ds", tmp_path / "b", progress=False)
+    write_lerobot_v3(tmp_path / "ds", gop=1)
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", chunk_rows=4, progress=False)
     monkeypatch.setattr(lerobot_export, "DATA_FILE_BYTES", 1)  # each episode starts new files
     assert export_buffer(tmp_path / "b", tmp_path / "out", format="lerobot", batch_rows=4, progress=False) == 22
     out = tmp_path / "out"
@@ -237,14 +281,17 @@ def test_export_import_round_trip(tmp_path, monkeypatch):
     assert [e["videos/observation.images.top/to_timestamp"] for e in episodes] == [n / FPS for n in LENGTHS]
     stats = json.loads((out / "meta" / "stats.json").read_text())
     assert stats["action"]["count"] == [22] and np.array(stats["observation.images.top"]["mean"]).shape == (3, 1, 1)
-    back = import_dataset(out, tmp_path / "back", batch_rows=5, progress=False)
-    assert dict(back.fields) == dict(buf.fields)
+    with pytest.warns(UserWarning, match="re-encoded as av1"):  # exported with g=2: episodes 1 and 2 start on odd rows
+        back = import_dataset(out, tmp_path / "back", batch_rows=5, chunk_rows=2, progress=False)
+    assert dict(back.fields) == {**buf.fields, "observation_images_wrist": dr.Field((32, 48, 3), "uint8", codec="av1")}
     a, b = rows_of(buf), rows_of(back)
     for name in a:
         if name.startswith("observation_images_"):
             key = name.replace("observation_images_", "observation.images.")
-            exported = [decode_all(out / "videos" / key / "chunk-000" / f"file-{e:03d}.mp4") for e in range(4)]
-            np.testing.assert_array_equal(b[name], np.concatenate(exported), err_msg=name)
+            exported = np.concatenate([decode_all(out / "videos" / key / "chunk-000" / f"file-{e:03d}.mp4")
+                                       for e in range(4)])
+            kept = np.r_[0:4, 16:22]  # chunks starting on a keyframe of an episode: stored as exported
+            np.testing.assert_array_equal(b[name][kept], exported[kept], err_msg=name)
             assert psnr(b[name], a[name]) > 30, name
         else:
             np.testing.assert_array_equal(b[name], a[name], err_msg=name)
@@ -376,3 +423,23 @@ def test_damaged_lerobot_datasets_are_refused_and_leave_no_buffer(tmp_path, dama
     with pytest.raises(ImportFormatError, match=message):
         import_dataset(tmp_path / "ds", tmp_path / "b", format="lerobot", progress=False)
     assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "b.import-partial")
+
+
+def test_encoded_frames_are_stored_as_given_and_checked(tmp_path):
+    from diskreplay.errors import SchemaError
+    from diskreplay.format.frame_codecs import FrameCodec
+    from diskreplay.format.ragged import EncodedFrames
+
+    codec = FrameCodec("av1", (16, 16, 3))
+    frames = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    values, ends = codec.encode_rows(frames[:4])
+    fields = {"cam": dr.Field((16, 16, 3), "uint8", codec="av1"), "x": dr.Field((), "int64")}
+    buf = dr.ReplayBuffer.create(tmp_path / "b", fields, chunk_rows=4)
+    with pytest.raises(SchemaError, match=r"field 'cam': encoded frames must be uint8 values split by lengths > 0"):
+        buf.extend({"cam": EncodedFrames(values, np.diff(np.r_[0, ends])[:3]), "x": np.arange(4)})
+    buf.extend({"cam": EncodedFrames(values, np.diff(np.r_[0, ends])), "x": np.arange(4)})
+    buf.extend({"cam": frames[4:], "x": np.arange(2)})  # the next chunk: encoded by the buffer
+    buf.close()
+    back = dr.ReplayBuffer.open(tmp_path / "b")
+    np.testing.assert_array_equal(back[np.arange(4)]["cam"], codec.decode_rows(values, ends))
+    assert len(back) == 6

@@ -143,6 +143,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         _check_destination(dest, overwrite, storage_options)
         claim_partial(partial, storage_options)
         buf = _create_partial(source, partial, chunk_rows, compression, storage_options)
+        source.chunk_rows = buf.layout.chunk_rows
         marker = {"source": src, "format": fmt, "started": time.time(), "pid": os.getpid(),
                   "host": socket.gethostname()}
         _copy_rows(source, buf, partial, marker, progress, storage_options)

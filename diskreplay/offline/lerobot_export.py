@@ -45,7 +45,8 @@ PLACE = ("episode_index", "frame_index", "index")
 
 def is_camera(spec: Any) -> bool:
     """Whether a field is exported as a camera key (a video): ``uint8 [height, width, 3]``."""
-    return bool(spec.dtype == np.uint8 and len(spec.shape) == 3 and spec.shape[2] == 3 and not spec.ragged)
+    return bool(spec.dtype == np.uint8 and len(spec.shape) == 3 and spec.shape[2] == 3
+                and (spec.codec is not None or not spec.ragged))
 
 
 def lerobot_name(field: str, spec: Any) -> str:
@@ -99,7 +100,7 @@ def _names(fields: dict) -> dict[str, str]:
     cannot hold (variable-length) or one that would be read back as another."""
     names = {f: lerobot_name(f, s) for f, s in fields.items() if f != "timestamp"}
     for field, spec in fields.items():
-        if spec.ragged and not spec.text:
+        if spec.ragged and not spec.text and spec.codec is None:
             raise ValueError(f"field {field!r} cannot be exported to LeRobot: its rows vary in length "
                              f"(shape {spec.declared_shape}); LeRobot features have fixed shapes")
     check_parquet_names([f for f, c in names.items() if c == parquet_name(f)])

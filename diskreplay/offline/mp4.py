@@ -133,3 +133,94 @@ def frame_shape(feature: dict, what: str) -> tuple[int, int, int]:
         raise ImportFormatError(f"{what}: video feature of shape {shape} (names {names}), expected "
                                 f"height, width and 3 channels")
     return height, width, 3
+
+
+STORED_CODECS = {"av1": "av1", "h264": "h264"}
+"""MP4 stream codecs (FFmpeg's canonical names) whose packets a video frame field stores as they are."""
+
+
+class PacketReader:
+    """The packets of MP4 files at the times asked for, as a video frame field stores them
+    (AV1: the temporal unit's OBUs as muxed; H.264: Annex B, parameter sets before each IDR), with
+    their place in decode order and whether they are keyframes. Like `FrameReader`, it reads
+    forward and reopens to go back. A stream whose packets are not in display order (B-frames)
+    or of another codec gives None: its packets cannot be stored as they are."""
+
+    def __init__(self, what: str):
+        self.av = require_av()
+        self.what = what
+        self.path: str | None = None
+        self.container: Any = None
+        self.packets: Any = None
+        self.ahead: tuple[float, int, bool, bytes] | None = None  # (time, decode index, keyframe, data)
+        self.codec: str | None = None
+        self.last = -math.inf
+
+    def packet(self, path: str, time: float) -> tuple[int, bool, bytes] | None:
+        """(decode index, keyframe, data) of the packet of ``path`` shown at ``time``, or None."""
+        if path != self.path or self.ahead is not None and self.ahead[0] > time + TOLERANCE_S:
+            self._open(path)
+        while self.ahead is not None and self.ahead[0] < time - TOLERANCE_S:
+            self._advance()
+        if self.codec is None or self.ahead is None or abs(self.ahead[0] - time) > TOLERANCE_S:
+            return None
+        return self.ahead[1:]
+
+    def _open(self, path: str) -> None:
+        self.close()
+        try:
+            self.container = self.av.open(path)
+            stream = self.container.streams.video[0]
+        except FileNotFoundError:
+            raise ImportFormatError(f"{path!r}: missing (named by the dataset's metadata)") from None
+        except (self.av.error.FFmpegError, IndexError) as e:
+            raise ImportFormatError(f"{path!r}: {self.what}: not a readable video ({e})") from e
+        self.path, self.codec = path, STORED_CODECS.get(stream.codec_context.codec.canonical_name)
+        self.time_base, self.last, self.index = stream.time_base, -math.inf, 0
+        self.packets = self._annexb(stream) if self.codec == "h264" else self._demux(stream)
+        self._advance()
+
+    def _demux(self, stream: Any) -> Any:
+        for packet in self.container.demux(stream):
+            if packet.size:
+                yield packet
+
+    def _annexb(self, stream: Any) -> Any:
+        import av.bitstream
+
+        bsf = av.bitstream.BitStreamFilterContext("h264_mp4toannexb", stream)
+        for packet in self.container.demux(stream):
+            yield from bsf.filter(packet if packet.size else None)
+
+    def _advance(self) -> None:
+        try:
+            packet = next(self.packets, None)
+        except self.av.error.FFmpegError as e:
+            raise ImportFormatError(f"{self.path!r}: {self.what}: damaged video ({e})") from e
+        if packet is None or packet.pts is None:
+            self.ahead = None
+            return
+        time = float(packet.pts * self.time_base)
+        if time <= self.last:  # reordered (B-frames): packets are not one per frame in display order
+            self.codec = None
+        self.last = time
+        self.ahead = (time, self.index, bool(packet.is_keyframe), bytes(packet))
+        self.index += 1
+
+    def close(self) -> None:
+        """Closes the open file, if any."""
+        if self.container is not None:
+            self.container.close()
+        self.container = self.packets = self.ahead = self.path = None
+
+
+def stream_codec(path: str, what: str) -> str | None:
+    """The codec of the first video stream of ``path`` (FFmpeg's canonical name), or None."""
+    av = require_av()
+    try:
+        with av.open(path) as container:
+            return str(container.streams.video[0].codec_context.codec.canonical_name)
+    except FileNotFoundError:
+        raise ImportFormatError(f"{path!r}: missing (named by the dataset's metadata)") from None
+    except (av.error.FFmpegError, IndexError) as e:
+        raise ImportFormatError(f"{path!r}: {what}: not a readable video ({e})") from e

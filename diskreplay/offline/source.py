@@ -37,6 +37,9 @@ class Source:
     batch_rows: int
     num_envs: int = 1
     rows: int
+    chunk_rows: int | None = None
+    """The new buffer's rows per chunk, set by the importer before `batches`: a source of encoded
+    video rows slices them by chunk (a chunk's frames are one group of pictures)."""
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""

@@ -33,10 +33,11 @@ import numpy as np
 
 from ...format.schema import Field
 from ...io import local_path
-from ..mp4 import FrameReader, frame_shape
+from ..mp4 import STORED_CODECS, frame_shape, stream_codec
 from ..naming import d4rl_field_name
 from ..source import Batch, ImportFormatError, PendingSlices, Source, as_bool_flags, field_for
-from .lerobot_meta import Episode, LeRobotMeta, is_lerobot
+from .lerobot_meta import LeRobotMeta, is_lerobot
+from .lerobot_video import VideoChunks
 from .parquet import FLAG_FIELDS, _plain, _with_ends, parquet_field_name
 
 __all__ = ["LeRobotSource", "is_lerobot"]
@@ -82,7 +83,8 @@ class LeRobotSource(Source):
             warnings.warn(f"{where}: skipped ({ft['dtype']} features are not imported yet)", stacklevel=4)
             return None
         if ft["dtype"] == "video":
-            return Field(frame_shape(ft, where), np.dtype(np.uint8))
+            codec = stream_codec(self.meta.episodes[0].videos[column].path, f"video key {column!r}")
+            return Field(frame_shape(ft, where), "uint8", codec=STORED_CODECS.get(codec or "", "av1"))
         if ft["dtype"] == "string" or column == "task_index":
             return Field((), "str")
         try:
@@ -96,32 +98,44 @@ class LeRobotSource(Source):
         return field_for(parquet_field_name(column), shape, dtype, where)
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
-        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
-        pending = PendingSlices(self.batch_rows)
-        readers = {name: FrameReader(f"video key {key!r}", self.fields[name].shape)
-                   for name, key in self.videos.items()}
-        try:
-            for batch in _with_ends(self._rows(readers)):
+        """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows;
+        with camera keys, one slice per row chunk of the new buffer (`Source.chunk_rows`)."""
+        if not self.videos:
+            pending = PendingSlices(self.batch_rows)
+            for batch in _with_ends(self._rows()):
                 yield from pending.add(batch)
             yield from pending.drain()
+            return
+        episodes = {ep.index: ep for ep in self.meta.episodes}
+        videos = {name: VideoChunks(key, self.fields[name], episodes) for name, key in self.videos.items()}
+        try:
+            for batch in _with_ends(self._with_videos(_aligned(self._rows(), self.chunk_rows or 32), videos)):
+                yield 0, batch
         finally:
-            for reader in readers.values():
-                reader.close()
+            for video in videos.values():
+                video.close()
+        for video in videos.values():
+            if video.warning():
+                warnings.warn(f"{self.src!r}: {video.warning()}", stacklevel=2)
 
-    def _rows(self, readers: dict[str, FrameReader]) -> Iterator[tuple[np.ndarray, Batch]]:
-        """``(episode_index, fields)`` per record batch, data file after data file."""
+    def _with_videos(self, chunks: Iterator[tuple[np.ndarray, Batch]], videos: dict[str, VideoChunks]
+                     ) -> Iterator[tuple[np.ndarray, Batch]]:
+        for episode, batch in chunks:
+            out: dict[str, Any] = dict(batch)  # a video field's rows may be EncodedFrames
+            for name, video in videos.items():
+                out[name] = video.rows(episode, batch["timestamp"])
+            yield episode, out
+
+    def _rows(self) -> Iterator[tuple[np.ndarray, Batch]]:
+        """``(episode_index, fields)`` per record batch, data file after data file (no camera keys)."""
         for file, episodes in self.meta.data_files():
             expected = np.repeat([ep.index for ep in episodes], [ep.length for ep in episodes])
-            by_index = {ep.index: ep for ep in episodes}
             seen = 0
             for rb in self._record_batches(file, len(expected)):
                 episode = _plain(file, "episode_index", rb.column("episode_index"), ())
                 _check_episodes(file, episode, expected[seen:seen + len(episode)], seen)
                 seen += len(episode)
-                batch = self._decode(file, rb)
-                for name, reader in readers.items():
-                    batch[name] = self._frames(reader, self.videos[name], episode, batch["timestamp"], by_index)
-                yield episode, batch
+                yield episode, self._decode(file, rb)
             if seen != len(expected):
                 raise ImportFormatError(f"{file!r}: holds {seen} rows, meta/episodes says {len(expected)}")
 
@@ -169,14 +183,26 @@ class LeRobotSource(Source):
             raise ImportFormatError(f"{file!r}: column {column!r} must hold strings without nulls, got {values.type}")
         return np.array(texts, dtype=object)
 
-    def _frames(self, reader: FrameReader, key: str, episode: np.ndarray, timestamps: np.ndarray,
-                episodes: dict[int, Episode]) -> np.ndarray:
-        """The frames of one camera key for rows of ``episode`` at ``timestamps`` (episode time)."""
-        out = np.empty((len(episode), *reader.shape), np.uint8)
-        for i, (ep, t) in enumerate(zip(episode.tolist(), timestamps.tolist(), strict=True)):
-            span = episodes[ep].videos[key]
-            out[i] = reader.frame(span.path, span.from_timestamp + t)
-        return out
+def _aligned(pieces: Iterator[tuple[np.ndarray, Batch]], size: int) -> Iterator[tuple[np.ndarray, Batch]]:
+    """The rows of ``pieces`` cut into slices of ``size`` rows (the last one may hold fewer)."""
+    held: list[tuple[np.ndarray, Batch]] = []
+    count = 0
+    for episode, batch in pieces:
+        held.append((episode, batch))
+        count += len(episode)
+        while count >= size:
+            yield _join(held, size)
+            first, rest = _join(held, count), count - size
+            held = [(first[0][size:], {k: v[size:] for k, v in first[1].items()})] if rest else []
+            count = rest
+    if count:
+        yield _join(held, count)
+
+
+def _join(held: list[tuple[np.ndarray, Batch]], rows: int) -> tuple[np.ndarray, Batch]:
+    """The first ``rows`` rows of ``held`` as one slice."""
+    episode = np.concatenate([e for e, _ in held])[:rows]
+    return episode, {k: np.concatenate([b[k] for _, b in held])[:rows] for k in held[0][1]}
 
 
 def _check_episodes(file: str, found: np.ndarray, expected: np.ndarray, first: int) -> None:
