@@ -392,13 +392,15 @@ def write_minari_with_text_and_images(root, data_format, lengths=(4, 6), seed=0)
     return list(storage.get_episodes(range(len(lengths))))
 
 
+@pytest.mark.parametrize("batch_rows", [3, 5])  # 5: slices of two episodes are joined
 @pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
-def test_minari_text_and_jpeg_observations_are_kept(tmp_path, minari_home, data_format):
+def test_minari_text_and_jpeg_observations_are_kept(tmp_path, minari_home, data_format, batch_rows):
     episodes = write_minari_with_text_and_images(tmp_path / "ds", data_format)
-    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, progress=False)
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=batch_rows, progress=False)
+    image = dr.Field((32, 40, 3), "uint8", codec="jpeg")  # each image's JPEG bytes, as Minari stored them
     assert {k: buf.fields[k] for k in ("obs_image", "next_obs_image", "obs_mission", "next_obs_mission")} == {
-        "obs_image": dr.Field((32, 40, 3), "uint8"), "next_obs_image": dr.Field((32, 40, 3), "uint8"),
-        "obs_mission": dr.Field((), "str"), "next_obs_mission": dr.Field((), "str")}
+        "obs_image": image, "next_obs_image": image, "obs_mission": dr.Field((), "str"),
+        "next_obs_mission": dr.Field((), "str")}
     rows = rows_of(buf)
     for field, key in (("image", "image"), ("mission", "mission")):
         now = np.concatenate([np.asarray(e["observations"][key][:-1]) for e in episodes])
@@ -407,6 +409,8 @@ def test_minari_text_and_jpeg_observations_are_kept(tmp_path, minari_home, data_
         np.testing.assert_array_equal(rows["next_obs_" + field], after.astype(rows["obs_" + field].dtype))
     assert rows["obs_mission"][:2].tolist() == ["gö to 0/0", "gö to 0/1"]
     np.testing.assert_array_equal(rows["action"], np.concatenate([e["actions"] for e in episodes]))
+    again = dr.ReplayBuffer.open(tmp_path / "b")[np.array([7, 0, 3])]  # decoded again after a reopen
+    np.testing.assert_array_equal(again["obs_image"], rows["obs_image"][[7, 0, 3]])
 
 
 def _replace_hdf5(path, name, data, dtype):
@@ -430,7 +434,7 @@ def test_minari_bad_text_and_damaged_images_are_refused(tmp_path, minari_home, d
         blobs = np.empty(7, dtype=object)
         blobs[:] = [np.frombuffer(b"\xff\xd8\xff\xe0" + bytes(40), np.uint8) for _ in range(7)]
         _replace_hdf5(file, "episode_1/observations/image", blobs, h5py.vlen_dtype(np.uint8))
-        message = r"observations/image: rows from 0: row 0: a damaged jpeg image"
+        message = r"observations/image: rows from 0: row 0: a damaged jpeg image"  # each image is checked
     with pytest.raises(ImportFormatError, match=message):
         import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, progress=False)
     assert not os.path.exists(tmp_path / "b")

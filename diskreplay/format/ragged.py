@@ -131,6 +131,10 @@ class EncodedFrames(RaggedColumn):
     starts a stream decodable alone, and the chunk's rows one packet per frame in display order
     (`format.frame_codecs`): the caller vouches for it (`import_dataset` decodes each chunk to check)."""
 
+    def __len__(self) -> int:
+        """Rows along the first axis."""
+        return int(self.lengths.shape[0])
+
     def __getitem__(self, key: Any) -> EncodedFrames:
         """The rows ``key`` picks, still encoded frames."""
         picked = super().__getitem__(key)

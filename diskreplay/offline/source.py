@@ -7,11 +7,13 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptBufferError, DiskReplayError
 from ..format.keys import MAX_METADATA_BYTES, json_object
+from ..format.ragged import EncodedFrames
 from ..format.schema import ALLOWED_DTYPES, Field
 from ..io import is_local, local_path
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
@@ -107,7 +109,14 @@ class PendingSlices:
         if len(parts) == 1:
             yield 0, parts[0]
         else:
-            yield 0, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            yield 0, {k: concat_rows([p[k] for p in parts]) for k in parts[0]}
+
+
+def concat_rows(parts: list) -> Any:
+    """Rows of one field one after the other: arrays, or `EncodedFrames` (encoded images)."""
+    if isinstance(parts[0], EncodedFrames):
+        return EncodedFrames(np.concatenate([p.values for p in parts]), np.concatenate([p.lengths for p in parts]))
+    return np.concatenate(parts)
 
 
 def require_source(src: str) -> None:

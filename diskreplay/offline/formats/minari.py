@@ -6,8 +6,9 @@ the arrow and parquet data formats are read by `MinariArrowSource`).
 ``infos/<key>`` -> ``info_<key>``; dict spaces flattened (``obs_<key>``, ``action_<key>``, ...).
 Infos with T + 1 entries (the reset's info first) keep their last T. Text (UTF-8 string datasets,
 gymnasium ``Text`` spaces) becomes text fields (``Field((), "str")``); JPEG- or PNG-encoded image
-observations (Minari's ``jpeg_encoding``: one encoded image per row) become ``uint8`` image fields
-of the first image's shape, decoded with Pillow as Minari decodes them.
+observations (Minari's ``jpeg_encoding``: one encoded image per row) become ``codec="jpeg"`` /
+``"png"`` frame fields of the first image's shape that keep each image's bytes as they are
+(`diskreplay.offline.images`): reads decode them with Pillow, as Minari does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..hdf5 import (
     refuse_link,
     require_h5py,
 )
-from ..images import decode_image, decode_images, image_codec
+from ..images import image_codec, image_field, image_rows
 from ..naming import field_name
 from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for
 from .minari_arrow import MinariArrowSource, arrow_metadata
@@ -107,13 +108,13 @@ class MinariSource(Source):
         fixed = ds.ndim == 2 and ds.dtype == np.uint8  # every image encoded to the same byte length
         if (varying or fixed) and len(ds) and image_codec(ds[0]) is not None:
             try:
-                shape = decode_image(ds[0], f"{where}: row 0").shape
+                field = image_field(ds[0], where)
             except ImportFormatError:
                 if varying:
                     raise
             else:  # raw bytes that only happen to start like an image stay raw
-                self.decoders[name] = lambda rows, where: decode_images(list(rows), shape, where)
-                return Field(shape, np.dtype(np.uint8))
+                self.decoders[name] = lambda rows, where: image_rows(list(rows), field, where)
+                return field
         return field_for(name, ds.shape[1:], ds.dtype, where)
 
     def _columns(self, ep: Any, steps: int) -> Iterator[tuple[str, Any, int]]:

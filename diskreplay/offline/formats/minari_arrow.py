@@ -8,9 +8,10 @@ Mapped as the HDF5 Minari layout is: ``observations[:-1]`` -> ``obs``, ``observa
 ``info_<key>`` (T + 1 entries: the reset's info first, so each step keeps the following one);
 dict spaces (struct columns) flattened (``obs_<key>``, ``action_<key>``). String columns (gymnasium
 ``Text`` spaces) become text fields (``Field((), "str")``); binary columns (Minari's JPEG-encoded
-image spaces, or PNG) ``uint8`` image fields of the first image's shape, decoded with Pillow as
-Minari decodes them. Other columns that hold no numbers (variable-length lists) are skipped with a
-warning. Episodes are read one record batch (or row group) at a time.
+image spaces, or PNG) ``codec="jpeg"`` / ``"png"`` frame fields of the first image's shape that
+keep each image's bytes (`diskreplay.offline.images`). Other columns that hold no numbers
+(variable-length lists) are skipped with a warning. Episodes are read one record batch (or row
+group) at a time.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import numpy as np
 
 from ...format.schema import Field
 from ...io import local_path
-from ..images import decode_image, decode_images
+from ..images import image_field, image_rows
 from ..naming import field_name
-from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for, json_file
+from ..source import Batch, ImportFormatError, PendingSlices, Source, concat_rows, field_for, json_file
 from .parquet import _plain, _value_type, require_arrow, require_pyarrow
 
 ARROW_FORMATS = ("arrow", "parquet")
@@ -89,7 +90,7 @@ class MinariArrowSource(Source):
         self.rows = sum(max(self._episode_rows(files) - 1, 0) for files in self.episodes)
         self.columns = self._leaves(self._schema(self.episodes[0]))
         self.fields, self.stored = {}, {}
-        self.images: dict[str, tuple[int, ...]] = {}  # field -> image shape, of binary (encoded image) columns
+        self.images: dict[str, Field] = {}  # field -> its image field, of binary (encoded image) columns
         for name, (_, typ) in self.columns.items():
             field = self._field(name, typ)
             if field is not None:
@@ -178,8 +179,8 @@ class MinariArrowSource(Source):
             blob = None if rb is None or not rb.num_rows else self._column(file, rb, self.columns[name][0])[0].as_py()
             if blob is None:
                 raise ImportFormatError(f"{file!r}: {name!r}: no first image to take the shape from")
-            self.images[name] = decode_image(blob, f"{file!r}: {name!r}: row 0").shape
-            return Field(self.images[name], np.dtype(np.uint8))
+            self.images[name] = image_field(blob, f"{file!r}: {name!r}")
+            return self.images[name]
         try:
             base, shape = _value_type(typ, None)
         except TypeError as e:
@@ -209,7 +210,7 @@ class MinariArrowSource(Source):
                     yield self._decode(file, rb.slice(start, self.batch_rows))
 
     def _decode(self, file: str, rb: Any) -> Batch:
-        batch = {}
+        batch: dict[str, Any] = {}
         for name, (path, _) in self.columns.items():
             if name not in self.fields:
                 continue
@@ -239,8 +240,8 @@ class MinariArrowSource(Source):
             array = array.flatten()[int(index)]
         return array
 
-    def _decoded(self, file: str, name: str, array: Any) -> np.ndarray:
-        """Text as an object array of str, encoded images as ``uint8`` pixels. Nulls are refused
+    def _decoded(self, file: str, name: str, array: Any) -> Any:
+        """Text as an object array of str, encoded images as `image_rows` gives them. Nulls are refused
         but in the padded last row of an episode's actions (which `_steps` drops)."""
         where = f"{file!r}: {name!r}"
         rows = array.to_pylist()
@@ -253,7 +254,7 @@ class MinariArrowSource(Source):
                                     f"{'strings' if kind is str else 'images'} (nulls?)")
         if kind is str:
             return np.array(rows, dtype=object)
-        return decode_images(rows, self.images[name], where)
+        return image_rows(rows, self.images[name], where)
 
 
 def episode_id(data: str, folder: str) -> int:
@@ -271,7 +272,7 @@ def _steps(piece: Batch, following: Batch | None) -> Batch:
     end = len(piece["reward"]) - (following is None)
     for name, values in piece.items():
         if name.startswith(SHIFTED):
-            shifted = values[1:] if following is None else np.concatenate([values[1:], following[name][:1]])
+            shifted = values[1:] if following is None else concat_rows([values[1:], following[name][:1]])
             if name.startswith("obs"):
                 out[name], out["next_" + name] = values[:end], shifted
             else:
