@@ -5,6 +5,7 @@ checked; export -> import round trips."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -443,3 +444,28 @@ def test_encoded_frames_are_stored_as_given_and_checked(tmp_path):
     back = dr.ReplayBuffer.open(tmp_path / "b")
     np.testing.assert_array_equal(back[np.arange(4)]["cam"], codec.decode_rows(values, ends))
     assert len(back) == 6
+
+
+def test_image_features_import_as_png_fields_that_keep_the_files(tmp_path):
+    from PIL import Image
+
+    write_lerobot_v3(tmp_path / "ds", gop=1)
+    root = tmp_path / "ds"
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["observation.images.side"] = {"dtype": "image", "shape": [24, 32, 3],
+                                                   "names": ["height", "width", "channels"]}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    pixels = np.random.default_rng(5).integers(0, 256, (sum(LENGTHS), 24, 32, 3), dtype=np.uint8)
+    pngs = []
+    for image in pixels:
+        out = io.BytesIO()
+        Image.fromarray(image).save(out, "PNG")
+        pngs.append(out.getvalue())
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # Hugging Face's Image feature
+    for f, rows in ((0, slice(0, 13)), (1, slice(13, 22))):
+        path = root / "data" / "chunk-000" / f"file-{f:03d}.parquet"
+        column = pa.array([{"bytes": b, "path": None} for b in pngs[rows]], struct)
+        pq.write_table(pq.read_table(path).append_column("observation.images.side", column), path)
+    buf = import_dataset(root, tmp_path / "b", chunk_rows=4, progress=False)
+    assert buf.fields["observation_images_side"] == dr.Field((24, 32, 3), "uint8", codec="png")
+    np.testing.assert_array_equal(rows_of(buf)["observation_images_side"], pixels)

@@ -11,10 +11,12 @@ Fields, from info.json's ``features``:
 * ``task_index`` -> ``task``: a text field (``Field((), "str")``) holding each frame's task
   string from ``meta/tasks.parquet``; ``string`` features (language annotations) -> text fields.
 * ``video`` features (camera keys, e.g. ``observation.images.top`` -> ``observation_images_top``):
-  every frame decoded (PyAV) from the key's MP4 file at ``from_timestamp + timestamp`` into a
-  plain ``uint8 [height, width, 3]`` field (the fallback until encoded video fields exist: the
-  frames are stored as pixels, compressed by the buffer's codec).
-* ``image`` features are skipped with a warning.
+  video fields (``codec="av1"`` or ``"h264"``, as the MP4 is; another codec becomes AV1) whose
+  frames are those PyAV decodes from the key's MP4 at ``from_timestamp + timestamp``; each row
+  chunk keeps the MP4's own packets where they fit it, else is encoded again, with a warning
+  (`diskreplay.offline.formats.lerobot_video`). Slices are then one row chunk each.
+* ``image`` features (each frame a PNG or JPEG file's bytes in the data files) -> ``codec="png"``
+  / ``"jpeg"`` frame fields that keep those bytes (`diskreplay.offline.images`).
 
 Episode ends: each episode's last frame ends it, ``truncated`` unless ``next.done`` is set there
 (as the ``"parquet"`` import does). Everything read is checked against the metadata: each data
@@ -33,9 +35,10 @@ import numpy as np
 
 from ...format.schema import Field
 from ...io import local_path
+from ..images import image_field, image_rows
 from ..mp4 import STORED_CODECS, frame_shape, stream_codec
 from ..naming import d4rl_field_name
-from ..source import Batch, ImportFormatError, PendingSlices, Source, as_bool_flags, field_for
+from ..source import Batch, ImportFormatError, PendingSlices, Source, as_bool_flags, concat_rows, field_for
 from .lerobot_meta import LeRobotMeta, is_lerobot
 from .lerobot_video import VideoChunks
 from .parquet import FLAG_FIELDS, _plain, _with_ends, parquet_field_name
@@ -44,7 +47,6 @@ __all__ = ["LeRobotSource", "is_lerobot"]
 
 PLACE = ("episode_index", "frame_index", "index")
 FIELD_NAMES = {"task_index": "task"}  # beyond the "parquet" import's names
-SKIPPED_DTYPES = ("image",)
 
 
 class LeRobotSource(Source):
@@ -79,9 +81,8 @@ class LeRobotSource(Source):
         where = f"{self.meta.info_file!r}: feature {column!r}"
         if column in PLACE:
             return None
-        if ft["dtype"] in SKIPPED_DTYPES:
-            warnings.warn(f"{where}: skipped ({ft['dtype']} features are not imported yet)", stacklevel=4)
-            return None
+        if ft["dtype"] == "image":
+            return image_field(self._first_image(column), where)
         if ft["dtype"] == "video":
             codec = stream_codec(self.meta.episodes[0].videos[column].path, f"video key {column!r}")
             return Field(frame_shape(ft, where), "uint8", codec=STORED_CODECS.get(codec or "", "av1"))
@@ -160,9 +161,22 @@ class LeRobotSource(Source):
         except Exception as e:
             raise ImportFormatError(f"{file!r}: unreadable ({e})") from e
 
+    def _first_image(self, column: str) -> bytes:
+        """The first frame's image bytes of an ``image`` feature."""
+        file = self.meta.episodes[0].data_file
+        try:
+            rb = next(self.meta.pq.ParquetFile(file).iter_batches(batch_size=1, columns=[column]))
+        except Exception as e:
+            raise ImportFormatError(f"{file!r}: no readable column {column!r} (an image feature) ({e})") from e
+        return _image_bytes(file, column, rb.column(column))[0]
+
     def _decode(self, file: str, rb: Any) -> Batch:
-        batch = {}
+        batch: dict[str, Any] = {}
         for name, (column, shape) in self.columns.items():
+            if self.fields[name].codec is not None:
+                batch[name] = image_rows(_image_bytes(file, column, rb.column(column)), self.fields[name],
+                                         f"{file!r}: column {column!r}")
+                continue
             if self.fields[name].text:
                 batch[name] = self._text(file, column, rb.column(column))
                 continue
@@ -183,6 +197,18 @@ class LeRobotSource(Source):
             raise ImportFormatError(f"{file!r}: column {column!r} must hold strings without nulls, got {values.type}")
         return np.array(texts, dtype=object)
 
+def _image_bytes(file: str, column: str, values: Any) -> list[bytes]:
+    """The image files' bytes of an ``image`` column (Hugging Face's struct of ``bytes`` and ``path``)."""
+    try:
+        blobs: list = values.field("bytes").to_pylist() if hasattr(values, "field") else values.to_pylist()
+    except KeyError:
+        blobs = [None]
+    if not all(isinstance(b, bytes) for b in blobs):
+        raise ImportFormatError(f"{file!r}: column {column!r} must hold each frame's image bytes "
+                                f"(images stored as paths are not read), got {values.type}")
+    return blobs
+
+
 def _aligned(pieces: Iterator[tuple[np.ndarray, Batch]], size: int) -> Iterator[tuple[np.ndarray, Batch]]:
     """The rows of ``pieces`` cut into slices of ``size`` rows (the last one may hold fewer)."""
     held: list[tuple[np.ndarray, Batch]] = []
@@ -202,7 +228,7 @@ def _aligned(pieces: Iterator[tuple[np.ndarray, Batch]], size: int) -> Iterator[
 def _join(held: list[tuple[np.ndarray, Batch]], rows: int) -> tuple[np.ndarray, Batch]:
     """The first ``rows`` rows of ``held`` as one slice."""
     episode = np.concatenate([e for e, _ in held])[:rows]
-    return episode, {k: np.concatenate([b[k] for _, b in held])[:rows] for k in held[0][1]}
+    return episode, {k: concat_rows([b[k] for _, b in held])[:rows] for k in held[0][1]}
 
 
 def _check_episodes(file: str, found: np.ndarray, expected: np.ndarray, first: int) -> None:
