@@ -28,6 +28,7 @@ from .errors import (
     StaleReadError,
     StoreUnavailableError,
 )
+from .format.ragged import Ragged
 from .format.schema import Field
 from .integrations.gymnasium import fields_from_env, fields_from_spaces, flatten_fields, spec_from_env
 from .io import RetryPolicy
@@ -39,7 +40,8 @@ from .sampling.segment_tree import MinSegmentTree, SumSegmentTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "ReplayBuffer", "RateLimiter", "Field", "BufferSpec", "fields_from_spaces", "fields_from_env", "spec_from_env",
+    "ReplayBuffer", "RateLimiter", "Field", "Ragged",
+    "BufferSpec", "fields_from_spaces", "fields_from_env", "spec_from_env",
     "flatten_fields", "import_dataset", "export_buffer", "Uniform", "Prioritized",
     "WithoutReplacement", "Sampler", "Draw", "ere_schedule", "ere_recent_rows", "SumSegmentTree", "MinSegmentTree",
     "EpisodeTable", "EpisodicReturn", "HER", "RolloutBuffer",

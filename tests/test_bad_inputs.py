@@ -1527,3 +1527,62 @@ def test_verify_accepts_healthy_buffers(template, templates):
     assert report.chunks_checked == (0 if template == "empty" else 3 * ENVS * len(FIELDS))
     assert report.episodes == (0 if template == "empty" else len(dr.ReplayBuffer.open(templates[template]).episodes()))
     assert report.notes == []
+
+
+# ---- ragged and text fields (issue #44) -------------------------------------------------------
+
+RAGGED_FIELDS = {"obs": dr.Field((3,), "float32"), "tok": dr.Field((None,), "int32"),
+                 "lp": dr.Field((None,), "float32", length_of="tok"), "pts": dr.Field((None, 3), "float16"),
+                 "txt": dr.Field((), "str")}
+
+
+def ragged_step(i: int) -> dict[str, Any]:
+    n = i % 4
+    return {"obs": np.full(3, i, np.float32), "tok": np.arange(n, dtype=np.int32), "lp": np.zeros(n, np.float32),
+            "pts": np.zeros((n, 3), np.float16), "txt": "é" * n}
+
+
+def tamper_ends(path: str) -> None:
+    ends = zarr.open_array(os.path.join(path, "tok.ends"), mode="r+")
+    row = ends[0, :]
+    row[6] = 0  # row 6 (row chunk 1, rows [0, 1, 3, 6] ends) now ends before its start, 1
+    ends[0, :] = row
+
+
+RAGGED_CASES = {
+    "ragged-lengths-differ-from-length-of": (
+        lambda b: b.add(**ragged_step(5) | {"lp": np.zeros(3, np.float32)}), dr.SchemaError,
+        r"field 'lp' \(length_of='tok'\): row lengths \[3\] differ from those of 'tok': \[1\]"),
+    "ragged-wrong-trailing-shape": (
+        lambda b: b.add(**ragged_step(5) | {"pts": np.zeros((1, 2), np.float16)}), dr.SchemaError,
+        r"field 'pts': expected each row shaped \(n, \*\(3,\)\), got row 0 shaped \(1, 2\)"),
+    "text-not-utf8-bytes": (
+        lambda b: b.add(**ragged_step(5) | {"txt": b"ok \xc3("}), dr.SchemaError,
+        r"field 'txt': bytes b'ok \\xc3\(' are not valid UTF-8 \(invalid continuation byte at byte 3\)"),
+    "ragged-extend-values-not-lengths": (
+        lambda b: b.extend({"obs": np.zeros((2, 3), np.float32), "tok": (np.arange(5), np.array([1, 1])),
+                            "lp": (np.zeros(2), np.array([1, 1])), "pts": [np.zeros((1, 3))] * 2, "txt": ["a", "b"]}),
+        dr.SchemaError, r"field 'tok': expected values shaped \(2,\) \(the sum of the lengths, then the trailing "
+                        r"shape\), got \(5,\)"),
+    "ragged-tampered-ends-read": (
+        lambda b: b[np.array([6])], dr.CorruptBufferError,
+        r"ragged field 'tok': row chunk 1 of lane 0 has values \[1, 0\): ends that do not add up"),
+}
+
+
+@pytest.mark.parametrize("case_id", list(RAGGED_CASES))
+def test_bad_ragged_input_is_refused_and_changes_nothing(case_id: str, tmp_path) -> None:
+    call, exc, match = RAGGED_CASES[case_id]
+    path = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(path, RAGGED_FIELDS, capacity=None, chunk_rows=4) as buf:
+        for i in range(10):
+            buf.add(**ragged_step(i))
+    if case_id == "ragged-tampered-ends-read":
+        tamper_ends(path)
+    buf = dr.ReplayBuffer.open(path, "r+")
+    before = dir_snapshot(path)
+    with pytest.raises(exc, match=match):
+        call(buf)
+    assert dir_snapshot(path) == before, "the store changed"
+    assert len(buf) == 10
+    buf.close()

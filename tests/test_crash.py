@@ -49,9 +49,25 @@ def f(ids):
                                                           ids.shape + (2, 2)).copy()}
 
 
-def steps(first, n, lanes):
+RAGGED = {"tok": dr.Field((None,), "int32"), "txt": dr.Field((), "str")}
+
+
+def tok(i):
+    return np.arange(i % 5, dtype=np.int32) + i
+
+
+def txt(i):
+    return "é" * (i % 4) + str(i)
+
+
+def steps(first, n, lanes, ragged=False):
     ids = np.arange(first, first + n)[:, None] * lanes + np.arange(lanes)
-    return f(ids if lanes > 1 else ids[:, 0])
+    rows = f(ids if lanes > 1 else ids[:, 0])
+    if ragged:  # lists of rows, nested like the lanes
+        grid = ids.tolist() if lanes > 1 else ids[:, 0].tolist()
+        for name, value in (("tok", tok), ("txt", txt)):
+            rows[name] = [[value(i) for i in r] for r in grid] if lanes > 1 else [value(i) for i in grid]
+    return rows
 """
 
 ZYGOTE_CODE = ROWS_CODE + """
@@ -80,7 +96,7 @@ def write_forever(job):
         while True:
             n = int(rng.integers(1, 3 * job["chunk_rows"]))
             say(f"adding {step + n}")
-            rows = steps(step, n, lanes)
+            rows = steps(step, n, lanes, job["ragged"])
             if rng.random() < 0.5:
                 buf.extend(rows)
             else:
@@ -112,7 +128,7 @@ for line in sys.stdin:
 
 namespace: dict = {}
 exec(ROWS_CODE, namespace)
-FIELDS, f = namespace["FIELDS"], namespace["f"]
+FIELDS, f, RAGGED = namespace["FIELDS"], namespace["f"], namespace["RAGGED"]
 
 
 class Zygote:
@@ -165,11 +181,11 @@ def _wait_for(path: str, word: str, timeout: float) -> None:
 def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chunk_rows: int,
                  compression: str | None, seed: int, url: str | None = None,
                  storage_options: dict | None = None, max_delay: float = 0.15, after_start: float = 0.5,
-                 label: str = "") -> dict:
+                 label: str = "", ragged: bool = False) -> dict:
     url = url or str(tmp_path / "buf")
-    first = dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, num_envs=lanes, chunk_rows=chunk_rows,
-                                   compression=compression, storage_options=storage_options)
-    first.extend(namespace["steps"](0, 8, lanes))  # an episode end in every lane
+    first = dr.ReplayBuffer.create(url, FIELDS | (RAGGED if ragged else {}), capacity=capacity, num_envs=lanes,
+                                   chunk_rows=chunk_rows, compression=compression, storage_options=storage_options)
+    first.extend(namespace["steps"](0, 8, lanes, ragged))  # an episode end in every lane
     first.close()
     rng = np.random.default_rng(seed)
     lane_cap = None if capacity is None else capacity // lanes
@@ -181,7 +197,8 @@ def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chun
         for k in range(kills):
             path = str(tmp_path / f"progress-{k}.txt")
             pid = zygote.spawn({"url": url, "storage_options": storage_options, "lanes": lanes,
-                                "chunk_rows": chunk_rows, "seed": int(rng.integers(2**31)), "progress": path})
+                                "chunk_rows": chunk_rows, "seed": int(rng.integers(2**31)), "progress": path,
+                                "ragged": ragged})
             if rng.random() < after_start:  # else the kill may land while the writer opens the buffer
                 _wait_for(path, "start", timeout=30)
             time.sleep(float(rng.uniform(0.0, max_delay)))
@@ -211,6 +228,9 @@ def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chun
             for name in FIELDS:
                 if len(ids):
                     np.testing.assert_array_equal(got[name], f(ids)[name], err_msg=f"{where}: field {name}")
+            if ragged and len(ids):
+                assert [r.tolist() for r in got["tok"]] == [namespace["tok"](i).tolist() for i in ids.tolist()], where
+                assert got["txt"].tolist() == [namespace["txt"](i) for i in ids.tolist()], where
             stats["rows_checked"] += len(ids)
             # committed rows that must be visible: all of them, except what a ring retired
             need_lo = 0 if lane_cap is None else max(0, visible - lane_cap, most_added - lane_cap)
@@ -236,13 +256,14 @@ def crash_rounds(tmp_path, kills: int, *, capacity: int | None, lanes: int, chun
     return stats
 
 
-@pytest.mark.parametrize("mode,kills,capacity,lanes,chunk_rows,compression", [
-    ("ring", 28, 96, 1, 8, "zstd"),
-    ("dataset", 24, None, 2, 8, None),
-], ids=["ring-zstd", "dataset-raw-2lanes"])
-def test_sigkill_local(tmp_path, mode, kills, capacity, lanes, chunk_rows, compression):
+@pytest.mark.parametrize("mode,kills,capacity,lanes,chunk_rows,compression,ragged", [
+    ("ring", 28, 96, 1, 8, "zstd", False),
+    ("dataset", 24, None, 2, 8, None, False),
+    ("dataset-ragged", 20, None, 2, 8, "zstd", True),
+], ids=["ring-zstd", "dataset-raw-2lanes", "dataset-zstd-2lanes-ragged-text"])
+def test_sigkill_local(tmp_path, mode, kills, capacity, lanes, chunk_rows, compression, ragged):
     stats = crash_rounds(tmp_path, kills, capacity=capacity, lanes=lanes, chunk_rows=chunk_rows,
-                         compression=compression, seed=1234 + kills, label=f"local {mode}")
+                         compression=compression, seed=1234 + kills, label=f"local {mode}", ragged=ragged)
     assert stats["kills"] == kills and stats["rows_lost"] == 0
     # how many kills land while the lock is held depends on timing: at least one must be taken over
     assert stats["final_steps"] > 0 and stats["takeovers"] > 0

@@ -126,8 +126,8 @@ def _layout_info(buf: ReplayBuffer) -> dict[str, Any]:
         "lanes": buf.num_envs,
         "rows_per_lane": [hi - lo for _, lo, hi in windows],
         "capacity": buf.capacity,
-        "fields": {n: {"shape": list(f.shape), "dtype": f.dtype.name, **_derivation(buf, n)}
-                   for n, f in buf.fields.items()},
+        "fields": {n: {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name,
+                       **_derivation(buf, n)} for n, f in buf.fields.items()},
         "chunk_rows": layout.chunk_rows,
         "chunks_per_field": sum(len(layout.chunks_between(lo, hi)) for _, lo, hi in windows),
         "inner_chunk_rows": {name: codec.inner_rows for name, codec in storage.codecs.items()

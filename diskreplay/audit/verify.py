@@ -52,6 +52,7 @@ from ..io import ChunkStore, broken_path, objects_at, open_chunkstore
 from ..io.lock import LOCK_KEY, LockInfo
 from ..progress import NoBar, progress_bar
 from ..storage.journal import Journal, MissingObject
+from .verify_ragged import check_ragged
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 _BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)
@@ -224,6 +225,8 @@ def _verify_objects(store: ChunkStore, url: str, report: VerifyReport) -> tuple[
     report.rows = int((hi - lo).sum())
     _check_chunks(store, config.schema, layout, field_codecs(codec, config), config.chunk_key_separator, lo, hi,
                   report)
+    if config.user_schema.ragged:
+        check_ragged(store, config, field_codecs(codec, config), lo, hi, report)
     _check_state(objects, commit, report)
     return config, objects
 

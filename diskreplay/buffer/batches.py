@@ -251,7 +251,9 @@ class Batches:
         steps, mask = slices.steps(draw, hi)
         lanes = np.repeat(draw.lane, seq_len)
         rows = self.view.gather(lanes, steps.reshape(-1))
-        batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) for k, v in rows.items()}
+        # a ragged field stays one dr.Ragged of batch_size * seq_len rows, slice by slice
+        batch = {k: v.reshape(batch_size, seq_len, *v.shape[1:]) if isinstance(v, np.ndarray) else v
+                 for k, v in rows.items()}
         batch["index"] = row_ids(lanes, steps.reshape(-1), self.num_envs).reshape(batch_size, seq_len)
         batch["start"] = row_ids(draw.lane, draw.step, self.num_envs)
         if pad:

@@ -413,7 +413,10 @@ class ReplayBuffer:
                gamma: float = 0.99, stack: int | None = None, stack_fields: tuple[str, ...] = ("obs",),
                her: HER | None = None, out: dict[str, np.ndarray] | None = None, beta: float | None = None,
                recent_rows: int | None = None, as_tensordict: bool = False, **options: Any) -> Rows | Any:
-        """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``.
+        """A minibatch: ``{field: array [batch_size, *shape], "index": int64 row ids}``. A ragged
+        field comes as a `dr.Ragged` of ``batch_size`` rows (with ``seq_len``: of
+        ``batch_size * seq_len`` rows, slice after slice), a text field as a numpy object array
+        of ``str``; ``format="torch"`` makes a ragged field a jagged ``torch.nested`` tensor.
 
         Rows come from the buffer's sampler (uniform with replacement by default) over every row
         added so far, staged or committed (read-only buffers: committed rows). Random choices
@@ -582,7 +585,8 @@ class ReplayBuffer:
             check_out(out, np.size(ids), self.fields)
         shape, lane, step = readable_lane_steps(ids, *self.storage.window(), self.num_envs)
         rows = self._follower.read_once(lambda: self.view.gather(lane, step, out=out))
-        return convert(rows if len(shape) == 1 else {k: v.reshape(shape + v.shape[1:]) for k, v in rows.items()})
+        return convert(rows if len(shape) == 1 else {k: v.reshape(shape + v.shape[1:]) if isinstance(v, np.ndarray)
+                                                     else v for k, v in rows.items()})
 
     def latest(self, n: int) -> Rows:
         """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 KEYS = ("fields", "capacity", "num_envs", "chunk_rows", "compression", "compression_level", "episode_end",
         "derive_next", "episodic_return", "shards")
 """The keys of a spec, in order: `ReplayBuffer.create`'s arguments that describe the buffer."""
-FIELD_KEYS = ("shape", "dtype")
+FIELD_KEYS = ("shape", "dtype", "length_of")
 RETURN_KEYS = ("gamma", "reward", "name", "default_return", "clip")
 CHECK_URL = "memory://diskreplay-buffer-spec"  # planning a buffer touches no store: the URL is only a name
 CHECK_CACHE_BYTES = 1 << 62  # the spec has no cache budget: `create`'s cache_bytes is an open option
@@ -143,7 +143,7 @@ class BufferSpec(Mapping[str, Any]):
         "dtype": "float32"}}``, tuples as lists, ``episodic_return`` as its settings."""
         end = self.episode_end
         return {
-            "fields": {name: {"shape": list(f.shape), "dtype": f.dtype.name} for name, f in self.fields.items()},
+            "fields": {name: _field_data(f) for name, f in self.fields.items()},
             "capacity": self.capacity, "num_envs": self.num_envs, "chunk_rows": self.chunk_rows,
             "compression": self.compression, "compression_level": self.compression_level,
             "episode_end": list(end) if isinstance(end, tuple) else end,
@@ -250,6 +250,15 @@ def _check_fields(fields: Any) -> dict[str, Field]:
     return dict(fields)
 
 
+def _field_data(f: Field) -> dict[str, Any]:
+    """One field as `to_dict` spells it (a ragged one: shape ``[null, ...]``, maybe ``length_of``;
+    text: dtype ``"str"``)."""
+    data: dict[str, Any] = {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name}
+    if f.length_of is not None:
+        data["length_of"] = f.length_of
+    return data
+
+
 def _fields_from_data(data: Any) -> dict[str, Field]:
     """``{name: {"shape": [...], "dtype": "..."}}`` as Fields (``shape`` may be left out: a scalar)."""
     if not isinstance(data, Mapping) or not data:
@@ -260,17 +269,19 @@ def _fields_from_data(data: Any) -> dict[str, Field]:
             raise ValueError(f"fields.{name}: expected a mapping with 'shape' and 'dtype', got {spec!r:.200}")
         _refuse_unknown(f"fields.{name}", spec, FIELD_KEYS)
         shape = spec.get("shape", [])
-        if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
-            raise ValueError(f"fields.{name}.shape: expected a list of non-negative ints, got {shape!r:.200}")
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 or (s is None and i == 0)
+                                                            for i, s in enumerate(shape)):
+            raise ValueError(f"fields.{name}.shape: expected a list of non-negative ints (the first may be null: "
+                             f"a ragged field), got {shape!r:.200}")
         if not isinstance(spec.get("dtype"), str):
             raise ValueError(f"fields.{name}.dtype: expected a dtype name such as 'float32', "
                              f"got {spec.get('dtype', '<missing>')!r:.200}")
         try:
-            dtype = np.dtype(spec["dtype"])
+            dtype = "str" if spec["dtype"] == "str" else np.dtype(spec["dtype"])
         except TypeError:
             raise ValueError(f"fields.{name}.dtype: unknown dtype {spec['dtype']!r:.200}") from None
         try:
-            out[str(name)] = Field(tuple(shape), dtype)
+            out[str(name)] = Field(tuple(shape), dtype, length_of=spec.get("length_of"))
         except SchemaError as exc:
             raise ValueError(f"fields.{name}: {exc}") from None
     return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import check_int
+from ..errors import SchemaError
 from ..format.schema import Field, Schema
 from .derived import RowView
 from .index import EpisodeIndex
@@ -150,9 +151,14 @@ def stack_plan(view: RowView, frames: int, fields: tuple[str, ...], others: tupl
     ``frames`` is an int >= 1."""
     check_stack(frames)
     fields = tuple(dict.fromkeys(fields))
+    varying = [name for name in fields if name in view.schema.fields and view.schema[name].ragged]
+    if varying:
+        raise SchemaError(f"stack_fields: field {varying[0]!r} is ragged ({view.schema[varying[0]]}); frames are "
+                          f"stacked from fields with a fixed shape per step")
     twins = {name: f"next_{name}" for name in fields if f"next_{name}" in view.schema.fields}
     derived = tuple(twin for twin in twins.values() if twin in view.derived)
-    small = tuple(name for name in others if view.schema[name].row_bytes <= SMALL_ROW_BYTES)
+    small = tuple(name for name in others
+                  if view.schema[name].row_bytes <= SMALL_ROW_BYTES and not view.schema[name].ragged)
     apart = (*(name for name in others if name not in small), *(t for t in twins.values() if t not in derived))
     offsets = np.arange(1 - frames, 1 + bool(twins), dtype=np.int64)
     offsets[frames:] = 1 if derived else 0

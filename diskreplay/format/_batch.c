@@ -135,7 +135,45 @@ done:
     return PyLong_FromSsize_t(failed);
 }
 
+static PyObject *copy_runs(PyObject *self, PyObject *args) {
+    Py_buffer source, target, starts, lengths;
+    Py_ssize_t count = -1, i;
+    int64_t used = 0, bad = -1;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*", &source, &target, &starts, &lengths))
+        return NULL;
+    if (int64_vector(&starts, "starts", &count) && int64_vector(&lengths, "lengths", &count)) {
+        const int64_t *start = (const int64_t *)starts.buf, *length = (const int64_t *)lengths.buf;
+        for (i = 0; i < count && bad < 0; i++) {
+            if (start[i] < 0 || length[i] < 0 || start[i] > source.len - length[i] || used > target.len - length[i])
+                bad = i;
+            used += length[i];
+        }
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "run %lld falls outside the source or the target", (long long)bad);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            char *out = (char *)target.buf;
+            for (i = 0; i < count; i++) {
+                memcpy(out, (const char *)source.buf + start[i], (size_t)length[i]);
+                out += length[i];
+            }
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&target);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&lengths);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"copy_runs", copy_runs, METH_VARARGS,
+     "copy_runs(source, target, starts, lengths)\n\n"
+     "Copy the runs of lengths[i] bytes at byte starts[i] of source (int64 arrays) into target, end\n"
+     "to end, without the GIL. Raises ValueError for a run outside source or past target's end."},
     {"decode_lz4", decode_lz4, METH_VARARGS,
      "decode_lz4(decoder, crc32c, sources, sizes, targets, width, checks, head, cursor, take)\n"
      "    -> (taken, failed, bad_checksum, code)\n\n"

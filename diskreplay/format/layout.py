@@ -50,12 +50,11 @@ def metadata_documents(config: BufferConfig, lane_rows: int) -> dict[str, bytes]
                            dimension_names=dimension_names(name, field, config.lane_capacity is not None),
                            fill_value=0)
     for name, field in config.user_schema.ragged.items():
-        group.create_array(name, shape=values_shape(config, field, lane_rows, value_chunk_for(field.shape, field.dtype)),
-                           chunks=(1, 1, value_chunk_for(field.shape, field.dtype), *field.shape), dtype=field.dtype,
-                           **values_codec(config).zarr_codecs(field),
+        vc = value_chunk_for(field.shape, field.dtype)
+        group.create_array(name, shape=values_shape(config, field, lane_rows, vc), chunks=(1, 1, vc, *field.shape),
+                           dtype=field.dtype, **values_codec(config).zarr_codecs(field),
                            chunk_key_encoding={"name": "default", "separator": config.chunk_key_separator},
-                           dimension_names=("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape)))),
-                           fill_value=0)
+                           dimension_names=values_dimension_names(name, field), fill_value=0)
     group.attrs.update({"diskreplay": config.to_json()})
     if config.format != FORMAT_1:
         add_own_nodes(group)
@@ -67,13 +66,22 @@ def values_shape(config: BufferConfig, field: Field, lane_rows: int, n_values: i
     return (config.num_envs, -(-max(lane_rows, 1) // config.chunk_rows), n_values, *field.shape)
 
 
+def values_dimension_names(name: str, field: Field) -> tuple[str, ...]:
+    """``lane``, ``chunk`` (the row chunk), ``value`` (the position in the row chunk's values),
+    then ``<name>_dim<i>`` for each trailing axis."""
+    return ("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape))))
+
+
 def values_codec(config: BufferConfig) -> Codec:
     """The codec of ragged values chunks: the buffer's, never sharded."""
     return Codec(config.compression, config.level)
 
 
-def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig) -> list[str]:
-    """What is wrong with a ragged field's values array metadata (empty: fine)."""
+def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConfig,
+                    lanes: int | None = None) -> list[str]:
+    """What is wrong with a ragged field's values array metadata (empty: fine); ``lanes``: those
+    of its buffer (a shard of a union's), default the config's."""
+    lanes = config.num_envs if lanes is None else lanes
     key = array_key(name)
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         return [f"{key}: not a Zarr v3 array"]
@@ -84,9 +92,9 @@ def values_problems(name: str, field: Field, meta: ArrayMeta, config: BufferConf
     problems = []
     if chunks != expected:
         problems.append(f"{key}: chunk shape {chunks!r:.200}, expected {expected} (values of ragged field {name!r})")
-    if (not isinstance(shape, list) or len(shape) != 3 + len(field.shape) or shape[0] != config.num_envs
+    if (not isinstance(shape, list) or len(shape) != 3 + len(field.shape) or shape[0] != lanes
             or shape[3:] != list(field.shape) or not all(isinstance(s, int) and 0 <= s <= MAX_VALUES for s in shape)):
-        problems.append(f"{key}: shape {shape!r:.200}, expected [{config.num_envs}, chunks, values, *{field.shape}]")
+        problems.append(f"{key}: shape {shape!r:.200}, expected [{lanes}, chunks, values, *{field.shape}]")
     if meta.get("data_type") != str(field.dtype.newbyteorder("=")):
         problems.append(f"{key}: data_type {meta.get('data_type')!r}, expected {field.dtype.name}")
     return problems

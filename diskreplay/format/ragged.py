@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
+from ..build import load_extension
 from ..errors import SchemaError
+
+_COPY_RUNS = getattr(load_extension("diskreplay.format._batch"), "copy_runs", None)
+"""`_batch.copy_runs` where the extension was built with it (else a numpy gather)."""
 
 ENDS_SUFFIX = ".ends"
 """The ends array of ragged field ``f`` is ``f.ends``: a field name is an identifier, so no field's
@@ -45,6 +49,21 @@ def values_key(name: str, trailing: tuple[int, ...], lane: int, chunk: int, k: i
     """The store key of value chunk ``k`` of row chunk ``chunk`` of ``lane`` (zarr v3's default
     chunk key encoding)."""
     return f"{name}/c{separator}{lane}{separator}{chunk}{separator}{k}" + f"{separator}0" * len(trailing)
+
+
+def gather_runs(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows ``source[starts[i]:starts[i] + lengths[i]]`` (along axis 0), end to end: one
+    memcpy per run in the `_batch` extension, else one numpy ``take``."""
+    total = int(lengths.sum())
+    if _COPY_RUNS is not None and source.flags.c_contiguous:
+        out = np.empty((total, *source.shape[1:]), source.dtype)
+        row = source.itemsize * math.prod(source.shape[1:])
+        _COPY_RUNS(source, out, np.ascontiguousarray(starts * row, np.int64),
+                   np.ascontiguousarray(lengths * row, np.int64))
+        return out
+    index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    index += np.arange(total)
+    return source.take(index, axis=0)
 
 
 class Ragged:
@@ -75,8 +94,25 @@ class Ragged:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Row ``i``'s values (a view)."""
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, i: slice | np.ndarray) -> Ragged: ...
+
+    def __getitem__(self, i: int | slice | np.ndarray) -> np.ndarray | Ragged:
+        """Row ``i``'s values (a view); a slice (of step 1, a view) or an array of row indices: a `Ragged`."""
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self))
+            if step != 1:
+                return self[np.arange(a, b, step)]
+            b = max(a, b)
+            return Ragged(self.values[self.offsets[a]:self.offsets[b]], self.offsets[a:b + 1] - self.offsets[a])
+        if isinstance(i, np.ndarray):
+            rows = np.arange(len(self))[i]
+            lengths = self.lengths[rows]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            index = np.repeat(self.offsets[rows] - offsets[:-1], lengths) + np.arange(int(offsets[-1]))
+            return Ragged(self.values[index], offsets)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} of a Ragged of {n} rows")

@@ -284,7 +284,6 @@ class Schema:
     def _lead(self, data: Mapping[str, Any]) -> tuple[int, ...]:
         """The leading shape of a batch (one step axis), from a fixed field if there is one."""
         for name, field in self.fields.items():
-            value = data.get(name)
             if (not field.ragged or field.codec is not None) and name in data:
                 shape = np.shape(data[name])
                 return tuple(shape[:1]) if len(shape) > len(field.shape) else ()

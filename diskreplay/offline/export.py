@@ -69,10 +69,11 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
-        ValueError: unknown format, two fields mapping to one exported name, a ``dataset_id``
-            with another format than ``"minari"`` (an ``fps`` with another than ``"lerobot"``), or
-            a Minari id Minari cannot find (malformed, or another than dest's path under Minari's
-            datasets folder).
+        ValueError: unknown format, a ragged or text field (not exported yet, but to ``"lerobot"``,
+            which takes text and encoded frame fields), two fields mapping to one exported name, a
+            ``dataset_id`` with another format than ``"minari"`` (an ``fps`` with another than
+            ``"lerobot"``), or a Minari id Minari cannot find (malformed, or another than dest's
+            path under Minari's datasets folder).
     """
     url, dest = os.fspath(url), os.fspath(dest)
     fmt = format or _format_from_suffix(dest)
@@ -93,6 +94,10 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     buf = open_readonly(url, storage_options)
     tmp = f"{dest}.partial"
     try:
+        varying = [name for name, f in buf.fields.items() if f.ragged]
+        if varying and fmt != "lerobot":  # the LeRobot export writes text and frame fields (and refuses others)
+            raise ValueError(f"export to {fmt!r} does not support ragged or text fields yet; {url!r} has "
+                             f"{varying}: read them with ReplayBuffer.rows")
         if fmt in ("npz", "hdf5"):
             _check_names(buf.fields)
         _remove(tmp)

@@ -10,13 +10,13 @@ import numpy as np
 
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
+from ..format.layout import values_codec
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .commit_log import CommitLog
 from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
-from ..format.layout import values_codec
 from .outputs import Rows
 from .frames import FrameWrites
 from .ragged_values import PENDING_BYTES, ValueStaging, values_key_of
@@ -86,8 +86,8 @@ class BufferStorage(Storage):
         if self._encoders is not None:
             rows = {**rows, **self._encoders.encode(lane, start, rows)}  # type: ignore[dict-item]
         fixed = {name: value for name, value in rows.items() if name not in self._values.fields}
-        fixed.update(self._values.stage(lane, start, {name: rows[name] for name in self._values.fields},
-                                        self._prev_end))
+        columns: dict[str, Any] = {name: rows[name] for name in self._values.fields}
+        fixed.update(self._values.stage(lane, start, columns, self._prev_end))
         stored = writer.append(lane, fixed, count)
         if self._values.pending_bytes > PENDING_BYTES:
             self._write_values(tails=False)

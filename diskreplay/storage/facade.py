@@ -24,13 +24,13 @@ from ..io.store import ChunkStore
 from .cache import ChunkCache
 from .chunk_io import ChunkIO
 from .file_maps import FileMaps
+from .frames import FrameReads
 from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .outputs import Rows
-from .frames import FrameReads
-from .read_ahead import READ_AHEAD_BYTES, Steps
 from .ragged_reads import RaggedReads
+from .read_ahead import READ_AHEAD_BYTES, Steps
 from .reader import ChunkReader
 from .row_reads import RowReads
 
@@ -80,7 +80,8 @@ class Storage(ABC):
         self.storage_options = storage_options
         self._log, self._io, self._cache, self._loader = log, io, cache, loader
         self._reader, self._files = reader, files
-        self._ragged = RaggedReads(config, io, writer=log.mode != "r") if config.user_schema.ragged else None
+        self._ragged = (RaggedReads(config, io, log.mode != "r", sum(slab.nbytes for slab in cache.slabs.values()))
+                        if config.user_schema.ragged else None)
         encoded = {name: f for name, f in config.user_schema.items() if f.codec is not None}
         self._frames = FrameReads(encoded, self.layout, io.workers) if encoded else None
 

@@ -12,7 +12,10 @@ Rows = dict[str, np.ndarray]
 
 def check_output(name: str, field: Field, count: int, given: np.ndarray) -> None:
     """Raise ValueError unless ``given`` can take ``count`` rows of a field: a C-contiguous
-    array of its dtype shaped ``(count, *shape)``."""
+    array of its dtype shaped ``(count, *shape)``; never for a ragged field (its rows come as a
+    new `Ragged`)."""
+    if field.ragged:
+        raise ValueError(f"out[{name!r}]: field {name!r} is ragged: its rows come as a dr.Ragged, not into an array")
     if given.shape != (count, *field.shape) or given.dtype != field.dtype or not given.flags.c_contiguous:
         raise ValueError(f"out[{name!r}]: expected a C-contiguous {field.dtype} array shaped "
                          f"{(count, *field.shape)}, got {given.dtype} shaped {given.shape}")

@@ -17,13 +17,14 @@ import numpy as np
 from ..errors import CorruptBufferError
 from ..format.config import MAX_CHUNKS, BufferConfig
 from ..format.layout import values_codec
-from ..format.ragged import MAX_VALUES, Ragged, value_chunk_for
+from ..format.ragged import MAX_VALUES, Ragged, gather_runs, value_chunk_for
 from ..format.schema import Field
 from .chunk_io import ChunkIO
 from .ragged_values import ValueStaging, read_values_meta, values_key_of
 
-CACHE_BYTES = 64 << 20
-"""The value chunks cached per ragged field (at least one batch's are kept meanwhile)."""
+MIN_CACHE_BYTES = 16 << 20
+"""The least a ragged field caches of value chunks. Each ragged field caches up to half the
+buffer's chunk cache bytes more (at least this; more for a batch that touches more)."""
 K_BITS = 37
 """A value chunk's code: ``(lane * width + row chunk) << K_BITS | k`` (below 2**63: at most
 `MAX_CHUNKS` row chunks, `MAX_VALUES` values per row chunk)."""
@@ -86,16 +87,17 @@ class ValueCache:
 class RaggedReads:
     """Reads of the ragged fields of one storage."""
 
-    def __init__(self, config: BufferConfig, io: ChunkIO, writer: bool):
+    def __init__(self, config: BufferConfig, io: ChunkIO, writer: bool, cache_bytes: int):
         self.config, self.io = config, io
         self.fields = config.user_schema.ragged
         self.vc = {name: value_chunk_for(f.shape, f.dtype) for name, f in self.fields.items()}
-        self.caches = {name: ValueCache(f, self.vc[name], max(CACHE_BYTES // (self.vc[name] * max(f.row_bytes, 1)), 1))
+        budget = max(MIN_CACHE_BYTES, cache_bytes // 2)
+        self.caches = {name: ValueCache(f, self.vc[name], max(budget // (self.vc[name] * max(f.row_bytes, 1)), 1))
                        for name, f in self.fields.items()}
         self.width = MAX_CHUNKS // config.num_envs
         self.writer = writer
         self.staging: ValueStaging | None = None
-        self.n_values = {name: -1 for name in self.fields}
+        self.n_values = dict.fromkeys(self.fields, -1)
 
     def code(self, lane: np.ndarray, chunk: np.ndarray, k: np.ndarray) -> np.ndarray:
         code: np.ndarray = ((lane * self.width + chunk) << K_BITS) | k
@@ -124,12 +126,12 @@ class RaggedReads:
             slots[bad] = self._load(name, codes[bad], step[row[bad]], lane[row[bad]], valid, slots[~bad], check)
         cache.tick += 1
         cache.used[slots] = cache.tick
+        # each (row, value chunk) pair is one run of the slab; the runs end to end are the values
+        first = np.maximum(start[row], k * vc)
+        runs = np.minimum(end[row], (k + 1) * vc) - first
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        vrow = np.repeat(np.arange(len(step)), lengths)
-        pos = start[vrow] + np.arange(int(offsets[-1])) - offsets[:-1][vrow]
-        slot = slots[pair_first[vrow] + pos // vc - k0[vrow]]
         flat = cache.slab.reshape(-1, *cache.slab.shape[2:])
-        return Ragged(flat.take(slot * vc + pos % vc, axis=0), offsets)
+        return Ragged(gather_runs(flat, slots * vc + first - k * vc, runs), offsets)
 
     def _load(self, name: str, codes: np.ndarray, steps: np.ndarray, lanes: np.ndarray, valid: np.ndarray,
               keep: np.ndarray, check: Check) -> np.ndarray:
@@ -147,7 +149,8 @@ class RaggedReads:
                 cache.slab[slots[i]] = staged
                 bound[i] = 0  # staged values change: not kept past this read
             else:
-                fetch.append((values_key_of(self.io, f, name, ln, c, kk), values_codec(self.config), cache.slab[slots[i]]))
+                key = values_key_of(self.io, f, name, ln, c, kk)
+                fetch.append((key, values_codec(self.config), cache.slab[slots[i]]))
                 if not self.writer:
                     bound[i] = int(valid[ln])
         try:
@@ -167,15 +170,16 @@ class RaggedReads:
         within the values array (its ``zarr.json``, read again when a row passes it)."""
         bad = (end < start) | (start < 0) | (end > MAX_VALUES)
         if not bad.any() and self.staging is None and len(end) and int(end.max()) > self.n_values[name]:
-            meta = read_values_meta(self.io, self.config, name)
-            self.n_values[name] = int(meta["shape"][2])
+            self.n_values[name] = max(int(read_values_meta(self.io, self.config, name, prefix)["shape"][2])
+                                      for prefix in self.io.prefixes)
             bad = end > self.n_values[name]
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise CorruptBufferError(
-                f"{self.io.url!r}: ragged field {name!r}: row chunk {int(chunk[i])} of lane {int(lane[i])} has a row "
-                f"ending at value {int(end[i])} after its start {int(start[i])}, or beyond the {self.n_values[name]} "
-                f"values its array holds")
+            why = (f"values [{int(start[i])}, {int(end[i])}): ends that do not add up (a row starts after its end)"
+                   if end[i] < start[i] or start[i] < 0 else
+                   f"a row ending at value {int(end[i])}, beyond the {self.n_values[name]} values its array holds")
+            raise CorruptBufferError(f"{self.io.url!r}: ragged field {name!r}: row chunk {int(chunk[i])} of lane "
+                                     f"{int(lane[i])} has {why}")
 
     def forget(self, name: str, keys: list[tuple[int, int, int]]) -> None:
         """The writer rewrote these value chunks: cached copies go."""

@@ -61,7 +61,8 @@ class ValueStaging:
 
     # ---- appends ---------------------------------------------------------------------------
 
-    def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn], prev_end: PrevEnd) -> dict[str, np.ndarray]:
+    def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn],
+              prev_end: PrevEnd) -> dict[str, np.ndarray]:
         """Stage the values of steps ``[start, start + count)`` of ``lane``; returns each owner's
         ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows."""
         out = {}
@@ -209,16 +210,18 @@ class ValueStaging:
         return self.meta[name]
 
 
-def read_values_meta(io: ChunkIO, config: BufferConfig, name: str) -> dict:
-    """A ragged field's values array metadata, checked. Raises CorruptBufferError."""
-    blob = io.store.get(array_key(name))
+def read_values_meta(io: ChunkIO, config: BufferConfig, name: str, prefix: str = "") -> dict:
+    """A ragged field's values array metadata (of the shard at ``prefix`` of a union), checked.
+    Raises CorruptBufferError."""
+    blob = io.store.get(prefix + array_key(name))
     if blob is None:
-        raise CorruptBufferError(f"{io.url!r}: array for ragged field {name!r} is missing ({array_key(name)})")
+        raise CorruptBufferError(f"{io.url!r}: array for ragged field {name!r} is missing ({prefix}{array_key(name)})")
     try:
         meta = json.loads(blob)
     except ValueError as exc:
         raise CorruptBufferError(f"{io.url!r}: {array_key(name)} is not valid JSON ({exc})") from None
-    problems = values_problems(name, config.user_schema.ragged[name], meta, config) if isinstance(meta, dict) else [
+    problems = values_problems(name, config.user_schema.ragged[name], meta, config, io.prefix_lanes) if isinstance(
+        meta, dict) else [
         f"{array_key(name)}: not a JSON object"]
     if problems:
         raise CorruptBufferError(f"{io.url!r}: {problems[0]}")

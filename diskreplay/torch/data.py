@@ -66,7 +66,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
                  refresh_seconds: float | None = 1.0, cache_bytes: int | None = None, io_threads: int | None = None,
                  storage_options: dict | None = None, sampler: Any = None,
                  sample_options: dict[str, Any] | None = None, worker_ring: bool = True,
-                 as_tensordict: bool = False, canonical_partitions: int = PARTITIONS) -> SampleDataset | EpochDataset:
+                 as_tensordict: bool = False, canonical_partitions: int = PARTITIONS,
+                 ragged: str = "nested") -> SampleDataset | EpochDataset:
     """A torch ``IterableDataset`` of collated batches over a buffer (use ``DataLoader(ds,
     batch_size=None, ...)``, or `diskreplay.torch.Loader` for workers that hand over several
     batches at once).
@@ -121,6 +122,11 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             rows, their order and the resume states are the same. A DataLoader needs
             ``collate_fn=keep_batch`` for them: its default collate takes a TensorDict for a dict
             and fails (``TypeError: Multiple dispatch failed for 'torch.Tensor.__getitem__'``).
+        ragged: how ragged fields come: ``"nested"`` (a jagged ``torch.nested`` tensor ``[B, j, *T]``,
+            ``layout=torch.jagged``) or ``"packed"``: field ``f`` as its values end to end
+            ``[total, *T]`` with ``f_cu_seqlens`` (int32 ``[B + 1]``, the layout variable-length
+            attention kernels take) and ``f_max_seqlen`` (an int). Text fields come as numpy
+            arrays of ``str``. Buffers with ragged fields hand batches over without the worker ring.
 
     Raises:
         ValueError: bad mode, batch_size, seed, shuffle, shuffle_window, canonical_partitions, rank or world size; epoch
@@ -131,6 +137,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     """
     if mode not in ("sample", "epoch"):
         raise ValueError(f"mode must be 'sample' or 'epoch', got {mode!r}")
+    if ragged not in ("nested", "packed"):
+        raise ValueError(f"ragged must be 'nested' or 'packed', got {ragged!r}")
     check_int(batch_size, "batch_size", 1)
     check_int(seed, "seed", 0)
     rank, world_size = resolve_rank(rank, world_size)
@@ -141,20 +149,26 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         _warn_if_uncommitted(buf, lo, hi, mode)
         if as_tensordict:
             _check_tensordict(buf)
-        block = batches_per_block(int(batch_size), buf)
-        ring = _worker_ring(buf, block * int(batch_size)) if worker_ring else None
+        varying = any(f.ragged for f in buf.fields.values())  # batches of varying size: no ring slots
+        block = 1 if varying else batches_per_block(int(batch_size), buf)
+        ring = _worker_ring(buf, block * int(batch_size)) if worker_ring and not varying else None
+        dataset: SampleDataset | EpochDataset
         if mode == "sample":
             reader = Reader(buf.url, options, cache_bytes, io_threads, sampler)
-            return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
-                                 refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict), block)
+            dataset = SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size,
+                                    refresh_every, refresh_seconds, sample_options, ring, bool(as_tensordict), block)
+            dataset.ragged = ragged
+            return dataset
         shuffle = _shuffle_name(shuffle)
         check_int(shuffle_window, "shuffle_window", 1)
         if shuffle == "block":
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform")
-        return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
-                            shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
-                            block, check_int(canonical_partitions, "canonical_partitions", 1))
+        dataset = EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
+                               shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
+                               block, check_int(canonical_partitions, "canonical_partitions", 1))
+        dataset.ragged = ragged
+        return dataset
     finally:
         if opened:
             buf.close()

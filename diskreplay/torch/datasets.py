@@ -26,7 +26,7 @@ from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
 from .reader import Reader, current_shard
 from .shared_ring import WorkerRing
-from .tensors import Block, Sink, TensorDictSink, by_name, sink_for, to_tensors
+from .tensors import Block, Sink, TensorDictSink, by_name, ragged_as, sink_for, to_tensors
 
 READ_AHEAD_BATCHES = 8
 """Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
@@ -58,6 +58,8 @@ class _BufferDataset(tud.IterableDataset):
     (``as_tensordict``: TensorDicts laid out by `to_tensordict` instead of dicts of tensors)."""
 
     mode = ""
+    ragged = "nested"
+    """How ragged fields come: ``"nested"`` (jagged nested tensors) or ``"packed"`` (`pack_ragged`)."""
 
     def __init__(self, reader: Reader, layout: LaneLayout, batch_size: int, seed: int, rank: int,
                  world_size: int, ring: WorkerRing | None = None, as_tensordict: bool = False,
@@ -121,7 +123,7 @@ class _BufferDataset(tud.IterableDataset):
         if tud.get_worker_info() is not None:  # torch makes the iterator before it starts the other
             self.reader.get()  # workers and sends the first index: open the store meanwhile
         sink = sink_for(self._ring)
-        return self._iterate(sink if self._worker_blocks() else self._formatted(sink))
+        return ragged_as(self.ragged, self._iterate(sink if self._worker_blocks() else self._formatted(sink)))
 
     def blocked(self, plan: BlockPlan) -> Any:
         """A copy whose DataLoader workers yield `Block`s as ``plan`` says (what a `Loader`

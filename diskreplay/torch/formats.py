@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..buffer.output_format import FORMATS
+from ..format.ragged import Ragged
 
 NEXT = "next"
 """The sub-TensorDict TorchRL keeps a transition's next step in."""
@@ -53,8 +54,38 @@ def as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """``{name: array}`` -> ``{name: CPU tensor}`` sharing the arrays' memory (see `as_tensor`)."""
-    return {name: as_tensor(array) for name, array in batch.items()}
+    """``{name: array}`` -> ``{name: CPU tensor}`` sharing the arrays' memory (see `as_tensor`).
+    A `Ragged` becomes a jagged ``torch.nested`` tensor (``layout=torch.jagged``, `as_nested`);
+    text (an object array of ``str``) stays a numpy array: torch has no string tensors."""
+    return {name: _torch_value(value) for name, value in batch.items()}
+
+
+def _torch_value(value: Any) -> Any:
+    if isinstance(value, Ragged):
+        return as_nested(value)
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return value
+    return as_tensor(value)
+
+
+def as_nested(ragged: Ragged) -> torch.Tensor:
+    """A `Ragged` as a jagged nested tensor ``[B, j, *T]`` viewing its values (no copy)."""
+    return torch.nested.nested_tensor_from_jagged(as_tensor(ragged.values), as_tensor(ragged.offsets))
+
+
+def packed(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` with each `Ragged` field ``f`` packed as variable-length attention kernels take
+    it: ``f`` the values end to end (a tensor ``[total, *T]``), ``f_cu_seqlens`` the int32
+    offsets ``[B + 1]`` and ``f_max_seqlen`` the longest row (an int); other fields as `to_torch`."""
+    out: dict[str, Any] = {}
+    for name, value in batch.items():
+        if isinstance(value, Ragged):
+            out[name] = as_tensor(value.values)
+            out[f"{name}_cu_seqlens"] = torch.from_numpy(value.offsets.astype(np.int32))
+            out[f"{name}_max_seqlen"] = int(value.lengths.max(initial=0))
+        else:
+            out[name] = _torch_value(value)
+    return out
 
 
 def name_to_key(name: str) -> Key:

@@ -4,7 +4,7 @@ dataset copy hands its batches to (zero-copy tensors, packed tensors, or worker-
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate_fn_map  # torch's documented extension point
 
+from ..format.ragged import Ragged
 from .formats import Key, key_to_name, to_tensordict
 from .shared_ring import SlotBatch, WorkerRing
 
@@ -64,8 +65,40 @@ default_collate_fn_map.update({Batch: _collate_whole, SlotBatch: _collate_whole}
 
 
 def to_tensors(batch: Mapping[str, np.ndarray]) -> Batch:
-    """numpy batch -> dict of CPU tensors (zero-copy where the array is contiguous)."""
-    return Batch(zip(batch, map(torch.from_numpy, map(np.ascontiguousarray, batch.values()))))
+    """numpy batch -> dict of CPU tensors (zero-copy where the array is contiguous). A ragged
+    field (`Ragged`) becomes a jagged nested tensor; text stays a numpy array of ``str``."""
+    return Batch((name, _tensor(value)) for name, value in batch.items())
+
+
+def _tensor(value: Any) -> Any:
+    if isinstance(value, Ragged):
+        return torch.nested.nested_tensor_from_jagged(torch.from_numpy(np.ascontiguousarray(value.values)),
+                                                      torch.from_numpy(value.offsets))
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return value
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def ragged_as(form: str, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches`` with their ragged fields as nested tensors (``form="nested"``: as they are) or
+    packed (``"packed"``: `pack_ragged`)."""
+    return map(pack_ragged, batches) if form == "packed" else batches
+
+
+def pack_ragged(batch: Any) -> Any:
+    """A batch with each jagged nested tensor ``f`` packed as variable-length attention kernels
+    take it: ``f`` its values end to end ``[total, *T]``, ``f_cu_seqlens`` the int32 row offsets
+    ``[B + 1]``, ``f_max_seqlen`` the longest row (an int)."""
+    out: dict[str, Any] = {}
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            offsets = value.offsets()  # type: ignore[attr-defined]
+            out[name] = value.values()
+            out[f"{name}_cu_seqlens"] = offsets.to(torch.int32)
+            out[f"{name}_max_seqlen"] = int((offsets[1:] - offsets[:-1]).max()) if len(offsets) > 1 else 0
+        else:
+            out[name] = value
+    return type(batch)(out) if isinstance(batch, Batch) else out
 
 
 def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
@@ -74,7 +107,9 @@ def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
     A DataLoader worker sends each tensor storage through its own shared-memory segment; one
     storage per batch instead of one per field makes that transfer several times cheaper.
     """
-    arrays = {k: np.asarray(v) for k, v in batch.items()}
+    apart = {k: _tensor(v) for k, v in batch.items()
+             if isinstance(v, Ragged) or getattr(v, "dtype", None) is np.dtype(object)}
+    arrays = {k: np.asarray(v) for k, v in batch.items() if k not in apart}
     offsets, total = {}, 0
     for k, a in arrays.items():
         offsets[k] = total
@@ -86,7 +121,8 @@ def packed_tensors(batch: Mapping[str, np.ndarray], align: int = 64) -> Batch:
         view = flat[offsets[k]:offsets[k] + a.nbytes].view(dtype).view(a.shape)
         view.numpy()[...] = a
         out[k] = view
-    return out
+    out.update(apart)
+    return Batch((k, out[k]) for k in batch)
 
 
 def emit_tensors(batch: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
