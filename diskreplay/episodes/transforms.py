@@ -151,7 +151,8 @@ def stack_plan(view: RowView, frames: int, fields: tuple[str, ...], others: tupl
     ``frames`` is an int >= 1."""
     check_stack(frames)
     fields = tuple(dict.fromkeys(fields))
-    varying = [name for name in fields if name in view.schema.fields and view.schema[name].ragged]
+    varying = [name for name in fields if name in view.schema.fields and view.schema[name].ragged
+               and view.schema[name].codec is None]  # encoded frames have a fixed shape per step
     if varying:
         raise SchemaError(f"stack_fields: field {varying[0]!r} is ragged ({view.schema[varying[0]]}); frames are "
                           f"stacked from fields with a fixed shape per step")
