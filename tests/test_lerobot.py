@@ -98,7 +98,7 @@ def features() -> dict:
              "next.done": {"dtype": "bool", "shape": [1], "names": None}}
     for key, (h, w, codec, _) in CAMERAS.items():
         found[key] = {"dtype": "video", "shape": [h, w, 3], "names": ["height", "width", "channels"],
-                      "info": {"video.height": h, "video.width": w, "video.codec": CODEC_NAMES[codec],
+                      "info": {"video.height": h, "video.width": w, "video.codec": CODEC_NAMES.get(codec, codec),
                                "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "video.fps": FPS,
                                "video.channels": 3, "has_audio": False}}
     for name in ("timestamp", "frame_index", "episode_index", "index", "task_index"):
@@ -473,3 +473,13 @@ def test_image_features_import_as_png_fields_that_keep_the_files(tmp_path):
     buf = import_dataset(root, tmp_path / "b", chunk_rows=4, progress=False)
     assert buf.fields["observation_images_side"] == dr.Field((24, 32, 3), "uint8", codec="png")
     np.testing.assert_array_equal(rows_of(buf)["observation_images_side"], pixels)
+
+
+def test_a_video_codec_no_frame_field_has_is_imported_as_av1(tmp_path, monkeypatch):
+    monkeypatch.setitem(CAMERAS, "observation.images.wrist", (32, 48, "mpeg4", (0, 0, 1, 1)))
+    built = write_lerobot_v3(tmp_path / "ds")
+    message = r"video key 'observation\.images\.wrist': 1 of 1 row chunks re-encoded as av1"
+    with pytest.warns(UserWarning, match=message):
+        buf = import_dataset(tmp_path / "ds", tmp_path / "b", progress=False)
+    assert buf.fields["observation_images_wrist"] == dr.Field((32, 48, 3), "uint8", codec="av1")
+    assert psnr(rows_of(buf)["observation_images_wrist"], expected_frames(built, "observation.images.wrist")) > 30
