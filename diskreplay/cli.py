@@ -165,7 +165,7 @@ def _add_create(sub: Subcommands) -> None:
 
 def _add_import(sub: Subcommands) -> None:
     p = sub.add_parser("import", parents=[_remote_options()],
-                       help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, Parquet, zarr) "
+                       help="import a dataset (D4RL hdf5/npz, Minari, npz, npy folder, Parquet, LeRobot v3, zarr) "
                             "into a new buffer",
                        description="Import a dataset into a new dataset-mode buffer at DEST, streaming it in "
                                    "slices of --batch-rows rows (at most 32 MiB each). The rows are written to "
@@ -173,12 +173,13 @@ def _add_import(sub: Subcommands) -> None:
                                    "interrupted import leaves DEST as it was (with --overwrite too); the next "
                                    "import into DEST replaces what an interrupted one left. " + NAMING)
     p.add_argument("src", metavar="SRC", help="D4RL-style .hdf5 or .npz, Minari dataset folder, .npz, folder of "
-                                              ".npy, LeRobot / HF .parquet file or folder, or a diskreplay "
-                                              "buffer / zarr group")
+                                              ".npy, LeRobot / HF .parquet file or folder, LeRobot v3 "
+                                              "dataset folder, or a diskreplay buffer / zarr group")
     p.add_argument("dest", metavar="DEST", help="where to write the buffer (path or fsspec URL)")
-    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "parquet", "zarr"),
+    p.add_argument("--format", choices=("d4rl", "minari", "npz", "npy", "parquet", "lerobot", "zarr"),
                    help="source format (default: detected from SRC; .npz is 'npz'). 'd4rl' reads .hdf5 or .npz "
-                        "and derives next_obs when next_observations is missing; 'npz' derives nothing")
+                        "and derives next_obs when next_observations is missing; 'npz' derives nothing; "
+                        "'lerobot': a LeRobot v3 dataset folder (meta/info.json), camera keys decoded with PyAV")
     p.add_argument("--chunk-rows", type=_positive_int, default=None,
                    help="rows per stored chunk (default 4096, longer for datasets of over 16,384 chunk files)")
     p.add_argument("--compression", choices=("zstd", "lz4", "lz4hc", "none"), default="zstd",
@@ -193,17 +194,21 @@ def _add_import(sub: Subcommands) -> None:
 
 def _add_export(sub: Subcommands) -> None:
     p = sub.add_parser("export", parents=[_remote_options()],
-                       help="write a buffer's rows to D4RL-layout .npz or .hdf5, Parquet or Minari",
+                       help="write a buffer's rows to D4RL-layout .npz or .hdf5, Parquet, Minari or LeRobot v3",
                        description="Export the committed rows of the buffer at URL, lane by lane, to DEST, "
                                    "one array per field; 'diskreplay import DEST' reads either format back "
                                    "with the same field names and values. " + NAMING)
     p.add_argument("url", metavar="URL", help="the buffer")
-    p.add_argument("dest", metavar="DEST", help="output file (.npz, .h5 or .hdf5) or folder (.parquet, minari)")
-    p.add_argument("--format", choices=("npz", "hdf5", "parquet", "minari"),
+    p.add_argument("dest", metavar="DEST",
+                   help="output file (.npz, .h5 or .hdf5) or folder (.parquet, minari, lerobot)")
+    p.add_argument("--format", choices=("npz", "hdf5", "parquet", "minari", "lerobot"),
                    help="output format (default: from DEST's suffix). 'parquet': a folder of LeRobot / HF-style "
-                        "Parquet files; 'minari': a Minari dataset folder (arrow data format) named DEST")
+                        "Parquet files; 'minari': a Minari dataset folder (arrow data format) named DEST; "
+                        "'lerobot': a LeRobot v3 dataset folder, uint8 [H, W, 3] fields as AV1 video")
     p.add_argument("--dataset-id", help="the Minari dataset id, (namespace/)name-vN (default: DEST's path under "
                                         "Minari's datasets folder, else DEST's name)")
+    p.add_argument("--fps", type=float, default=None,
+                   help="--format lerobot: frames per second (default: from the timestamp field, else 30)")
     p.add_argument("--compress", action="store_true",
                    help="deflate npz members / gzip HDF5 datasets / zstd Parquet and Arrow data")
     p.add_argument("--batch-rows", type=_positive_int, default=65536, help="rows per slice (default 65536)")
@@ -325,7 +330,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     rows = export_buffer(args.url, args.dest, format=args.format, batch_rows=args.batch_rows,
                          progress=not args.no_progress, overwrite=args.overwrite, compress=args.compress,
-                         dataset_id=args.dataset_id, storage_options=_storage_options(args))
+                         dataset_id=args.dataset_id, fps=args.fps, storage_options=_storage_options(args))
     print(f"exported {rows:,} rows to {args.dest}")
     return 0
 

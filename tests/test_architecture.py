@@ -47,8 +47,10 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "yaml": ("diskreplay.buffer.spec",),
     "pyarrow": ("diskreplay.offline.formats.parquet", "diskreplay.ray"),
     "ray": ("diskreplay.ray",),
-    "av": ("diskreplay.format.frame_codecs",),  # PyAV (extra video), imported at first use
-    "PIL": ("diskreplay.format.frame_codecs",),  # Pillow (extra images), imported at first use
+    # PyAV (extra video) and Pillow (extra images), imported at first use; the importers read MP4
+    # (LeRobot) and JPEG / PNG (Minari) files with them
+    "av": ("diskreplay.format.frame_codecs", "diskreplay.offline.mp4"),
+    "PIL": ("diskreplay.format.frame_codecs", "diskreplay.offline.images"),
 }
 MAX_LINES = {"module": 400, "class": 250, "function": 50}
 

@@ -363,3 +363,78 @@ def test_minari_export_refuses_ids_minari_cannot_find(tmp_path, minari_home, des
     with pytest.raises(ValueError, match=message):
         export_buffer(tmp_path / "b", tmp_path / dest, format="minari", progress=False, dataset_id=dataset_id)
     assert not os.path.exists(tmp_path / dest) and not os.path.exists(f"{tmp_path / dest}.partial")
+
+
+def write_minari_with_text_and_images(root, data_format, lengths=(4, 6), seed=0):
+    """A Minari dataset written by Minari's own storage: Dict observations of a JPEG-encoded
+    image (Minari's ``jpeg_encoding``) and a ``Text`` mission; returns what Minari decodes."""
+    gym = pytest.importorskip("gymnasium")
+    pytest.importorskip("PIL", reason="Minari's image encoding needs Pillow")
+    from minari.data_collector.episode_buffer import EpisodeBuffer
+    from minari.dataset.minari_storage import MinariStorage
+
+    spaces = gym.spaces
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (32, 40, 3), np.uint8), "mission": spaces.Text(max_length=40)})
+    os.makedirs(root)
+    storage = MinariStorage.new(root / "data", obs_space, spaces.Discrete(3), data_format=data_format)
+    rng = np.random.default_rng(seed)
+    episodes = []
+    for e, steps in enumerate(lengths):
+        images = np.repeat(np.linspace(0, 255, 40, dtype=np.uint8)[None, None, :, None], steps + 1, 0)
+        images = np.broadcast_to(images, (steps + 1, 32, 40, 3)).copy()
+        images[:, :8, :8] = rng.integers(0, 256, (steps + 1, 1, 1, 3))
+        episodes.append(EpisodeBuffer(id=e, observations={"image": images, "mission": [f"gö to {e}/{i}" for i in
+                                                                                      range(steps + 1)]},
+                                      actions=rng.integers(0, 3, steps), rewards=list(rng.normal(size=steps)),
+                                      terminations=[False] * (steps - 1) + [True], truncations=[False] * steps,
+                                      infos={}))
+    storage.update_episodes(episodes)
+    return list(storage.get_episodes(range(len(lengths))))
+
+
+@pytest.mark.parametrize("batch_rows", [3, 5])  # 5: slices of two episodes are joined
+@pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
+def test_minari_text_and_jpeg_observations_are_kept(tmp_path, minari_home, data_format, batch_rows):
+    episodes = write_minari_with_text_and_images(tmp_path / "ds", data_format)
+    buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=batch_rows, progress=False)
+    image = dr.Field((32, 40, 3), "uint8", codec="jpeg")  # each image's JPEG bytes, as Minari stored them
+    assert {k: buf.fields[k] for k in ("obs_image", "next_obs_image", "obs_mission", "next_obs_mission")} == {
+        "obs_image": image, "next_obs_image": image, "obs_mission": dr.Field((), "str"),
+        "next_obs_mission": dr.Field((), "str")}
+    rows = rows_of(buf)
+    for field, key in (("image", "image"), ("mission", "mission")):
+        now = np.concatenate([np.asarray(e["observations"][key][:-1]) for e in episodes])
+        after = np.concatenate([np.asarray(e["observations"][key][1:]) for e in episodes])
+        np.testing.assert_array_equal(rows["obs_" + field], now.astype(rows["obs_" + field].dtype))
+        np.testing.assert_array_equal(rows["next_obs_" + field], after.astype(rows["obs_" + field].dtype))
+    assert rows["obs_mission"][:2].tolist() == ["gö to 0/0", "gö to 0/1"]
+    np.testing.assert_array_equal(rows["action"], np.concatenate([e["actions"] for e in episodes]))
+    again = dr.ReplayBuffer.open(tmp_path / "b")[np.array([7, 0, 3])]  # decoded again after a reopen
+    np.testing.assert_array_equal(again["obs_image"], rows["obs_image"][[7, 0, 3]])
+
+
+def _replace_hdf5(path, name, data, dtype):
+    import h5py
+
+    with h5py.File(path, "a") as f:
+        del f[name]
+        f.create_dataset(name, data=data, dtype=dtype)
+
+
+@pytest.mark.parametrize("damage", ["text", "image"])
+def test_minari_bad_text_and_damaged_images_are_refused(tmp_path, minari_home, damage):
+    import h5py
+
+    write_minari_with_text_and_images(tmp_path / "ds", "hdf5")
+    file = tmp_path / "ds" / "data" / "main_data.hdf5"
+    if damage == "text":
+        _replace_hdf5(file, "episode_1/observations/mission", [b"ok"] * 6 + [b"\xff\xfe"], h5py.string_dtype("utf-8"))
+        message = r"observations/mission: rows from 3: a string that is not UTF-8"
+    else:
+        blobs = np.empty(7, dtype=object)
+        blobs[:] = [np.frombuffer(b"\xff\xd8\xff\xe0" + bytes(40), np.uint8) for _ in range(7)]
+        _replace_hdf5(file, "episode_1/observations/image", blobs, h5py.vlen_dtype(np.uint8))
+        message = r"observations/image: rows from 0: row 0: a damaged jpeg image"  # each image is checked
+    with pytest.raises(ImportFormatError, match=message):
+        import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=3, progress=False)
+    assert not os.path.exists(tmp_path / "b")

@@ -43,9 +43,10 @@ def iter_rows(buf: ReplayBuffer, names: Sequence[str], lane: int, lo: int, hi: i
               batch_rows: int = 65536) -> Iterator[dict[str, np.ndarray]]:
     """Steps ``[lo, hi)`` of one lane, for the fields ``names``, in slices of about batch_rows rows,
     with the values ``buf[ids]`` reads: stored fields from their chunks, derived ``next_*`` fields
-    (``derive_next``) rebuilt, episodic returns of episodes not ended in the commit as their default."""
+    (``derive_next``) rebuilt, episodic returns of episodes not ended in the commit as their default;
+    ragged and text fields (values delimited by their stored ends) as `ReplayBuffer.rows` reads them."""
     layout = buf.layout
-    twins = tuple(n for n in names if n in buf.view.derived)
+    twins = tuple(n for n in names if n in buf.view.derived or getattr(buf.fields.get(n), "ragged", False))
     stored = [n for n in names if n not in twins]
     step = first = lo
     parts: list[dict[str, np.ndarray]] = []

@@ -159,6 +159,24 @@ class RaggedColumn:
         return RaggedColumn(self.values[index], lengths.reshape(np.shape(picked)))
 
 
+class EncodedFrames(RaggedColumn):
+    """Rows of an encoded frame field (``Field(..., codec=...)``) given already encoded by the
+    field's codec: ``values`` (uint8, each frame's bytes end to end) and ``lengths`` (each
+    frame's byte count, shaped like the rows' leading axes), stored as they are, not encoded
+    again. For a video codec, the frame of each row chunk's first step must be a keyframe that
+    starts a stream decodable alone, and the chunk's rows one packet per frame in display order
+    (`format.frame_codecs`): the caller vouches for it (`import_dataset` decodes each chunk to check)."""
+
+    def __len__(self) -> int:
+        """Rows along the first axis."""
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, key: Any) -> EncodedFrames:
+        """The rows ``key`` picks, still encoded frames."""
+        picked = super().__getitem__(key)
+        return EncodedFrames(picked.values, picked.lengths)
+
+
 def column(name: str, value: Any, lead: tuple[int, ...], trailing: tuple[int, ...], text: bool) -> RaggedColumn:
     """``value``, the rows of ragged field ``name`` with leading shape ``lead``, packed (values not
     cast yet). Text: ``str`` (or UTF-8 ``bytes``) per row. Ragged: a list of arrays (one per row,

@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import SchemaError
 from .frame_codecs import FRAME_CODECS, FrameCodec
-from .ragged import Ragged, column, ends_name
+from .ragged import EncodedFrames, Ragged, column, ends_name
 
 MAX_ROW_BYTES = 1 << 30
 """The most one step of one field may hold (1 GiB)."""
@@ -268,6 +268,9 @@ class Schema:
                                  else packed.values.astype(field.dtype))
                 out[name] = packed
                 continue
+            if field.codec is not None and isinstance(data[name], EncodedFrames):
+                out[name] = _encoded(name, data[name], lead)
+                continue
             value = np.asarray(data[name])
             if lead is None:
                 lead = value.shape[: value.ndim - len(field.shape)] if value.ndim > len(field.shape) else ()
@@ -312,6 +315,16 @@ def _check_lengths(fields: Mapping[str, Field]) -> None:
         if f.length_of is not None and (owner is None or not owner.ragged or owner.text or owner.length_of):
             raise SchemaError(f"field {name!r}: length_of={f.length_of!r} must name a ragged, non-text field with "
                               f"lengths of its own, got {owner}")
+
+
+def _encoded(name: str, rows: EncodedFrames, lead: tuple[int, ...] | None) -> EncodedFrames:
+    """Already encoded frames, checked to hold one non-empty blob per row of ``lead``."""
+    lengths = np.asarray(rows.lengths)
+    if lead is None or lengths.shape != tuple(lead) or lengths.dtype.kind not in "iu" or np.any(lengths <= 0) \
+            or rows.values.dtype != np.uint8 or rows.values.ndim != 1 or int(lengths.sum()) != rows.values.size:
+        raise SchemaError(f"field {name!r}: encoded frames must be uint8 values split by lengths > 0 of shape "
+                          f"{lead}, got {rows.values.dtype} values of {rows.values.shape} and lengths {lengths.shape}")
+    return EncodedFrames(rows.values, lengths.astype(np.int64))
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -14,7 +14,8 @@ zip comment ``diskreplay_export``), so importing them derives no ``next_obs``.
 
 Format ``"parquet"`` writes a folder of LeRobot / Hugging Face-style Parquet files instead
 (`diskreplay.offline.parquet_export`), which the ``"parquet"`` import reads back; format
-``"minari"`` a Minari dataset folder in the arrow data format (`diskreplay.offline.minari_export`).
+``"minari"`` a Minari dataset folder in the arrow data format (`diskreplay.offline.minari_export`);
+format ``"lerobot"`` a LeRobot v3 dataset folder (`diskreplay.offline.lerobot_export`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from ..audit.rows import episode_fields, iter_rows, open_readonly, readable
 from ..episodes import end_flags
 from ..progress import progress_bar
 from .hdf5 import require_h5py
+from .lerobot_export import write_lerobot
 from .minari_export import minari_dataset_id, write_minari
 from .naming import EXPORT_ATTR, d4rl_name
 from .parquet_export import write_parquet
 
-EXPORT_FORMATS = ("npz", "hdf5", "parquet", "minari")
+EXPORT_FORMATS = ("npz", "hdf5", "parquet", "minari", "lerobot")
 DONE_FIELDS = ("terminated", "truncated", "done")
 Writer = Callable[[Any, str, int, bool, Any], None]
 """``write(buf, path, batch_rows, compress, bar)``: writes the rows of ``buf`` to the new ``path``."""
@@ -44,7 +46,8 @@ Writer = Callable[[Any, str, int, bool, Any], None]
 
 def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: str | None = None,
                   batch_rows: int = 65536, progress: bool = True, overwrite: bool = False,
-                  compress: bool = False, storage_options: dict | None = None, dataset_id: str | None = None) -> int:
+                  compress: bool = False, storage_options: dict | None = None, dataset_id: str | None = None,
+                  fps: float | None = None) -> int:
     """Write the committed rows of the buffer at ``url`` to the file ``dest``. Returns the row count.
 
     Either format holds one array per field, ``[rows, *shape]``, named by `d4rl_name` (D4RL's
@@ -52,21 +55,25 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     both back under the buffer's field names.
 
     Args:
-        format: ``"npz"``, ``"hdf5"``, ``"parquet"`` (a folder) or ``"minari"`` (a Minari
-            dataset folder, arrow data format); ``None`` picks from dest's suffix (.npz, .h5 /
-            .hdf5, .parquet).
+        format: ``"npz"``, ``"hdf5"``, ``"parquet"`` (a folder), ``"minari"`` (a Minari
+            dataset folder, arrow data format) or ``"lerobot"`` (a LeRobot v3 dataset folder,
+            camera fields as AV1 video); ``None`` picks from dest's suffix (.npz, .h5 / .hdf5,
+            .parquet).
         batch_rows: rows read per slice (bounds memory).
         progress: show a tqdm progress bar on stderr (total: rows) when tqdm is installed.
         compress: deflate the npz members / gzip the HDF5 datasets / zstd the Parquet pages.
         dataset_id: format ``"minari"``: the Minari id, ``(namespace/)name-vN``; by default
             dest's path under Minari's datasets folder, else dest's name (`minari_dataset_id`).
+        fps: format ``"lerobot"``: the frame rate (timestamps, videos); by default the one the
+            buffer's ``timestamp`` field shows, else 30.
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
-        ValueError: unknown format, a ragged or text field (not exported yet), two fields mapping to
-            one exported name, a ``dataset_id``
-            with another format than ``"minari"``, or a Minari id Minari cannot find (malformed,
-            or another than dest's path under Minari's datasets folder).
+        ValueError: unknown format, a ragged or text field (not exported yet, but to ``"lerobot"``,
+            which takes text and encoded frame fields), two fields mapping to one exported name, a
+            ``dataset_id`` with another format than ``"minari"`` (an ``fps`` with another than
+            ``"lerobot"``), or a Minari id Minari cannot find (malformed, or another than dest's
+            path under Minari's datasets folder).
     """
     url, dest = os.fspath(url), os.fspath(dest)
     fmt = format or _format_from_suffix(dest)
@@ -76,15 +83,19 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
         write: Writer = functools.partial(write_minari, dataset_id=minari_dataset_id(dest, dataset_id))
     elif dataset_id is not None:
         raise ValueError(f"dataset_id names a Minari dataset: it needs format 'minari', not {fmt!r}")
+    elif fmt == "lerobot":
+        write = functools.partial(write_lerobot, fps=fps)
     else:
         write = WRITERS[fmt]
+    if fps is not None and fmt != "lerobot":
+        raise ValueError(f"fps is the frame rate of a LeRobot dataset: it needs format 'lerobot', not {fmt!r}")
     if os.path.exists(dest) and not overwrite:
         raise FileExistsError(f"{dest!r} already exists; pass overwrite=True (--overwrite) to replace it")
     buf = open_readonly(url, storage_options)
     tmp = f"{dest}.partial"
     try:
         varying = [name for name, f in buf.fields.items() if f.ragged]
-        if varying:
+        if varying and fmt != "lerobot":  # the LeRobot export writes text and frame fields (and refuses others)
             raise ValueError(f"export to {fmt!r} does not support ragged or text fields yet; {url!r} has "
                              f"{varying}: read them with ReplayBuffer.rows")
         if fmt in ("npz", "hdf5"):

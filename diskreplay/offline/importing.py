@@ -78,7 +78,7 @@ from typing import Any
 
 from ..audit.status import INCOMPLETE_KEY, describe_incomplete, import_status
 from ..buffer import ReplayBuffer
-from ..buffer.setup import check_open_options, replaceable_location
+from ..buffer.setup import VIDEO_CHUNK_ROWS, check_open_options, replaceable_location
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
@@ -143,6 +143,7 @@ def import_dataset(src: str | os.PathLike, dest: str | os.PathLike, *, format: s
         _check_destination(dest, overwrite, storage_options)
         claim_partial(partial, storage_options)
         buf = _create_partial(source, partial, chunk_rows, compression, storage_options)
+        source.chunk_rows = buf.layout.chunk_rows
         marker = {"source": src, "format": fmt, "started": time.time(), "pid": os.getpid(),
                   "host": socket.gethostname()}
         _copy_rows(source, buf, partial, marker, progress, storage_options)
@@ -180,9 +181,11 @@ def _create_partial(source: Source, partial: str, chunk_rows: int | None, compre
     """The new, uncommitted buffer at ``partial``, its cache sized as write staging: the chunks of
     two slices, and two per lane, not the default read cache. Removes ``partial`` if that fails."""
     row_bytes = sum(f.row_bytes for f in source.fields.values())
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(Schema(source.fields), source.num_envs, max(source.rows, 1),
+    if chunk_rows is None:  # as `ReplayBuffer.create` sizes them (video: a chunk is a group of pictures)
+        chunk_rows = default_chunk_rows(Schema(source.fields).storage(), source.num_envs, max(source.rows, 1),
                                         DEFAULT_CACHE_BYTES, compression is None)
+        if any(f.frames is not None and f.frames.video for f in source.fields.values()):
+            chunk_rows = min(chunk_rows, VIDEO_CHUNK_ROWS)
     staging_chunks = 2 * -(-source.batch_rows // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2
     try:
         return ReplayBuffer.create(partial, source.fields, None, num_envs=source.num_envs,

@@ -7,11 +7,13 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptBufferError, DiskReplayError
 from ..format.keys import MAX_METADATA_BYTES, json_object
+from ..format.ragged import EncodedFrames
 from ..format.schema import ALLOWED_DTYPES, Field
 from ..io import is_local, local_path
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
@@ -37,6 +39,9 @@ class Source:
     batch_rows: int
     num_envs: int = 1
     rows: int
+    chunk_rows: int | None = None
+    """The new buffer's rows per chunk, set by the importer before `batches`: a source of encoded
+    video rows slices them by chunk (a chunk's frames are one group of pictures)."""
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
@@ -104,7 +109,14 @@ class PendingSlices:
         if len(parts) == 1:
             yield 0, parts[0]
         else:
-            yield 0, {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            yield 0, {k: concat_rows([p[k] for p in parts]) for k in parts[0]}
+
+
+def concat_rows(parts: list) -> Any:
+    """Rows of one field one after the other: arrays, or `EncodedFrames` (encoded images)."""
+    if isinstance(parts[0], EncodedFrames):
+        return EncodedFrames(np.concatenate([p.values for p in parts]), np.concatenate([p.lengths for p in parts]))
+    return np.concatenate(parts)
 
 
 def require_source(src: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import CorruptBufferError
 from ..format.frame_codecs import FrameCodec, VideoEncoder
 from ..format.lanes import LaneLayout
-from ..format.ragged import Ragged, RaggedColumn
+from ..format.ragged import EncodedFrames, Ragged, RaggedColumn
 from ..format.schema import Field
 from ..io.threads import Threads
 
@@ -44,6 +44,12 @@ class FrameWrites:
         out = {}
         for name, codec in self.codecs.items():
             frames = rows[name]
+            if isinstance(frames, EncodedFrames):  # stored as given; the next frame added starts a stream
+                open_stream = self._streams.pop((name, lane), None)
+                if open_stream is not None:
+                    open_stream[0].close()
+                out[name] = RaggedColumn(frames.values, frames.lengths)
+                continue
             if codec.video:
                 blobs = self._video(name, codec, lane, start, frames)
             else:

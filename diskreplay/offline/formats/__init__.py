@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ...io import is_local, local_path
 from ..source import ImportFormatError, Source, require_source
 from .d4rl import is_d4rl, open_d4rl
+from .lerobot import is_lerobot, open_lerobot
 from .minari import is_minari, open_minari
 from .npy import NpyFolderSource, is_npy_folder
 from .npz import NpzSource, is_npz
@@ -36,10 +37,12 @@ SOURCE_FORMATS: dict[str, SourceFormat] = {
     "npy": SourceFormat(NpyFolderSource, is_npy_folder),
     "zarr": SourceFormat(ZarrSource, is_zarr),
     "parquet": SourceFormat(ParquetSource, is_parquet),
+    "lerobot": SourceFormat(open_lerobot, is_lerobot),
 }
 FORMATS = tuple(SOURCE_FORMATS)
-# folders: a Minari dataset or a Zarr group may also hold .npy files; files: HDF5 before a zip suffix
-DETECT_ORDER = ("minari", "zarr", "parquet", "npy", "d4rl", "npz")
+# folders: a LeRobot v3 dataset also holds .parquet files; a Minari dataset or a Zarr group may also
+# hold .npy files; files: HDF5 before a zip suffix
+DETECT_ORDER = ("lerobot", "minari", "zarr", "parquet", "npy", "d4rl", "npz")
 
 
 def detect_format(src: str) -> str:

@@ -4,7 +4,11 @@ the arrow and parquet data formats are read by `MinariArrowSource`).
 ``observations[:-1]`` -> ``obs``, ``observations[1:]`` -> ``next_obs``, ``actions`` -> ``action``,
 ``rewards`` -> ``reward``, ``terminations`` -> ``terminated``, ``truncations`` -> ``truncated``,
 ``infos/<key>`` -> ``info_<key>``; dict spaces flattened (``obs_<key>``, ``action_<key>``, ...).
-Infos with T + 1 entries (the reset's info first) keep their last T.
+Infos with T + 1 entries (the reset's info first) keep their last T. Text (UTF-8 string datasets,
+gymnasium ``Text`` spaces) becomes text fields (``Field((), "str")``); JPEG- or PNG-encoded image
+observations (Minari's ``jpeg_encoding``: one encoded image per row) become ``codec="jpeg"`` /
+``"png"`` frame fields of the first image's shape that keep each image's bytes as they are
+(`diskreplay.offline.images`): reads decode them with Pillow, as Minari does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
+from ...format.schema import Field
 from ...io import local_path
 from ..hdf5 import (
     has_episode_groups,
@@ -24,6 +31,7 @@ from ..hdf5 import (
     refuse_link,
     require_h5py,
 )
+from ..images import image_codec, image_field, image_rows
 from ..naming import field_name
 from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for
 from .minari_arrow import MinariArrowSource, arrow_metadata
@@ -79,8 +87,9 @@ class MinariSource(Source):
         self.fields = {}
         first = self.episodes[0]
         self.info_offset: dict[str, int] = {}
+        self.decoders: dict[str, Any] = {}  # field -> how its raw rows become values
         for name, ds, offset in self._columns(first, self._steps(src, first)):
-            field = field_for(name, ds.shape[1:], ds.dtype, f"{src!r}: {ds.name!r}")
+            field = self._field(name, ds, f"{src!r}: {ds.name!r}")
             if field is not None:
                 self.fields[name] = field
                 self.info_offset[name] = offset
@@ -88,6 +97,25 @@ class MinariSource(Source):
             for name in list(self.fields):
                 if name == "obs" or name.startswith("obs_"):
                     self.fields["next_" + name] = self.fields[name]
+
+    def _field(self, name: str, ds: Any, where: str) -> Field | None:
+        """The field of one dataset: text, encoded images (one JPEG / PNG per row, of variable or
+        fixed byte length), else its values as stored (`field_for`)."""
+        if self.h5py.check_string_dtype(ds.dtype) is not None and ds.ndim == 1:
+            self.decoders[name] = _texts
+            return Field((), "str")
+        varying = ds.ndim == 1 and self.h5py.check_vlen_dtype(ds.dtype) == np.dtype(np.uint8)
+        fixed = ds.ndim == 2 and ds.dtype == np.uint8  # every image encoded to the same byte length
+        if (varying or fixed) and len(ds) and image_codec(ds[0]) is not None:
+            try:
+                field = image_field(ds[0], where)
+            except ImportFormatError:
+                if varying:
+                    raise
+            else:  # raw bytes that only happen to start like an image stay raw
+                self.decoders[name] = lambda rows, where: image_rows(list(rows), field, where)
+                return field
+        return field_for(name, ds.shape[1:], ds.dtype, where)
 
     def _columns(self, ep: Any, steps: int) -> Iterator[tuple[str, Any, int]]:
         """(field name, dataset, offset of row t of the episode) for every column of one episode."""
@@ -129,7 +157,8 @@ class MinariSource(Source):
                 raise ImportFormatError(f"{ep.name}: fields {sorted(columns)} differ from the first "
                                         f"episode's {sorted(expected)}")
             for start in range(0, steps, self.batch_rows):
-                yield from pending.add(_episode_slice(ep, columns, start, min(start + self.batch_rows, steps), steps))
+                end = min(start + self.batch_rows, steps)
+                yield from pending.add(_episode_slice(ep, columns, start, end, steps, self.decoders))
         yield from pending.drain()
 
     def close(self) -> None:
@@ -137,19 +166,32 @@ class MinariSource(Source):
         self.file.close()
 
 
-def _episode_slice(ep: Any, columns: dict[str, tuple[Any, int]], start: int, end: int, steps: int) -> Batch:
-    """Steps ``[start, end)`` of one episode; each ``obs*`` column also gives ``next_obs*``."""
+def _episode_slice(ep: Any, columns: dict[str, tuple[Any, int]], start: int, end: int, steps: int,
+                   decoders: dict[str, Any]) -> Batch:
+    """Steps ``[start, end)`` of one episode; each ``obs*`` column also gives ``next_obs*``.
+    Columns with a decoder (text, encoded images) are decoded."""
     batch = {}
     for name, (ds, off) in columns.items():
-        if name == "obs" or name.startswith("obs_"):
-            values = ds[start:end + 1]
+        obs = name == "obs" or name.startswith("obs_")
+        values = ds[start:end + 1] if obs else ds[start + off:end + off]
+        if name in decoders:
+            values = decoders[name](values, f"{ep.file.filename!r}: {ds.name}: rows from {start + (0 if obs else off)}")
+        if obs:
             if len(values) != end - start + 1:
                 raise ImportFormatError(f"{ep.name}: {ds.name} has {ds.shape[0]} entries, "
                                         f"expected {steps + 1} (one more than steps)")
             batch[name], batch["next_" + name] = values[:-1], values[1:]
         else:
-            batch[name] = ds[start + off:end + off]
+            batch[name] = values
     return batch
+
+
+def _texts(rows: Any, where: str) -> np.ndarray:
+    """UTF-8 strings (h5py gives bytes) as an object array of str."""
+    try:
+        return np.array([r.decode("utf-8") if isinstance(r, bytes) else str(r) for r in rows], dtype=object)
+    except UnicodeDecodeError as e:
+        raise ImportFormatError(f"{where}: a string that is not UTF-8 ({e})") from None
 
 
 def minari_file(path: str) -> str | None:

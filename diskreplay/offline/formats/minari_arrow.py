@@ -6,9 +6,12 @@ Mapped as the HDF5 Minari layout is: ``observations[:-1]`` -> ``obs``, ``observa
 ``next_obs``, ``actions`` -> ``action``, ``rewards`` -> ``reward``, ``terminations`` ->
 ``terminated``, ``truncations`` -> ``truncated`` (their padded last row dropped), ``infos`` keys ->
 ``info_<key>`` (T + 1 entries: the reset's info first, so each step keeps the following one);
-dict spaces (struct columns) flattened (``obs_<key>``, ``action_<key>``). Columns that hold no
-numbers (JPEG-encoded images, text, variable-length lists) are skipped with a warning. Episodes
-are read one record batch (or row group) at a time.
+dict spaces (struct columns) flattened (``obs_<key>``, ``action_<key>``). String columns (gymnasium
+``Text`` spaces) become text fields (``Field((), "str")``); binary columns (Minari's JPEG-encoded
+image spaces, or PNG) ``codec="jpeg"`` / ``"png"`` frame fields of the first image's shape that
+keep each image's bytes (`diskreplay.offline.images`). Other columns that hold no numbers
+(variable-length lists) are skipped with a warning. Episodes are read one record batch (or row
+group) at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import numpy as np
 
 from ...format.schema import Field
 from ...io import local_path
+from ..images import image_field, image_rows
 from ..naming import field_name
-from ..source import Batch, ImportFormatError, PendingSlices, Source, field_for, json_file
+from ..source import Batch, ImportFormatError, PendingSlices, Source, concat_rows, field_for, json_file
 from .parquet import _plain, _value_type, require_arrow, require_pyarrow
 
 ARROW_FORMATS = ("arrow", "parquet")
@@ -86,11 +90,13 @@ class MinariArrowSource(Source):
         self.rows = sum(max(self._episode_rows(files) - 1, 0) for files in self.episodes)
         self.columns = self._leaves(self._schema(self.episodes[0]))
         self.fields, self.stored = {}, {}
+        self.images: dict[str, Field] = {}  # field -> its image field, of binary (encoded image) columns
         for name, (_, typ) in self.columns.items():
             field = self._field(name, typ)
             if field is not None:
                 self.stored[name] = field.shape
-                field = Field(box_shape(meta, name, field.shape), field.dtype)
+                if not field.text and name not in self.images:
+                    field = Field(box_shape(meta, name, field.shape), field.dtype)
                 self.fields[name] = field
                 if name == "obs" or name.startswith("obs_"):
                     self.fields["next_" + name] = field
@@ -164,6 +170,17 @@ class MinariArrowSource(Source):
 
     def _field(self, name: str, typ: Any) -> Field | None:
         where = f"{self.src!r}: {name!r}"
+        types = self.pa.types
+        if types.is_string(typ) or types.is_large_string(typ):
+            return Field((), "str")
+        if types.is_binary(typ) or types.is_large_binary(typ):
+            file = self.episodes[0][0]
+            rb = next(self._record_batches(file), None)
+            blob = None if rb is None or not rb.num_rows else self._column(file, rb, self.columns[name][0])[0].as_py()
+            if blob is None:
+                raise ImportFormatError(f"{file!r}: {name!r}: no first image to take the shape from")
+            self.images[name] = image_field(blob, f"{file!r}: {name!r}")
+            return self.images[name]
         try:
             base, shape = _value_type(typ, None)
         except TypeError as e:
@@ -193,19 +210,14 @@ class MinariArrowSource(Source):
                     yield self._decode(file, rb.slice(start, self.batch_rows))
 
     def _decode(self, file: str, rb: Any) -> Batch:
-        batch = {}
+        batch: dict[str, Any] = {}
         for name, (path, _) in self.columns.items():
             if name not in self.fields:
                 continue
-            try:
-                array = rb.column(path[0])
-            except KeyError as e:
-                raise ImportFormatError(f"{file!r}: no column {path[0]!r}") from e
-            for index in path[1:]:
-                if not self.pa.types.is_struct(array.type):
-                    raise ImportFormatError(f"{file!r}: column {path[0]!r} has rows of another type than the "
-                                            f"first file's: {array.type}, expected a struct")
-                array = array.flatten()[int(index)]
+            array = self._column(file, rb, path)
+            if self.fields[name].text or name in self.images:
+                batch[name] = self._decoded(file, name, array)
+                continue
             values = _plain(file, ".".join(map(str, path)), array, self.stored[name])
             batch[name] = values.reshape(len(values), *self.fields[name].shape)
             if self.fields[name].dtype == np.bool_:
@@ -214,6 +226,35 @@ class MinariArrowSource(Source):
                 raise ImportFormatError(f"{file!r}: {name!r} is {batch[name].dtype}, "
                                         f"expected {self.fields[name].dtype}")
         return batch
+
+    def _column(self, file: str, rb: Any, path: tuple[str | int, ...]) -> Any:
+        """The (struct child) column at ``path`` of a record batch."""
+        try:
+            array = rb.column(path[0])
+        except KeyError as e:
+            raise ImportFormatError(f"{file!r}: no column {path[0]!r}") from e
+        for index in path[1:]:
+            if not self.pa.types.is_struct(array.type):
+                raise ImportFormatError(f"{file!r}: column {path[0]!r} has rows of another type than the "
+                                        f"first file's: {array.type}, expected a struct")
+            array = array.flatten()[int(index)]
+        return array
+
+    def _decoded(self, file: str, name: str, array: Any) -> Any:
+        """Text as an object array of str, encoded images as `image_rows` gives them. Nulls are refused
+        but in the padded last row of an episode's actions (which `_steps` drops)."""
+        where = f"{file!r}: {name!r}"
+        rows = array.to_pylist()
+        kind = str if self.fields[name].text else bytes
+        padded = not name.startswith(SHIFTED) and rows and rows[-1] is None
+        if padded:
+            rows[-1] = "" if kind is str else rows[0]
+        if not all(isinstance(r, kind) for r in rows):
+            raise ImportFormatError(f"{where}: holds {array.type} values that are not all "
+                                    f"{'strings' if kind is str else 'images'} (nulls?)")
+        if kind is str:
+            return np.array(rows, dtype=object)
+        return image_rows(rows, self.images[name], where)
 
 
 def episode_id(data: str, folder: str) -> int:
@@ -231,7 +272,7 @@ def _steps(piece: Batch, following: Batch | None) -> Batch:
     end = len(piece["reward"]) - (following is None)
     for name, values in piece.items():
         if name.startswith(SHIFTED):
-            shifted = values[1:] if following is None else np.concatenate([values[1:], following[name][:1]])
+            shifted = values[1:] if following is None else concat_rows([values[1:], following[name][:1]])
             if name.startswith("obs"):
                 out[name], out["next_" + name] = values[:end], shifted
             else:
