@@ -113,11 +113,14 @@ def _stage(reader: ReplayBuffer, capacity: Any, store: ChunkStore, objects: Chun
 
 def _stage_lane(storage: Storage, target: ChunkStore, lane: int, steps: np.ndarray, new: int) -> None:
     """Stage in ``target`` the chunks of ``lane`` that hold ``steps`` at their slots of ``new``
-    steps per lane, a few chunks at a time (about `STAGE_BYTES` of rows)."""
+    steps per lane, a few chunks at a time (about `STAGE_BYTES` of rows): every chunk of the
+    ring's window of the new capacity, as a ring's reads and writes expect them all to exist
+    (those slots of it that hold no kept step are zeros)."""
     rows = storage.layout.chunk_rows
     new_chunk = (steps % new) // rows
     order = np.argsort(new_chunk, kind="stable")
-    ordered, chunks = new_chunk[order], np.unique(new_chunk)
+    stop = int(steps[-1]) + 1 if len(steps) else 0
+    ordered, chunks = new_chunk[order], np.unique(np.arange(max(0, stop - new), stop) % new // rows)
     per_batch = max(1, STAGE_BYTES // (rows * storage.schema.row_bytes))
     for start in range(0, len(chunks), per_batch):
         batch = chunks[start:start + per_batch]
