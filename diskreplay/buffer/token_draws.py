@@ -109,7 +109,7 @@ def draw_tokens(sampler: Sampler, rng: np.random.Generator, lo: np.ndarray, hi: 
         draw = sampler.sample(rng, block, lo, hi, **request.options)
         drawn += block
         draw = _matching(draw, request.where, values)
-        size = sum((lengths(draw.lane, draw.step, name) for name in request.lengths_of), np.zeros(len(draw.step), np.int64))
+        size = _sizes(draw, request.lengths_of, lengths)
         total = tokens + np.cumsum(size)
         fit = min(int(np.searchsorted(total, request.max_tokens, side="right")), request.max_rows - rows)
         if rows == 0 and fit == 0 and len(size):
@@ -125,6 +125,14 @@ def draw_tokens(sampler: Sampler, rng: np.random.Generator, lo: np.ndarray, hi: 
         raise EmptyBufferError(f"no row matched where={_shown(request.where)} among {drawn} rows drawn "
                                f"(max_draws={request.max_draws})")
     return Draw.joined(kept)
+
+
+def _sizes(draw: Draw, names: tuple[str, ...], lengths: Lengths) -> np.ndarray:
+    """Each drawn row's length, summed over the ragged fields ``names``."""
+    size = np.zeros(len(draw.step), np.int64)
+    for name in names:
+        size += lengths(draw.lane, draw.step, name)
+    return size
 
 
 def _matching(draw: Draw, where: tuple[Bound, ...], values: Values) -> Draw:
