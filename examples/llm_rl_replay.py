@@ -24,9 +24,10 @@ the new policy with the next version. After every step it writes ``learner.json`
 version, step, its generator's state, statistics) to a temporary file, fsyncs it and renames
 it: killed, it resumes from its last step with the very batches it would have drawn.
 
-``--run-dir`` holds ``buffer/`` (the replay buffer), ``learner.json`` (the learner's checkpoint,
-which the generator reads for the policy and the stop flag) and ``summary.json`` (statistics:
-steps, starts, the largest batch in tokens, the largest version lag seen).
+``--run-dir`` holds ``buffer/`` (the replay buffer: a ring of the newest ``--capacity``
+rollouts), ``learner.json`` (the learner's checkpoint, which the generator reads for the policy
+and the stop flag) and ``summary.json`` (statistics: steps, starts, the largest batch in
+tokens, the largest version lag seen).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="responses per prompt (one commit)")
     p.add_argument("--vocab", type=int, default=16)
     p.add_argument("--max-response", type=int, default=16)
+    p.add_argument("--capacity", type=int, default=2048,
+                   help="a ring of the newest rollouts, so that most rows pass the version filter; 0: keep all")
     p.add_argument("--lr", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -105,12 +108,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 # ---- the generator -------------------------------------------------------------------------------
 
-def open_buffer(url: str) -> dr.ReplayBuffer:
+def open_buffer(url: str, capacity: int) -> dr.ReplayBuffer:
     """The buffer to append to: reopened (``mode="r+"``) if it exists, else created."""
     try:
         return dr.ReplayBuffer.open(url, mode="r+")
     except dr.NotABufferError:
-        return dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=256)
+        return dr.ReplayBuffer.create(url, FIELDS, capacity=capacity or None, chunk_rows=256)
 
 
 def rollouts(rng: np.random.Generator, logits: np.ndarray, group: int, max_response: int) -> dict[str, Any]:
@@ -135,8 +138,8 @@ def rollouts(rng: np.random.Generator, logits: np.ndarray, group: int, max_respo
 
 
 def generator(args: argparse.Namespace) -> None:
-    buf = open_buffer(os.path.join(args.run_dir, "buffer"))
-    rng = np.random.default_rng([args.seed, len(buf)])  # a restart goes on with new rollouts
+    buf = open_buffer(os.path.join(args.run_dir, "buffer"), args.capacity)
+    rng = np.random.default_rng([args.seed, int(buf.window()[1].sum())])  # a restart: new rollouts
     while True:
         logits, version, done = policy_of(args.run_dir, args.vocab)
         if done:

@@ -220,3 +220,20 @@ def test_empty_and_closed(tmp_path):
     buf.close()
     with pytest.raises(ClosedError, match="is closed"):
         buf.sample_tokens(10)
+
+
+def test_sharded_learner_samples_tokens_of_every_shard(tmp_path):
+    url = str(tmp_path / "sharded")
+    fields = {"tokens": dr.Field((None,), "int32"), "version": dr.Field((), "int64")}
+    dr.ReplayBuffer.create(url, fields, capacity=64, shards=2, chunk_rows=4).close()
+    for shard in range(2):
+        with dr.ReplayBuffer.open_shard(url, shard, "r+") as writer:
+            for step in range(12):
+                writer.add(tokens=np.full(1 + step % 5, 100 * shard + step, np.int32), version=step)
+    learner = dr.ReplayBuffer.open(url, "r", seed=0)
+    batch = learner.sample_tokens(60, where={"version": (6, None)}, seed=1)
+    shards, _, steps = learner.locate(batch["index"])
+    assert set(shards.tolist()) == {0, 1}
+    assert batch["version"].min() >= 6 and int(batch["tokens"].lengths.sum()) <= 60
+    for row, shard, step in zip(batch["tokens"], shards, steps):
+        assert row.tolist() == [100 * shard + step] * (1 + step % 5)
