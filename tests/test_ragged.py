@@ -461,3 +461,87 @@ def test_rows_of_2d_ids_and_out_refused_for_ragged(tmp_path: Path) -> None:
     assert [r.tolist() for r in got["tok"]] == [tokens(i, i % 6).tolist() for i in (0, 1, 4, 5)]
     with pytest.raises(ValueError, match=r"out\['tok'\]: field 'tok' is ragged: its rows come as a dr.Ragged"):
         buf.rows(np.array([0, 1]), out={"tok": np.zeros(2, np.int32)})
+
+
+def test_writer_writes_held_values_between_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past HELD_BYTES of staged values an append writes them (not only at a flush); rows read
+    back exactly, from the writer and after reopening."""
+    import diskreplay.storage.buffer_storage as buffer_storage
+    monkeypatch.setattr(buffer_storage, "HELD_BYTES", 1 << 16)
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), {"tok": dr.Field((None,), "int32")}, capacity=None)
+    want = [tokens(i, i % 700) for i in range(3000)]
+    for first in range(0, 3000, 100):
+        buf.extend({"tok": want[first:first + 100]})
+        assert buf.storage._values.held_bytes <= (1 << 16) + 100 * 700 * 4
+    got = buf[np.arange(3000)]["tok"]
+    assert all(np.array_equal(got[i], want[i]) for i in range(3000))
+    buf.close()
+    got = dr.ReplayBuffer.open(str(tmp_path / "b"))[np.arange(3000)]["tok"]
+    assert all(np.array_equal(got[i], want[i]) for i in range(3000))
+
+
+def test_ring_reader_never_gets_values_of_overwritten_rows(tmp_path: Path) -> None:
+    """A ring reader that did not refresh while its writer wrapped: every row it samples holds its
+    own values (a stale read makes it adopt the newest commit and draw again)."""
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, {"x": dr.Field((), "int64"), "tok": dr.Field((None,), "int32")},
+                                    capacity=16, chunk_rows=4)
+    step = 0
+    for _ in range(12):
+        writer.add(x=step, tok=tokens(step, step % 5 + 1))
+        step += 1
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url)
+    steps = np.arange(12)  # the ends (a fixed field) cached at the first commit, not the values
+    reader.storage.gather(np.zeros(12, np.int64), steps, ("x", "tok.ends"))
+    for round_ in range(6):
+        for _ in range(7):
+            writer.add(x=step, tok=tokens(step, step % 5 + 1))
+            step += 1
+        writer.flush()
+        batch = reader.sample(8, seed=round_)
+        for j, i in enumerate(batch["index"].tolist()):
+            assert batch["x"][j] == i and batch["tok"][j].tolist() == tokens(i, i % 5 + 1).tolist()
+    assert reader.stats().stale_reads > 0
+
+
+def test_extend_needs_a_row_axis(tmp_path: Path) -> None:
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), {"o": dr.Field((), "float32"), "t": dr.Field((), "str")})
+    with pytest.raises(dr.SchemaError, match=r"extend expects arrays with a leading step axis \(N, \*field.shape\); "
+                                             r"got shapes {'o': \(\), 't': \(\)}"):
+        buf.extend({"o": 1.0, "t": "abc"})
+    with pytest.raises(dr.SchemaError, match=r"field 'o': expected shape \(2,\), got \(\)"):
+        buf.extend({"o": 1.0, "t": ["a", "bc"]})
+    assert len(buf) == 0
+
+
+def test_xarray_opens_a_buffer_with_ragged_fields(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
+    for i in range(9):
+        buf.add(**row(i))
+    buf.close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = xr.open_zarr(str(tmp_path / "b"), consolidated=False)
+    assert ds["tok"].dims == ("lane", "tok_chunk", "tok_value")
+    assert ds["pts"].dims == ("lane", "pts_chunk", "pts_value", "pts_dim0")
+    assert ds["tok.ends"].dims == ("lane", "step") and "lp.ends" not in ds
+
+
+def test_info_and_export(tmp_path: Path) -> None:
+    from diskreplay.audit.info import buffer_info
+    buf = make(tmp_path / "b", capacity=None, chunk_rows=4)
+    for i in range(5):
+        buf.add(**row(i))
+    buf.close()
+    fields = buffer_info(str(tmp_path / "b"))["fields"]
+    assert fields["tok"] == {"shape": [None], "dtype": "int32"}
+    assert fields["lp"] == {"shape": [None], "dtype": "float32"}
+    assert fields["pts"] == {"shape": [None, 3], "dtype": "float16"}
+    assert fields["txt"] == {"shape": [], "dtype": "str"}
+    with pytest.raises(ValueError, match=r"export to 'npz' does not support ragged or text fields yet; .* has "
+                                         r"\['tok', 'lp', 'txt', 'pts'\]"):
+        dr.export_buffer(str(tmp_path / "b"), str(tmp_path / "out.npz"), progress=False)
+    assert not (tmp_path / "out.npz").exists() and not (tmp_path / "out.npz.partial").exists()

@@ -193,10 +193,16 @@ def _leading(data: Mapping[str, Any], schema: Schema) -> int:
     """N, the steps in an extend: the leading size most fields with a step axis agree on."""
     sizes = {name: int(np.shape(data[name])[0]) for name, field in schema.items()
              if name in data and not field.ragged and np.ndim(data[name]) > len(field.shape)}
-    if not sizes and any(name in data for name in schema.ragged):
-        return schema._lead({name: data[name] for name in schema.ragged if name in data})[0]
+    lead = schema.lead_of({name: data[name] for name in schema.ragged if name in data}) if not sizes else ()
+    if lead:
+        return lead[0]
     if not sizes:
         raise SchemaError(f"extend expects arrays with a leading step axis (N, *field.shape); got shapes "
-                          f"{ {name: np.shape(value) for name, value in data.items()} }")
+                          f"{ {name: _shape(value) for name, value in data.items()} }")
     counts = list(sizes.values())
     return max(counts, key=counts.count)  # the odd field out is then named by the schema check
+
+
+def _shape(value: Any) -> Any:
+    """``value``'s shape for a message; a list or tuple (a ragged field's rows) by its length."""
+    return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple)) else np.shape(value)

@@ -67,9 +67,10 @@ def values_shape(config: BufferConfig, field: Field, lane_rows: int, n_values: i
 
 
 def values_dimension_names(name: str, field: Field) -> tuple[str, ...]:
-    """``lane``, ``chunk`` (the row chunk), ``value`` (the position in the row chunk's values),
-    then ``<name>_dim<i>`` for each trailing axis."""
-    return ("lane", "chunk", "value", *(f"{name}_dim{i}" for i in range(len(field.shape))))
+    """``lane``, ``<name>_chunk`` (the row chunk), ``<name>_value`` (the position in the row
+    chunk's values; per field: their sizes differ between fields), then ``<name>_dim<i>`` for
+    each trailing axis."""
+    return ("lane", f"{name}_chunk", f"{name}_value", *(f"{name}_dim{i}" for i in range(len(field.shape))))
 
 
 def values_codec(config: BufferConfig) -> Codec:

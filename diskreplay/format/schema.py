@@ -204,7 +204,7 @@ class Schema:
                 f"expected exactly {list(self.fields)}")
         out: dict[str, Any] = {}
         if lead is None and self.ragged:
-            lead = self._lead(data)
+            lead = self.lead_of(data)
         for name, field in self.fields.items():
             if field.ragged:
                 packed = column(name, data[name], tuple(lead or ()), field.shape, field.text)
@@ -230,7 +230,7 @@ class Schema:
                                   f"{field.length_of!r}: {out[field.length_of].lengths.reshape(-1)[:8].tolist()}")
         return out
 
-    def _lead(self, data: Mapping[str, Any]) -> tuple[int, ...]:
+    def lead_of(self, data: Mapping[str, Any]) -> tuple[int, ...]:
         """The leading shape of a batch (one step axis), from a fixed field if there is one."""
         for name, field in self.fields.items():
             if not field.ragged and name in data:

@@ -18,7 +18,7 @@ from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
 from .outputs import Rows
-from .ragged_values import PENDING_BYTES, ValueStaging, values_key_of
+from .ragged_values import HELD_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
 from .writer import StagingWriter
 
@@ -82,8 +82,8 @@ class BufferStorage(Storage):
         columns: dict[str, Any] = {name: rows[name] for name in self._values.fields}
         fixed.update(self._values.stage(lane, start, columns, self._prev_end))
         stored = writer.append(lane, fixed, count)
-        if self._values.pending_bytes > PENDING_BYTES:
-            self._write_values(tails=False)
+        if self._values.held_bytes > HELD_BYTES:
+            self._write_values(tails=True)
         return stored
 
     def _retire_wrapped(self, lane: int, end: int) -> None:

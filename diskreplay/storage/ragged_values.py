@@ -11,6 +11,7 @@ arrays ride the fixed-field machinery; this class computes them (`ends`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -20,12 +21,13 @@ from ..errors import CorruptBufferError
 from ..format.config import BufferConfig
 from ..format.keys import array_key
 from ..format.layout import values_codec, values_problems, values_shape
-from ..format.ragged import RaggedColumn, value_chunk_for
+from ..format.ragged import RaggedColumn, ends_name, value_chunk_for, values_key
 from ..format.schema import Field
 from .chunk_io import ChunkIO, ChunkWrite
 
-PENDING_BYTES = 64 << 20
-"""Pending values past which an append writes them (the writer's memory stays bounded)."""
+HELD_BYTES = 64 << 20
+"""Values held (pending and staged) past which an append writes them, the staged tails too:
+the writer's memory stays bounded between flushes."""
 PrevEnd = Callable[[str, int, int], int]
 """``(ends field, lane, step)`` -> the stored end of that step's values in its row chunk."""
 
@@ -64,7 +66,8 @@ class ValueStaging:
     def stage(self, lane: int, start: int, columns: Mapping[str, RaggedColumn],
               prev_end: PrevEnd) -> dict[str, np.ndarray]:
         """Stage the values of steps ``[start, start + count)`` of ``lane``; returns each owner's
-        ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows."""
+        ends (``{"<owner>.ends": int64 [count]}``) for the fixed-field rows. Python loops run per
+        row chunk the steps touch, not per row."""
         out = {}
         for owner in dict.fromkeys(self.owner.values()):
             lengths = columns[owner].lengths.reshape(-1)
@@ -80,7 +83,7 @@ class ValueStaging:
             before = total[firsts] - lengths[firsts]
             ends = total - before[seg]
             ends[seg == 0] += prev
-            out[owner + ".ends"] = ends
+            out[ends_name(owner)] = ends
             self.last[(owner, lane)] = (start + len(lengths), int(chunk[-1]), int(ends[-1]))
             bounds = np.append(firsts, len(lengths))
             for name in (n for n, o in self.owner.items() if o == owner):
@@ -128,8 +131,11 @@ class ValueStaging:
         lv.chunk, lv.dirty = -1, False
 
     @property
-    def pending_bytes(self) -> int:
-        return sum(values.nbytes for _, values in self.pending.values())
+    def held_bytes(self) -> int:
+        """Bytes of values held here: pending and staged."""
+        staged = sum(lv.fill * lv.buf.itemsize * math.prod(lv.buf.shape[1:]) for lanes in self.lanes.values()
+                     for lv in lanes if lv.dirty)
+        return staged + sum(values.nbytes for _, values in self.pending.values())
 
     # ---- reads of staged values ------------------------------------------------------------
 
@@ -230,7 +236,6 @@ def read_values_meta(io: ChunkIO, config: BufferConfig, name: str, prefix: str =
 
 def values_key_of(io: ChunkIO, f: Field, name: str, lane: int, chunk: int, k: int) -> str:
     """The store key of a value chunk through ``io`` (a union's lanes live in their shards' directories)."""
-    from ..format.ragged import values_key
     if len(io.prefixes) == 1:
         return io.prefixes[0] + values_key(name, f.shape, lane, chunk, k, io.separator)
     group, lane = divmod(lane, io.prefix_lanes)
