@@ -237,3 +237,16 @@ def test_sharded_learner_samples_tokens_of_every_shard(tmp_path):
     assert batch["version"].min() >= 6 and int(batch["tokens"].lengths.sum()) <= 60
     for row, shard, step in zip(batch["tokens"], shards, steps):
         assert row.tolist() == [100 * shard + step] * (1 + step % 5)
+
+
+def test_tampered_ends_are_refused_before_any_value_is_read(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    url = str(tmp_path / "t")
+    with dr.ReplayBuffer.create(url, {"tokens": dr.Field((None,), "int32")}, capacity=None, chunk_rows=4) as buf:
+        buf.extend({"tokens": [np.arange(1 + i % 3, dtype=np.int32) for i in range(8)]})
+    ends = zarr.open_array(url + "/tokens.ends", mode="r+")
+    ends[0, :] = [1, 3, 2, 4, 1, 3, 6, 7]  # row 2 of chunk 0 starts at 3 and ends at 2
+    reader = dr.ReplayBuffer.open(url)
+    with pytest.raises(dr.CorruptBufferError, match=r"ragged field 'tokens': row chunk 0 of lane 0 has values "
+                                                    r"\[3, 2\): ends that do not add up"):
+        reader.sample_tokens(100, max_rows=8, seed=0)
