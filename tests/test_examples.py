@@ -1,5 +1,5 @@
 """The examples: short runs with small flags (offline BC over several epochs, DQN killed and resumed, RLPD's
-mixed batches)."""
+mixed batches, the LLM-RL generator and learner killed and resumed)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +366,55 @@ def test_rllib_offline_trains_bc_from_a_buffer_through_ray_data(tmp_path):
     assert lines[-1].endswith(" over 1 episodes")
     with dr.ReplayBuffer.open(tmp_path / "cartpole") as buf:
         assert len(buf) == 1000 and buf.fields["obs"].shape == (4,)
+
+
+def test_llm_rl_replay_survives_sigkill_of_generator_and_learner(tmp_path):
+    script, run_dir = str(ROOT / "examples" / "llm_rl_replay.py"), tmp_path / "run"
+    flags = ["--run-dir", str(run_dir), "--max-tokens", "200", "--max-lag", "3", "--group", "4"]
+    env = example_env(tmp_path)
+
+    def start(role, *more):
+        return subprocess.Popen([sys.executable, script, role, *flags, *more], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def summary():
+        try:
+            return json.loads((run_dir / "summary.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    generator, learner = start("generator"), start("learner", "--steps", "100000")
+    try:
+        deadline = time.monotonic() + 240
+        while summary().get("steps", 0) < 10:
+            assert generator.poll() is None and learner.poll() is None, learner.stderr.read()
+            assert time.monotonic() < deadline, "the learner took no 10 steps"
+            time.sleep(0.05)
+    finally:
+        generator.send_signal(signal.SIGKILL)  # a kill -9 of each, at any point of its loop
+        generator.wait()
+        learner.send_signal(signal.SIGKILL)
+        learner.wait()
+    with dr.ReplayBuffer.open(run_dir / "buffer", "r") as buf:
+        committed = len(buf)
+        before = buf[np.arange(committed)]
+    checkpoint = json.loads((run_dir / "learner.json").read_text())
+    killed_at = checkpoint["step"]
+    assert committed >= 4 and killed_at >= 10
+
+    generator = start("generator")
+    learner = start("learner", "--steps", str(killed_at + 15))
+    assert learner.wait(timeout=240) == 0, learner.stderr.read()
+    assert generator.wait(timeout=60) == 0, generator.stderr.read()  # it stops when the learner is done
+    with dr.ReplayBuffer.open(run_dir / "buffer", "r") as buf:
+        assert len(buf) > committed  # every committed rollout is still there, and new ones follow
+        after = buf[np.arange(committed)]
+    for name in ("prompt", "response", "logprobs"):
+        assert after[name].offsets.tolist() == before[name].offsets.tolist()
+        assert after[name].values.tolist() == before[name].values.tolist()
+    assert after["version"].tolist() == before["version"].tolist()
+    stats = summary()
+    assert stats["starts"] == [0, killed_at]  # the learner resumed from its checkpoint
+    assert stats["steps"] == stats["batches"] == killed_at + 15
+    assert 0 < stats["max_batch_tokens"] <= stats["max_tokens"] == 200
+    assert 0 <= stats["max_version_lag"] <= stats["max_lag"] == 3

@@ -20,6 +20,7 @@ from ..format.lanes import is_empty, row_ids
 from ..format.schema import Field
 from ..sampling import Draw, PrioritySampler, Sampler, SliceSampler
 from ..storage import check_output, physical_memory
+from .token_draws import Lengths, TokenRequest, draw_tokens
 
 Batch = dict[str, np.ndarray]
 SMALL_BATCH_BYTES = 1 << 26
@@ -165,6 +166,16 @@ class Batches:
             check_options(self.sampler, request.options)
         draw = Draw.joined([self.sampler.sample(rng, batch_size, lo, hi, **request.options) for rng in rngs])
         return self._finished(self.view.gather(draw.lane, draw.step), draw, request)
+
+    def sample_tokens(self, rng: np.random.Generator, request: TokenRequest, lengths: Lengths) -> Batch:
+        """One token-budgeted batch (`draw_tokens`) from the rows readable now, gathered as
+        `sample` gathers plain transitions. ``lengths``: rows' lengths of a ragged field. Raises
+        as `sample` and `draw_tokens`."""
+        lo, hi = self._readable()
+        if request.options:
+            check_options(self.sampler, request.options)
+        draw = draw_tokens(self.sampler, rng, lo, hi, request, lengths, self.view.gather)
+        return self._finished(self.view.gather(draw.lane, draw.step), draw, PLAIN)
 
     def _readable(self) -> tuple[np.ndarray, np.ndarray]:
         """The window ``[lo, hi)`` per lane. Raises EmptyBufferError if it holds no rows."""

@@ -38,6 +38,7 @@ from .rate_limit import LearnerGate, RateLimiter
 from .row_lookup import locate, newest_ids, readable_ids, readable_lane_steps, sampled_lane_steps
 from .setup import check_open_options, close_all, create_storages, plan_buffer, prepare_location
 from .sharding import create_sharded, open_buffer, open_writer
+from .token_draws import token_request
 
 if TYPE_CHECKING:
     from ..torch.datasets import EpochDataset, SampleDataset
@@ -67,9 +68,7 @@ class ReplayBuffer(Pinning):
         storage, finals = opening.storage, opening.finals
         self.storage: Storage = storage
         """The `Storage` facade below this buffer (for tools: `diskreplay info`, importers)."""
-        self.sampler = sampler
-        self.rng = rng
-        self.retry = retry or RetryPolicy()
+        self.sampler, self.rng, self.retry = sampler, rng, retry or RetryPolicy()
         self.view = row_view(storage, storage.config, finals)
         self.episode_index, self.episodic_return = self.view.episodes, self.view.returns
         sampler.attach(storage.layout)
@@ -240,9 +239,9 @@ class ReplayBuffer(Pinning):
             ResizeInProgressError: ``mode="r"`` while a change of capacity is under way.
         """
         return open_buffer(cls, url, mode, None, sampler=sampler, storage_options=storage_options,
-                           cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map,
-                           break_lock=break_lock, retry=retry, continue_episodes=continue_episodes, seed=seed,
-                           rate_limiter=rate_limiter, lease_s=lease_s, at_commit=at_commit, capacity=capacity)
+                           cache_bytes=cache_bytes, io_threads=io_threads, memory_map=memory_map, break_lock=break_lock,
+                           retry=retry, continue_episodes=continue_episodes, seed=seed, rate_limiter=rate_limiter,
+                           lease_s=lease_s, at_commit=at_commit, capacity=capacity)
 
     @classmethod
     def open_shard(cls, url: str | os.PathLike[str], shard: int, mode: str = "r+", *,
@@ -496,6 +495,41 @@ class ReplayBuffer(Pinning):
         generator = call_generator(seed, rng, self.rng)
         return convert(self._read_counted(int(batch_size), self._batches.sample, generator, int(batch_size), request))
 
+    def sample_tokens(self, max_tokens: int, lengths_of: str | Sequence[str] = "tokens", **options: Any) -> Rows | Any:
+        """A token-budgeted minibatch: rows drawn by the buffer's sampler, in draw order, as many
+        as fit ``max_tokens``: the batch ends before the first row whose values of the ragged
+        field(s) ``lengths_of`` (summed over the fields) would take the batch past the budget.
+        Lengths come from the stored ends (no values read); no Python loop runs per row. Returns
+        what `sample` returns for plain transitions (every field, ``"index"``, ``"weight"``...).
+
+        Keyword options: ``where={"field": (low, high)}`` keeps only rows whose scalar numeric
+        field lies in ``[low, high]`` (None: no bound), e.g. ``{"policy_version": (v - k, None)}``:
+        rows at most k versions behind. Rows outside are drawn and dropped (a vectorized mask over
+        each block of draws), so a filter that keeps a share p of the rows costs about 1/p draws
+        per kept row. ``max_rows`` (default ``max_tokens``): the most rows a batch holds.
+        ``max_draws`` (default ``max(4096, 16 * max_rows)``): the most rows drawn for one batch.
+        ``packed=True``: each ragged field ``f`` as its values end to end with ``f_cu_seqlens``
+        (int32 ``[B + 1]``) and ``f_max_seqlen`` (see `output_converter`). ``seed``, ``rng``,
+        ``format`` (not ``"tensordict"`` with ``packed``), ``beta``, ``recent_rows`` and a
+        sampler's own options as in `sample`.
+
+        The rows are the sampler's draws in order, drawn in blocks (the first of 64 rows, or
+        ``max_rows`` if fewer; later ones sized from the lengths seen): the same seed gives the
+        same batch, and the buffer's generator is saved in `state_dict` as for `sample`. Rows
+        drawn past the one that ends the batch are dropped (with `WithoutReplacement`, they are
+        used up for that epoch). A batch is never empty: it ends after ``max_draws`` draws.
+
+        Raises:
+            SchemaError: a ``lengths_of`` field that is missing or not ragged; a ``where`` field
+                that is missing or not a scalar number.
+            ValueError: ``max_tokens``, ``max_rows``, ``max_draws`` not an int >= 1; bad ``where``
+                bounds; the first matching row drawn is longer than ``max_tokens`` alone (the
+                budget must hold the longest row); options as `sample`.
+            EmptyBufferError: no readable row, or none of ``max_draws`` drawn matched ``where``.
+            StaleReadError, RateLimitTimeout, ClosedError: as `sample`.
+        """
+        return sample_tokens(self, self._read_counted, self._batches, max_tokens, lengths_of, **options)
+
     def sample_batches(self, batch_size: int, count: int, *, seed: int | None = None,
                        rng: np.random.Generator | None = None, rngs: Sequence[np.random.Generator] | None = None,
                        format: str = "numpy", beta: float | None = None, recent_rows: int | None = None,
@@ -531,11 +565,11 @@ class ReplayBuffer(Pinning):
         return [convert(batch) for batch in split_batches(block, [size] * count)]
 
     def _read_counted(self, rows: int, read: Callable[..., Rows], *args: Any) -> Rows:
-        """``read(*args)`` through the follower's retries, counted as ``rows`` sampled rows by the
-        learner's rate limiter, if any."""
+        """``read(*args)`` through the follower's retries, once the learner's rate limiter (if
+        any) lets ``rows`` rows be sampled, counted as the rows the batch holds."""
         self._gate.before(rows)
         batch = self._follower.read_retrying(read, *args)
-        self._gate.after(rows)
+        self._gate.after(len(batch["index"]))
         return batch
 
     def as_dataset(self, batch_size: int, mode: str = "sample", **options: Any) -> SampleDataset | EpochDataset:
@@ -609,8 +643,7 @@ class ReplayBuffer(Pinning):
             check_out(out, np.size(ids), self.fields)
         shape, lane, step = readable_lane_steps(ids, *self.storage.window(), self.num_envs)
         rows = self._follower.read_once(lambda: self.view.gather(lane, step, out=out))
-        return convert(rows if len(shape) == 1 else {k: v.reshape(shape + v.shape[1:]) if isinstance(v, np.ndarray)
-                                                     else v for k, v in rows.items()})
+        return convert(rows if len(shape) == 1 else shaped(rows, shape))
 
     def latest(self, n: int) -> Rows:
         """The newest ``n`` readable rows (fewer if the buffer holds fewer), oldest first:
@@ -729,3 +762,23 @@ class ReplayBuffer(Pinning):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+def shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
+    """``rows`` (gathered for the flat ids) with their ids' ``shape``."""
+    return {k: v.reshape(shape + v.shape[1:]) if isinstance(v, np.ndarray) else v for k, v in rows.items()}
+
+
+def sample_tokens(buf: ReplayBuffer, read_counted: Callable[..., Rows], batches: Batches, max_tokens: int,
+                  lengths_of: str | Sequence[str], *, where: Mapping[str, tuple[Any, Any]] | None = None,
+                  max_rows: int | None = None, max_draws: int | None = None, packed: bool = False,
+                  seed: int | None = None, rng: np.random.Generator | None = None, format: str = "numpy",
+                  beta: float | None = None, recent_rows: int | None = None, **options: Any) -> Rows | Any:
+    """`ReplayBuffer.sample_tokens` of ``buf`` (see there), reading through ``read_counted``."""
+    if buf.closed:
+        raise ClosedError(f"buffer {buf.url!r} is closed; open it again to use it")
+    convert = output_converter(format, packed=packed)
+    request = token_request(buf.view.schema, max_tokens, lengths_of, where, max_rows, max_draws,
+                            plain_request(options, beta, recent_rows).options)
+    generator = call_generator(seed, rng, buf.rng)
+    return convert(read_counted(1, batches.sample_tokens, generator, request, buf.storage.lengths))

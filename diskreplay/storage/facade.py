@@ -236,6 +236,27 @@ class Storage(ABC):
                                        f"{self.url!r}: encoded frame field {name!r}")
         return {name: result[name] for name in names}
 
+    def lengths(self, lane: np.ndarray, step: np.ndarray, name: str) -> np.ndarray:
+        """The lengths (int64) of rows (lane, step) of ragged field ``name``, from its ends alone
+        (no values read). The caller guarantees the steps lie inside `window`.
+
+        Raises:
+            ValueError: ``name`` is not a ragged field of this storage.
+            StaleReadError, CorruptBufferError (ends that do not add up), ClosedError: as `gather`.
+        """
+        if self._log.closed:
+            raise ClosedError(f"buffer {self.url!r} is closed; open it again to use it")
+        if self._ragged is None or name not in self._ragged.fields:
+            raise ValueError(f"{name!r} is not a ragged field of {self.url!r}")
+        key = ends_name(self.config.user_schema[name].length_of or name)
+        end = self._reader.gather(lane, step, (key,))[key].astype(np.int64)
+        chunk, offset = self.layout.chunk_and_offset(step)
+        inner = offset > 0
+        start = np.zeros(len(step), np.int64)
+        if inner.any():
+            start[inner] = self._reader.gather(lane[inner], step[inner] - 1, (key,))[key]
+        return self._ragged.lengths(name, lane, chunk, start, end)
+
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
         """Announce the next reads: ``steps`` yields (lane, step) arrays in the order `gather`
         will ask for them (read lazily). Their chunks are then fetched and decoded on threads

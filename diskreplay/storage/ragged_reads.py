@@ -165,6 +165,14 @@ class RaggedReads:
         result: np.ndarray = slots[inverse]
         return result
 
+    def lengths(self, name: str, lane: np.ndarray, chunk: np.ndarray, start: np.ndarray,
+                end: np.ndarray) -> np.ndarray:
+        """The lengths ``end - start`` of rows of ``name`` in row chunks ``chunk`` of ``lane``,
+        their ends checked first (no values read). Raises CorruptBufferError."""
+        self._check_ends(name, lane, chunk, start, end)
+        lengths: np.ndarray = end - start
+        return lengths
+
     def _check_ends(self, name: str, lane: np.ndarray, chunk: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         """Ends read from the store are checked before use: a row ends at or after its start and
         within the values array (its ``zarr.json``, read again when a row passes it)."""

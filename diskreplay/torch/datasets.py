@@ -225,8 +225,7 @@ class SampleDataset(_BufferDataset):
                  world_size: int, refresh_every: int | None, refresh_seconds: float | None,
                  sample_options: dict[str, Any] | None = None, ring: WorkerRing | None = None,
                  as_tensordict: bool = False, block_batches: int = 1, ragged: str = "nested"):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches,
-                         ragged)
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches, ragged)
         self.refresh_every = refresh_every
         self.refresh_seconds = refresh_seconds
         self.sample_options = dict(sample_options or {})
@@ -369,8 +368,7 @@ class EpochDataset(_BufferDataset):
                  world_size: int, lo: np.ndarray, hi: np.ndarray, shuffle: str, shuffle_window: int,
                  pad: bool, drop_last: bool, ring: WorkerRing | None = None, as_tensordict: bool = False,
                  block_batches: int = 1, partitions: int = PARTITIONS, ragged: str = "nested"):
-        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches,
-                         ragged)
+        super().__init__(reader, layout, batch_size, seed, rank, world_size, ring, as_tensordict, block_batches, ragged)
         self.lo, self.hi = [int(x) for x in lo], [int(x) for x in hi]
         self.shuffle, self.shuffle_window = shuffle, shuffle_window
         self.pad, self.drop_last = pad, drop_last
