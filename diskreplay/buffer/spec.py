@@ -253,14 +253,7 @@ def _check_fields(fields: Any) -> dict[str, Field]:
 def _field_data(f: Field) -> dict[str, Any]:
     """One field as `to_dict` spells it (a ragged one: shape ``[null, ...]``, maybe ``length_of``;
     text: dtype ``"str"``; an encoded one: its ``codec`` and maybe ``quality``)."""
-    data: dict[str, Any] = {"shape": list(f.declared_shape), "dtype": "str" if f.text else f.dtype.name}
-    if f.length_of is not None:
-        data["length_of"] = f.length_of
-    if f.codec is not None:
-        data["codec"] = f.codec
-    if f.quality is not None:
-        data["quality"] = f.quality
-    return data
+    return {**f.to_json(), "dtype": "str" if f.text else f.dtype.name}  # a spec names dtypes: "float32"
 
 
 def _fields_from_data(data: Any) -> dict[str, Field]:

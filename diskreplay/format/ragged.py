@@ -92,6 +92,7 @@ class Ragged:
         return lengths
 
     def __len__(self) -> int:
+        """Rows: ``len(offsets) - 1``."""
         return len(self.offsets) - 1
 
     @overload
@@ -120,6 +121,7 @@ class Ragged:
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        """Each row's values in turn (views)."""
         return (self[i] for i in range(len(self)))
 
     def to_padded(self, pad_value: Any = 0) -> tuple[np.ndarray, np.ndarray]:
