@@ -107,17 +107,22 @@ def test_hf_single_file_with_list_columns_and_no_done(tmp_path):
         buf.close()
 
 
-def test_non_numeric_columns_are_skipped_with_a_warning(tmp_path):
+def test_string_columns_are_text_and_binary_columns_skipped_with_a_warning(tmp_path):
     cols = lerobot_columns()
-    table = to_table(cols).append_column("task", pa.array(["pick"] * len(cols["index"])))
-    table = table.append_column("image", pa.array([b"\xff\xd8"] * len(cols["index"]), pa.binary()))
-    pq.write_table(table, tmp_path / "d.parquet")
+    n = len(cols["index"])
+    texts = [["pick", "héllo wörld ✓", ""][i % 3] for i in range(n)]
+    table = to_table(cols).append_column("task", pa.array(texts))
+    table = table.append_column("note", pa.array(texts[::-1], pa.large_string()))
+    table = table.append_column("image", pa.array([b"\xff\xd8"] * n, pa.binary()))
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=5)
     with pytest.warns(UserWarning) as record:
-        buf = import_dataset(tmp_path / "d.parquet", tmp_path / "b", progress=False)
+        buf = import_dataset(tmp_path / "d.parquet", tmp_path / "b", progress=False, batch_rows=4)
     messages = sorted(str(w.message).split(": ", 1)[1] for w in record)
-    assert messages == ["column 'image': skipped (type binary holds no numbers)",
-                        "column 'task': skipped (type string holds no numbers)"]
-    assert "task" not in buf.fields and "image" not in buf.fields and len(buf) == sum(LENGTHS)
+    assert messages == ["column 'image': skipped (type binary holds no numbers)"]
+    assert buf.fields["task"] == dr.Field((), "str") and buf.fields["note"] == dr.Field((), "str")
+    assert "image" not in buf.fields and len(buf) == n
+    rows = rows_of(buf)
+    assert rows["task"].tolist() == texts and rows["note"].tolist() == texts[::-1]
 
 
 def test_many_row_groups_small_batches_bounded_memory(tmp_path):
@@ -275,6 +280,159 @@ def test_parquet_export_refuses_names_read_back_as_others(tmp_path):
     with pytest.raises(ValueError, match="'observations'"):
         export_buffer(tmp_path / "b", tmp_path / "out.parquet", progress=False)
     assert not os.path.exists(tmp_path / "out.parquet") and not os.path.exists(tmp_path / "out.parquet.partial")
+
+
+VARYING_FIELDS = {"tok": dr.Field((None,), "int32"), "lp": dr.Field((None,), "float32", length_of="tok"),
+                  "points": dr.Field((None, 3), "float32"), "prompt": dr.Field((), "str"),
+                  "camera": dr.Field((6, 5, 3), "uint8", codec="png"), "reward": dr.Field((), "float32"),
+                  "terminated": dr.Field((), "bool"), "truncated": dr.Field((), "bool")}
+TEXTS = ("", "2+2=", "héllo wörld", "日本語のテキスト ✓", "a\nb")
+
+
+def varying_buffer(path) -> dr.ReplayBuffer:
+    """Two lanes of 9 and 7 steps, several episodes each, of ragged, text and PNG frame fields."""
+    buf = dr.ReplayBuffer.create(path, VARYING_FIELDS, num_envs=2, chunk_rows=4)
+    rng = np.random.default_rng(5)
+    for lane, n in ((0, 9), (1, 7)):
+        lengths = rng.integers(0, 5, n)
+        lengths[3] = 0
+        terminated = np.zeros(n, bool)
+        terminated[[2, 6, n - 1]] = True
+        buf.extend({"tok": [[rng.integers(-2**31, 2**31 - 1, k).astype(np.int32)] for k in lengths],
+                    "lp": [[rng.normal(size=k).astype(np.float32)] for k in lengths],
+                    "points": [[rng.normal(size=(k + lane, 3)).astype(np.float32)] for k in lengths],
+                    "prompt": np.array([[TEXTS[(i + lane) % len(TEXTS)]] for i in range(n)], dtype=object),
+                    "camera": rng.integers(0, 256, (n, 1, 6, 5, 3), dtype=np.uint8),
+                    "reward": rng.normal(size=(n, 1)).astype(np.float32),
+                    "terminated": terminated[:, None], "truncated": np.zeros((n, 1), bool)}, env_ids=[lane])
+    buf.flush()
+    return buf
+
+
+def assert_same_rows(a: dict, b: dict) -> None:
+    for name, values in a.items():
+        if isinstance(values, dr.Ragged):
+            assert isinstance(b[name], dr.Ragged) and b[name].values.dtype == values.values.dtype, name
+            np.testing.assert_array_equal(b[name].offsets, values.offsets, err_msg=name)
+            np.testing.assert_array_equal(b[name].values, values.values, err_msg=name)
+        elif values.dtype == object:
+            assert b[name].tolist() == values.tolist(), name
+        else:
+            assert b[name].dtype == values.dtype, name
+            np.testing.assert_array_equal(b[name], values, err_msg=name)
+
+
+def test_ragged_text_and_frame_fields_round_trip(tmp_path):
+    import json
+
+    buf = varying_buffer(tmp_path / "b")
+    assert export_buffer(tmp_path / "b", tmp_path / "out.parquet", progress=False, batch_rows=3) == 16
+    file = tmp_path / "out.parquet" / "data" / "chunk-000" / "file-000000.parquet"
+    schema = pq.read_schema(file)
+    assert str(schema.field("tok").type) == "large_list<element: int32>"
+    assert str(schema.field("points").type) == "large_list<element: fixed_size_list<element: float>[3]>"
+    assert schema.field("prompt").type == pa.string()
+    assert str(schema.field("camera").type) == ("fixed_size_list<element: fixed_size_list<element: "
+                                                "fixed_size_list<element: uint8>[3]>[5]>[6]")
+    specs = json.loads(schema.metadata[b"diskreplay_fields"])
+    assert specs["lp"] == {"shape": [None], "dtype": "<f4", "length_of": "tok"}
+    assert specs["points"] == {"shape": [None, 3], "dtype": "<f4"}
+    assert specs["prompt"] == {"shape": [], "dtype": "str"}
+    assert specs["camera"] == {"shape": [6, 5, 3], "dtype": "|u1", "codec": "png"}
+    assert specs["next.reward"] == {"shape": [], "dtype": "<f4"}
+    a = rows_of(buf)
+    table = pq.read_table(file)
+    assert table["prompt"].to_pylist() == a["prompt"].tolist()
+    assert table["tok"].to_pylist()[4] == a["tok"][4].tolist()
+    back = import_dataset(tmp_path / "out.parquet", tmp_path / "back", batch_rows=4, progress=False)
+    assert dict(back.fields) == dict(buf.fields)
+    b = rows_of(back)  # both lane by lane, in time order: the export's order
+    assert_same_rows(a, b)
+    assert np.flatnonzero(b["terminated"]).tolist() == [2, 6, 8, 11, 15] and len(b["prompt"]) == 16
+
+
+def write_declared(path, table, specs) -> None:
+    import json
+
+    meta = {b"diskreplay_export": b"1", b"diskreplay_fields": specs if isinstance(specs, bytes) else json.dumps(specs)}
+    pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=2)
+
+
+def declared_table(points):
+    n = len(points)
+    return pa.table({"episode_index": np.zeros(n, np.int64), "frame_index": np.arange(n, dtype=np.int64),
+                     "points": pa.array(points, pa.large_list(pa.list_(pa.float32()))),
+                     "tok": pa.array([[1, 2]] * n, pa.list_(pa.int32())), "score": np.zeros(n, np.float32)})
+
+
+def test_declared_ragged_column_of_variable_lists_imports(tmp_path):
+    points = [[[0, 1, 2]], [], [[3, 4, 5], [6, 7, 8]]]
+    write_declared(tmp_path / "d.parquet", declared_table(points),
+                   {"points": {"shape": [None, 3], "dtype": "<f4"}, "tok": {"shape": [None], "dtype": "<i4"}})
+    buf = import_dataset(tmp_path / "d.parquet", tmp_path / "b", progress=False)
+    rows = rows_of(buf)
+    assert buf.fields["points"] == dr.Field((None, 3), "float32") and buf.fields["score"] == dr.Field((), "float32")
+    assert rows["points"].lengths.tolist() == [1, 0, 2]
+    assert rows["points"].values.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert rows["tok"].lengths.tolist() == [2, 2, 2]
+
+
+POINTS = [[[0, 1, 2]], [], [[3, 4, 5], [6, 7, 8]], [[0, 0, 0]], [[9, 9, 9]]]
+
+
+@pytest.mark.parametrize(("points", "specs", "message"), [
+    (POINTS, b"{not json", r"d.parquet': schema metadata 'diskreplay_fields' is not JSON"),
+    (POINTS, [1, 2], r"d.parquet': schema metadata 'diskreplay_fields' must be a JSON object of column -> "
+                     r"field spec, got list"),
+    (POINTS, {"points": {"shape": [None, 3], "dtype": "complex64"}},
+     r"d.parquet': column 'points': schema metadata 'diskreplay_fields' is not a valid field spec \(Field dtype"),
+    (POINTS, {"points": {"dtype": "<f4"}},
+     r"d.parquet': column 'points': schema metadata 'diskreplay_fields' is not a valid field spec \('shape'\)"),
+    (POINTS, {"points": "ragged"}, r"column 'points': .* is not a valid field spec \(expected a JSON object"),
+    (POINTS, {"points": {"shape": [None, 3], "dtype": "<f4", "length_of": "nothing"}},
+     r"d.parquet': the fields declared in its schema metadata do not fit \(.*'nothing'"),
+    (POINTS, {"points": {"shape": [None, 3], "dtype": "<i4"}},
+     r"d.parquet': column 'points': declared ragged int32, the column holds float"),
+    (POINTS, {"score": {"shape": [None], "dtype": "<f4"}},
+     r"d.parquet': column 'score': declared ragged \(None,\), the column is float, expected a list column"),
+    (POINTS, {"score": {"shape": [], "dtype": "str"}},
+     r"d.parquet': column 'score': declared a text field, the column is float, expected strings"),
+    ([*POINTS[:3], [[0, 0]], POINTS[4]], {"points": {"shape": [None, 3], "dtype": "<f4"}},
+     r"d.parquet': column 'points': row 3 does not hold lists of 3 \(declared rows of shape \(None, 3\)\)"),
+    (POINTS, {"points": {"shape": [None, 3], "dtype": "<f4"}, "tok": {"shape": [None], "dtype": "<i4",
+                                                                     "length_of": "points"}},
+     r"d.parquet': column 'tok' row 0 has 2 values, column 'points' \(its length_of\) 1"),
+])
+def test_bad_field_metadata_is_refused_naming_file_and_field(tmp_path, points, specs, message):
+    write_declared(tmp_path / "d.parquet", declared_table(points), specs)
+    with pytest.raises(ImportFormatError, match=message):
+        import_dataset(tmp_path / "d.parquet", tmp_path / "b", progress=False)
+    assert not os.path.exists(tmp_path / "b")
+
+
+def test_npz_and_hdf5_exports_write_frame_fields_decoded_and_refuse_text(tmp_path):
+    buf = dr.ReplayBuffer.create(tmp_path / "b", {"camera": dr.Field((4, 3, 3), "uint8", codec="png"),
+                                                  "reward": dr.Field((), "float32")})
+    frames = np.random.default_rng(0).integers(0, 256, (5, 4, 3, 3), dtype=np.uint8)
+    buf.extend({"camera": frames, "reward": np.arange(5, dtype=np.float32)})
+    buf.close()
+    export_buffer(tmp_path / "b", tmp_path / "out.npz", progress=False)
+    with np.load(tmp_path / "out.npz") as npz:
+        np.testing.assert_array_equal(npz["camera"], frames)
+    back = import_dataset(tmp_path / "out.npz", tmp_path / "back", progress=False)
+    assert back.fields["camera"] == dr.Field((4, 3, 3), "uint8")  # pixels: the codec is not kept
+    np.testing.assert_array_equal(rows_of(back)["camera"], frames)
+    export_buffer(tmp_path / "b", tmp_path / "out.h5", progress=False)
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "out.h5") as f:
+        np.testing.assert_array_equal(f["camera"][...], frames)
+    text = dr.ReplayBuffer.create(tmp_path / "t", {"prompt": dr.Field((), "str")})
+    text.add(prompt="hi")
+    text.close()
+    with pytest.raises(ValueError, match=r"export to 'hdf5' does not support ragged or text fields; .* has "
+                                         r"\['prompt'\]: export to 'parquet'"):
+        export_buffer(tmp_path / "t", tmp_path / "text.h5", progress=False)
+    assert not os.path.exists(tmp_path / "text.h5") and not os.path.exists(tmp_path / "text.h5.partial")
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ names. `import_dataset` maps these names back for either format, so exporting th
 gives the buffer's field names and values. With several env lanes, a lane's last row is written
 with ``timeouts`` set (when a ``truncated`` field exists) so that D4RL readers do not join the
 end of one lane to the start of the next. Both files are marked as written here (HDF5 attribute,
-zip comment ``diskreplay_export``), so importing them derives no ``next_obs``.
+zip comment ``diskreplay_export``), so importing them derives no ``next_obs``. Encoded frame
+fields (``codec=``) are written as their decoded pixels; ragged and text fields are refused
+(ValueError): export them to Parquet.
 
 Format ``"parquet"`` writes a folder of LeRobot / Hugging Face-style Parquet files instead
 (`diskreplay.offline.parquet_export`), which the ``"parquet"`` import reads back; format
@@ -69,8 +71,9 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
 
     Raises:
         FileExistsError: ``dest`` exists and ``overwrite`` is False.
-        ValueError: unknown format, a ragged or text field (not exported yet, but to ``"lerobot"``,
-            which takes text and encoded frame fields), two fields mapping to one exported name, a
+        ValueError: unknown format, a ragged or text field with format ``"npz"``, ``"hdf5"`` or
+            ``"minari"`` (``"parquet"`` writes them, see `diskreplay.offline.parquet_export`;
+            ``"lerobot"`` takes text fields), two fields mapping to one exported name, a
             ``dataset_id`` with another format than ``"minari"`` (an ``fps`` with another than
             ``"lerobot"``), or a Minari id Minari cannot find (malformed, or another than dest's
             path under Minari's datasets folder).
@@ -94,10 +97,10 @@ def export_buffer(url: str | os.PathLike, dest: str | os.PathLike, *, format: st
     buf = open_readonly(url, storage_options)
     tmp = f"{dest}.partial"
     try:
-        varying = [name for name, f in buf.fields.items() if f.ragged]
-        if varying and fmt != "lerobot":  # the LeRobot export writes text and frame fields (and refuses others)
-            raise ValueError(f"export to {fmt!r} does not support ragged or text fields yet; {url!r} has "
-                             f"{varying}: read them with ReplayBuffer.rows")
+        varying = [name for name, f in buf.fields.items() if f.varies]
+        if varying and fmt in ("npz", "hdf5", "minari"):  # parquet and lerobot write them
+            raise ValueError(f"export to {fmt!r} does not support ragged or text fields; {url!r} has "
+                             f"{varying}: export to 'parquet' or read them with ReplayBuffer.rows")
         if fmt in ("npz", "hdf5"):
             _check_names(buf.fields)
         _remove(tmp)

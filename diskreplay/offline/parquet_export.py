@@ -6,9 +6,17 @@ The output is a folder: ``<dest>/data/chunk-000/file-<n>.parquet``, a new file e
 (``obs`` -> ``observation.state``, ``reward`` -> ``next.reward``, ``terminated`` -> ``next.done``,
 ``truncated`` -> ``next.truncated``, ``next_obs`` -> ``next.observation.state``; other fields keep
 their names). Scalar fields are plain columns, vector fields fixed-size lists (nested for more
-dimensions). Lanes are written one after another, each in time order; an episode ends after a row
-whose end flag is set, and at each lane's end, so a lane's unfinished episode is a separate
-episode (imported back as truncated there).
+dimensions). A ragged field ``Field((None, *T), ...)`` is a ``large_list`` column (of fixed-size
+lists for ``T``), a text field a ``string`` column (UTF-8), an encoded frame field (``codec=``) its
+decoded pixels, like a fixed uint8 field: any Parquet reader sees the frames, and the import
+encodes them again with the field's codec (PNG gives the same bytes back; JPEG and video encode
+once more, with the loss that adds). The schema metadata holds ``diskreplay_export`` and
+``diskreplay_fields`` (JSON: each column's field spec, `Field.to_json`: shape with null for the
+varying axis, dtype ``"str"``, ``length_of``, ``codec``, ``quality``), which the import follows.
+
+Lanes are written one after another, each in time order; an episode ends after a row whose end
+flag is set, and at each lane's end, so a lane's unfinished episode is a separate episode
+(imported back as truncated there).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import numpy as np
 from ..audit.rows import episode_fields, iter_rows, readable
 from ..episodes import end_flags
 from .formats.parquet import PLACE_COLUMNS, parquet_field_name, require_arrow, require_pyarrow
+from .formats.parquet_fields import FIELDS_KEY, fields_metadata
 
 EXPORT_NAMES = {"obs": "observation.state", "next_obs": "next.observation.state", "reward": "next.reward",
                 "terminated": "next.done", "truncated": "next.truncated", "action": "action"}
@@ -75,26 +84,35 @@ def _schema(pa: Any, fields: dict) -> Any:
     """The arrow schema: the three placement columns, then one column per field."""
     columns = [pa.field(name, pa.int64(), nullable=False) for name in ("episode_index", "frame_index", "index")]
     for name, spec in fields.items():
-        typ = pa.from_numpy_dtype(spec.dtype)
+        typ = pa.string() if spec.text else pa.from_numpy_dtype(spec.dtype)
         for size in reversed(spec.shape):
             typ = pa.list_(typ, size)
+        if spec.varies and not spec.text:
+            typ = pa.large_list(typ)
         columns.append(pa.field(parquet_name(name), typ, nullable=False))
-    return pa.schema(columns, metadata={"diskreplay_export": "1"})
+    specs = fields_metadata({parquet_name(name): spec for name, spec in fields.items()})
+    return pa.schema(columns, metadata={"diskreplay_export": "1", FIELDS_KEY: specs})
 
 
-def _record_batch(pa: Any, schema: Any, part: dict[str, np.ndarray], fields: dict) -> Any:
+def _record_batch(pa: Any, schema: Any, part: dict[str, Any], fields: dict) -> Any:
     """One record batch of ``part`` (fields plus the placement columns) in ``schema``."""
     arrays = [pa.array(part[name]) for name in ("episode_index", "frame_index", "index")]
     for name, spec in fields.items():
-        values = np.ascontiguousarray(part[name])
+        if spec.text:
+            arrays.append(pa.array(part[name].tolist(), pa.string()))
+            continue
+        rows = part[name]
+        values = np.ascontiguousarray(rows.values if spec.varies else rows)
         array = pa.array(values.reshape(-1))
         for size in reversed(spec.shape):
             array = pa.FixedSizeListArray.from_arrays(array, size)
+        if spec.varies:  # the rows' values end to end, cut by their offsets
+            array = pa.LargeListArray.from_arrays(pa.array(rows.offsets, pa.int64()), array)
         arrays.append(array)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _rows(buf: Any, batch_rows: int) -> Iterator[dict[str, np.ndarray]]:
+def _rows(buf: Any, batch_rows: int) -> Iterator[dict[str, Any]]:
     """Row slices of every field, lane after lane, with ``episode_index``, ``frame_index`` and ``index``."""
     ends = episode_fields(buf)
     names = list(buf.fields)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import CorruptBufferError, DiskReplayError
 from ..format.keys import MAX_METADATA_BYTES, json_object
-from ..format.ragged import EncodedFrames
+from ..format.ragged import EncodedFrames, Ragged
 from ..format.schema import ALLOWED_DTYPES, Field
 from ..io import is_local, local_path
 from .naming import D4RL_FLAGS, END_FIELDS, d4rl_field_name
@@ -113,7 +113,12 @@ class PendingSlices:
 
 
 def concat_rows(parts: list) -> Any:
-    """Rows of one field one after the other: arrays, or `EncodedFrames` (encoded images)."""
+    """Rows of one field one after the other: arrays, `Ragged` rows, or `EncodedFrames` (encoded images)."""
+    if isinstance(parts[0], Ragged):
+        ends = np.cumsum([0] + [int(p.offsets[-1] - p.offsets[0]) for p in parts[:-1]])
+        offsets = [p.offsets[1:] - p.offsets[0] + end for p, end in zip(parts, ends, strict=True)]
+        return Ragged(np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts]),
+                      np.concatenate([[0], *offsets]).astype(np.int64))
     if isinstance(parts[0], EncodedFrames):
         return EncodedFrames(np.concatenate([p.values for p in parts]), np.concatenate([p.lengths for p in parts]))
     return np.concatenate(parts)

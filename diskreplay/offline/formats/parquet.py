@@ -8,11 +8,18 @@ LeRobot and HF write them (checked while streaming: ImportFormatError otherwise)
 Columns: ``episode_index`` (integer, required) and ``frame_index`` / ``index`` (optional) only
 place rows: they become no field. Numeric and bool columns become scalar fields; list,
 large-list and fixed-size-list columns (nested for several dimensions) of numbers become vector
-fields of the first row's shape (every row must have it). Other columns (strings, binary images,
-structs, dates) are skipped with a warning. Names: `PARQUET_NAMES` (``observation.state`` ->
+fields of the first row's shape (every row must have it); string and large-string columns become
+text fields (``Field((), "str")``). Other columns (binary images, structs, dates) are skipped with
+a warning. Names: `PARQUET_NAMES` (``observation.state`` ->
 ``obs``, ``next.reward`` -> ``reward``, ``next.done`` -> ``terminated``, ``next.truncated`` ->
 ``truncated``, ...), else `d4rl_field_name` (dots become ``_``: ``observation.environment_state``
 -> ``observation_environment_state``).
+
+Field specs: a file written by ``diskreplay export --format parquet`` names every field's spec in
+its schema metadata (``diskreplay_fields``, `parquet_fields`); the ragged (``large_list``
+columns, with their ``length_of``), text and encoded frame fields (pixel columns, encoded again by
+the codec) declared there are imported as declared. Without it a variable-length list column is
+a fixed field of its first row's shape.
 
 Episode ends: every episode's last frame ends it. ``truncated`` (bool) is always a field: at a
 last frame where no end flag is set (no ``next.done``, or ``next.done`` false), it is set; so an
@@ -34,10 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from ...format.schema import Field
+from ...errors import SchemaError
+from ...format.schema import Field, Schema
 from ...io import local_path
 from ..naming import d4rl_field_name
 from ..source import Batch, ImportFormatError, PendingSlices, Source, as_bool_flags, field_for
+from .parquet_fields import check_column_type, check_lengths, declared_fields, ragged_rows, text_rows
 
 PARQUET_NAMES = {"observation.state": "obs", "observation": "obs", "next.observation.state": "next_obs",
                  "next.reward": "reward", "next.done": "terminated", "next.terminated": "terminated",
@@ -113,18 +122,20 @@ class ParquetSource(Source):
     def _columns(self, file: str) -> dict[str, tuple[str, Field]]:
         """``{field: (column, Field)}`` from the schema (and first row, for list lengths) of ``file``."""
         schema = self._open(file).schema_arrow
+        declared = declared_fields(file, schema.metadata)
         if "episode_index" not in schema.names:
             raise ImportFormatError(f"{file!r}: no 'episode_index' column (columns: {schema.names})")
         for name in ("episode_index", "frame_index", "index"):
             if name in schema.names and not _is_integer(schema.field(name).type):
                 raise ImportFormatError(f"{file!r}: column {name!r} must be integers, "
                                         f"got {schema.field(name).type}")
-        first = self._first_row(file, [n for n in schema.names if _has_variable_list(schema.field(n).type)])
+        first = self._first_row(file, [n for n in schema.names if _has_variable_list(schema.field(n).type)
+                                       and not (n in declared and declared[n].varies)])
         found: dict[str, tuple[str, Field]] = {}
         for column in schema.names:
             if column in PLACE_COLUMNS:
                 continue
-            field = self._column_field(file, column, schema.field(column).type, first)
+            field = self._column_field(file, column, schema.field(column).type, first, declared.get(column))
             if field is None:
                 continue
             name = parquet_field_name(column)
@@ -133,7 +144,11 @@ class ParquetSource(Source):
                                         f"to field {name!r}")
             found[name] = (column, field)
         if not found:
-            raise ImportFormatError(f"{file!r}: no numeric columns to import")
+            raise ImportFormatError(f"{file!r}: no numeric or text columns to import")
+        try:
+            Schema({name: field for name, (_, field) in found.items()})
+        except SchemaError as e:  # a length_of naming no ragged field imported
+            raise ImportFormatError(f"{file!r}: the fields declared in its schema metadata do not fit ({e})") from None
         return found
 
     def _first_row(self, file: str, columns: list[str]) -> Any:
@@ -146,9 +161,16 @@ class ParquetSource(Source):
         except Exception as e:
             raise ImportFormatError(f"{file!r}: unreadable ({e})") from e
 
-    def _column_field(self, file: str, column: str, typ: Any, first: Any) -> Field | None:
-        """The field of one column, or None (with a warning) when it holds no numbers."""
+    def _column_field(self, file: str, column: str, typ: Any, first: Any, declared: Field | None) -> Field | None:
+        """The field of one column (``declared``: its spec in the file's metadata, if any), or None
+        (with a warning) when it holds neither numbers nor text."""
         where = f"{file!r}: column {column!r}"
+        pa = require_arrow()
+        if declared is not None and declared.varies:
+            check_column_type(where, declared, typ, pa)
+            return declared
+        if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+            return Field((), "str")
         try:
             listed = first is not None and column in first.schema.names
             base, shape = _value_type(typ, first.column(column) if listed else None)
@@ -156,7 +178,12 @@ class ParquetSource(Source):
             warnings.warn(f"{where}: skipped ({e})", stacklevel=4)
             return None
         dtype = np.dtype(bool) if parquet_field_name(column) in FLAG_FIELDS else np.dtype(base.to_pandas_dtype())
-        return field_for(parquet_field_name(column), shape, dtype, where)
+        field = field_for(parquet_field_name(column), shape, dtype, where)
+        if field is not None and declared is not None and declared.codec is not None:
+            if (shape, dtype) != (declared.shape, declared.dtype):
+                raise ImportFormatError(f"{where}: declared {declared}, the column holds rows of {shape} {dtype}")
+            return declared
+        return field
 
     def batches(self) -> Iterator[tuple[int, Batch]]:
         """Yields ``(lane, {field: rows})`` slices in order, each at most about batch_rows rows."""
@@ -178,7 +205,7 @@ class ParquetSource(Source):
                     seen += rb.num_rows
                     if seen > count:
                         break
-                    yield file, *self._decode(file, rb, "frame_index" in names)
+                    yield file, *self._decode(file, rb, "frame_index" in names, seen - rb.num_rows)
             except ImportFormatError:
                 raise
             except Exception as e:
@@ -186,16 +213,25 @@ class ParquetSource(Source):
             if seen != count:
                 raise ImportFormatError(f"{file!r}: footer claims {count} rows, the data holds {seen}")
 
-    def _decode(self, file: str, rb: Any, has_frames: bool) -> tuple[np.ndarray, np.ndarray | None, Batch]:
-        """The placement columns and the fields of one record batch, as numpy arrays."""
+    def _decode(self, file: str, rb: Any, has_frames: bool, first_row: int
+                ) -> tuple[np.ndarray, np.ndarray | None, Batch]:
+        """The placement columns and the fields of one record batch (rows from ``first_row`` of
+        ``file`` on), as numpy arrays (`Ragged` rows for ragged fields, ``str`` for text)."""
         episodes = _plain(file, "episode_index", rb.column("episode_index"), ())
         frames = _plain(file, "frame_index", rb.column("frame_index"), ()) if has_frames else None
-        batch = {name: _plain(file, column, rb.column(column), self.fields[name].shape)
-                 for name, (column, _) in self.columns.items()}
-        for name, values in batch.items():
-            if values.dtype != self.fields[name].dtype and not self.fields[name].dtype == np.bool_:
-                raise ImportFormatError(f"{file!r}: column {self.columns[name][0]!r} is {values.dtype}, "
-                                        f"the first file's is {self.fields[name].dtype}")
+        batch: dict[str, Any] = {}
+        for name, (column, field) in self.columns.items():
+            values, where = rb.column(column), f"{file!r}: column {column!r}"
+            if field.varies:
+                check_column_type(where, field, values.type, require_arrow())
+                batch[name] = text_rows(where, values) if field.text else \
+                    ragged_rows(where, values, field.shape, first_row)
+                continue
+            batch[name] = _plain(file, column, values, field.shape)
+            if batch[name].dtype != field.dtype and not field.dtype == np.bool_:
+                raise ImportFormatError(f"{where} is {batch[name].dtype}, the first file's is {field.dtype}")
+        check_lengths(file, batch, self.fields, {name: column for name, (column, _) in self.columns.items()},
+                      first_row)
         return episodes, frames, as_bool_flags(batch, self.fields)
 
     def _checked(self, raw: Iterator[tuple[str, np.ndarray, np.ndarray | None, Batch]]
