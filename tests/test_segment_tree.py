@@ -345,3 +345,24 @@ def test_from_state_dict_validates() -> None:
         SumSegmentTree.from_state_dict({"leaves": np.zeros((2, 2))})
     with pytest.raises(ValueError, match="NaN"):
         MinSegmentTree.from_state_dict({"leaves": np.array([np.nan])})
+
+
+@given(capacity=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_range_queries_of_many_ranges_at_once_equal_one_at_a_time(capacity: int, seed: int) -> None:
+    """What a prioritized sampler's readable ranges use: every range's sum and min in one pass."""
+    from diskreplay.sampling.priority_table import PriorityTable
+
+    rng = np.random.default_rng(seed)
+    leaves = (rng.random(capacity) ** 8 * 1e3).astype(np.float32)
+    leaves[rng.random(capacity) < 0.2] = 0  # a zero leaf never counts for the min
+    table = PriorityTable.from_leaves(leaves)
+    a, b = rng.integers(0, capacity + 1, 40), rng.integers(0, capacity + 1, 40)
+    start, end = np.minimum(a, b), np.maximum(a, b)
+    c, d = rng.integers(0, table.sums.capacity + 1, 40), rng.integers(0, table.sums.capacity + 1, 40)
+    lo, hi = np.minimum(c, d), np.maximum(c, d)  # the trees over the blocks: the same order, the same bits
+    np.testing.assert_array_equal(table.sums.queries(lo, hi), [table.sums.sum(int(x), int(y)) for x, y in zip(lo, hi)])
+    np.testing.assert_array_equal(table.mins.queries(lo, hi), [table.mins.min(int(x), int(y)) for x, y in zip(lo, hi)])
+    np.testing.assert_array_equal(table.range_mins(start, end), [table.min(int(s), int(e)) for s, e in zip(start, end)])
+    np.testing.assert_allclose(table.range_sums(start, end), [table.sum(int(s), int(e)) for s, e in zip(start, end)],
+                               rtol=1e-13, atol=0)

@@ -359,15 +359,16 @@ class _LeafRanges:
     def of_steps(cls, sampler: Prioritized, lanes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> _LeafRanges:
         """The leaves of the steps ``[lo[i], hi[i])`` of lane ``lanes[i]`` (each inside its lane's ring)."""
         cap = sampler.layout.lane_capacity or sampler.stride  # a dataset's steps fit its stride: its slots do not wrap
-        spans = []
-        for lane, a, b in zip(lanes.tolist(), lo.tolist(), hi.tolist()):
-            first, last, base = a % cap, (b - 1) % cap + 1, lane * sampler.stride
-            if b > a:
-                spans += [(base + first, base + last)] if first < last else [(base + first, base + cap),
-                                                                             (base, base + last)]
+        some = hi > lo
+        lo, hi, base = lo[some], hi[some], lanes[some].astype(np.int64) * sampler.stride
+        first, last = lo % cap, (hi - 1) % cap + 1
+        wraps = first >= last  # two ranges: to the ring's end, then from its start (in this order)
+        start = np.stack([base + first, base], axis=1)
+        end = np.stack([np.where(wraps, base + cap, base + last), base + last], axis=1)
+        kept = np.stack([np.ones(len(base), bool), wraps], axis=1)
+        start, end = start[kept].astype(np.int64), end[kept].astype(np.int64)
         tree = sampler.table
-        return cls(sampler, np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64),
-                   np.array([tree.sum(0, a) for a, _ in spans]), np.array([tree.sum(a, b) for a, b in spans]))
+        return cls(sampler, start, end, tree.range_sums(np.zeros_like(start), start), tree.range_sums(start, end))
 
     def mass(self) -> float:
         if self.start is None:
@@ -389,4 +390,4 @@ class _LeafRanges:
         if self.start is None:
             return self.sampler.table.min()
         assert self.end is not None  # set together with start
-        return min(self.sampler.table.min(int(a), int(b)) for a, b in zip(self.start, self.end))
+        return float(self.sampler.table.range_mins(self.start, self.end).min(initial=np.inf))

@@ -89,6 +89,37 @@ class PriorityTable:
         edges = _positive_min(np.concatenate([self.leaves[start:first * BLOCK], self.leaves[last * BLOCK:end]])[None])
         return min(self.mins.min(first, last), float(edges[0]))
 
+    def range_sums(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """`sum` of every range ``[start[i], end[i])`` at once (float64; within ``[0, capacity]``):
+        the same block sums, the leaves at the edges summed in another order (the last bit may differ)."""
+        first, last = -(-start // BLOCK), end // BLOCK
+        inner = first <= last
+        edges = self._edges(start, np.where(inner, first * BLOCK, end), 0.0).sum(axis=1)
+        edges += self._edges(np.where(inner, last * BLOCK, end), end, 0.0).sum(axis=1)
+        out: np.ndarray = np.where(inner, self.sums.queries(np.minimum(first, last), last) + edges, edges)
+        return out
+
+    def range_mins(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """`min` of every range ``[start[i], end[i])`` at once (smallest leaf > 0, ``inf`` if none)."""
+        first, last = -(-start // BLOCK), end // BLOCK
+        inner = first <= last
+        edges = np.minimum(self._edges(start, np.where(inner, first * BLOCK, end), np.inf).min(axis=1),
+                           self._edges(np.where(inner, last * BLOCK, end), end, np.inf).min(axis=1))
+        out: np.ndarray = np.where(inner, np.minimum(self.mins.queries(np.minimum(first, last), last), edges), edges)
+        return out
+
+    def _edges(self, start: np.ndarray, end: np.ndarray, fill: float) -> np.ndarray:
+        """Per range ``[start[i], end[i])`` inside one block (or empty): that block's leaves,
+        ``fill`` outside the range and where a leaf is 0 for a min (``fill`` inf)."""
+        block = np.minimum(start // BLOCK, len(self._blocks) - 1)
+        column = np.arange(BLOCK)
+        rows: np.ndarray = self._blocks[block].astype(np.float64)
+        outside = (column < (start - block * BLOCK)[:, None]) | (column >= (end - block * BLOCK)[:, None])
+        if fill == np.inf:
+            outside |= rows == 0
+        rows[outside] = fill
+        return rows
+
     def find(self, thresholds: np.ndarray) -> np.ndarray:
         """For each threshold ``t`` in ``[0, total())``, the leaf ``i`` with ``sum(leaves[:i]) <= t
         < sum(leaves[:i+1])`` (int64); rounding at a block's end gives its last leaf > 0."""

@@ -164,6 +164,24 @@ class _SegmentTree:
             hi >>= 1
         return float(result)
 
+    def queries(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """`_query` of every range ``[start[i], end[i])`` at once (float64; ranges checked by the
+        caller), combined in the same order, so each equals its own query exactly."""
+        tree, op = self._tree, self._op
+        result = np.full(len(start), self._neutral)
+        lo = np.asarray(start, np.int64) + (1 << self._depth)
+        hi = np.asarray(end, np.int64) + (1 << self._depth)
+        while (active := lo < hi).any():
+            left = active & (lo & 1 == 1)
+            result[left] = op(result[left], tree[lo[left]])
+            lo += left
+            right = active & (hi & 1 == 1)
+            hi -= right
+            result[right] = op(result[right], tree[hi[right]])
+            lo >>= 1
+            hi >>= 1
+        return result
+
     def _check_indices(self, indices: Any) -> np.ndarray:
         """``indices`` as a flat intp array; raise if not integer or out of range."""
         idx = np.asarray(indices)
