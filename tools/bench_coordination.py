@@ -15,7 +15,7 @@ which counts requests and adds ``--latency-ms`` to each (default 20).
    ``sample(256)`` with ``Prioritized``, ``update_priorities`` of the batch, ``refresh()`` every 10
    updates, while a writer thread of this process commits ``--flush-every`` rows to one shard
    after another every ``--commit-ms``. Interleaved rounds of ``--seconds`` each, medians; on
-   local disk and on S3.
+   local disk and on S3 (``--s3-rows``; the writers direct to moto, the learner through the proxy).
 3. The S3 request cost per hour of the actors-learner example at ``--actors`` actors (default
    100), computed from section 1's counts, ``--steps-per-s`` steps per actor and
    ``--updates-per-s`` learner updates (a refresh every 10), at S3 Standard's list prices.
@@ -164,11 +164,12 @@ class Committer:
             w.close()
 
 
-def updates_per_s(url: str, so: dict | None, shards: int, args: argparse.Namespace) -> float:
-    """Learner updates per second over ``args.seconds`` while a `Committer` writes."""
+def updates_per_s(url: str, so: dict | None, learner_so: dict | None, shards: int, args: argparse.Namespace) -> float:
+    """Learner updates per second over ``args.seconds`` while a `Committer` writes (``so``; the
+    learner reads through ``learner_so``: on S3, the proxy that adds latency)."""
     committer = Committer(url, so, shards, args.flush_every, args.commit_ms / 1e3)
     try:
-        with dr.ReplayBuffer.open(url, "r", sampler=dr.Prioritized(), seed=0, storage_options=so) as lrn:
+        with dr.ReplayBuffer.open(url, "r", sampler=dr.Prioritized(), seed=0, storage_options=learner_so) as lrn:
             rng = np.random.default_rng(0)
             for _ in range(args.warmup):  # the chunks into the cache, untimed
                 lrn.sample(BATCH)
@@ -184,17 +185,18 @@ def updates_per_s(url: str, so: dict | None, shards: int, args: argparse.Namespa
         committer.close()
 
 
-def bench_updates(backends: dict[str, tuple[str, dict | None]], args: argparse.Namespace) -> str:
+def bench_updates(backends: dict[str, tuple[str, dict | None, dict | None]], args: argparse.Namespace) -> str:
     counts = sorted({1, *args.shards})
     lines = ["| store | " + " | ".join(f"{s} shard{'s' * (s > 1)}" for s in counts) + " | "
              + " | ".join(f"{s} vs 1" for s in counts if s > 1) + " |",
              "|---|" + "---:|" * (2 * len(counts) - 1)]
-    for name, (base, so) in backends.items():
-        urls = {s: new_buffer(base, so, s, args.rows, args.flush_every) for s in counts}
+    for name, (base, so, learner_so) in backends.items():
+        rows = args.s3_rows if base.startswith("s3://") else args.rows
+        urls = {s: new_buffer(base, so, s, rows, args.flush_every) for s in counts}
         rates: dict[int, list[float]] = {s: [] for s in counts}
         for r in range(args.rounds):
             for s in counts[r % len(counts):] + counts[:r % len(counts)]:
-                rates[s].append(updates_per_s(urls[s], so, s, args))
+                rates[s].append(updates_per_s(urls[s], so, learner_so, s, args))
         med = {s: statistics.median(v) for s, v in rates.items()}
         log(f"  {name}: {med}")
         lines.append(f"| {name} | " + " | ".join(f"{med[s]:,.0f}/s" for s in counts) + " | "
@@ -235,16 +237,19 @@ def main() -> None:
     p.add_argument("--actors", type=int, default=100, help="section 3 actors")
     p.add_argument("--steps-per-s", type=float, default=1000.0, help="section 3 steps per actor per second")
     p.add_argument("--updates-per-s", type=float, default=100.0, help="section 3 learner updates per second")
+    p.add_argument("--s3-rows", type=int, default=None, help="section 2 rows on S3 (default: --rows // 4)")
     p.add_argument("--no-ray", action="store_true", help="leave the engine limiter out")
     p.add_argument("--out", default=None, help="also write the report to this file")
     args = p.parse_args()
     args.shards = [int(s) for s in args.shards.split(",")]
     args.rows = args.rows or (65_536 if args.quick else 262_144)
+    args.s3_rows = args.s3_rows or args.rows // 4
     args.seconds = args.seconds or (1.0 if args.quick else 4.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
     header = bl.report_header("diskreplay coordination benchmark", args.quick, PACKAGES, None, [
         f"shards {args.shards}; commits of {args.flush_every} rows; S3 at {args.latency_ms:g} ms per request",
-        f"section 2: {args.rows:,} rows, a commit every {args.commit_ms:g} ms, {args.rounds} x {args.seconds:g} s",
+        f"section 2: {args.rows:,} rows (S3: {args.s3_rows:,}), a commit every {args.commit_ms:g} ms, "
+        f"{args.rounds} x {args.seconds:g} s",
         f"section 3: {args.actors} actors x {args.steps_per_s:g} steps/s, learner {args.updates_per_s:g} updates/s"])
     print(header + "\n", flush=True)
     started = time.perf_counter()
@@ -270,7 +275,9 @@ def main() -> None:
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         body.append("## 1. S3 requests per operation (counted at the proxy)\n\n" + "\n".join(lines))
         log("[2/3] learner updates per second")
-        backends = {"local disk": (scratch, None), f"S3 (moto, {args.latency_ms:g} ms)": (f"s3://{BUCKET}/upd", so)}
+        via = {**so, "endpoint_url": proxy.endpoint}
+        backends = {"local disk": (scratch, None, None),
+                    f"S3 (moto, {args.latency_ms:g} ms per request)": (f"s3://{BUCKET}/upd", so, via)}
         body.append("## 2. Learner updates per second, S shards vs 1\n\n" + bench_updates(backends, args))
         s = max(args.shards)
         cost = ["| limiter | steps per commit | GET/s | PUT, LIST, POST/s | $ per hour |", "|---|---:|---:|---:|---:|"]
