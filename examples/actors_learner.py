@@ -595,20 +595,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What actors and learner share (``args`` as `parse_args` gave them): local paths made
+    absolute (the actors may not share our working directory), the buffer's URL resolved."""
     args.run_dir = os.path.abspath(args.run_dir)
-    # a local buffer path is made absolute: the actors may not share our working directory (Ray)
     args.url = args.url or os.path.join(args.run_dir, "buffer")
     if "://" not in args.url:
         args.url = os.path.abspath(args.url)
+    return {"actors": args.actors, "seed": args.seed, "batch_size": args.batch_size, "flush_every": args.flush_every,
+            "samples_per_insert": args.samples_per_insert, "learning_starts": args.learning_starts,
+            "max_actor_restarts": args.max_actor_restarts, "url": args.url, "storage_options": args.storage_options,
+            "lease_s": args.lease_s, "launcher": args.launcher, "counts": None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    cfg = settings(args)
     torch.set_num_threads(args.torch_threads)
     os.makedirs(args.run_dir, exist_ok=True)
     open_or_create_buffer(args, args.storage_options)
-    cfg = {"actors": args.actors, "seed": args.seed, "batch_size": args.batch_size, "flush_every": args.flush_every,
-           "samples_per_insert": args.samples_per_insert, "learning_starts": args.learning_starts,
-           "max_actor_restarts": args.max_actor_restarts, "url": args.url, "storage_options": args.storage_options,
-           "lease_s": args.lease_s, "launcher": args.launcher, "counts": None}
     actors = RayActors(start_ray(cfg), cfg) if args.launcher == "ray" else ProcessActors(cfg)
     learner = Learner(args, cfg, actors.board)
     stop = StopRequest()

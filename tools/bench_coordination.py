@@ -175,7 +175,11 @@ def updates_per_s(url: str, so: dict | None, learner_so: dict | None, shards: in
                 lrn.sample(BATCH)
             updates, started = 0, time.perf_counter()
             while time.perf_counter() - started < args.seconds:
-                batch = lrn.sample(BATCH)
+                try:
+                    batch = lrn.sample(BATCH)
+                except dr.StaleReadError:  # the writers went round the ring past this commit
+                    lrn.refresh()
+                    continue
                 lrn.update_priorities(batch["index"], rng.random(BATCH) + 0.01)
                 updates += 1
                 if updates % REFRESH_EVERY == 0:

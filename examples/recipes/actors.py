@@ -10,9 +10,11 @@
 ``examples/actors_learner.py`` starts its actors itself (local processes, or Ray actors with
 ``--launcher ray``); this front runs its parts as separate commands, for a cluster scheduler that
 starts one job per host (SLURM arrays, Kubernetes jobs). ``--run-dir`` must be one folder every
-host sees at the same path (NFS, Lustre, a shared volume): it holds the buffer, the learner's
-weights (``weights.pt``, read by the actors), its checkpoints and the ``stop`` file the learner
-writes when it is done. Every command takes the example's flags, and actors and learner must be
+host sees at the same path (NFS, Lustre, a shared volume): it holds the buffer (unless ``--url``
+puts it on object storage), the learner's weights (``weights.pt``, read by the actors), its
+checkpoints, each actor's episode returns (``returns-<i>.txt``) and the ``stop`` file the learner
+writes when it is done (`FileBoard`: the example's processes share these through memory, its Ray
+actors through a Ray actor). Every command takes the example's flags, and actors and learner must be
 given the same rate-limit flags (``--samples-per-insert``, ``--learning-starts``, ``--flush-every``,
 ``--batch-size``). Kill any of them at any time and start it again: an actor reopens its shard
 (the dead writer's lock is taken over), the learner resumes from its newest checkpoint.
@@ -41,18 +43,47 @@ class ElsewhereActors:
         pass
 
 
-def config(args: Any) -> dict[str, Any]:
-    """The settings actors and learner share (`actors_learner.main` builds the same)."""
-    return {"actors": args.actors, "seed": args.seed, "batch_size": args.batch_size, "flush_every": args.flush_every,
-            "samples_per_insert": args.samples_per_insert, "learning_starts": args.learning_starts,
-            "max_actor_restarts": args.max_actor_restarts}
+class FileBoard:
+    """What learner and actors share besides the buffer (the example's board), as files in the
+    shared ``run_dir``: ``weights.pt`` (replaced atomically; its modification time is the version),
+    ``stop``, and each actor's episode returns in ``returns-<shard>.txt``."""
+
+    def __init__(self, run_dir: str, shard: int | None = None):
+        self.run_dir, self.shard = run_dir, shard
+        self.weights, self.stop_file = os.path.join(run_dir, "weights.pt"), os.path.join(run_dir, "stop")
+
+    def publish(self, weights: Any) -> None:
+        tmp = f"{self.weights}.tmp-{os.getpid()}"
+        al.torch.save(weights, tmp)
+        os.replace(tmp, self.weights)
+
+    def poll(self, version: int) -> tuple[bool, int, Any]:
+        stop = os.path.exists(self.stop_file)
+        try:
+            mtime = os.stat(self.weights).st_mtime_ns
+            if mtime != version:
+                return stop, mtime, al.torch.load(self.weights, weights_only=True)
+        except FileNotFoundError:  # not published yet (or being replaced): ask again next time
+            pass
+        return stop, version, None
+
+    def stop(self) -> None:
+        with open(self.stop_file, "w"):
+            pass
+
+    def report(self, episode_return: float) -> None:
+        with open(os.path.join(self.run_dir, f"returns-{self.shard}.txt"), "a") as f:
+            f.write(f"{al.time.time():.6f} {episode_return:g}\n")
+
+    def drain(self) -> list[tuple[float, float]]:
+        return []  # the actors' returns stay in their files
 
 
-def learner(args: Any) -> int:
+def learner(args: Any, cfg: dict[str, Any]) -> int:
     """Train until ``--updates``, then write the stop file; returns the updates done."""
-    where = al.paths(args.run_dir)
     al.torch.set_num_threads(args.torch_threads)
-    learner = al.Learner(args, config(args))
+    board = FileBoard(args.run_dir)
+    learner = al.Learner(args, cfg, board)
     stop = al.StopRequest()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -61,10 +92,9 @@ def learner(args: Any) -> int:
     finally:
         if learner.update != learner.saved_update:
             learner.checkpoint()
-        learner.publish_weights()
+        board.publish(al.flat_weights(learner.q))
         if not stop.signal:  # done: the actors stop (a stopped learner leaves them waiting for its restart)
-            with open(where["stop"], "w"):
-                pass
+            board.stop()
     learner.buf.close()
     al.say(f"learner done: {learner.update} updates (this run from update {learner.start_update})")
     return learner.update
@@ -79,22 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         at = rest.index("--shard")
         shard, rest = int(rest[at + 1]), rest[:at] + rest[at + 2:]
     args = al.parse_args(rest)
-    args.run_dir = os.path.abspath(args.run_dir)
-    where = al.paths(args.run_dir)
+    cfg = al.settings(args)
     if role == "create":
         os.makedirs(args.run_dir, exist_ok=True)
-        if os.path.exists(where["stop"]):
-            os.unlink(where["stop"])  # left by the run before
-        al.open_or_create_buffer(where["buffer"], args)
-        al.say(f"{where['buffer']}: {args.actors} shards")
+        stop = os.path.join(args.run_dir, "stop")
+        if os.path.exists(stop):
+            os.unlink(stop)  # left by the run before
+        al.open_or_create_buffer(args, args.storage_options)
+        al.say(f"{args.url}: {args.actors} shards")
         return 0
     if role == "actor":
         if shard is None or not 0 <= shard < args.actors:
             raise SystemExit(f"actor: --shard must be one of 0..{args.actors - 1}")
-        added = al.run_actor(args.run_dir, shard, config(args))
+        added = al.run_actor(FileBoard(args.run_dir, shard), shard, cfg)
         al.say(f"actor {shard} done: {added} steps added")
         return 0
-    return learner(args)
+    return learner(args, cfg)
 
 
 if __name__ == "__main__":
