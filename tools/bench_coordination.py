@@ -172,13 +172,10 @@ def updates_per_s(url: str, so: dict | None, learner_so: dict | None, shards: in
         with dr.ReplayBuffer.open(url, "r", sampler=dr.Prioritized(), seed=0, storage_options=learner_so) as lrn:
             rng = np.random.default_rng(0)
             for _ in range(args.warmup):  # the chunks into the cache, untimed
-                lrn.sample(BATCH)
+                sample_or_refresh(lrn)
             updates, started = 0, time.perf_counter()
             while time.perf_counter() - started < args.seconds:
-                try:
-                    batch = lrn.sample(BATCH)
-                except dr.StaleReadError:  # the writers went round the ring past this commit
-                    lrn.refresh()
+                if (batch := sample_or_refresh(lrn)) is None:
                     continue
                 lrn.update_priorities(batch["index"], rng.random(BATCH) + 0.01)
                 updates += 1
@@ -187,6 +184,16 @@ def updates_per_s(url: str, so: dict | None, learner_so: dict | None, shards: in
             return updates / (time.perf_counter() - started)
     finally:
         committer.close()
+
+
+def sample_or_refresh(lrn: dr.ReplayBuffer) -> Any:
+    """A batch, or None when the writers went round the ring past this reader's commit (then
+    it adopts the newest commit, as a learner does)."""
+    try:
+        return lrn.sample(BATCH)
+    except dr.StaleReadError:
+        lrn.refresh()
+        return None
 
 
 def bench_updates(backends: dict[str, tuple[str, dict | None, dict | None]], args: argparse.Namespace) -> str:
