@@ -3,6 +3,7 @@ memory, hostile files; Minari's arrow data format, imported and exported."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import tracemalloc
 
@@ -523,18 +524,29 @@ def test_minari_export_refuses_ids_minari_cannot_find(tmp_path, minari_home, des
     assert not os.path.exists(tmp_path / dest) and not os.path.exists(f"{tmp_path / dest}.partial")
 
 
-def write_minari_with_text_and_images(root, data_format, lengths=(4, 6), seed=0):
-    """A Minari dataset written by Minari's own storage: Dict observations of a JPEG-encoded
-    image (Minari's ``jpeg_encoding``) and a ``Text`` mission; returns what Minari decodes."""
+def minari_encodes_jpeg() -> bool:
+    """Minari's storage takes ``jpeg_encoding`` (later 0.5 releases; 0.5.0 stores images raw)."""
+    from minari.dataset.minari_storage import MinariStorage
+
+    return "jpeg_encoding" in inspect.signature(MinariStorage.new).parameters
+
+
+def write_minari_with_text_and_images(root, data_format, lengths=(4, 6), seed=0, jpeg=True):
+    """A Minari dataset written by Minari's own storage: Dict observations of an image (JPEG-encoded
+    where ``jpeg``, Minari's ``jpeg_encoding``, else raw) and a ``Text`` mission; returns what Minari
+    decodes."""
     gym = pytest.importorskip("gymnasium")
     pytest.importorskip("PIL", reason="Minari's image encoding needs Pillow")
     from minari.data_collector.episode_buffer import EpisodeBuffer
     from minari.dataset.minari_storage import MinariStorage
 
+    if jpeg and not minari_encodes_jpeg():
+        pytest.skip("this Minari stores images raw (no jpeg_encoding)")
+    encoding = {"jpeg_encoding": jpeg} if minari_encodes_jpeg() else {}
     spaces = gym.spaces
     obs_space = spaces.Dict({"image": spaces.Box(0, 255, (32, 40, 3), np.uint8), "mission": spaces.Text(max_length=40)})
     os.makedirs(root)
-    storage = MinariStorage.new(root / "data", obs_space, spaces.Discrete(3), data_format=data_format)
+    storage = MinariStorage.new(root / "data", obs_space, spaces.Discrete(3), data_format=data_format, **encoding)
     rng = np.random.default_rng(seed)
     episodes = []
     for e, steps in enumerate(lengths):
@@ -550,12 +562,14 @@ def write_minari_with_text_and_images(root, data_format, lengths=(4, 6), seed=0)
     return list(storage.get_episodes(range(len(lengths))))
 
 
+@pytest.mark.parametrize("jpeg", [True, False])
 @pytest.mark.parametrize("batch_rows", [3, 5])  # 5: slices of two episodes are joined
 @pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
-def test_minari_text_and_jpeg_observations_are_kept(tmp_path, minari_home, data_format, batch_rows):
-    episodes = write_minari_with_text_and_images(tmp_path / "ds", data_format)
+def test_minari_text_and_image_observations_are_kept(tmp_path, minari_home, data_format, batch_rows, jpeg):
+    episodes = write_minari_with_text_and_images(tmp_path / "ds", data_format, jpeg=jpeg)
     buf = import_dataset(tmp_path / "ds", tmp_path / "b", batch_rows=batch_rows, progress=False)
-    image = dr.Field((32, 40, 3), "uint8", codec="jpeg")  # each image's JPEG bytes, as Minari stored them
+    # each image's JPEG bytes, as Minari stored them; raw images of a Dict space keep the Box's shape
+    image = dr.Field((32, 40, 3), "uint8", codec="jpeg" if jpeg else None)
     assert {k: buf.fields[k] for k in ("obs_image", "next_obs_image", "obs_mission", "next_obs_mission")} == {
         "obs_image": image, "next_obs_image": image, "obs_mission": dr.Field((), "str"),
         "next_obs_mission": dr.Field((), "str")}
@@ -583,7 +597,7 @@ def _replace_hdf5(path, name, data, dtype):
 def test_minari_bad_text_and_damaged_images_are_refused(tmp_path, minari_home, damage):
     import h5py
 
-    write_minari_with_text_and_images(tmp_path / "ds", "hdf5")
+    write_minari_with_text_and_images(tmp_path / "ds", "hdf5", jpeg=damage == "image")
     file = tmp_path / "ds" / "data" / "main_data.hdf5"
     if damage == "text":
         _replace_hdf5(file, "episode_1/observations/mission", [b"ok"] * 6 + [b"\xff\xfe"], h5py.string_dtype("utf-8"))

@@ -394,28 +394,40 @@ by the other's insert, ``spi * k``; the insert is flushed right after it is adde
 """
 
 
+def shard_rows(url: str) -> list[int]:
+    """The rows each shard's last commit holds."""
+    with dr.ReplayBuffer.open(url, "r") as buf:
+        return buf.window()[1].reshape(2, -1).sum(axis=1).tolist()
+
+
 @pytest.mark.slow  # subprocesses
 def test_rate_limiter_fast_and_slow_actor(tmp_path):
     url = str(tmp_path / "buf")
     dr.ReplayBuffer.create(url, fields(), capacity=None, shards=2, num_envs=RL_LANES, chunk_rows=64).close()
     limits = {"spi": SPI, "error_buffer": ERROR_BUFFER, "min_size": MIN_SIZE}
     stop_actors, stop_learner = tmp_path / "stop-actors", tmp_path / "stop-learner"
-    learner = start("rl_learner", {"url": url, "shards": 2, "seed": 1, "batch": BATCH, "timeout_s": 0.5,
-                                   "stop": str(stop_learner), **limits})
     actors = {name: start("rl_actor", {"url": url, "shard": shard, "lanes": RL_LANES, "steps": INSERT_STEPS,
                                        "pause_s": pause, "timeout_s": SAFETY_S, "stop": str(stop_actors), **limits})
               for name, shard, pause in (("fast", 0, 0.0), ("slow", 1, 0.2))}
+    # the learner starts once the fast actor holds all it may insert alone: it is held back at least
+    # once however fast the learner samples later on a loaded machine
+    alone = int(ERROR_BUFFER / SPI + MIN_SIZE)
+    procs = list(actors.values())
     progress = Path(url) / OWN / "learner.json"
     try:
+        wait_until(lambda: shard_rows(url)[0] >= alone, f"the fast actor to insert {alone} rows", procs)
+        learner = start("rl_learner", {"url": url, "shards": 2, "seed": 1, "batch": BATCH, "timeout_s": 0.5,
+                                       "stop": str(stop_learner), **limits})
+        procs.append(learner)
         # run until the learner sampled 32,000 rows (~500 inserted at 64 samples per insert)
         wait_until(lambda: (read_json(progress) or {"samples": 0})["samples"] >= 32_000,
-                   "the learner to sample 32,000 rows", [learner, *actors.values()])
+                   "the learner to sample 32,000 rows", procs)
         stop_actors.touch()  # the learner goes on sampling, so that blocked actors get through
         done = {name: json.loads(finish(proc, f"{name} actor")) for name, proc in actors.items()}
         stop_learner.touch()  # it stops at its next RateLimitTimeout (no actor inserts any more)
         report = json.loads(finish(learner, "learner"))
     finally:
-        stop_all([learner, *actors.values()])
+        stop_all(procs)
 
     log = np.array(report["log"], dtype=np.int64)  # per batch: samples after it, inserts per shard seen
     samples, inserts = log[:, 0], log[:, 1:].sum(axis=1)

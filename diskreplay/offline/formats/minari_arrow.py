@@ -59,12 +59,14 @@ def arrow_metadata(path: str) -> dict | None:
 
 
 def box_shape(meta: dict, name: str, stored: tuple[int, ...]) -> tuple[int, ...]:
-    """The row shape of field ``name`` (``obs`` or ``action``): its Box space's shape in the
-    dataset's metadata when that holds as many values as the stored (flattened) rows, else ``stored``.
-    Raises ImportFormatError (naming the file and the space) for a shape that is not a list of ints >= 0."""
-    key = {"obs": "observation_space", "action": "action_space"}.get(name)
+    """The row shape of field ``name`` (``obs``, ``action`` or a flattened part of a Dict or Tuple
+    space, ``obs_<key>``): its Box space's shape in the dataset's metadata when that holds as many
+    values as the stored (flattened) rows, else ``stored``. Raises ImportFormatError (naming the file
+    and the space) for a shape that is not a list of ints >= 0."""
+    prefix = name.split("_", 1)[0]
+    key = {"obs": "observation_space", "action": "action_space"}.get(prefix)
     try:
-        space = json.loads(meta[key]) if key else None
+        space = _subspace(json.loads(meta[key]), prefix, name) if key else None
     except (KeyError, TypeError, ValueError, RecursionError):
         return stored
     if not isinstance(space, dict) or space.get("type") != "Box" or not isinstance(space.get("shape"), list):
@@ -74,6 +76,22 @@ def box_shape(meta: dict, name: str, stored: tuple[int, ...]) -> tuple[int, ...]
         raise ImportFormatError(f"{os.path.join(meta['_data'], 'metadata.json')!r}: {key} has shape {shape!r}, "
                                 f"expected a list of ints >= 0")
     return tuple(shape) if math.prod(shape) == math.prod(stored) else stored
+
+
+def _subspace(space: Any, prefix: str, name: str) -> Any:
+    """The part of a serialized space that field ``name`` holds (``prefix`` names ``space`` itself;
+    Dict and Tuple parts add ``_<key>`` or ``_<index>``), or None."""
+    if name == prefix:
+        return space
+    parts = space.get("subspaces") if isinstance(space, dict) else None
+    items = parts.items() if isinstance(parts, dict) else enumerate(parts) if isinstance(parts, list) else ()
+    for key, part in items:
+        sub = f"{prefix}_{field_name(str(key))}"
+        if name == sub or name.startswith(sub + "_"):
+            found = _subspace(part, sub, name)
+            if found is not None:
+                return found
+    return None
 
 
 class MinariArrowSource(Source):
