@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 from conftest import model_test_settings, writes_done
 from hypothesis import strategies as st
+from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import diskreplay as dr
@@ -274,6 +277,8 @@ class Run:
     layouts: set[Layout] = field(default_factory=set)
     sequences: int = 0
     steps: int = 0
+    failures: list[str] = field(default_factory=list)
+    """Tracebacks of the first runs that failed (a failure hypothesis shrinks fails many)."""
 
 
 RUN = Run()
@@ -596,6 +601,9 @@ class BufferMachine(RuleBasedStateMachine):
             assert np.isfinite(got["weight"]).all() and (got["weight"] > 0).all()
 
     def teardown(self) -> None:
+        failure = sys.exc_info()[1]  # what ends this run, if anything does (teardown runs in a finally)
+        if failure is not None and not type(failure).__module__.startswith("hypothesis") and len(RUN.failures) < 3:
+            RUN.failures.append("".join(traceback.format_exception(failure)))
         try:
             if self.buf is not None:
                 self.buf.close()
@@ -610,8 +618,16 @@ class BufferMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-BufferMachine.TestCase.settings = model_test_settings()
-TestBufferModel = BufferMachine.TestCase
+class TestBufferModel(BufferMachine.TestCase):
+    settings = model_test_settings()
+
+    def runTest(self) -> None:
+        """The machine's run; a failure hypothesis cannot replay (`Flaky`: it depends on timing)
+        is reported with the first failures the runs met."""
+        try:
+            super().runTest()
+        except Flaky as e:
+            raise AssertionError(f"{e}\nfailures met before:\n" + "\n".join(RUN.failures or ["none"])) from e
 
 
 # ---- the shortest failing sequences the machine found, replayed without the database ----------
