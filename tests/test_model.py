@@ -306,6 +306,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.path = os.path.join(self.dir, "buf")
         self.buf: dr.ReplayBuffer | None = None
         self.readers: list[Reader] = []
+        self.pinned: dict[int, View] = {}  # commit sequence -> the committed view it keeps
 
     # -- setup and calls
 
@@ -420,6 +421,34 @@ class BufferMachine(RuleBasedStateMachine):
         if self.readers:
             self.readers[-1].buf.warm()
             self.check_reader(self.readers[-1], exact=False)
+
+    @rule()
+    def pin(self) -> None:
+        """The writer pins its next commit (at most two pins: the oldest is unpinned first)."""
+        if len(self.pinned) == 2:
+            oldest = min(self.pinned)
+            self.buf.unpin(oldest)
+            del self.pinned[oldest]
+        n = self.buf.pin()
+        self.model.flush()
+        self.pinned[n] = self.model.committed.copy()
+        assert self.buf.pins() == dict.fromkeys(self.pinned), "pins"
+
+    @rule(pick=st.integers(0, 1), batch=st.integers(1, 32))
+    def read_pinned(self, pick: int, batch: int) -> None:
+        """A reader opened at a pinned commit shows exactly its rows, whatever the writer did since."""
+        if not self.pinned:
+            return
+        n = sorted(self.pinned)[pick % len(self.pinned)]
+        view = self.pinned[n]
+        with dr.ReplayBuffer.open(self.path, "r", at_commit=n, **self.open_options) as past:
+            assert past.at_commit == n
+            lo, hi = past.window()
+            want_lo, want_hi = self.model.windows(view)
+            assert (lo.tolist(), hi.tolist()) == (want_lo.tolist(), want_hi.tolist()), ("pinned window", n)
+            self.check_rows(past, view, lo, hi, "pinned")
+            if (hi > lo).any():
+                self.check_batch(past.sample(batch), view, lo, hi)
 
     @rule(seed=st.integers(0, 2**16), batch=st.integers(1, 64))
     def announced_reads(self, seed: int, batch: int) -> None:

@@ -545,3 +545,32 @@ def test_info_and_export(tmp_path: Path) -> None:
                                          r"\['tok', 'lp', 'txt', 'pts'\]: export to 'parquet'"):
         dr.export_buffer(str(tmp_path / "b"), str(tmp_path / "out.npz"), progress=False)
     assert not (tmp_path / "out.npz").exists() and not (tmp_path / "out.npz.partial").exists()
+
+
+def test_value_chunks_stay_cached_within_cache_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader keeps up to half its ``cache_bytes`` of value chunks: once every row was read, batches
+    read no value chunk again (64 MiB of values, far more than its chunk cache of the ends)."""
+    from diskreplay.io.local import LocalChunkStore
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 1024, 32_768)
+    with dr.ReplayBuffer.create(tmp_path / "b", {"tokens": dr.Field((None,), "int32")}, capacity=None,
+                                chunk_rows=64) as buf:  # the chunk cache of its ends holds at most 64 MiB
+        buf.extend({"tokens": (rng.integers(0, 50_000, int(lengths.sum()), dtype=np.int32), lengths)})
+    reads: list[str] = []
+
+    def counted(method: Any) -> Any:
+        def read(self: LocalChunkStore, key: str, *args: Any, **kw: Any) -> Any:
+            reads.append(key)
+            return method(self, key, *args, **kw)
+        return read
+
+    with dr.ReplayBuffer.open(tmp_path / "b", cache_bytes=256 << 20) as reader:
+        for first in range(0, len(lengths), 4096):
+            reader[np.arange(first, min(first + 4096, len(lengths)))]
+        for name in ("get", "read_into"):
+            monkeypatch.setattr(LocalChunkStore, name, counted(getattr(LocalChunkStore, name)))
+        for seed in range(20):
+            got = reader.sample(256, seed=seed)
+            np.testing.assert_array_equal(got["tokens"].lengths, lengths[got["index"]])
+    assert reads == []

@@ -21,6 +21,7 @@ from .frames import FrameWrites
 from .loading import ChunkLoader
 from .outputs import Rows
 from .pins import Pins, read_index
+from .ragged_reads import RaggedReads
 from .ragged_values import HELD_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
 from .writer import StagingWriter
@@ -33,8 +34,8 @@ class BufferStorage(Storage):
 
     def __init__(self, url: str, config: BufferConfig, log: CommitLog, io: ChunkIO, cache: ChunkCache,
                  loader: ChunkLoader, reader: ChunkReader, writer: StagingWriter | None, files: FileMaps,
-                 storage_options: Mapping[str, Any] | None):
-        super().__init__(url, config, log, io, cache, loader, reader, files, storage_options)
+                 ragged: RaggedReads | None, storage_options: Mapping[str, Any] | None):
+        super().__init__(url, config, log, io, cache, loader, reader, files, ragged, storage_options)
         self._log = log
         self.writer = writer
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for

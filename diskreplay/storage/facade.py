@@ -72,7 +72,8 @@ class Storage(ABC):
     """Whether this storage reads the shards of a sharded buffer together (read-only)."""
 
     def __init__(self, url: str, config: BufferConfig, log: Log, io: ChunkIO, cache: ChunkCache, loader: ChunkLoader,
-                 reader: ChunkReader, files: FileMaps, storage_options: Mapping[str, Any] | None):
+                 reader: ChunkReader, files: FileMaps, ragged: RaggedReads | None,
+                 storage_options: Mapping[str, Any] | None):
         self.url = url
         self.config = config
         self.schema = config.schema
@@ -80,8 +81,7 @@ class Storage(ABC):
         self.storage_options = storage_options
         self._log, self._io, self._cache, self._loader = log, io, cache, loader
         self._reader, self._files = reader, files
-        self._ragged = (RaggedReads(config, io, log.mode != "r", sum(slab.nbytes for slab in cache.slabs.values()))
-                        if config.user_schema.ragged else None)
+        self._ragged = ragged
         encoded = {name: f for name, f in config.user_schema.items() if f.codec is not None}
         self._frames = FrameReads(encoded, self.layout, io.workers) if encoded else None
 

@@ -55,6 +55,7 @@ from .log import Log
 from .mapped import MappedChunks
 from .pins import hold_newest, hold_pinned, not_kept, pinned_record, read_index
 from .point_reads import PointReads
+from .ragged_reads import RaggedReads
 from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
@@ -177,8 +178,8 @@ def open_union_storage(url: str, parts: Sequence[str], options: Options,
     prefixes = [part[len(url.rstrip("/")) + 1:] + "/" for part in parts]
     io = ChunkIO(root, config, field_codecs(buffer_codec(first.arrays, first.url), config),
                  options.io_threads or default_io_threads(url), prefixes)
-    cache, loader, reader, files = _read_side(url, config, first.arrays, log, io, options)
-    return UnionStorage(url, config, log, io, cache, loader, reader, files, options.storage_options, index)
+    cache, loader, reader, files, ragged = _read_side(url, config, first.arrays, log, io, options)
+    return UnionStorage(url, config, log, io, cache, loader, reader, files, ragged, options.storage_options, index)
 
 
 def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list[CommitLog]:
@@ -237,10 +238,10 @@ def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferCo
                     options.announcer if mode == "r+" else None, hold)
     io = ChunkIO(store if chunks is None else chunks, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
-    cache, loader, reader, files = _read_side(url, config, arrays, log, io, options)
+    cache, loader, reader, files, ragged = _read_side(url, config, arrays, log, io, options)
     writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=files.mapped is None)
               if mode != "r" else None)
-    return BufferStorage(url, config, log, io, cache, loader, reader, writer, files, options.storage_options)
+    return BufferStorage(url, config, log, io, cache, loader, reader, writer, files, ragged, options.storage_options)
 
 
 def check_location(url: str) -> None:
@@ -299,6 +300,8 @@ class ReadSide(NamedTuple):
     loader: ChunkLoader
     reader: ChunkReader
     files: FileMaps
+    ragged: RaggedReads | None
+    """The reads of the ragged fields (None: none), their value chunks cached within ``cache_bytes``."""
 
 
 def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: Log, io: ChunkIO,
@@ -326,7 +329,8 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r",
                          ReadAhead(loader, retired), points)
-    return ReadSide(cache, loader, reader, files)
+    ragged = RaggedReads(config, io, mode != "r", options.cache_bytes) if config.user_schema.ragged else None
+    return ReadSide(cache, loader, reader, files, ragged)
 
 
 def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck,

@@ -32,6 +32,7 @@ from .cursors import Cursors
 from .facade import Storage
 from .file_maps import FileMaps
 from .loading import ChunkLoader
+from .ragged_reads import RaggedReads
 from .reader import ChunkReader
 
 T = TypeVar("T")
@@ -173,9 +174,9 @@ class UnionStorage(Storage):
     _log: UnionLog
 
     def __init__(self, url: str, config: BufferConfig, log: UnionLog, io: ChunkIO, cache: ChunkCache,
-                 loader: ChunkLoader, reader: ChunkReader, files: FileMaps, storage_options: Mapping[str, Any] | None,
-                 index: CommitIndex | None = None):
-        super().__init__(url, config, log, io, cache, loader, reader, files, storage_options)
+                 loader: ChunkLoader, reader: ChunkReader, files: FileMaps, ragged: RaggedReads | None,
+                 storage_options: Mapping[str, Any] | None, index: CommitIndex | None = None):
+        super().__init__(url, config, log, io, cache, loader, reader, files, ragged, storage_options)
         self._log = log
         self.index = index
         """The root's commit index, if it declares one."""
