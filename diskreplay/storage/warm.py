@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -108,6 +109,8 @@ class Warmer:
         self.home_width: int | None = None
         self.fill: _Fill | None = None
         """A reader's fill running behind its reads."""
+        self.dropped: list[_Fill] = []
+        """Fills stopped while jobs of theirs still ran: their slots are freed once those end."""
         self.paging: Future[None] | None = None
         """A reader's memory-mapped files being read into the page cache (by process ``paging_pid``)."""
         self.paging_pid = 0
@@ -137,6 +140,7 @@ class Warmer:
         if self.fill is not None and self.fill.pid != os.getpid():
             self.cache.release(self.fill.unplaced())
             self.fill, self.pending = None, True
+        self._release_dropped(wait=False)
         if self.paging is not None and self.paging_pid != os.getpid():
             self.paging, self.pending = None, True
         if self.pending and (not self.reader or self._page_by_page):
@@ -256,20 +260,34 @@ class Warmer:
                 np.concatenate(spans))
 
     def _drop_fill(self) -> None:
-        """Stop a fill running behind the reads and free the slots of its parts not in place."""
+        """Stop a fill running behind the reads: its jobs not started are cancelled, and the slots
+        of its parts not in place are freed once no job of it can write into them any more
+        (`_release_dropped`); this does not wait for a running job (a remote one takes seconds)."""
         fill, self.fill = self.fill, None
         if fill is None:
             return
-        left = [job for _, job in fill.jobs[fill.placed:]]
-        for job in left:
+        for _, job in fill.jobs[fill.placed:]:
             job.cancel()
-        for job in left:
-            if not job.cancelled():
-                job.exception()
-        self.cache.release(fill.unplaced())
+        self.dropped.append(fill)
+        self._release_dropped(wait=False)
+
+    def _release_dropped(self, wait: bool) -> None:
+        """Free the unplaced slots of the dropped fills whose jobs all ended (``wait``: of all,
+        once they end). A forked child frees them at once: the jobs ran in its parent."""
+        running = []
+        for fill in self.dropped:
+            jobs = [job for _, job in fill.jobs[fill.placed:]]
+            if wait and fill.pid == os.getpid():
+                futures.wait(jobs)
+            if fill.pid == os.getpid() and not all(job.done() for job in jobs):
+                running.append(fill)
+            else:
+                self.cache.release(fill.unplaced())
+        self.dropped = running
 
     def close(self) -> None:
         self._drop_fill()
+        self._release_dropped(wait=True)
         self.threads.shutdown()
 
     def fill_cache(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
