@@ -1047,6 +1047,16 @@ def test_missing_chunk_is_corrupt(url, compression):
             rw[[4]]
 
 
+def test_an_object_of_more_parts_than_one_writev_takes(tmp_path):
+    """A shard of many inner chunks is written from more buffers than one ``writev`` call takes
+    (IOV_MAX, 1024 on Linux): all of them land, in order, in place or by replacement."""
+    store = open_chunkstore(str(tmp_path / "s"))
+    parts = [bytes([i % 251]) * (1 + i % 3) for i in range(3000)]
+    store.put_in_place("obs/c.0.0.0", parts)
+    store.put("obs/c.0.1.0", parts, durable=False)
+    assert store.get("obs/c.0.0.0") == store.get("obs/c.0.1.0") == b"".join(parts)
+
+
 def test_both_stores_keep_the_chunkstore_protocol_alike(url):
     """Local files and an fsspec store answer every `ChunkStore` call the same way."""
     store = open_chunkstore(url)

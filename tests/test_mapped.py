@@ -316,6 +316,33 @@ def test_the_first_read_of_an_evicted_buffer_reads_its_rows_and_brings_every_fil
     assert reader.stats().rows_read_directly == (0 if memory_map else 3)
 
 
+def test_the_first_read_of_a_row_shards_buffer_decodes_inner_chunks(tmp_path):
+    """``row_shards=True``: the compressed fields of small rows are shards of 512-row inner chunks
+    (a chunk holds four); a fresh reader's first read decodes the inner chunks of its rows (a
+    shard's index once per chunk) and small chunks whole, then the fill brings every chunk; the
+    arrays stay standard Zarr and verify."""
+    import zarr
+
+    from diskreplay.audit import verify
+
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=2048, compression="zstd",
+                                row_shards=True) as buf:
+        buf.extend(rows(0, 3 * 2048))
+    reader = dr.ReplayBuffer.open(url)
+    assert {name: codec.inner_rows for name, codec in reader.storage.codecs.items()} == {
+        "obs": 512, "flag": None, "img": 512}
+    check(reader, np.array([3, 4, 5000]))  # rows of chunks 0 and 2
+    stats = reader.stats()
+    assert (stats.rows_read_directly, stats.ranges_read) == (3, 2 * (2 + 2) + 2)  # obs, img: 2 indexes, 2 inners
+    reader.warm()
+    assert reader.stats().cached_chunks == 3
+    check(reader, reader.row_ids())
+    assert reader.stats().rows_read_directly == 3
+    np.testing.assert_array_equal(zarr.open_array(f"{url}/obs", mode="r")[0], rows(0, 3 * 2048)["obs"])
+    assert verify(url).ok
+
+
 def test_a_buffer_larger_than_half_the_ram_is_read_page_by_page(tmp_path, monkeypatch):
     url = str(tmp_path / "b")
     n = 4096 * 10  # chunk files of 12, 1 and 10 pages
@@ -366,3 +393,44 @@ def test_a_forked_child_fills_its_own_cache_when_the_parents_fill_is_still_runni
     reader.warm()
     assert reader.stats().resident
     check(reader, reader.row_ids())
+
+
+def test_a_refresh_does_not_wait_for_a_running_fill(tmp_path, monkeypatch):
+    """A reader whose fill job is still reading (a remote one takes seconds) refreshes onto a new
+    commit at once: the fill is dropped, and the slots it reserved are freed once its job ends,
+    not before (the job still writes into them); reads and the next fill are right."""
+    import threading
+
+    from diskreplay.storage.chunk_io import ChunkIO
+
+    url = str(tmp_path / "b")
+    writer = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=64, compression="zstd")
+    writer.extend(rows(0, 64 * 10 + 5))
+    writer.flush()
+    reader = dr.ReplayBuffer.open(url)
+    release, entered, ended = threading.Event(), threading.Event(), threading.Event()
+    read_here = ChunkIO.read_here
+
+    def held(self, work):
+        entered.set()
+        release.wait(60)  # a safety bound: the test sets it first
+        try:
+            return read_here(self, work)
+        finally:
+            ended.set()
+    monkeypatch.setattr(ChunkIO, "read_here", held)
+    check(reader, np.array([3]))  # the fill starts behind this read, and its job is held
+    assert entered.wait(60)
+    writer.extend(rows(64 * 10 + 5, 30))  # rewrites the tail chunk the reader holds
+    writer.flush()
+    reader.refresh()
+    assert not ended.is_set()  # the refresh did not wait for the job
+    check(reader, np.array([3, 64 * 10 + 20]))
+    release.set()
+    monkeypatch.setattr(ChunkIO, "read_here", read_here)
+    reader.warm()
+    assert reader.stats().cached_chunks == 11
+    check(reader, reader.row_ids())
+    assert not reader.storage._reader.warmer.dropped  # the dropped fill's slots were freed
+    reader.close()
+    writer.close()

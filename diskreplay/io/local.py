@@ -20,6 +20,8 @@ from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
 _NOATIME = getattr(os, "O_NOATIME", 0)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+"""The most buffers one ``writev`` takes (a shard of many inner chunks has more parts)."""
 
 
 def open_for_reading(path: str) -> int:
@@ -299,10 +301,11 @@ def directory_locked(directory: str) -> Iterator[None]:
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> int:
-    """Write every part at the file's position (``writev``, repeated after a short write)."""
+    """Write every part at the file's position (``writev`` of at most `IOV_MAX` parts, repeated
+    after a short write)."""
     size = sum(part.nbytes for part in parts)
     while parts:
-        written = os.writev(fd, parts)
+        written = os.writev(fd, parts[:IOV_MAX])
         while parts and written >= parts[0].nbytes:
             written -= parts[0].nbytes
             parts = parts[1:]
