@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 import pytest
+import zarr
 from conftest import OWN, logged
 from s3server import FaultProxy, fault_proxy, proxy_options, s3, s3_client
 
@@ -314,6 +315,48 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
         damaged.close()
     finally:
         proxy.close()
+
+
+def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
+    """With ``row_shards=True``, compressed fields of small rows are shards when a chunk holds four inner
+    chunks or more (obs: 512 rows of 12 bytes, act: 1,024 of 8; done's 4 KiB chunks are not): a
+    reader's cold rows cost each shard's index once and an inner chunk per row, a fraction of
+    the chunks' bytes; zarr-python reads the arrays."""
+    url = s3.new_url("small-rows")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=4096, compression="zstd", row_shards=True,
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend(rows(0, 8192))
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)
+        assert {name: codec.inner_rows for name, codec in reader.storage.codecs.items()} == {
+            "obs": 512, "act": 1024, "done": None}
+        sizes = reader.storage.store.sizes()
+        proxy.reset_stats()
+        ids = [5, 6, 1000, 5000]
+        check_rows(reader[ids], ids)
+        assert proxy.count("/obs/c.", "GET") == 2 + 3  # 2 shard indexes; rows 5 and 6 share an inner chunk
+        assert proxy.count("/act/c.", "GET") == 2 + 2
+        assert proxy.count("/done/c.", "GET") == 2  # each chunk whole, into the cache
+        assert proxy.bytes_out < sum(size for key, size in sizes.items() if key.startswith(("obs/c.", "act/c."))) / 4
+        proxy.reset_stats()
+        check_rows(reader[ids], ids)
+        assert proxy.count("/c.", "GET") == 3 + 2  # the indexes were kept; done's chunks are cached
+        reader.close()
+        whole = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
+        proxy.reset_stats()
+        check_rows(whole[ids], ids)
+        assert (whole.stats().rows_read_directly, whole.stats().ranges_read) == (4, 5 + 4 + 2)
+        whole.warm()  # the window followed behind the first read
+        assert proxy.count("/c.", "GET") == (5 + 4 + 2) + 2 * 3
+        proxy.reset_stats()
+        check_rows(whole.sample(500, seed=0), whole.sample(500, seed=0)["act"])
+        assert proxy.count("/c.", "GET") == 0
+        whole.close()
+    finally:
+        proxy.close()
+    array = zarr.open_array(store=url + "/obs", mode="r", storage_options=s3.storage_options())
+    np.testing.assert_array_equal(array[0, :, 0], np.arange(8192, dtype=np.float32))
 
 
 def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):

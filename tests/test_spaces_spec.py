@@ -193,7 +193,7 @@ FIELDS = {"obs": dr.Field((17,), "float32"), "next_obs": dr.Field((17,), "float3
 def full_spec() -> dr.BufferSpec:
     return dr.BufferSpec(FIELDS, capacity=4096, num_envs=4, chunk_rows=256, compression="lz4", compression_level=5,
                          episode_end=("terminated", "truncated"), derive_next=("obs",),
-                         episodic_return=dr.EpisodicReturn(0.9, clip=(-1.0, 1.0)))
+                         episodic_return=dr.EpisodicReturn(0.9, clip=(-1.0, 1.0)), row_shards=True)
 
 
 @pytest.mark.parametrize("spec", [full_spec(), dr.BufferSpec(FIELDS), dr.BufferSpec(FIELDS, compression=None,
@@ -216,7 +216,7 @@ def test_round_trip_keeps_every_value():
     spec = dr.BufferSpec.from_yaml(full_spec().to_yaml())
     assert spec.fields == FIELDS and spec.capacity == 4096 and spec.num_envs == 4 and spec.chunk_rows == 256
     assert (spec.compression, spec.compression_level) == ("lz4", 5)
-    assert spec.episode_end == ("terminated", "truncated") and spec.derive_next == ("obs",)
+    assert spec.episode_end == ("terminated", "truncated") and spec.derive_next == ("obs",) and spec.row_shards
     assert spec.episodic_return is not None and spec.episodic_return.to_json() == {
         "gamma": 0.9, "reward": "reward", "name": "return", "default_return": 0.0, "clip": [-1.0, 1.0]}
     assert spec != dr.BufferSpec(FIELDS) and spec != spec.to_dict()
@@ -301,6 +301,7 @@ episode_end: done
     ({"episodic_return": {"reward": "obs"}}, "episodic_return: expected a scalar reward field 'obs'"),
     ({"episodic_return": 0.9}, "episodic_return: expected a mapping"),
     ({"capacty": 10}, "buffer spec: unknown key 'capacty' (did you mean 'capacity'?)"),
+    ({"row_shards": "yes"}, "row_shards: expected True or False, got 'yes'"),
     ({"fields": {}}, "fields: expected a non-empty mapping"),
     ({"fields": ["obs"]}, "fields: expected a non-empty mapping"),
     ({"fields": {"obs": [3]}}, "fields.obs: expected a mapping with 'shape' and 'dtype'"),

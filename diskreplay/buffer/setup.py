@@ -52,7 +52,8 @@ Opened = tuple[BufferStorage, BufferStorage | None, CommitRecord, dict[str, Any]
 
 def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num_envs: int, chunk_rows: int | None,
                 compression: str | None, level: int | None, cache_bytes: int, episode_end: str | tuple[str, ...] | None,
-                derive_next: tuple[str, ...], episodic_return: EpisodicReturn | None) -> list[NewStorage]:
+                derive_next: tuple[str, ...], episodic_return: EpisodicReturn | None,
+                row_shards: bool = False) -> list[NewStorage]:
     """The storages of a new buffer (the main one, then the side store of ``derive_next``),
     planned and checked; ``level`` None is the codec's default. Raises ValueError or SchemaError
     (see `ReplayBuffer.create`)."""
@@ -77,7 +78,7 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     lane_capacity = lane_capacity_of(capacity, num_envs, chunk_rows)
     chunk_rows = min(chunk_rows, lane_capacity or chunk_rows)
     config = BufferConfig(stored_schema, num_envs, lane_capacity, chunk_rows, compression, level,
-                          chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, episode_end=end_fields,
+                          chunk_key_separator=keys.CHUNK_KEY_SEPARATOR, row_shards=row_shards, episode_end=end_fields,
                           derive_next=tuple(derived.values()),
                           episodic_return=episodic_return.to_json() if episodic_return else None,
                           fields=declared if declared.ragged else None)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .replay_buffer import ReplayBuffer
 
 KEYS = ("fields", "capacity", "num_envs", "chunk_rows", "compression", "compression_level", "episode_end",
-        "derive_next", "episodic_return", "shards")
+        "derive_next", "episodic_return", "shards", "row_shards")
 """The keys of a spec, in order: `ReplayBuffer.create`'s arguments that describe the buffer."""
 FIELD_KEYS = ("shape", "dtype", "length_of", "codec", "quality")
 RETURN_KEYS = ("gamma", "reward", "name", "default_return", "clip")
@@ -49,8 +49,8 @@ class BufferSpec(Mapping[str, Any]):
     at ``compression_level`` (None: the codec's default, resolved when made). ``episode_end``:
     ``"auto"``, end field names (one name becomes a 1-tuple), or None. ``derive_next``: fields
     whose ``next_`` twin is read from the next step. ``episodic_return``: an `EpisodicReturn` or
-    None. ``shards``: writers of a sharded buffer (None: not sharded). See `ReplayBuffer.create`
-    for each.
+    None. ``shards``: writers of a sharded buffer (None: not sharded). ``row_shards``: compressed
+    fields of small rows stored as shards of inner chunks. See `ReplayBuffer.create` for each.
 
     As a mapping its keys are `KEYS` and its values what `create` takes, so
     ``ReplayBuffer.create(url, **spec)`` works. Two specs are equal when their `to_dict` are.
@@ -70,6 +70,7 @@ class BufferSpec(Mapping[str, Any]):
     derive_next: tuple[str, ...] = ()
     episodic_return: EpisodicReturn | None = dataclass_field(default=None, repr=False)
     shards: int | None = None
+    row_shards: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -87,9 +88,11 @@ class BufferSpec(Mapping[str, Any]):
                              f"got {type(self.episodic_return).__name__}")
         if self.shards is not None:
             check_shards(self.shards)
+        if not isinstance(self.row_shards, bool):
+            raise ValueError(f"row_shards: expected True or False, got {self.row_shards!r:.40}")
         plan_buffer(CHECK_URL, self.fields, self.capacity, self.num_envs, self.chunk_rows, self.compression,
                     self.compression_level, CHECK_CACHE_BYTES, self.episode_end, self.derive_next,
-                    self.episodic_return)
+                    self.episodic_return, self.row_shards)
 
     # ---- the mapping of create's keyword arguments ------------------------------------------
 
@@ -134,7 +137,8 @@ class BufferSpec(Mapping[str, Any]):
         num_envs = buf.num_envs // shards
         capacity = None if buf.capacity is None else buf.capacity // shards
         return cls(fields, capacity, num_envs, config.chunk_rows, config.compression, config.level,
-                   config.episode_end or None, config.derive_next, ret, shards if shards > 1 else None)
+                   config.episode_end or None, config.derive_next, ret, shards if shards > 1 else None,
+                   config.row_shards)
 
     # ---- data forms -----------------------------------------------------------------------
 
@@ -149,7 +153,7 @@ class BufferSpec(Mapping[str, Any]):
             "episode_end": list(end) if isinstance(end, tuple) else end,
             "derive_next": list(self.derive_next),
             "episodic_return": self.episodic_return.to_json() if self.episodic_return else None,
-            "shards": self.shards,
+            "shards": self.shards, "row_shards": self.row_shards,
         }
 
     @classmethod

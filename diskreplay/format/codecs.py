@@ -45,6 +45,8 @@ INNER_CHUNK_BYTES = 1 << 13
 shards: each chunk file holds inner chunks of about `INNER_CHUNK_BYTES` (one 84x84 frame),
 compressed one by one behind an index, so a sampled row costs one small read and decode, not
 the decode of its whole chunk (`Codec.inner_rows`)."""
+SMALL_ROWS_INNER = 4
+"""Inner chunks a chunk of small rows must hold at least to be sharded (`inner_rows_for`)."""
 EMPTY_INNER = (1 << 64) - 1
 BLOSC_HEADER_BYTES = 16
 BLOSC_LZ4 = 1
@@ -61,13 +63,19 @@ def default_level(compression: str | None) -> int:
     return 6 if compression == "lz4hc" else 3
 
 
-def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int) -> int | None:
+def inner_rows_for(compression: str | None, row_access: bool, row_bytes: int, chunk_rows: int,
+                   row_shards: bool = False) -> int | None:
     """Rows per inner chunk of a field with rows of ``row_bytes`` (None: chunks are not sharded):
     a power of two near `INNER_CHUNK_BYTES` dividing ``chunk_rows``, for compressed fields of a
-    ``row_access`` buffer whose rows take at least `ROW_ACCESS_BYTES`."""
-    if compression is None or not row_access or row_bytes < ROW_ACCESS_BYTES:
+    ``row_access`` buffer whose rows take at least `ROW_ACCESS_BYTES`; with ``row_shards``, also
+    for smaller rows whose chunk holds `SMALL_ROWS_INNER` inner chunks or more (a smaller chunk is
+    read whole as cheaply as its index)."""
+    if compression is None or not row_access:
         return None
-    return math.gcd(1 << (max(INNER_CHUNK_BYTES // row_bytes, 1).bit_length() - 1), chunk_rows)
+    inner = math.gcd(1 << (max(INNER_CHUNK_BYTES // row_bytes, 1).bit_length() - 1), chunk_rows)
+    if row_bytes >= ROW_ACCESS_BYTES or (row_shards and SMALL_ROWS_INNER * inner <= chunk_rows):
+        return inner
+    return None
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ class BufferConfig:
     steps a lane's ring keeps (None: a dataset that grows). ``chunk_rows``: steps per chunk.
     ``compression`` and ``level``: the chunks' codec. ``chunk_key_separator``: ``"."`` (new
     buffers) or ``"/"`` (zarr's default, older buffers). ``row_access``: compressed fields with
-    big rows are stored as shards read row by row. ``episode_end``: the bool fields whose OR
-    ends an episode. ``derive_next``: fields whose ``next_`` twin is read from the next step.
+    big rows are stored as shards read row by row; ``row_shards`` (new buffers): those of small
+    rows too, where a chunk holds four inner chunks or more (`inner_rows_for`). ``episode_end``:
+    the bool fields whose OR ends an episode. ``derive_next``: fields whose ``next_`` twin is read from the next step.
     ``episodic_return``: the settings of a stored return-to-go field (`EpisodicReturn.to_json`).
     ``format``: one of `FORMATS` (where diskreplay's own objects live, `objects_prefix`).
     """
@@ -53,6 +54,7 @@ class BufferConfig:
     level: int
     chunk_key_separator: str = CHUNK_KEY_SEPARATOR
     row_access: bool = True
+    row_shards: bool = False
     episode_end: tuple[str, ...] = ()
     derive_next: tuple[str, ...] = ()
     episodic_return: Mapping[str, Any] | None = field(default=None, hash=False)
@@ -77,6 +79,7 @@ class BufferConfig:
                 "lane_capacity": self.lane_capacity, "chunk_rows": self.chunk_rows,
                 "compression": self.compression, "level": self.level,
                 "chunk_key_separator": self.chunk_key_separator, "row_access": self.row_access,
+                "row_shards": self.row_shards,
                 "episode_end": list(self.episode_end), "derive_next": list(self.derive_next),
                 "episodic_return": dict(self.episodic_return) if self.episodic_return else None}
 
@@ -116,13 +119,15 @@ def _parse(check: _ConfigCheck) -> BufferConfig:
     compression = check.choice("compression", COMPRESSIONS)
     level = check.integer("level", *LEVELS[compression], f" for {compression}" if compression else "")
     row_access = check.choice("row_access", (False, True), default=False)
+    row_shards = check.choice("row_shards", (False, True), default=False)
     episode_end = check.names("episode_end", schema, lambda f: f.shape == () and f.dtype == np.bool_)
     derive_next = check.names("derive_next", schema, lambda f: True)
     episodic_return = _episodic_return_spec(check, schema)
     if (derive_next or episodic_return) and not episode_end:
         raise check.bad("episode_end", "end fields when derive_next or episodic_return is set")
     return BufferConfig(schema, num_envs, lane_capacity, chunk_rows, compression, level, separator, row_access,
-                        episode_end, derive_next, episodic_return, fields=declared if declared.ragged else None)
+                        row_shards, episode_end, derive_next, episodic_return,
+                        fields=declared if declared.ragged else None)
 
 
 class _ConfigCheck:

@@ -118,8 +118,10 @@ def dimension_names(name: str, field: Field, ring: bool) -> tuple[str, ...]:
 
 def field_codec(codec: Codec, config: BufferConfig, field: Field) -> Codec:
     """The codec of one field's chunks in a buffer whose chunks use ``codec``: sharded when the
-    buffer has ``row_access`` and the field's rows are big (`inner_rows_for`)."""
-    inner = inner_rows_for(codec.compression, config.row_access, field.row_bytes, config.chunk_rows)
+    buffer has ``row_access`` and the field's rows are big, or small in a ``row_shards`` buffer
+    (`inner_rows_for`)."""
+    inner = inner_rows_for(codec.compression, config.row_access, field.row_bytes, config.chunk_rows,
+                           config.row_shards)
     return Codec(codec.compression, codec.level, codec.checksum, inner)
 
 

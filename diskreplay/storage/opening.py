@@ -324,7 +324,7 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     retired = RetiredCheck(log, cache, cursors.window)
     points = PointReads(io, layout.chunk_rows) if mode == "r" else None
     row_reads = _row_reads(row_fields, io, cache, retired, points) if row_fields else None
-    files = FileMaps(mapped, row_reads)
+    files = FileMaps(mapped, row_reads, points)
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
     reader = ChunkReader(schema, cursors, cache, loader, mapped, row_reads, retired, warmer, mode == "r",

@@ -21,11 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import EMPTY_INNER, Codec, checksum
+from ..format.codecs import EMPTY_INNER, INNER_CHUNK_BYTES, SMALL_ROWS_INNER, Codec, checksum
 from ..io.store import Range, Ranged
 from .chunk_io import ChunkIO
 from .outputs import Rows
 
+SMALL_CHUNK_BYTES = SMALL_ROWS_INNER * INNER_CHUNK_BYTES
+"""A compressed field whose chunks hold at most this many bytes is not sharded (`inner_rows_for`):
+a point read fetches its chunk whole, as cheap as a shard's index."""
 GAP_BYTES = 4096
 """Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
@@ -36,12 +39,15 @@ first row, and its bytes ``[start, stop)`` in its chunk object."""
 
 
 class PointReads:
-    """Targeted reads of the raw fields (`read`) and sharded fields (`decode`) of one buffer;
-    counts what they read."""
+    """Targeted reads of the raw, sharded and small compressed fields (`read`; sharded ones also
+    `decode`) of one buffer; counts what they read."""
 
     def __init__(self, io: ChunkIO, chunk_rows: int):
         self.io, self.chunk_rows = io, chunk_rows
         self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
+        self.sharded = frozenset(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
+        self.small = frozenset(name for name, codec in io.codecs.items() if not codec.raw and codec.inner_rows is None
+                               and chunk_rows * io.schema[name].row_bytes <= SMALL_CHUNK_BYTES)
         self.indexes: dict[tuple[str, int, int], np.ndarray] = {}
         """Each read shard's inner chunks: ``(offset, nbytes)`` rows, -1 where stored empty."""
         self.rows_read = 0
@@ -50,8 +56,9 @@ class PointReads:
         """Byte ranges read so far (one request each on an object store), indexes included."""
 
     def covers(self, names: tuple[str, ...]) -> bool:
-        """Whether every field of ``names`` is raw: `read` reads them row by row."""
-        return self.raw.issuperset(names)
+        """Whether `read` reads the rows of ``names``: every field raw, sharded or small, and not
+        all small (their chunks are loaded whole into the cache as cheaply)."""
+        return (self.raw | self.sharded | self.small).issuperset(names) and not self.small.issuperset(names)
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: read their shard indexes again."""
@@ -60,22 +67,31 @@ class PointReads:
             del self.indexes[key]
 
     def read(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, out: Rows) -> None:
-        """The rows at (lane, chunk, offset) of every field of ``out`` (raw: `covers`) into it.
+        """The rows at (lane, chunk, offset) of every field of ``out`` (raw or sharded: `covers`)
+        into it: the raw fields' ranges and the shard indexes not kept yet in one round of
+        requests, then the inner chunks of the sharded fields' rows in another.
 
         Raises CorruptBufferError naming a chunk object that is missing, has the wrong size,
-        ends before the rows or fails its checksum."""
+        ends before the rows or fails its checksum, or a shard whose index or inner chunk is bad."""
         order = np.lexsort((offset, chunk, lane))
         lane, chunk, offset = lane[order], chunk[order], offset[order]
-        plans = {name: self._plan(name, lane, chunk, offset) for name in out}
+        plans = {name: self._plan(name, lane, chunk, offset) for name in out if name in self.raw}
         asked = {name: self._ranges(name, lane, chunk, plan) for name, plan in plans.items()}
-        found = self._get([one for ranges in asked.values() for one in ranges])
+        heads = {name: self._index_ranges(name, lane, chunk) for name in out if name in self.sharded}
+        wholes = {name: self._whole_ranges(name, lane, chunk) for name in out if name in self.small}
+        found = iter(self._get([one for ranges in (*asked.values(), *(h.values() for h in heads.values()),
+                                                   *wholes.values()) for one in ranges]))
         self.rows_read += len(order)
-        done = 0
         for name, plan in plans.items():
-            got = found[done:done + len(asked[name])]
-            done += len(got)
+            got = [next(found) for _ in asked[name]]
             out[name].reshape(len(order), -1).view(np.uint8)[order] = self._take_raw(name, plan, offset, asked[name],
                                                                                      got)
+        for name, ranges in heads.items():
+            self._keep_indexes(name, ranges, [next(found) for _ in ranges])
+        for name, whole in wholes.items():
+            out[name][order] = self._take_whole(name, whole, [next(found) for _ in whole], lane, chunk, offset)
+        if heads and len(order):
+            self._read_inner_rows(tuple(heads), lane, chunk, offset, order, out)
 
     def _get(self, ranges: list[Range]) -> list[Ranged | None]:
         self.ranges_read += len(ranges)
@@ -135,6 +151,36 @@ class PointReads:
             raise CorruptBufferError(f"{self.io.url!r}: chunk {asked[0]!r} fails its checksum (the file is damaged)")
         return data
 
+    # ---- small compressed fields ----------------------------------------------------------
+
+    def _whole_ranges(self, name: str, lane: np.ndarray, chunk: np.ndarray) -> list[Range]:
+        """One range per chunk of these rows (sorted by lane, chunk), past any size its chunk can have."""
+        bound = 2 * self.chunk_rows * self.io.schema[name].row_bytes + 4096
+        first = np.flatnonzero(np.concatenate([[True], (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1])]))
+        return [(self.io.key(name, ln, ch), 0, bound) for ln, ch in zip(lane[first].tolist(), chunk[first].tolist())]
+
+    def _take_whole(self, name: str, asked: list[Range], got: list[Ranged | None], lane: np.ndarray,
+                    chunk: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """The rows (sorted by lane, chunk, offset) of a small compressed field from its whole chunks."""
+        f = self.io.schema[name]
+        chunks = np.empty((len(asked), self.chunk_rows, *f.shape), f.dtype)
+        for i, (one, ranged) in enumerate(zip(asked, got)):
+            if ranged is None:
+                raise CorruptBufferError(f"{self.io.url!r}: chunk {one[0]!r} is missing, but the last commit says "
+                                         f"it holds rows")
+            data, size = ranged
+            if size not in (len(data), -1):
+                raise CorruptBufferError(f"{self.io.url!r}: chunk {one[0]!r} has {size} bytes, more than a chunk "
+                                         f"of its field can have ({one[2]})")
+            try:
+                self.io.codecs[name].decode_into(data, chunks[i])
+            except ValueError as exc:
+                raise self._undecodable(one[0], exc) from None
+        new = np.ones(len(lane), bool)
+        new[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1])
+        rows: np.ndarray = chunks[np.cumsum(new) - 1, offset]
+        return rows
+
     # ---- sharded fields -------------------------------------------------------------------
 
     def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
@@ -145,35 +191,68 @@ class PointReads:
 
         Raises CorruptBufferError: a shard is missing, its index or a span is bad, or an inner
         chunk fails its checksum or does not decode; the message names the chunk."""
-        self._read_indexes(name, lanes, chunks)
-        spans = np.array([self.indexes[name, ln, ch][i] for ln, ch, i in
-                          zip(lanes.tolist(), chunks.tolist(), inners.tolist())], np.int64).reshape(-1, 2)
-        stored = np.flatnonzero(spans[:, 0] >= 0)
-        asked = [(self.io.key(name, int(lanes[i]), int(chunks[i])), int(spans[i, 0]), int(spans[i, :].sum()))
-                 for i in stored.tolist()]
-        codec = self.io.codecs[name]
-        bodies: list[bytes | memoryview | None] = [None] * len(spans)
-        for i, one, ranged in zip(stored.tolist(), asked, self._get(asked)):
-            bodies[i] = self._body(codec, one, ranged)
-        self.rows_read += len(spans) * (codec.inner_rows or 1)
-        try:
-            codec.decode_bodies(bodies, out, rows)
-        except ValueError as exc:
-            raise self._undecodable(asked[0][0] if asked else name, exc) from None
+        heads = self._index_ranges(name, lanes, chunks)
+        self._keep_indexes(name, heads, self._get(list(heads.values())) if heads else [])
+        asked, stored = self._inner_ranges(name, lanes, chunks, inners)
+        self._decode_inner(name, asked, stored, self._get(asked), out, rows)
+        self.rows_read += len(lanes) * (self.io.codecs[name].inner_rows or 1)
 
-    def _read_indexes(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> None:
-        """The index of every shard of these chunks no read kept yet, read and checked."""
-        want = [(ln, ch) for ln, ch in sorted(set(zip(lanes.tolist(), chunks.tolist())))
-                if (name, ln, ch) not in self.indexes]
+    def _read_inner_rows(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+                         order: np.ndarray, out: Rows) -> None:
+        """Rows (sorted by lane, chunk, offset) of the sharded fields ``names`` into ``out`` at
+        ``order``: each inner chunk they touch read once, all in one round of requests."""
+        wanted = {}
+        for name in names:
+            inner = offset // int(self.io.codecs[name].inner_rows or 1)
+            first = np.ones(len(lane), bool)  # each row that starts an inner chunk's run
+            first[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1]) | (inner[1:] != inner[:-1])
+            block = np.flatnonzero(first)
+            wanted[name] = (np.cumsum(first) - 1, *self._inner_ranges(name, lane[block], chunk[block], inner[block]))
+        found = iter(self._get([one for _, asked, _ in wanted.values() for one in asked]))
+        for name, (which, asked, stored) in wanted.items():
+            inner_rows, f = int(self.io.codecs[name].inner_rows or 1), self.io.schema[name]
+            blocks = np.empty((int(which[-1]) + 1, inner_rows, *f.shape), f.dtype)
+            self._decode_inner(name, asked, stored, [next(found) for _ in asked], blocks, np.arange(len(blocks)))
+            out[name][order] = blocks[which, offset % inner_rows]
+
+    def _index_ranges(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> dict[tuple[int, int], Range]:
+        """The index of every shard of these chunks no read kept yet: ``{(lane, chunk): its range}``."""
         head = self.io.codecs[name].index_bytes(self.chunk_rows)
-        asked = [(self.io.key(name, ln, ch), 0, head) for ln, ch in want]
-        for (ln, ch), one, ranged in zip(want, asked, self._get(asked) if asked else []):
+        return {(ln, ch): (self.io.key(name, ln, ch), 0, head)
+                for ln, ch in sorted(set(zip(lanes.tolist(), chunks.tolist()))) if (name, ln, ch) not in self.indexes}
+
+    def _keep_indexes(self, name: str, asked: dict[tuple[int, int], Range], got: list[Ranged | None]) -> None:
+        """Check and keep the shard indexes read for ``asked``."""
+        head = self.io.codecs[name].index_bytes(self.chunk_rows)
+        for ((ln, ch), one), ranged in zip(asked.items(), got):
             data = self._checked(one, ranged)
             try:
                 entries = self.io.codecs[name].verified_body(data)
                 self.indexes[name, ln, ch] = _spans(entries, head, -1 if ranged is None else ranged[1])
             except ValueError as exc:
                 raise self._undecodable(one[0], exc) from None
+
+    def _inner_ranges(self, name: str, lanes: np.ndarray, chunks: np.ndarray,
+                      inners: np.ndarray) -> tuple[list[Range], np.ndarray]:
+        """The ranges of these inner chunks (kept indexes), and which of them are stored (not empty)."""
+        spans = np.array([self.indexes[name, ln, ch][i] for ln, ch, i in
+                          zip(lanes.tolist(), chunks.tolist(), inners.tolist())], np.int64).reshape(-1, 2)
+        stored = np.flatnonzero(spans[:, 0] >= 0)
+        asked = [(self.io.key(name, int(lanes[i]), int(chunks[i])), int(spans[i, 0]), int(spans[i, :].sum()))
+                 for i in stored.tolist()]
+        return asked, stored
+
+    def _decode_inner(self, name: str, asked: list[Range], stored: np.ndarray, got: list[Ranged | None],
+                      out: np.ndarray, rows: np.ndarray) -> None:
+        """Decode the inner chunks read (``stored`` of ``rows``; the others stored empty: zeros)."""
+        codec = self.io.codecs[name]
+        bodies: list[bytes | memoryview | None] = [None] * len(rows)
+        for i, one, ranged in zip(stored.tolist(), asked, got):
+            bodies[i] = self._body(codec, one, ranged)
+        try:
+            codec.decode_bodies(bodies, out, rows)
+        except ValueError as exc:
+            raise self._undecodable(asked[0][0] if asked else name, exc) from None
 
     def _body(self, codec: Codec, asked: Range, ranged: Ranged | None) -> bytes | memoryview:
         try:
