@@ -142,9 +142,10 @@ def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
             "done": rng.random(rows) < 0.001}
 
 
-def write_buffer(url: str, data: dict, chunk_rows: int, compression: str | None, so: dict | None) -> None:
+def write_buffer(url: str, data: dict, chunk_rows: int, compression: str | None, so: dict | None,
+                 row_shards: bool = False) -> None:
     buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression=compression,
-                                 storage_options=so, io_threads=16, overwrite=True)
+                                 storage_options=so, io_threads=16, overwrite=True, row_shards=row_shards)
     step = 64 * chunk_rows
     for start in range(0, len(data["obs"]), step):
         buf.extend({k: v[start:start + step] for k, v in data.items()})
@@ -410,8 +411,8 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     url, uri = f"s3://{BUCKET}/dr-{comp}", f"s3://{BUCKET}/lance-{comp}"
     local, local_lance = os.path.join(tmp, f"dr-{comp}"), os.path.join(tmp, f"lance-{comp}")
     log(f"[{comp}] writing diskreplay and Lance datasets, local and S3 ...")
-    write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]))
-    write_buffer(local, data, args.chunk_rows, codec, None)
+    write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]), args.row_shards)
+    write_buffer(local, data, args.chunk_rows, codec, None, args.row_shards)
     write_lance(uri, data, codec, lance_options(server.endpoints["loopback"]))
     write_lance(local_lance, data, codec, None)
     so, lso = dr_options(server.endpoints["latency"]), lance_options(server.endpoints["latency"])
@@ -442,6 +443,7 @@ def main() -> None:
     p.add_argument("--rows", type=bl.parse_count, default=None, help="rows (default 2M; --quick 40k), e.g. 20M")
     p.add_argument("--compression", default="raw,zstd", help="comma-separated: raw, zstd")
     p.add_argument("--chunk-rows", type=int, default=4096)
+    p.add_argument("--row-shards", action="store_true", help="diskreplay buffers created with row_shards=True")
     p.add_argument("--epoch-batch", type=int, default=1024, help="rows per batch in the epochs")
     p.add_argument("--latency-ms", type=float, default=20.0, help="latency the proxy adds per request")
     p.add_argument("--read-ahead", type=int, default=32, help="chunks per gather in the read-ahead pass")
@@ -462,7 +464,8 @@ def main() -> None:
 
     header = bl.report_header("diskreplay object-storage benchmark (vs Lance)", args.quick, PACKAGES, details=[
         f"workload: {rows:,} rows x {ROW_BYTES} B ({rows * ROW_BYTES / 1e6:,.0f} MB), diskreplay chunks of "
-        f"{args.chunk_rows} rows; {', '.join(comps)}; moto {bl.package_versions(['moto'])['moto']} in a child "
+        f"{args.chunk_rows} rows{' (row_shards)' if args.row_shards else ''}; {', '.join(comps)}; "
+        f"moto {bl.package_versions(['moto'])['moto']} in a child "
         f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
         f"from its copy); {repeats} timed round(s) after one untimed, medians", SKIPPED])
     print(header + "\n", flush=True)

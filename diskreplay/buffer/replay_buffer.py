@@ -336,9 +336,12 @@ class ReplayBuffer(Pinning):
         window that fits the cache is loaded into it (afterwards reads never touch the store);
         local raw files that fit half the RAM are read into the OS page cache. Reads before
         this returns are served as the fill proceeds: rows missing from the cache are read
-        straight from their chunk objects. Raises ClosedError."""
+        straight from their chunk objects. The store of a ``derive_next`` buffer's kept-apart
+        final observations is warmed too. Raises ClosedError."""
         self._require_open()
         self.storage.warm()
+        if self._finals is not None:
+            self._finals.warm()
 
     def _require_open(self) -> None:
         if self._closed:

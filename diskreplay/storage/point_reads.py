@@ -67,9 +67,10 @@ class PointReads:
             del self.indexes[key]
 
     def read(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, out: Rows) -> None:
-        """The rows at (lane, chunk, offset) of every field of ``out`` (raw or sharded: `covers`)
-        into it: the raw fields' ranges and the shard indexes not kept yet in one round of
-        requests, then the inner chunks of the sharded fields' rows in another.
+        """The rows at (lane, chunk, offset) of every field of ``out`` (raw, sharded or small:
+        `covers`) into it: the raw fields' ranges, the shard indexes not kept yet and the small
+        chunks whole in one round of requests, then the inner chunks of the sharded fields' rows
+        in another.
 
         Raises CorruptBufferError naming a chunk object that is missing, has the wrong size,
         ends before the rows or fails its checksum, or a shard whose index or inner chunk is bad."""
@@ -156,7 +157,7 @@ class PointReads:
     def _whole_ranges(self, name: str, lane: np.ndarray, chunk: np.ndarray) -> list[Range]:
         """One range per chunk of these rows (sorted by lane, chunk), past any size its chunk can have."""
         bound = 2 * self.chunk_rows * self.io.schema[name].row_bytes + 4096
-        first = np.flatnonzero(np.concatenate([[True], (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1])]))
+        first = np.flatnonzero(_run_starts(lane, chunk))
         return [(self.io.key(name, ln, ch), 0, bound) for ln, ch in zip(lane[first].tolist(), chunk[first].tolist())]
 
     def _take_whole(self, name: str, asked: list[Range], got: list[Ranged | None], lane: np.ndarray,
@@ -176,9 +177,7 @@ class PointReads:
                 self.io.codecs[name].decode_into(data, chunks[i])
             except ValueError as exc:
                 raise self._undecodable(one[0], exc) from None
-        new = np.ones(len(lane), bool)
-        new[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1])
-        rows: np.ndarray = chunks[np.cumsum(new) - 1, offset]
+        rows: np.ndarray = chunks[np.cumsum(_run_starts(lane, chunk)) - 1, offset]
         return rows
 
     # ---- sharded fields -------------------------------------------------------------------
@@ -204,8 +203,7 @@ class PointReads:
         wanted = {}
         for name in names:
             inner = offset // int(self.io.codecs[name].inner_rows or 1)
-            first = np.ones(len(lane), bool)  # each row that starts an inner chunk's run
-            first[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1]) | (inner[1:] != inner[:-1])
+            first = _run_starts(lane, chunk, inner)
             block = np.flatnonzero(first)
             wanted[name] = (np.cumsum(first) - 1, *self._inner_ranges(name, lane[block], chunk[block], inner[block]))
         found = iter(self._get([one for _, asked, _ in wanted.values() for one in asked]))
@@ -277,6 +275,14 @@ def _spans(entries: bytes | memoryview, index_bytes: int, size: int) -> np.ndarr
         i = int(np.flatnonzero(~empty)[np.argmax(bad)])
         raise ValueError(f"inner chunk {i}: span {tuple(pairs[i].tolist())} outside the shard's data")
     return spans
+
+
+def _run_starts(*keys: np.ndarray) -> np.ndarray:
+    """Of rows sorted by ``keys``, those whose keys differ from the row's before (the first: True)."""
+    new = np.ones(len(keys[0]), bool)
+    if len(new) > 1:
+        new[1:] = np.logical_or.reduce([key[1:] != key[:-1] for key in keys])
+    return new
 
 
 def _runs(lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, row_bytes: int) -> Plan:
