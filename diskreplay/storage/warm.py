@@ -140,7 +140,8 @@ class Warmer:
         if self.fill is not None and self.fill.pid != os.getpid():
             self.cache.release(self.fill.unplaced())
             self.fill, self.pending = None, True
-        self._release_dropped(wait=False)
+        if self.dropped:
+            self._release_dropped(wait=False)
         if self.paging is not None and self.paging_pid != os.getpid():
             self.paging, self.pending = None, True
         if self.pending and (not self.reader or self._page_by_page):
