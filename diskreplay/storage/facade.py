@@ -295,7 +295,7 @@ class Storage(ABC):
         self._reader.ahead.drop()  # its pinned chunks would stay
         self._cache.invalidate(lane, chunks)
         self._files.forget(lane, chunks)
-        self._reader.warmer.reset()
+        self._reader.warmer.reset(lane, chunks)
 
     # ---- shards ----------------------------------------------------------------------------
 

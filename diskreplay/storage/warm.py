@@ -18,9 +18,8 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,6 +63,8 @@ class _Fill:
     placed: int = 0
     whole: bool = True
     """Whether every part placed so far read all its chunks."""
+    stale: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """(lane, chunks) the writer rewrote since the fill started: forgotten as its parts land."""
 
     def finished(self, wait: bool) -> list[tuple[slice, bool]]:
         """The parts not placed yet whose jobs are done (``wait``: all, once done), in order,
@@ -109,8 +110,6 @@ class Warmer:
         self.home_width: int | None = None
         self.fill: _Fill | None = None
         """A reader's fill running behind its reads."""
-        self.dropped: list[_Fill] = []
-        """Fills stopped while jobs of theirs still ran: their slots are freed once those end."""
         self.paging: Future[None] | None = None
         """A reader's memory-mapped files being read into the page cache (by process ``paging_pid``)."""
         self.paging_pid = 0
@@ -128,9 +127,13 @@ class Warmer:
         """Whether mapped files are too big to read whole into the page cache (`read_randomly`)."""
         return self.mapped is not None and self.stored_bytes > physical_memory() // 2
 
-    def reset(self) -> None:
-        """The window moved: fill again after the next read (readers), forget the resident layout."""
-        self._drop_fill()
+    def reset(self, lane: int, chunks: np.ndarray) -> None:
+        """The writer rewrote these chunks of ``lane`` (their cached copies are gone): forget the
+        resident layout, and fill again after the next read (a reader), once a running fill is
+        in; that one goes on (a remote one takes seconds, and a live learner refreshes more often),
+        its copies of these chunks forgotten as they land."""
+        if self.fill is not None:
+            self.fill.stale.append((lane, chunks))
         self.resident_span = None
         self.pending = self.reader
 
@@ -140,8 +143,6 @@ class Warmer:
         if self.fill is not None and self.fill.pid != os.getpid():
             self.cache.release(self.fill.unplaced())
             self.fill, self.pending = None, True
-        if self.dropped:
-            self._release_dropped(wait=False)
         if self.paging is not None and self.paging_pid != os.getpid():
             self.paging, self.pending = None, True
         if self.pending and (not self.reader or self._page_by_page):
@@ -158,15 +159,16 @@ class Warmer:
     def wait(self) -> None:
         """Start a due fill, and wait until it is in place."""
         self.before_read()
-        self.after_read()
-        self.settle()
+        for _ in range(2):  # a fill due while another ran starts once that one is in
+            self.after_read()
+            self.settle()
         if self.paging is not None:
             self.paging.result()
         self.before_read()
 
     def after_read(self) -> None:
-        """A reader's due fill, started behind its first read."""
-        if self.pending and self.reader:
+        """A reader's due fill, started behind its first read (once a running one is in)."""
+        if self.pending and self.reader and self.fill is None:
             self.pending = False
             self._warm()
 
@@ -244,6 +246,8 @@ class Warmer:
             held = self.cache.slots_of(lanes, chunks)
             self.cache.evict(held[held >= 0])
             self.cache.unpin(self.cache.place(lanes, chunks, slots))
+            for lane, stale in fill.stale:
+                self.cache.invalidate(lane, stale)
             fill.whole &= not self.drop_if_moved(lanes, chunks)
         if fill.placed < len(fill.jobs):
             return
@@ -261,34 +265,20 @@ class Warmer:
                 np.concatenate(spans))
 
     def _drop_fill(self) -> None:
-        """Stop a fill running behind the reads: its jobs not started are cancelled, and the slots
-        of its parts not in place are freed once no job of it can write into them any more
-        (`_release_dropped`); this does not wait for a running job (a remote one takes seconds)."""
+        """Stop a fill running behind the reads and free the slots of its parts not in place."""
         fill, self.fill = self.fill, None
         if fill is None:
             return
-        for _, job in fill.jobs[fill.placed:]:
+        left = [job for _, job in fill.jobs[fill.placed:]]
+        for job in left:
             job.cancel()
-        self.dropped.append(fill)
-        self._release_dropped(wait=False)
-
-    def _release_dropped(self, wait: bool) -> None:
-        """Free the unplaced slots of the dropped fills whose jobs all ended (``wait``: of all,
-        once they end). A forked child frees them at once: the jobs ran in its parent."""
-        running = []
-        for fill in self.dropped:
-            jobs = [job for _, job in fill.jobs[fill.placed:]]
-            if wait and fill.pid == os.getpid():
-                futures.wait(jobs)
-            if fill.pid == os.getpid() and not all(job.done() for job in jobs):
-                running.append(fill)
-            else:
-                self.cache.release(fill.unplaced())
-        self.dropped = running
+        for job in left:
+            if not job.cancelled():
+                job.exception()
+        self.cache.release(fill.unplaced())
 
     def close(self) -> None:
         self._drop_fill()
-        self._release_dropped(wait=True)
         self.threads.shutdown()
 
     def fill_cache(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
