@@ -132,7 +132,7 @@ def requests_per_operation(so: dict, proxy: FaultProxy, shards: int, args: argpa
                     g = proxy.count("", "GET")
                     gets.append(g)
                     other.append(sum(proxy.hits.values()) - g)
-                name = f"learner refresh, {'every' if k == shards else k} shard{'s' * (k > 1)} committed"
+                name = f"learner refresh, {'every shard' if k == shards else f'{k} shards'} committed"
                 out[name] = (statistics.median(gets), statistics.median(other))
         finally:
             for w in writers:
@@ -285,11 +285,13 @@ def main() -> None:
             cells = [f"{ops[s][n][0]:g} GET + {ops[s][n][1]:g} other" if n in ops[s] else "" for s in args.shards]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         body.append("## 1. S3 requests per operation (counted at the proxy)\n\n" + "\n".join(lines))
+        print(body[-1] + "\n", flush=True)  # each section as it is done
         log("[2/3] learner updates per second")
         via = {**so, "endpoint_url": proxy.endpoint}
         backends = {"local disk": (scratch, None, None),
                     f"S3 (moto, {args.latency_ms:g} ms per request)": (f"s3://{BUCKET}/upd", so, via)}
         body.append("## 2. Learner updates per second, S shards vs 1\n\n" + bench_updates(backends, args))
+        print(body[-1] + "\n", flush=True)
         s = max(args.shards)
         cost = ["| limiter | steps per commit | GET/s | PUT, LIST, POST/s | $ per hour |", "|---|---:|---:|---:|---:|"]
         for engine_on in ([False, True] if engine is not None else [False]):
