@@ -39,9 +39,10 @@ class BufferConfig:
     steps a lane's ring keeps (None: a dataset that grows). ``chunk_rows``: steps per chunk.
     ``compression`` and ``level``: the chunks' codec. ``chunk_key_separator``: ``"."`` (new
     buffers) or ``"/"`` (zarr's default, older buffers). ``row_access``: compressed fields with
-    big rows are stored as shards read row by row; ``row_shards`` (new buffers): those of small
-    rows too, where a chunk holds four inner chunks or more (`inner_rows_for`). ``episode_end``:
-    the bool fields whose OR ends an episode. ``derive_next``: fields whose ``next_`` twin is read from the next step.
+    big rows are stored as shards read row by row; ``row_shards`` (`ReplayBuffer.create`'s
+    option): those of small rows too, where a chunk holds four inner chunks or more
+    (`inner_rows_for`). ``episode_end``: the bool fields whose OR ends an episode.
+    ``derive_next``: fields whose ``next_`` twin is read from the next step.
     ``episodic_return``: the settings of a stored return-to-go field (`EpisodicReturn.to_json`).
     ``format``: one of `FORMATS` (where diskreplay's own objects live, `objects_prefix`).
     """
