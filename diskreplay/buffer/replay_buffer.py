@@ -88,9 +88,8 @@ class ReplayBuffer(Pinning):
                storage_options: Mapping[str, Any] | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
                io_threads: int | None = None, overwrite: bool = False,
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
-               episodic_return: EpisodicReturn | None = None, commit: bool = True,
-               memory_map: bool | None = None, break_lock: bool = False,
-               retry: RetryPolicy | None = None, shards: int | None = None,
+               episodic_return: EpisodicReturn | None = None, commit: bool = True, memory_map: bool | None = None,
+               break_lock: bool = False, retry: RetryPolicy | None = None, shards: int | None = None,
                lease_s: float | None = None, row_shards: bool = False) -> ReplayBuffer:
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
@@ -339,9 +338,8 @@ class ReplayBuffer(Pinning):
         straight from their chunk objects. The store of a ``derive_next`` buffer's kept-apart
         final observations is warmed too. Raises ClosedError."""
         self._require_open()
-        self.storage.warm()
-        if self._finals is not None:
-            self._finals.warm()
+        for storage in filter(None, (self.storage, self._finals)):
+            storage.warm()
 
     def _require_open(self) -> None:
         if self._closed:
