@@ -14,7 +14,7 @@ class FileMaps:
     """The memory maps of a storage's chunk files (raw rows, shards) and the shard indexes its
     point reads keep, told when files are rewritten."""
 
-    def __init__(self, mapped: MappedChunks | None, row_reads: RowReads | None, points: PointReads | None = None):
+    def __init__(self, mapped: MappedChunks | None, row_reads: RowReads | None, points: PointReads | None):
         self.mapped, self.row_reads, self.points = mapped, row_reads, points
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
