@@ -2,7 +2,7 @@
 
 Without a C compiler the package installs all the same, and does the same work in numpy or one
 library call per item: compressed frames are checked and decoded one call per frame
-(`diskreplay.format.codecs`), uniform draws are numpy's (`diskreplay.sampling.draws`), episode
+(`diskreplay.format.lz4_blocks`), uniform draws are numpy's (`diskreplay.sampling.draws`), episode
 bounds and stack windows are numpy searches (`diskreplay.episodes.index`)."""
 
 from setuptools import Extension, setup

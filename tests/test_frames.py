@@ -2,7 +2,9 @@
 row by row, frame stacks that share their frames."""
 
 import json
+import mmap
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,7 +21,7 @@ from conftest import exit_code_in_fork
 
 import diskreplay as dr
 from diskreplay.audit import buffer_info, format_info, verify
-from diskreplay.format import codecs
+from diskreplay.format import codecs, lz4_blocks
 from diskreplay.format.codecs import Codec, checksum
 from diskreplay.format.commit import CommitRecord
 from diskreplay.io import LocalChunkStore
@@ -76,8 +78,8 @@ def test_lz4hc_writes_the_same_kind_of_lz4_blocks_in_fewer_bytes(tmp_path):
     stored = {c: [bytes(Codec(c, inner_rows=1).encode(frame[None])[2]) for frame in written] for c in ("lz4", "lz4hc")}
     assert sum(map(len, stored["lz4hc"])) < 0.95 * sum(map(len, stored["lz4"]))
     for body, frame in zip(stored["lz4hc"], written):
-        assert body[2] >> 5 == codecs.BLOSC_LZ4  # the compressor code blosc writes for LZ4 and LZ4-HC alike
-        block = lz4.block.decompress(body[codecs.LZ4_HEAD:], uncompressed_size=frame.size)
+        assert body[2] >> 5 == lz4_blocks.BLOSC_LZ4  # the compressor code blosc writes for LZ4 and LZ4-HC alike
+        block = lz4.block.decompress(body[lz4_blocks.LZ4_HEAD:], uncompressed_size=frame.size)
         np.testing.assert_array_equal(np.frombuffer(block, np.uint8).reshape(frame.shape), frame)
 
 
@@ -213,13 +215,136 @@ def test_a_zstd_frame_cannot_size_an_allocation(tmp_path):
         codec.decode_inner(huge + checksum(huge), out)
 
 
+def shard_rows(kind: str) -> tuple[np.ndarray, int]:
+    """A chunk's rows of one kind, and the rows of its inner chunks."""
+    rng = np.random.default_rng(7)
+    pictures = frames(0, 64)[:, 0]
+    return {"floats": (np.cumsum(rng.standard_normal((256, 17)), axis=0).astype(np.float32), 16),
+            "frames": (np.ascontiguousarray(np.tile(pictures[:12], (1, 3, 3))[:, :84, :84]), 1),
+            "frames and noise": (np.concatenate([pictures[:6], rng.integers(0, 256, (6, 32, 32), np.uint8)]), 1),
+            "blocks of frames": (pictures, 8),
+            "one inner chunk": (np.arange(128).reshape(8, 16) * 3, 8)}[kind]
+
+
+def with_index(codec: Codec, blob: bytes, rows: int, change: Any) -> bytes:
+    """The shard ``blob`` of ``rows`` rows with ``change`` applied to its index (inner chunks x
+    (offset, nbytes), uint64), the index's checksum made to match."""
+    head = codec.index_bytes(rows) - 4
+    index = np.frombuffer(blob[:head], "<u8").reshape(-1, 2).copy()
+    change(index)
+    return index.tobytes() + checksum(index.tobytes()) + blob[head + 4:]
+
+
+@pytest.mark.parametrize("empty", ["none", "some", "all"])
+@pytest.mark.parametrize("kind", ["floats", "frames", "frames and noise", "blocks of frames", "one inner chunk"])
+@pytest.mark.parametrize("compression", ["zstd", "lz4", "lz4hc"])
+def test_a_shard_decoded_whole_is_what_was_written(compression, kind, empty, lz4_decodes):
+    """Whole shards decode to their rows, from bytes or a view, through each LZ4 decoder; inner
+    chunks the index marks stored empty (as zarr writes one of its fill value) to zeros."""
+    chunk, inner = shard_rows(kind)
+    codec = Codec(compression, 3, True, inner)
+    count = len(chunk) // inner
+    gone = {"none": [], "some": [0, count - 1, count // 2][:max(count - 1, 1)], "all": list(range(count))}[empty]
+    blob = with_index(codec, b"".join(bytes(part) for part in codec.encode(chunk)), len(chunk),
+                      lambda index: index.__setitem__(gone, codecs.EMPTY_INNER))
+    expected = chunk.copy()
+    for i in gone:
+        expected[i * inner:(i + 1) * inner] = 0
+    for given in (blob, memoryview(bytearray(blob))):
+        out = np.full_like(chunk, 7)
+        codec.decode_into(given, out)
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4", "lz4hc"])
+def test_a_shard_zarr_wrote_decodes_whole_from_a_map(tmp_path, compression):
+    """zarr-python marks inner chunks of its fill value empty; a shard it wrote decodes, from a
+    memory map, to its rows, those zeros; nothing holds the map after."""
+    codec = Codec(compression, 3, True, 8)
+    chunk = frames(0, 64)[:, 0]
+    chunk[8:24] = chunk[56:] = 0
+    arr = zarr.create_array(str(tmp_path / "a"), shape=(1, 64, 32, 32), chunks=(1, 64, 32, 32), dtype="uint8",
+                            fill_value=0, **codec.zarr_codecs(dr.Field((32, 32), "uint8")))
+    arr[:] = chunk[None]
+    out = np.full_like(chunk, 7)
+    with open(tmp_path / "a/c/0/0/0/0", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        index = np.frombuffer(data[:128], "<u8").reshape(-1, 2)
+        assert (index[[1, 2, 7]] == codecs.EMPTY_INNER).all() and (index[[0, 3, 6]] != codecs.EMPTY_INNER).all()
+        view = memoryview(data)
+        codec.decode_into(view, out)
+        view.release()
+    np.testing.assert_array_equal(out, chunk)
+
+
+def damaged_shard(codec: Codec, chunk: np.ndarray, where: str) -> tuple[bytes, str]:
+    """``chunk`` stored as a shard of inner chunks of 8 rows, damaged at ``where``, and the message
+    (a regex) its whole decode raises."""
+    blob = b"".join(bytes(part) for part in codec.encode(chunk))
+    head, size = codec.index_bytes(len(chunk)), len(blob)
+    offset, nbytes = (int(v) for v in np.frombuffer(blob[32:48], "<u8"))  # inner chunk 2's span
+
+    def spans(*changes: tuple[int, int, int], data: bytes = blob) -> bytes:
+        return with_index(codec, data, len(chunk), lambda index: [index.__setitem__(i, span) for i, *span in changes])
+
+    def replaced(data: bytes, inner: int, body: bytes, empty: bool = False) -> bytes:  # a new body at the end
+        others = [(i, codecs.EMPTY_INNER, codecs.EMPTY_INNER) for i in range(len(chunk) // 8) if empty and i != inner]
+        return spans((inner, len(data), len(body) + 4), *others, data=data + body + checksum(body))
+
+    flipped = blob[:offset + 10] + bytes([blob[offset + 10] ^ 1]) + blob[offset + 11:]  # in inner chunk 2's body
+    later = int.from_bytes(blob[80:88], "little") + 10  # in inner chunk 5's body
+    outside = re.escape(f"inner chunk 2: span ({head - 1}, {nbytes}) outside the shard's data")
+    mismatch = r"checksum mismatch \(stored [0-9a-f]{8}, computed [0-9a-f]{8}\)"
+    body = bytes(codec.encode(chunk[:8])[2])
+    other_size = {"zstd": "error decompressing item 2: decompressed 4096 bytes; expected 8192",
+                  "lz4": "blosc frame of 4096 bytes, expected 8192"}[codec.compression]
+    return {
+        "short": (blob[:100], "^100 bytes: too short to hold the shard's index of 132 bytes$"),
+        "index": (blob[:5] + bytes([blob[5] ^ 1]) + blob[6:], f"^{mismatch}$"),
+        "offset in the index": (spans((2, head - 1, nbytes)), f"^{outside}$"),
+        "span too long": (spans((2, offset, size + 1)),
+                          "^" + re.escape(f"inner chunk 2: span ({offset}, {size + 1}) outside the shard's data")),
+        "span too short": (spans((2, offset, 4)),
+                           "^" + re.escape(f"inner chunk 2: span ({offset}, 4) outside the shard's data")),
+        "half empty": (spans((2, codecs.EMPTY_INNER, nbytes)), "^" + re.escape(
+            f"inner chunk 2: span ({codecs.EMPTY_INNER}, {nbytes}) past the shard's {size} bytes")),
+        "span past the end": (spans((2, size - nbytes + 1, nbytes)), "^" + re.escape(
+            f"inner chunk 2: span ({size - nbytes + 1}, {nbytes}) past the shard's {size} bytes")),
+        "inner checksum": (flipped, f"^inner chunk 2: {mismatch}$"),
+        "checksum before span": (spans((5, head - 1, 40), data=flipped), f"^inner chunk 2: {mismatch}$"),
+        "span before checksum": (spans((2, head - 1, nbytes), data=blob[:later] + b"\0\1" + blob[later + 2:]),
+                                 f"^{outside}$"),
+        "frame of another size": (replaced(blob, 2, bytes(codec.encode(chunk[:4])[2])), f"^{other_size}"),
+        "lone frame of another size": (replaced(blob, 2, bytes(codec.encode(chunk[:4])[2]), empty=True),
+                                       {"zstd": "^zstd frame of 4096 bytes, expected 8192$",
+                                        "lz4": "^blosc frame of 4096 bytes, expected 8192$"}[codec.compression]),
+        "frame of garbage": (replaced(blob, 2, body[:24] + b"\xff" * (len(body) - 24)),
+                             {"zstd": "^error decompressing item 2: ",
+                              "lz4": "^LZ4 block: "}[codec.compression]),
+    }[where]
+
+
+@pytest.mark.parametrize("where", ["short", "index", "offset in the index", "span too long", "span too short",
+                                   "half empty", "span past the end", "inner checksum", "checksum before span",
+                                   "span before checksum", "frame of another size", "lone frame of another size",
+                                   "frame of garbage"])
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_damaged_shard_decoded_whole_says_what_is_wrong(compression, where, lz4_decodes):
+    """A damaged shard's whole decode raises ValueError naming the first damage, in the order of
+    the inner chunks: its index, an inner chunk's span, its checksum, a frame that does not decode
+    to its rows."""
+    codec = Codec(compression, 3, True, 8)
+    blob, message = damaged_shard(codec, frames(0, 64)[:, 0], where)
+    with pytest.raises(ValueError, match=message):
+        codec.decode_into(blob, np.full((64, 32, 32), 7, np.uint8))
+
+
 def built_batch() -> Any:
     """The `_batch` extension; the test is skipped where it was not built (no C compiler at
     install), except under CI, which installs with one."""
-    if codecs._batch is None:
+    if lz4_blocks._batch is None:
         assert not os.environ.get("CI"), "CI installs with a C compiler: the extension must be built"
         pytest.skip("diskreplay.format._batch was not built (no C compiler at install)")
-    return codecs._batch
+    return lz4_blocks._batch
 
 
 @pytest.fixture(params=["batch", "one by one"])
@@ -228,7 +353,7 @@ def checksum_path(request, monkeypatch) -> str:
     if request.param == "batch":
         built_batch()
     if request.param == "one by one":
-        monkeypatch.setattr(codecs, "_batch", None)
+        monkeypatch.setattr(lz4_blocks, "_batch", None)
     return request.param
 
 
@@ -240,10 +365,10 @@ def test_first_bad_checksum_finds_the_first_body_whose_crc32c_differs(checksum_p
     data = [np.frombuffer(blob, np.uint8) for blob in blobs]
     sources = np.array([d.ctypes.data for d in data], np.int64)
     sizes = np.array([len(b) for b in bodies], np.int64)
-    assert codecs.first_bad_checksum(sources, sizes) == 2
-    assert codecs.first_bad_checksum(sources[[0, 1, 3]], sizes[[0, 1, 3]]) == -1
-    assert codecs.first_bad_checksum(sources[[3, 4]], sizes[[3, 4]]) == 1
-    assert codecs.first_bad_checksum(sources[:0], sizes[:0]) == -1
+    assert lz4_blocks.first_bad_checksum(sources, sizes) == 2
+    assert lz4_blocks.first_bad_checksum(sources[[0, 1, 3]], sizes[[0, 1, 3]]) == -1
+    assert lz4_blocks.first_bad_checksum(sources[[3, 4]], sizes[[3, 4]]) == 1
+    assert lz4_blocks.first_bad_checksum(sources[:0], sizes[:0]) == -1
 
 
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
@@ -401,26 +526,26 @@ def lz4_decodes(request, monkeypatch) -> list[int]:
             taken, *failure = batch.decode_lz4(*args)
             calls.extend([args[5]] * taken)
             return taken, *failure
-        monkeypatch.setattr(codecs, "_batch", SimpleNamespace(decode_lz4=counted_batch,
+        monkeypatch.setattr(lz4_blocks, "_batch", SimpleNamespace(decode_lz4=counted_batch,
                                                               first_bad_checksum=batch.first_bad_checksum))
         return calls
-    monkeypatch.setattr(codecs, "_batch", None)
+    monkeypatch.setattr(lz4_blocks, "_batch", None)
     if request.param == "into rows":
-        decode = codecs._LZ4_DECODE
+        decode = lz4_blocks._LZ4_DECODE
         assert decode is not None  # python-lz4's Linux wheels export it: the path is tested here
 
         def counted_into(source, target, size, capacity):
             calls.append(capacity)
             return decode(source, target, size, capacity)
-        monkeypatch.setattr(codecs, "_LZ4_DECODE", counted_into)
+        monkeypatch.setattr(lz4_blocks, "_LZ4_DECODE", counted_into)
         return calls
-    decompress = codecs.lz4.block.decompress
+    decompress = lz4.block.decompress
 
     def counted(source, uncompressed_size):
         calls.append(uncompressed_size)
         return decompress(source, uncompressed_size=uncompressed_size)
-    monkeypatch.setattr(codecs, "_LZ4_DECODE", None)
-    monkeypatch.setattr(codecs.lz4.block, "decompress", counted)
+    monkeypatch.setattr(lz4_blocks, "_LZ4_DECODE", None)
+    monkeypatch.setattr(lz4.block, "decompress", counted)
     return calls
 
 
@@ -449,10 +574,10 @@ def test_lz4_rows_outside_the_output_are_refused():
     block = lz4.block.compress(bytes(16), store_size=False)
     with pytest.raises(IndexError, match=r"rows 0..2 outside the 2 rows decoded into"):
         source = np.frombuffer(block, np.uint8)
-        codecs.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
+        lz4_blocks.decode_lz4_at(np.full(2, source.ctypes.data), np.full(2, len(block)), flat, np.array([0, 2]))
 
 
-def lz4_blocks(rows: np.ndarray, bad: int | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+def lz4_bodies(rows: np.ndarray, bad: int | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """Each row as a blosc-like body: 8 bytes of head, the row's LZ4 block (row 1: its bytes as
     they are), its CRC32C; block ``bad`` garbage. Returns the bodies and the blocks' addresses and sizes."""
     bodies = []
@@ -460,10 +585,10 @@ def lz4_blocks(rows: np.ndarray, bad: int | None = None) -> tuple[list[np.ndarra
         block = row.tobytes() if i == 1 else lz4.block.compress(row.tobytes(), store_size=False)
         if i == bad:
             block = b"\xff" * 9
-        body = b"h" * codecs.LZ4_HEAD + block
+        body = b"h" * lz4_blocks.LZ4_HEAD + block
         bodies.append(np.frombuffer(bytearray(body + checksum(body)), np.uint8))
-    sources = np.array([b.ctypes.data + codecs.LZ4_HEAD for b in bodies], np.int64)
-    sizes = np.array([len(b) - codecs.LZ4_HEAD - 4 for b in bodies], np.int64)
+    sources = np.array([b.ctypes.data + lz4_blocks.LZ4_HEAD for b in bodies], np.int64)
+    sizes = np.array([len(b) - lz4_blocks.LZ4_HEAD - 4 for b in bodies], np.int64)
     return bodies, sources, sizes
 
 
@@ -475,33 +600,31 @@ def test_lz4_batch_decode_takes_blocks_until_none_is_left_or_one_fails():
     batch = built_batch()
     rows = np.arange(20 * 64, dtype=np.uint8).reshape(20, 64) // 8
     targets = lambda out: out.ctypes.data + np.arange(20, dtype=np.int64) * 64  # noqa: E731
-    bodies, sources, sizes = lz4_blocks(rows)
+    bodies, sources, sizes = lz4_bodies(rows)
     checks, cursor, out = np.ones(20, np.uint8), np.array([8]), np.zeros_like(rows)  # another thread took 0..7
-    assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
-                            codecs.LZ4_HEAD, cursor, 8) == (12, -1, 0, 0)
+    decoder, crc32c, head = lz4_blocks._LZ4_ADDRESS, lz4_blocks._CRC32C_ADDRESS, lz4_blocks.LZ4_HEAD
+    assert batch.decode_lz4(decoder, crc32c, sources, sizes, targets(out), 64, checks, head, cursor, 8) == \
+        (12, -1, 0, 0)
     np.testing.assert_array_equal(out[8:], rows[8:])
     assert not out[:8].any() and cursor[0] >= 20
 
-    bad_bodies, sources_bad, sizes_bad = lz4_blocks(rows, bad=13)
+    bad_bodies, sources_bad, sizes_bad = lz4_bodies(rows, bad=13)
     cursor, out = np.array([0]), np.zeros_like(rows)
-    taken, failed, bad_checksum, code = batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources_bad,
-                                                         sizes_bad, targets(out), 64, checks, codecs.LZ4_HEAD, cursor,
-                                                         8)
+    taken, failed, bad_checksum, code = batch.decode_lz4(decoder, crc32c, sources_bad, sizes_bad, targets(out), 64,
+                                                         checks, head, cursor, 8)
     assert (taken, failed, bad_checksum) == (16, 13, 0) and code < 0 and cursor[0] == 20
     np.testing.assert_array_equal(out[:13], rows[:13])
     assert not out[14:].any()  # not reached
 
     bodies[5][-1] ^= 1  # block 5's stored checksum
     cursor, out = np.array([0]), np.zeros_like(rows)
-    assert batch.decode_lz4(codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks,
-                            codecs.LZ4_HEAD, cursor, 3)[1:] == (5, 1, 0)
+    assert batch.decode_lz4(decoder, crc32c, sources, sizes, targets(out), 64, checks, head, cursor, 3)[1:] == (5, 1, 0)
     checks[5], cursor = 0, np.array([0])  # not asked for: decoded
-    assert batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets(out), 64, np.zeros(20, np.uint8),
-                            codecs.LZ4_HEAD, cursor, 1) == (20, -1, 0, 0)
+    assert batch.decode_lz4(decoder, 0, sources, sizes, targets(out), 64, np.zeros(20, np.uint8), head, cursor,
+                            1) == (20, -1, 0, 0)
     np.testing.assert_array_equal(out, rows)
 
-    args = [codecs._LZ4_ADDRESS, codecs._CRC32C_ADDRESS, sources, sizes, targets(out), 64, checks, codecs.LZ4_HEAD,
-            np.array([0]), 8]
+    args = [decoder, crc32c, sources, sizes, targets(out), 64, checks, head, np.array([0]), 8]
     needs = r"needs a decoder, a row width in \[1, 2\*\*31 - 1\], a head >= 0 and a take >= 1"
     for at, value, message in [(3, sizes[:3], "sizes must hold one int64 per block"), (0, 0, needs), (9, 0, needs),
                                (6, checks[:4], "one check byte per block and one int64 cursor"),
@@ -519,12 +642,12 @@ def test_lz4_frames_are_shared_by_the_threads_that_decode_them(path, monkeypatch
     if path == "batch":
         built_batch()
     else:
-        monkeypatch.setattr(codecs, "_batch", None)
+        monkeypatch.setattr(lz4_blocks, "_batch", None)
     rng = np.random.default_rng(3)
     rows = (rng.integers(0, 4, (3000, 256)) * 60).astype(np.uint8)
-    bodies, sources, sizes = lz4_blocks(rows)
+    bodies, sources, sizes = lz4_bodies(rows)
     out = np.zeros_like(rows)
-    frames = codecs.LZ4Frames(sources, sizes, out, np.arange(3000)[::-1], np.ones(3000, bool))
+    frames = lz4_blocks.LZ4Frames(sources, sizes, out, np.arange(3000)[::-1], np.ones(3000, bool))
     start = threading.Barrier(4)
     taken: list[int] = []
     threads = [threading.Thread(target=lambda: (start.wait(), taken.append(frames.decode()))) for _ in range(4)]
@@ -535,9 +658,9 @@ def test_lz4_frames_are_shared_by_the_threads_that_decode_them(path, monkeypatch
     assert sum(taken) == 3000 and frames.failure is None
     np.testing.assert_array_equal(out[::-1], rows)
 
-    bodies, sources, sizes = lz4_blocks(rows[:40], bad=21)
-    frames = codecs.LZ4Frames(sources, sizes, out, np.arange(40))
-    assert frames.decode() == 24 and frames.failure == codecs.LZ4Failure(21, False, frames.failure.why)
+    bodies, sources, sizes = lz4_bodies(rows[:40], bad=21)
+    frames = lz4_blocks.LZ4Frames(sources, sizes, out, np.arange(40))
+    assert frames.decode() == 24 and frames.failure == lz4_blocks.LZ4Failure(21, False, frames.failure.why)
     assert frames.failure.why.startswith("LZ4 block: malformed, or decodes to other than 256 bytes (code -")
     assert frames.decode() == 0  # the rest are left
 
@@ -559,7 +682,7 @@ def test_lz4_batch_decode_lets_other_threads_run():
     def decode() -> None:
         decoding.set()
         for _ in range(500):
-            batch.decode_lz4(codecs._LZ4_ADDRESS, 0, sources, sizes, targets, 4096, np.zeros(count, np.uint8), 0,
+            batch.decode_lz4(lz4_blocks._LZ4_ADDRESS, 0, sources, sizes, targets, 4096, np.zeros(count, np.uint8), 0,
                              np.zeros(1, np.int64), 8)
             if observed.is_set():
                 break
@@ -609,7 +732,7 @@ def counted_frames(monkeypatch) -> list[tuple[str, int, int]]:
     """(thread name, blocks, blocks taken) per `LZ4Frames.decode` call of the shard maps' reads."""
     calls: list[tuple[str, int, int]] = []
 
-    class Counted(codecs.LZ4Frames):
+    class Counted(lz4_blocks.LZ4Frames):
         def decode(self) -> int:
             taken = super().decode()
             calls.append((threading.current_thread().name, len(self), taken))
@@ -656,7 +779,7 @@ def test_a_frames_checksum_is_checked_at_its_first_read_only(tmp_path, compressi
     reader = dr.ReplayBuffer.open(url, "r", cache_bytes=64 << 10, io_threads=2)
     checked: list[int] = []
 
-    class Counted(codecs.LZ4Frames):
+    class Counted(lz4_blocks.LZ4Frames):
         def __init__(self, *args: Any):
             super().__init__(*args)
             checked.append(int(self.check.sum()))

@@ -1,4 +1,4 @@
-/* A batch's frames checked and decoded without the GIL (see codecs.py: `first_bad_checksum`,
+/* A batch's frames checked and decoded without the GIL (see lz4_blocks.py: `first_bad_checksum`,
  * `LZ4Frames`).
  *
  * Called once per frame from Python, python-lz4's and google-crc32c's functions take and give

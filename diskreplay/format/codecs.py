@@ -3,21 +3,22 @@
 Codecs are ``bytes`` (little-endian), then ``zstd`` or blosc ``lz4`` / ``lz4hc`` or nothing, then
 ``crc32c``.
 Compressed fields with big rows (images) are Zarr shards (``sharding_indexed``, index first) of
-small inner chunks, each compressed and checksummed alone (`Codec.inner_rows`). Nothing read from
-a chunk sizes an allocation: decoded sizes are checked against the expected ones first.
+small inner chunks, each compressed and checksummed alone (`Codec.inner_rows`); a whole shard's
+index and checksums are checked at once and its inner chunks decoded straight from its bytes
+(`diskreplay.format.lz4_blocks` for the LZ4 blocks and the checksums). Nothing read from a chunk
+sizes an allocation: decoded sizes are checked against the expected ones first.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from itertools import accumulate
+from typing import Any
 
 import google_crc32c
-import lz4.block
 import numcodecs
 import numpy as np
 import zarr
@@ -25,11 +26,10 @@ import zarr.codecs
 import zstandard
 from numcodecs import blosc
 
-from ..build import disable, load_extension
 from ..checks import check_int
+from .lz4_blocks import BLOSC_HEADER_BYTES, direct_blocks, first_bad_checksum, lz4_spans_into
+from .lz4_blocks import CHECKSUM_BYTES as CHECKSUM_BYTES  # the chunk format's, imported from here
 from .schema import Field
-
-_batch = load_extension("diskreplay.format._batch")  # built from _batch.c where a C compiler was found
 
 COMPRESSIONS = (None, "zstd", "lz4", "lz4hc")
 """Chunk codecs: raw, zstd, blosc LZ4 (fast to write), blosc LZ4-HC (slower to write; smaller, and
@@ -38,7 +38,6 @@ LEVELS = {None: (0, 22), "zstd": (0, 22), "lz4": (0, 9), "lz4hc": (0, 9)}
 """Each codec's ``compression_level`` range (blosc's clevel is 0-9; 0 stores the bytes as they are)."""
 LZ4_BLOCKS = ("lz4", "lz4hc")
 """Codecs whose compressed bodies are blosc frames of LZ4 blocks (the decode fast path's)."""
-CHECKSUM_BYTES = 4
 ROW_ACCESS_BYTES = 1 << 10
 INNER_CHUNK_BYTES = 1 << 13
 """Compressed fields whose rows take at least `ROW_ACCESS_BYTES` (images) are stored as Zarr
@@ -48,13 +47,6 @@ the decode of its whole chunk (`Codec.inner_rows`)."""
 SMALL_ROWS_INNER = 4
 """Inner chunks a chunk of small rows must hold at least to be sharded (`inner_rows_for`)."""
 EMPTY_INNER = (1 << 64) - 1
-BLOSC_HEADER_BYTES = 16
-BLOSC_LZ4 = 1
-"""The compressor code blosc writes in the top three bits of its flags byte for LZ4 and LZ4-HC alike."""
-BLOSC_FILTERS = 0x0E
-"""Blosc flags bits for memcpyed, bit-shuffled or reserved: a frame the LZ4 fast path leaves to blosc."""
-LZ4_HEAD = BLOSC_HEADER_BYTES + 8
-"""A one-block blosc frame's bytes before its LZ4 block: the header, the block's start, its size."""
 
 
 def default_level(compression: str | None) -> int:
@@ -172,16 +164,6 @@ class Codec:
         assert self.inner_rows is not None, "not a sharded codec"
         return self.inner_rows
 
-    @staticmethod
-    def _span(entries: bytes | memoryview, inner: int, index_bytes: int, limit: int) -> tuple[int, int] | None:
-        entry = entries[16 * inner:16 * inner + 16]
-        offset, nbytes = int.from_bytes(entry[:8], "little"), int.from_bytes(entry[8:], "little")
-        if offset == nbytes == EMPTY_INNER:
-            return None
-        if offset < index_bytes or not CHECKSUM_BYTES < nbytes <= limit:
-            raise ValueError(f"inner chunk {inner}: span ({offset}, {nbytes}) outside the shard's data")
-        return offset, nbytes
-
     def decode_inner(self, blob: bytes | memoryview, out: np.ndarray) -> None:
         """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
         self.decode_body(self.verified_body(blob), out)
@@ -199,17 +181,29 @@ class Codec:
                        rows: np.ndarray | None = None) -> None:
         flat = out.reshape(len(out), -1).view(np.uint8)
         targets = np.arange(len(bodies)) if rows is None else rows
-        present = [i for i, body in enumerate(bodies) if body is not None]
-        if len(present) < len(bodies):
+        given = [body for body in bodies if body is not None]
+        if len(given) < len(bodies):
             flat[targets[[i for i, body in enumerate(bodies) if body is None]]] = 0
-        given: list[bytes | bytearray | memoryview] = [body for body in bodies if body is not None]
-        at = targets[present]
-        if self.compression == "zstd" and len(given) > 1:
-            _zstd_frames_into(given, flat, at)
+            targets = targets[[i for i, body in enumerate(bodies) if body is not None]]
+        sizes = [len(body) for body in given]
+        begin = np.fromiter(accumulate(sizes, initial=0), np.int64, len(sizes) + 1)
+        joined = b"".join(given)
+        self._decode_spans(joined, np.frombuffer(joined, np.uint8), begin[:-1], np.array(sizes, np.int64), flat,
+                           targets)
+
+    def _decode_spans(self, blob: bytes | memoryview, data: np.ndarray, begin: np.ndarray, length: np.ndarray,
+                      flat: np.ndarray, rows: np.ndarray) -> None:
+        """Decode the bodies ``blob[begin[i]:begin[i] + length[i]]`` (checksums checked and cut
+        off; ``data``: ``blob`` as uint8; int64 offsets and lengths) into ``flat[rows[i]]``
+        (uint8 rows of the decoded size), as `decode_bodies` says. Raises ValueError."""
+        if self.compression == "zstd" and len(rows) > 1:
+            _zstd_spans_into(blob, begin, length, flat, rows)
             return
-        left = _lz4_frames_into(given, flat, at) if self.compression in LZ4_BLOCKS else range(len(given))
+        left = (lz4_spans_into(blob, data, begin, length, flat, rows) if self.compression in LZ4_BLOCKS
+                else range(len(rows)))
+        view = memoryview(blob)
         for i in left:
-            self.decode_body(given[i], flat[at[i]])
+            self.decode_body(view[begin[i]:begin[i] + length[i]], flat[rows[i]])
 
     def decode_body(self, body: bytes | bytearray | memoryview, out: np.ndarray) -> None:
         """Decode one compressed body (no checksum) into ``out``. Raises ValueError."""
@@ -223,9 +217,9 @@ class Codec:
         """For inner chunk bodies ``data[begin[i]:begin[i] + length[i]]`` (uint8, checksums cut
         off) that decode to ``size`` bytes: where `decode_lz4_at` decodes one (an LZ4 block), the
         block's start in ``data``, else -1."""
-        if self.compression not in LZ4_BLOCKS or _LZ4_DECODE is None:
+        if self.compression not in LZ4_BLOCKS:
             return np.full(len(begin), -1, np.int64)
-        return _lz4_blocks(data, begin, length, size)
+        return direct_blocks(data, begin, length, size)
 
     def decode_into(self, blob: bytes, out: np.ndarray) -> None:
         """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
@@ -233,7 +227,7 @@ class Codec:
         Raises ValueError if the checksum does not match or the bytes do not decode to ``out``'s size.
         """
         if self.inner_rows is not None:
-            return self._decode_shard(memoryview(blob), out)
+            return self._decode_shard(blob, out)
         body: bytes | memoryview = memoryview(blob)
         if self.checksum:
             body = self.verified_body(body)
@@ -243,18 +237,20 @@ class Codec:
             raise ValueError(f"decoded chunk has {src.size} bytes, expected {flat.size}")
         flat[:] = src
 
-    def _decode_shard(self, blob: memoryview, out: np.ndarray) -> None:
+    def _decode_shard(self, blob: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode a whole shard into ``out``: its index and every stored inner chunk's span and
+        checksum checked at once, first (`_stored_spans`), then the inner chunks decoded
+        straight from ``blob``. Raises ValueError naming the first damage."""
         head = self.index_bytes(len(out))
         if len(blob) < head:
             raise ValueError(f"{len(blob)} bytes: too short to hold the shard's index of {head} bytes")
-        entries = self.verified_body(blob[:head])
-        bodies: list[memoryview | None] = []
-        for inner in range(len(out) // self._inner_rows):
-            span = self._span(entries, inner, head, len(blob))
-            if span is not None and span[0] + span[1] > len(blob):
-                raise ValueError(f"inner chunk {inner}: span {span} past the shard's {len(blob)} bytes")
-            bodies.append(None if span is None else memoryview(self.verified_body(blob[span[0]:span[0] + span[1]])))
-        self._decode_bodies(bodies, out.reshape(len(bodies), -1))
+        index = np.frombuffer(self.verified_body(blob[:head]), "<u8").reshape(-1, 2)
+        data = np.frombuffer(blob, np.uint8)
+        stored = _stored_spans(index, head, data)
+        flat = out.reshape(len(index), -1).view(np.uint8)
+        flat[~stored] = 0
+        spans = index[stored].astype(np.int64)
+        self._decode_spans(blob, data, spans[:, 0], spans[:, 1] - CHECKSUM_BYTES, flat, np.flatnonzero(stored))
 
     @staticmethod
     def verified_body(blob: bytes | memoryview) -> bytes | memoryview:
@@ -325,212 +321,62 @@ class Codec:
         return cls(inner.compression, inner.level, True, shape[1])
 
 
-def _zstd_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray) -> None:
-    """Decode zstd frames into ``flat[at[i]]`` in one call. Raises ValueError."""
-    sizes = np.full(len(frames), flat.shape[1], dtype=np.uint64)
+def _stored_spans(index: np.ndarray, head: int, data: np.ndarray) -> np.ndarray:
+    """Which inner chunks a shard stores (bool, one per inner chunk; the others are marked
+    empty), from its ``index`` ((inner chunks, 2) uint64 ``(offset, nbytes)`` pairs), each
+    checked in the order of the inner chunks: its span inside the shard's bytes ``data`` (uint8)
+    past its ``head`` bytes of index, then its checksum. Raises ValueError naming the first
+    inner chunk that fails."""
+    offset, nbytes, size = index[:, 0], index[:, 1], len(data)
+    stored: np.ndarray = (offset != EMPTY_INNER) | (nbytes != EMPTY_INNER)
+    outside = stored & ((offset < head) | (nbytes <= CHECKSUM_BYTES) | (nbytes > size))
+    bad = outside | (stored & (offset > size - np.minimum(nbytes, size)))
+    end = int(np.argmax(bad)) if bad.any() else len(index)
+    inners = np.flatnonzero(stored[:end])
+    _check_bodies(data, offset[inners].astype(np.int64), nbytes[inners].astype(np.int64), inners)
+    if end < len(index):
+        span = (int(offset[end]), int(nbytes[end]))
+        raise ValueError(f"inner chunk {end}: span {span} "
+                         + ("outside the shard's data" if outside[end] else f"past the shard's {size} bytes"))
+    return stored
+
+
+def _check_bodies(data: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, inners: np.ndarray) -> None:
+    """Check the inner chunks ``inners`` at ``data[offset[i]:offset[i] + nbytes[i]]`` (uint8;
+    int64 spans inside it, each a body and its checksum) in one call. Raises ValueError naming
+    the first that fails."""
+    bad = first_bad_checksum(data.ctypes.data + offset, nbytes - CHECKSUM_BYTES)
+    if bad < 0:
+        return
+    why = "checksum mismatch"
     try:
+        Codec.verified_body(data.data[offset[bad]:offset[bad] + nbytes[bad]])
+    except ValueError as exc:
+        why = str(exc)  # with the stored and computed checksums
+    raise ValueError(f"inner chunk {inners[bad]}: {why}")
+
+
+def _zstd_spans_into(blob: bytes | memoryview, begin: np.ndarray, length: np.ndarray, flat: np.ndarray,
+                     rows: np.ndarray) -> None:
+    """Decode the zstd frames ``blob[begin[i]:begin[i] + length[i]]`` into ``flat[rows[i]]``
+    (uint8 rows) in one call, each into a buffer of exactly its row's size (a frame's header
+    sizes nothing), then copied into its row. Raises ValueError."""
+    segments = np.stack([begin, length], axis=1).astype("<u8")
+    sizes = np.full(len(rows), flat.shape[1], np.uint64)
+    try:
+        frames = zstandard.BufferWithSegments(blob, segments.reshape(-1).data)
         decoded = _ZSTD.decompressor.multi_decompress_to_buffer(frames, decompressed_sizes=sizes.data)
     except zstandard.ZstdError as exc:
         raise ValueError(str(exc)) from None
+    width = flat.shape[1]
     # a BufferSegment exports the buffer protocol; zstandard's stubs do not say so
-    joined = b"".join(decoded[i] for i in range(len(frames)))  # type: ignore[misc]
-    flat[at] = np.frombuffer(joined, dtype=np.uint8).reshape(len(frames), -1)
-
-
-def _lz4_frames_into(frames: list[bytes | bytearray | memoryview], flat: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Decode the blosc frames that hold one LZ4 block (`_lz4_blocks`) into ``flat[at[i]]``.
-    Returns the indices of the other frames, left to blosc. Raises ValueError."""
-    lengths = np.fromiter(map(len, frames), dtype=np.int64, count=len(frames))
-    joined = b"".join(frames)
-    data = np.frombuffer(joined, np.uint8)
-    blocks = _lz4_blocks(data, np.cumsum(lengths) - lengths, lengths, flat.shape[1])
-    fast = blocks >= 0
-    if _LZ4_DECODE is not None and flat.flags.c_contiguous:
-        decode_lz4_at(data.ctypes.data + blocks[fast], lengths[fast] - LZ4_HEAD, flat, at[fast])
+    if flat.flags.c_contiguous:
+        view = flat.data.cast("B")
+        for i, row in enumerate(rows.tolist()):
+            view[row * width:(row + 1) * width] = decoded[i]  # type: ignore[call-overload]
     else:
-        _lz4_blocks_copied(joined, blocks[fast].tolist(), (lengths[fast] - LZ4_HEAD).tolist(), at[fast].tolist(), flat)
-    return np.flatnonzero(~fast)
-
-
-def _lz4_blocks(data: np.ndarray, begin: np.ndarray, length: np.ndarray, size: int) -> np.ndarray:
-    """Where the bodies ``data[begin[i]:begin[i] + length[i]]`` are blosc frames holding one LZ4
-    block of ``size`` bytes (type size 1, not memcpyed, no bit shuffle: an image row), the
-    block's start in ``data``, else -1; the headers checked together."""
-    if not len(data):
-        return np.full(len(begin), -1, np.int64)
-    heads = data[np.minimum(begin[:, None] + np.arange(LZ4_HEAD), len(data) - 1)]
-    version, flags, typesize = heads[:, 0], heads[:, 2], heads[:, 3]
-    nbytes, block, cbytes, first = np.ascontiguousarray(heads[:, 4:20]).view("<u4").T
-    stream = np.ascontiguousarray(heads[:, 20:24]).view("<i4")[:, 0]
-    fast = ((length >= LZ4_HEAD) & (version == 2) & (flags & BLOSC_FILTERS == 0) & (flags >> 5 == BLOSC_LZ4)
-            & (typesize == 1) & (nbytes == size) & (block == size) & (cbytes == length) & (first == 20)
-            & (stream == length - LZ4_HEAD))
-    return np.where(fast, begin + LZ4_HEAD, -1)
-
-
-TAKE_BLOCKS = 8
-"""Blocks a thread decoding `LZ4Frames` takes at a time: ~40 µs of decoding, so that the threads
-sharing a batch end within about that of each other."""
-
-
-class LZ4Failure(NamedTuple):
-    """The LZ4 block that stopped an `LZ4Frames` decode: its index, and why (its checksum, or
-    the decoder's result)."""
-
-    block: int
-    bad_checksum: bool
-    why: str
-
-
-class LZ4Frames:
-    """LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]``, to decode straight into
-    ``flat[rows[i]]`` (C-contiguous uint8 rows; a block as long as a row is the row's bytes) by
-    `_LZ4_DECODE`, which never reads or writes past the spans it is given. Any number of threads
-    may call `decode` at once: each takes the next few blocks until none is left (with the
-    `_batch` extension, in one call without the GIL). Where ``check[i]``, the block's body is
-    first checked against its CRC32C: a blosc frame of one LZ4 block (`Codec.direct_blocks`), the
-    body is its `LZ4_HEAD` bytes of header and the block, the checksum the 4 bytes after it. The
-    caller keeps the sources mapped and vouches for them.
-
-    Raises:
-        IndexError: rows outside ``flat``.
-    """
-
-    def __init__(self, sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray,
-                 check: np.ndarray | None = None):
-        assert _LZ4_DECODE is not None and flat.flags.c_contiguous
-        if len(rows) and not 0 <= rows.min() <= rows.max() < len(flat):  # raw addresses below: no index checks
-            raise IndexError(f"rows {rows.min()}..{rows.max()} outside the {len(flat)} rows decoded into")
-        self.width = flat.shape[1]
-        self.sources, self.sizes = np.asarray(sources, np.int64), np.asarray(sizes, np.int64)
-        self.targets = flat.ctypes.data + np.asarray(rows, np.int64) * self.width
-        self.check = np.zeros(len(rows), np.uint8) if check is None else np.asarray(check, bool).view(np.uint8)
-        self.failure: LZ4Failure | None = None
-        """The first block found failing (its checksum, or not decoding to a row), once `decode` returned."""
-        self._next = np.zeros(1, np.int64)  # the first block no thread took yet
-        self._lock = threading.Lock()
-        self._flat = flat  # the rows stay alive while threads decode into them
-
-    def __len__(self) -> int:
-        return len(self.sources)
-
-    def decode(self) -> int:
-        """Take and decode blocks until none is left or one fails (`failure`: every thread
-        then stops at its next take). Returns how many blocks this call took."""
-        if _batch is not None and (_CRC32C_ADDRESS is not None or not self.check.any()):
-            taken, failed, bad_checksum, code = _batch.decode_lz4(
-                _LZ4_ADDRESS, _CRC32C_ADDRESS or 0, self.sources, self.sizes, self.targets, self.width, self.check,
-                LZ4_HEAD, self._next, TAKE_BLOCKS)
-            if failed >= 0:
-                self._fail(failed, bool(bad_checksum), code)
-            return int(taken)
-        count = 0
-        while (part := self._take()) is not None:
-            count += part.stop - part.start
-            self._decode_one_by_one(part)
-        return count
-
-    def _take(self) -> slice | None:
-        with self._lock:
-            first = int(self._next[0])
-            self._next[0] = first + TAKE_BLOCKS
-        return slice(first, min(first + TAKE_BLOCKS, len(self))) if first < len(self) else None
-
-    def _decode_one_by_one(self, part: slice) -> None:
-        """The blocks of ``part`` in Python, one call of `_LZ4_DECODE` each."""
-        assert _LZ4_DECODE is not None
-        for i in range(part.start, part.stop):
-            source, size, target = int(self.sources[i]), int(self.sizes[i]), int(self.targets[i])
-            if self.check[i] and first_bad_checksum(np.array([source - LZ4_HEAD]), np.array([size + LZ4_HEAD])) == 0:
-                return self._fail(i, True, 0)
-            if size == self.width:
-                ctypes.memmove(target, source, size)
-            elif (decoded := _LZ4_DECODE(source, target, size, self.width) if size > 0 else -1) != self.width:
-                return self._fail(i, False, decoded)
-        return None
-
-    def _fail(self, index: int, bad_checksum: bool, code: int) -> None:
-        with self._lock:
-            self._next[0] = len(self)
-            if self.failure is None:
-                why = ("checksum mismatch" if bad_checksum
-                       else f"LZ4 block: malformed, or decodes to other than {self.width} bytes (code {code})")
-                self.failure = LZ4Failure(index, bad_checksum, why)
-
-
-def decode_lz4_at(sources: np.ndarray, sizes: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
-    """The LZ4 blocks of ``sizes[i]`` bytes at addresses ``sources[i]`` decoded straight into
-    ``flat[rows[i]]`` on this thread (see `LZ4Frames`). Raises ValueError for a block that does
-    not decode to a row, IndexError for rows outside ``flat``."""
-    frames = LZ4Frames(sources, sizes, flat, rows)
-    frames.decode()
-    if frames.failure is not None:
-        raise ValueError(frames.failure.why)
-
-
-def first_bad_checksum(sources: np.ndarray, sizes: np.ndarray) -> int:
-    """The first of the bodies of ``sizes[i]`` bytes at addresses ``sources[i]`` whose CRC32C is
-    not the 4 bytes that follow it (as zarr's ``crc32c`` codec stores it), or -1 when all match.
-    In one call that releases the GIL where the `_batch` extension was built, else one call per
-    body. The caller keeps the spans mapped and vouches for them."""
-    if _batch is not None and _CRC32C_ADDRESS is not None:
-        found: int = _batch.first_bad_checksum(_CRC32C_ADDRESS, sources.astype(np.int64), sizes.astype(np.int64))
-        return found
-    for i, (source, size) in enumerate(zip(sources.tolist(), sizes.tolist())):
-        blob = ctypes.string_at(source, size + CHECKSUM_BYTES)
-        if checksum(blob[:size]) != blob[size:]:
-            return i
-    return -1
-
-
-def _crc32c_address() -> int | None:
-    """The address of google-crc32c's ``crc32c_value(data, count)`` (for `_batch`), or None
-    where its C extension is not there."""
-    try:
-        from google_crc32c import _crc32c
-        address: int | None = ctypes.cast(ctypes.CDLL(_crc32c.__file__).crc32c_value, ctypes.c_void_p).value
-    except (ImportError, AttributeError, OSError):
-        return None
-    return address
-
-
-_CRC32C_ADDRESS = _crc32c_address()
-if _batch is not None and _CRC32C_ADDRESS is None:
-    disable("diskreplay.format._batch", "google-crc32c has no C library here (crc32c_value)", "first_bad_checksum")
-
-
-def _lz4_blocks_copied(joined: bytes, begins: list[int], sizes: list[int], rows: list[int], flat: np.ndarray) -> None:
-    """As `decode_lz4_at`, through python-lz4's own decompress (a bytes object per block,
-    then copied into its row). Raises ValueError."""
-    view, width = memoryview(joined), flat.shape[1]
-    for begin, size, row in zip(begins, sizes, rows):
-        block = view[begin:begin + size]
-        try:
-            data = block if size == width else lz4.block.decompress(block, uncompressed_size=width)
-        except lz4.block.LZ4BlockError as exc:
-            raise ValueError(f"LZ4 block: {exc}") from None
-        if len(data) != width:
-            raise ValueError(f"LZ4 block decodes to {len(data)} bytes, expected {width}")
-        flat[row] = np.frombuffer(data, dtype=np.uint8)
-
-
-def _lz4_decoder() -> tuple[Callable[[int, int, int, int], int] | None, int | None]:
-    """``LZ4_decompress_safe(source, target, source_size, target_capacity)`` from python-lz4's own
-    extension, through ctypes (it decodes into the batch: no bytes object, no copy), and its
-    address (for `_batch`); or Nones where the extension does not export it."""
-    try:
-        function = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
-    except (AttributeError, OSError):
-        return None, None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    function.restype = ctypes.c_int
-    decode: Callable[[int, int, int, int], int] = function
-    return decode, ctypes.cast(function, ctypes.c_void_p).value
-
-
-_LZ4_DECODE, _LZ4_ADDRESS = _lz4_decoder()
-if _batch is not None and _LZ4_ADDRESS is None:
-    disable("diskreplay.format._batch", "python-lz4's extension does not export LZ4_decompress_safe", "decode_lz4")
+        for i, row in enumerate(rows.tolist()):
+            flat[row] = np.frombuffer(decoded[i], np.uint8)  # type: ignore[call-overload]
 
 
 class _Zstd(threading.local):

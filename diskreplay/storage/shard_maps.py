@@ -27,7 +27,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_HEAD, Codec, LZ4Frames, first_bad_checksum
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, Codec
+from ..format.lz4_blocks import LZ4_HEAD, LZ4Frames, first_bad_checksum
 from ..io.local import open_for_reading
 from ..io.store import ChunkStore
 from ..io.threads import Threads
