@@ -317,7 +317,7 @@ def test_the_first_read_of_an_evicted_buffer_reads_its_rows_and_brings_every_fil
 
 
 def test_the_first_read_of_a_row_shards_buffer_decodes_inner_chunks(tmp_path):
-    """``row_shards=True``: the compressed fields of small rows are shards of 512-row inner chunks
+    """By default (``row_shards=True``) the compressed fields of small rows are shards of 512-row inner chunks
     (a chunk holds four); a fresh reader's first read decodes the inner chunks of its rows (a
     shard's index once per chunk) and small chunks whole, then the fill brings every chunk; the
     arrays stay standard Zarr and verify."""
@@ -326,8 +326,7 @@ def test_the_first_read_of_a_row_shards_buffer_decodes_inner_chunks(tmp_path):
     from diskreplay.audit import verify
 
     url = str(tmp_path / "b")
-    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=2048, compression="zstd",
-                                row_shards=True) as buf:
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=2048, compression="zstd") as buf:
         buf.extend(rows(0, 3 * 2048))
     reader = dr.ReplayBuffer.open(url)
     assert {name: codec.inner_rows for name, codec in reader.storage.codecs.items()} == {

@@ -323,14 +323,16 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
 
 
 def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
-    """With ``row_shards=True``, compressed fields of small rows are shards when a chunk holds four inner
-    chunks or more (obs: 512 rows of 12 bytes, act: 1,024 of 8; done's 4 KiB chunks are not): a
-    reader's cold rows cost each shard's index once and an inner chunk per row, a fraction of
-    the chunks' bytes; zarr-python reads the arrays."""
-    url = s3.new_url("small-rows")
-    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=4096, compression="zstd", row_shards=True,
-                                storage_options=s3.storage_options()) as buf:
-        buf.extend(rows(0, 8192))
+    """By default (``row_shards=True``), compressed fields of small rows are shards when a chunk holds
+    four inner chunks or more (obs: 512 rows of 12 bytes, act: 1,024 of 8; done's 4 KiB chunks are
+    not): a reader's cold rows cost each shard's index once and an inner chunk per row, a
+    fraction of the chunks' bytes; zarr-python reads the arrays. With ``row_shards=False`` each
+    chunk is one frame, fetched whole."""
+    url, plain = s3.new_url("small-rows"), s3.new_url("plain-rows")
+    for at, layout in ((url, {}), (plain, {"row_shards": False})):
+        with dr.ReplayBuffer.create(at, FIELDS, capacity=None, chunk_rows=4096, compression="zstd",
+                                    storage_options=s3.storage_options(), **layout) as buf:
+            buf.extend(rows(0, 8192))
     proxy = FaultProxy(s3.endpoint, latency_s=0.0)
     try:
         reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)
@@ -356,6 +358,12 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         assert proxy.count("/c.", "GET") == (5 + 4 + 2) + 2 * 3
         assert_samples_make_no_request(whole, proxy)
         whole.close()
+        reader = dr.ReplayBuffer.open(plain, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)
+        assert {codec.inner_rows for codec in reader.storage.codecs.values()} == {None}
+        proxy.reset_stats()
+        check_rows(reader[ids], ids)
+        assert [proxy.count(f"/{name}/c.", "GET") for name in ("obs", "act", "done")] == [2, 2, 2]  # whole chunks
+        reader.close()
     finally:
         proxy.close()
     array = zarr.open_array(store=url + "/obs", mode="r", storage_options=s3.storage_options())

@@ -143,7 +143,7 @@ def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def write_buffer(url: str, data: dict, chunk_rows: int, compression: str | None, so: dict | None,
-                 row_shards: bool = False) -> None:
+                 row_shards: bool = True) -> None:
     buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression=compression,
                                  storage_options=so, io_threads=16, overwrite=True, row_shards=row_shards)
     step = 64 * chunk_rows
@@ -443,7 +443,8 @@ def main() -> None:
     p.add_argument("--rows", type=bl.parse_count, default=None, help="rows (default 2M; --quick 40k), e.g. 20M")
     p.add_argument("--compression", default="raw,zstd", help="comma-separated: raw, zstd")
     p.add_argument("--chunk-rows", type=int, default=4096)
-    p.add_argument("--row-shards", action="store_true", help="diskreplay buffers created with row_shards=True")
+    p.add_argument("--no-row-shards", dest="row_shards", action="store_false",
+                   help="diskreplay buffers created with row_shards=False (compressed chunks of small rows: one frame)")
     p.add_argument("--epoch-batch", type=int, default=1024, help="rows per batch in the epochs")
     p.add_argument("--latency-ms", type=float, default=20.0, help="latency the proxy adds per request")
     p.add_argument("--read-ahead", type=int, default=32, help="chunks per gather in the read-ahead pass")
@@ -464,7 +465,7 @@ def main() -> None:
 
     header = bl.report_header("diskreplay object-storage benchmark (vs Lance)", args.quick, PACKAGES, details=[
         f"workload: {rows:,} rows x {ROW_BYTES} B ({rows * ROW_BYTES / 1e6:,.0f} MB), diskreplay chunks of "
-        f"{args.chunk_rows} rows{' (row_shards)' if args.row_shards else ''}; {', '.join(comps)}; "
+        f"{args.chunk_rows} rows{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; "
         f"moto {bl.package_versions(['moto'])['moto']} in a child "
         f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
         f"from its copy); {repeats} timed round(s) after one untimed, medians", SKIPPED])

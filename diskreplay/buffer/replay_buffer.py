@@ -90,7 +90,7 @@ class ReplayBuffer(Pinning):
                episode_end: str | tuple[str, ...] | None = "auto", derive_next: tuple[str, ...] = (),
                episodic_return: EpisodicReturn | None = None, commit: bool = True, memory_map: bool | None = None,
                break_lock: bool = False, retry: RetryPolicy | None = None, shards: int | None = None,
-               lease_s: float | None = None, row_shards: bool = False) -> ReplayBuffer:
+               lease_s: float | None = None, row_shards: bool = True) -> ReplayBuffer:
         """Create an empty buffer at ``url`` (a local path, ``file://``, ``s3://``, ``memory://``...).
 
         Every argument is checked before anything at ``url`` is touched: a bad one raises and
@@ -149,10 +149,11 @@ class ReplayBuffer(Pinning):
                 commits, written through `open_shard`. Returns the union of the shards, read-only
                 (what `open` with ``mode="r"`` returns, with ``sampler`` and ``seed``).
             row_shards: store compressed fields of small rows as Zarr shards of inner chunks of
-                about 8 KiB where a chunk holds four of them or more, so that a cold random read
-                (from an object store, or from disk before the cache has filled) costs a row its
-                inner chunk, not its whole chunk. Decoding a whole chunk then costs 1.5-3x the CPU
-                (epochs, cache fills). Fields of 1 KiB rows or more are sharded anyway.
+                about 8 KiB where a chunk holds four of them or more (the default), so that a cold
+                random read (from an object store, or from disk before the cache has filled)
+                costs a row its inner chunk, not its whole chunk. Decoding a whole chunk then
+                costs about 1.3-1.8x the CPU of one frame (epochs, cache fills); False stores
+                such chunks as one frame each. Fields of 1 KiB rows or more are sharded anyway.
 
         Raises:
             BufferExistsError: a buffer (or other files) exist at ``url`` and ``overwrite`` is False.

@@ -70,7 +70,7 @@ class BufferSpec(Mapping[str, Any]):
     derive_next: tuple[str, ...] = ()
     episodic_return: EpisodicReturn | None = dataclass_field(default=None, repr=False)
     shards: int | None = None
-    row_shards: bool = False
+    row_shards: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
