@@ -326,8 +326,8 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
     """By default (``row_shards=True``), compressed fields of small rows are shards when a chunk holds
     four inner chunks or more (obs: 512 rows of 12 bytes, act: 1,024 of 8; done's 4 KiB chunks are
     not): a reader's cold rows cost each shard's index once and an inner chunk per row, a
-    fraction of the chunks' bytes; zarr-python reads the arrays. With ``row_shards=False`` each
-    chunk is one frame, fetched whole."""
+    fraction of the chunks' bytes; rows dense in a chunk load it whole; zarr-python reads the
+    arrays. With ``row_shards=False`` each chunk is one frame, fetched whole."""
     url, plain = s3.new_url("small-rows"), s3.new_url("plain-rows")
     for at, layout in ((url, {}), (plain, {"row_shards": False})):
         with dr.ReplayBuffer.create(at, FIELDS, capacity=None, chunk_rows=4096, compression="zstd",
@@ -358,6 +358,12 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         assert proxy.count("/c.", "GET") == (5 + 4 + 2) + 2 * 3
         assert_samples_make_no_request(whole, proxy)
         whole.close()
+        dense = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
+        proxy.reset_stats()
+        check_rows(dense[np.arange(0, 4096, 7)], np.arange(0, 4096, 7))  # dense in chunk 0: it is loaded whole
+        assert [proxy.count(f"/{name}/c.", "GET") for name in ("obs", "act", "done")] == [1, 1, 1]
+        assert dense.stats().rows_read_directly == 0
+        dense.close()
         reader = dr.ReplayBuffer.open(plain, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)
         assert {codec.inner_rows for codec in reader.storage.codecs.values()} == {None}
         proxy.reset_stats()

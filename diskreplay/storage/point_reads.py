@@ -29,6 +29,11 @@ from .outputs import Rows
 SMALL_CHUNK_BYTES = SMALL_ROWS_INNER * INNER_CHUNK_BYTES
 """A compressed field whose chunks hold at most this many bytes is not sharded (`inner_rows_for`):
 a point read fetches its chunk whole, as cheap as a shard's index."""
+DENSE_SHARE = 64
+"""Rows missed in a chunk, on average, from which a read loads its chunks whole instead (into
+the cache): one ``1 / DENSE_SHARE`` of a chunk's rows, at least `DENSE_ROWS`, touch most of its
+inner chunks (64-row inner chunks: about 63%), and a chunk's one request costs less than theirs."""
+DENSE_ROWS = 4
 GAP_BYTES = 4096
 """Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
@@ -59,6 +64,12 @@ class PointReads:
         """Whether `read` reads the rows of ``names``: every field raw, sharded or small, and not
         all small (their chunks are loaded whole into the cache as cheaply)."""
         return (self.raw | self.sharded | self.small).issuperset(names) and not self.small.issuperset(names)
+
+    def sparse(self, lane: np.ndarray, chunk: np.ndarray) -> bool:
+        """Whether rows at (lane, chunk) are few enough in their chunks to read one by one
+        (`DENSE_SHARE`)."""
+        touched = len(np.unique(lane * (int(chunk.max(initial=0)) + 1) + chunk))
+        return len(chunk) < touched * max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS)
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: read their shard indexes again."""

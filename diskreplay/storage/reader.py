@@ -123,7 +123,7 @@ class ChunkReader:
 
     def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
                             step: np.ndarray, out: Rows) -> None:
-        if self._reads_points(out):
+        if self._reads_points(out, lane[slots < 0], chunk[slots < 0]):
             self._fill(out, slots >= 0, lane, chunk, offset)
             self._read_points(out, slots < 0, lane, chunk, offset, step)
             return
@@ -148,11 +148,13 @@ class ChunkReader:
             for ln, stale in tainted:  # right for the rows asked for, not for all their slots
                 self.cache.invalidate(ln, stale)
 
-    def _reads_points(self, out: Rows) -> bool:
-        """Whether a reader's misses are read straight from the chunk objects (`PointReads`):
-        raw fields, no reads announced, from an object store or while the first-read fill is due."""
+    def _reads_points(self, out: Rows, lane: np.ndarray, chunk: np.ndarray) -> bool:
+        """Whether a reader's misses at (lane, chunk) are read straight from the chunk objects
+        (`PointReads`): fields it covers, rows sparse in their chunks, no reads announced, from an
+        object store or while the first-read fill is due."""
         return (self.points is not None and not self.planned and self.points.covers(tuple(out))
-                and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage)
+                and self.points.sparse(lane, chunk) and (not self.warmer.local or self.warmer.filling)
+                and not self.warmer.found_damage)
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                      step: np.ndarray) -> None:
