@@ -3,8 +3,9 @@
 A raw chunk object holds its rows' values one row after another (then a checksum); a sharded one
 (compressed images, `Codec.inner_rows`) an index of its inner chunks, then each inner chunk
 compressed and checksummed alone. A reader that misses rows its cache does not hold (a cold read
-from an object store, or from local disk while the first-read fill runs behind it, `Warmer`)
-reads just their bytes: a byte range per run of nearby raw rows of one object, an inner chunk per
+from an object store, or from local disk while the first-read fill runs behind it, `Warmer`),
+few in their chunks (`PointReads.sparse`; denser reads load the chunks whole), reads just their
+bytes: a byte range per run of nearby raw rows of one object, an inner chunk per
 sharded row (its shard's index read once and kept, until the chunk is rewritten: `forget`), every
 range of a read at once (`ChunkStore.get_ranges`: ranged GETs in flight on an object store,
 ``pread`` locally, each range asked of the OS first). Nothing else is cached.
