@@ -15,7 +15,7 @@ interleaved repeats (medians):
 Also the stored bytes of each and the reader's CPU per batch. The page cache is warm (every file
 read once first): what is measured is decoding, not the disk.
 
-Usage: python tools/bench_compressed.py [--rows 4M] [--cache-mib 128] [--repeats 7] [--out FILE]
+Usage: python tools/bench_compressed.py [--quick] [--rows 4M] [--cache-mib 128] [--repeats 7] [--out FILE]
 """
 
 from __future__ import annotations
@@ -66,13 +66,16 @@ def main() -> None:
     p.add_argument("--cache-mib", type=int, default=128, help="the readers' cache_bytes, MiB")
     p.add_argument("--repeats", type=int, default=7, help="interleaved repeats of --calls batches each")
     p.add_argument("--calls", type=int, default=20, help="sample(256) calls per repeat")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 300k rows, an 8 MiB cache, 2 repeats")
     p.add_argument("--out", help="also write the markdown report to this file")
     args = p.parse_args()
+    if args.quick:
+        args.rows, args.cache_mib, args.repeats, args.calls = 300_000, 8, 2, 5
     import torch
 
     bl.import_torchrl()
     torch.set_num_threads(1)
-    header = bl.report_header("diskreplay: sampling a compressed buffer past its cache", False,
+    header = bl.report_header("diskreplay: sampling a compressed buffer past its cache", args.quick,
                               ["diskreplay", "numpy", "zarr", "zstandard", "torch", "torchrl"], args.dir,
                               [f"{bl.format_count(args.rows)} rows x {bs.ROW_BYTES} B; cache_bytes "
                                f"{args.cache_mib} MiB; sample({BATCH}); page cache warm"])
