@@ -361,7 +361,8 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         dense = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
         proxy.reset_stats()
         check_rows(dense[np.arange(0, 4096, 7)], np.arange(0, 4096, 7))  # dense in chunk 0: it is loaded whole
-        assert [proxy.count(f"/{name}/c.", "GET") for name in ("obs", "act", "done")] == [1, 1, 1]
+        # (the fill of chunk 1 may start behind the read)
+        assert [proxy.count(f"/{name}/c.0.0", "GET") for name in ("obs", "act", "done")] == [1, 1, 1]
         assert dense.stats().rows_read_directly == 0
         dense.close()
         reader = dr.ReplayBuffer.open(plain, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)

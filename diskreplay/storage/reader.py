@@ -153,8 +153,8 @@ class ChunkReader:
         (`PointReads`): fields it covers, rows sparse in their chunks, no reads announced, from an
         object store or while the first-read fill is due."""
         return (self.points is not None and not self.planned and self.points.covers(tuple(out))
-                and self.points.sparse(lane, chunk) and (not self.warmer.local or self.warmer.filling)
-                and not self.warmer.found_damage)
+                and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage
+                and self.points.sparse(lane, chunk))
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                      step: np.ndarray) -> None:
