@@ -377,6 +377,27 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
     np.testing.assert_array_equal(array[0, :, 0], np.arange(8192, dtype=np.float32))
 
 
+def test_a_kept_shard_index_of_a_rewritten_tail_chunk_is_read_again(s3):
+    """A reader keeps each shard's index; when the writer rewrites the tail chunk (more rows in
+    it: its inner chunks move), rows read through the old index fail their checksums. The reader
+    reads the index anew and the rows again, before any refresh, and reports no damage."""
+    url = s3.new_url("tail-index")
+    writer = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=4096, compression="zstd",
+                                    storage_options=s3.storage_options())
+    writer.extend(rows(0, 2000))
+    writer.flush()
+    # its cache holds done's chunks only: obs and act are read row by row (inner chunks)
+    reader = dr.ReplayBuffer.open(url, storage_options=s3.storage_options(), cache_bytes=4096 * 4)
+    check_rows(reader[[100, 1900]], [100, 1900])  # obs: inner chunks 0 and 3 of 8 (512 rows each)
+    kept = dict(reader.storage._reader.points.indexes)
+    writer.extend(rows(2000, 1000))  # inner chunks 3 to 5 of the tail chunk grow
+    writer.flush()
+    check_rows(reader[[100, 1900]], [100, 1900])  # the old view, not refreshed
+    assert reader.storage._reader.points.indexes[("obs", 0, 0)].tolist() != kept[("obs", 0, 0)].tolist()
+    writer.close()
+    reader.close()
+
+
 def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
     """Opening a union of S shards reads each shard's metadata (its group, commit record and
     arrays) with the shards' reads in flight together, not ~6 requests per shard one after the

@@ -19,6 +19,8 @@ epoch, `verify`), as with memory-mapped reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..errors import CorruptBufferError
@@ -35,6 +37,9 @@ DENSE_SHARE = 64
 the cache): one ``1 / DENSE_SHARE`` of a chunk's rows, at least `DENSE_ROWS`, touch most of its
 inner chunks (64-row inner chunks: about 63%), and a chunk's one request costs less than theirs."""
 DENSE_ROWS = 4
+FRESH_TRIES = 3
+"""Reads of a live buffer's inner chunks through shard indexes read anew each time (`PointReads._fresh`)
+before damage they find is reported."""
 GAP_BYTES = 4096
 """Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
@@ -104,7 +109,8 @@ class PointReads:
         for name, whole in wholes.items():
             out[name][order] = self._take_whole(name, whole, [next(found) for _ in whole], lane, chunk, offset)
         if heads and len(order):
-            self._read_inner_rows(tuple(heads), lane, chunk, offset, order, out)
+            self._fresh(tuple(heads), lane, chunk, lambda: self._read_inner_rows(tuple(heads), lane, chunk, offset,
+                                                                                 order, out))
 
     def _get(self, ranges: list[Range]) -> list[Ranged | None]:
         self.ranges_read += len(ranges)
@@ -202,11 +208,36 @@ class PointReads:
 
         Raises CorruptBufferError: a shard is missing, its index or a span is bad, or an inner
         chunk fails its checksum or does not decode; the message names the chunk."""
-        heads = self._index_ranges(name, lanes, chunks)
-        self._keep_indexes(name, heads, self._get(list(heads.values())) if heads else [])
-        asked, stored = self._inner_ranges(name, lanes, chunks, inners)
-        self._decode_inner(name, asked, stored, self._get(asked), out, rows)
+        def read() -> None:
+            asked, stored = self._inner_ranges(name, lanes, chunks, inners)
+            self._decode_inner(name, asked, stored, self._get(asked), out, rows)
+
+        self._keep_all_indexes((name,), lanes, chunks)
+        self._fresh((name,), lanes, chunks, read)
         self.rows_read += len(lanes) * (self.io.codecs[name].inner_rows or 1)
+
+    def _fresh(self, names: tuple[str, ...], lanes: np.ndarray, chunks: np.ndarray, read: Callable[[], None]) -> None:
+        """``read()`` of inner chunks of ``names`` through the kept shard indexes of these chunks;
+        where it finds damage, again (`FRESH_TRIES` in all) with the indexes read anew: a writer
+        may have rewritten a chunk (a ring's tail) since, moving its inner chunks. Raises the
+        damage found on the last try."""
+        for tries_left in range(FRESH_TRIES - 1, -1, -1):
+            try:
+                return read()
+            except CorruptBufferError:
+                if not tries_left:
+                    raise
+                gone = set(zip(lanes.tolist(), chunks.tolist()))
+                for key in [key for key in self.indexes if key[0] in names and key[1:] in gone]:
+                    del self.indexes[key]
+                self._keep_all_indexes(names, lanes, chunks)
+
+    def _keep_all_indexes(self, names: tuple[str, ...], lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Read and keep, in one round of requests, the shard indexes of these chunks not kept yet."""
+        heads = {name: self._index_ranges(name, lanes, chunks) for name in names}
+        found = iter(self._get([one for ranges in heads.values() for one in ranges.values()]))
+        for name, ranges in heads.items():
+            self._keep_indexes(name, ranges, [next(found) for _ in ranges])
 
     def _read_inner_rows(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                          order: np.ndarray, out: Rows) -> None:
