@@ -577,10 +577,12 @@ class BufferMachine(RuleBasedStateMachine):
         for reader in self.readers:
             self.check_reader(reader, exact=False)
 
-    def check_reader(self, reader: Reader, exact: bool, again: bool = True) -> None:
+    def check_reader(self, reader: Reader, exact: bool, again: int = 2) -> None:
         """A reader shows the rows of the commit it adopted (its lower bound perhaps raised by a
         ring writer's retire commits since), with the values of that commit or a later one. A
-        read that meets rows retired since its commit makes it adopt the newest commit."""
+        read that meets rows retired since its commit makes it adopt the newest commit. The
+        writer's background writes are then waited for: a retire commit they make after that
+        adoption makes the next read adopt once more (``again``: reads left to meet one)."""
         lo, hi = self.adopted(reader)
         want_lo, want_hi = self.model.windows(reader.view)
         if exact:
@@ -593,8 +595,10 @@ class BufferMachine(RuleBasedStateMachine):
         except dr.StaleReadError:
             if not again:
                 raise
+            if self.buf is not None and not self.buf.closed:
+                writes_done(self.buf)
             reader.view = self.model.committed.copy()
-            self.check_reader(reader, exact, again=False)
+            self.check_reader(reader, exact, again - 1)
 
     def adopted(self, reader: Reader) -> tuple[np.ndarray, np.ndarray]:
         """The reader's window, its view moved on if a read met overwritten rows and adopted the newest commit."""
