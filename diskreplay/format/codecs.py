@@ -248,15 +248,13 @@ class Codec:
         data = np.frombuffer(blob, np.uint8)
         flat = out.reshape(len(index), -1).view(np.uint8)
         if _all_stored_inside(index, head, len(data)):  # the common case, in a few reductions
-            offset, nbytes = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
-            rows = np.arange(len(index))
-            _check_bodies(data, offset, nbytes, rows)
-            self._decode_spans(blob, data, offset, nbytes - CHECKSUM_BYTES, flat, rows)
-            return
-        stored = _stored_spans(index, head, data)
-        flat[~stored] = 0
-        spans = index[stored].astype(np.int64)
-        self._decode_spans(blob, data, spans[:, 0], spans[:, 1] - CHECKSUM_BYTES, flat, np.flatnonzero(stored))
+            rows, spans = np.arange(len(index)), index.astype(np.int64)
+            _check_bodies(data, spans[:, 0], spans[:, 1], rows)
+        else:
+            stored = _stored_spans(index, head, data)
+            flat[~stored] = 0
+            rows, spans = np.flatnonzero(stored), index[stored].astype(np.int64)
+        self._decode_spans(blob, data, spans[:, 0], spans[:, 1] - CHECKSUM_BYTES, flat, rows)
 
     @staticmethod
     def verified_body(blob: bytes | memoryview) -> bytes | memoryview:

@@ -227,14 +227,15 @@ class PointReads:
             except CorruptBufferError:
                 if not tries_left:
                     raise
-                gone = set(zip(lanes.tolist(), chunks.tolist()))
-                for key in [key for key in self.indexes if key[0] in names and key[1:] in gone]:
-                    del self.indexes[key]
+                for lane in np.unique(lanes).tolist():
+                    self.forget(lane, chunks[lanes == lane])
                 self._keep_all_indexes(names, lanes, chunks)
 
     def _keep_all_indexes(self, names: tuple[str, ...], lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Read and keep, in one round of requests, the shard indexes of these chunks not kept yet."""
         heads = {name: self._index_ranges(name, lanes, chunks) for name in names}
+        if not any(heads.values()):
+            return
         found = iter(self._get([one for ranges in heads.values() for one in ranges.values()]))
         for name, ranges in heads.items():
             self._keep_indexes(name, ranges, [next(found) for _ in ranges])

@@ -123,12 +123,13 @@ class ChunkReader:
 
     def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
                             step: np.ndarray, out: Rows) -> None:
-        if self._reads_points(out, lane[slots < 0], chunk[slots < 0]):
-            self._fill(out, slots >= 0, lane, chunk, offset)
-            self._read_points(out, slots < 0, lane, chunk, offset, step)
+        miss = slots < 0
+        if self._reads_points(out, lane, chunk, miss):
+            self._fill(out, ~miss, lane, chunk, offset)
+            self._read_points(out, miss, lane, chunk, offset, step)
             return
         width = self.cache.width
-        keys = np.unique(lane[slots < 0] * width + chunk[slots < 0])
+        keys = np.unique(lane[miss] * width + chunk[miss])
         if self.warmer.fill is not None and self.cache.evictable(whole=False) < len(keys):
             self.warmer.settle()  # its reserved slots are the room these chunks need
             slots = self.cache.slots_of(lane, chunk)
@@ -148,13 +149,13 @@ class ChunkReader:
             for ln, stale in tainted:  # right for the rows asked for, not for all their slots
                 self.cache.invalidate(ln, stale)
 
-    def _reads_points(self, out: Rows, lane: np.ndarray, chunk: np.ndarray) -> bool:
-        """Whether a reader's misses at (lane, chunk) are read straight from the chunk objects
-        (`PointReads`): fields it covers, rows sparse in their chunks, no reads announced, from an
-        object store or while the first-read fill is due."""
+    def _reads_points(self, out: Rows, lane: np.ndarray, chunk: np.ndarray, miss: np.ndarray) -> bool:
+        """Whether a reader's misses (at (lane, chunk) where ``miss``) are read straight from the
+        chunk objects (`PointReads`): fields it covers, rows sparse in their chunks, no reads
+        announced, from an object store or while the first-read fill is due."""
         return (self.points is not None and not self.planned and self.points.covers(tuple(out))
                 and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage
-                and self.points.sparse(lane, chunk))
+                and self.points.sparse(lane[miss], chunk[miss]))
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                      step: np.ndarray) -> None:
