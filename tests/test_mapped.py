@@ -318,9 +318,9 @@ def test_the_first_read_of_an_evicted_buffer_reads_its_rows_and_brings_every_fil
 
 def test_the_first_read_of_a_row_shards_buffer_decodes_inner_chunks(tmp_path):
     """By default (``row_shards=True``) the compressed fields of small rows are shards of 512-row inner chunks
-    (a chunk holds four); a fresh reader's first read decodes the inner chunks of its rows (a
-    shard's index once per chunk) and small chunks whole, then the fill brings every chunk; the
-    arrays stay standard Zarr and verify."""
+    (a chunk holds four); a fresh reader's first read decodes the inner chunks of its rows (the
+    shard indexes from the tables the writer's close left) and small chunks whole, then the fill
+    brings every chunk; the arrays stay standard Zarr and verify."""
     import zarr
 
     from diskreplay.audit import verify
@@ -333,7 +333,7 @@ def test_the_first_read_of_a_row_shards_buffer_decodes_inner_chunks(tmp_path):
         "obs": 512, "flag": None, "img": 512}
     check(reader, np.array([3, 4, 5000]))  # rows of chunks 0 and 2
     stats = reader.stats()
-    assert (stats.rows_read_directly, stats.ranges_read) == (3, 2 * (2 + 2) + 2)  # obs, img: 2 indexes, 2 inners
+    assert (stats.rows_read_directly, stats.ranges_read) == (3, 2 * 2 + 2)  # obs, img: 2 inner chunks each
     reader.warm()
     assert reader.stats().cached_chunks == 3
     check(reader, reader.row_ids())

@@ -302,13 +302,22 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
         proxy.reset_stats()
         ids = np.array([3, 5, 100, 500])  # 1 KiB frames: inner chunks of 8 frames (8 KiB)
         np.testing.assert_array_equal(reader[ids]["img"], data["img"][ids])
-        assert proxy.count("/img/c.", "GET") == 3 + 3  # 3 shard indexes, 3 inner chunks (rows 3 and 5 share one)
+        assert proxy.count("/shard-indexes/img", "GET") == 1  # the table the writer's close left: every index
+        assert proxy.count("/img/c.", "GET") == 3  # 3 inner chunks (rows 3 and 5 share one)
         assert proxy.count("/act/c.", "GET") == 3  # a chunk each: act is not sharded
-        assert proxy.bytes_out < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
+        table = sizes["diskreplay/objects/shard-indexes/img"]
+        assert proxy.bytes_out - table < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
         proxy.reset_stats()
         np.testing.assert_array_equal(reader[[4, 101]]["img"], data["img"][[4, 101]])
         assert proxy.count("/img/c.", "GET") == 2  # the indexes were kept: inner chunks only
         reader.close()
+        s3.client().delete_object(Bucket=s3.bucket, Key=url.split(f"s3://{s3.bucket}/")[1] +
+                                  "/diskreplay/objects/shard-indexes/img")
+        untabled = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=2 * 64 * 1032)
+        proxy.reset_stats()
+        np.testing.assert_array_equal(untabled[ids]["img"], data["img"][ids])
+        assert proxy.count("/img/c.", "GET") == 3 + 3  # without it: 3 shard indexes, then 3 inner chunks
+        untabled.close()
         client, key = s3.client(), url.split(f"s3://{s3.bucket}/")[1] + "/img/c.0.2.0.0"
         blob = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
         blob[-1] ^= 1  # the checksum of the shard's last inner chunk
@@ -342,8 +351,9 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         proxy.reset_stats()
         ids = [5, 6, 1000, 5000]
         check_rows(reader[ids], ids)
-        assert proxy.count("/obs/c.", "GET") == 2 + 3  # 2 shard indexes; rows 5 and 6 share an inner chunk
-        assert proxy.count("/act/c.", "GET") == 2 + 2
+        assert proxy.count("/shard-indexes/", "GET") == 2  # obs's and act's tables of shard indexes
+        assert proxy.count("/obs/c.", "GET") == 3  # inner chunks; rows 5 and 6 share one
+        assert proxy.count("/act/c.", "GET") == 2
         assert proxy.count("/done/c.", "GET") == 2  # each chunk whole, into the cache
         assert proxy.bytes_out < sum(size for key, size in sizes.items() if key.startswith(("obs/c.", "act/c."))) / 4
         proxy.reset_stats()
@@ -353,9 +363,9 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         whole = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
         proxy.reset_stats()
         check_rows(whole[ids], ids)
-        assert (whole.stats().rows_read_directly, whole.stats().ranges_read) == (4, 5 + 4 + 2)
+        assert (whole.stats().rows_read_directly, whole.stats().ranges_read) == (4, 3 + 2 + 2)
         whole.warm()  # the window followed behind the first read
-        assert proxy.count("/c.", "GET") == (5 + 4 + 2) + 2 * 3
+        assert proxy.count("/c.", "GET") == (3 + 2 + 2) + 2 * 3
         assert_samples_make_no_request(whole, proxy)
         whole.close()
         dense = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache

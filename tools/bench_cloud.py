@@ -17,7 +17,8 @@ bool (165 B per row), written once per ``--compression`` (raw, zstd) as a diskre
 
 Workloads (one table each):
 1. epoch from S3: open + every row once, rows/s and MB/s (165 B per row): diskreplay
-   ``Loader(buf.as_dataset(B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle) vs
+   ``Loader(buf.as_dataset(B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle; and
+   in order, ``shuffle="none"``, the scanner's order) vs
    Lance ``dataset.to_batches(batch_size=B)`` (each column to numpy), ``B = --epoch-batch``;
 2. cold random batches from S3: a freshly opened dataset, ``sample(256)`` (diskreplay) vs
    ``dataset.take(256 random rows)`` (Lance): the first batch's time, GETs and bytes (and
@@ -188,11 +189,11 @@ def counted(server: Server | None, fn: Callable[[], float]) -> dict[str, float]:
 
 
 def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
-             server: Server | None) -> Callable[[], Any]:
+             server: Server | None, shuffle: str = "block") -> Callable[[], Any]:
     def once() -> float:
         started = time.perf_counter()
         buf = open_reader(url, so)
-        got = sum(len(b["index"]) for b in dr.Loader(buf.as_dataset(batch, mode="epoch", seed=0),
+        got = sum(len(b["index"]) for b in dr.Loader(buf.as_dataset(batch, mode="epoch", seed=0, shuffle=shuffle),
                                                        num_workers=workers))
         secs = time.perf_counter() - started
         buf.close()
@@ -280,7 +281,7 @@ def markdown(title: str, columns: list[str], rows: list[tuple[str, list[str], st
 
 
 def epoch_table(title: str, st: dict[str, bl.Stats], rows: int) -> tuple[str, dict]:
-    w0, w2, ln = st["dr w0"], st["dr w2"], st["lance"]
+    w0, w2, ordered, ln = st["dr w0"], st["dr w2"], st["dr in order"], st["lance"]
     lr = rows / ln.median
 
     def counts(s: bl.Stats) -> str:
@@ -291,6 +292,9 @@ def epoch_table(title: str, st: dict[str, bl.Stats], rows: int) -> tuple[str, di
          bl.format_ratio(rows / w0.median / lr)),
         ("rows/s: `Loader` num_workers=2 vs the scanner", [rate(w2, rows), rate(ln, rows)],
          bl.format_ratio(rows / w2.median / lr)),
+        ("rows/s: in order (`shuffle=\"none\"`), num_workers=0, vs the scanner", [rate(ordered, rows),
+                                                                                rate(ln, rows)],
+         bl.format_ratio(rows / ordered.median / lr)),
         ("requests per epoch (w0 / w2; scanner)", [f"{counts(w0)} / {counts(w2)}", counts(ln)], ""),
     ])
     data = {k: {"rows_per_s": rows / s.median, "seconds": s.samples,
@@ -324,7 +328,7 @@ def random_table(title: str, st: dict[str, bl.Stats]) -> tuple[str, dict]:
 
 def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], rows: int) -> tuple[str, dict]:
     d, ln = cold["dr"], cold["lance"]
-    w0, w2, scan = ep["dr w0"], ep["dr w2"], ep["lance"]
+    w0, w2, ordered, scan = ep["dr w0"], ep["dr w2"], ep["dr in order"], ep["lance"]
     table = markdown(title, ["diskreplay", "Lance"], [
         ("cold first random batch (page cache evicted); the open before it",
          [f"{spread(s)}; open {bl.format_seconds(med(s, 'open'))}" for s in (d, ln)],
@@ -335,6 +339,8 @@ def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], 
          bl.format_ratio(scan.median / w0.median)),
         ("epoch (warm), `Loader` num_workers=2 vs the scanner", [rate(w2, rows), rate(scan, rows)],
          bl.format_ratio(scan.median / w2.median)),
+        ("epoch (warm) in order (`shuffle=\"none\"`), num_workers=0, vs the scanner",
+         [rate(ordered, rows), rate(scan, rows)], bl.format_ratio(scan.median / ordered.median)),
         ("epoch, `Loader` num_workers=2 / num_workers=0", [bl.format_ratio(w0.median / w2.median), ""], ""),
     ])
     data = {"cold": {k: {"first_s": s.samples, **{p: med(s, p) for p in s.phases}} for k, s in cold.items()},
@@ -419,6 +425,7 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     b = args.epoch_batch
     tag = f"{comp}, {bl.format_count(rows)} rows"
     ep = run_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
+                     "dr in order": dr_epoch(url, so, 0, b, rows, server, "none"),
                      "lance": lance_epoch(uri, lso, b, rows, server)}, repeats, f"[{comp}] epoch from S3")
     t1, d1 = epoch_table(f"epoch from S3 ({tag}, batches of {b})", ep, rows)
     cold = run_rounds({"dr": cold_random(lambda: open_reader(url, so), dr_sample, server),
@@ -430,6 +437,7 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
                                              evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
     lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
                       "dr w2": dr_epoch(local, None, 2, b, rows, None),
+                      "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
                       "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
     t3, d3 = local_table(f"local disk ({tag})", lcold, lep, rows)
     out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "urls": [url, uri, local, local_lance]}

@@ -55,6 +55,7 @@ from ..progress import NoBar, progress_bar
 from ..storage.journal import Journal, MissingObject
 from ..storage.pins import not_kept, pinned_record, read_index
 from .verify_ragged import check_ragged
+from .verify_tables import table_findings
 
 BATCH_CHUNKS = 256  # chunk objects fetched (and held) at once
 _BAR: contextvars.ContextVar[Any] = contextvars.ContextVar("verify_progress", default=None)
@@ -245,6 +246,12 @@ def _verify_objects(store: ChunkStore, url: str, report: VerifyReport,
     if config.user_schema.ragged:
         check_ragged(chunks, config, field_codecs(codec, config), lo, hi, report)
     _check_state(state, commit, report)
+    problems, notes = table_findings(objects, chunks, url, commit, layout, field_codecs(codec, config),
+                                     lambda name, lane, c: prefix + chunk_key(name, config.schema[name], lane, c,
+                                                                              config.chunk_key_separator))
+    for problem in problems:
+        report.problem(problem)
+    report.notes += notes
     return config, objects
 
 

@@ -106,11 +106,14 @@ class Appender:
             raise SchemaError(f"env_ids: expected distinct ids, got {ids.tolist()}")
         return ids.astype(np.int64)
 
-    def flush(self, durable: bool) -> None:
-        """Write every staged row and commit, with the state (see `ReplayBuffer.flush`)."""
+    def flush(self, durable: bool, last: bool = False) -> None:
+        """Write every staged row and commit, with the state (see `ReplayBuffer.flush`);
+        ``last``: the writer's last commit, followed by the shard index tables."""
         self.episodes.prune(self.storage.window()[0])
         self.storage.flush(durable, self.state.for_commit(), side=self.finals)
         self.state.committed()
+        for storage in self.storages() if last else ():
+            storage.write_shard_tables()
 
     def storages(self) -> list[BufferStorage]:
         """The main storage, then the side store of ``derive_next`` (if any)."""

@@ -754,7 +754,7 @@ class ReplayBuffer(Pinning):
             return
         try:
             if self.mode != "r":
-                self.flush()
+                self._writer().flush(True, last=True)
             self._gate.close()  # a learner's last progress reaches the store
         finally:
             self._release()

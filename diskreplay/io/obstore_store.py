@@ -85,9 +85,9 @@ class ObstoreChunkStore(RemoteCalls):
         super().__init__(url, concurrency if cap is None else min(concurrency, cap), retry)
         bucket, _, prefix = url.split("://", 1)[1].partition("/")
         self.root = f"{bucket}/{prefix}".rstrip("/")
-        self.s3 = S3Store(bucket, prefix=prefix.strip("/") or None, **config)
+        self.s3 = _client(bucket, prefix.strip("/") or None, config)
         self._first_timeout_s = self.retry.budget_s
-        self._s3_first = S3Store(bucket, prefix=prefix.strip("/") or None, **_first_try_config(config, self.retry))
+        self._s3_first = _client(bucket, prefix.strip("/") or None, _first_try_config(config, self.retry))
         self._threads = Threads(self.range_concurrency, "diskreplay-s3")
         self.loop = fsspec.asyn.get_loop()
         self._options, self._pid = dict(storage_options), os.getpid()
@@ -370,6 +370,25 @@ def _ranged(result: Any) -> Ranged:
 
 def _size(result: Any) -> int:
     return int(result.meta["size"])
+
+
+_CLIENTS: dict[str, S3Store] = {}
+"""Clients made so far, by bucket, prefix and config: a store opened again at the same place
+reuses its client (no setup, and the connections its pool keeps open)."""
+CLIENTS_KEPT = 64
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client(bucket: str, prefix: str | None, config: Mapping[str, Any]) -> S3Store:
+    """An `S3Store` of these settings, made once (`_CLIENTS`; the oldest dropped past `CLIENTS_KEPT`)."""
+    key = repr((bucket, prefix, sorted(config.items())))
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            client = _CLIENTS[key] = S3Store(bucket, prefix=prefix, **config)
+            if len(_CLIENTS) > CLIENTS_KEPT:
+                del _CLIENTS[next(iter(_CLIENTS))]
+        return client
 
 
 def _first_try_config(config: Mapping[str, Any], retry: RetryPolicy) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
+from ..format.keys import FORMAT
 from ..format.layout import values_codec
 from ..format.pins import PinIndex
 from .cache import ChunkCache
@@ -24,6 +25,7 @@ from .pins import Pins, read_index
 from .ragged_reads import RaggedReads
 from .ragged_values import HELD_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
+from .shard_tables import write_tables
 from .writer import StagingWriter
 
 
@@ -75,6 +77,14 @@ class BufferStorage(Storage):
         if self._encoders is not None:
             self._encoders.close()
         super().close()
+
+    def write_shard_tables(self) -> None:
+        """Writer, after its last commit: the shard index tables of its sharded fields
+        (`shard_tables`), for readers' first point reads."""
+        self._writable()
+        if self.config.format == FORMAT:  # not among the objects at a diskreplay/1 buffer's root
+            self._log.check_lock()
+            write_tables(self._io, self._log.objects, self.layout, self._log.record)
 
     # ---- pins ------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from ..errors import CorruptBufferError
 from ..format.codecs import Codec, checksum
 from ..format.config import BufferConfig
 from ..format.keys import chunk_key
+from ..format.shard_table import MAX_TABLE_BYTES
 from ..io.store import ChunkStore, is_local
 from ..io.threads import Threads
 
@@ -68,6 +69,9 @@ class ChunkIO:
         self.workers = Threads(threads, "diskreplay-io")
         self.behind_workers = Threads(threads, "diskreplay-io-behind")
         self.unsynced: set[str] = set()
+        self.heads: dict[str, bytes] | None = {}
+        """The index (checksum cut off) of each sharded chunk this store's writes put, by key, for
+        the shard index tables (None: past `MAX_TABLE_BYTES` of them, no longer kept)."""
 
     def key(self, name: str, lane: int, chunk: int) -> str:
         """The store key of a field's chunk."""
@@ -92,7 +96,14 @@ class ChunkIO:
 
     def _put_batch(self, work: list[ChunkWrite], durable: bool) -> None:
         for key, codec, rows, fresh in work:
-            self._put_one(key, codec.encode(rows), durable, fresh)
+            parts = codec.encode(rows)
+            if codec.inner_rows is not None and self.heads is not None:
+                self.heads.pop(key, None)  # a failed put may leave either index
+            self._put_one(key, parts, durable, fresh)
+            if codec.inner_rows is not None and self.heads is not None:
+                self.heads[key] = bytes(parts[0])
+                if len(self.heads) * len(parts[0]) > MAX_TABLE_BYTES:
+                    self.heads = None
 
     def _put_one(self, key: str, data: tuple[bytes | memoryview, ...], durable: bool, fresh: bool) -> None:
         if fresh:

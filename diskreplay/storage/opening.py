@@ -54,12 +54,13 @@ from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .pins import hold_newest, hold_pinned, not_kept, pinned_record, read_index
-from .point_reads import PointReads
+from .point_reads import PointReads, Tables
 from .ragged_reads import RaggedReads
 from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
+from .shard_tables import read_tables
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
 from .union import CommitIndex, UnionLog, UnionStorage, union_threads
@@ -238,7 +239,7 @@ def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferCo
                     options.announcer if mode == "r+" else None, hold)
     io = ChunkIO(store if chunks is None else chunks, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
-    cache, loader, reader, files, ragged = _read_side(url, config, arrays, log, io, options)
+    cache, loader, reader, files, ragged = _read_side(url, config, arrays, log, io, options, _tables(url, log, io))
     writer = (StagingWriter(cursors, log, io, cache, loader, files.forget, keep_written=files.mapped is None)
               if mode != "r" else None)
     return BufferStorage(url, config, log, io, cache, loader, reader, writer, files, ragged, options.storage_options)
@@ -304,9 +305,16 @@ class ReadSide(NamedTuple):
     """The reads of the ragged fields (None: none), their value chunks cached within ``cache_bytes``."""
 
 
+def _tables(url: str, log: CommitLog, io: ChunkIO) -> Tables:
+    """The shard index tables of this buffer that describe its shards at the commit ``log`` shows."""
+    inner = {name: log.config.layout.chunk_rows // int(codec.inner_rows or 1) for name, codec in io.codecs.items()}
+    return lambda names: read_tables(log.objects, url, log.record, names, inner, log.config.num_envs)
+
+
 def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: Log, io: ChunkIO,
-               options: Options) -> ReadSide:
-    """The read side of a storage, its read paths chosen for its size and store."""
+               options: Options, tables: Tables | None = None) -> ReadSide:
+    """The read side of a storage, its read paths chosen for its size and store (``tables``: a
+    reader's shard index tables, `PointReads`)."""
     layout, schema, store, cursors, mode = config.layout, config.schema, io.store, log.cursors, log.mode
     codec, record = buffer_codec(arrays, url), log.record
     stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
@@ -322,7 +330,7 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     mapped = (MappedChunks(store, io.key, schema, layout, chunks_per_lane, trailer=codec.trailer)
               if memory_map and codec.raw and store.supports_mmap and mmap_supported() else None)
     retired = RetiredCheck(log, cache, cursors.window)
-    points = PointReads(io, layout.chunk_rows) if mode == "r" else None
+    points = PointReads(io, layout.chunk_rows, tables) if mode == "r" else None
     row_reads = _row_reads(row_fields, io, cache, retired, points) if row_fields else None
     files = FileMaps(mapped, row_reads, points)
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",

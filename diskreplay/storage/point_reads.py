@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import CorruptBufferError
 from ..format.codecs import EMPTY_INNER, INNER_CHUNK_BYTES, SMALL_ROWS_INNER, Codec, checksum
+from ..format.shard_table import ShardTable
 from ..io.store import Range, Ranged
 from .chunk_io import ChunkIO
 from .outputs import Rows
@@ -44,6 +45,9 @@ GAP_BYTES = 4096
 """Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
 
+Tables = Callable[[tuple[str, ...]], dict[str, ShardTable]]
+"""The shard index tables of these fields that describe the shards as this reader's commit has
+them (`diskreplay.storage.shard_tables.read_tables`)."""
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """A field's ranges for rows sorted by (lane, chunk, offset): each row's range, each range's
 first row, and its bytes ``[start, stop)`` in its chunk object."""
@@ -53,8 +57,9 @@ class PointReads:
     """Targeted reads of the raw, sharded and small compressed fields (`read`; sharded ones also
     `decode`) of one buffer; counts what they read."""
 
-    def __init__(self, io: ChunkIO, chunk_rows: int):
-        self.io, self.chunk_rows = io, chunk_rows
+    def __init__(self, io: ChunkIO, chunk_rows: int, tables: Tables | None = None):
+        """``tables``: read before the first shard index would be (None: no table)."""
+        self.io, self.chunk_rows, self._tables = io, chunk_rows, tables
         self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
         self.sharded = frozenset(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
         self.small = frozenset(name for name, codec in io.codecs.items() if not codec.raw and codec.inner_rows is None
@@ -259,9 +264,35 @@ class PointReads:
 
     def _index_ranges(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> dict[tuple[int, int], Range]:
         """The index of every shard of these chunks no read kept yet: ``{(lane, chunk): its range}``."""
+        self._keep_tables()
         head = self.io.codecs[name].index_bytes(self.chunk_rows)
         return {(ln, ch): (self.io.key(name, ln, ch), 0, head)
                 for ln, ch in sorted(set(zip(lanes.tolist(), chunks.tolist()))) if (name, ln, ch) not in self.indexes}
+
+    def _keep_tables(self) -> None:
+        """Once, before the first shard index is read: keep the indexes of the tables (`Tables`)."""
+        if self._tables is None:
+            return
+        tables, self._tables = self._tables(tuple(sorted(self.sharded))), None
+        for name, table in tables.items():
+            lanes, chunks = np.nonzero(table.present)
+            spans = self._table_spans(name, table, lanes, chunks)
+            self.indexes.update(zip(((name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())), spans))
+
+    def _table_spans(self, name: str, table: ShardTable, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+        """The spans of the shards ``(lanes[i], chunks[i])`` of ``name``'s table, checked.
+        Raises CorruptBufferError naming the first shard whose index is bad."""
+        head = self.io.codecs[name].index_bytes(self.chunk_rows)
+        try:
+            return _spans(table.entries[lanes, chunks].reshape(-1, 2), head, -1).reshape(len(lanes), -1, 2)
+        except ValueError:
+            for ln, ch in zip(lanes.tolist(), chunks.tolist()):
+                try:
+                    _spans(table.entries[ln, ch], head, -1)
+                except ValueError as exc:
+                    raise CorruptBufferError(f"{self.io.url!r}: the shard index table of {name!r} is damaged: "
+                                             f"lane {ln}, chunk {ch}: {exc}") from None
+            raise
 
     def _keep_indexes(self, name: str, asked: dict[tuple[int, int], Range], got: list[Ranged | None]) -> None:
         """Check and keep the shard indexes read for ``asked``."""
@@ -270,7 +301,8 @@ class PointReads:
             data = self._checked(one, ranged)
             try:
                 entries = self.io.codecs[name].verified_body(data)
-                self.indexes[name, ln, ch] = _spans(entries, head, -1 if ranged is None else ranged[1])
+                pairs = np.frombuffer(entries, "<u8").reshape(-1, 2)
+                self.indexes[name, ln, ch] = _spans(pairs, head, -1 if ranged is None else ranged[1])
             except ValueError as exc:
                 raise self._undecodable(one[0], exc) from None
 
@@ -306,10 +338,9 @@ class PointReads:
         """Nothing to release (`RowReads` closes its maps)."""
 
 
-def _spans(entries: bytes | memoryview, index_bytes: int, size: int) -> np.ndarray:
-    """A shard index's ``(offset, nbytes)`` pairs as int64 rows, -1 for stored-empty inner chunks,
-    each checked to lie in the object's data (``size`` bytes, -1: unknown). Raises ValueError."""
-    pairs = np.frombuffer(entries, "<u8").reshape(-1, 2)
+def _spans(pairs: np.ndarray, index_bytes: int, size: int) -> np.ndarray:
+    """A shard index's ``(offset, nbytes)`` uint64 pairs as int64 rows, -1 for stored-empty inner
+    chunks, each checked to lie in the object's data (``size`` bytes, -1: unknown). Raises ValueError."""
     empty = (pairs == EMPTY_INNER).all(axis=1)
     big = (pairs[~empty] >= 1 << 62).any(axis=1)
     spans = np.where(empty[:, None], -1, np.minimum(pairs, 1 << 62).astype(np.int64))

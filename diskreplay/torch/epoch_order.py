@@ -319,6 +319,8 @@ class EpochRows:
 
     def run_rows(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(lane, step) of the rows at positions ``[a, b)``: slices of the windows they cross."""
+        if self.shuffle == "none":
+            return self._run_piece_rows(a, b)
         if self.shuffle != "block":
             return self.rows(np.arange(a, b, dtype=np.int64))
         lanes, steps = [], []
@@ -337,6 +339,16 @@ class EpochRows:
         lane, start, length = self._pieces
         piece = np.searchsorted(self._ends, positions, side="right")
         return lane[piece], start[piece] + positions - (self._ends[piece] - length[piece])
+
+    def _run_piece_rows(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """`_piece_rows` of the positions ``[a, b)``, from the few pieces they cross."""
+        lane, start, length = self._pieces
+        first, last = np.searchsorted(self._ends, [a, max(b - 1, a)], side="right").tolist()
+        pieces = slice(first, last + 1)
+        begin = self._ends[pieces] - length[pieces]
+        counts = np.minimum(b, self._ends[pieces]) - np.maximum(a, begin)
+        positions = np.arange(a, b, dtype=np.int64)
+        return np.repeat(lane[pieces], counts), positions + np.repeat(start[pieces] - begin, counts)
 
     def _window_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         rows = self._windows.pop(k, None)

@@ -1,0 +1,45 @@
+"""`verify`'s check of the shard index tables (`diskreplay.format.shard_table`): each one whole,
+and each one stamped with the commit checked holding the index each of its shards starts with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import CorruptBufferError
+from ..format.codecs import CHECKSUM_BYTES, Codec
+from ..format.commit import CommitRecord
+from ..format.lanes import LaneLayout
+from ..format.shard_table import MAX_TABLE_BYTES, ShardTable, table_key
+from ..io import ChunkStore
+
+
+def table_findings(objects: ChunkStore, chunks: ChunkStore, url: str, commit: CommitRecord, layout: LaneLayout,
+                   codecs: dict[str, Codec], key_of: Callable[[str, int, int], str]) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of the tables of the sharded fields of ``codecs`` in ``objects``
+    (``key_of(field, lane, chunk)``: a chunk's key in ``chunks``)."""
+    problems, notes = [], []
+    for name, codec in codecs.items():
+        key = table_key(name)
+        blob = None if codec.inner_rows is None else objects.get(key, MAX_TABLE_BYTES + 1)
+        if blob is None or codec.inner_rows is None:
+            continue
+        try:
+            table = ShardTable.from_bytes(blob, key, url, layout.num_envs, layout.chunk_rows // codec.inner_rows)
+        except CorruptBufferError as exc:
+            problems.append(str(exc).removeprefix(f"{url!r}: "))
+            continue
+        if (table.sequence, table.time) != (commit.sequence, commit.time):
+            notes.append(f"shard index table {key!r} is of commit {table.sequence}, not {commit.sequence}: "
+                         f"readers do not use it")
+            continue
+        shards = list(zip(*(part.tolist() for part in np.nonzero(table.present))))
+        heads = chunks.get_ranges([(key_of(name, lane, chunk), 0, codec.index_bytes(layout.chunk_rows))
+                                   for lane, chunk in shards])
+        for (lane, chunk), got in zip(shards, heads):
+            if got is None or bytes(got[0][:-CHECKSUM_BYTES]) != table.entries[lane, chunk].tobytes():
+                problems.append(f"shard index table {key!r} does not hold the index chunk "
+                                f"{key_of(name, lane, chunk)!r} starts with")
+                break
+    return problems, notes

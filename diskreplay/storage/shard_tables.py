@@ -1,0 +1,94 @@
+"""Shard index tables (`diskreplay.format.shard_table`): written by a writer as it closes, read
+by a reader before its first point read of a sharded field (`PointReads`).
+
+A table describes the shards as they are in the store after the writer's last commit: the
+indexes the writer's own writes put (`ChunkIO.heads`), the others read from their shards in one
+round of requests. A reader takes a table only if it is stamped with the commit the reader
+shows; the indexes it holds are then kept as if read from each shard, and forgotten as those are
+when a refresh finds the chunk rewritten. Each inner chunk read through one is still checked
+against its own checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..format.codecs import CHECKSUM_BYTES
+from ..format.commit import CommitRecord
+from ..format.lanes import LaneLayout
+from ..format.shard_table import MAX_TABLE_BYTES, ShardTable, table_bytes, table_key
+from ..io.store import ChunkStore
+from .chunk_io import ChunkIO
+
+
+def sharded_fields(io: ChunkIO) -> tuple[str, ...]:
+    """The fields stored as shards of inner chunks."""
+    return tuple(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
+
+
+def write_tables(io: ChunkIO, objects: ChunkStore, layout: LaneLayout, record: CommitRecord) -> None:
+    """Each sharded field's table of the shards holding rows of ``record`` (the writer's last
+    commit), put to ``objects``. None for a buffer stored under several prefixes, nor for a table
+    past `MAX_TABLE_BYTES`."""
+    names = sharded_fields(io)
+    if not names or len(io.prefixes) != 1:
+        return
+    rows = np.minimum(record.committed, layout.lane_capacity or np.iinfo(np.int64).max)
+    chunks = -(-rows // layout.chunk_rows)
+    width = int(chunks.max(initial=0))
+    keys: list[Shard] = [(name, lane, chunk) for name in names for lane, count in enumerate(chunks.tolist())
+            for chunk in range(count)]
+    if not width or table_bytes(layout.num_envs, width, _inner(io, names[0], layout)) * len(names) > MAX_TABLE_BYTES:
+        return
+    heads = _heads(io, layout, keys)
+    for name in names:
+        inner = _inner(io, name, layout)
+        present = np.zeros((layout.num_envs, width), bool)
+        entries = np.zeros((layout.num_envs, width, inner, 2), "<u8")
+        for (field, lane, chunk), head in heads.items():
+            if field == name and head is not None and len(head) == 16 * inner:
+                present[lane, chunk] = True
+                entries[lane, chunk] = np.frombuffer(head, "<u8").reshape(inner, 2)
+        objects.put(table_key(name), ShardTable(record.sequence, record.time, present, entries).to_bytes(), True)
+
+
+def _inner(io: ChunkIO, name: str, layout: LaneLayout) -> int:
+    return layout.chunk_rows // int(io.codecs[name].inner_rows or 1)
+
+
+Shard = tuple[str, int, int]
+"""``(field, lane, chunk)``."""
+
+
+def _heads(io: ChunkIO, layout: LaneLayout, keys: list[Shard]) -> dict[Shard, bytes | None]:
+    """The index of each ``(field, lane, chunk)``: as this writer put it, else read from the
+    store (None: missing or failing its checksum; its shard then serves its own index)."""
+    kept = io.heads or {}
+    found = {one: kept.get(io.key(*one)) for one in keys}
+    missing = [one for one, head in found.items() if head is None]
+    ranges = [(io.key(*one), 0, io.codecs[one[0]].index_bytes(layout.chunk_rows)) for one in missing]
+    for one, got in zip(missing, io.store.get_ranges(ranges) if ranges else []):
+        if got is not None and len(got[0]) > CHECKSUM_BYTES:
+            try:
+                found[one] = bytes(io.codecs[one[0]].verified_body(got[0]))
+            except ValueError:
+                pass
+    return found
+
+
+def read_tables(objects: ChunkStore, url: str, record: CommitRecord, names: tuple[str, ...],
+                inner: Mapping[str, int], lanes: int) -> dict[str, ShardTable]:
+    """The tables of ``names`` stamped with ``record``, read in one round (a field whose table
+    is missing or of another commit is left out). Raises CorruptBufferError naming a damaged
+    table."""
+    keys = [table_key(name) for name in names]
+    found = {}
+    for name, key, blob in zip(names, keys, objects.get_many(keys, MAX_TABLE_BYTES + 1)):
+        if blob is None:
+            continue
+        table = ShardTable.from_bytes(blob, key, url, lanes, inner[name])
+        if (table.sequence, table.time) == (record.sequence, record.time):
+            found[name] = table
+    return found

@@ -1,0 +1,209 @@
+"""Shard index tables: a closing writer's table of every shard index of each sharded field, and the
+cold reads of readers that take it (local disk; `test_s3.py` counts the GETs on S3)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import diskreplay as dr
+from diskreplay.audit import verify
+from diskreplay.format.codecs import checksum
+from diskreplay.format.shard_table import HEADER, ShardTable
+from diskreplay.storage import shard_tables
+
+FIELDS = {"obs": dr.Field((17,), "float32"), "act": dr.Field((6,), "float32"), "done": dr.Field((), "bool")}
+CHUNK = 4096  # obs: shards of 64 inner chunks (64 rows); act: 16 (256 rows); done: 4 KiB chunks, not sharded
+
+
+def rows(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n)
+    return {"obs": (ids[:, None] * 17 + np.arange(17)).astype(np.float32),
+            "act": np.repeat(ids[:, None], 6, 1).astype(np.float32), "done": ids % 7 == 0}
+
+
+def check(batch: dict, ids) -> None:
+    ids = np.asarray(ids)
+    np.testing.assert_array_equal(batch["obs"], rows(0, int(ids.max()) + 1)["obs"][ids])
+    np.testing.assert_array_equal(batch["act"][:, 0], ids.astype(np.float32))
+    np.testing.assert_array_equal(batch["done"], ids % 7 == 0)
+
+
+def table_path(url, name: str) -> str:
+    return os.path.join(url, "diskreplay", "objects", "shard-indexes", name)
+
+
+def read_table(url, name: str, inner: int) -> ShardTable:
+    with open(table_path(url, name), "rb") as f:
+        return ShardTable.from_bytes(f.read(), name, str(url), 1, inner)
+
+
+def shard_index(url, name: str, chunk: int, inner: int) -> np.ndarray:
+    with open(os.path.join(url, name, f"c.0.{chunk}.0"), "rb") as f:
+        return np.frombuffer(f.read(16 * inner), "<u8").reshape(inner, 2)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=CHUNK, compression="zstd") as buf:
+        buf.extend(rows(0, 3 * CHUNK + 100))
+    return url
+
+
+IDS = [5, 9, CHUNK + 300, 3 * CHUNK + 50]  # chunks 0, 1, 3; obs: 3 inner chunks; act: 3
+
+
+def cold_ranges(url, ids=IDS) -> int:
+    """Ranges a fresh reader reads for its first rows ``ids`` (checked)."""
+    with dr.ReplayBuffer.open(url) as reader:
+        check(reader[ids], ids)
+        return reader.stats().ranges_read
+
+
+def test_a_writer_writes_its_tables_as_it_closes_not_as_it_flushes(tmp_path):
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=CHUNK, compression="zstd")
+    buf.extend(rows(0, 2 * CHUNK + 10))
+    buf.flush()
+    assert not os.path.exists(table_path(url, "obs"))
+    buf.close()
+    assert sorted(os.listdir(os.path.dirname(table_path(url, "obs")))) == ["act", "obs"]  # done is not sharded
+    with dr.ReplayBuffer.open(url) as reader:
+        record = reader.storage.record
+    for name, inner in (("obs", 64), ("act", 16)):
+        table = read_table(url, name, inner)
+        assert (table.sequence, table.time) == (record.sequence, record.time)
+        assert table.present.tolist() == [[True, True, True]]
+        for chunk in range(3):
+            np.testing.assert_array_equal(table.entries[0, chunk], shard_index(url, name, chunk, inner))
+
+
+def test_a_cold_reader_takes_the_shard_indexes_from_the_tables(dataset):
+    """With the tables, a cold read costs each sharded row's inner chunk (and done's chunks whole);
+    without one, each shard's index first."""
+    assert cold_ranges(dataset) == 3 + 3 + 3
+    os.remove(table_path(dataset, "act"))
+    assert cold_ranges(dataset) == 3 + (3 + 3) + 3  # act's 3 shard indexes
+
+
+def test_a_table_of_an_older_commit_is_not_taken(dataset):
+    """A writer that opens the buffer again and commits rewrites the tail chunk: the table of the
+    last close no longer describes it. Readers read shard indexes until the next close."""
+    writer = dr.ReplayBuffer.open(dataset, "r+")
+    writer.extend(rows(3 * CHUNK + 100, 500))
+    writer.flush()
+    ids = [*IDS, 3 * CHUNK + 550]  # the tail chunk's new rows
+    assert cold_ranges(dataset, ids) == 4 + 3 + (4 + 3) + 3  # obs and act: 3 shard indexes each
+    writer.close()
+    assert cold_ranges(dataset, ids) == 4 + 4 + 3
+
+
+def test_a_writer_closing_without_rows_writes_tables_of_shards_it_did_not_write(dataset):
+    os.remove(table_path(dataset, "obs"))
+    dr.ReplayBuffer.open(dataset, "r+").close()
+    assert cold_ranges(dataset) == 3 + 3 + 3
+    for chunk in range(4):
+        np.testing.assert_array_equal(read_table(dataset, "obs", 64).entries[0, chunk],
+                                      shard_index(dataset, "obs", chunk, 64))
+
+
+def test_a_ring_writes_the_tables_of_the_shards_it_holds(tmp_path):
+    url = str(tmp_path / "ring")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=2 * CHUNK, chunk_rows=CHUNK, compression="zstd") as buf:
+        buf.extend(rows(0, 3 * CHUNK + 200))  # chunk 0 holds the newest rows, chunk 1 the oldest
+    table = read_table(url, "obs", 64)
+    assert table.present.tolist() == [[True, True]]
+    for chunk in range(2):
+        np.testing.assert_array_equal(table.entries[0, chunk], shard_index(url, "obs", chunk, 64))
+    with dr.ReplayBuffer.open(url) as reader:
+        ids = [CHUNK + 1000, 2 * CHUNK + 7, 3 * CHUNK + 150]  # chunks 1, 0, 1
+        check(reader[ids], ids)
+        assert reader.stats().ranges_read == 3 + 3 + 2
+
+
+def test_a_table_entry_that_does_not_match_its_shard_costs_the_shards_index(dataset):
+    """A table stamped with the reader's commit whose entries are wrong (a shifted inner chunk)
+    fails the inner chunks' checksums: the reader reads the shards' own indexes and the right rows."""
+    table = read_table(dataset, "obs", 64)
+    entries = table.entries.copy()
+    entries[0, :, :, 0] += 3
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+    # then, for the chunks read, every sharded field's shard index and inner chunk again
+    assert cold_ranges(dataset) == 3 + 3 + 3 + (3 + 3) + (3 + 3)
+
+
+def _more_chunks(blob: bytes) -> bytes:
+    body = bytearray(blob[:-4])
+    body[28:32] = (5).to_bytes(4, "little")  # the header's chunks per lane
+    return bytes(body) + checksum(bytes(body))
+
+
+def _span_outside(table: ShardTable) -> ShardTable:
+    entries = table.entries.copy()
+    entries[0, 1, 5] = (2, 100)  # inside the shard's index
+    return ShardTable(table.sequence, table.time, table.present, entries)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda blob, table: blob[:10], r"10 bytes, expected at least 44"),
+    (lambda blob, table: blob[:-5] + bytes([blob[-5] ^ 1]) + blob[-4:], r"checksum mismatch"),
+    (lambda blob, table: _more_chunks(blob), r"4144 bytes, expected 5169 for 5 chunks per lane"),
+    (lambda blob, table: ShardTable(table.sequence, table.time, np.ones((2, 4), bool),
+                                    np.zeros((2, 4, 64, 2), "<u8")).to_bytes(),
+     r"header \(magic, lanes, inner\) \(b'DRSHIDX1', 2, 64\), expected \(b'DRSHIDX1', 1, 64\)"),
+    (lambda blob, table: _span_outside(table).to_bytes(),
+     r"the shard index table of 'obs' is damaged: lane 0, chunk 1: inner chunk 5: span \(2, 100\) outside "
+     r"the shard's data"),
+], ids=["short", "checksum", "size", "lanes", "span"])
+def test_a_damaged_table_is_an_error_naming_it(dataset, damage, message):
+    with open(table_path(dataset, "obs"), "rb") as f:
+        blob = f.read()
+    damaged = damage(blob, ShardTable.from_bytes(blob, "obs", dataset, 1, 64))
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(damaged)
+    with dr.ReplayBuffer.open(dataset) as reader:
+        with pytest.raises(dr.CorruptBufferError, match=message):
+            reader[IDS]
+    with open(table_path(dataset, "obs"), "rb") as f:
+        assert f.read() == damaged  # nothing was changed
+
+
+def test_a_table_larger_than_the_bound_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_tables, "MAX_TABLE_BYTES", HEADER.itemsize + 3 * (1 + 16 * 64) + 4)  # obs alone
+    url = str(tmp_path / "buf")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=CHUNK, compression="zstd") as buf:
+        buf.extend(rows(0, 2 * CHUNK + 10))
+    assert not os.path.exists(os.path.dirname(table_path(url, "obs")))
+
+
+def test_verify_checks_the_tables(dataset):
+    """verify passes a buffer's tables, reports a damaged one and one that does not hold its
+    shards' indexes, and notes one of another commit."""
+    assert verify(dataset).ok
+    with open(table_path(dataset, "obs"), "rb") as f:
+        blob = f.read()
+    table = ShardTable.from_bytes(blob, "obs", dataset, 1, 64)
+    entries = table.entries.copy()
+    entries[0, 2, 7, 1] += 1
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+    report = verify(dataset)
+    assert report.problems == ["shard index table 'shard-indexes/obs' does not hold the index chunk 'obs/c.0.2.0' "
+                               "starts with"]
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(blob[:-1])
+    assert verify(dataset).problems == ["shard index table 'shard-indexes/obs' is damaged: checksum mismatch"]
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(blob)
+    writer = dr.ReplayBuffer.open(dataset, "r+")
+    writer.extend(rows(3 * CHUNK + 100, 10))
+    writer.flush()
+    report = verify(dataset)
+    assert report.ok and [n for n in report.notes if "shard index" in n] == [
+        f"shard index table 'shard-indexes/{name}' is of commit {table.sequence}, not {table.sequence + 1}: "
+        f"readers do not use it" for name in ("obs", "act")]
+    writer.close()
