@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import writes_done
 
 import diskreplay as dr
 from diskreplay.audit import verify
@@ -181,8 +182,8 @@ def test_a_table_larger_than_the_bound_is_not_written(tmp_path, monkeypatch):
 
 
 def test_verify_checks_the_tables(dataset):
-    """verify passes a buffer's tables, reports a damaged one and one that does not hold its
-    shards' indexes, and notes one of another commit."""
+    """verify passes a buffer's tables, reports a damaged one, and notes one that differs from
+    its shards' indexes and one of another commit."""
     assert verify(dataset).ok
     with open(table_path(dataset, "obs"), "rb") as f:
         blob = f.read()
@@ -192,8 +193,9 @@ def test_verify_checks_the_tables(dataset):
     with open(table_path(dataset, "obs"), "wb") as f:
         f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
     report = verify(dataset)
-    assert report.problems == ["shard index table 'shard-indexes/obs' does not hold the index chunk 'obs/c.0.2.0' "
-                               "starts with"]
+    assert report.ok and [n for n in report.notes if "shard index" in n] == [
+        "shard index table 'shard-indexes/obs' differs from the index of 1 shard(s), first 'obs/c.0.2.0' (a writer "
+        "rewrote them since its last commit): readers read those shards' own indexes"]
     with open(table_path(dataset, "obs"), "wb") as f:
         f.write(blob[:-1])
     assert verify(dataset).problems == ["shard index table 'shard-indexes/obs' is damaged: checksum mismatch"]
@@ -206,4 +208,68 @@ def test_verify_checks_the_tables(dataset):
     assert report.ok and [n for n in report.notes if "shard index" in n] == [
         f"shard index table 'shard-indexes/{name}' is of commit {table.sequence}, not {table.sequence + 1}: "
         f"readers do not use it" for name in ("obs", "act")]
+    writer.close()
+
+
+def test_a_store_that_refuses_the_tables_costs_a_warning_not_the_commit(tmp_path):
+    url = str(tmp_path / "buf")
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=CHUNK, compression="zstd")
+    buf.extend(rows(0, 2 * CHUNK + 10))
+    with open(os.path.dirname(table_path(url, "obs")), "w"):  # a file where the tables' folder goes
+        pass
+    with pytest.warns(UserWarning, match=r"the shard index tables were not written \(.*File exists.*\); "
+                                         r"readers read each shard's own index"):
+        buf.close()
+    with dr.ReplayBuffer.open(url) as reader:
+        ids = [3, CHUNK + 5, 2 * CHUNK + 9]
+        check(reader[ids], ids)
+        assert reader.stats().ranges_read == 3 + 3 + (3 + 3) + 3  # obs and act: a shard index each
+
+
+def test_a_writer_takes_the_indexes_of_shards_it_did_not_write_from_the_tables_it_opened_with(dataset, monkeypatch):
+    """A writer that opened at the commit of the tables reads no shard index as it closes: those
+    it did not write come from them; with them gone, it reads every such shard's index."""
+    from diskreplay.io.local import LocalChunkStore
+
+    read = []
+    get_ranges = LocalChunkStore.get_ranges
+    monkeypatch.setattr(LocalChunkStore, "get_ranges", lambda self, ranges: read.extend(ranges) or
+                        get_ranges(self, ranges))
+    writer = dr.ReplayBuffer.open(dataset, "r+")
+    writer.extend(rows(3 * CHUNK + 100, CHUNK))  # the tail chunk (3) and a new one (4)
+    writer.close()
+    assert read == []
+    for name, inner in (("obs", 64), ("act", 16)):
+        table = read_table(dataset, name, inner)
+        assert table.present.tolist() == [[True] * 5]
+        for chunk in range(5):
+            np.testing.assert_array_equal(table.entries[0, chunk], shard_index(dataset, name, chunk, inner))
+    for name in ("obs", "act"):
+        os.remove(table_path(dataset, name))
+    writer = dr.ReplayBuffer.open(dataset, "r+")
+    writer.extend(rows(4 * CHUNK + 100, 10))
+    writer.close()
+    assert sorted(key for key, _, _ in read) == sorted(f"{name}/c.0.{chunk}.0" for name in ("obs", "act")
+                                                       for chunk in range(4))  # chunk 4 was written
+    assert cold_ranges(dataset) == 3 + 3 + 3
+
+
+def test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index(tmp_path):
+    """Found by the model test: a writer opened again fills the tail chunk and writes it behind
+    its appends, before its next commit; the tables of the last commit then differ from that
+    shard. verify notes it, and a reader of that commit reads the shard's own index and the
+    rows of its commit."""
+    url = str(tmp_path / "frames")
+    frames = (np.arange(16)[:, None, None] * 13 + np.arange(1024).reshape(32, 32)).astype(np.uint8)
+    with dr.ReplayBuffer.create(url, {"img": dr.Field((32, 32), "uint8")}, capacity=None, chunk_rows=16,
+                                compression="zstd") as buf:  # 1 KiB rows: shards of two 8-row inner chunks
+        buf.extend({"img": frames[:10]})
+    writer = dr.ReplayBuffer.open(url, "r+")
+    writer.extend({"img": frames[10:]})  # chunk 0 is full: written behind, not committed
+    writes_done(writer)
+    report = verify(url)
+    assert report.ok and any("differs from the index of 1 shard(s), first 'img/c.0.0.0.0'" in n for n in report.notes)
+    with dr.ReplayBuffer.open(url) as reader:
+        np.testing.assert_array_equal(reader[[3, 9]]["img"], frames[[3, 9]])
+        assert reader.stats().ranges_read == 2 + 1 + 2  # inner chunk 1 fails its checksum: the index, both again
     writer.close()

@@ -1,5 +1,7 @@
-"""`verify`'s check of the shard index tables (`diskreplay.format.shard_table`): each one whole,
-and each one stamped with the commit checked holding the index each of its shards starts with."""
+"""`verify`'s check of the shard index tables (`diskreplay.format.shard_table`): each one whole
+(a damaged one is a problem: readers refuse it), and each one stamped with the commit checked
+compared with the index each of its shards starts with (a difference is a note: a live writer
+may have rewritten a shard since its last commit, and readers then read that shard's index)."""
 
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ def table_findings(objects: ChunkStore, chunks: ChunkStore, url: str, commit: Co
         shards = list(zip(*(part.tolist() for part in np.nonzero(table.present))))
         heads = chunks.get_ranges([(key_of(name, lane, chunk), 0, codec.index_bytes(layout.chunk_rows))
                                    for lane, chunk in shards])
-        for (lane, chunk), got in zip(shards, heads):
-            if got is None or bytes(got[0][:-CHECKSUM_BYTES]) != table.entries[lane, chunk].tobytes():
-                problems.append(f"shard index table {key!r} does not hold the index chunk "
-                                f"{key_of(name, lane, chunk)!r} starts with")
-                break
+        differ = [(lane, chunk) for (lane, chunk), got in zip(shards, heads)
+                  if got is None or bytes(got[0][:-CHECKSUM_BYTES]) != table.entries[lane, chunk].tobytes()]
+        if differ:
+            notes.append(f"shard index table {key!r} differs from the index of {len(differ)} shard(s), first "
+                         f"{key_of(name, *differ[0])!r} (a writer rewrote them since its last commit): "
+                         f"readers read those shards' own indexes")
     return problems, notes

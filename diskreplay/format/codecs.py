@@ -168,6 +168,15 @@ class Codec:
         """Decode one inner chunk (with its checksum) into ``out``. Raises ValueError."""
         self.decode_body(self.verified_body(blob), out)
 
+    def decode_stored(self, blob: bytes, begin: np.ndarray, length: np.ndarray, out: np.ndarray,
+                      rows: np.ndarray) -> None:
+        """Decode the inner chunks ``blob[begin[i]:begin[i] + length[i]]`` (int64; each with its
+        checksum, all checked first in one call) into ``out[rows[i]]`` (C-contiguous, one inner
+        chunk's rows each). Raises ValueError naming the first that fails."""
+        data = np.frombuffer(blob, np.uint8)
+        _check_bodies(data, begin, length, rows)
+        self._decode_spans(blob, data, begin, length - CHECKSUM_BYTES, out.reshape(len(out), -1).view(np.uint8), rows)
+
     def decode_bodies(self, bodies: Sequence[bytes | memoryview | None], out: np.ndarray,
                       rows: np.ndarray | None = None) -> None:
         """Decode inner chunks (checksums already checked and cut off) into ``out[rows[i]]``, one

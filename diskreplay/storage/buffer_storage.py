@@ -3,11 +3,13 @@ and, for its writer, a `StagingWriter` (staged rows, whole-chunk writes) that th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..errors import CorruptBufferError
 from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
 from ..format.keys import FORMAT
@@ -25,7 +27,7 @@ from .pins import Pins, read_index
 from .ragged_reads import RaggedReads
 from .ragged_values import HELD_BYTES, ValueStaging, values_key_of
 from .reader import ChunkReader
-from .shard_tables import write_tables
+from .shard_tables import inner_chunks, read_tables, sharded_fields, write_tables
 from .writer import StagingWriter
 
 
@@ -39,6 +41,8 @@ class BufferStorage(Storage):
                  ragged: RaggedReads | None, storage_options: Mapping[str, Any] | None):
         super().__init__(url, config, log, io, cache, loader, reader, files, ragged, storage_options)
         self._log = log
+        self._opened = log.record
+        """The commit this storage opened at (a writer's shard index tables of it serve its own)."""
         self.writer = writer
         """The writer's staged rows and chunk writes behind its appends (None: a reader); for
         tests and tools that wait for those writes or tune them."""
@@ -80,11 +84,22 @@ class BufferStorage(Storage):
 
     def write_shard_tables(self) -> None:
         """Writer, after its last commit: the shard index tables of its sharded fields
-        (`shard_tables`), for readers' first point reads."""
+        (`shard_tables`), for readers' first point reads. A store that fails to take them gets
+        a warning, not an error: the commit stands, and readers read each shard's own index."""
         self._writable()
-        if self.config.format == FORMAT:  # not among the objects at a diskreplay/1 buffer's root
-            self._log.check_lock()
-            write_tables(self._io, self._log.objects, self.layout, self._log.record)
+        names, inner = sharded_fields(self._io), inner_chunks(self._io, self.layout)
+        if not names or self.config.format != FORMAT:  # not among the objects at a diskreplay/1 buffer's root
+            return
+        self._log.check_lock()
+        try:
+            try:
+                opened = read_tables(self._log.objects, self.url, self._opened, names, inner, self.config.num_envs)
+            except CorruptBufferError:
+                opened = {}  # read from the shards instead
+            write_tables(self._io, self._log.objects, self.layout, self._log.record, opened)
+        except OSError as exc:
+            warnings.warn(f"{self.url!r}: the shard index tables were not written ({exc}); readers read each "
+                          f"shard's own index", stacklevel=2)
 
     # ---- pins ------------------------------------------------------------------------------
 

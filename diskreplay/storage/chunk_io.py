@@ -69,9 +69,10 @@ class ChunkIO:
         self.workers = Threads(threads, "diskreplay-io")
         self.behind_workers = Threads(threads, "diskreplay-io-behind")
         self.unsynced: set[str] = set()
-        self.heads: dict[str, bytes] | None = {}
+        self.heads: dict[str, bytes | None] | None = {}
         """The index (checksum cut off) of each sharded chunk this store's writes put, by key, for
-        the shard index tables (None: past `MAX_TABLE_BYTES` of them, no longer kept)."""
+        the shard index tables; None where a put failed (the object may hold either). None: past
+        `MAX_TABLE_BYTES` of them, no longer kept."""
 
     def key(self, name: str, lane: int, chunk: int) -> str:
         """The store key of a field's chunk."""
@@ -96,13 +97,13 @@ class ChunkIO:
 
     def _put_batch(self, work: list[ChunkWrite], durable: bool) -> None:
         for key, codec, rows, fresh in work:
-            parts = codec.encode(rows)
-            if codec.inner_rows is not None and self.heads is not None:
-                self.heads.pop(key, None)  # a failed put may leave either index
+            parts, heads = codec.encode(rows), self.heads if codec.inner_rows is not None else None
+            if heads is not None:
+                heads[key] = None  # until the put is done
             self._put_one(key, parts, durable, fresh)
-            if codec.inner_rows is not None and self.heads is not None:
-                self.heads[key] = bytes(parts[0])
-                if len(self.heads) * len(parts[0]) > MAX_TABLE_BYTES:
+            if heads is not None:
+                heads[key] = bytes(parts[0])
+                if len(heads) * len(parts[0]) > MAX_TABLE_BYTES:
                     self.heads = None
 
     def _put_one(self, key: str, data: tuple[bytes | memoryview, ...], durable: bool, fresh: bool) -> None:

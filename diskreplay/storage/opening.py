@@ -60,7 +60,7 @@ from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
-from .shard_tables import read_tables
+from .shard_tables import inner_chunks, read_tables
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
 from .union import CommitIndex, UnionLog, UnionStorage, union_threads
@@ -307,7 +307,7 @@ class ReadSide(NamedTuple):
 
 def _tables(url: str, log: CommitLog, io: ChunkIO) -> Tables:
     """The shard index tables of this buffer that describe its shards at the commit ``log`` shows."""
-    inner = {name: log.config.layout.chunk_rows // int(codec.inner_rows or 1) for name, codec in io.codecs.items()}
+    inner = inner_chunks(io, log.config.layout)
     return lambda names: read_tables(log.objects, url, log.record, names, inner, log.config.num_envs)
 
 

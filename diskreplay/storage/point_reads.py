@@ -48,6 +48,9 @@ costs more than that many bytes (a page locally, a round trip remotely)."""
 Tables = Callable[[tuple[str, ...]], dict[str, ShardTable]]
 """The shard index tables of these fields that describe the shards as this reader's commit has
 them (`diskreplay.storage.shard_tables.read_tables`)."""
+InnerPlan = tuple[np.ndarray, list[Range], np.ndarray]
+"""A sharded field's reads for rows sorted by (lane, chunk, offset): each row's inner chunk
+among those read, their ranges, and which of them are stored (not empty)."""
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """A field's ranges for rows sorted by (lane, chunk, offset): each row's range, each range's
 first row, and its bytes ``[start, stop)`` in its chunk object."""
@@ -60,6 +63,8 @@ class PointReads:
     def __init__(self, io: ChunkIO, chunk_rows: int, tables: Tables | None = None):
         """``tables``: read before the first shard index would be (None: no table)."""
         self.io, self.chunk_rows, self._tables = io, chunk_rows, tables
+        self._tabled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Each table's shards not forgotten since (``[lanes, chunks]`` bool) and their indexes."""
         self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
         self.sharded = frozenset(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
         self.small = frozenset(name for name, codec in io.codecs.items() if not codec.raw and codec.inner_rows is None
@@ -87,12 +92,15 @@ class PointReads:
         gone = set(chunks.tolist())
         for key in [key for key in self.indexes if key[1] == lane and key[2] in gone]:
             del self.indexes[key]
+        for present, _ in self._tabled.values():
+            if lane < len(present):
+                present[lane, chunks[chunks < present.shape[1]]] = False
 
     def read(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, out: Rows) -> None:
         """The rows at (lane, chunk, offset) of every field of ``out`` (raw, sharded or small:
         `covers`) into it: the raw fields' ranges, the shard indexes not kept yet and the small
         chunks whole in one round of requests, then the inner chunks of the sharded fields' rows
-        in another.
+        in another (in the first, where every index they need is kept).
 
         Raises CorruptBufferError naming a chunk object that is missing, has the wrong size,
         ends before the rows or fails its checksum, or a shard whose index or inner chunk is bad."""
@@ -102,8 +110,11 @@ class PointReads:
         asked = {name: self._ranges(name, lane, chunk, plan) for name, plan in plans.items()}
         heads = {name: self._index_ranges(name, lane, chunk) for name in out if name in self.sharded}
         wholes = {name: self._whole_ranges(name, lane, chunk) for name in out if name in self.small}
+        names = tuple(heads)
+        inner = self._inner_plan(names, lane, chunk, offset) if names and not any(heads.values()) else {}
+        early = [one for _, ranges, _ in inner.values() for one in ranges]
         found = iter(self._get([one for ranges in (*asked.values(), *(h.values() for h in heads.values()),
-                                                   *wholes.values()) for one in ranges]))
+                                                   *wholes.values(), early) for one in ranges]))
         self.rows_read += len(order)
         for name, plan in plans.items():
             got = [next(found) for _ in asked[name]]
@@ -113,9 +124,15 @@ class PointReads:
             self._keep_indexes(name, ranges, [next(found) for _ in ranges])
         for name, whole in wholes.items():
             out[name][order] = self._take_whole(name, whole, [next(found) for _ in whole], lane, chunk, offset)
-        if heads and len(order):
-            self._fresh(tuple(heads), lane, chunk, lambda: self._read_inner_rows(tuple(heads), lane, chunk, offset,
-                                                                                 order, out))
+        read_early: list[list[Ranged | None]] = [[next(found) for _ in early]] if inner else []
+
+        def read_inner() -> None:  # the first try takes the inner chunks read with the rest, if any
+            plan = inner if read_early else self._inner_plan(names, lane, chunk, offset)
+            data = read_early.pop() if read_early else self._get([one for _, ranges, _ in plan.values()
+                                                                  for one in ranges])
+            self._take_inner(plan, data, offset, order, out)
+        if names and len(order):
+            self._fresh(names, lane, chunk, read_inner)
 
     def _get(self, ranges: list[Range]) -> list[Ranged | None]:
         self.ranges_read += len(ranges)
@@ -245,18 +262,23 @@ class PointReads:
         for name, ranges in heads.items():
             self._keep_indexes(name, ranges, [next(found) for _ in ranges])
 
-    def _read_inner_rows(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
-                         order: np.ndarray, out: Rows) -> None:
-        """Rows (sorted by lane, chunk, offset) of the sharded fields ``names`` into ``out`` at
-        ``order``: each inner chunk they touch read once, all in one round of requests."""
-        wanted = {}
+    def _inner_plan(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray,
+                    offset: np.ndarray) -> dict[str, InnerPlan]:
+        """For rows sorted by (lane, chunk, offset) of the sharded fields ``names``: each inner
+        chunk they touch once (their shard indexes kept)."""
+        plan = {}
         for name in names:
             inner = offset // int(self.io.codecs[name].inner_rows or 1)
             first = _run_starts(lane, chunk, inner)
             block = np.flatnonzero(first)
-            wanted[name] = (np.cumsum(first) - 1, *self._inner_ranges(name, lane[block], chunk[block], inner[block]))
-        found = iter(self._get([one for _, asked, _ in wanted.values() for one in asked]))
-        for name, (which, asked, stored) in wanted.items():
+            plan[name] = (np.cumsum(first) - 1, *self._inner_ranges(name, lane[block], chunk[block], inner[block]))
+        return plan
+
+    def _take_inner(self, plan: dict[str, InnerPlan], got: list[Ranged | None], offset: np.ndarray,
+                    order: np.ndarray, out: Rows) -> None:
+        """The rows of ``plan``'s fields into ``out`` at ``order``, from the inner chunks read for it."""
+        found = iter(got)
+        for name, (which, asked, stored) in plan.items():
             inner_rows, f = int(self.io.codecs[name].inner_rows or 1), self.io.schema[name]
             blocks = np.empty((int(which[-1]) + 1, inner_rows, *f.shape), f.dtype)
             self._decode_inner(name, asked, stored, [next(found) for _ in asked], blocks, np.arange(len(blocks)))
@@ -264,35 +286,37 @@ class PointReads:
 
     def _index_ranges(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> dict[tuple[int, int], Range]:
         """The index of every shard of these chunks no read kept yet: ``{(lane, chunk): its range}``."""
-        self._keep_tables()
+        shards = sorted(set(zip(lanes.tolist(), chunks.tolist())))
+        self._from_table(name, [(ln, ch) for ln, ch in shards if (name, ln, ch) not in self.indexes])
         head = self.io.codecs[name].index_bytes(self.chunk_rows)
-        return {(ln, ch): (self.io.key(name, ln, ch), 0, head)
-                for ln, ch in sorted(set(zip(lanes.tolist(), chunks.tolist()))) if (name, ln, ch) not in self.indexes}
+        return {(ln, ch): (self.io.key(name, ln, ch), 0, head) for ln, ch in shards
+                if (name, ln, ch) not in self.indexes}
 
-    def _keep_tables(self) -> None:
-        """Once, before the first shard index is read: keep the indexes of the tables (`Tables`)."""
-        if self._tables is None:
+    def _from_table(self, name: str, shards: list[tuple[int, int]]) -> None:
+        """Keep the indexes of these shards that ``name``'s table holds, checked (the tables are
+        read first, once: `Tables`). Raises CorruptBufferError naming a shard whose index is bad."""
+        if self._tables is not None:
+            tables, self._tables = self._tables(tuple(sorted(self.sharded))), None
+            self._tabled = {field: (table.present.copy(), table.entries) for field, table in tables.items()}
+        if name not in self._tabled or not shards:
             return
-        tables, self._tables = self._tables(tuple(sorted(self.sharded))), None
-        for name, table in tables.items():
-            lanes, chunks = np.nonzero(table.present)
-            spans = self._table_spans(name, table, lanes, chunks)
-            self.indexes.update(zip(((name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())), spans))
-
-    def _table_spans(self, name: str, table: ShardTable, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray:
-        """The spans of the shards ``(lanes[i], chunks[i])`` of ``name``'s table, checked.
-        Raises CorruptBufferError naming the first shard whose index is bad."""
-        head = self.io.codecs[name].index_bytes(self.chunk_rows)
+        present, entries = self._tabled[name]
+        lanes, chunks = np.array(shards, np.int64).T
+        held = (lanes < present.shape[0]) & (chunks < present.shape[1])
+        held[held] = present[lanes[held], chunks[held]]
+        lanes, chunks = lanes[held], chunks[held]
+        head, pairs = self.io.codecs[name].index_bytes(self.chunk_rows), entries[lanes, chunks]
         try:
-            return _spans(table.entries[lanes, chunks].reshape(-1, 2), head, -1).reshape(len(lanes), -1, 2)
+            spans = _spans(pairs.reshape(-1, 2), head, -1).reshape(pairs.shape)
         except ValueError:
-            for ln, ch in zip(lanes.tolist(), chunks.tolist()):
+            for ln, ch, one in zip(lanes.tolist(), chunks.tolist(), pairs):  # name the first bad shard
                 try:
-                    _spans(table.entries[ln, ch], head, -1)
+                    _spans(one, head, -1)
                 except ValueError as exc:
                     raise CorruptBufferError(f"{self.io.url!r}: the shard index table of {name!r} is damaged: "
                                              f"lane {ln}, chunk {ch}: {exc}") from None
             raise
+        self.indexes.update(zip(((name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())), spans))
 
     def _keep_indexes(self, name: str, asked: dict[tuple[int, int], Range], got: list[Ranged | None]) -> None:
         """Check and keep the shard indexes read for ``asked``."""
@@ -318,8 +342,19 @@ class PointReads:
 
     def _decode_inner(self, name: str, asked: list[Range], stored: np.ndarray, got: list[Ranged | None],
                       out: np.ndarray, rows: np.ndarray) -> None:
-        """Decode the inner chunks read (``stored`` of ``rows``; the others stored empty: zeros)."""
+        """Decode the inner chunks read (``stored`` of ``rows``; the others stored empty: zeros):
+        when every range came back whole, joined and checked in one batch; else (or where that
+        finds damage) one by one, naming what is wrong."""
         codec = self.io.codecs[name]
+        lengths = np.array([stop - start for _, start, stop in asked], np.int64)
+        if len(got) and all(ranged is not None and len(ranged[0]) == n for ranged, n in zip(got, lengths.tolist())):
+            out.reshape(len(out), -1)[rows[np.setdiff1d(np.arange(len(rows)), stored)]] = 0
+            try:
+                begin = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                return codec.decode_stored(b"".join(ranged[0] for ranged in got if ranged), begin, lengths, out,
+                                           rows[stored])
+            except ValueError:
+                pass
         bodies: list[bytes | memoryview | None] = [None] * len(rows)
         for i, one, ranged in zip(stored.tolist(), asked, got):
             bodies[i] = self._body(codec, one, ranged)

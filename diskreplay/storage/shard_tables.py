@@ -28,21 +28,21 @@ def sharded_fields(io: ChunkIO) -> tuple[str, ...]:
     return tuple(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
 
 
-def write_tables(io: ChunkIO, objects: ChunkStore, layout: LaneLayout, record: CommitRecord) -> None:
+def write_tables(io: ChunkIO, objects: ChunkStore, layout: LaneLayout, record: CommitRecord,
+                 opened: Mapping[str, ShardTable]) -> None:
     """Each sharded field's table of the shards holding rows of ``record`` (the writer's last
-    commit), put to ``objects``. None for a buffer stored under several prefixes, nor for a table
-    past `MAX_TABLE_BYTES`."""
+    commit), put to ``objects``: the indexes this writer put, else those of ``opened`` (the
+    tables of the commit it opened at), else read from the shards. None for a buffer stored
+    under several prefixes, nor past `MAX_TABLE_BYTES`."""
     names = sharded_fields(io)
-    if not names or len(io.prefixes) != 1:
-        return
     rows = np.minimum(record.committed, layout.lane_capacity or np.iinfo(np.int64).max)
     chunks = -(-rows // layout.chunk_rows)
     width = int(chunks.max(initial=0))
-    keys: list[Shard] = [(name, lane, chunk) for name in names for lane, count in enumerate(chunks.tolist())
-            for chunk in range(count)]
-    if not width or table_bytes(layout.num_envs, width, _inner(io, names[0], layout)) * len(names) > MAX_TABLE_BYTES:
+    if not names or len(io.prefixes) != 1 or not width or sum(
+            table_bytes(layout.num_envs, width, _inner(io, name, layout)) for name in names) > MAX_TABLE_BYTES:
         return
-    heads = _heads(io, layout, keys)
+    heads = _heads(io, layout, [(name, lane, chunk) for name in names for lane, count in enumerate(chunks.tolist())
+                                for chunk in range(count)], opened)
     for name in names:
         inner = _inner(io, name, layout)
         present = np.zeros((layout.num_envs, width), bool)
@@ -58,15 +58,21 @@ def _inner(io: ChunkIO, name: str, layout: LaneLayout) -> int:
     return layout.chunk_rows // int(io.codecs[name].inner_rows or 1)
 
 
+def inner_chunks(io: ChunkIO, layout: LaneLayout) -> dict[str, int]:
+    """Inner chunks per shard of each sharded field."""
+    return {name: _inner(io, name, layout) for name in sharded_fields(io)}
+
+
 Shard = tuple[str, int, int]
 """``(field, lane, chunk)``."""
 
 
-def _heads(io: ChunkIO, layout: LaneLayout, keys: list[Shard]) -> dict[Shard, bytes | None]:
-    """The index of each ``(field, lane, chunk)``: as this writer put it, else read from the
-    store (None: missing or failing its checksum; its shard then serves its own index)."""
+def _heads(io: ChunkIO, layout: LaneLayout, shards: list[Shard],
+           opened: Mapping[str, ShardTable]) -> dict[Shard, bytes | None]:
+    """The index of each shard: as this writer put it, else as ``opened`` holds it, else read
+    from the store (None: missing or failing its checksum; its shard then serves its own index)."""
     kept = io.heads or {}
-    found = {one: kept.get(io.key(*one)) for one in keys}
+    found = {one: kept[io.key(*one)] if io.key(*one) in kept else _held(opened, *one) for one in shards}
     missing = [one for one, head in found.items() if head is None]
     ranges = [(io.key(*one), 0, io.codecs[one[0]].index_bytes(layout.chunk_rows)) for one in missing]
     for one, got in zip(missing, io.store.get_ranges(ranges) if ranges else []):
@@ -76,6 +82,14 @@ def _heads(io: ChunkIO, layout: LaneLayout, keys: list[Shard]) -> dict[Shard, by
             except ValueError:
                 pass
     return found
+
+
+def _held(tables: Mapping[str, ShardTable], name: str, lane: int, chunk: int) -> bytes | None:
+    """The index ``name``'s table holds for chunk ``(lane, chunk)``, if it does."""
+    table = tables.get(name)
+    if table is None or lane >= table.present.shape[0] or chunk >= table.present.shape[1]:
+        return None
+    return table.entries[lane, chunk].tobytes() if table.present[lane, chunk] else None
 
 
 def read_tables(objects: ChunkStore, url: str, record: CommitRecord, names: tuple[str, ...],

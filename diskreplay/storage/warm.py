@@ -213,12 +213,17 @@ class Warmer:
         io = self.loader.io
         group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * io.schema.row_bytes, 1))
         parts = [slice(i, i + group) for i in range(0, len(slots), group)]
-        self.threads.submit(io.store.prefetch, [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
-                                                for name in io.schema.fields])  # every file asked of the OS at once
-        jobs = [(part, self.threads.submit(io.read_here, [
-            (io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
-            for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(), slots[part].tolist())
-            for name in io.schema.fields])) for part in parts]
+
+        def prefetch() -> None:  # every file asked of the OS at once
+            io.store.prefetch([io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
+                               for name in io.schema.fields])
+
+        def read(part: slice) -> bool:  # its keys made on the job's thread: none delays the read before
+            return io.read_here([(io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
+                                 for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(),
+                                                         slots[part].tolist()) for name in io.schema.fields])
+        self.threads.submit(prefetch)
+        jobs = [(part, self.threads.submit(read, part)) for part in parts]
         self.loader.chunks_loaded += len(slots)
         self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs, os.getpid())
 
