@@ -25,7 +25,7 @@ Workloads (one table each):
    bytes fetched per byte sampled), then the next 20 random batches;
 3. local disk: the same cold first batch after every file of both stores was evicted from the
    page cache (fsync + ``POSIX_FADV_DONTNEED``), and a warm epoch (Loader w0 / w2 vs the scan);
-4. diskreplay only (zstd or the first compression, through the proxy): cold ``sample(256)`` with
+4. diskreplay only (the last compression's dataset, through the proxy): cold ``sample(256)`` with
    1 request in flight, warm ``sample(256)`` (every chunk cached) vs the same on local disk, and a
    cold in-order pass reading ahead (``--read-ahead`` chunks per gather, ``--ahead-threads`` in
    flight) vs one chunk at a time.
@@ -367,8 +367,9 @@ def sequential(url: str, so: dict, chunk_rows: int, rows: int, threads: int, per
     return once
 
 
-def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, repeats: int) -> tuple[str, dict]:
-    """The diskreplay-only measurements of issue #6: in flight, warm vs local, read-ahead."""
+def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, repeats: int,
+           comp: str) -> tuple[str, dict]:
+    """The diskreplay-only measurements on the ``comp`` dataset: in flight, warm vs local, read-ahead."""
     def first_batch(threads: int) -> Callable[[], float]:
         def once() -> float:
             buf = open_reader(url, so, threads)
@@ -395,7 +396,7 @@ def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, 
     loc.close()
     mb = first * ROW_BYTES / 1e6
     ahead, one = seq["ahead"].median, seq["one"].median
-    table = markdown("diskreplay alone (zstd, through the proxy)", ["measured", "against"], [
+    table = markdown(f"diskreplay alone ({comp}, through the proxy)", ["measured", "against"], [
         ("cold `sample(256)`, 16 vs 1 request in flight (`io_threads`)",
          [bl.format_seconds(cold["16"].median), bl.format_seconds(cold["1"].median)],
          bl.format_ratio(cold["16"].median / cold["1"].median)),
@@ -492,7 +493,7 @@ def main() -> None:
         del data
         url, _, local, _ = results[comps[-1]].pop("urls")
         extra, results["diskreplay_alone"] = extras(url, local, dr_options(server.endpoints["latency"]), args,
-                                                    rows, repeats)
+                                                    rows, repeats, comps[-1])
         tables.append(extra)
         for comp in comps:
             results[comp].pop("urls", None)
