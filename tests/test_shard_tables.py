@@ -273,3 +273,36 @@ def test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index
         np.testing.assert_array_equal(reader[[3, 9]]["img"], frames[[3, 9]])
         assert reader.stats().ranges_read == 2 + 1 + 2  # inner chunk 1 fails its checksum: the index, both again
     writer.close()
+
+
+def test_with_the_tables_a_cold_read_makes_one_round_of_requests(dataset, monkeypatch):
+    """The tables give every index a read needs before its first request: the inner chunks go in
+    the same round as the small fields' chunks. Without them, the shard indexes come first."""
+    from diskreplay.io.local import LocalChunkStore
+
+    rounds = []
+    get_ranges = LocalChunkStore.get_ranges
+    monkeypatch.setattr(LocalChunkStore, "get_ranges", lambda self, ranges: rounds.append(len(ranges)) or
+                        get_ranges(self, ranges))
+    assert cold_ranges(dataset) == 9
+    assert rounds == [9]
+    os.remove(table_path(dataset, "obs"))
+    rounds.clear()
+    assert cold_ranges(dataset) == 12
+    assert rounds == [3 + 3, 3 + 3]  # done's chunks and obs's indexes; then the inner chunks of obs and act
+
+
+def test_a_damaged_small_chunk_read_whole_is_named(dataset):
+    """done's chunks (4 KiB, not sharded) are read whole with the inner chunks and decoded in one
+    batch; a damaged one is named, as a chunk read alone would be."""
+    path = os.path.join(dataset, "done", "c.0.1")
+    with open(path, "rb") as f:
+        blob = bytearray(f.read())
+    blob[-1] ^= 1
+    with open(path, "wb") as f:
+        f.write(bytes(blob))
+    with dr.ReplayBuffer.open(dataset) as reader:
+        check(reader[[5, 3 * CHUNK + 50]], [5, 3 * CHUNK + 50])  # chunks 0 and 3
+    with dr.ReplayBuffer.open(dataset) as reader:
+        with pytest.raises(dr.CorruptBufferError, match=r"chunk 'done/c.0.1' does not decode \(checksum mismatch"):
+            reader[IDS]

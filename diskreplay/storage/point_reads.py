@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import EMPTY_INNER, INNER_CHUNK_BYTES, SMALL_ROWS_INNER, Codec, checksum
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, INNER_CHUNK_BYTES, SMALL_ROWS_INNER, Codec, checksum
 from ..format.shard_table import ShardTable
 from ..io.store import Range, Ranged
 from .chunk_io import ChunkIO
@@ -202,9 +202,19 @@ class PointReads:
 
     def _take_whole(self, name: str, asked: list[Range], got: list[Ranged | None], lane: np.ndarray,
                     chunk: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """The rows (sorted by lane, chunk, offset) of a small compressed field from its whole chunks."""
+        """The rows (sorted by lane, chunk, offset) of a small compressed field from its whole
+        chunks: checked and decoded in one batch where each came back whole, else (or where that
+        finds damage) one by one, naming what is wrong."""
         f = self.io.schema[name]
         chunks = np.empty((len(asked), self.chunk_rows, *f.shape), f.dtype)
+        if not _decoded_together(self.io.codecs[name], got, chunks):
+            self._decode_each(name, asked, got, chunks)
+        rows: np.ndarray = chunks[np.cumsum(_run_starts(lane, chunk)) - 1, offset]
+        return rows
+
+    def _decode_each(self, name: str, asked: list[Range], got: list[Ranged | None], chunks: np.ndarray) -> None:
+        """The whole chunks ``got`` into ``chunks[i]``, one at a time. Raises CorruptBufferError
+        naming a chunk that is missing, too long or does not decode."""
         for i, (one, ranged) in enumerate(zip(asked, got)):
             if ranged is None:
                 raise CorruptBufferError(f"{self.io.url!r}: chunk {one[0]!r} is missing, but the last commit says "
@@ -217,8 +227,6 @@ class PointReads:
                 self.io.codecs[name].decode_into(data, chunks[i])
             except ValueError as exc:
                 raise self._undecodable(one[0], exc) from None
-        rows: np.ndarray = chunks[np.cumsum(_run_starts(lane, chunk)) - 1, offset]
-        return rows
 
     # ---- sharded fields -------------------------------------------------------------------
 
@@ -371,6 +379,23 @@ class PointReads:
 
     def close(self) -> None:
         """Nothing to release (`RowReads` closes its maps)."""
+
+
+def _decoded_together(codec: Codec, got: list[Ranged | None], out: np.ndarray) -> bool:
+    """Whether the whole chunks ``got`` (each present, its object's size, and longer than a
+    checksum) were checked and decoded into ``out[i]`` in one batch; False, and ``out`` partly
+    written, where one is not or does not decode."""
+    if not got or not all(ranged is not None and len(ranged[0]) > CHECKSUM_BYTES and ranged[1] in (len(ranged[0]), -1)
+                          for ranged in got):
+        return False
+    bodies = [ranged[0] for ranged in got if ranged is not None]
+    lengths = np.array([len(body) for body in bodies], np.int64)
+    try:
+        codec.decode_stored(b"".join(bodies), np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, out,
+                            np.arange(len(out)))
+    except ValueError:
+        return False
+    return True
 
 
 def _spans(pairs: np.ndarray, index_bytes: int, size: int) -> np.ndarray:
