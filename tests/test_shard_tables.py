@@ -143,6 +143,12 @@ def _more_chunks(blob: bytes) -> bytes:
     return bytes(body) + checksum(bytes(body))
 
 
+def _presence(blob: bytes) -> bytes:
+    body = bytearray(blob[:-4])
+    body[HEADER.itemsize + 2] = 2  # chunk 2's presence byte
+    return bytes(body) + checksum(bytes(body))
+
+
 def _span_outside(table: ShardTable) -> ShardTable:
     entries = table.entries.copy()
     entries[0, 1, 5] = (2, 100)  # inside the shard's index
@@ -153,13 +159,14 @@ def _span_outside(table: ShardTable) -> ShardTable:
     (lambda blob, table: blob[:10], r"10 bytes, expected at least 44"),
     (lambda blob, table: blob[:-5] + bytes([blob[-5] ^ 1]) + blob[-4:], r"checksum mismatch"),
     (lambda blob, table: _more_chunks(blob), r"4144 bytes, expected 5169 for 5 chunks per lane"),
+    (lambda blob, table: _presence(blob), r"a presence byte other than 0 or 1"),
     (lambda blob, table: ShardTable(table.sequence, table.time, np.ones((2, 4), bool),
                                     np.zeros((2, 4, 64, 2), "<u8")).to_bytes(),
      r"header \(magic, lanes, inner\) \(b'DRSHIDX1', 2, 64\), expected \(b'DRSHIDX1', 1, 64\)"),
     (lambda blob, table: _span_outside(table).to_bytes(),
      r"the shard index table of 'obs' is damaged: lane 0, chunk 1: inner chunk 5: span \(2, 100\) outside "
      r"the shard's data"),
-], ids=["short", "checksum", "size", "lanes", "span"])
+], ids=["short", "checksum", "size", "presence", "lanes", "span"])
 def test_a_damaged_table_is_an_error_naming_it(dataset, damage, message):
     with open(table_path(dataset, "obs"), "rb") as f:
         blob = f.read()

@@ -24,8 +24,7 @@ def table_findings(objects: ChunkStore, chunks: ChunkStore, url: str, commit: Co
     problems, notes = [], []
     for name, codec in codecs.items():
         key = table_key(name)
-        blob = None if codec.inner_rows is None else objects.get(key, MAX_TABLE_BYTES + 1)
-        if blob is None or codec.inner_rows is None:
+        if codec.inner_rows is None or (blob := objects.get(key, MAX_TABLE_BYTES + 1)) is None:
             continue
         try:
             table = ShardTable.from_bytes(blob, key, url, layout.num_envs, layout.chunk_rows // codec.inner_rows)

@@ -4,7 +4,7 @@ A cold row of a sharded field (format section 3) costs its shard's index, then i
 two rounds of requests, the first one per shard. A writer that closes a buffer writes, per
 sharded field, one object with the indexes of every shard its last commit covers
 (`table_key`), stamped with that commit's sequence and time. A reader showing that commit takes
-the indexes from it, one request per field; a table of another commit is left unread (the
+the indexes from it, one request per field; a table of another commit is not used (the
 buffer moved on since). The object: a header (`HEADER`), a presence byte per ``(lane, chunk)``
 (0: not in the table), each shard's index as stored (``[lanes, chunks, inner, 2]`` little-endian
 uint64 ``(offset, nbytes)``), then the CRC32C of all of it (4 bytes, little-endian).

@@ -3,10 +3,10 @@ by a reader before its first point read of a sharded field (`PointReads`).
 
 A table describes the shards as they are in the store after the writer's last commit: the
 indexes the writer's own writes put (`ChunkIO.heads`), the others taken from the tables of the
-commit the writer opened at, else read from their shards in one round of requests. A reader takes a table only if it is stamped with the commit the reader
-shows; the indexes it holds are then kept as if read from each shard, and forgotten as those are
-when a refresh finds the chunk rewritten. Each inner chunk read through one is still checked
-against its own checksum.
+commit the writer opened at, else read from their shards in one round of requests. A reader
+takes a table only if it is stamped with the commit the reader shows; the indexes it holds are
+then kept as if read from each shard, and forgotten as those are when a refresh finds the chunk
+rewritten. Each inner chunk read through one is still checked against its own checksum.
 """
 
 from __future__ import annotations
