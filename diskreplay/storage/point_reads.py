@@ -207,7 +207,8 @@ class PointReads:
         finds damage) one by one, naming what is wrong."""
         f = self.io.schema[name]
         chunks = np.empty((len(asked), self.chunk_rows, *f.shape), f.dtype)
-        if not _decoded_together(self.io.codecs[name], got, chunks):
+        whole = all(ranged is not None and ranged[1] in (len(ranged[0]), -1) for ranged in got)
+        if not (whole and _decoded_together(self.io.codecs[name], got, chunks, np.arange(len(chunks)))):
             self._decode_each(name, asked, got, chunks)
         rows: np.ndarray = chunks[np.cumsum(_run_starts(lane, chunk)) - 1, offset]
         return rows
@@ -354,15 +355,10 @@ class PointReads:
         when every range came back whole, joined and checked in one batch; else (or where that
         finds damage) one by one, naming what is wrong."""
         codec = self.io.codecs[name]
-        lengths = np.array([stop - start for _, start, stop in asked], np.int64)
-        if len(got) and all(ranged is not None and len(ranged[0]) == n for ranged, n in zip(got, lengths.tolist())):
+        if all(ranged is not None and len(ranged[0]) == stop - start for ranged, (_, start, stop) in zip(got, asked)):
             out.reshape(len(out), -1)[rows[np.setdiff1d(np.arange(len(rows)), stored)]] = 0
-            try:
-                begin = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-                return codec.decode_stored(b"".join(ranged[0] for ranged in got if ranged), begin, lengths, out,
-                                           rows[stored])
-            except ValueError:
-                pass
+            if _decoded_together(codec, got, out, rows[stored]):
+                return
         bodies: list[bytes | memoryview | None] = [None] * len(rows)
         for i, one, ranged in zip(stored.tolist(), asked, got):
             bodies[i] = self._body(codec, one, ranged)
@@ -381,18 +377,17 @@ class PointReads:
         """Nothing to release (`RowReads` closes its maps)."""
 
 
-def _decoded_together(codec: Codec, got: list[Ranged | None], out: np.ndarray) -> bool:
-    """Whether the whole chunks ``got`` (each present, its object's size, and longer than a
-    checksum) were checked and decoded into ``out[i]`` in one batch; False, and ``out`` partly
-    written, where one is not or does not decode."""
-    if not got or not all(ranged is not None and len(ranged[0]) > CHECKSUM_BYTES and ranged[1] in (len(ranged[0]), -1)
-                          for ranged in got):
-        return False
+def _decoded_together(codec: Codec, got: list[Ranged | None], out: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether the bodies ``got`` (each present and longer than a checksum; whole chunks or
+    inner chunks, as the caller checked) were checked and decoded into ``out[rows[i]]`` in one
+    batch; False, and ``out`` partly written, where one is not or does not decode (the caller
+    then decodes them one by one, naming what is wrong)."""
     bodies = [ranged[0] for ranged in got if ranged is not None]
+    if not bodies or len(bodies) < len(got) or min(len(body) for body in bodies) <= CHECKSUM_BYTES:
+        return False
     lengths = np.array([len(body) for body in bodies], np.int64)
     try:
-        codec.decode_stored(b"".join(bodies), np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, out,
-                            np.arange(len(out)))
+        codec.decode_stored(b"".join(bodies), np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, out, rows)
     except ValueError:
         return False
     return True
