@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from diskreplay.buffer.row_lookup import readable_lane_steps
 from diskreplay.format.lanes import LaneLayout, flat_to_lane_step, row_ids, split_row_ids
 
 
@@ -117,3 +119,21 @@ def test_flat_to_lane_step_matches_enumeration(windows):
         shuffled = np.random.default_rng(0).integers(0, len(pairs), 50)
         lane, step = flat_to_lane_step(shuffled, lo, hi)
         assert list(zip(lane.tolist(), step.tolist())) == [pairs[p] for p in shuffled]
+
+
+@given(st.integers(1, 3), st.data())
+def test_readable_lane_steps_accept_exactly_the_window(num_envs, data):
+    """Ids are accepted iff each one's step lies in its lane's ``[lo, hi)``; else the first bad
+    id is named."""
+    lo = np.array(data.draw(st.lists(st.integers(0, 10), min_size=num_envs, max_size=num_envs)), np.int64)
+    hi = lo + np.array(data.draw(st.lists(st.integers(0, 10), min_size=num_envs, max_size=num_envs)), np.int64)
+    lanes = data.draw(st.lists(st.integers(0, num_envs - 1), max_size=12))
+    ids = np.array([data.draw(st.integers(lo[e] - 2, hi[e] + 1)) * num_envs + e for e in lanes], np.int64)
+    bad = [int(i) for i in ids if i < 0 or not lo[i % num_envs] <= i // num_envs < hi[i % num_envs]]
+    if bad:
+        with pytest.raises(IndexError, match=rf"^row id {bad[0]} is not in the buffer"):
+            readable_lane_steps(ids, lo, hi, num_envs)
+        return
+    shape, lane, step = readable_lane_steps(ids, lo, hi, num_envs)
+    assert shape == ids.shape
+    np.testing.assert_array_equal(row_ids(lane, step, num_envs), ids)

@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp_mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
-from diskreplay.format.lanes import row_ids
+from diskreplay.format.lanes import LaneLayout, row_ids
 from diskreplay.torch import datasets
 from diskreplay.torch.batch_rng import BatchRngs, StridedRngs
 from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
-from diskreplay.torch.epoch_order import EpochOrder, Shard, chunk_pieces, shard_range
+from diskreplay.torch.epoch_order import EpochOrder, EpochRows, Shard, chunk_pieces, shard_range
 from diskreplay.torch.rows import IndexBatch, IndexBatchSampler, RowDataset
 from diskreplay.torch.tensors import Batch
 
@@ -96,6 +98,35 @@ def test_chunk_pieces_cover_window_within_chunks(tmp_path, capacity, steps):
                                    np.concatenate([np.arange(s, s + n) for s, n in zip(start, length)]), 2))
     np.testing.assert_array_equal(got, np.sort(b.row_ids()))
     b.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([None, 24, 40]), st.integers(1, 9), st.data())
+def test_runs_of_the_sequence_are_its_rows_position_by_position(num_envs, capacity, chunk_rows, data):
+    """`run_rows` (slices of pieces and windows) against `rows` of each position, for every
+    shuffle; and batches handed over several at a time are the same rows as one by one."""
+    layout = LaneLayout(num_envs, capacity, chunk_rows)
+    lo = np.array(data.draw(st.lists(st.integers(0, 30), min_size=num_envs, max_size=num_envs)), np.int64)
+    sizes = data.draw(st.lists(st.integers(0, capacity or 60), min_size=num_envs, max_size=num_envs))
+    hi = lo + np.array(sizes, np.int64)
+    shuffle = data.draw(st.sampled_from(["none", "block", "global"]))
+    rows = EpochRows(layout, lo, hi, seed=3, epoch=1, shuffle=shuffle, window=2)
+    total = int((hi - lo).sum())
+    a = data.draw(st.integers(0, total))
+    b = data.draw(st.integers(a, total))
+    lane, step = rows.run_rows(a, b)
+    want_lane, want_step = rows.rows(np.arange(a, b, dtype=np.int64))
+    np.testing.assert_array_equal(lane, want_lane)
+    np.testing.assert_array_equal(step, want_step)
+    batch, per_item = data.draw(st.integers(1, 20)), data.draw(st.integers(2, 5))
+    order = EpochOrder(layout, lo, hi, seed=3, epoch=1, shuffle=shuffle, window=2, shard=Shard(0, 1, 0, 1),
+                       pad=False, drop_last=data.draw(st.booleans()), batch_size=batch)
+    first = data.draw(st.integers(0, order.num_batches))
+    one, runs = list(order.batches(first)), list(order.batches(first, per_item))
+    assert len(runs) == -(-len(one) // per_item)
+    for got, want in zip(zip(*runs), zip(*one)):
+        np.testing.assert_array_equal(np.concatenate(got or [np.zeros(0, np.int64)]),
+                                      np.concatenate(want or [np.zeros(0, np.int64)]))
 
 
 def test_shards_get_whole_chunks(buf):

@@ -23,6 +23,8 @@ def readable_lane_steps(ids: Any, lo: np.ndarray, hi: np.ndarray,
         raise IndexError(f"row id {int(arr.max())} is not in the buffer (larger than any row id)")
     flat = arr.reshape(-1).astype(np.int64)
     lane, step = split_row_ids(flat, num_envs)
+    if num_envs == 1 and (not flat.size or (flat.min() >= max(int(lo[0]), 0) and flat.max() < hi[0])):
+        return arr.shape, lane, step
     bad = (flat < 0) | (step < lo[lane]) | (step >= hi[lane])
     if bad.any():
         raise IndexError(f"row id {int(flat[bad][0])} is not in the buffer (readable ids per lane: steps "

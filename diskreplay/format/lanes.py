@@ -37,7 +37,10 @@ class LaneLayout:
 
     def chunk_and_offset(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Chunk index along the lane and row inside that chunk, for each step."""
-        return np.divmod(self.slot(step), self.chunk_rows)
+        slot, rows = self.slot(step), self.chunk_rows
+        if rows & (rows - 1) or not isinstance(slot, np.ndarray) or slot.dtype.kind != "i":
+            return np.divmod(slot, rows)
+        return slot >> (rows.bit_length() - 1), slot & (rows - 1)  # a power of two: no division
 
     @overload
     def oldest(self, total: int) -> int: ...
@@ -114,7 +117,9 @@ def row_ids(lane: np.ndarray | int, step: np.ndarray, num_envs: int) -> np.ndarr
 
 
 def split_row_ids(ids: np.ndarray, num_envs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of `row_ids`: (lane, step) per id."""
+    """Inverse of `row_ids`: (lane, step) per id (with one lane, ``step`` is ``ids`` itself)."""
+    if num_envs == 1:
+        return np.zeros_like(ids), ids
     step, lane = np.divmod(ids, num_envs)
     return lane, step
 

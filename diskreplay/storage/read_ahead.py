@@ -86,11 +86,12 @@ class ReadAhead:
             keys = self.layout.chunk_and_offset(step)[0] * lanes + lane
             if len(keys) and keys.max() >= len(seen):
                 seen = np.concatenate([seen, np.zeros(2 * int(keys.max()) + 1 - len(seen), dtype=bool)])
-            new = keys[~seen[keys]]
+            new = _runs(keys[~seen[keys]])
             if not len(new):
                 continue
-            _, first = np.unique(new, return_index=True)
-            new = new[np.sort(first)]
+            if len(new) > 1:
+                _, first = np.unique(new, return_index=True)
+                new = new[np.sort(first)]
             seen[new] = True
             yield from zip((new % lanes).tolist(), (new // lanes).tolist())
 
@@ -129,7 +130,7 @@ class ReadAhead:
         if not self._ahead:
             return
         chunk = self.layout.chunk_and_offset(step)[0]
-        keys = np.unique(lane * self.cache.width + chunk)
+        keys = np.unique(_runs(lane * self.cache.width + chunk))
         fills = [fill for key in zip((keys // self.cache.width).tolist(), (keys % self.cache.width).tolist())
                  if (fill := self._ahead.pop(key, None)) is not None]
         shown = [fill for fill in fills if self._finish(fill)]
@@ -166,3 +167,14 @@ class ReadAhead:
     def close(self) -> None:
         self.drop()
         self.workers.shutdown()
+
+
+def _runs(keys: np.ndarray) -> np.ndarray:
+    """``keys`` with each run of equal neighbours kept once: rows read in order or in blocks
+    name few chunks, which this finds in one pass before any sort or hash."""
+    if len(keys) < 2:
+        return keys
+    keep = np.empty(len(keys), dtype=bool)
+    keep[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=keep[1:])
+    return keys[keep]

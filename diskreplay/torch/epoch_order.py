@@ -26,6 +26,9 @@ PARTITIONS = 2**10 * 3**2 * 5 * 7 * 11 * 13
 """Canonical partitions of an epoch by default (46,126,080): a multiple of every world size up to
 16, of every power of two up to 1024 and of most products of small primes, so ranks get equal
 rows (+-1) and an epoch resumes exactly on any of them. Partitions may hold no row."""
+ANNOUNCED_BATCHES = 64
+"""Batches whose rows an epoch hands its read-ahead at a time (`EpochOrder.batches`'s
+``per_item``): one item per batch would cost the announcement its own per-batch overhead."""
 _EPOCH_TAG, _WINDOW_TAG, _GLOBAL_TAG = 0, 1, 2
 _ONE_SHARD = (0, 1, 0, 1)  # the seeds of one reader's windows before canonical partitions: the same order
 
@@ -344,6 +347,9 @@ class EpochRows:
         """`_piece_rows` of the positions ``[a, b)``, from the few pieces they cross."""
         lane, start, length = self._pieces
         first, last = np.searchsorted(self._ends, [a, max(b - 1, a)], side="right").tolist()
+        if first == last and b > a:  # inside one piece: one lane, consecutive steps
+            shift = int(start[first] - self._ends[first] + length[first])
+            return np.full(b - a, lane[first], np.int64), np.arange(a + shift, b + shift, dtype=np.int64)
         pieces = slice(first, last + 1)
         begin = self._ends[pieces] - length[pieces]
         counts = np.minimum(b, self._ends[pieces]) - np.maximum(a, begin)
@@ -388,15 +394,16 @@ class EpochOrder:
         i = self.span.indexes(a, b)
         return i if self.remaining is None else self.remaining[i]
 
-    def batches(self, first: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(lane, step) of batches ``first, first + 1, ...`` (the last one may be short)."""
+    def batches(self, first: int = 0, per_item: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(lane, step) of batches ``first, first + 1, ...`` (the last one may be short);
+        ``per_item`` > 1: the rows of that many batches at a time (what a read-ahead is told)."""
         if self._sequence is None:
             layout, lo, hi, seed, epoch, shuffle, window = self._make
             self._sequence = EpochRows(layout, lo, hi, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
         sequence, size, span = self._sequence, self.batch_size, self.span
         run = self.remaining is None and span.stride == 1 and span.hi <= span.count  # contiguous positions
-        for k in range(first, self.num_batches):
-            a, b = k * size, min((k + 1) * size, self.used_rows)
+        for k in range(first, self.num_batches, per_item):
+            a, b = k * size, min((k + per_item) * size, self.used_rows)
             if run:
                 yield sequence.run_rows(span.first + span.lo + a, span.first + span.lo + b)
             else:
