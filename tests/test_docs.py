@@ -58,6 +58,9 @@ SKIPPED = {  # command lines (comments cut) not run, and why
     "python -m ruff check diskreplay tests tools examples && python -m mypy": "lint and types: .ci/run runs them",
     "diskreplay demo": "about 10 s; tests/test_cli.py::test_demo_runs_and_resumes runs it with small sizes",
     "diskreplay bench --quick": "runs every benchmark in tools/ (minutes)",
+    'python -m venv .bench && . .bench/bin/activate && python -m pip install "torch==2.14.1" "torchvision==0.29.1" '
+    '-e ".[s3,torch]" "mosaicml-streaming==0.13.0" "datasets==5.0.1" pylance "moto[server]" pytest':
+    "installs: a separate virtualenv for the S3 benchmark's further peers (5 GB of CUDA torch)",
 }
 TOOL = re.compile(r"(?:[A-Z_]+=\S+ )*python (tools/\w+\.py)(?: .*)?")  # a benchmark or report
 OUTPUT_BLOCKS = {  # language-less blocks under these headings are printed output, not code

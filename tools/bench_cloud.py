@@ -30,7 +30,13 @@ Workloads (one table each):
    cold in-order pass reading ahead (``--read-ahead`` chunks per gather, ``--ahead-threads`` in
    flight) vs one chunk at a time.
 
-mosaic streaming and HF datasets columns: not measured (`SKIPPED`, printed with the report).
+Further peers, where they import (`tools/cloud_peers.py`; they do not install beside the test
+environment, so docs/benchmarks.md gives a separate virtual environment for this run): mosaic
+streaming (MDS shards of its default 64 MB limit, read by a `StreamingDataset` through a DataLoader
+into a fresh local cache: the epoch of a dataset of the first ``--peer-epoch-rows`` rows, as its
+per-row reads make a full epoch take minutes; cold random batches by index from all the rows)
+and Hugging Face datasets (one Parquet file, `load_dataset(..., streaming=True)`, as Arrow
+batches: the whole epoch).
 
 Usage: python tools/bench_cloud.py [--quick] [--rows 2M] [--compression raw,zstd] [--out FILE]
 """
@@ -58,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 import benchlib as bl  # noqa: E402
+import cloud_peers as peers  # noqa: E402
 
 import diskreplay as dr  # noqa: E402
 
@@ -72,9 +79,6 @@ ROW_BYTES = sum(f.row_bytes for f in FIELDS.values())
 BUCKET = "bench"
 SAMPLE = 256
 NEXT_BATCHES = 20
-SKIPPED = ("mosaic streaming and HF datasets: no columns (installing mosaicml-streaming 0.13 and datasets 5.0 "
-           "replaces the torch, numpy and fsspec the project is tested with: torch 2.14 with CUDA, numpy 2.1, "
-           "fsspec 2026.6)")
 PACKAGES = ["numpy", "zarr", "fsspec", "s3fs", "aiobotocore", "moto", "pylance", "pyarrow", "torch"]
 
 SERVER_CODE = """
@@ -326,6 +330,34 @@ def random_table(title: str, st: dict[str, bl.Stats]) -> tuple[str, dict]:
     return table, data
 
 
+def peers_table(title: str, ep: dict[str, bl.Stats], cold: dict[str, bl.Stats], rows: int,
+                peer_rows: int) -> tuple[str, dict]:
+    """mosaic streaming and HF datasets (those measured) against diskreplay's in-order epoch and
+    cold random batches."""
+    ordered, lines, data = ep["dr in order"], [], {}
+    if "mosaic" in ep:
+        mosaic, m_cold, d_cold = ep["mosaic"], cold["mosaic"], cold["dr"]
+        lines += [
+            (f"epoch rows/s: mosaic `StreamingDataset` (a dataset of the first {bl.format_count(peer_rows)} rows) vs "
+             "diskreplay in order", [rate(mosaic, peer_rows), rate(ordered, rows)],
+             bl.format_ratio(rows / ordered.median / (peer_rows / mosaic.median))),
+            ("cold random batch of 256: mosaic `dataset[i]` vs diskreplay `sample(256)`, first batch",
+             [f"{spread(m_cold)}, {med(m_cold, 'mb'):.1f} MB", f"{spread(d_cold)}, {med(d_cold, 'mb'):.2f} MB"],
+             bl.format_ratio(d_cold.median / m_cold.median)),
+            (f"cold random: the next {NEXT_BATCHES} batches", [spread(m_cold.phases["next"]),
+                                                              spread(d_cold.phases["next"])],
+             bl.format_ratio(med(d_cold, "next") / med(m_cold, "next"))),
+        ]
+        data["mosaic"] = {"epoch_rows_per_s": peer_rows / mosaic.median, "epoch_rows": peer_rows,
+                          "first_s": m_cold.samples, **{p: med(m_cold, p) for p in m_cold.phases}}
+    if "hf" in ep:
+        hf = ep["hf"]
+        lines.append(("epoch rows/s: HF datasets `load_dataset(parquet, streaming=True)` vs diskreplay in order",
+                      [rate(hf, rows), rate(ordered, rows)], bl.format_ratio(hf.median / ordered.median)))
+        data["hf"] = {"epoch_rows_per_s": rows / hf.median, "gets": med(hf, "gets"), "mb": med(hf, "mb")}
+    return markdown(title, ["peer", "diskreplay"], lines, ratio="diskreplay / peer"), data
+
+
 def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], rows: int) -> tuple[str, dict]:
     d, ln = cold["dr"], cold["lance"]
     w0, w2, ordered, scan = ep["dr w0"], ep["dr w2"], ep["dr in order"], ep["lance"]
@@ -349,8 +381,13 @@ def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], 
 
 
 def warm(buf: dr.ReplayBuffer, rows: int, chunk_rows: int) -> None:
+    """Every row read once, then up to 30 s for the reader to settle: a cache that holds the
+    whole window is rearranged behind the reads (`stats().resident`)."""
     for start in range(0, rows, 32 * chunk_rows):
         buf[np.arange(start, min(rows, start + 32 * chunk_rows))]
+    deadline = time.monotonic() + 30
+    while not buf.storage.stats().resident and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def sequential(url: str, so: dict, chunk_rows: int, rows: int, threads: int, per_gather: int) -> Callable[[], float]:
@@ -411,6 +448,33 @@ def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, 
     return table, data
 
 
+def mosaic_rows(args: argparse.Namespace, rows: int) -> int:
+    """The rows of mosaic streaming's timed epoch: ``--peer-epoch-rows``, at most ``rows``."""
+    return min(rows, args.peer_epoch_rows)
+
+
+def peer_contestants(comp: str, data: dict, server: Server, args: argparse.Namespace,
+                     rows: int) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
+    """The epoch and cold-random contestants of the peers that import, their datasets written to S3."""
+    found = peers.available()
+    codec = None if comp == "raw" else comp
+    loopback, latency = server.endpoints["loopback"], server.endpoints["latency"]
+    epochs: dict[str, Callable[[], Any]] = {}
+    randoms: dict[str, Callable[[], Any]] = {}
+    if found["mosaic streaming"] is None:
+        mds, head, n = f"s3://{BUCKET}/mds-{comp}", f"s3://{BUCKET}/mds-head-{comp}", mosaic_rows(args, rows)
+        log(f"[{comp}] writing the MDS datasets (all rows; the first {n:,} for the epoch) ...")
+        peers.write_mds(mds, data, codec, loopback)
+        peers.write_mds(head, {k: v[:n] for k, v in data.items()}, codec, loopback)
+        epochs["mosaic"] = lambda: counted(server, peers.mds_epoch(head, latency, args.epoch_batch, n))
+        randoms["mosaic"] = cold_random(peers.mds_opener(mds, latency), lance_take(rows), server)
+    if found["HF datasets"] is None:
+        parquet = f"s3://{BUCKET}/parquet-{comp}"
+        peers.write_parquet(parquet, data, codec, loopback)
+        epochs["hf"] = lambda: counted(server, peers.hf_epoch(parquet, latency, args.epoch_batch, rows))
+    return epochs, randoms
+
+
 def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argparse.Namespace,
                     repeats: int) -> tuple[list[str], dict]:
     codec = None if comp == "raw" else comp
@@ -425,14 +489,18 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     so, lso = dr_options(server.endpoints["latency"]), lance_options(server.endpoints["latency"])
     b = args.epoch_batch
     tag = f"{comp}, {bl.format_count(rows)} rows"
+    epochs, randoms = peer_contestants(comp, data, server, args, rows)
     ep = run_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
                      "dr in order": dr_epoch(url, so, 0, b, rows, server, "none"),
-                     "lance": lance_epoch(uri, lso, b, rows, server)}, repeats, f"[{comp}] epoch from S3")
+                     "lance": lance_epoch(uri, lso, b, rows, server), **epochs}, repeats, f"[{comp}] epoch from S3")
     t1, d1 = epoch_table(f"epoch from S3 ({tag}, batches of {b})", ep, rows)
     cold = run_rounds({"dr": cold_random(lambda: open_reader(url, so), dr_sample, server),
-                       "lance": cold_random(lambda: open_lance(uri, lso), lance_take(rows), server)},
+                       "lance": cold_random(lambda: open_lance(uri, lso), lance_take(rows), server), **randoms},
                       repeats, f"[{comp}] cold random batches from S3")
     t2, d2 = random_table(f"cold random batches of 256 from S3 ({tag})", cold)
+    if epochs:
+        tp, dp = peers_table(f"further peers on S3 ({tag})", ep, cold, rows, mosaic_rows(args, rows))
+        t2, d2 = t2 + "\n\n" + tp, {**d2, "peers": dp}
     lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
                         "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
                                              evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
@@ -443,6 +511,15 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     t3, d3 = local_table(f"local disk ({tag})", lcold, lep, rows)
     out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "urls": [url, uri, local, local_lance]}
     return [t1, t2, t3], out
+
+
+def skipped_peers() -> str:
+    """What the report says of the further peers."""
+    missing = {name: why for name, why in peers.available().items() if why is not None}
+    if not missing:
+        return "further peers: mosaic streaming and HF datasets"
+    return ("further peers not measured (they install in a separate virtual environment, see "
+            "docs/benchmarks.md): " + "; ".join(f"{name}: {why}" for name, why in missing.items()))
 
 
 def main() -> None:
@@ -459,6 +536,8 @@ def main() -> None:
     p.add_argument("--read-ahead", type=int, default=32, help="chunks per gather in the read-ahead pass")
     p.add_argument("--ahead-threads", type=int, default=32, help="requests in flight in the read-ahead pass")
     p.add_argument("--seq-chunks", type=int, default=64, help="chunks read by the in-order passes")
+    p.add_argument("--peer-epoch-rows", type=bl.parse_count, default=100_000,
+                   help="rows of mosaic streaming's epoch dataset (its per-row reads: 2M rows take minutes)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per workload (default 3; --quick 1)")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args()
@@ -477,7 +556,7 @@ def main() -> None:
         f"{args.chunk_rows} rows{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; "
         f"moto {bl.package_versions(['moto'])['moto']} in a child "
         f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
-        f"from its copy); {repeats} timed round(s) after one untimed, medians", SKIPPED])
+        f"from its copy); {repeats} timed round(s) after one untimed, medians", skipped_peers()])
     print(header + "\n", flush=True)
     started = time.perf_counter()
     server = Server(args.latency_ms / 1000)

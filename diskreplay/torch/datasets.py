@@ -21,7 +21,7 @@ from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from ..storage import READ_AHEAD_BYTES as CHUNKS_AHEAD_BYTES
 from .batch_rng import BatchRngs, StridedRngs
-from .epoch_order import ANNOUNCED_BATCHES, PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
+from .epoch_order import ANNOUNCED_ROWS, PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
 from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
 from .reader import Reader, current_shard
@@ -504,7 +504,7 @@ class EpochDataset(_BufferDataset):
         names, last, batches = _out_names(buf), order.num_batches, order.batches(first)
         ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf))
         k = first
-        buf.storage.read_ahead(order.batches(first, ANNOUNCED_BATCHES), self.read_ahead_bytes)  # the same rows
+        buf.storage.read_ahead(order.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size)), self.read_ahead_bytes)
         try:
             while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
                 lane, step = group[0] if len(group) == 1 else (np.concatenate(parts) for parts in zip(*group))

@@ -26,9 +26,9 @@ PARTITIONS = 2**10 * 3**2 * 5 * 7 * 11 * 13
 """Canonical partitions of an epoch by default (46,126,080): a multiple of every world size up to
 16, of every power of two up to 1024 and of most products of small primes, so ranks get equal
 rows (+-1) and an epoch resumes exactly on any of them. Partitions may hold no row."""
-ANNOUNCED_BATCHES = 64
-"""Batches whose rows an epoch hands its read-ahead at a time (`EpochOrder.batches`'s
-``per_item``): one item per batch would cost the announcement its own per-batch overhead."""
+ANNOUNCED_ROWS = 2**16
+"""Rows an epoch hands its read-ahead at a time, in whole batches (`EpochOrder.batches`'s
+``per_item``): one item per small batch would cost the announcement its own per-batch overhead."""
 _EPOCH_TAG, _WINDOW_TAG, _GLOBAL_TAG = 0, 1, 2
 _ONE_SHARD = (0, 1, 0, 1)  # the seeds of one reader's windows before canonical partitions: the same order
 
