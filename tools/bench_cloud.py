@@ -164,7 +164,7 @@ def write_lance(uri: str, data: dict, compression: str | None, so: dict | None) 
     meta = {"lance-encoding:compression": compression} if compression else None
     columns, fields = [], []
     for name, arr in data.items():
-        col = pa.array(arr) if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(pa.array(arr.ravel()), arr.shape[1])
+        col = peers.arrow_column(arr)
         columns.append(col)
         fields.append(pa.field(name, col.type, metadata=meta))
     lance.write_dataset(pa.table(columns, schema=pa.schema(fields)), uri, storage_options=so, mode="overwrite")
@@ -211,9 +211,7 @@ def lance_epoch(uri: str, so: dict | None, batch: int, rows: int, server: Server
         started = time.perf_counter()
         got = 0
         for b in open_lance(uri, so).to_batches(batch_size=batch):
-            cols = [c.flatten().to_numpy() if hasattr(c, "flatten") else c.to_numpy(zero_copy_only=False)
-                    for c in b.columns]
-            got += len(cols[2])
+            got += len(peers.numpy_columns(b)[2])
         secs = time.perf_counter() - started
         assert got == rows, (got, rows)
         return secs

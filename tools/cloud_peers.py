@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,6 +60,21 @@ def s3fs_options(endpoint: str) -> dict[str, Any]:
     return {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
 
 
+def arrow_column(arr: np.ndarray) -> Any:
+    """A field's rows as an Arrow array: scalars as they are, vectors as fixed-size lists."""
+    import pyarrow as pa
+
+    return pa.array(arr) if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(pa.array(arr.ravel()), arr.shape[1])
+
+
+def numpy_columns(batch: Any) -> list[np.ndarray]:
+    """Every column of an Arrow record batch or table as numpy (fixed-size lists flattened)."""
+    import pyarrow as pa
+
+    columns = [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in batch.columns]
+    return [c.flatten().to_numpy() if hasattr(c, "flatten") else c.to_numpy(zero_copy_only=False) for c in columns]
+
+
 # ---- mosaic streaming ---------------------------------------------------------------------
 
 
@@ -98,8 +114,6 @@ def mds_epoch(url: str, endpoint: str, batch: int, rows: int) -> Callable[[], fl
     `StreamingDataset` in order through a DataLoader (``batch`` rows per batch, no workers),
     every column to numpy. (Stopping a larger dataset's epoch early would leave its download
     threads running into the next contestant's time.)"""
-    import time
-
     from torch.utils.data import DataLoader
 
     def once() -> float:
@@ -151,9 +165,7 @@ def write_parquet(url: str, data: dict[str, np.ndarray], compression: str | None
     import pyarrow.parquet as pq
     import s3fs
 
-    columns = {name: pa.array(arr) if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(pa.array(arr.ravel()),
-                                                                                           arr.shape[1])
-               for name, arr in data.items()}
+    columns = {name: arrow_column(arr) for name, arr in data.items()}
     fs = s3fs.S3FileSystem(**s3fs_options(endpoint))
     with fs.open(url.removeprefix("s3://") + "/data.parquet", "wb") as f:
         pq.write_table(pa.table(columns), f, compression=compression or "none")
@@ -162,8 +174,6 @@ def write_parquet(url: str, data: dict[str, np.ndarray], compression: str | None
 def hf_epoch(url: str, endpoint: str, batch: int, rows: int) -> Callable[[], float]:
     """Seconds for an epoch of `load_dataset("parquet", streaming=True)` from ``url``, ``batch``
     rows at a time as Arrow, every column to numpy."""
-    import time
-
     import datasets
 
     def once() -> float:
@@ -172,9 +182,7 @@ def hf_epoch(url: str, endpoint: str, batch: int, rows: int) -> Callable[[], flo
                                    storage_options=s3fs_options(endpoint)).with_format("arrow")
         got = 0
         for b in ds.iter(batch_size=batch):
-            cols = [c.flatten().to_numpy() if hasattr(c, "flatten") else c.to_numpy(zero_copy_only=False)
-                    for c in (column.combine_chunks() for column in b.columns)]
-            got += len(cols[2])
+            got += len(numpy_columns(b)[2])
         secs = time.perf_counter() - started
         assert got == rows, (got, rows)
         return secs
