@@ -19,8 +19,8 @@ import torch
 from test_worker_ring import CACHE, as_numpy, assert_same, buf, make_buf  # buf: the fixture
 
 from diskreplay.torch.data import make_dataset
-from diskreplay.torch.datasets import BLOCK_BATCHES
 from diskreplay.torch.loader import Loader
+from diskreplay.torch.read_sizes import BLOCK_BATCHES
 from diskreplay.torch.tensors import Block
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 2 cores here

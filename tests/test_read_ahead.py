@@ -13,7 +13,7 @@ from s3server import FaultProxy, proxy_options, s3, s3_client
 import diskreplay as dr
 from diskreplay.errors import CorruptBufferError
 from diskreplay.torch import Loader, make_dataset
-from diskreplay.torch.datasets import batches_per_read
+from diskreplay.torch.read_sizes import batches_per_read
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
 CHUNK = 64

@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diskreplay as dr
 from diskreplay.format.lanes import LaneLayout, row_ids
-from diskreplay.torch import datasets
+from diskreplay.torch import datasets, read_sizes
 from diskreplay.torch.batch_rng import BatchRngs, StridedRngs
 from diskreplay.torch.data import dataset_state_from_loader, make_dataset, merge_worker_states
 from diskreplay.torch.epoch_order import EpochOrder, EpochRows, Shard, chunk_pieces, shard_range
@@ -218,9 +218,32 @@ def test_block_shuffle_reads_each_chunk_once_global_does_not(tmp_path):
         stats[shuffle] = ds.io_stats()
     assert stats["block"]["chunk_fetches"] == 64
     assert stats["block"]["bytes_decoded"] == 64 * chunk_bytes
-    assert stats["global"]["chunk_fetches"] > 5 * 64  # each read of 8 batches (512 rows) fetches most chunks again
+    assert stats["global"]["chunk_fetches"] > 5 * 64  # each read of 4 batches (a window: 256 rows) fetches most again
     with pytest.raises(ValueError, match="shuffle_window"):
         make_dataset(b, 64, "epoch", shuffle_window=8, cache_bytes=8 * chunk_bytes)
+    b.close()
+
+
+def test_block_shuffle_reads_each_chunk_once_with_a_cache_of_two_windows_at_any_batch_size(tmp_path):
+    # before: up to 122 fetches (reads of 8 batches, more rows than two windows hold; and the chunks
+    # of one read all of one age in the cache, evicted in slot order)
+    b = make_buf(tmp_path / "b", steps=2000, compression="zstd")  # 4000 rows, 64 chunks of 64 rows x 20 bytes
+
+    @settings(max_examples=25, deadline=None)
+    @given(window=st.integers(1, 8), rows=st.floats(0.0, 1.0), seed=st.integers(0, 3))
+    def check(window: int, rows: float, seed: int) -> None:
+        batch_size = max(1, round(rows * window * CHUNK))  # a batch spans two windows at most
+        ds = make_dataset(b, batch_size, "epoch", seed=seed, shuffle="block", shuffle_window=window,
+                          cache_bytes=2 * window * CHUNK * 20)
+        ids = concat(list(ds))
+        assert np.array_equal(np.sort(ids), np.sort(b.row_ids()))
+        assert ds.io_stats()["chunk_fetches"] == 64
+
+    check()
+    # a Loader worker's blocks too stay within a window's rows (sample mode has no windows)
+    assert make_dataset(b, 16, "epoch", shuffle_window=1).block_batches == CHUNK // 16
+    assert make_dataset(b, 16, "epoch", shuffle_window=3).block_batches == 3 * CHUNK // 16
+    assert make_dataset(b, 16, "sample").block_batches == 32
     b.close()
 
 
@@ -454,7 +477,7 @@ def test_refreshes_fall_before_the_same_batches_when_reading_ahead(buf, monkeypa
         return refreshes
 
     ahead = refreshed_at()
-    monkeypatch.setattr(datasets, "READ_AHEAD_BATCHES", 1)
+    monkeypatch.setattr(read_sizes, "READ_BATCHES", 1)
     assert ahead == refreshed_at() == list(range(every - 1, 40, every))
 
 
@@ -466,7 +489,7 @@ def test_epoch_batches_are_gathered_eight_at_a_time_and_stay_the_same(buf, monke
     assert ds.state_dict()["batch"] == 11  # the batches taken, not those read ahead
     ahead = head + indices(it)
     assert gathers == [8 * 48] * 5 + [48 + 32]
-    monkeypatch.setattr(datasets, "READ_AHEAD_BATCHES", 1)
+    monkeypatch.setattr(read_sizes, "READ_BATCHES", 1)
     one_by_one = epoch_ds(buf, batch_size=48)
     single, _ = _counting(one_by_one)
     for got, want in zip(ahead, indices(one_by_one), strict=True):

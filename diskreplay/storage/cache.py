@@ -124,8 +124,11 @@ class ChunkCache:
             self._table = grown
 
     def touch(self, slots: np.ndarray) -> None:
-        self._last_used[slots] = self._clock
-        self._clock += 1
+        """Mark ``slots`` used, in their order: of the chunks of one read, the one whose last row
+        comes first is the least recently used (a read across two shuffle windows thus frees the
+        first window's chunks before the second's)."""
+        self._last_used[slots] = np.arange(self._clock, self._clock + len(slots))
+        self._clock += len(slots)
 
     def pin(self, slots: np.ndarray | int) -> None:
         self._pinned[slots] = True

@@ -50,9 +50,10 @@ from ..buffer.batches import BATCH_EXTRAS
 from ..checks import check_int
 from ..sampling import Uniform
 from ..storage import DEFAULT_CACHE_BYTES
-from .datasets import EpochDataset, SampleDataset, batches_per_block
+from .datasets import EpochDataset, SampleDataset
 from .epoch_order import PARTITIONS, SHUFFLES
 from .formats import tensordict_class, tensordict_keys
+from .read_sizes import batches_per_block
 from .reader import Reader, committed_window, resolve_rank
 from .shared_ring import WorkerRing
 
@@ -97,7 +98,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             Workers are detected per process.
         world_size: the number of ranks; default torch.distributed's if initialised, else 1.
         refresh_every: sample mode: adopt new commits every that many batches (None: never by that
-            rule), checked between reads (`datasets.batches_per_read`).
+            rule), checked between reads (`read_sizes.batches_per_read`).
         refresh_seconds: sample mode: adopt new commits every that many seconds (None: never by
             that rule), checked between reads.
         cache_bytes: each reader's chunk cache bound (default the buffer default, 512 MiB; pages
@@ -111,7 +112,7 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
             hand over slot numbers (`diskreplay.torch.shared_ring`), instead of torch sending every
             tensor through a new shared-memory segment. Virtual size ``32 workers * 8 slots *
             slot bytes`` (slot: a `Loader`'s block of every field, index and weight, up to
-            `datasets.BLOCK_BATCHES` batches and `datasets.BLOCK_BYTES`, + ``max(4 KiB, 16 B *
+            `read_sizes.BLOCK_BATCHES` batches and `read_sizes.BLOCK_BYTES`, + ``max(4 KiB, 16 B *
             rows)``, in whole pages); only the pages in use are touched: about ``num_workers *
             (prefetch_factor + 2)`` slots, of a batch each with a plain DataLoader. Batches reach
             the loop the same way either way (use ``batch_size=None`` and the default ``collate_fn`` or `keep_batch`;
@@ -150,14 +151,15 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         if as_tensordict:
             _check_tensordict(buf)
         varying = any(f.ragged for f in buf.fields.values())  # batches of varying size: no ring slots
-        block = 1 if varying else batches_per_block(int(batch_size), buf)
+        # an epoch's block within a shuffle window's rows: it needs the chunks of two windows at most
+        window = None if mode == "sample" else check_int(shuffle_window, "shuffle_window", 1) * layout.chunk_rows
+        block = 1 if varying else batches_per_block(int(batch_size), buf, window)
         ring = _worker_ring(buf, block * int(batch_size)) if worker_ring and not varying else None
         if mode == "sample":
             reader = Reader(buf.url, options, cache_bytes, io_threads, sampler, buf.at_commit)
             return SampleDataset(reader, layout, int(batch_size), int(seed), rank, world_size, refresh_every,
                                  refresh_seconds, sample_options, ring, bool(as_tensordict), block, ragged)
         shuffle = _shuffle_name(shuffle)
-        check_int(shuffle_window, "shuffle_window", 1)
         if shuffle == "block":
             _check_cache(buf, cache_bytes, shuffle_window)
         reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform", buf.at_commit)

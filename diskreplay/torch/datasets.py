@@ -24,21 +24,10 @@ from .batch_rng import BatchRngs, StridedRngs
 from .epoch_order import ANNOUNCED_ROWS, PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
 from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
+from .read_sizes import batches_per_read
 from .reader import Reader, current_shard
 from .shared_ring import WorkerRing
 from .tensors import Block, Sink, TensorDictSink, by_name, ragged_as, sink_for, to_tensors
-
-READ_AHEAD_BATCHES = 8
-"""Most batches a dataset gathers in one read when it yields them in new arrays (sample mode: each
-drawn as `ReplayBuffer.sample_batches` draws them): a read's fixed cost spread over several small
-batches."""
-READ_AHEAD_BYTES = 2**20
-"""Most bytes such a read gathers: larger batches are read one by one."""
-BLOCK_BATCHES = 32
-"""Most batches a `Loader`'s worker hands over in one DataLoader item (`Block`): the DataLoader's
-cost per item (~0.2-0.4 ms) spread over them."""
-BLOCK_BYTES = 4 * 2**20
-"""Most bytes of such a block (the size of a worker-ring slot)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +63,7 @@ class _BufferDataset(tud.IterableDataset):
         self._ring = ring
         self.as_tensordict = as_tensordict
         self.block_batches = block_batches
-        """Batches a `Loader`'s worker hands over at once (up to `BLOCK_BATCHES` and `BLOCK_BYTES`)."""
+        """Batches a `Loader`'s worker hands over at once (`read_sizes.batches_per_block`)."""
         self._blocks: BlockPlan | None = None
         self._relay: tuple[PassChannel, Callable[[int], None] | None] | None = None  # persistent workers' passes
         self._passes = 0  # passes this copy began in this process (a persistent worker's)
@@ -343,7 +332,8 @@ class EpochDataset(_BufferDataset):
     ``{field: [<=B, *shape], "index": [<=B] int64}`` of tensors (``as_tensordict``: a TensorDict
     of them, batch size ``[<=B]``, keys as `to_tensordict` makes them).
 
-    Small batches going to new tensors are gathered several at a time (`batches_per_read`).
+    Small batches going to new tensors are gathered several at a time (`batches_per_read`), within
+    the rows of a shuffle window.
 
     Rows of an epoch are the window saved in the state (taken at `make_dataset` or `set_epoch(...,
     refresh=True)`); their order is a pure function of (seed, epoch, those rows, the number of
@@ -502,7 +492,9 @@ class EpochDataset(_BufferDataset):
             return
         buf = self.reader.get()
         names, last, batches = _out_names(buf), order.num_batches, order.batches(first)
-        ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf))
+        # a read within a shuffle window's rows needs the chunks of two windows at most: the cache holds them
+        window_rows = self.shuffle_window * buf.layout.chunk_rows
+        ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf, window_rows))
         k = first
         buf.storage.read_ahead(order.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size)), self.read_ahead_bytes)
         try:
@@ -521,22 +513,6 @@ class EpochDataset(_BufferDataset):
         finally:
             buf.storage.read_ahead(None)
             sink.close()
-
-
-def batches_per_read(batch_size: int, buf: ReplayBuffer) -> int:
-    """Batches of ``buf``'s rows a dataset gathers in one read when they go to new arrays: up to
-    `READ_AHEAD_BATCHES`, together at most `READ_AHEAD_BYTES`."""
-    return _batches_within(batch_size, buf, READ_AHEAD_BATCHES, READ_AHEAD_BYTES)
-
-
-def batches_per_block(batch_size: int, buf: ReplayBuffer) -> int:
-    """Batches of ``buf``'s rows in a `Loader`'s block: up to `BLOCK_BATCHES`, at most `BLOCK_BYTES`."""
-    return _batches_within(batch_size, buf, BLOCK_BATCHES, BLOCK_BYTES)
-
-
-def _batches_within(batch_size: int, buf: ReplayBuffer, most: int, most_bytes: int) -> int:
-    batch_bytes = batch_size * (sum(f.row_bytes for f in buf.fields.values()) + 8)
-    return max(1, min(most, most_bytes // batch_bytes))
 
 
 def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,

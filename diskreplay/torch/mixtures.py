@@ -15,8 +15,9 @@ from ..buffer.batches import BATCH_EXTRAS
 from ..buffer.mixture_fields import SOURCE
 from ..checks import check_int
 from .data import warn_if_uncommitted
-from .datasets import SampleDataset, batches_per_block
+from .datasets import SampleDataset
 from .formats import tensordict_class, tensordict_keys
+from .read_sizes import batches_per_block
 from .reader import Reader, committed_window, resolve_rank
 from .shared_ring import WorkerRing
 
