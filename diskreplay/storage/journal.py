@@ -107,34 +107,35 @@ class Journal:
         """The content of the journal at ``ref``; it becomes this journal's committed state.
         Bases and full log chunks are written once: those read for an earlier reference of the
         same generation are not read again (a reader following commits reads what was appended).
+        The objects to read are fetched together (one round trip on an object store).
 
         Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
         fails its checksum)."""
         if self.ref is None or self.ref.generation != ref.generation:
             self.known = {}
-        bases = []
-        for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK)):
-            bases.append(self._get_once(ref, key, ref.base_dtype, min(BASE_CHUNK, ref.base - start)))
-        logs = [self._get_once(ref, ref.log_key(i), ref.record_dtype, LOG_CHUNK)
-                for i in range(ref.records // LOG_CHUNK)]
+        bases = [(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start))
+                 for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK))]
+        logs = [(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
         tail_key = ref.tail_key()
-        tail = (self._get(ref, tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key
-                else np.zeros(0, ref.record_dtype))
-        base = np.concatenate(bases) if bases else np.zeros(0, ref.base_dtype)
-        records = np.concatenate([*logs, tail])
+        last = [(tail_key, ref.record_dtype, ref.records % LOG_CHUNK)] if tail_key else []
+        got = self._get_all(ref, [one for one in bases + logs if one[0] not in self.known] + last)
+        tail = got.pop(tail_key) if tail_key else np.zeros(0, ref.record_dtype)
+        self.known.update(got)
+        base = np.concatenate([self.known[key] for key, _, _ in bases]) if bases else np.zeros(0, ref.base_dtype)
+        records = np.concatenate([*(self.known[key] for key, _, _ in logs), tail])
         self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
         return JournalContent(base, records)
 
-    def _get_once(self, ref: JournalRef, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        """`_get` of a write-once object, kept for the next `read` of this generation."""
-        if key not in self.known:
-            self.known[key] = self._get(ref, key, dtype, count)
-        return self.known[key]
+    def _get_all(self, ref: JournalRef, wanted: list[tuple[str, np.dtype, int]]) -> dict[str, np.ndarray]:
+        """Each object ``(key, dtype, count)`` of ``ref``: its ``count`` elements, its size and
+        checksum checked (the first object in order that fails raises)."""
+        sizes = [count * dtype.itemsize + ref.trailer() for _, dtype, count in wanted]
+        blobs = self.store.get_many([key for key, _, _ in wanted], limit=max(sizes, default=0) + 1)
+        return {key: self._checked(ref, key, dtype, count, size, blob)
+                for (key, dtype, count), size, blob in zip(wanted, sizes, blobs)}
 
-    def _get(self, ref: JournalRef, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        """The ``count`` elements of the object ``key`` of ``ref``, its size and checksum checked."""
-        size = count * dtype.itemsize + ref.trailer()
-        blob = self.store.get(key, limit=size + 1)
+    def _checked(self, ref: JournalRef, key: str, dtype: np.dtype, count: int, size: int,
+                 blob: bytes | None) -> np.ndarray:
         if blob is None:
             raise MissingObject(key)
         if len(blob) != size:
