@@ -424,3 +424,24 @@ def test_a_journal_is_read_in_one_request_per_object_all_at_once(tmp_path):
     np.testing.assert_array_equal(again.records[:len(content.records) - 50], content.records[:-50])
     with dr.ReplayBuffer.open(str(path), "r") as reader:
         assert len(reader.episodes()) == len(again.records)
+
+
+def test_opening_reads_every_journal_of_the_state_in_one_round(tmp_path, monkeypatch):
+    # before: one round per journal (priorities, then episode ends)
+    path = str(tmp_path / "b")
+    with per_buffer(path, None, 3 * LOG_CHUNK) as buf:
+        buf.update_priorities(buf.row_ids()[:10], np.arange(1.0, 11.0))
+        leaves_before, starts = leaves(buf), buf.episodes().start
+    rounds: list[list[str]] = []
+    get_many = LocalChunkStore.get_many
+
+    def recorded(self, keys, limit=None):
+        if any("/state/" in f"/{key}" for key in keys):
+            rounds.append(list(keys))
+        return get_many(self, keys, limit)
+    monkeypatch.setattr(LocalChunkStore, "get_many", recorded)
+    with dr.ReplayBuffer.open(path, "r") as reader:
+        np.testing.assert_array_equal(leaves(reader), leaves_before)
+        np.testing.assert_array_equal(reader.episodes().start, starts)
+    assert len(rounds) == 1, rounds
+    assert {key.split("/")[3] for key in rounds[0]} == {"sampler.leaves", "episodes.ends"}

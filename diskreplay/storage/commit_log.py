@@ -41,13 +41,13 @@ from ..format import state as state_files
 from ..format.codecs import checksum
 from ..format.commit import CommitRecord, is_state_key, state_key
 from ..format.config import BufferConfig
-from ..format.journal import JournalChange, JournalContent, JournalRef, is_journal_key
+from ..format.journal import JournalChange, JournalRef, is_journal_key
 from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES, array_key
 from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
 from ..io.lock import WriterLock, fenced
 from ..io.store import ChunkStore
 from .cursors import Cursors
-from .journal import Journal, MissingObject
+from .journal import Journal, MissingObject, read_journals
 from .resizing import marked
 
 STATE_ATTEMPTS = 10
@@ -320,7 +320,7 @@ class CommitLog:
                 record.check_state_object(blob, self.url)
                 try:
                     arrays = state_files.arrays_from_bytes(blob) if key else {}
-                    return record, state_files.join(record.state, arrays, functools.partial(self._read_journal, record))
+                    return record, state_files.join(record.state, arrays, self._read_journals(record, arrays))
                 except MissingObject as missing:
                     key = str(missing)
                 except (ValueError, KeyError, TypeError) as exc:
@@ -333,8 +333,13 @@ class CommitLog:
                                      f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
-    def _read_journal(self, record: CommitRecord, path: str, value: Any) -> JournalContent:
-        return self._journal(path).read(JournalRef.from_json(path, value, record.sequence))
+    def _read_journals(self, record: CommitRecord, arrays: dict[str, np.ndarray]) -> Callable[[str, Any], Any]:
+        """The journals ``record``'s state names, read together: what each reference stands for."""
+        refs: dict[str, JournalRef] = {}
+        state_files.join(record.state, arrays, lambda path, value: refs.setdefault(
+            path, JournalRef.from_json(path, value, record.sequence)))
+        contents = dict(zip(refs, read_journals([(self._journal(path), ref) for path, ref in refs.items()])))
+        return lambda path, value: contents[path]
 
     def _get_state(self, key: str) -> bytes | None:
         if not is_state_key(key):  # the record was validated; this guards other callers

@@ -19,6 +19,9 @@ from ..format.codecs import Codec, checksum
 from ..format.journal import BASE_CHUNK, LOG_CHUNK, JournalChange, JournalContent, JournalRef, new_name
 from ..io.store import ChunkStore
 
+Wanted = tuple[str, np.dtype, int]
+"""An object of a journal to read: its key, the dtype and the count of its elements."""
+
 
 class MissingObject(Exception):
     """An object a commit names is gone: the writer replaced that commit meanwhile (readers retry)."""
@@ -104,46 +107,66 @@ class Journal:
         return self.ref is not None and self.ref.names(key)
 
     def read(self, ref: JournalRef) -> JournalContent:
-        """The content of the journal at ``ref``; it becomes this journal's committed state.
-        Bases and full log chunks are written once: those read for an earlier reference of the
-        same generation are not read again (a reader following commits reads what was appended).
-        The objects to read are fetched together (one round trip on an object store).
+        """The content of the journal at ``ref`` (`read_journals`)."""
+        return read_journals([(self, ref)])[0]
 
-        Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
-        fails its checksum)."""
+    def _wanted(self, ref: JournalRef) -> tuple[list[Wanted], list[Wanted], Wanted | None]:
+        """What ``ref`` consists of: its bases, its full log chunks and its tail (None: none)."""
         if self.ref is None or self.ref.generation != ref.generation:
             self.known = {}
         bases = [(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start))
                  for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK))]
         logs = [(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
         tail_key = ref.tail_key()
-        last = [(tail_key, ref.record_dtype, ref.records % LOG_CHUNK)] if tail_key else []
-        got = self._get_all(ref, [one for one in bases + logs if one[0] not in self.known] + last)
-        tail = got.pop(tail_key) if tail_key else np.zeros(0, ref.record_dtype)
+        return bases, logs, (tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key else None
+
+    def _adopt(self, ref: JournalRef, parts: tuple[list[Wanted], list[Wanted], Wanted | None],
+               got: dict[str, np.ndarray]) -> JournalContent:
+        """The content at ``ref`` from ``got`` (the objects read) and the write-once objects known."""
+        bases, logs, last = parts
+        tail = got.pop(last[0]) if last else np.zeros(0, ref.record_dtype)
         self.known.update(got)
         base = np.concatenate([self.known[key] for key, _, _ in bases]) if bases else np.zeros(0, ref.base_dtype)
         records = np.concatenate([*(self.known[key] for key, _, _ in logs), tail])
         self.ref, self.tail, self.pending, self.staged = ref, tail, None, None
         return JournalContent(base, records)
 
-    def _get_all(self, ref: JournalRef, wanted: list[tuple[str, np.dtype, int]]) -> dict[str, np.ndarray]:
-        """Each object ``(key, dtype, count)`` of ``ref``: its ``count`` elements, its size and
-        checksum checked (the first object in order that fails raises)."""
-        sizes = [count * dtype.itemsize + ref.trailer() for _, dtype, count in wanted]
-        blobs = self.store.get_many([key for key, _, _ in wanted], limit=max(sizes, default=0) + 1)
-        return {key: self._checked(ref, key, dtype, count, size, blob)
-                for (key, dtype, count), size, blob in zip(wanted, sizes, blobs)}
 
-    def _checked(self, ref: JournalRef, key: str, dtype: np.dtype, count: int, size: int,
-                 blob: bytes | None) -> np.ndarray:
-        if blob is None:
-            raise MissingObject(key)
-        if len(blob) != size:
-            then = ", then a CRC32C" if ref.checksummed else ""
-            raise CorruptBufferError(f"{self.url!r}: journal object {key!r}: expected {size} bytes "
-                                     f"({count} of {dtype}{then}), got {'more' if len(blob) > size else len(blob)}")
-        try:
-            body = Codec.verified_body(memoryview(blob)) if ref.checksummed else blob
-        except ValueError as exc:
-            raise CorruptBufferError(f"{self.url!r}: journal object {key!r} is damaged: {exc}") from None
-        return np.frombuffer(body, dtype=dtype)  # read-only: `read` concatenates the pieces
+def read_journals(reads: list[tuple[Journal, JournalRef]]) -> list[JournalContent]:
+    """Each journal's content at its reference, which becomes its committed state. Bases and full
+    log chunks are written once: those read for an earlier reference of the same generation are
+    not read again (a reader following commits reads what was appended). The objects of all the
+    journals are fetched together, from the first one's store (one round trip on an object store).
+
+    Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
+    fails its checksum: the first object in order that does)."""
+    if not reads:
+        return []
+    parts = [journal._wanted(ref) for journal, ref in reads]
+    items = [(i, key, dtype, count, count * dtype.itemsize + ref.trailer())
+             for i, ((journal, ref), (bases, logs, last)) in enumerate(zip(reads, parts))
+             for key, dtype, count in [*(one for one in bases + logs if one[0] not in journal.known),
+                                       *([last] if last else [])]]
+    blobs = reads[0][0].store.get_many([key for _, key, *_ in items],
+                                       limit=max((size for *_, size in items), default=0) + 1)
+    got: list[dict[str, np.ndarray]] = [{} for _ in reads]
+    for (i, key, dtype, count, size), blob in zip(items, blobs):
+        journal, ref = reads[i]
+        got[i][key] = _checked(journal.url, ref, key, dtype, count, size, blob)
+    return [journal._adopt(ref, part, found) for (journal, ref), part, found in zip(reads, parts, got)]
+
+
+def _checked(url: str, ref: JournalRef, key: str, dtype: np.dtype, count: int, size: int,
+             blob: bytes | None) -> np.ndarray:
+    """The ``count`` elements of the object ``key`` of ``ref``, its size and checksum checked."""
+    if blob is None:
+        raise MissingObject(key)
+    if len(blob) != size:
+        then = ", then a CRC32C" if ref.checksummed else ""
+        raise CorruptBufferError(f"{url!r}: journal object {key!r}: expected {size} bytes "
+                                 f"({count} of {dtype}{then}), got {'more' if len(blob) > size else len(blob)}")
+    try:
+        body = Codec.verified_body(memoryview(blob)) if ref.checksummed else blob
+    except ValueError as exc:
+        raise CorruptBufferError(f"{url!r}: journal object {key!r} is damaged: {exc}") from None
+    return np.frombuffer(body, dtype=dtype)  # read-only: `_adopt` concatenates the pieces
