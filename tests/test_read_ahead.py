@@ -174,3 +174,16 @@ def test_an_epoch_of_a_fresh_local_reader_reads_whole_chunks_each_once(tmp_path)
     stats = reader.stats()
     assert (stats.rows_read_directly, stats.ranges_read) == (0, 0)
     assert stats.chunks_loaded == stats.cached_chunks == CHUNKS
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_block_shuffle_reads_a_whole_window_ahead_whatever_the_budget(s3, tmp_path, where):
+    so = s3.storage_options() if where == "s3" else None
+    url = s3.new_url("window") if where == "s3" else str(tmp_path / "b")
+    write(url, so)
+    ds = make_dataset(url, 16, mode="epoch", shuffle="block", shuffle_window=16, io_threads=4, storage_options=so)
+    ds.read_ahead_bytes = 4 * CHUNK_BYTES  # a quarter of a window
+    reader = ds.reader.get()
+    check_epoch(ds)
+    # before: the reads of each window loaded the 12 chunks the budget left out themselves (36 of 48)
+    assert reader.stats().chunks_loaded == reader.stats().chunks_read_ahead == CHUNKS

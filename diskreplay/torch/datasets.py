@@ -369,7 +369,8 @@ class EpochDataset(_BufferDataset):
         self._done = False  # this copy produced every batch of its shard's epoch
         self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
         self.read_ahead_bytes = CHUNKS_AHEAD_BYTES
-        """Decoded bytes of chunks fetched ahead of the batches, not yet read (at most half the cache)."""
+        """Decoded bytes of chunks fetched ahead of the batches, not yet read (at most half the cache;
+        with block shuffle at least a shuffle window's chunks, which its reads need all at once)."""
 
     @property
     def epoch(self) -> int:
@@ -496,7 +497,9 @@ class EpochDataset(_BufferDataset):
         window_rows = self.shuffle_window * buf.layout.chunk_rows
         ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf, window_rows))
         k = first
-        buf.storage.read_ahead(order.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size)), self.read_ahead_bytes)
+        window_bytes = window_rows * buf.storage.schema.row_bytes  # a block-shuffled read needs its whole window
+        budget = max(self.read_ahead_bytes, window_bytes) if self.shuffle == "block" else self.read_ahead_bytes
+        buf.storage.read_ahead(order.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size)), budget)
         try:
             while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
                 lane, step = group[0] if len(group) == 1 else (np.concatenate(parts) for parts in zip(*group))
