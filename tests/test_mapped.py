@@ -182,6 +182,10 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     assert drops == [1] and reader.storage.mapped.maps == len(np.unique(batch["index"] // 64))
 
 
+SMALL = {"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"), "reward": dr.Field((), "float32"),
+         "next_obs": dr.Field((17,), "float32"), "done": dr.Field((), "bool")}
+
+
 @pytest.mark.parametrize("capacity, num_envs, cache_bytes, expected", [
     (1_000_000, 1, 512 << 20, 4096),  # 245 chunks x 5 fields
     (50_000_000, 1, 512 << 20, 16384),  # 12,208 chunks at 4,096 rows: 15,260 files at 16,384
@@ -191,10 +195,23 @@ def test_a_refused_map_drops_every_map_and_reads_on(tmp_path, monkeypatch):
     (None, 1, 512 << 20, 4096),  # dataset mode: the size is unknown
 ])
 def test_default_chunk_rows_keep_big_buffers_mappable(capacity, num_envs, cache_bytes, expected):
-    schema = Schema({"obs": dr.Field((17,), "float32"), "action": dr.Field((6,), "float32"),
-                               "reward": dr.Field((), "float32"), "next_obs": dr.Field((17,), "float32"),
-                               "done": dr.Field((), "bool")})
+    schema = Schema(SMALL)
     assert storage.default_chunk_rows(schema, num_envs, capacity, cache_bytes) == expected
+
+
+@pytest.mark.parametrize("fields, num_envs, cache_bytes, expected", [
+    (SMALL, 1, 512 << 20, 32768),  # 8 x 4,096 rows of 165 B: 5.4 MB chunks
+    (SMALL, 64, 512 << 20, 8192),  # a writer's 130 staged chunks in half the cache
+    (SMALL, 1, 40 << 20, 16384),
+    (SMALL, 1, 2 << 20, 4096),  # never shorter than on local disk
+    ({"frame": dr.Field((84, 84), "uint8")}, 1, 512 << 20, 1024),  # 128 locally
+])
+def test_default_chunk_rows_on_object_stores_are_longer(fields, num_envs, cache_bytes, expected):
+    schema = Schema(fields)
+    local = storage.default_chunk_rows(schema, num_envs, None, cache_bytes)
+    assert storage.default_chunk_rows(schema, num_envs, None, cache_bytes, remote=True) == expected
+    assert storage.default_chunk_rows(schema, num_envs, 10**6, cache_bytes, False, remote=True) == expected
+    assert local == (4096 if fields is SMALL else 128)
 
 
 def test_create_picks_the_default_chunk_rows(tmp_path):

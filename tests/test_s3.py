@@ -514,3 +514,23 @@ def test_s3_pinned_commit_reads_as_it_was_and_unpin_deletes_its_objects(s3):
     assert {key for key in s3.keys(url) if "pins" in key} == set()
     assert len(s3.keys(url)) == len(before)
     buf.close()
+
+
+def test_buffers_and_imports_on_object_stores_default_to_longer_chunks(s3, tmp_path):
+    so = s3.storage_options()
+    local = dr.ReplayBuffer.create(str(tmp_path / "b"), FIELDS, capacity=None)
+    remote = dr.ReplayBuffer.create(s3.new_url("long"), FIELDS, capacity=None, storage_options=so)
+    small_cache = dr.ReplayBuffer.create(s3.new_url("small"), FIELDS, capacity=None, storage_options=so,
+                                         cache_bytes=4 << 20)
+    # rows of 21 B: 4,096 per chunk on local disk, 8 times that on S3 where a writer's staging fits
+    assert [b.storage.layout.chunk_rows for b in (local, remote, small_cache)] == [4096, 32768, 16384]
+    remote.extend(rows(0, 40_000))
+    remote.close()
+    assert sorted(k for k in s3.keys(remote.url) if k.startswith("act/c.")) == ["act/c.0.0", "act/c.0.1"]
+    data = {"observations": np.zeros((5000, 3), np.float32), "actions": np.zeros((5000, 2), np.float32),
+            "rewards": np.ones(5000, np.float32), "terminals": np.arange(5000) % 100 == 99}
+    np.savez(tmp_path / "d.npz", **data)
+    imported = dr.offline.import_dataset(tmp_path / "d.npz", s3.new_url("imported"), storage_options=so,
+                                         progress=False)
+    assert imported.storage.layout.chunk_rows == 8 * dr.offline.import_dataset(
+        tmp_path / "d.npz", tmp_path / "imported", progress=False).storage.layout.chunk_rows

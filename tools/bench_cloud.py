@@ -12,7 +12,8 @@ fills the proxy's copy), then ``--repeats`` rounds, the contestants in turns; me
 
 Data: ``--rows`` rows of obs (17,) f32, action (6,) f32, reward f32, next_obs (17,) f32, done
 bool (165 B per row), written once per ``--compression`` (raw, zstd) as a diskreplay dataset
-(``--chunk-rows`` per chunk) and as a Lance dataset (the same rows; fixed-size lists; zstd: Lance's
+(``--chunk-rows`` per chunk; by default the library's for each store: 32,768 rows on S3, 4,096 on
+local disk) and as a Lance dataset (the same rows; fixed-size lists; zstd: Lance's
 ``lance-encoding:compression`` field metadata), both to S3 and to local disk.
 
 Workloads (one table each):
@@ -147,14 +148,18 @@ def make_data(rows: int, seed: int) -> dict[str, np.ndarray]:
             "done": rng.random(rows) < 0.001}
 
 
-def write_buffer(url: str, data: dict, chunk_rows: int, compression: str | None, so: dict | None,
-                 row_shards: bool = True) -> None:
+def write_buffer(url: str, data: dict, chunk_rows: int | None, compression: str | None, so: dict | None,
+                 row_shards: bool = True) -> int:
+    """The rows as a diskreplay dataset at ``url`` (``chunk_rows`` None: the store's default);
+    returns its rows per chunk."""
     buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk_rows, compression=compression,
                                  storage_options=so, io_threads=16, overwrite=True, row_shards=row_shards)
+    chunk_rows = buf.storage.layout.chunk_rows
     step = 64 * chunk_rows
     for start in range(0, len(data["obs"]), step):
         buf.extend({k: v[start:start + step] for k, v in data.items()})
     buf.close()
+    return chunk_rows
 
 
 def write_lance(uri: str, data: dict, compression: str | None, so: dict | None) -> None:
@@ -406,8 +411,9 @@ def sequential(url: str, so: dict, chunk_rows: int, rows: int, threads: int, per
 
 
 def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, repeats: int,
-           comp: str) -> tuple[str, dict]:
-    """The diskreplay-only measurements on the ``comp`` dataset: in flight, warm vs local, read-ahead."""
+           comp: str, chunk_rows: int) -> tuple[str, dict]:
+    """The diskreplay-only measurements on the ``comp`` dataset (``chunk_rows`` per chunk on S3):
+    in flight, warm vs local, read-ahead."""
     def first_batch(threads: int) -> Callable[[], float]:
         def once() -> float:
             buf = open_reader(url, so, threads)
@@ -417,12 +423,12 @@ def extras(url: str, local: str, so: dict, args: argparse.Namespace, rows: int, 
         return once
     cold = run_rounds({"1": first_batch(1), "16": first_batch(16)}, max(1, repeats - 2),
                       "diskreplay: cold sample(256), 1 vs 16 requests in flight")
-    chunks = min(-(-rows // args.chunk_rows), args.seq_chunks)
-    first = min(rows, chunks * args.chunk_rows)
-    seq = run_rounds({"ahead": sequential(url, so, args.chunk_rows, first, args.ahead_threads, args.read_ahead),
-                      "one": sequential(url, so, args.chunk_rows, first, 1, 1)}, max(1, repeats - 2),
+    chunks = min(-(-rows // chunk_rows), args.seq_chunks)
+    first = min(rows, chunks * chunk_rows)
+    seq = run_rounds({"ahead": sequential(url, so, chunk_rows, first, args.ahead_threads, args.read_ahead),
+                      "one": sequential(url, so, chunk_rows, first, 1, 1)}, max(1, repeats - 2),
                      f"diskreplay: in-order pass over {chunks} chunks, read-ahead vs one chunk at a time")
-    hot_st = warm_samples(url, local, so, rows, args.chunk_rows, repeats)
+    hot_st = warm_samples(url, local, so, rows, chunk_rows, repeats)
     mb = first * ROW_BYTES / 1e6
     ahead, one = seq["ahead"].median, seq["one"].median
     warm_row = ("warm `sample(256)` (every chunk cached) vs the same on local disk, warm",
@@ -498,8 +504,10 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     url, uri = f"s3://{BUCKET}/dr-{comp}", f"s3://{BUCKET}/lance-{comp}"
     local, local_lance = os.path.join(tmp, f"dr-{comp}"), os.path.join(tmp, f"lance-{comp}")
     log(f"[{comp}] writing diskreplay and Lance datasets, local and S3 ...")
-    write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]), args.row_shards)
-    write_buffer(local, data, args.chunk_rows, codec, None, args.row_shards)
+    chunk_rows = {"s3": write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]),
+                                     args.row_shards),
+                  "local": write_buffer(local, data, args.chunk_rows, codec, None, args.row_shards)}
+    log(f"[{comp}] diskreplay chunks: {chunk_rows['s3']:,} rows on S3, {chunk_rows['local']:,} on local disk")
     write_lance(uri, data, codec, lance_options(server.endpoints["loopback"]))
     write_lance(local_lance, data, codec, None)
     so, lso = dr_options(server.endpoints["latency"]), lance_options(server.endpoints["latency"])
@@ -525,7 +533,8 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
                       "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
                       "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
     t3, d3 = local_table(f"local disk ({tag})", lcold, lep, rows)
-    out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "urls": [url, uri, local, local_lance]}
+    out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "chunk_rows": chunk_rows,
+           "urls": [url, uri, local, local_lance]}
     return [t1, t2, t3], out
 
 
@@ -544,7 +553,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small smoke run (about two minutes)")
     p.add_argument("--rows", type=bl.parse_count, default=None, help="rows (default 2M; --quick 40k), e.g. 20M")
     p.add_argument("--compression", default="raw,zstd", help="comma-separated: raw, zstd")
-    p.add_argument("--chunk-rows", type=int, default=4096)
+    p.add_argument("--chunk-rows", type=int, default=None,
+                   help="rows per diskreplay chunk (default: the library's default for each store)")
     p.add_argument("--no-row-shards", dest="row_shards", action="store_false",
                    help="diskreplay buffers created with row_shards=False (compressed chunks of small rows: one frame)")
     p.add_argument("--epoch-batch", type=int, default=1024, help="rows per batch in the epochs")
@@ -569,7 +579,8 @@ def main() -> None:
 
     header = bl.report_header("diskreplay object-storage benchmark (vs Lance)", args.quick, PACKAGES, details=[
         f"workload: {rows:,} rows x {ROW_BYTES} B ({rows * ROW_BYTES / 1e6:,.0f} MB), diskreplay chunks of "
-        f"{args.chunk_rows} rows{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; "
+        f"{f'{args.chunk_rows} rows' if args.chunk_rows else 'the default rows for each store'}"
+        f"{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; "
         f"moto {bl.package_versions(['moto'])['moto']} in a child "
         f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
         f"from its copy); {repeats} timed round(s) after one untimed, medians", skipped_peers()])
@@ -588,7 +599,7 @@ def main() -> None:
         del data
         url, _, local, _ = results[comps[-1]].pop("urls")
         extra, results["diskreplay_alone"] = extras(url, local, dr_options(server.endpoints["latency"]), args,
-                                                    rows, repeats, comps[-1])
+                                                    rows, repeats, comps[-1], results[comps[-1]]["chunk_rows"]["s3"])
         tables.append(extra)
         for comp in comps:
             results[comp].pop("urls", None)

@@ -103,7 +103,8 @@ class ReplayBuffer(Pinning):
             num_envs: number of env lanes (at most 65,536); each is its own time-ordered stream.
             chunk_rows: steps per stored chunk (the unit of I/O and caching). ``None`` (default):
                 sized by bytes, about 1 MiB per chunk of all fields (4,096 rows of small
-                observations, 128 of 84x84 frames); a raw ring that would need more than 16,384
+                observations, 128 of 84x84 frames), on an object store eight times that while a
+                writer's staged chunks fit half of ``cache_bytes``; a raw ring that would need more than 16,384
                 chunk files gets longer chunks, so that every chunk stays memory-mapped (see
                 `diskreplay.storage.default_chunk_rows`).
             compression: ``"zstd"``, ``"lz4"`` (blosc), ``"lz4hc"`` (blosc LZ4-HC: 3-6x the

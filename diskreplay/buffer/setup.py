@@ -72,7 +72,8 @@ def plan_buffer(url: str, fields: Mapping[str, Field], capacity: int | None, num
     stored_schema = declared.storage()
     check_schema_compatible(stored_schema, tuple(derived.values()))
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None)
+        chunk_rows = default_chunk_rows(stored_schema, num_envs, capacity, cache_bytes, compression is None,
+                                        remote=not is_local(url))
         if any(f.frames is not None and f.frames.video for f in declared.fields.values()):
             chunk_rows = min(chunk_rows, VIDEO_CHUNK_ROWS)  # a row chunk is a video's group of pictures
     lane_capacity = lane_capacity_of(capacity, num_envs, chunk_rows)

@@ -82,6 +82,7 @@ from ..buffer.setup import VIDEO_CHUNK_ROWS, check_open_options, replaceable_loc
 from ..checks import check_int
 from ..errors import BufferExistsError
 from ..format.schema import Schema
+from ..io import is_local
 from ..progress import progress_bar
 from ..storage import DEFAULT_CACHE_BYTES, default_chunk_rows, own_stores
 from .formats import detect_format, open_source
@@ -183,7 +184,7 @@ def _create_partial(source: Source, partial: str, chunk_rows: int | None, compre
     row_bytes = sum(f.row_bytes for f in source.fields.values())
     if chunk_rows is None:  # as `ReplayBuffer.create` sizes them (video: a chunk is a group of pictures)
         chunk_rows = default_chunk_rows(Schema(source.fields).storage(), source.num_envs, max(source.rows, 1),
-                                        DEFAULT_CACHE_BYTES, compression is None)
+                                        DEFAULT_CACHE_BYTES, compression is None, remote=not is_local(partial))
         if any(f.frames is not None and f.frames.video for f in source.fields.values()):
             chunk_rows = min(chunk_rows, VIDEO_CHUNK_ROWS)
     staging_chunks = 2 * -(-source.batch_rows // max(int(chunk_rows), 1)) + 2 * source.num_envs + 2

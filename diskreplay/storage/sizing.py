@@ -18,22 +18,33 @@ where small rows get `DEFAULT_CHUNK_ROWS`."""
 CHUNK_FILES_MAPPED = 1 << 14
 """Chunk files (chunks x fields) past which `default_chunk_rows` lengthens the chunks of raw
 buffers: a quarter of Linux's default ``vm.max_map_count``, so every chunk can stay memory-mapped."""
+REMOTE_CHUNK_FACTOR = 8
+"""On an object store `default_chunk_rows` makes chunks this many times longer (about 8 MiB of
+small rows): a request costs tens of milliseconds and a third of a millisecond of the client's
+CPU whatever its size, so an epoch read in 1 MiB chunks spends its time on requests."""
 
 
 def default_chunk_rows(schema: Schema, num_envs: int, capacity: int | None, cache_bytes: int,
-                       mappable: bool = True) -> int:
+                       mappable: bool = True, remote: bool = False) -> int:
     """Steps per chunk for a buffer of ``capacity`` rows over ``num_envs`` lanes (None: unknown).
 
     The largest power of two up to `DEFAULT_CHUNK_ROWS` whose chunk holds at most `CHUNK_BYTES`
-    (at least one row). For a ``mappable`` (raw) buffer, then doubled while there would be more
-    than `CHUNK_FILES_MAPPED` chunk files and a writer's staging (``2 * num_envs + 2`` chunks)
-    still fits ``cache_bytes``. Arguments that are not positive ints leave out the doubling
-    (`create` rejects them)."""
+    (at least one row). On an object store (``remote``), then doubled up to `REMOTE_CHUNK_FACTOR`
+    times while a writer's staging (``2 * num_envs + 2`` chunks) stays within half of
+    ``cache_bytes``. For a ``mappable`` (raw) buffer, then doubled while there would be more than
+    `CHUNK_FILES_MAPPED` chunk files and that staging still fits. Arguments that are not
+    positive ints leave out the doubling (`create` rejects them)."""
     rows = min(DEFAULT_CHUNK_ROWS, 1 << max(CHUNK_BYTES // max(schema.row_bytes, 1), 1).bit_length() - 1)
-    if capacity is None or not mappable or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                                   and v >= 1 for v in (num_envs, capacity, cache_bytes)):
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+               for v in (num_envs, cache_bytes) + (() if capacity is None else (capacity,))):
         return rows
-    lane_rows, staging_chunks = int(capacity) // int(num_envs), 2 * int(num_envs) + 2
+    staging_chunks = 2 * int(num_envs) + 2
+    most = REMOTE_CHUNK_FACTOR * rows if remote else rows
+    while rows < most and staging_chunks * 4 * rows * schema.row_bytes <= cache_bytes:  # doubled: half the cache
+        rows *= 2
+    if capacity is None or not mappable:
+        return rows
+    lane_rows = int(capacity) // int(num_envs)
     while (num_envs * -(-lane_rows // rows) * len(schema.fields) > CHUNK_FILES_MAPPED and rows < lane_rows
            and staging_chunks * 2 * rows * schema.row_bytes <= cache_bytes):
         rows *= 2
