@@ -5,6 +5,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -450,3 +451,60 @@ def test_a_refresh_does_not_wait_for_a_running_fill(tmp_path, monkeypatch):
     assert reader.stats().resident
     reader.close()
     writer.close()
+
+
+class RecordingStore:
+    def __init__(self):
+        self.calls = []
+
+    def prefetch(self, keys):
+        self.calls.append(("prefetch", list(keys)))
+
+    def get(self, key):
+        self.calls.append(("get", key))
+
+
+def test_a_page_in_waits_for_the_reads_to_pause_and_stops_when_the_reader_closes():
+    """A piece of files being read into the page cache delays the reads queued behind it on the disk."""
+    store, reads = RecordingStore(), warm.ReadActivity()
+    reads.start()
+    job = threading.Thread(target=warm.page_in, args=(store, [["a", "b"], ["c"]], reads))
+    job.start()
+    for _ in range(20):  # short reads, one after another
+        reads.end()
+        reads.start()
+        time.sleep(warm.READ_PAUSE_S / 4)
+    assert store.calls == []  # before: every file asked for and read at once, whatever the reads
+    reads.end()
+    job.join(10)
+    assert store.calls == [("prefetch", ["a", "b"]), ("get", "a"), ("get", "b"), ("prefetch", ["c"]), ("get", "c")]
+
+    store, reads = RecordingStore(), warm.ReadActivity()
+    reads.start()
+    job = threading.Thread(target=warm.page_in, args=(store, [["a"]], reads))
+    job.start()
+    reads.closed = True
+    job.join(10)
+    assert not job.is_alive() and store.calls == []
+
+
+def test_a_mapped_reader_pages_its_files_in_by_pieces(tmp_path, monkeypatch):
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=64, compression=None) as buf:
+        buf.extend(rows(0, 64 * 40))
+    evict(url)
+    reader = dr.ReplayBuffer.open(url, memory_map=True)
+    monkeypatch.setattr(warm, "PAGE_IN_BYTES", 4 * 64 * reader.storage.schema.row_bytes)
+    pieces, prefetch = [], reader.storage.store.prefetch
+
+    def recorded(keys):
+        if threading.current_thread().name.startswith("diskreplay-fill"):
+            pieces.append(list(keys))
+        prefetch(keys)
+    monkeypatch.setattr(reader.storage.store, "prefetch", recorded)
+    check(reader, np.array([3, 700]))
+    reader.warm()
+    assert [len(piece) for piece in pieces] == [4 * 3] * 10  # 4 chunks of 3 fields each
+    assert sorted(key for piece in pieces for key in piece) == sorted(
+        os.path.relpath(f, url) for f in chunk_files(url))
+    # before: one piece of every file, asked of the OS at once

@@ -49,7 +49,11 @@ class ChunkReader:
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
         """Rows at (lane, step) of every field (or of ``names``); ``out`` as in `Storage.gather`."""
         self.warmer.before_read()
-        rows = self._gather(lane, step, names or self.field_names, out)
+        self.warmer.reads.start()
+        try:
+            rows = self._gather(lane, step, names or self.field_names, out)
+        finally:
+            self.warmer.reads.end()
         self.warmer.after_read()
         return rows
 

@@ -6,17 +6,18 @@ find rows from their steps alone (``resident_span``). The fill starts after the 
 runs on a thread of its own, a group of chunks per job; until it is in, reads take what they
 miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. On local
 disk, a reader's rows that do not fit the cache but fit half this machine's RAM are memory-mapped
-as read while a thread reads every file into the page cache (each batch asking for its own pages
-first meanwhile); bigger ones are read page by page as sampled (`MappedChunks.read_randomly`).
-A local writer fills before its first read returns (`fill_cache`, `MappedChunks.warm`). Best
-effort: a damaged chunk is reported by the read that needs it. A ring reader whose writer
-retired rows meanwhile forgets what it filled.
+as read while a thread reads every file into the page cache, a piece at a time whenever the reads
+pause (`page_in`; each batch asking for its own pages first meanwhile); bigger ones are read
+page by page as sampled (`MappedChunks.read_randomly`). A local writer fills before its first
+read returns (`fill_cache`, `MappedChunks.warm`). Best effort: a damaged chunk is reported by the
+read that needs it. A ring reader whose writer retired rows meanwhile forgets what it filled.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -83,12 +84,52 @@ class _Fill:
         return self.slots[self.jobs[self.placed][0].start:] if self.placed < len(self.jobs) else self.slots[:0]
 
 
-def _read_through(store: ChunkStore, keys: list[str]) -> None:
-    """Bring these files into the page cache: all asked of the OS at once, then each read
-    through, so that they are in when this returns."""
-    store.prefetch(keys)
-    for key in keys:
-        store.get(key)
+PAGE_IN_BYTES = 8 * 2**20
+"""Bytes of chunk files a reader's page-in asks of the OS at a time (`page_in`)."""
+READ_PAUSE_S = 0.002
+"""How long the reads must have paused before a page-in reads its next piece of files."""
+
+
+class ReadActivity:
+    """A reader's reads as its page-in sees them: a piece of files being read in delays the
+    reads queued behind it on the disk, so the page-in waits for a pause in them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        """Reads started so far."""
+        self.active = False
+        """Whether a read is running."""
+        self.closed = False
+        """Whether the reader closed (a page-in then stops)."""
+
+    def start(self) -> None:
+        self.count += 1
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+
+    def pause(self, seen: int) -> int | None:
+        """Wait until no read runs nor started within `READ_PAUSE_S` (``seen``: the reads
+        started when this was last asked); the reads started by then, or None once closed."""
+        while not self.closed and (self.active or self.count != seen):
+            seen = self.count
+            time.sleep(READ_PAUSE_S)
+        return None if self.closed else seen
+
+
+def page_in(store: ChunkStore, pieces: list[list[str]], reads: ReadActivity) -> None:
+    """Bring the files of these pieces into the page cache, a piece at a time once the reads
+    pause: its files asked of the OS at once, then each read through, so that they are in when
+    this returns (unless the reader closed first)."""
+    seen: int | None = reads.count
+    for keys in pieces:
+        seen = reads.pause(seen if seen is not None else reads.count)
+        if seen is None:
+            return
+        store.prefetch(keys)
+        for key in keys:
+            store.get(key)
 
 
 class Warmer:
@@ -113,6 +154,7 @@ class Warmer:
         self.paging: Future[None] | None = None
         """A reader's memory-mapped files being read into the page cache (by process ``paging_pid``)."""
         self.paging_pid = 0
+        self.reads = ReadActivity()
         self.threads = Threads(1 if local else REMOTE_FILL_JOBS, "diskreplay-fill")
         self.found_damage = False
         """Whether a fill found a chunk missing or damaged: reads then read whole chunks (checked)."""
@@ -190,9 +232,11 @@ class Warmer:
         each mapped read asks for its own pages first."""
         assert self.mapped is not None
         io = self.loader.io
-        keys = [io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist()) for name in io.schema.fields]
+        per_piece = max(1, PAGE_IN_BYTES // (self.layout.chunk_rows * io.schema.row_bytes))
+        keys = [[io.key(name, ln, ch) for name in io.schema.fields] for ln, ch in zip(lanes.tolist(), chunks.tolist())]
+        pieces = [[key for chunk in keys[i:i + per_piece] for key in chunk] for i in range(0, len(keys), per_piece)]
         self.mapped.prefetch_pages = True
-        self.paging, self.paging_pid = self.threads.submit(_read_through, io.store, keys), os.getpid()
+        self.paging, self.paging_pid = self.threads.submit(page_in, io.store, pieces, self.reads), os.getpid()
 
     def start_fill(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Load every chunk not cached behind the reads, if they fit the cache: into their home
@@ -283,6 +327,7 @@ class Warmer:
         self.cache.release(fill.unplaced())
 
     def close(self) -> None:
+        self.reads.closed = True
         self._drop_fill()
         self.threads.shutdown()
 
