@@ -487,6 +487,11 @@ def test_a_page_in_waits_for_the_reads_to_pause_and_stops_when_the_reader_closes
     job.join(10)
     assert not job.is_alive() and store.calls == []
 
+    store, reads = RecordingStore(), warm.ReadActivity()
+    reads.start(waits=False)  # an epoch's read: in file order, as the page-in reads
+    warm.page_in(store, [["a"]], reads)
+    assert store.calls == [("prefetch", ["a"]), ("get", "a")]
+
 
 def test_a_mapped_reader_pages_its_files_in_by_pieces(tmp_path, monkeypatch):
     url = str(tmp_path / "b")
@@ -508,3 +513,14 @@ def test_a_mapped_reader_pages_its_files_in_by_pieces(tmp_path, monkeypatch):
     assert sorted(key for piece in pieces for key in piece) == sorted(
         os.path.relpath(f, url) for f in chunk_files(url))
     # before: one piece of every file, asked of the OS at once
+
+
+def test_prefetch_asks_for_each_run_of_consecutive_pages_at_once(monkeypatch):
+    region = mapped.Reservation(np.dtype(np.float32), (256,), 64, 4)  # rows of 1 KiB, 4 to a page
+    calls = []
+    monkeypatch.setattr(mapped, "_libc", type("Libc", (), {"madvise": lambda self, *a: calls.append(a[:2])})())
+    page = mmap.PAGESIZE
+    region.prefetch(np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 40, 41, 200]))  # pages 0-2, then 10, then 50
+    assert calls == [(region.base, 3 * page), (region.base + 10 * page, page), (region.base + 50 * page, page)]
+    monkeypatch.undo()
+    region.close()

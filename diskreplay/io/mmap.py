@@ -90,8 +90,11 @@ class Reservation:
         once: the reads are in flight together, where page faults would wait for one at a time)."""
         first = rows * self.row_bytes
         pages = np.unique(np.concatenate([first, first + self.row_bytes - 1]) // mmap.PAGESIZE)
-        for page in (self.base + pages * mmap.PAGESIZE).tolist():
-            _libc.madvise(page, mmap.PAGESIZE, _MADV_WILLNEED)
+        breaks = np.flatnonzero(np.diff(pages) > 1)  # one call per run of consecutive pages
+        starts, ends = pages[np.r_[0, breaks + 1]], pages[np.r_[breaks, len(pages) - 1]] + 1
+        addresses, sizes = self.base + starts * mmap.PAGESIZE, (ends - starts) * mmap.PAGESIZE
+        for address, size in zip(addresses.tolist(), sizes.tolist()):
+            _libc.madvise(address, size, _MADV_WILLNEED)
 
     def populate(self, slot: int) -> None:
         """Read a mapped slot's pages into the page tables now (errors ignored: it only saves faults)."""

@@ -49,7 +49,7 @@ class ChunkReader:
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
         """Rows at (lane, step) of every field (or of ``names``); ``out`` as in `Storage.gather`."""
         self.warmer.before_read()
-        self.warmer.reads.start()
+        self.warmer.reads.start(waits=not self.planned)  # an epoch reads its files as the page-in does
         try:
             rows = self._gather(lane, step, names or self.field_names, out)
         finally:

@@ -102,9 +102,11 @@ class ReadActivity:
         self.closed = False
         """Whether the reader closed (a page-in then stops)."""
 
-    def start(self) -> None:
-        self.count += 1
-        self.active = True
+    def start(self, waits: bool = True) -> None:
+        """A read starts; unless it ``waits`` for its pages (reads in order, as the page-in does)."""
+        if waits:
+            self.count += 1
+            self.active = True
 
     def end(self) -> None:
         self.active = False
