@@ -453,44 +453,57 @@ def test_a_refresh_does_not_wait_for_a_running_fill(tmp_path, monkeypatch):
     writer.close()
 
 
-class RecordingStore:
+class FakeClock:
+    """`time` for the page-in: sleeping moves the clock, nothing waits."""
+
     def __init__(self):
-        self.calls = []
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+class RecordingStore:
+    """Records when each piece is asked for; reading a file takes a second of the clock."""
+
+    def __init__(self, clock):
+        self.clock, self.calls = clock, []
 
     def prefetch(self, keys):
-        self.calls.append(("prefetch", list(keys)))
+        self.calls.append((round(self.clock.now, 2), list(keys)))
 
     def get(self, key):
-        self.calls.append(("get", key))
+        self.clock.now += 1.0
+
+    def path(self, key):
+        return key
 
 
-def test_a_page_in_waits_for_the_reads_to_pause_and_stops_when_the_reader_closes():
+@pytest.mark.parametrize("reading", [False, True])
+def test_a_page_in_gives_way_to_reads_for_as_long_as_its_last_piece_took(monkeypatch, reading):
     """A piece of files being read into the page cache delays the reads queued behind it on the disk."""
-    store, reads = RecordingStore(), warm.ReadActivity()
-    reads.start()
-    job = threading.Thread(target=warm.page_in, args=(store, [["a", "b"], ["c"]], reads))
-    job.start()
-    for _ in range(20):  # short reads, one after another
-        reads.end()
-        reads.start()
-        time.sleep(warm.READ_PAUSE_S / 4)
-    assert store.calls == []  # before: every file asked for and read at once, whatever the reads
-    reads.end()
-    job.join(10)
-    assert store.calls == [("prefetch", ["a", "b"]), ("get", "a"), ("get", "b"), ("prefetch", ["c"]), ("get", "c")]
+    clock = FakeClock()
+    monkeypatch.setattr(warm, "time", clock)
+    monkeypatch.setattr(warm, "in_page_cache", lambda path: path == "in")
+    store, reads = RecordingStore(clock), warm.ReadActivity()
+    if reading:
+        reads.start()  # a read runs throughout
+    warm.page_in(store, [["a", "b"], ["in"], ["c"], ["d"]], reads)  # "in": in the page cache already
+    # before: every file asked for at once, whatever the reads
+    assert store.calls == ([(0.0, ["a", "b"]), (4.0, ["c"]), (6.0, ["d"])] if reading else
+                           [(0.0, ["a", "b"]), (2.0, ["c"]), (3.0, ["d"])])
 
-    store, reads = RecordingStore(), warm.ReadActivity()
-    reads.start()
-    job = threading.Thread(target=warm.page_in, args=(store, [["a"]], reads))
-    job.start()
-    reads.closed = True
-    job.join(10)
-    assert not job.is_alive() and store.calls == []
-
-    store, reads = RecordingStore(), warm.ReadActivity()
+    store, reads = RecordingStore(clock), warm.ReadActivity()
     reads.start(waits=False)  # an epoch's read: in file order, as the page-in reads
+    warm.page_in(store, [["a"], ["b"]], reads)
+    assert [keys for _, keys in store.calls] == ([["a"], ["b"]])
+    store = RecordingStore(clock)
+    reads.closed = True
     warm.page_in(store, [["a"]], reads)
-    assert store.calls == [("prefetch", ["a"]), ("get", "a")]
+    assert store.calls == []
 
 
 def test_a_mapped_reader_pages_its_files_in_by_pieces(tmp_path, monkeypatch):
@@ -524,3 +537,17 @@ def test_prefetch_asks_for_each_run_of_consecutive_pages_at_once(monkeypatch):
     assert calls == [(region.base, 3 * page), (region.base + 10 * page, page), (region.base + 50 * page, page)]
     monkeypatch.undo()
     region.close()
+
+
+def test_whether_a_file_is_in_the_page_cache(tmp_path):
+    path = tmp_path / "a"
+    path.write_bytes(os.urandom(5 * mmap.PAGESIZE + 7))
+    (tmp_path / "empty").write_bytes(b"")
+    path.read_bytes()
+    assert mapped.cached(str(path)) and mapped.cached(str(tmp_path / "empty"))
+    assert not mapped.cached(str(tmp_path / "missing"))
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert not mapped.cached(str(path))

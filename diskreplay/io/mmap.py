@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from .local import open_for_reading
+
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -24,6 +26,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MADV_RANDOM, _MADV_WILLNEED, _MADV_POPULATE_READ = 1, 3, 22
 
 DEFAULT_MAX_MAP_COUNT = 65530
@@ -46,6 +49,27 @@ def map_budget(fields: int) -> int:
     except (OSError, ValueError):
         limit, in_use = DEFAULT_MAX_MAP_COUNT, 0
     return max((limit - in_use) // 2 // fields, 1)
+
+
+def cached(path: str) -> bool:
+    """Whether every page of the file at ``path`` is in the page cache (``mincore`` of a map of
+    it; False where there is no such file)."""
+    try:
+        fd = open_for_reading(path)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return True
+        address = _check(_libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0), "map a file")
+    finally:
+        os.close(fd)
+    try:
+        pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+        return _libc.mincore(address, size, pages.ctypes.data) == 0 and bool((pages & 1).all())
+    finally:
+        _libc.munmap(address, size)
 
 
 def _check(result: int | None, what: str) -> int:

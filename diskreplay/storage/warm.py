@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CorruptBufferError
+from ..io.mmap import cached as in_page_cache
 from ..io.store import ChunkStore
 from ..io.threads import Threads
 from .loading import ChunkLoader
@@ -111,27 +112,35 @@ class ReadActivity:
     def end(self) -> None:
         self.active = False
 
-    def pause(self, seen: int) -> int | None:
+    def pause(self, seen: int, most_s: float) -> int | None:
         """Wait until no read runs nor started within `READ_PAUSE_S` (``seen``: the reads
-        started when this was last asked); the reads started by then, or None once closed."""
-        while not self.closed and (self.active or self.count != seen):
+        started when this was last asked), at most ``most_s``; the reads started by then, or
+        None once closed."""
+        deadline = time.monotonic() + most_s
+        while not self.closed and (self.active or self.count != seen) and time.monotonic() < deadline:
             seen = self.count
             time.sleep(READ_PAUSE_S)
-        return None if self.closed else seen
+        return None if self.closed else self.count
 
 
 def page_in(store: ChunkStore, pieces: list[list[str]], reads: ReadActivity) -> None:
-    """Bring the files of these pieces into the page cache, a piece at a time once the reads
-    pause: its files asked of the OS at once, then each read through, so that they are in when
-    this returns (unless the reader closed first)."""
+    """Bring the files of these pieces into the page cache, each piece once the reads pause or
+    have run alone for as long as the piece before took (so it ends within about twice its own
+    time); pieces in it already are passed over. A piece's files are asked of the OS at once,
+    then each read through, so that they are in when this returns (unless the reader closed)."""
     seen: int | None = reads.count
+    took = 0.0
     for keys in pieces:
-        seen = reads.pause(seen if seen is not None else reads.count)
+        if all(in_page_cache(store.path(key)) for key in keys):
+            continue
+        seen = reads.pause(reads.count if seen is None else seen, took)
         if seen is None:
             return
+        started = time.monotonic()
         store.prefetch(keys)
         for key in keys:
             store.get(key)
+        took = time.monotonic() - started
 
 
 class Warmer:
