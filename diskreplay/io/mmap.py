@@ -53,7 +53,7 @@ def map_budget(fields: int) -> int:
 
 def cached(path: str) -> bool:
     """Whether every page of the file at ``path`` is in the page cache (``mincore`` of a map of
-    it; False where there is no such file)."""
+    it; False where there is no such file or it cannot be mapped)."""
     try:
         fd = open_for_reading(path)
     except OSError:
@@ -62,9 +62,11 @@ def cached(path: str) -> bool:
         size = os.fstat(fd).st_size
         if size == 0:
             return True
-        address = _check(_libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0), "map a file")
+        address = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
     finally:
         os.close(fd)
+    if address is None or address == _MAP_FAILED:
+        return False
     try:
         pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
         return _libc.mincore(address, size, pages.ctypes.data) == 0 and bool((pages & 1).all())

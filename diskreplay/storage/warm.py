@@ -6,8 +6,8 @@ find rows from their steps alone (``resident_span``). The fill starts after the 
 runs on a thread of its own, a group of chunks per job; until it is in, reads take what they
 miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. On local
 disk, a reader's rows that do not fit the cache but fit half this machine's RAM are memory-mapped
-as read while a thread reads every file into the page cache, a piece at a time whenever the reads
-pause (`page_in`; each batch asking for its own pages first meanwhile); bigger ones are read
+as read while a thread reads every file into the page cache, a piece at a time, giving way to
+random reads (`page_in`; each batch asking for its own pages first meanwhile); bigger ones are read
 page by page as sampled (`MappedChunks.read_randomly`). A local writer fills before its first
 read returns (`fill_cache`, `MappedChunks.warm`). Best effort: a damaged chunk is reported by the
 read that needs it. A ring reader whose writer retired rows meanwhile forgets what it filled.
@@ -93,7 +93,7 @@ READ_PAUSE_S = 0.002
 
 class ReadActivity:
     """A reader's reads as its page-in sees them: a piece of files being read in delays the
-    reads queued behind it on the disk, so the page-in waits for a pause in them."""
+    reads queued behind it on the disk, so the page-in waits for a pause in them (`page_in`)."""
 
     def __init__(self) -> None:
         self.count = 0
