@@ -279,6 +279,10 @@ _MODEL_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slo
                        report_multiple_bugs=False, phases=[p for p in Phase if p is not Phase.explain])
 settings.register_profile("fast", max_examples=60, stateful_step_count=30, **_MODEL_SETTINGS)
 settings.register_profile("ci", max_examples=500, stateful_step_count=50, **_MODEL_SETTINGS)
+# Every other property test: no deadline either. A test asserts what the code did, never how long it
+# took (hypothesis's default 200 ms deadline failed a 0.3 ms example that a busy machine delayed).
+settings.register_profile("untimed", deadline=None)
+settings.load_profile("untimed")
 
 
 def model_test_settings() -> settings:
