@@ -112,15 +112,15 @@ class ReadActivity:
     def end(self) -> None:
         self.active = False
 
-    def pause(self, seen: int, most_s: float) -> int | None:
+    def pause(self, seen: int, most_s: float) -> int:
         """Wait until no read runs nor started within `READ_PAUSE_S` (``seen``: the reads
-        started when this was last asked), at most ``most_s``; the reads started by then, or
-        None once closed."""
+        started when this was last asked), at most ``most_s``, or until closed; the reads
+        started by then."""
         deadline = time.monotonic() + most_s
         while not self.closed and (self.active or self.count != seen) and time.monotonic() < deadline:
             seen = self.count
             time.sleep(READ_PAUSE_S)
-        return None if self.closed else self.count
+        return self.count
 
 
 def page_in(store: ChunkStore, pieces: list[list[str]], reads: ReadActivity) -> None:
@@ -128,13 +128,12 @@ def page_in(store: ChunkStore, pieces: list[list[str]], reads: ReadActivity) -> 
     have run alone for as long as the piece before took (so it ends within about twice its own
     time); pieces in it already are passed over. A piece's files are asked of the OS at once,
     then each read through, so that they are in when this returns (unless the reader closed)."""
-    seen: int | None = reads.count
-    took = 0.0
+    seen, took = reads.count, 0.0
     for keys in pieces:
         if all(in_page_cache(store.path(key)) for key in keys):
             continue
-        seen = reads.pause(reads.count if seen is None else seen, took)
-        if seen is None:
+        seen = reads.pause(seen, took)
+        if reads.closed:
             return
         started = time.monotonic()
         store.prefetch(keys)
