@@ -487,6 +487,30 @@ def test_opening_a_buffer_reads_its_field_documents_together(s3):
         proxy.close()
 
 
+def test_an_epoch_dataset_made_from_a_url_reads_with_the_handle_it_opened(s3):
+    """``make_dataset(url, mode="epoch")`` opens the buffer once in its process: the handle it reads
+    the layout from is the one the epoch then reads with (`buf.as_dataset` opens a second)."""
+    url, so = s3.new_url("epoch-url"), s3.storage_options()
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8, storage_options=so) as buf:
+        buf.extend(rows(0, 20))
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        options = proxy_options(s3, proxy)
+        dr.ReplayBuffer.open(url, "r", storage_options=options).close()  # the clients' own first requests
+        for made_from, opens in [("url", 1), ("buffer", 2)]:
+            proxy.hits.clear()
+            if made_from == "url":
+                ds = dr.make_dataset(url, 4, mode="epoch", shuffle=False, storage_options=options)
+            else:
+                ds = dr.ReplayBuffer.open(url, "r", storage_options=options).as_dataset(4, mode="epoch", shuffle=False)
+            batches = list(ds)
+            assert np.concatenate([b["obs"][:, 0].numpy() for b in batches]).tolist() == list(range(20))
+            assert proxy.count("/commit.json", "GET") == opens
+            assert proxy.count("/zarr.json", "GET") == opens * (1 + len(FIELDS))
+    finally:
+        proxy.close()
+
+
 def test_s3_pinned_commit_reads_as_it_was_and_unpin_deletes_its_objects(s3):
     """A pin on S3: the commit reads the same rows after the ring wrapped; unpin leaves exactly
     the objects there were before the pin (a commit of the same rows apart)."""

@@ -18,7 +18,7 @@ local disk) and as a Lance dataset (the same rows; fixed-size lists; zstd: Lance
 
 Workloads (one table each):
 1. epoch from S3: open + every row once, rows/s and MB/s (165 B per row): diskreplay
-   ``Loader(buf.as_dataset(B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle; and
+   ``Loader(make_dataset(url, B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle; and
    in order, ``shuffle="none"``, the scanner's order) vs
    Lance ``dataset.to_batches(batch_size=B)`` (each column to numpy), ``B = --epoch-batch``;
 2. cold random batches from S3: a freshly opened dataset, ``sample(256)`` (diskreplay) vs
@@ -204,11 +204,11 @@ def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
              server: Server | None, shuffle: str = "block") -> Callable[[], Any]:
     def once() -> float:
         started = time.perf_counter()
-        buf = open_reader(url, so)
-        got = sum(len(b["index"]) for b in dr.Loader(buf.as_dataset(batch, mode="epoch", seed=0, shuffle=shuffle),
-                                                       num_workers=workers))
+        ds = dr.make_dataset(url, batch, mode="epoch", seed=0, shuffle=shuffle, storage_options=so, io_threads=16,
+                             cache_bytes=READER_CACHE_BYTES)
+        got = sum(len(b["index"]) for b in dr.Loader(ds, num_workers=workers))
         secs = time.perf_counter() - started
-        buf.close()
+        ds.reader.get().close()
         assert got == rows, (got, rows)
         return secs
     return lambda: counted(server, once)

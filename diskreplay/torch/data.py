@@ -75,6 +75,8 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
 
     Args:
         buf: a `ReplayBuffer` (writer or reader) or its URL. Only its URL and options are kept.
+            Epoch mode from a URL: the handle opened here to read the layout is the one this
+            process then reads with (one open: on object storage, its round trips once).
         batch_size: rows per batch (B).
         mode: ``"sample"`` (endless, the buffer's sampler; see `SampleDataset`) or ``"epoch"``
             (every committed row once per epoch; see `EpochDataset`).
@@ -143,7 +145,12 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
     check_int(batch_size, "batch_size", 1)
     check_int(seed, "seed", 0)
     rank, world_size = resolve_rank(rank, world_size)
-    buf, opened = _as_buffer(buf, storage_options)
+    reader = None
+    if mode == "epoch" and not isinstance(buf, ReplayBuffer):  # this process reads with the handle opened here
+        reader = Reader(os.fspath(buf), storage_options, cache_bytes, io_threads, "uniform", None)
+        buf, opened = reader.get(), False
+    else:
+        buf, opened = _as_buffer(buf, storage_options)
     try:
         options = storage_options if storage_options is not None else buf.storage_options
         layout, lo, hi = buf.layout, *committed_window(buf)
@@ -162,10 +169,14 @@ def make_dataset(buf: ReplayBuffer | str | os.PathLike, batch_size: int, mode: s
         shuffle = _shuffle_name(shuffle)
         if shuffle == "block":
             _check_cache(buf, cache_bytes, shuffle_window)
-        reader = Reader(buf.url, options, cache_bytes, io_threads, "uniform", buf.at_commit)
+        reader = reader or Reader(buf.url, options, cache_bytes, io_threads, "uniform", buf.at_commit)
         return EpochDataset(reader, layout, int(batch_size), int(seed), rank, world_size, lo, hi,
                             shuffle, int(shuffle_window), bool(pad), bool(drop_last), ring, bool(as_tensordict),
                             block, check_int(canonical_partitions, "canonical_partitions", 1), ragged)
+    except BaseException:
+        if reader is not None and reader.opened:  # the handle opened here for the dataset's reads
+            buf.close()
+        raise
     finally:
         if opened:
             buf.close()
