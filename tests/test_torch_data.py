@@ -129,6 +129,47 @@ def test_runs_of_the_sequence_are_its_rows_position_by_position(num_envs, capaci
                                       np.concatenate(want or [np.zeros(0, np.int64)]))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([None, 24, 40]), st.integers(1, 9), st.data())
+def test_announced_rows_need_the_chunks_of_the_batches_window_by_window(num_envs, capacity, chunk_rows, data):
+    """What the read-ahead is told (`EpochOrder.announced`) needs exactly the chunks the batches
+    from ``first`` on need; a run of the sequence: a window at a time (each chunk first in the
+    window where a batch first needs it), else the batches' rows in order."""
+    layout = LaneLayout(num_envs, capacity, chunk_rows)
+    lo = np.array(data.draw(st.lists(st.integers(0, 30), min_size=num_envs, max_size=num_envs)), np.int64)
+    sizes = data.draw(st.lists(st.integers(0, capacity or 60), min_size=num_envs, max_size=num_envs))
+    shuffle, window = data.draw(st.sampled_from(["none", "block", "global"])), data.draw(st.integers(1, 3))
+    workers = data.draw(st.integers(1, 3))
+    shard = Shard(0, data.draw(st.sampled_from([1, 2])), data.draw(st.integers(0, workers - 1)), workers)
+    order = EpochOrder(layout, lo, lo + np.array(sizes, np.int64), seed=3, epoch=1, shuffle=shuffle, window=window,
+                       shard=shard, pad=False, drop_last=False, batch_size=data.draw(st.integers(1, 20)))
+    first = data.draw(st.integers(0, order.num_batches))
+
+    def chunks(lane: np.ndarray, step: np.ndarray) -> list[tuple[int, int]]:
+        return list(zip(lane.tolist(), layout.chunk_and_offset(step)[0].tolist()))
+
+    needed: dict[tuple[int, int], int] = {}  # chunk -> the position that first needs it
+    rows = [chunks(*one) for one in order.batches(first)]
+    positions = order.positions(first * order.batch_size, order.used_rows).tolist()
+    for key, position in zip(itertools.chain.from_iterable(rows), positions):
+        needed.setdefault(key, position)
+    items = [chunks(*item) for item in order.announced(first)]
+    told = [key for item in items for key in item]
+    assert set(told) == set(needed)
+    sequence = order._rows()
+    if shuffle == "global" or not order._run:  # the batches' rows themselves
+        assert list(dict.fromkeys(told)) == list(needed)
+        return
+    windows = np.searchsorted(sequence._window_ends, list(needed.values()), side="right").tolist()
+    first_window = windows[0] if windows else 0
+    announced_in: dict[tuple[int, int], int] = {}
+    for k, item in enumerate(items):
+        assert len(set(item)) <= window  # one window's chunks
+        for key in item:
+            announced_in.setdefault(key, first_window + k)
+    assert announced_in == dict(zip(needed, windows))
+
+
 def test_shards_get_whole_chunks(buf):
     """Each shard reads a contiguous run of the epoch sequence: only the windows (4 chunks) cut by
     its 3 inner cut points are read by two shards, every other chunk by one."""

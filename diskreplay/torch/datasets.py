@@ -21,7 +21,7 @@ from ..format.lanes import LaneLayout, row_ids
 from ..sampling import Uniform
 from ..storage import READ_AHEAD_BYTES as CHUNKS_AHEAD_BYTES
 from .batch_rng import BatchRngs, StridedRngs
-from .epoch_order import ANNOUNCED_ROWS, PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
+from .epoch_order import PARTITIONS, EpochOrder, Shard, checked_history, remaining_rows
 from .formats import Key
 from .handoff import PassChannel, WorkerUse, reseed_worker
 from .read_sizes import batches_per_read
@@ -499,7 +499,7 @@ class EpochDataset(_BufferDataset):
         k = first
         window_bytes = window_rows * buf.storage.schema.row_bytes  # a block-shuffled read needs its whole window
         budget = max(self.read_ahead_bytes, window_bytes) if self.shuffle == "block" else self.read_ahead_bytes
-        buf.storage.read_ahead(order.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size)), budget)
+        buf.storage.read_ahead(order.announced(first), budget)
         try:
             while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
                 lane, step = group[0] if len(group) == 1 else (np.concatenate(parts) for parts in zip(*group))

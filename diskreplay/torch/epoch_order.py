@@ -338,6 +338,20 @@ class EpochRows:
             return lanes[0], steps[0]
         return (np.concatenate(lanes), np.concatenate(steps)) if lanes else (np.zeros(0, np.int64),) * 2
 
+    def window_needs(self, a: int, b: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """For each window the positions ``[a, b)`` cross, in order: (lane, step) of rows that need
+        the same chunks as the rows of the window they hold (block or no shuffle; a piece lies in
+        one chunk): a whole window's pieces by their first rows, a part of one by its rows."""
+        lane, start, _ = self._pieces
+        while a < b:
+            k = int(np.searchsorted(self._window_ends, a, side="right"))
+            begin, end = int(self._window_ends[k - 1]) if k else 0, int(self._window_ends[k])
+            if a == begin and b >= end:
+                yield lane[k * self.window:(k + 1) * self.window], start[k * self.window:(k + 1) * self.window]
+            else:
+                yield self.run_rows(a, min(b, end))
+            a = min(b, end)
+
     def _piece_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         lane, start, length = self._pieces
         piece = np.searchsorted(self._ends, positions, side="right")
@@ -396,15 +410,35 @@ class EpochOrder:
 
     def batches(self, first: int = 0, per_item: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(lane, step) of batches ``first, first + 1, ...`` (the last one may be short);
-        ``per_item`` > 1: the rows of that many batches at a time (what a read-ahead is told)."""
+        ``per_item`` > 1: the rows of that many batches at a time."""
+        sequence, size = self._rows(), self.batch_size
+        for k in range(first, self.num_batches, per_item):
+            a, b = k * size, min((k + per_item) * size, self.used_rows)
+            if self._run:
+                yield sequence.run_rows(self.span.first + self.span.lo + a, self.span.first + self.span.lo + b)
+            else:
+                yield sequence.rows(self.positions(a, b))
+
+    def announced(self, first: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """What a read-ahead is told of batches ``first, first + 1, ...``: (lane, step) of rows
+        needing their chunks, in order of need: a window at a time where the shard's rows are a
+        run of the sequence (the rows of a whole window as its pieces: no permutation to compute),
+        else `ANNOUNCED_ROWS` rows at a time."""
+        sequence = self._rows()
+        if not self._run or sequence.shuffle == "global":
+            yield from self.batches(first, max(1, ANNOUNCED_ROWS // self.batch_size))
+            return
+        offset = self.span.first + self.span.lo
+        yield from sequence.window_needs(offset + min(first * self.batch_size, self.used_rows),
+                                         offset + self.used_rows)
+
+    @property
+    def _run(self) -> bool:
+        """Whether this shard's rows are contiguous positions of the sequence."""
+        return self.remaining is None and self.span.stride == 1 and self.span.hi <= self.span.count
+
+    def _rows(self) -> EpochRows:
         if self._sequence is None:
             layout, lo, hi, seed, epoch, shuffle, window = self._make
             self._sequence = EpochRows(layout, lo, hi, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-        sequence, size, span = self._sequence, self.batch_size, self.span
-        run = self.remaining is None and span.stride == 1 and span.hi <= span.count  # contiguous positions
-        for k in range(first, self.num_batches, per_item):
-            a, b = k * size, min((k + per_item) * size, self.used_rows)
-            if run:
-                yield sequence.run_rows(span.first + span.lo + a, span.first + span.lo + b)
-            else:
-                yield sequence.rows(self.positions(a, b))
+        return self._sequence
