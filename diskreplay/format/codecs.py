@@ -1,7 +1,8 @@
 """Chunk bytes: `Codec` turns one chunk's rows into exactly the bytes zarr stores, and back.
 
 Codecs are ``bytes`` (little-endian), then ``zstd`` or blosc ``lz4`` / ``lz4hc`` or nothing, then
-``crc32c``.
+``crc32c``. A zstd frame that would save less than an eighth of its bytes is written as a stored
+frame (`diskreplay.format.zstd_frames`: zstd's raw blocks, copied out when read).
 Compressed fields with big rows (images) are Zarr shards (``sharding_indexed``, index first) of
 small inner chunks, each compressed and checksummed alone (`Codec.inner_rows`); a whole shard's
 index and checksums are checked at once and its inner chunks decoded straight from its bytes
@@ -30,6 +31,7 @@ from ..checks import check_int
 from .lz4_blocks import BLOSC_HEADER_BYTES, direct_blocks, first_bad_checksum, lz4_spans_into
 from .lz4_blocks import CHECKSUM_BYTES as CHECKSUM_BYTES  # the chunk format's, imported from here
 from .schema import Field
+from .zstd_frames import copy_stored, keeps_frame, stored_frame, stored_mask
 
 COMPRESSIONS = (None, "zstd", "lz4", "lz4hc")
 """Chunk codecs: raw, zstd, blosc LZ4 (fast to write), blosc LZ4-HC (slower to write; smaller, and
@@ -110,7 +112,9 @@ class Codec:
 
     def _compress(self, data: np.ndarray) -> bytes:
         if self.compression == "zstd":
-            return _ZSTD.compressor(self.level).compress(data.reshape(-1).view(np.uint8).data)
+            content = data.reshape(-1).view(np.uint8)
+            frame = _ZSTD.compressor(self.level).compress(content.data)
+            return frame if not len(content) or keeps_frame(len(frame), len(content)) else stored_frame(content)
         blosc_ = numcodecs.Blosc(cname=self.compression, clevel=self.level, shuffle=numcodecs.Blosc.SHUFFLE)
         return bytes(blosc_.encode(data))
 
@@ -384,8 +388,15 @@ def _check_bodies(data: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, inne
 def _zstd_spans_into(blob: bytes | memoryview, begin: np.ndarray, length: np.ndarray, flat: np.ndarray,
                      rows: np.ndarray) -> None:
     """Decode the zstd frames ``blob[begin[i]:begin[i] + length[i]]`` into ``flat[rows[i]]``
-    (uint8 rows) in one call, each into a buffer of exactly its row's size (a frame's header
-    sizes nothing), then copied into its row. Raises ValueError."""
+    (uint8 rows): stored frames copied, the others in one call, each into a buffer of exactly
+    its row's size (a frame's header sizes nothing), then copied into its row. Raises ValueError."""
+    data = np.frombuffer(blob, np.uint8)
+    stored = stored_mask(data, begin, length, flat.shape[1])
+    if stored.any():
+        copy_stored(data, begin[stored], flat, rows[stored])
+        begin, length, rows = begin[~stored], length[~stored], rows[~stored]
+        if not len(rows):
+            return
     segments = np.empty((len(rows), 2), "<u8")
     segments[:, 0], segments[:, 1] = begin, length
     sizes = np.full(len(rows), flat.shape[1], np.uint64)

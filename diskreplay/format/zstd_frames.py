@@ -1,0 +1,107 @@
+"""Stored zstd frames: how a zstd field keeps a chunk that zstd cannot shrink.
+
+A zstd frame may hold its content as raw blocks (RFC 8878, section 3.1.1.2): the bytes
+themselves, each block of at most 128 KiB after a 3-byte header. A chunk (or inner chunk) whose
+zstd frame would save less than `MIN_SAVING` of its bytes is written as such a *stored frame*
+instead: any zstd decoder reads it (zarr-python's included) and it costs a copy to read, where
+zstd's entropy-coded blocks of poorly compressible data (random floats, noisy observations)
+decode at about 1 GB/s per core. The stored frames this module writes are found in a few array
+operations (`stored_mask`) and copied out without calling zstd (`copy_stored`); any other frame
+is left to the zstd decoder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..build import load_extension
+
+MIN_SAVING = 1 / 8
+"""A zstd frame is kept when it saves at least this fraction of the bytes, else stored."""
+BLOCK_BYTES = 128 * 1024
+"""Content bytes per raw block (zstd's largest block), all but the last block full."""
+_HEAD = np.frombuffer(bytes.fromhex("28b52ffd") + bytes([0xE0]), np.uint8)
+"""The magic number, then a frame header descriptor: single segment, an 8-byte content size,
+no content checksum, no dictionary."""
+_HEAD_BYTES = len(_HEAD) + 8
+_BLOCK_HEAD = 3
+_COPY_RUNS = getattr(load_extension("diskreplay.format._batch"), "copy_runs", None)
+
+
+def keeps_frame(frame_bytes: int, content_bytes: int) -> bool:
+    """Whether a zstd frame of ``frame_bytes`` saves enough of ``content_bytes`` to be kept."""
+    return frame_bytes <= content_bytes - content_bytes * MIN_SAVING
+
+
+def stored_frame(content: np.ndarray) -> bytes:
+    """A zstd frame holding ``content`` (uint8, 1-D, at least one byte) in raw blocks."""
+    n = len(content)
+    full, last = divmod(n, BLOCK_BYTES)
+    blocks = full + (last > 0)
+    out = np.empty(_HEAD_BYTES + _BLOCK_HEAD * blocks + n, np.uint8)
+    out[:len(_HEAD)] = _HEAD
+    out[len(_HEAD):_HEAD_BYTES] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
+    body = out[_HEAD_BYTES:]
+    heads = _block_heads(n)
+    rows = body[:full * (BLOCK_BYTES + _BLOCK_HEAD)].reshape(full, BLOCK_BYTES + _BLOCK_HEAD)
+    rows[:, :_BLOCK_HEAD] = heads[:full]
+    rows[:, _BLOCK_HEAD:] = content[:full * BLOCK_BYTES].reshape(full, BLOCK_BYTES)
+    if last:
+        tail = body[full * (BLOCK_BYTES + _BLOCK_HEAD):]
+        tail[:_BLOCK_HEAD] = heads[full]
+        tail[_BLOCK_HEAD:] = content[full * BLOCK_BYTES:]
+    return out.tobytes()
+
+
+def stored_mask(data: np.ndarray, begin: np.ndarray, length: np.ndarray, n: int) -> np.ndarray:
+    """Which of the frames ``data[begin[i]:begin[i] + length[i]]`` (uint8; int64 spans) are
+    stored frames of exactly ``n`` content bytes as `stored_frame` writes them (every header as
+    it must be), in a few array operations: a bool per frame."""
+    heads = _header_bytes(n)
+    stored: np.ndarray = (np.asarray(length) == _HEAD_BYTES + _BLOCK_HEAD * _blocks(n) + n) & (n > 0)
+    if stored.any():
+        at = begin[stored][:, None] + np.array(list(heads), np.int64)[None, :]
+        stored[stored] = (data[at] == np.array(list(heads.values()), np.uint8)).all(axis=1)
+    return stored
+
+
+def copy_stored(data: np.ndarray, begin: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> None:
+    """Copy the content of the stored frames at ``data[begin[i]:]`` (uint8; ones `stored_mask`
+    found, of ``flat.shape[1]`` bytes) into ``flat[rows[i]]`` (uint8 rows): one call without the
+    GIL per run of consecutive rows where the `_batch` extension was built, else a copy per block."""
+    n = flat.shape[1]
+    offsets = _HEAD_BYTES + _BLOCK_HEAD + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(_blocks(n), dtype=np.int64)
+    sizes = np.minimum(BLOCK_BYTES, n - BLOCK_BYTES * np.arange(_blocks(n), dtype=np.int64))
+    if _COPY_RUNS is None or not flat.flags.c_contiguous:
+        for at, row in zip(begin.tolist(), rows.tolist()):
+            for offset, size, start in zip(offsets.tolist(), sizes.tolist(), range(0, n, BLOCK_BYTES)):
+                flat[row, start:start + size] = data[at + offset:at + offset + size]
+        return
+    order = np.argsort(rows, kind="stable")
+    rows, begin = rows[order], begin[order]
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    for run, starts in zip(np.split(rows, cuts), np.split(begin, cuts)):
+        _COPY_RUNS(data, flat[run[0]:run[-1] + 1].reshape(-1), (starts[:, None] + offsets).reshape(-1),
+                   np.tile(sizes, len(run)))
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK_BYTES)
+
+
+def _header_bytes(n: int) -> dict[int, int]:
+    """Offset in a stored frame of ``n`` content bytes -> the byte every such frame has there."""
+    head = np.concatenate([_HEAD, np.frombuffer(n.to_bytes(8, "little"), np.uint8)])
+    offsets = _HEAD_BYTES + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(_blocks(n))[:, None] + np.arange(_BLOCK_HEAD)
+    return dict(zip(range(_HEAD_BYTES), head.tolist())) | dict(zip(offsets.reshape(-1).tolist(),
+                                                                    _block_heads(n).reshape(-1).tolist()))
+
+
+def _block_heads(n: int) -> np.ndarray:
+    """The 3-byte headers of the raw blocks of ``n`` content bytes (little-endian: the last-block
+    bit, the block type 0 (raw) in bits 1-2, the size from bit 3), one row each."""
+    full, last = divmod(n, BLOCK_BYTES)
+    sizes = [BLOCK_BYTES] * full + ([last] if last else [])
+    values = np.array([size << 3 for size in sizes], np.uint32)
+    values[-1] |= 1
+    return values.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :_BLOCK_HEAD]
