@@ -67,6 +67,8 @@ def test_a_truncated_stored_frame_is_not_taken_for_one():
     data, begin, length = spans([frame[:-1], frame])
     assert stored_mask(data, begin, length, 100).tolist() == [False, True]
     assert stored_mask(data, begin, length, 99).tolist() == [False, False]
+    empty = np.array([len(frame), 13])  # a 13-byte span is the header of a stored frame of nothing
+    assert stored_mask(data, np.zeros(2, np.int64), empty, 0).tolist() == [False, False]
 
 
 class _NoZstd:

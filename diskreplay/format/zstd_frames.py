@@ -57,9 +57,9 @@ def stored_mask(data: np.ndarray, begin: np.ndarray, length: np.ndarray, n: int)
     """Which of the frames ``data[begin[i]:begin[i] + length[i]]`` (uint8; int64 spans) are
     stored frames of exactly ``n`` content bytes as `stored_frame` writes them (every header as
     it must be), in a few array operations: a bool per frame."""
-    heads = _header_bytes(n)
     stored: np.ndarray = (np.asarray(length) == _HEAD_BYTES + _BLOCK_HEAD * _blocks(n) + n) & (n > 0)
     if stored.any():
+        heads = _header_bytes(n)
         at = begin[stored][:, None] + np.array(list(heads), np.int64)[None, :]
         stored[stored] = (data[at] == np.array(list(heads.values()), np.uint8)).all(axis=1)
     return stored
