@@ -489,7 +489,7 @@ def test_opening_a_buffer_reads_its_field_documents_together(s3):
 
 def test_an_epoch_dataset_made_from_a_url_reads_with_the_handle_it_opened(s3):
     """``make_dataset(url, mode="epoch")`` opens the buffer once in its process: the handle it reads
-    the layout from is the one the epoch then reads with (`buf.as_dataset` opens a second)."""
+    the layout from is the one the epoch then reads with (made from an open buffer, it opens a second)."""
     url, so = s3.new_url("epoch-url"), s3.storage_options()
     with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8, storage_options=so) as buf:
         buf.extend(rows(0, 20))
@@ -499,14 +499,15 @@ def test_an_epoch_dataset_made_from_a_url_reads_with_the_handle_it_opened(s3):
         dr.ReplayBuffer.open(url, "r", storage_options=options).close()  # the clients' own first requests
         for made_from, opens in [("url", 1), ("buffer", 2)]:
             proxy.hits.clear()
-            if made_from == "url":
-                ds = dr.make_dataset(url, 4, mode="epoch", shuffle=False, storage_options=options)
-            else:
-                ds = dr.ReplayBuffer.open(url, "r", storage_options=options).as_dataset(4, mode="epoch", shuffle=False)
+            given = url if made_from == "url" else dr.ReplayBuffer.open(url, "r", storage_options=options)
+            ds = dr.make_dataset(given, 4, mode="epoch", shuffle=False, storage_options=options)
             batches = list(ds)
             assert np.concatenate([b["obs"][:, 0].numpy() for b in batches]).tolist() == list(range(20))
             assert proxy.count("/commit.json", "GET") == opens
             assert proxy.count("/zarr.json", "GET") == opens * (1 + len(FIELDS))
+            ds.reader.get().close()
+            if made_from == "buffer":
+                given.close()
     finally:
         proxy.close()
 
