@@ -411,8 +411,8 @@ def test_a_kept_shard_index_of_a_rewritten_tail_chunk_is_read_again(s3):
 def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
     """Opening a union of S shards reads each shard's metadata (its group, commit record and
     arrays) with the shards' reads in flight together, not ~6 requests per shard one after the
-    other (28 s for 64 shards at 20 ms); the count is (3 + fields) per shard + 2 (docs/guide/shards.md;
-    one more per shard whose commit saved a state: none here)."""
+    other (28 s for 64 shards at 20 ms); the count is (4 + fields) per shard of a ring + 3
+    (docs/guide/shards.md; one more per shard whose commit saved a state: none here)."""
     from diskreplay.storage import UnionStorage
 
     shards = 8
@@ -433,7 +433,7 @@ def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
         proxy.hits.clear()
         with dr.ReplayBuffer.open(url, "r", storage_options=options) as buf:
             assert buf.storage.shards == shards
-        assert sum(proxy.hits.values()) == (3 + len(FIELDS)) * shards + 2
+        assert sum(proxy.hits.values()) == (4 + len(FIELDS)) * shards + 3  # a ring's commit: again after its group
         assert proxy.count("/zarr.json", "GET") == (1 + len(FIELDS)) * shards + 2
         assert metadata_in_flight[0] > 1
     finally:
@@ -466,11 +466,13 @@ def test_refresh_of_64_shards_with_2_committed_costs_2k_plus_1_requests(s3):
         proxy.close()
 
 
-def test_opening_a_buffer_reads_its_field_documents_together(s3):
-    """A reader's open: its group, then its commit record, then every field's array document at
-    once (they must be read after the commit: they cover its rows), not one after the other."""
+@pytest.mark.parametrize("capacity,commit_reads", [(64, 2), (None, 1)])
+def test_opening_a_buffer_reads_its_field_documents_together(s3, capacity, commit_reads):
+    """A reader's open: its group and its commit record (a ring's again after its group), then
+    every field's array document at once (they must be read after the commit: they cover its
+    rows), not one after the other."""
     url, so = s3.new_url("open-one"), s3.storage_options()
-    with dr.ReplayBuffer.create(url, FIELDS, capacity=64, chunk_rows=8, storage_options=so) as buf:
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, storage_options=so) as buf:
         buf.extend(rows(0, 20))
     proxy = FaultProxy(s3.endpoint, latency_s=0.02)  # every request takes a while: overlaps are seen
     try:
@@ -480,11 +482,35 @@ def test_opening_a_buffer_reads_its_field_documents_together(s3):
         proxy.hits.clear()
         dr.ReplayBuffer.open(url, "r", storage_options=options).close()
         assert proxy.count("/zarr.json", "GET") == 1 + len(FIELDS)
-        assert proxy.count("/commit.json", "GET") == 1
+        assert proxy.count("/commit.json", "GET") == commit_reads
         assert proxy.max_in_flight == len(FIELDS)
-        assert sum(proxy.hits.values()) == 3 + len(FIELDS)  # and the saved episode state: docs/guide/cloud.md
+        assert sum(proxy.hits.values()) == 2 + commit_reads + len(FIELDS)  # and the episode state: docs/guide/cloud.md
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("capacity", [None, 64])
+def test_a_datasets_open_reads_its_group_and_commit_in_one_round(s3, capacity, monkeypatch):
+    """The rounds of requests of a reader's open: a dataset's group and commit record in one,
+    then its field documents, then its saved state; a ring's commit record read again, alone,
+    after its group (a ring's group changes with its capacity)."""
+    from diskreplay.io.obstore_store import ObstoreChunkStore
+    from diskreplay.io.remote import FsspecChunkStore
+
+    url, so = s3.new_url("open-rounds"), s3.storage_options()
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, storage_options=so) as buf:
+        buf.extend(rows(0, 20))
+    rounds: list[list[str]] = []
+    for store in (ObstoreChunkStore, FsspecChunkStore):
+        def logged_rounds(self, keys, limit=None, _get_many=store.get_many):
+            rounds.append(list(keys))
+            return _get_many(self, keys, limit)
+        monkeypatch.setattr(store, "get_many", logged_rounds)
+    dr.ReplayBuffer.open(url, "r", storage_options=so).close()
+    commit = ["diskreplay/objects/commit.json"]
+    assert [sorted(keys) for keys in rounds[:-1]] == [sorted(["zarr.json", *commit]), *([commit] if capacity else []),
+                                                      sorted(f"{name}/zarr.json" for name in FIELDS)]
+    assert all(key.startswith("diskreplay/objects/state/") for key in rounds[-1])  # the saved episode index
 
 
 def test_an_epoch_dataset_made_from_a_url_reads_with_the_handle_it_opened(s3):

@@ -18,6 +18,7 @@ from ..format.commit import CommitRecord
 from ..format.config import BufferConfig
 from ..format.keys import (
     COMMIT_KEY,
+    FORMAT,
     GROUP_KEY,
     INCOMPLETE_IMPORT_KEY,
     MAX_METADATA_BYTES,
@@ -258,10 +259,8 @@ def check_location(url: str) -> None:
 def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
     """A buffer's validated metadata and commit record. Raises NotABufferError, CorruptBufferError."""
     check_location(url)
-    read_small = functools.partial(store.get, limit=MAX_METADATA_BYTES + 1)
-    config = read_config(read_small, url)
+    config, blob = _config_and_commit(url, store)
     objects = objects_at(store, objects_prefix(config.format))
-    blob = objects.get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
     if blob is None:
         if objects.exists(INCOMPLETE_IMPORT_KEY):
             raise NotABufferError(f"{url!r} holds an interrupted import (no {COMMIT_KEY}); "
@@ -276,6 +275,18 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
     return config, arrays, record
+
+
+def _config_and_commit(url: str, store: ChunkStore) -> tuple[BufferConfig, bytes | None]:
+    """The buffer's config and its commit record's bytes (None: none), read together (one round
+    trip on an object store) where the group cannot have changed since the commit: a dataset's
+    group never changes. A ring's changes with its capacity (`resizing`), so its commit record
+    is read again, after its group, as a reader must."""
+    group, commit = store.get_many([GROUP_KEY, objects_prefix(FORMAT) + COMMIT_KEY], limit=MAX_METADATA_BYTES + 1)
+    config = read_config(lambda key: group if key == GROUP_KEY else None, url)
+    if config.lane_capacity is not None or config.format != FORMAT:
+        commit = objects_at(store, objects_prefix(config.format)).get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
+    return config, commit
 
 
 def _read_writable(url: str, store: ChunkStore, objects: ChunkStore
