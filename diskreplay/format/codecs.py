@@ -210,7 +210,7 @@ class Codec:
         off; ``data``: ``blob`` as uint8; int64 offsets and lengths) into ``flat[rows[i]]``
         (uint8 rows of the decoded size), as `decode_bodies` says. Raises ValueError."""
         if self.compression == "zstd" and len(rows) > 1:
-            _zstd_spans_into(blob, begin, length, flat, rows)
+            _zstd_spans_into(blob, data, begin, length, flat, rows)
             return
         left = (lz4_spans_into(blob, data, begin, length, flat, rows) if self.compression in LZ4_BLOCKS
                 else range(len(rows)))
@@ -385,12 +385,12 @@ def _check_bodies(data: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, inne
     raise ValueError(f"inner chunk {inners[bad]}: {why}")
 
 
-def _zstd_spans_into(blob: bytes | memoryview, begin: np.ndarray, length: np.ndarray, flat: np.ndarray,
-                     rows: np.ndarray) -> None:
-    """Decode the zstd frames ``blob[begin[i]:begin[i] + length[i]]`` into ``flat[rows[i]]``
-    (uint8 rows): stored frames copied, the others in one call, each into a buffer of exactly
-    its row's size (a frame's header sizes nothing), then copied into its row. Raises ValueError."""
-    data = np.frombuffer(blob, np.uint8)
+def _zstd_spans_into(blob: bytes | memoryview, data: np.ndarray, begin: np.ndarray, length: np.ndarray,
+                     flat: np.ndarray, rows: np.ndarray) -> None:
+    """Decode the zstd frames ``blob[begin[i]:begin[i] + length[i]]`` (``data``: ``blob`` as
+    uint8) into ``flat[rows[i]]`` (uint8 rows): stored frames copied, the others in one call,
+    each into a buffer of exactly its row's size (a frame's header sizes nothing), then copied
+    into its row. Raises ValueError."""
     stored = stored_mask(data, begin, length, flat.shape[1])
     if stored.any():
         copy_stored(data, begin[stored], flat, rows[stored])

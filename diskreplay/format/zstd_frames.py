@@ -35,21 +35,11 @@ def keeps_frame(frame_bytes: int, content_bytes: int) -> bool:
 
 def stored_frame(content: np.ndarray) -> bytes:
     """A zstd frame holding ``content`` (uint8, 1-D, at least one byte) in raw blocks."""
-    n = len(content)
-    full, last = divmod(n, BLOCK_BYTES)
-    blocks = full + (last > 0)
-    out = np.empty(_HEAD_BYTES + _BLOCK_HEAD * blocks + n, np.uint8)
-    out[:len(_HEAD)] = _HEAD
-    out[len(_HEAD):_HEAD_BYTES] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
-    body = out[_HEAD_BYTES:]
-    heads = _block_heads(n)
-    rows = body[:full * (BLOCK_BYTES + _BLOCK_HEAD)].reshape(full, BLOCK_BYTES + _BLOCK_HEAD)
-    rows[:, :_BLOCK_HEAD] = heads[:full]
-    rows[:, _BLOCK_HEAD:] = content[:full * BLOCK_BYTES].reshape(full, BLOCK_BYTES)
-    if last:
-        tail = body[full * (BLOCK_BYTES + _BLOCK_HEAD):]
-        tail[:_BLOCK_HEAD] = heads[full]
-        tail[_BLOCK_HEAD:] = content[full * BLOCK_BYTES:]
+    heads, values, offsets, sizes = _layout(len(content))
+    out = np.empty(_HEAD_BYTES + _BLOCK_HEAD * len(sizes) + len(content), np.uint8)
+    out[heads] = values
+    for offset, size, start in zip(offsets.tolist(), sizes.tolist(), range(0, len(content), BLOCK_BYTES)):
+        out[offset:offset + size] = content[start:start + size]
     return out.tobytes()
 
 
@@ -59,9 +49,8 @@ def stored_mask(data: np.ndarray, begin: np.ndarray, length: np.ndarray, n: int)
     it must be), in a few array operations: a bool per frame."""
     stored: np.ndarray = (np.asarray(length) == _HEAD_BYTES + _BLOCK_HEAD * _blocks(n) + n) & (n > 0)
     if stored.any():
-        heads = _header_bytes(n)
-        at = begin[stored][:, None] + np.array(list(heads), np.int64)[None, :]
-        stored[stored] = (data[at] == np.array(list(heads.values()), np.uint8)).all(axis=1)
+        heads, values, _, _ = _layout(n)
+        stored[stored] = (data[begin[stored][:, None] + heads] == values).all(axis=1)
     return stored
 
 
@@ -70,8 +59,7 @@ def copy_stored(data: np.ndarray, begin: np.ndarray, flat: np.ndarray, rows: np.
     found, of ``flat.shape[1]`` bytes) into ``flat[rows[i]]`` (uint8 rows): one call without the
     GIL per run of consecutive rows where the `_batch` extension was built, else a copy per block."""
     n = flat.shape[1]
-    offsets = _HEAD_BYTES + _BLOCK_HEAD + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(_blocks(n), dtype=np.int64)
-    sizes = np.minimum(BLOCK_BYTES, n - BLOCK_BYTES * np.arange(_blocks(n), dtype=np.int64))
+    _, _, offsets, sizes = _layout(n)
     if _COPY_RUNS is None or not flat.flags.c_contiguous:
         for at, row in zip(begin.tolist(), rows.tolist()):
             for offset, size, start in zip(offsets.tolist(), sizes.tolist(), range(0, n, BLOCK_BYTES)):
@@ -89,19 +77,16 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK_BYTES)
 
 
-def _header_bytes(n: int) -> dict[int, int]:
-    """Offset in a stored frame of ``n`` content bytes -> the byte every such frame has there."""
-    head = np.concatenate([_HEAD, np.frombuffer(n.to_bytes(8, "little"), np.uint8)])
-    offsets = _HEAD_BYTES + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(_blocks(n))[:, None] + np.arange(_BLOCK_HEAD)
-    return dict(zip(range(_HEAD_BYTES), head.tolist())) | dict(zip(offsets.reshape(-1).tolist(),
-                                                                    _block_heads(n).reshape(-1).tolist()))
-
-
-def _block_heads(n: int) -> np.ndarray:
-    """The 3-byte headers of the raw blocks of ``n`` content bytes (little-endian: the last-block
-    bit, the block type 0 (raw) in bits 1-2, the size from bit 3), one row each."""
-    full, last = divmod(n, BLOCK_BYTES)
-    sizes = [BLOCK_BYTES] * full + ([last] if last else [])
-    values = np.array([size << 3 for size in sizes], np.uint32)
-    values[-1] |= 1
-    return values.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :_BLOCK_HEAD]
+def _layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where a stored frame of ``n`` (> 0) content bytes puts what: the offsets of its header
+    bytes (the frame's, then each block's) and the bytes there, then each block's content offset
+    and size. A block header is 3 bytes little-endian: the last-block bit, the block type 0
+    (raw) in bits 1-2, the size from bit 3."""
+    sizes = np.minimum(BLOCK_BYTES, n - BLOCK_BYTES * np.arange(_blocks(n), dtype=np.int64))
+    starts = _HEAD_BYTES + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(len(sizes), dtype=np.int64)
+    words = (sizes << 3).astype("<u4")
+    words[-1] |= 1
+    heads = np.concatenate([np.arange(_HEAD_BYTES), (starts[:, None] + np.arange(_BLOCK_HEAD)).reshape(-1)])
+    values = np.concatenate([_HEAD, np.frombuffer(n.to_bytes(8, "little"), np.uint8),
+                             words.view(np.uint8).reshape(-1, 4)[:, :_BLOCK_HEAD].reshape(-1)])
+    return heads, values, starts + _BLOCK_HEAD, sizes
