@@ -1057,6 +1057,35 @@ def test_an_object_of_more_parts_than_one_writev_takes(tmp_path):
     assert store.get("obs/c.0.0.0") == store.get("obs/c.0.1.0") == b"".join(parts)
 
 
+def test_local_ranges_of_more_files_than_may_be_open_at_once(tmp_path, monkeypatch):
+    """Ranges over 40 files, at most 8 held open at once: every range answered, in order, and
+    never more than 8 descriptors open (a batch of a buffer of short chunks touches thousands)."""
+    from diskreplay.io import local
+
+    store = local.LocalChunkStore(str(tmp_path))
+    for i in range(40):
+        store.put(f"f/{i}", bytes([i]) * 10)
+    held, most = set(), 0
+    opened, closed = local.open_for_reading, os.close
+
+    def counted_open(path):
+        nonlocal most
+        fd = opened(path)
+        held.add(fd)
+        most = max(most, len(held))
+        return fd
+
+    def counted_close(fd):
+        held.discard(fd)
+        closed(fd)
+    monkeypatch.setattr(local, "FILES_AT_ONCE", 8)
+    monkeypatch.setattr(local, "open_for_reading", counted_open)
+    monkeypatch.setattr(local.os, "close", counted_close)
+    ranges = [(f"f/{i % 40}", i % 3, i % 3 + 2) for i in range(120)] + [("nope", 0, 1)]
+    assert store.get_ranges(ranges) == [(bytes([i % 40]) * 2, 10) for i in range(120)] + [None]
+    assert most == 8 and not held
+
+
 def test_both_stores_keep_the_chunkstore_protocol_alike(url):
     """Local files and an fsspec store answer every `ChunkStore` call the same way."""
     store = open_chunkstore(url)

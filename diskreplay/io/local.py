@@ -19,6 +19,9 @@ from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
 
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
+FILES_AT_ONCE = 256
+"""Files one `LocalChunkStore.get_ranges` holds open at once (a batch may touch thousands, past
+the process's limit on open files)."""
 _NOATIME = getattr(os, "O_NOATIME", 0)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 """The most buffers one ``writev`` takes (a shard of many inner chunks has more parts)."""
@@ -64,8 +67,19 @@ class LocalChunkStore:
         return [self.get(k, limit) for k in keys]
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
-        """Each range's bytes (``pread``) and its file's size, each file opened once; every range
-        is asked of the OS first (``POSIX_FADV_WILLNEED``), so that cold ones are read together."""
+        """Each range's bytes (``pread``) and its file's size, each file opened once; the ranges
+        go in runs of at most `FILES_AT_ONCE` files held open at once, every range of a run asked
+        of the OS first (``POSIX_FADV_WILLNEED``), so that cold ones are read together."""
+        found: list[Ranged | None] = []
+        start, keys = 0, set[str]()
+        for i, (key, _, _) in enumerate(ranges):
+            if key not in keys and len(keys) == FILES_AT_ONCE:
+                found += self._get_ranges(ranges[start:i])
+                start, keys = i, set()
+            keys.add(key)
+        return found + self._get_ranges(ranges[start:])
+
+    def _get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         files: dict[str, tuple[int, int] | None] = {}
         try:
             for key, start, stop in ranges:
