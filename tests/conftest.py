@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import Future
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -309,3 +310,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two saved states (nested dicts, lists and arrays) are equal, dtypes included."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_state, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b

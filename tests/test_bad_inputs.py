@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from conftest import OWN, dir_snapshot
+from conftest import OWN, dir_snapshot, same_state
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -423,16 +423,6 @@ def tree(path: str) -> dict[str, bytes | None]:
     for root, dirs, _ in os.walk(path):
         out.update({os.path.relpath(os.path.join(root, d), path): None for d in dirs})
     return out
-
-
-def same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_state, a, b))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    return a == b
 
 
 # ---- helpers for create -----------------------------------------------------------------------

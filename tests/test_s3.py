@@ -8,11 +8,12 @@ connection for chosen requests (tests/s3server.py).
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
 import zarr
-from conftest import OWN, logged
+from conftest import OWN, logged, same_state
 from s3server import FaultProxy, fault_proxy, proxy_options, s3, s3_client
 
 import diskreplay as dr
@@ -470,7 +471,8 @@ def test_refresh_of_64_shards_with_2_committed_costs_2k_plus_1_requests(s3):
 def test_opening_a_buffer_reads_its_field_documents_together(s3, capacity, commit_reads):
     """A reader's open: its group and its commit record (a ring's again after its group), then
     every field's array document at once (they must be read after the commit: they cover its
-    rows), not one after the other."""
+    rows), not one after the other, and beside them the state its commit names (the episode
+    index)."""
     url, so = s3.new_url("open-one"), s3.storage_options()
     with dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, storage_options=so) as buf:
         buf.extend(rows(0, 20))
@@ -483,34 +485,56 @@ def test_opening_a_buffer_reads_its_field_documents_together(s3, capacity, commi
         dr.ReplayBuffer.open(url, "r", storage_options=options).close()
         assert proxy.count("/zarr.json", "GET") == 1 + len(FIELDS)
         assert proxy.count("/commit.json", "GET") == commit_reads
-        assert proxy.max_in_flight == len(FIELDS)
-        assert sum(proxy.hits.values()) == 2 + commit_reads + len(FIELDS)  # and the episode state: docs/guide/cloud.md
+        assert proxy.max_in_flight == len(FIELDS) + 1
+        assert sum(proxy.hits.values()) == 2 + commit_reads + len(FIELDS)  # docs/guide/cloud.md
     finally:
         proxy.close()
 
 
-@pytest.mark.parametrize("capacity", [None, 64])
-def test_a_datasets_open_reads_its_group_and_commit_in_one_round(s3, capacity, monkeypatch):
+@pytest.mark.parametrize("capacity,sampler,state_objects", [(None, None, 1), (64, None, 1), (64, "per", 3), (64, "wor", 2)])
+def test_a_datasets_open_reads_its_group_and_commit_in_one_round(s3, capacity, sampler, state_objects, monkeypatch):
     """The rounds of requests of a reader's open: a dataset's group and commit record in one,
-    then its field documents, then its saved state; a ring's commit record read again, alone,
-    after its group (a ring's group changes with its capacity)."""
+    then its field documents with its saved state beside them (the documents' read waits here
+    until the state's has begun: read one after the other, it would wait in vain); a ring's
+    commit record read again, alone, after its group (a ring's group changes with its capacity)."""
     from diskreplay.io.obstore_store import ObstoreChunkStore
     from diskreplay.io.remote import FsspecChunkStore
 
     url, so = s3.new_url("open-rounds"), s3.storage_options()
-    with dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, storage_options=so) as buf:
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=capacity, chunk_rows=8, storage_options=so,
+                                sampler={"per": dr.Prioritized(), "wor": dr.WithoutReplacement()}.get(sampler)) as buf:
         buf.extend(rows(0, 20))
+        if sampler == "per":
+            buf.update_priorities(np.arange(20), np.arange(1.0, 21.0))
+        buf.flush()
+        saved = buf.sampler.state_dict()
     rounds: list[list[str]] = []
+    state_reads: list[list[str]] = []
+    reads_before_documents: list[int] = []
+    state_asked = threading.Event()
     for store in (ObstoreChunkStore, FsspecChunkStore):
         def logged_rounds(self, keys, limit=None, _get_many=store.get_many):
+            if any(key.startswith("diskreplay/objects/state/") for key in keys):
+                state_reads.append(list(keys))
+                state_asked.set()
+                return _get_many(self, keys, limit)
+            documents = any(key.endswith("/zarr.json") for key in keys)
+            if documents:
+                assert state_asked.wait(30), "the field documents were read before the state was asked for"
             rounds.append(list(keys))
-            return _get_many(self, keys, limit)
+            got = _get_many(self, keys, limit)
+            if documents:
+                reads_before_documents.append(len(state_reads))
+            return got
         monkeypatch.setattr(store, "get_many", logged_rounds)
-    dr.ReplayBuffer.open(url, "r", storage_options=so).close()
+    with dr.ReplayBuffer.open(url, "r", storage_options=so) as opened:
+        assert same_state(opened.sampler.state_dict(), saved)
+    keys = [key for read in state_reads for key in read]
+    assert len(keys) == len(set(keys)) == state_objects  # each read once: the episode index, priorities, draws
+    assert reads_before_documents == [len(state_reads)]  # every one asked for while the documents were read
     commit = ["diskreplay/objects/commit.json"]
-    assert [sorted(keys) for keys in rounds[:-1]] == [sorted(["zarr.json", *commit]), *([commit] if capacity else []),
-                                                      sorted(f"{name}/zarr.json" for name in FIELDS)]
-    assert all(key.startswith("diskreplay/objects/state/") for key in rounds[-1])  # the saved episode index
+    assert [sorted(keys) for keys in rounds] == [sorted(["zarr.json", *commit]), *([commit] if capacity else []),
+                                                 sorted(f"{name}/zarr.json" for name in FIELDS)]
 
 
 def test_an_epoch_dataset_made_from_a_url_reads_with_the_handle_it_opened(s3):

@@ -228,7 +228,7 @@ def open_storages(url: str, mode: str, options: Options, at_commit: int | str | 
     show and the state saved with it. A reader that raced its writer shows the newest commit;
     one opened ``at_commit`` shows that one (its side store its newest: it reads only rows
     its commit names, which the writer never rewrites)."""
-    storage = open_storage(url, mode, options, at_commit)
+    storage = open_storage(url, mode, options, at_commit, with_state=True)
     finals = None
     try:
         record, state = storage.load_state(newest=False)

@@ -65,6 +65,21 @@ def join(meta: Any, arrays: dict[str, np.ndarray], journal: Callable[[str, Any],
     return meta
 
 
+def journal_values(meta: Any, path: str = "") -> dict[str, Any]:
+    """Every journal reference in a state's JSON part: ``{path: value}`` (what `join` hands its
+    ``journal``), found without its arrays."""
+    if isinstance(meta, dict):
+        if set(meta) == {JOURNAL_MARK}:
+            return {path: meta[JOURNAL_MARK]}
+        if set(meta) == {ARRAY_MARK}:
+            return {}
+        return {k: v for key, value in meta.items()
+                for k, v in journal_values(value, f"{path}.{key}" if path else key).items()}
+    if isinstance(meta, list):
+        return {k: v for i, value in enumerate(meta) for k, v in journal_values(value, f"{path}.{i}").items()}
+    return {}
+
+
 def arrays_to_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return st_save(arrays)
 

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +47,7 @@ from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
 from ..io.lock import WriterLock, fenced
 from ..io.store import ChunkStore
 from .cursors import Cursors
-from .journal import Journal, MissingObject, read_journals
+from .journal import Journal, MissingObject, object_sizes, read_journals
 from .resizing import marked
 
 STATE_ATTEMPTS = 10
@@ -75,14 +75,34 @@ class Announcer(Protocol):
         """Commit ``sequence`` is about to be made."""
 
 
+def state_reads(record: CommitRecord) -> list[tuple[list[str], int | None]]:
+    """What the first `CommitLog.load_state` of ``record`` reads from the buffer's own objects,
+    as ``(keys, limit)`` reads that can run side by side: its state object, its journals' objects.
+    A reference it cannot parse is left to `load_state`, which says what is wrong with it."""
+    if record.state is None:
+        return []
+    key = record.state_arrays
+    reads: list[tuple[list[str], int | None]] = [([key], None)] if key is not None and is_state_key(key) else []
+    try:
+        refs = [JournalRef.from_json(path, value, record.sequence)
+                for path, value in state_files.journal_values(record.state).items()]
+    except ValueError:
+        return reads
+    sizes = object_sizes(refs)
+    return reads + ([(list(sizes), max(sizes.values()) + 1)] if sizes else [])
+
+
 class CommitLog:
     """The commit record, its state objects, the arrays' growth and the writer lock of one buffer."""
 
     def __init__(self, url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig,
                  arrays: dict[str, ArrayMeta], record: CommitRecord, cursors: Cursors, mode: str,
                  lock: WriterLock | None, announcer: Announcer | None = None,
-                 hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None):
-        """``hold``: for a reader held at its commit, makes the `held` of this log (`pins`)."""
+                 hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None,
+                 read_ahead: Mapping[str, bytes | None] | None = None):
+        """``hold``: for a reader held at its commit, makes the `held` of this log (`pins`);
+        ``read_ahead``: objects of ``record``'s state read with the metadata (`state_reads`;
+        key -> bytes, None: missing), which the first `load_state` takes instead of reading them."""
         self.url = url
         self.store = store
         self.objects = objects
@@ -101,6 +121,7 @@ class CommitLog:
         self._garbage: list[str] = []  # state objects no commit names, deleted after the next commit
         self.journals: dict[str, Journal] = {}
         self.announcer = announcer
+        self._read_ahead = dict(read_ahead or {})
         self._version: str | None = None  # of the commit record as this writer last wrote or read it
         """A reader opened at one commit: what `read_newest` answers instead (`pins.hold_pinned`)."""
         if lock is not None:
@@ -312,15 +333,15 @@ class CommitLog:
         for attempt in range(STATE_ATTEMPTS):
             if attempt:
                 record = self.read_newest()
-            key = record.state_arrays
+            key, ahead, self._read_ahead = record.state_arrays, self._read_ahead, {}
             if record.state is None:
                 return record, {}
-            blob = self._get_state(key) if key else b""
+            blob = (ahead[key] if key in ahead else self._get_state(key)) if key else b""
             if blob is not None:
                 record.check_state_object(blob, self.url)
                 try:
                     arrays = state_files.arrays_from_bytes(blob) if key else {}
-                    return record, state_files.join(record.state, arrays, self._read_journals(record, arrays))
+                    return record, state_files.join(record.state, arrays, self._read_journals(record, arrays, ahead))
                 except MissingObject as missing:
                     key = str(missing)
                 except (ValueError, KeyError, TypeError) as exc:
@@ -333,12 +354,15 @@ class CommitLog:
                                      f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
-    def _read_journals(self, record: CommitRecord, arrays: dict[str, np.ndarray]) -> Callable[[str, Any], Any]:
-        """The journals ``record``'s state names, read together: what each reference stands for."""
+    def _read_journals(self, record: CommitRecord, arrays: dict[str, np.ndarray],
+                       ahead: Mapping[str, bytes | None]) -> Callable[[str, Any], Any]:
+        """The journals ``record``'s state names, read together (but for the objects in
+        ``ahead``, read already): what each reference stands for."""
         refs: dict[str, JournalRef] = {}
         state_files.join(record.state, arrays, lambda path, value: refs.setdefault(
             path, JournalRef.from_json(path, value, record.sequence)))
-        contents = dict(zip(refs, read_journals([(self._journal(path), ref) for path, ref in refs.items()])))
+        reads = [(self._journal(path), ref) for path, ref in refs.items()]
+        contents = dict(zip(refs, read_journals(reads, ahead)))
         return lambda path, value: contents[path]
 
     def _get_state(self, key: str) -> bytes | None:

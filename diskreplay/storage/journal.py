@@ -10,6 +10,7 @@ success, and a reader may already follow the commit that names it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -111,14 +112,10 @@ class Journal:
         return read_journals([(self, ref)])[0]
 
     def _wanted(self, ref: JournalRef) -> tuple[list[Wanted], list[Wanted], Wanted | None]:
-        """What ``ref`` consists of: its bases, its full log chunks and its tail (None: none)."""
+        """What ``ref`` consists of (`parts`), the objects of another generation forgotten."""
         if self.ref is None or self.ref.generation != ref.generation:
             self.known = {}
-        bases = [(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start))
-                 for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK))]
-        logs = [(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
-        tail_key = ref.tail_key()
-        return bases, logs, (tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key else None
+        return parts(ref)
 
     def _adopt(self, ref: JournalRef, parts: tuple[list[Wanted], list[Wanted], Wanted | None],
                got: dict[str, np.ndarray]) -> JournalContent:
@@ -132,11 +129,29 @@ class Journal:
         return JournalContent(base, records)
 
 
-def read_journals(reads: list[tuple[Journal, JournalRef]]) -> list[JournalContent]:
+def parts(ref: JournalRef) -> tuple[list[Wanted], list[Wanted], Wanted | None]:
+    """What ``ref`` consists of: its bases, its full log chunks and its tail (None: none)."""
+    bases = [(key, ref.base_dtype, min(BASE_CHUNK, ref.base - start))
+             for key, start in zip(ref.base_keys(), range(0, ref.base, BASE_CHUNK))]
+    logs = [(ref.log_key(i), ref.record_dtype, LOG_CHUNK) for i in range(ref.records // LOG_CHUNK)]
+    tail_key = ref.tail_key()
+    return bases, logs, (tail_key, ref.record_dtype, ref.records % LOG_CHUNK) if tail_key else None
+
+
+def object_sizes(refs: list[JournalRef]) -> dict[str, int]:
+    """The bytes of each object a reader that knows none of them reads for ``refs``."""
+    return {key: count * dtype.itemsize + ref.trailer()
+            for ref in refs for bases, logs, last in [parts(ref)]
+            for key, dtype, count in [*bases, *logs, *([last] if last else [])]}
+
+
+def read_journals(reads: list[tuple[Journal, JournalRef]],
+                  read_ahead: Mapping[str, bytes | None] | None = None) -> list[JournalContent]:
     """Each journal's content at its reference, which becomes its committed state. Bases and full
     log chunks are written once: those read for an earlier reference of the same generation are
     not read again (a reader following commits reads what was appended). The objects of all the
-    journals are fetched together, from the first one's store (one round trip on an object store).
+    journals are fetched together, from the first one's store (one round trip on an object store),
+    but for those in ``read_ahead`` (key -> bytes, None: missing), read already.
 
     Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
     fails its checksum: the first object in order that does)."""
@@ -147,8 +162,11 @@ def read_journals(reads: list[tuple[Journal, JournalRef]]) -> list[JournalConten
              for i, ((journal, ref), (bases, logs, last)) in enumerate(zip(reads, parts))
              for key, dtype, count in [*(one for one in bases + logs if one[0] not in journal.known),
                                        *([last] if last else [])]]
-    blobs = reads[0][0].store.get_many([key for _, key, *_ in items],
-                                       limit=max((size for *_, size in items), default=0) + 1)
+    ahead = read_ahead or {}
+    missing = [key for _, key, *_ in items if key not in ahead]
+    fetched = dict(zip(missing, reads[0][0].store.get_many(
+        missing, limit=max((size for *_, size in items), default=0) + 1))) if missing else {}
+    blobs = [ahead[key] if key in ahead else fetched[key] for _, key, *_ in items]
     got: list[dict[str, np.ndarray]] = [{} for _ in reads]
     for (i, key, dtype, count, size), blob in zip(items, blobs):
         journal, ref = reads[i]

@@ -7,6 +7,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ from . import resizing
 from .buffer_storage import BufferStorage
 from .cache import ChunkCache
 from .chunk_io import ChunkIO, default_io_threads
-from .commit_log import Announcer, CommitLog
+from .commit_log import Announcer, CommitLog, state_reads
 from .cursors import Cursors
 from .file_maps import FileMaps
 from .loading import ChunkLoader
@@ -125,16 +126,19 @@ def create_storage(plan: NewStorage, options: Options, commit: bool = True) -> B
         raise
 
 
-def open_storage(url: str, mode: str, options: Options, at_commit: int | str | None = None) -> BufferStorage:
+def open_storage(url: str, mode: str, options: Options, at_commit: int | str | None = None,
+                 with_state: bool = False) -> BufferStorage:
     """Open an existing buffer's storage, read-only (``mode="r"``) or as its writer (``"r+"``);
-    ``at_commit``: read-only, held at that commit (`open_at_commit`).
+    ``at_commit``: read-only, held at that commit (`open_at_commit`); ``with_state``: read the
+    state saved with the commit beside the fields' documents, for the log's first `load_state`.
 
     Raises NotABufferError, CorruptBufferError (naming the object and field), LockedError,
     CommitNotKeptError; ResizeInProgressError: a reader, while a change of capacity is under
     way (a writer finishes it)."""
     store = _store(url, options)
+    now = with_state and mode == "r" and at_commit is None  # a writer reads its metadata again, locked
     try:
-        config, arrays, record = _read_buffer(url, store)
+        config, arrays, record, saved = _read_buffer(url, store, now)
     except ResizeInProgressError:
         if mode == "r":
             raise
@@ -145,8 +149,8 @@ def open_storage(url: str, mode: str, options: Options, at_commit: int | str | N
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
-            config, arrays, record = _read_writable(url, store, objects)
-        return _writable(url, store, objects, config, arrays, record, mode, lock, options)
+            config, arrays, record, saved = _read_writable(url, store, objects, with_state)
+        return _writable(url, store, objects, config, arrays, record, mode, lock, options, read_ahead=saved)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -191,7 +195,7 @@ def _part_logs(parts: Sequence[str], options: Options, threads: Threads) -> list
     Raises the error of the first part, in order, that fails."""
     def part_log(part: str) -> CommitLog:
         store = _store(part, options)
-        config, arrays, record = _read_buffer(part, store)
+        config, arrays, record, _ = _read_buffer(part, store)
         cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=True)
         objects = objects_at(store, objects_prefix(config.format))
         return CommitLog(part, store, objects, config, arrays, record, cursors, "r", None)
@@ -231,13 +235,14 @@ def open_at_commit(url: str, store: ChunkStore, objects: ChunkStore,
 def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferConfig, arrays: dict[str, ArrayMeta],
               record: CommitRecord, mode: str, lock: WriterLock | None, options: Options,
               chunks: ChunkStore | None = None,
-              hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None) -> BufferStorage:
+              hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None,
+              read_ahead: Mapping[str, bytes | None] | None = None) -> BufferStorage:
     """One buffer's storage, as its writer (``mode="r+"``) or a reader of it; ``chunks``: where
     its chunks are read (default: ``store``, with its arrays); ``hold``: holds a reader's log at
-    its commit (`pins.hold_pinned`)."""
+    its commit (`pins.hold_pinned`); ``read_ahead``: objects of ``record``'s state, read already."""
     cursors = Cursors(config.layout, record.committed.copy(), record.lower.copy(), frozen=mode == "r")
     log = CommitLog(url, store, objects, config, arrays, record, cursors, mode, lock,
-                    options.announcer if mode == "r+" else None, hold)
+                    options.announcer if mode == "r+" else None, hold, read_ahead)
     io = ChunkIO(store if chunks is None else chunks, config, field_codecs(buffer_codec(arrays, url), config),
                  options.io_threads or default_io_threads(url))
     cache, loader, reader, files, ragged = _read_side(url, config, arrays, log, io, options, _tables(url, log, io))
@@ -256,8 +261,20 @@ def check_location(url: str) -> None:
         raise NotABufferError(f"{url!r} is not a diskreplay buffer ({problem})")
 
 
-def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
-    """A buffer's validated metadata and commit record. Raises NotABufferError, CorruptBufferError."""
+class Metadata(NamedTuple):
+    """A buffer's validated metadata and commit record, as `_read_buffer` read them."""
+
+    config: BufferConfig
+    arrays: dict[str, ArrayMeta]
+    record: CommitRecord
+    state: dict[str, bytes | None]
+    """The objects of the record's state, read beside the metadata (`state_reads`; empty: none)."""
+
+
+def _read_buffer(url: str, store: ChunkStore, with_state: bool = False) -> Metadata:
+    """A buffer's validated metadata and commit record (``with_state``: and the objects of the
+    state the record names, read beside the fields' documents). Raises NotABufferError,
+    CorruptBufferError."""
     check_location(url)
     config, blob = _config_and_commit(url, store)
     objects = objects_at(store, objects_prefix(config.format))
@@ -267,14 +284,37 @@ def _read_buffer(url: str, store: ChunkStore) -> tuple[BufferConfig, dict[str, A
                                   f"import it again with overwrite=True")
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
     resizing.resize_pending(url, blob)  # before the arrays: they may be either capacity's then
-    # after the commit (they cover its rows), every field's at once
+    try:
+        record, damaged = CommitRecord.from_bytes(blob, url, config.num_envs), None
+    except CorruptBufferError as exc:  # said after the documents: a config they contradict is named there
+        record, damaged = None, exc
+    # after the commit (they cover its rows), every field's at once, and its state beside them
     keys = [array_key(name) for name in config.schema.fields]
-    fetched = dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
+    fetched, state = _documents(store, keys, objects, state_reads(record) if with_state and record else [])
     arrays = checked_arrays(fetched.get, url, config)
-    record = CommitRecord.from_bytes(blob, url, config.num_envs)
+    if record is None:
+        assert damaged is not None
+        raise damaged
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
-    return config, arrays, record
+    return Metadata(config, arrays, record, state)
+
+
+def _documents(store: ChunkStore, keys: list[str], objects: ChunkStore, beside: list[tuple[list[str], int | None]]
+               ) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
+    """The metadata documents ``keys``, and the reads ``beside`` of ``objects`` (``(keys,
+    limit)``), on threads of their own where a read waits for a server: one round trip for all."""
+    def documents() -> dict[str, bytes | None]:
+        return dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
+
+    def read(wanted: list[str], limit: int | None) -> dict[str, bytes | None]:
+        return dict(zip(wanted, objects.get_many(wanted, limit)))
+
+    if not beside or store.supports_mmap:  # plain files: a read costs less than a thread
+        return documents(), {key: blob for wanted, limit in beside for key, blob in read(wanted, limit).items()}
+    with ThreadPoolExecutor(len(beside)) as pool:
+        reads = [pool.submit(read, wanted, limit) for wanted, limit in beside]
+        return documents(), {key: blob for done in reads for key, blob in done.result().items()}
 
 
 def _config_and_commit(url: str, store: ChunkStore) -> tuple[BufferConfig, bytes | None]:
@@ -289,15 +329,14 @@ def _config_and_commit(url: str, store: ChunkStore) -> tuple[BufferConfig, bytes
     return config, commit
 
 
-def _read_writable(url: str, store: ChunkStore, objects: ChunkStore
-                   ) -> tuple[BufferConfig, dict[str, ArrayMeta], CommitRecord]:
+def _read_writable(url: str, store: ChunkStore, objects: ChunkStore, with_state: bool) -> Metadata:
     """`_read_buffer` for its writer (the lock held): a change of capacity that a killed writer
     made visible is finished first."""
     try:
-        return _read_buffer(url, store)
+        return _read_buffer(url, store, with_state)
     except ResizeInProgressError:
         resizing.finish(url, store, objects)
-        return _read_buffer(url, store)
+        return _read_buffer(url, store, with_state)
 
 
 def _store(url: str, options: Options) -> ChunkStore:
