@@ -491,7 +491,8 @@ def test_opening_a_buffer_reads_its_field_documents_together(s3, capacity, commi
         proxy.close()
 
 
-@pytest.mark.parametrize("capacity,sampler,state_objects", [(None, None, 1), (64, None, 1), (64, "per", 3), (64, "wor", 2)])
+@pytest.mark.parametrize("capacity,sampler,state_objects",
+                         [(None, None, 1), (64, None, 1), (64, "per", 3), (64, "wor", 2)])
 def test_a_datasets_open_reads_its_group_and_commit_in_one_round(s3, capacity, sampler, state_objects, monkeypatch):
     """The rounds of requests of a reader's open: a dataset's group and commit record in one,
     then its field documents with its saved state beside them (the documents' read waits here
