@@ -106,6 +106,26 @@ def test_a_refresh_reads_only_the_journal_records_appended_since(tmp_path, reads
         assert learner.episodes().length.tolist() == [7] * 15
 
 
+def test_a_readers_refresh_of_an_unchanged_buffer_reads_its_commit_record_only(tmp_path, reads):
+    """A reader of one buffer refreshing reads the newest commit record, and its state (the
+    episode index's journal) only where that commit is not the one it shows."""
+    url = str(tmp_path / "b")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8) as w, \
+            dr.ReplayBuffer.open(url, "r") as reader:
+        w.extend(rows(0, 14))
+        w.flush()
+        assert reader.refresh() is True
+        reads.clear()
+        assert reader.refresh() is False
+        assert dict(reads) == {("get", "commit.json"): 1}
+        w.extend(rows(14, 7))
+        w.flush()
+        reads.clear()
+        assert reader.refresh() is True
+        assert reads[("get", "commit.json")] == 1 and any(key.startswith("tail-") for _, key in reads), reads
+        assert reader.episodes().length.tolist() == [7] * 3
+
+
 def test_a_stale_read_check_reads_only_the_shards_it_fetched_from(tmp_path, reads):
     """A ring reader checks chunks it fetched against the newest commit of their shards only."""
     url = str(tmp_path / "b")

@@ -39,9 +39,10 @@ class CommitAdoption:
         """Adopt the newest commit with everything that belongs to it (rows, episode index,
         derived-field state, sampler state), all together or not at all. Returns whether there
         was a newer one. Raises CorruptBufferError (nothing changed)."""
-        record, state = self.storage.load_state(newest=True)
-        if record.same_as(self.storage.record):
+        newer = self.storage.newer_state()
+        if newer is None:
             return False
+        record, state = newer
         finals_record = self.finals.read_newest() if self.finals is not None else None
         parsed = self.state.parse(state, record.committed, state_origin(self.storage.url, record))
         committed, last_ends = self.storage.record.committed.copy(), self.episodes.last_ends()

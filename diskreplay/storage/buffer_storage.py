@@ -67,6 +67,10 @@ class BufferStorage(Storage):
         """The commit this storage shows (or the store's ``newest``) and the state saved with it."""
         return self._log.load_state(newest)
 
+    def newer_state(self) -> tuple[CommitRecord, dict[str, Any]] | None:
+        """The store's newest commit and its state, or None where it is the one shown (`CommitLog.newer_state`)."""
+        return self._log.newer_state()
+
     def gather(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...] | None = None,
                out: Mapping[str, np.ndarray] | None = None) -> Rows:
         """`Storage.gather`; a writer first takes in the chunks its background thread read ahead."""

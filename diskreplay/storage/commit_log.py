@@ -328,7 +328,17 @@ class CommitLog:
         """
         if newest and self.held is not None:
             return self.read_newest(), {}
-        record = self.read_newest() if newest else self.record
+        return self._state_of(self.read_newest() if newest else self.record)
+
+    def newer_state(self) -> tuple[CommitRecord, dict[str, Any]] | None:
+        """The store's newest commit and the state saved with it (`load_state`), or None where
+        that is this log's commit (then nothing more is read: a reader following a buffer that
+        did not change reads its commit record only)."""
+        record = self.read_newest()
+        return None if record.same_as(self.record) else self._state_of(record)
+
+    def _state_of(self, record: CommitRecord) -> tuple[CommitRecord, dict[str, Any]]:
+        """``record`` and its state, or (a reader racing the writer) a newer commit and its state."""
         key = record.state_arrays
         for attempt in range(STATE_ATTEMPTS):
             if attempt:
