@@ -13,7 +13,6 @@ from s3server import FaultProxy, proxy_options, s3, s3_client
 import diskreplay as dr
 from diskreplay.errors import CorruptBufferError
 from diskreplay.torch import Loader, make_dataset
-from diskreplay.torch.epoch_order import Shard
 from diskreplay.torch.read_sizes import batches_per_read
 
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64")}
@@ -188,34 +187,3 @@ def test_block_shuffle_reads_a_whole_window_ahead_whatever_the_budget(s3, tmp_pa
     check_epoch(ds)
     # before: the reads of each window loaded the 12 chunks the budget left out themselves (36 of 48)
     assert reader.stats().chunks_loaded == reader.stats().chunks_read_ahead == CHUNKS
-
-
-@pytest.mark.parametrize("shuffle", ["none", "block"])
-def test_a_finished_epoch_reads_the_next_epochs_first_chunks_ahead(tmp_path, shuffle, monkeypatch):
-    """After a full pass the read-ahead starts the chunks the next epoch needs first (its order is
-    known: the same rows, the next epoch), and the next pass uses them instead of reading them again."""
-    url = str(tmp_path / "b")
-    write(url)
-    ds = make_dataset(url, 16, mode="epoch", shuffle=shuffle, shuffle_window=4, cache_bytes=16 * CHUNK_BYTES)
-    ds.read_ahead_bytes = 4 * CHUNK_BYTES
-    reader = ds.reader.get()
-    ahead, cache = reader.storage._reader.ahead, reader.storage._reader.cache
-    starts: list[int] = []
-
-    def top_up(top_up=type(ahead).top_up):
-        before = set(ahead._ahead)
-        top_up(ahead)
-        starts.extend(chunk for _, chunk in set(ahead._ahead) - before)
-    monkeypatch.setattr(ahead, "top_up", top_up)
-    check_epoch(ds)
-    started = sorted(chunk for _, chunk in ahead._ahead)
-    assert len(started) == 4 and reader.stats().chunks_loaded == CHUNKS + 4  # the budget's worth
-    steps = np.concatenate([step for _, step in ds.order(1, Shard(0, 1)).batches(0)])
-    assert started == sorted([chunk for chunk in dict.fromkeys((steps // CHUNK).tolist())
-                              if cache.slot_of(0, chunk) < 0][:4])  # the first it needs that are not cached
-    starts.clear()
-    check_epoch(ds)
-    third = len(ahead._ahead)  # read ahead for the third epoch as the second ended
-    assert not set(started) & set(starts[:len(starts) - third])
-    if shuffle == "none":
-        assert reader.stats().chunks_loaded == 2 * CHUNKS + 4

@@ -44,7 +44,7 @@ class _Fill:
     lane: int
     chunk: int
     slot: int
-    job: Future[bool]
+    jobs: list[Future[bool]]
 
 
 class ReadAhead:
@@ -63,19 +63,15 @@ class ReadAhead:
         """Chunks fetched ahead so far (each counted in ``loader.chunks_loaded`` too)."""
         self._next: Iterator[tuple[int, int]] = iter(())
         self._ahead: dict[tuple[int, int], _Fill] = {}
-        self._carried: dict[tuple[int, int], _Fill] = {}
-        """Chunks an earlier plan started, still in flight: shown to the read that needs them, or
-        in the cache once they land; not counted in the budget of this plan."""
 
     @property
     def active(self) -> bool:
-        return self.budget > 0 or bool(self._ahead) or bool(self._carried)
+        return self.budget > 0 or bool(self._ahead)
 
     def plan(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
-        """Read ahead the chunks of ``steps`` (None: stop), and start the first at once. The chunks
-        an earlier plan started stay in the cache once read whole, for any read (`keep`). A cache
+        """Read ahead the chunks of ``steps`` (None: stop), and start the first at once. A cache
         of fewer than two slots reads nothing ahead."""
-        self.keep()
+        self.drop()
         if steps is None:
             return
         self.budget = min(max(1, budget_bytes // self.slot_bytes), self.cache.full_slots // 2)
@@ -105,7 +101,6 @@ class ReadAhead:
         wanted: list[tuple[int, int]] = []
         # a slot left for reads; a few threads' worth at a time, so no read waits for the whole plan
         # (nor, where the plan's chunks are cached already, for a walk through all of them)
-        self._land_carried()
         room = min(self.budget - len(self._ahead), self.cache.evictable() - 1, 4 * self.io.threads)
         for _ in range(4 * self.io.threads):
             if len(wanted) >= room:
@@ -117,7 +112,7 @@ class ReadAhead:
             slot = self.cache.slot_of(*key)
             if slot >= 0:
                 self.cache.touch(np.array([slot]))
-            elif key not in self._ahead and key not in self._carried:
+            else:
                 wanted.append(key)
         if not wanted:
             return
@@ -125,53 +120,33 @@ class ReadAhead:
             io = self.io
             work = [(io.key(name, lane, chunk), io.codecs[name], self.cache.chunk_rows_of(name, slot))
                     for name in self.loader.all_fields]
-            self._ahead[lane, chunk] = _Fill(lane, chunk, slot, self.workers.submit(io.read_here, work))
+            self._ahead[lane, chunk] = _Fill(lane, chunk, slot, [self.workers.submit(io.read_here, work)])
         self.loader.chunks_loaded += len(wanted)
         self.started += len(wanted)
 
     def before(self, lane: np.ndarray, step: np.ndarray) -> None:
         """Before a read of (lane, step): show the chunks it needs that were started ahead
         (waiting for those still in flight); they stop counting against the budget."""
-        if not self._ahead and not self._carried:
+        if not self._ahead:
             return
         chunk = self.layout.chunk_and_offset(step)[0]
         keys = np.unique(_runs(lane * self.cache.width + chunk))
         fills = [fill for key in zip((keys // self.cache.width).tolist(), (keys % self.cache.width).tolist())
-                 if (fill := self._ahead.pop(key, None) or self._carried.pop(key, None)) is not None]
-        self._show([fill for fill in fills if self._finish(fill)], lane, step)
-
-    def keep(self) -> None:
-        """Forget the plan, keeping what it started: chunks read whole are shown in the cache,
-        chunks in flight are carried over, for the read that needs them."""
-        self.budget, self._next = 0, iter(())
-        self._carried.update(self._ahead)
-        self._ahead = {}
-        self._land_carried()
-
-    def _land_carried(self) -> None:
-        """Show the carried-over chunks that have landed (their slots are then free to evict)."""
-        done = [fill for fill in self._carried.values() if fill.job.done()]
-        for fill in done:
-            del self._carried[fill.lane, fill.chunk]
-        none = np.zeros(0, dtype=np.int64)
-        self._show([fill for fill in done if self._finish(fill)], none, none)
-
-    def _show(self, fills: list[_Fill], lane: np.ndarray, step: np.ndarray) -> None:
-        """Show chunks read whole in the cache, for a read of (lane, step): raises StaleReadError
-        if the writer retired any of them meanwhile, and drops chunks holding other retired steps."""
-        if not fills:
+                 if (fill := self._ahead.pop(key, None)) is not None]
+        shown = [fill for fill in fills if self._finish(fill)]
+        if not shown:
             return
-        lanes, chunks = np.array([f.lane for f in fills]), np.array([f.chunk for f in fills])
-        slots = self.cache.place(lanes, chunks, np.array([f.slot for f in fills]))
+        lanes, chunks = np.array([f.lane for f in shown]), np.array([f.chunk for f in shown])
+        slots = self.cache.place(lanes, chunks, np.array([f.slot for f in shown]))
         self.cache.unpin(slots)
-        asked = np.isin(lane * self.cache.width + self.layout.chunk_and_offset(step)[0],
-                        lanes * self.cache.width + chunks)
+        asked = np.isin(lane * self.cache.width + chunk, lanes * self.cache.width + chunks)
         for ln, stale in self.retired.check(lane[asked], step[asked], lanes, chunks):
             self.cache.invalidate(ln, stale)
 
     def _finish(self, fill: _Fill) -> bool:
-        """Wait for a chunk's job: whether it was read whole (else its slot is freed)."""
-        whole = fill.job.exception() is None and fill.job.result()
+        """Wait for a chunk's jobs: whether it was read whole (else its slot is freed)."""
+        failed = [job.exception() for job in fill.jobs]  # every job done with the slot first
+        whole = all(error is None and job.result() for job, error in zip(fill.jobs, failed))
         if not whole:
             self.cache.release(np.array([fill.slot]))
         return whole
@@ -179,14 +154,15 @@ class ReadAhead:
     def drop(self) -> None:
         """Forget the plan; chunks started and not read are freed once their jobs end."""
         self.budget, self._next = 0, iter(())
-        fills = [*self._ahead.values(), *self._carried.values()]
-        for fill in fills:
-            fill.job.cancel()
-        for fill in fills:
-            if not fill.job.cancelled():
-                fill.job.exception()  # done with the slot
+        for fill in self._ahead.values():
+            for job in fill.jobs:
+                job.cancel()
+        for fill in self._ahead.values():
+            for job in fill.jobs:
+                if not job.cancelled():
+                    job.exception()
             self.cache.release(np.array([fill.slot]))
-        self._ahead, self._carried = {}, {}
+        self._ahead = {}
 
     def close(self) -> None:
         self.drop()

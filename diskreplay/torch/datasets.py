@@ -377,15 +377,14 @@ class EpochDataset(_BufferDataset):
         """The epoch the next iteration yields (advances after each full pass)."""
         return self._epoch
 
-    def order(self, epoch: int, shard: Shard, history: list[dict[str, Any]] | None = None) -> EpochOrder:
+    def order(self, epoch: int, shard: Shard) -> EpochOrder:
         """The row order of ``epoch`` for one shard (rank and worker): a pure function of the seed,
-        of the rows and of the runs of this epoch on other layouts (``history``; None: the state's)."""
+        of the rows and of the runs of this epoch on other layouts (the state's history)."""
         lo, hi = np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64)
-        runs = self._history if history is None else history
         return EpochOrder(self.layout, lo, hi, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                           window=self.shuffle_window, shard=shard, pad=self.pad, drop_last=self.drop_last,
                           batch_size=self.batch_size, partitions=self.partitions,
-                          remaining=remaining_rows(int((hi - lo).clip(0).sum()), runs, self.partitions,
+                          remaining=remaining_rows(int((hi - lo).clip(0).sum()), self._history, self.partitions,
                                                    self.pad, self.drop_last, self.batch_size))
 
     def __len__(self) -> int:
@@ -514,15 +513,9 @@ class EpochDataset(_BufferDataset):
                     k += 1
                     self._batch, self._done = k, k == last
                     yield sink.emit(batch)
-        finally:  # a finished pass reads ahead across the epoch boundary: the next pass's first chunks
-            buf.storage.read_ahead(self._next_pass().announced() if self._done else None, budget)
+        finally:
+            buf.storage.read_ahead(None)
             sink.close()
-
-    def _next_pass(self) -> EpochOrder:
-        """The order the next pass most likely reads after a finished one: the next epoch of the
-        same rows, from its start, as this process's shard (a `Loader`'s worker serves its own
-        shard from the start of each new epoch)."""
-        return self.order(self._epoch + 1, current_shard(self.rank, self.world_size), history=[])
 
 
 def _read(buf: ReplayBuffer, size: int, rngs: BatchRngs, stride: int, options: Mapping[str, Any], b: int,
