@@ -84,12 +84,16 @@ def state_reads(record: CommitRecord) -> list[tuple[list[str], int | None]]:
     key = record.state_arrays
     reads: list[tuple[list[str], int | None]] = [([key], None)] if key is not None and is_state_key(key) else []
     try:
-        refs = [JournalRef.from_json(path, value, record.sequence)
-                for path, value in state_files.journal_values(record.state).items()]
+        sizes = object_sizes(list(journal_refs(record).values()))
     except ValueError:
         return reads
-    sizes = object_sizes(refs)
     return reads + ([(list(sizes), max(sizes.values()) + 1)] if sizes else [])
+
+
+def journal_refs(record: CommitRecord) -> dict[str, JournalRef]:
+    """The journals ``record``'s state names, by path. Raises ValueError naming a bad reference."""
+    return {path: JournalRef.from_json(path, value, record.sequence)
+            for path, value in state_files.journal_values(record.state).items()}
 
 
 class CommitLog:
@@ -351,7 +355,7 @@ class CommitLog:
                 record.check_state_object(blob, self.url)
                 try:
                     arrays = state_files.arrays_from_bytes(blob) if key else {}
-                    return record, state_files.join(record.state, arrays, self._read_journals(record, arrays, ahead))
+                    return record, state_files.join(record.state, arrays, self._read_journals(record, ahead))
                 except MissingObject as missing:
                     key = str(missing)
                 except (ValueError, KeyError, TypeError) as exc:
@@ -364,13 +368,10 @@ class CommitLog:
                                      f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
-    def _read_journals(self, record: CommitRecord, arrays: dict[str, np.ndarray],
-                       ahead: Mapping[str, bytes | None]) -> Callable[[str, Any], Any]:
+    def _read_journals(self, record: CommitRecord, ahead: Mapping[str, bytes | None]) -> Callable[[str, Any], Any]:
         """The journals ``record``'s state names, read together (but for the objects in
         ``ahead``, read already): what each reference stands for."""
-        refs: dict[str, JournalRef] = {}
-        state_files.join(record.state, arrays, lambda path, value: refs.setdefault(
-            path, JournalRef.from_json(path, value, record.sequence)))
+        refs = journal_refs(record)
         reads = [(self._journal(path), ref) for path, ref in refs.items()]
         contents = dict(zip(refs, read_journals(reads, ahead)))
         return lambda path, value: contents[path]

@@ -138,7 +138,7 @@ def open_storage(url: str, mode: str, options: Options, at_commit: int | str | N
     store = _store(url, options)
     now = with_state and mode == "r" and at_commit is None  # a writer reads its metadata again, locked
     try:
-        config, arrays, record, saved = _read_buffer(url, store, now)
+        config, arrays, record, read_ahead = _read_buffer(url, store, now)
     except ResizeInProgressError:
         if mode == "r":
             raise
@@ -149,8 +149,8 @@ def open_storage(url: str, mode: str, options: Options, at_commit: int | str | N
     lock = WriterLock(url, objects, options.lease_s).acquire(options.break_lock) if mode != "r" else None
     try:
         if lock is not None:  # the commit may have moved while we waited for the lock
-            config, arrays, record, saved = _read_writable(url, store, objects, with_state)
-        return _writable(url, store, objects, config, arrays, record, mode, lock, options, read_ahead=saved)
+            config, arrays, record, read_ahead = _read_writable(url, store, objects, with_state)
+        return _writable(url, store, objects, config, arrays, record, mode, lock, options, read_ahead=read_ahead)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -267,7 +267,7 @@ class Metadata(NamedTuple):
     config: BufferConfig
     arrays: dict[str, ArrayMeta]
     record: CommitRecord
-    state: dict[str, bytes | None]
+    read_ahead: dict[str, bytes | None]
     """The objects of the record's state, read beside the metadata (`state_reads`; empty: none)."""
 
 
@@ -285,19 +285,19 @@ def _read_buffer(url: str, store: ChunkStore, with_state: bool = False) -> Metad
         raise NotABufferError(f"{url!r} is not a diskreplay buffer (no {COMMIT_KEY})")
     resizing.resize_pending(url, blob)  # before the arrays: they may be either capacity's then
     try:
-        record, damaged = CommitRecord.from_bytes(blob, url, config.num_envs), None
+        record: CommitRecord | CorruptBufferError = CommitRecord.from_bytes(blob, url, config.num_envs)
     except CorruptBufferError as exc:  # said after the documents: a config they contradict is named there
-        record, damaged = None, exc
+        record = exc
     # after the commit (they cover its rows), every field's at once, and its state beside them
     keys = [array_key(name) for name in config.schema.fields]
-    fetched, state = _documents(store, keys, objects, state_reads(record) if with_state and record else [])
+    beside = state_reads(record) if with_state and isinstance(record, CommitRecord) else []
+    fetched, read_ahead = _documents(store, keys, objects, beside)
     arrays = checked_arrays(fetched.get, url, config)
-    if record is None:
-        assert damaged is not None
-        raise damaged
+    if isinstance(record, CorruptBufferError):
+        raise record
     if config.lane_capacity is None:
         record.check_covered(url, lane_rows(arrays))
-    return Metadata(config, arrays, record, state)
+    return Metadata(config, arrays, record, read_ahead)
 
 
 def _documents(store: ChunkStore, keys: list[str], objects: ChunkStore, beside: list[tuple[list[str], int | None]]
