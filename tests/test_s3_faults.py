@@ -10,6 +10,7 @@ held, abandoned) and what the error says. Calls that could hang run on a thread 
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 import fsspec.asyn
 import pytest
+from conftest import exit_code_in_fork
 from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, remote_store, s3, s3_client, store_loop
 
 from diskreplay import RetryPolicy, StoreUnavailableError
@@ -254,3 +256,30 @@ def test_a_prefixed_store_is_one_directory_of_its_store(tmp_path, memory_url):
         own.clear()
         assert own.sizes() == {} and root.get("commit.json") == b"root"
         root.clear()
+
+
+# ---- forked children --------------------------------------------------------------------------
+
+
+def test_a_forked_child_leaves_its_parents_connections_alone(s3, fault_proxy):
+    """A forked child (a DataLoader worker) opens a store of its own and lets the one it inherited
+    go. Collecting the parent's s3fs filesystem on the child's event loop would close the parent's
+    pooled connections through the parent's loop, whose epoll set the child shares: the parent's
+    next request on one would hear nothing until the deadline. Its next reads are answered."""
+    stores = [seeded_store(s3, fault_proxy, "s3fs", budget_s=BUDGET_S)]
+    url = stores[0].url
+    assert stores[0].get_many([KEY, OTHER]) == [DATA, OTHER_DATA]  # two connections wait in the pool
+
+    async def collect() -> None:
+        gc.collect()
+
+    def child() -> bool:
+        own = remote_store(url, proxy_options(s3, fault_proxy), "s3fs")
+        stores.clear()  # the inherited store goes, and with it the child's last use of its filesystem
+        fsspec.asyn.sync(store_loop(own), collect)  # collected where a worker's garbage is: on its loop's thread
+        return bool(own.get(KEY) == DATA)
+
+    assert exit_code_in_fork(child) == 0
+    for _ in range(3):
+        assert stores[0].get_many([KEY, OTHER]) == [DATA, OTHER_DATA]
+    assert stores[0].retried == 0

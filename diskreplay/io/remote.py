@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,10 +35,26 @@ from .retry import RetryPolicy, is_transient
 from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
 
 log = logging.getLogger(__name__)
-# older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does not run:
-# every call would wait on it forever (later fsspecs reset it themselves, as this does)
+_FILESYSTEMS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The filesystems this process's stores were given."""
+_INHERITED: list[Any] = []
+"""In a forked child: the filesystems of its parents' stores, held for good and never used.
+Collected on the child's event loop, one would close (its finalizer: s3fs, gcsfs) the parent's
+pooled connections through the parent's loop, whose epoll set the child shares: the parent would
+stop hearing from them, and its next request on one would wait for its deadline."""
+
+
+def _after_fork_in_child() -> None:
+    # older fsspecs (2024.12, the floor) keep their IO loop's thread in a forked child, where it does
+    # not run: every call would wait on it forever (later fsspecs reset it themselves, as this does)
+    fsspec.asyn.reset_lock()
+    _INHERITED.extend(_FILESYSTEMS)
+    _FILESYSTEMS.clear()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=fsspec.asyn.reset_lock)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 RANGES_PER_REQUEST = 8
 """`get_ranges` keeps this many times ``concurrency`` ranged GETs in flight (and an s3fs store's
 connection pool has room for them)."""
@@ -219,6 +236,7 @@ class FsspecChunkStore(RemoteCalls):
                  retry: RetryPolicy | None = None):
         super().__init__(url, concurrency, retry)
         self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.range_concurrency))
+        _FILESYSTEMS.add(self.fs)
         self.root = root.rstrip("/")
         self._async = bool(getattr(self.fs, "async_impl", False))
         self._cat_kwargs: dict[str, Any] = {}
