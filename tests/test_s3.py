@@ -7,9 +7,12 @@ connection for chosen requests (tests/s3server.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
 
+import fsspec.asyn
 import numpy as np
 import pytest
 import zarr
@@ -18,6 +21,7 @@ from s3server import FaultProxy, fault_proxy, proxy_options, s3, s3_client
 
 import diskreplay as dr
 from diskreplay import RetryPolicy, StoreUnavailableError
+from diskreplay.io.lock import LOCK_KEY
 
 pytestmark = pytest.mark.usefixtures("s3_client")
 FIELDS = {"obs": dr.Field((3,), "float32"), "act": dr.Field((), "int64"), "done": dr.Field((), "bool")}
@@ -610,3 +614,32 @@ def test_buffers_and_imports_on_object_stores_default_to_longer_chunks(s3, tmp_p
                                          progress=False)
     assert imported.storage.layout.chunk_rows == 8 * dr.offline.import_dataset(
         tmp_path / "d.npz", tmp_path / "imported", progress=False).storage.layout.chunk_rows
+
+
+def test_a_writer_collected_on_the_event_loop_releases_its_lock(s3, s3_client):
+    """An unclosed writer's lock is released by its finalizer, which the garbage collector may run
+    on fsspec's I/O thread: a store call made there would wait on that very loop (before, the
+    release failed and the lock stayed until its lease ran out)."""
+    url = s3.new_url("collected")
+    held = [dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=8, storage_options=s3.storage_options())]
+    held[0].extend(rows(0, 5))
+    held[0].flush()
+    lock = url.split(f"s3://{s3.bucket}/", 1)[1] + "/" + OWN + LOCK_KEY
+
+    def locked() -> bool:
+        return bool(s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=lock)["KeyCount"])
+
+    assert locked()
+
+    async def drop() -> None:  # the writer's last reference goes on the loop's thread
+        held.clear()
+        gc.collect()
+
+    fsspec.asyn.sync(fsspec.asyn.get_loop(), drop)
+    for _ in range(400):  # the release runs beside the loop: a bound, not a measurement
+        if not locked():
+            break
+        time.sleep(0.05)
+    assert not locked()
+    with dr.ReplayBuffer.open(url, mode="r+", storage_options=s3.storage_options()) as again:
+        assert len(again) == 5

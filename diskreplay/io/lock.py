@@ -35,6 +35,7 @@ Breaking a live writer's lock is explicit: ``ReplayBuffer.open(url, "r+", break_
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -262,6 +263,17 @@ class WriterLock:
             holder = self.holder()
             if holder is not None and holder.token == self.token:
                 self.store.delete(LOCK_KEY)
+
+    def release_from_anywhere(self) -> None:
+        """`release`, for a finalizer, which the garbage collector may run on any thread: on one
+        that runs an event loop (fsspec's I/O thread), whose store calls would wait on that very
+        loop, the release runs on a thread of its own."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.release()
+            return
+        threading.Thread(target=self.release, name="diskreplay-release").start()
 
     def __enter__(self) -> WriterLock:
         return self.acquire()

@@ -118,7 +118,7 @@ class CommitLog:
         self.mode = mode
         self.lock = lock
         # released on close, or when the log is collected / the interpreter exits unclosed
-        self._release = weakref.finalize(self, lock.release) if lock is not None else None
+        self._release = weakref.finalize(self, lock.release_from_anywhere) if lock is not None else None
         self.closed = False
         self._newest: tuple[bytes, CommitRecord] | None = None  # the last record read_newest parsed, and its bytes
         self.lost_lock: str | None = None
@@ -384,5 +384,5 @@ class CommitLog:
     def close(self) -> None:
         """Release the writer lock (once)."""
         self.closed = True
-        if self._release is not None:
-            self._release()
+        if self.lock is not None and self._release is not None and self._release.detach():
+            self.lock.release()  # on this thread: the lock is gone when close returns
