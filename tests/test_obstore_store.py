@@ -150,6 +150,25 @@ def test_a_failed_first_try_on_a_thread_is_retried_on_the_event_loop(s3, fault_p
         store.get_many(["a", "b"])
 
 
+def test_whole_objects_are_handed_over_without_a_copy(s3, fault_proxy):
+    """`get_many` gives views of the buffers obstore assembled the answers in (first tries on the
+    store's threads, retries on the event loop and limited reads alike); `get` gives bytes."""
+    import obstore
+
+    store = ObstoreChunkStore(s3.new_url("views"), proxy_options(s3, fault_proxy))
+    store.put("a", bytes(range(200)))
+    store.put("b", b"b" * 300)
+    fault_proxy.reset_stats()
+    fault_proxy.fail("503", "/b", times=1, method="GET")
+    for limit, want in ((None, [bytes(range(200)), b"b" * 300]), (7, [bytes(range(7)), b"b" * 7])):
+        blobs = store.get_many(["a", "b"], limit)
+        assert [bytes(blob) for blob in blobs] == want
+        assert all(isinstance(blob, memoryview) and blob.readonly and isinstance(blob.obj, obstore.Bytes)
+                   for blob in blobs)
+    assert store.retried == 1
+    assert type(store.get("a")) is bytes and store.get("a", 3) == bytes(range(3))
+
+
 def test_a_first_try_on_a_thread_ends_at_the_deadline(s3, fault_proxy):
     """A GET never answered blocks a thread no longer than the policy's deadline, as on the loop."""
     store = ObstoreChunkStore(s3.new_url("first"), proxy_options(s3, fault_proxy), retry=RetryPolicy(budget_s=1.0))

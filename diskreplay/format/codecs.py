@@ -234,7 +234,7 @@ class Codec:
             return np.full(len(begin), -1, np.int64)
         return direct_blocks(data, begin, length, size)
 
-    def decode_into(self, blob: bytes, out: np.ndarray) -> None:
+    def decode_into(self, blob: bytes | memoryview, out: np.ndarray) -> None:
         """Decode ``blob`` into the preallocated C-contiguous ``out`` (shape and dtype of the chunk).
 
         Raises ValueError if the checksum does not match or the bytes do not decode to ``out``'s size.

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
-from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
+from .store import Blob, Data, ParallelMap, Range, Ranged, digest, parts_of
 
 SYNC_FILES_ONE_BY_ONE = 32
 """Above this many files to make durable, one ``syncfs`` is cheaper than an fsync per file."""
@@ -63,7 +63,7 @@ class LocalChunkStore:
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # no such file (a folder is none)
             return None
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
         return [self.get(k, limit) for k in keys]
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:

@@ -38,7 +38,7 @@ from obstore.store import S3Store
 
 from .remote import FirstTry, FsspecChunkStore, RemoteCalls
 from .retry import RetryPolicy, is_transient
-from .store import Data, Range, Ranged, parts_of
+from .store import Blob, Data, Range, Ranged, parts_of
 from .threads import Threads
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -119,8 +119,9 @@ class ObstoreChunkStore(RemoteCalls):
 
     # ---- operations -------------------------------------------------------------------------
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
-        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
+        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight:
+        views of obstore's buffers (no copy)."""
         if (forked := self._after_fork()) is not None:
             return forked.get_many(keys, limit)
         if limit is None and self._first_tries_here():
@@ -176,9 +177,9 @@ class ObstoreChunkStore(RemoteCalls):
             return exc
         return TimeoutError(f"no answer within {self._first_timeout_s:.2f} s: the request was cancelled")
 
-    def _get_here(self, key: str) -> bytes | None:
+    def _get_here(self, key: str) -> Blob | None:
         try:
-            return bytes(obstore.get(self._s3_first, key).bytes())
+            return memoryview(obstore.get(self._s3_first, key).bytes())
         except (FileNotFoundError, NotFoundError):
             return None
 
@@ -195,24 +196,24 @@ class ObstoreChunkStore(RemoteCalls):
                 raise
             return b"", -1  # the object ends before ``start``
 
-    async def _get_async(self, key: str, limit: int | None, first: FirstTry | None = None) -> bytes | None:
+    async def _get_async(self, key: str, limit: int | None, first: FirstTry | None = None) -> Blob | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit), first)
+            blob: Blob = await self._call_async(f"read of {key!r}", partial(self._fetch, key, limit), first)
             return blob
         except (FileNotFoundError, NotFoundError):
             return None
 
-    async def _fetch(self, key: str, limit: int | None) -> bytes:
+    async def _fetch(self, key: str, limit: int | None) -> Blob:
         """One GET of the object (its first ``limit`` bytes: a ranged GET)."""
         if limit is not None:
             try:
-                return bytes(await obstore.get_range_async(self.s3, key, start=0, end=limit))
+                return memoryview(await obstore.get_range_async(self.s3, key, start=0, end=limit))
             except GenericError as exc:
                 if _status(exc) != 416:
                     raise
                 # an empty object has no byte 0 to range over: the whole object is shorter than limit
         result = await obstore.get_async(self.s3, key)
-        return bytes(await result.bytes_async())
+        return memoryview(await result.bytes_async())
 
     async def _range_async(self, key: str, start: int, stop: int, first: FirstTry | None = None) -> Ranged | None:
         try:

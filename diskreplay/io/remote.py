@@ -32,7 +32,7 @@ import fsspec.asyn
 
 from ..errors import StoreUnavailableError
 from .retry import RetryPolicy, is_transient
-from .store import Data, ParallelMap, Range, Ranged, digest, parts_of
+from .store import Blob, Data, ParallelMap, Range, Ranged, as_bytes, digest, parts_of
 
 log = logging.getLogger(__name__)
 _FILESYSTEMS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -84,14 +84,14 @@ class RemoteCalls:
 
     def get(self, key: str, limit: int | None = None) -> bytes | None:
         """The object's bytes (at most ``limit`` of them: one ranged GET), or None if missing."""
-        return self.get_many([key], limit)[0]
+        return as_bytes(self.get_many([key], limit)[0])
 
     @property
     def range_concurrency(self) -> int:
         """Ranged GETs in flight in `get_ranges`: small ones cost their latency, not bandwidth."""
         return RANGES_PER_REQUEST * self.concurrency
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
         raise NotImplementedError
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
@@ -100,7 +100,7 @@ class RemoteCalls:
     def read_into(self, key: str, out: list[memoryview]) -> int | None:
         """The object read (one GET) into the buffers ``out``, one after the other; the bytes
         copied, or None if it does not exist."""
-        blob = self.get(key)
+        blob = self.get_many([key])[0]
         if blob is None:
             return None
         done = 0
@@ -252,7 +252,7 @@ class FsspecChunkStore(RemoteCalls):
 
     # ---- operations -------------------------------------------------------------------------
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
         """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
         if not keys:
             return []

@@ -23,6 +23,10 @@ from typing import Protocol, runtime_checkable
 Data = bytes | memoryview | Sequence[bytes | memoryview]
 """An object's bytes, whole or in parts that are stored one after the other."""
 
+Blob = bytes | memoryview
+"""An object's bytes as a store read them: ``bytes``, or a read-only view of the client's own
+buffer (no copy)."""
+
 Range = tuple[str, int, int]
 """``(key, start, stop)``: the bytes ``[start, stop)`` of an object."""
 
@@ -31,6 +35,11 @@ Ranged = tuple[bytes, int]
 
 ParallelMap = Callable[[Callable[[str], None], Iterable[str]], Iterable[None]]
 """``map``, or an executor's ``map``: how `ChunkStore.sync` runs its per-file syncs."""
+
+
+def as_bytes(blob: Blob | None) -> bytes | None:
+    """``blob`` as ``bytes`` (``bytes`` as they are, a view copied)."""
+    return None if blob is None else bytes(blob)
 
 
 def parts_of(data: Data) -> list[memoryview]:
@@ -56,7 +65,7 @@ class ChunkStore(Protocol):
         """The object's bytes (at most ``limit`` of them), or None if it does not exist."""
         ...
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
         """Every key's bytes (at most ``limit`` of each), None where missing (remote: many
         requests in flight)."""
         ...
@@ -172,7 +181,7 @@ class PrefixedStore:
     def get(self, key: str, limit: int | None = None) -> bytes | None:
         return self.store.get(self.prefix + key, limit)
 
-    def get_many(self, keys: list[str], limit: int | None = None) -> list[bytes | None]:
+    def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
         return self.store.get_many([self.prefix + key for key in keys], limit)
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:

@@ -21,7 +21,7 @@ from ..format.codecs import Codec, checksum
 from ..format.config import BufferConfig
 from ..format.keys import chunk_key
 from ..format.shard_table import MAX_TABLE_BYTES
-from ..io.store import ChunkStore, is_local
+from ..io.store import Blob, ChunkStore, is_local
 from ..io.threads import Threads
 
 ChunkWrite = tuple[str, Codec, np.ndarray, bool]
@@ -161,7 +161,7 @@ class ChunkIO:
             raise CorruptBufferError(f"{self.url!r}: chunk {key!r} fails its checksum (the file is damaged)")
         return True
 
-    def _decode(self, work: ChunkRead, blob: bytes | None) -> bool:
+    def _decode(self, work: ChunkRead, blob: Blob | None) -> bool:
         key, codec, rows = work
         if blob is None:
             return False

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import CorruptBufferError
 from ..format.codecs import Codec, checksum
 from ..format.journal import BASE_CHUNK, LOG_CHUNK, JournalChange, JournalContent, JournalRef, new_name
-from ..io.store import ChunkStore
+from ..io.store import Blob, ChunkStore
 
 Wanted = tuple[str, np.dtype, int]
 """An object of a journal to read: its key, the dtype and the count of its elements."""
@@ -175,7 +175,7 @@ def read_journals(reads: list[tuple[Journal, JournalRef]],
 
 
 def _checked(url: str, ref: JournalRef, key: str, dtype: np.dtype, count: int, size: int,
-             blob: bytes | None) -> np.ndarray:
+             blob: Blob | None) -> np.ndarray:
     """The ``count`` elements of the object ``key`` of ``ref``, its size and checksum checked."""
     if blob is None:
         raise MissingObject(key)

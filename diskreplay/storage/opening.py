@@ -43,7 +43,7 @@ from ..io.lock import WriterLock
 from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
-from ..io.store import ChunkStore, broken_path, is_local, local_path, objects_at
+from ..io.store import ChunkStore, as_bytes, broken_path, is_local, local_path, objects_at
 from ..io.threads import Threads
 from . import resizing
 from .buffer_storage import BufferStorage
@@ -305,10 +305,10 @@ def _documents(store: ChunkStore, keys: list[str], objects: ChunkStore, beside: 
     """The metadata documents ``keys``, and the reads ``beside`` of ``objects`` (``(keys,
     limit)``), on threads of their own where a read waits for a server: one round trip for all."""
     def documents() -> dict[str, bytes | None]:
-        return dict(zip(keys, store.get_many(keys, limit=MAX_METADATA_BYTES + 1)))
+        return dict(zip(keys, map(as_bytes, store.get_many(keys, limit=MAX_METADATA_BYTES + 1))))
 
     def read(wanted: list[str], limit: int | None) -> dict[str, bytes | None]:
-        return dict(zip(wanted, objects.get_many(wanted, limit)))
+        return dict(zip(wanted, map(as_bytes, objects.get_many(wanted, limit))))
 
     if not beside or store.supports_mmap:  # plain files: a read costs less than a thread
         return documents(), {key: blob for wanted, limit in beside for key, blob in read(wanted, limit).items()}
@@ -322,7 +322,8 @@ def _config_and_commit(url: str, store: ChunkStore) -> tuple[BufferConfig, bytes
     trip on an object store) where the group cannot have changed since the commit: a dataset's
     group never changes. A ring's changes with its capacity (`resizing`), so its commit record
     is read again, after its group, as a reader must."""
-    group, commit = store.get_many([GROUP_KEY, objects_prefix(FORMAT) + COMMIT_KEY], limit=MAX_METADATA_BYTES + 1)
+    group, commit = map(as_bytes, store.get_many([GROUP_KEY, objects_prefix(FORMAT) + COMMIT_KEY],
+                                                 limit=MAX_METADATA_BYTES + 1))
     config = read_config(lambda key: group if key == GROUP_KEY else None, url)
     if config.lane_capacity is not None or config.format != FORMAT:
         commit = objects_at(store, objects_prefix(config.format)).get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
