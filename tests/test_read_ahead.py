@@ -187,3 +187,36 @@ def test_block_shuffle_reads_a_whole_window_ahead_whatever_the_budget(s3, tmp_pa
     check_epoch(ds)
     # before: the reads of each window loaded the 12 chunks the budget left out themselves (36 of 48)
     assert reader.stats().chunks_loaded == reader.stats().chunks_read_ahead == CHUNKS
+
+
+@pytest.mark.parametrize("shuffle", ["none", "block"])
+def test_an_epoch_past_the_cache_reads_sharded_fields_as_whole_chunks(s3, shuffle):
+    """A reader whose rows do not fit its cache reads the fields stored as shards of inner chunks
+    row by row when it samples; an epoch, which reads every row, reads their whole chunks ahead
+    instead: each chunk object fetched once, no byte range of it. (Before, every batch fetched
+    the inner chunks of its rows, and a shuffled batch decoded an inner chunk per row.)"""
+    url, rows, chunk = s3.new_url("sharded"), 16 * 4096, 4096
+    buf = dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=chunk, compression="zstd",
+                                 storage_options=s3.storage_options())
+    ids = np.arange(rows)
+    buf.extend({"obs": np.stack([ids, ids + 0.5, -ids], -1).astype(np.float32), "act": ids})
+    buf.close()
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        ds = make_dataset(url, 512, mode="epoch", shuffle=shuffle, shuffle_window=2, cache_bytes=8 * chunk * ROW_BYTES,
+                          storage_options=proxy_options(s3, proxy))
+        reader = ds.reader.get()
+        assert reader.storage.row_reads is not None and set(reader.storage.row_reads.names) == {"obs", "act"}
+        proxy.reset_stats()
+        seen = []
+        for batch in Loader(ds):
+            got = batch["index"].numpy()
+            np.testing.assert_array_equal(batch["act"].numpy(), got)
+            np.testing.assert_array_equal(batch["obs"].numpy()[:, 1], got + 0.5)
+            seen.append(got)
+        np.testing.assert_array_equal(np.sort(np.concatenate(seen)), ids)
+        gets = chunk_gets(proxy)
+        assert len(gets) == 2 * 16 and set(gets.values()) == {1}
+        assert reader.stats().chunks_read_ahead == 16
+    finally:
+        proxy.close()

@@ -63,13 +63,15 @@ class ChunkReader:
             return self._gather_resident(lane, step, names, out)
         if self.mapped is not None:
             return self._gather_mapped(self.mapped, lane, step, names, out or {})
+        ahead = self.ahead.active
+        if ahead:
+            self.ahead.before(lane, step)
         if self.row_reads is not None and not self.row_names.isdisjoint(names):
-            return self._gather_by_rows(self.row_reads, lane, step, names, out or {})
-        if not self.ahead.active:
-            return self._gather_cached(lane, step, names, out)
-        self.ahead.before(lane, step)
-        rows = self._gather_cached(lane, step, names, out)
-        self.ahead.top_up()
+            rows = self._gather_by_rows(self.row_reads, lane, step, names, out or {})
+        else:
+            rows = self._gather_cached(lane, step, names, out)
+        if ahead:
+            self.ahead.top_up()
         return rows
 
     def read_ahead(self, steps: Steps | None, budget_bytes: int = READ_AHEAD_BYTES) -> None:
@@ -80,8 +82,7 @@ class ChunkReader:
         if steps is None:
             self.ahead.plan(None)
             return
-        if (not self.reader or self.mapped is not None or self.row_reads is not None
-                or self.warmer.resident_span is not None):
+        if not self.reader or self.mapped is not None or self.warmer.resident_span is not None:
             return
         self.warmer.pending = False  # the announced reads bring the chunks in, each decoded when needed
         self.ahead.plan(steps, budget_bytes)

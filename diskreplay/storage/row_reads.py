@@ -57,6 +57,7 @@ class RowReads:
         cached = slots >= 0
         cached[cached] = ~self.cache.is_partial(slots[cached])
         if cached.any():
+            self.cache.touch(slots[cached])  # an epoch's chunks read ahead stay while it reads them
             rows[cached] = self.cache.slabs[name].take(self.cache.rows_at(slots[cached], offset[cached]), axis=0)
         read = np.flatnonzero(~cached)
         if len(read):
