@@ -167,6 +167,9 @@ def test_whole_objects_are_handed_over_without_a_copy(s3, fault_proxy):
                    for blob in blobs)
     assert store.retried == 1
     assert type(store.get("a")) is bytes and store.get("a", 3) == bytes(range(3))
+    head, tail = bytearray(150), bytearray(60)
+    assert store.read_into("a", [memoryview(head), memoryview(tail)]) == 200
+    assert bytes(head + tail) == bytes(range(200)) + bytes(10)
 
 
 def test_a_first_try_on_a_thread_ends_at_the_deadline(s3, fault_proxy):
