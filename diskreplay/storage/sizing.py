@@ -60,9 +60,9 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
                 row_fields: tuple[str, ...] = ()) -> tuple[int, int]:
     """Chunk slots that fit ``cache_bytes``: ``(slots, full_slots)``. A writer stages a chunk per
     lane and seals as many again, so it needs ``2 * num_envs + 2`` slots; a reader gets at least
-    one. With ``row_fields`` (read row by row) only the first ``full_slots`` have room for them
-    (a writer's staging and `BEHIND_CHUNKS` per lane, a reader's half the budget, within half the
-    budget: whole chunks an epoch reads ahead); the other slots, sized by the remaining fields,
+    one. With ``row_fields`` (read row by row) only the first ``full_slots`` have room for them,
+    within half the budget: a writer's staging and `BEHIND_CHUNKS` per lane; a reader's whole
+    half, for the chunks an epoch reads ahead. The other slots, sized by the remaining fields,
     cache those.
 
     Raises ValueError (naming ``cache_bytes``) when a writer's staging does not fit the budget.
@@ -77,13 +77,12 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
     slots = max(need, min(cache_bytes // chunk_bytes, ChunkCache.MAX_SLOTS))
     ring_chunks = layout.num_envs * layout.chunks_per_lane() if layout.lane_capacity is not None else None
     full = need if writer else 0
-    if row_fields:  # room for chunks written behind the appends, or read ahead, within half the budget
-        ahead = need + BEHIND_CHUNKS * layout.num_envs if writer else cache_bytes
-        full = max(full, min(ahead, cache_bytes // 2 // chunk_bytes))
-    if row_fields:
+    if row_fields:  # whole chunks within half the budget: written behind a writer's appends, or an epoch's read ahead
+        half = cache_bytes // 2 // chunk_bytes
+        full = max(need, min(need + BEHIND_CHUNKS * layout.num_envs, half)) if writer else half
         small_bytes = layout.chunk_rows * sum(f.row_bytes for n, f in schema.items() if n not in row_fields)
         slots = full + max(cache_bytes - full * chunk_bytes, 0) // max(small_bytes, 1)
         slots = max(need, min(slots, ChunkCache.MAX_SLOTS))
     if ring_chunks is not None:  # more slots than a ring has chunks are dead weight
         slots = min(slots, max(need, ring_chunks))
-    return int(slots), int(full if row_fields else slots)
+    return int(slots), int(min(full, slots) if row_fields else slots)
