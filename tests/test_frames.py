@@ -134,6 +134,25 @@ def test_frames_read_row_by_row_equal_raw_ones(tmp_path, compression, capacity):
     np.testing.assert_array_equal(reader[ids]["obs"], raw[ids]["obs"])
 
 
+def test_a_reader_past_its_cache_never_fills_it_with_half_read_chunks(tmp_path):
+    """A ring whose capacity exceeds the reader's cache reads its frames row by row, though its
+    few stored rows fit: the first read caches the other fields' chunk in its home slot, and a
+    fill behind it must not take that chunk for a whole one (it once did, and the frames then
+    read as zeros). Found by the model-based test."""
+    fields = {"img": dr.Field((32, 32), "uint8"), "act": dr.Field((), "int64")}
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), fields, capacity=13, chunk_rows=2, compression="zstd",
+                                 cache_bytes=12600)
+    frames = np.arange(2 * 32 * 32).reshape(2, 32, 32).astype(np.uint8)
+    buf.extend({"img": frames, "act": np.arange(2)})
+    buf.close()
+    reader = dr.ReplayBuffer.open(str(tmp_path / "b"), "r", cache_bytes=12600)
+    assert set(reader.stats().row_fields) == {"img"}
+    for _ in range(2):
+        np.testing.assert_array_equal(reader[np.arange(2)]["img"], frames)
+        reader.warm()
+    np.testing.assert_array_equal(reader[np.arange(2)]["img"], frames)
+
+
 def count_reads(monkeypatch) -> dict[str, int]:
     counts = {"inner": 0, "whole obs": 0}
     decode_bodies, get = Codec.decode_bodies, LocalChunkStore.get

@@ -34,6 +34,8 @@ class ChunkCache:
         self.chunk_rows = chunk_rows
         self.slots = slots
         self.full_slots = slots if full_slots is None else full_slots
+        self.row_fields = row_fields
+        """Fields read row by row: only the first ``full_slots`` slots have room for them."""
         self.slabs = {name: np.zeros(((self.full_slots if name in row_fields else slots) * chunk_rows, *f.shape),
                                      dtype=f.dtype)
                       for name, f in schema.items()}

@@ -253,6 +253,8 @@ class Warmer:
         slots where those are free and every cached chunk is home, else into free slots; `settle`
         puts them in place."""
         cache = self.cache
+        if cache.row_fields:  # rows that do not fit: a partial chunk in its home slot would pass for whole
+            return
         width = self._home_width()
         home = lanes * width + chunks
         at = cache.slots_of(lanes, chunks)
