@@ -45,7 +45,7 @@ from ..format.journal import JournalChange, JournalRef, is_journal_key
 from ..format.keys import COMMIT_KEY, MAX_METADATA_BYTES, array_key
 from ..format.layout import ArrayMeta, lane_rows, read_layout, resized_document
 from ..io.lock import WriterLock, fenced
-from ..io.store import ChunkStore
+from ..io.store import Blob, ChunkStore, as_bytes
 from .cursors import Cursors
 from .journal import Journal, MissingObject, object_sizes, read_journals
 from .resizing import marked
@@ -103,7 +103,7 @@ class CommitLog:
                  arrays: dict[str, ArrayMeta], record: CommitRecord, cursors: Cursors, mode: str,
                  lock: WriterLock | None, announcer: Announcer | None = None,
                  hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None,
-                 read_ahead: Mapping[str, bytes | None] | None = None):
+                 read_ahead: Mapping[str, Blob | None] | None = None):
         """``hold``: for a reader held at its commit, makes the `held` of this log (`pins`);
         ``read_ahead``: objects of ``record``'s state read with the metadata (`state_reads`;
         key -> bytes, None: missing), which the first `load_state` takes instead of reading them."""
@@ -350,7 +350,7 @@ class CommitLog:
             key, ahead, self._read_ahead = record.state_arrays, self._read_ahead, {}
             if record.state is None:
                 return record, {}
-            blob = (ahead[key] if key in ahead else self._get_state(key)) if key else b""
+            blob = (as_bytes(ahead[key]) if key in ahead else self._get_state(key)) if key else b""
             if blob is not None:
                 record.check_state_object(blob, self.url)
                 try:
@@ -368,7 +368,7 @@ class CommitLog:
                                      f"and deleted its state object {key!r} (pin a commit to read it later)")
         raise CorruptBufferError(f"{self.url!r}: state object {key!r} is missing (the last commit names it)")
 
-    def _read_journals(self, record: CommitRecord, ahead: Mapping[str, bytes | None]) -> Callable[[str, Any], Any]:
+    def _read_journals(self, record: CommitRecord, ahead: Mapping[str, Blob | None]) -> Callable[[str, Any], Any]:
         """The journals ``record``'s state names, read together (but for the objects in
         ``ahead``, read already): what each reference stands for."""
         refs = journal_refs(record)

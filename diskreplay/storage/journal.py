@@ -146,7 +146,7 @@ def object_sizes(refs: list[JournalRef]) -> dict[str, int]:
 
 
 def read_journals(reads: list[tuple[Journal, JournalRef]],
-                  read_ahead: Mapping[str, bytes | None] | None = None) -> list[JournalContent]:
+                  read_ahead: Mapping[str, Blob | None] | None = None) -> list[JournalContent]:
     """Each journal's content at its reference, which becomes its committed state. Bases and full
     log chunks are written once: those read for an earlier reference of the same generation are
     not read again (a reader following commits reads what was appended). The objects of all the

@@ -43,7 +43,7 @@ from ..io.lock import WriterLock
 from ..io.mmap import map_budget
 from ..io.mmap import supported as mmap_supported
 from ..io.retry import RetryPolicy
-from ..io.store import ChunkStore, as_bytes, broken_path, is_local, local_path, objects_at
+from ..io.store import Blob, ChunkStore, as_bytes, broken_path, is_local, local_path, objects_at
 from ..io.threads import Threads
 from . import resizing
 from .buffer_storage import BufferStorage
@@ -236,7 +236,7 @@ def _writable(url: str, store: ChunkStore, objects: ChunkStore, config: BufferCo
               record: CommitRecord, mode: str, lock: WriterLock | None, options: Options,
               chunks: ChunkStore | None = None,
               hold: Callable[[CommitLog], Callable[[], CommitRecord]] | None = None,
-              read_ahead: Mapping[str, bytes | None] | None = None) -> BufferStorage:
+              read_ahead: Mapping[str, Blob | None] | None = None) -> BufferStorage:
     """One buffer's storage, as its writer (``mode="r+"``) or a reader of it; ``chunks``: where
     its chunks are read (default: ``store``, with its arrays); ``hold``: holds a reader's log at
     its commit (`pins.hold_pinned`); ``read_ahead``: objects of ``record``'s state, read already."""
@@ -267,7 +267,7 @@ class Metadata(NamedTuple):
     config: BufferConfig
     arrays: dict[str, ArrayMeta]
     record: CommitRecord
-    read_ahead: dict[str, bytes | None]
+    read_ahead: dict[str, Blob | None]
     """The objects of the record's state, read beside the metadata (`state_reads`; empty: none)."""
 
 
@@ -301,14 +301,14 @@ def _read_buffer(url: str, store: ChunkStore, with_state: bool = False) -> Metad
 
 
 def _documents(store: ChunkStore, keys: list[str], objects: ChunkStore, beside: list[tuple[list[str], int | None]]
-               ) -> tuple[dict[str, bytes | None], dict[str, bytes | None]]:
+               ) -> tuple[dict[str, bytes | None], dict[str, Blob | None]]:
     """The metadata documents ``keys``, and the reads ``beside`` of ``objects`` (``(keys,
     limit)``), on threads of their own where a read waits for a server: one round trip for all."""
     def documents() -> dict[str, bytes | None]:
         return dict(zip(keys, map(as_bytes, store.get_many(keys, limit=MAX_METADATA_BYTES + 1))))
 
-    def read(wanted: list[str], limit: int | None) -> dict[str, bytes | None]:
-        return dict(zip(wanted, map(as_bytes, objects.get_many(wanted, limit))))
+    def read(wanted: list[str], limit: int | None) -> dict[str, Blob | None]:
+        return dict(zip(wanted, objects.get_many(wanted, limit)))
 
     if not beside or store.supports_mmap:  # plain files: a read costs less than a thread
         return documents(), {key: blob for wanted, limit in beside for key, blob in read(wanted, limit).items()}
