@@ -1086,6 +1086,47 @@ def test_local_ranges_of_more_files_than_may_be_open_at_once(tmp_path, monkeypat
     assert most == 8 and not held
 
 
+def test_local_objects_of_more_files_than_may_be_open_at_once(tmp_path, monkeypatch):
+    """`get_many` over 20 files, at most 8 held open at once, each asked of the OS before the
+    first of its run is read: every object answered in order (limits, missing files and folders
+    among them), never more than 8 descriptors open."""
+    from diskreplay.io import local
+
+    store = local.LocalChunkStore(str(tmp_path))
+    for i in range(20):
+        store.put(f"f/{i}", bytes([i]) * (10 + i))
+    os.makedirs(tmp_path / "folder")
+    held, most, advised = set(), 0, []
+    opened, closed, fadvise = local.open_for_reading, os.close, os.posix_fadvise
+
+    def counted_open(path):
+        nonlocal most
+        fd = opened(path)
+        held.add(fd)
+        most = max(most, len(held))
+        return fd
+
+    def counted_close(fd):
+        held.discard(fd)
+        closed(fd)
+
+    def counted_fadvise(fd, offset, length, advice):
+        advised.append((len(held), length, advice))
+        return fadvise(fd, offset, length, advice)
+    monkeypatch.setattr(local, "FILES_AT_ONCE", 8)
+    monkeypatch.setattr(local, "open_for_reading", counted_open)
+    monkeypatch.setattr(local.os, "close", counted_close)
+    monkeypatch.setattr(local.os, "posix_fadvise", counted_fadvise)
+    keys = [f"f/{i}" for i in range(20)] + ["nope", "folder"]
+    assert store.get_many(keys) == [bytes([i]) * (10 + i) for i in range(20)] + [None, None]
+    assert most == 8 and not held
+    assert [n for n, _, _ in advised[:8]] == list(range(1, 9)) and len(advised) == 21  # a run's files: all open first
+    assert {advice for _, _, advice in advised} == {os.POSIX_FADV_WILLNEED}
+    advised.clear()
+    assert store.get_many(["f/3", "f/12"], limit=12) == [bytes([3]) * 12, bytes([12]) * 12]
+    assert [length for _, length, _ in advised] == [12, 12]
+
+
 def test_both_stores_keep_the_chunkstore_protocol_alike(url):
     """Local files and an fsspec store answer every `ChunkStore` call the same way."""
     store = open_chunkstore(url)

@@ -14,6 +14,7 @@ from diskreplay.audit import verify
 from diskreplay.format.codecs import checksum
 from diskreplay.format.shard_table import HEADER, ShardTable
 from diskreplay.storage import shard_tables
+from diskreplay.storage.shard_maps import ShardMaps
 
 FIELDS = {"obs": dr.Field((17,), "float32"), "act": dr.Field((6,), "float32"), "done": dr.Field((), "bool")}
 CHUNK = 4096  # obs: shards of 64 inner chunks (64 rows); act: 16 (256 rows); done: 4 KiB chunks, not sharded
@@ -313,3 +314,106 @@ def test_a_damaged_small_chunk_read_whole_is_named(dataset):
     with dr.ReplayBuffer.open(dataset) as reader:
         with pytest.raises(dr.CorruptBufferError, match=r"chunk 'done/c.0.1' does not decode \(checksum mismatch"):
             reader[IDS]
+
+
+# ---- a reader past its cache: shard files mapped, their indexes taken from the tables ----------
+
+PAST = 64 << 10
+"""A reader's cache_bytes far below the dataset's rows: obs and act are read row by row from
+their mapped shard files."""
+
+
+def damage_index(url, name: str, chunk: int) -> None:
+    """Damage the shard's own index (its checksum then fails)."""
+    with open(os.path.join(url, name, f"c.0.{chunk}.0"), "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff")
+
+
+def past_the_cache(url, ids=IDS) -> None:
+    with dr.ReplayBuffer.open(url, cache_bytes=PAST) as reader:
+        assert isinstance(reader.storage.row_reads.maps, ShardMaps)  # read row by row from maps
+        check(reader[ids], ids)
+
+
+def test_a_reader_past_its_cache_takes_the_shard_indexes_from_the_tables(dataset):
+    """The shards' own indexes are not read where the table has them: one damaged reads as if
+    whole (`verify` reports it); without the table, it is read and named."""
+    damage_index(dataset, "obs", 1)
+    past_the_cache(dataset)
+    assert not verify(dataset).ok
+    os.remove(table_path(dataset, "obs"))
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.1.0' does not decode .*checksum mismatch"):
+        past_the_cache(dataset)
+
+
+def test_a_table_entry_outside_its_shard_file_costs_the_shards_own_index(dataset):
+    """A span of the table that does not fit its shard file: the shard's own index decides."""
+    table = read_table(dataset, "obs", 64)
+    entries = table.entries.copy()
+    entries[0, 1, (CHUNK + 300) % CHUNK // 64] = (10**9, 100)  # the inner chunk of row CHUNK + 300
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+    past_the_cache(dataset)
+    damage_index(dataset, "obs", 1)
+    with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.1.0' does not decode .*checksum mismatch"):
+        past_the_cache(dataset)
+
+
+def test_a_table_entry_that_does_not_match_its_shard_costs_the_shards_own_index_past_the_cache(dataset):
+    """Entries that fit the file but are wrong (shifted) fail the inner chunks' checksums: the
+    shards' own indexes are read and the rows decoded again."""
+    table = read_table(dataset, "obs", 64)
+    entries = table.entries.copy()
+    entries[0, :, :32, 0] += 3  # the first half of each shard's inner chunks: still inside the file
+    with open(table_path(dataset, "obs"), "wb") as f:
+        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+    past_the_cache(dataset)
+    past_the_cache(dataset, np.arange(0, 3 * CHUNK + 100, 97))
+
+
+def test_past_its_cache_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index(tmp_path):
+    """As `test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index`, for a
+    reader whose rows exceed its cache: its shard maps take the table's index, find the rewritten
+    inner chunk fails its checksum, and read the shard's own."""
+    url = str(tmp_path / "frames")
+    frames = (np.arange(16)[:, None, None] * 13 + np.arange(1024).reshape(32, 32)).astype(np.uint8)
+    with dr.ReplayBuffer.create(url, {"img": dr.Field((32, 32), "uint8")}, capacity=None, chunk_rows=16,
+                                compression="zstd") as buf:  # 1 KiB rows: shards of two 8-row inner chunks
+        buf.extend({"img": frames[:10]})
+    writer = dr.ReplayBuffer.open(url, "r+")
+    writer.extend({"img": frames[10:]})  # chunk 0 is full: written behind, not committed
+    writes_done(writer)
+    with dr.ReplayBuffer.open(url, cache_bytes=4096) as reader:
+        assert isinstance(reader.storage.row_reads.maps, ShardMaps)
+        np.testing.assert_array_equal(reader[[3, 9]]["img"], frames[[3, 9]])
+        np.testing.assert_array_equal(reader[np.arange(10)]["img"], frames[:10])
+    writer.close()
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_past_its_cache_a_batch_asks_for_every_fields_inner_chunks_before_it_decodes(dataset, monkeypatch, cold):
+    """Shard files that were not in the page cache when mapped: a batch asks the OS for the inner
+    chunks of all its sharded fields (one call per field, one span per row), then decodes them,
+    so that the reads are in flight together; an inner chunk read before is not asked for again.
+    Files in the page cache are never asked for."""
+    from diskreplay.storage import shard_maps
+
+    events = []
+    if cold:
+        monkeypatch.setattr(shard_maps, "resident", lambda address, size: False)
+    monkeypatch.setattr(shard_maps, "will_need", lambda addresses, sizes: len(addresses) and events.append(
+        ("ask", len(addresses))))
+    decode = ShardMaps._decode_held
+    monkeypatch.setattr(ShardMaps, "_decode_held", lambda self, name, *args: (
+        events.append(("decode", name)), decode(self, name, *args))[1])
+    with dr.ReplayBuffer.open(dataset, cache_bytes=PAST) as reader:
+        check(reader[IDS], IDS)
+        asked = [("ask", len(IDS))] * 2 if cold else []
+        assert events == [*asked, ("decode", "obs"), ("decode", "act")]
+        events.clear()
+        check(reader[IDS[::-1]], IDS[::-1])
+        assert events == [("decode", "obs"), ("decode", "act")]
+        ids = [7, 2 * CHUNK + 1]  # an inner chunk read before (obs and act), one not (both)
+        check(reader[ids], ids)
+        assert events[2:] == ([("ask", 1)] * 2 if cold else []) + [("decode", "obs"), ("decode", "act")]

@@ -497,19 +497,42 @@ def peer_contestants(comp: str, data: dict, server: Server, args: argparse.Names
     return epochs, randoms
 
 
-def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argparse.Namespace,
+def one_compression(comp: str, data: dict, server: Server | None, tmp: str, args: argparse.Namespace,
                     repeats: int) -> tuple[list[str], dict]:
+    """The tables of one compression: on S3 (unless ``server`` is None), then on local disk."""
+    codec = None if comp == "raw" else comp
+    rows = len(data["obs"])
+    local, local_lance = os.path.join(tmp, f"dr-{comp}"), os.path.join(tmp, f"lance-{comp}")
+    log(f"[{comp}] writing diskreplay and Lance datasets on local disk ...")
+    chunk_rows = {"local": write_buffer(local, data, args.chunk_rows, codec, None, args.row_shards)}
+    write_lance(local_lance, data, codec, None)
+    tables, out = [], {"chunk_rows": chunk_rows, "urls": [None, None, local, local_lance]}
+    if server is not None:
+        tables, s3 = s3_tables(comp, data, server, args, repeats)
+        chunk_rows["s3"] = s3.pop("chunk_rows")
+        out = {**s3, **out, "urls": [*s3.pop("urls"), local, local_lance]}
+    b, tag = args.epoch_batch, f"{comp}, {bl.format_count(rows)} rows"
+    lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
+                        "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
+                                             evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
+    lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
+                      "dr w2": dr_epoch(local, None, 2, b, rows, None),
+                      "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
+                      "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
+    t3, out["local"] = local_table(f"local disk ({tag})", lcold, lep, rows)
+    return [*tables, t3], out
+
+
+def s3_tables(comp: str, data: dict, server: Server, args: argparse.Namespace, repeats: int) -> tuple[list[str], dict]:
+    """Epochs and cold random batches from S3, diskreplay and Lance (and the further peers)."""
     codec = None if comp == "raw" else comp
     rows = len(data["obs"])
     url, uri = f"s3://{BUCKET}/dr-{comp}", f"s3://{BUCKET}/lance-{comp}"
-    local, local_lance = os.path.join(tmp, f"dr-{comp}"), os.path.join(tmp, f"lance-{comp}")
-    log(f"[{comp}] writing diskreplay and Lance datasets, local and S3 ...")
-    chunk_rows = {"s3": write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]),
-                                     args.row_shards),
-                  "local": write_buffer(local, data, args.chunk_rows, codec, None, args.row_shards)}
-    log(f"[{comp}] diskreplay chunks: {chunk_rows['s3']:,} rows on S3, {chunk_rows['local']:,} on local disk")
+    log(f"[{comp}] writing diskreplay and Lance datasets on S3 ...")
+    chunk_rows = write_buffer(url, data, args.chunk_rows, codec, dr_options(server.endpoints["loopback"]),
+                              args.row_shards)
+    log(f"[{comp}] diskreplay chunks: {chunk_rows:,} rows on S3")
     write_lance(uri, data, codec, lance_options(server.endpoints["loopback"]))
-    write_lance(local_lance, data, codec, None)
     so, lso = dr_options(server.endpoints["latency"]), lance_options(server.endpoints["latency"])
     b = args.epoch_batch
     tag = f"{comp}, {bl.format_count(rows)} rows"
@@ -525,17 +548,7 @@ def one_compression(comp: str, data: dict, server: Server, tmp: str, args: argpa
     if epochs:
         tp, dp = peers_table(f"further peers on S3 ({tag})", ep, cold, rows, mosaic_rows(args, rows))
         t2, d2 = t2 + "\n\n" + tp, {**d2, "peers": dp}
-    lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
-                        "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
-                                             evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
-    lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
-                      "dr w2": dr_epoch(local, None, 2, b, rows, None),
-                      "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
-                      "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
-    t3, d3 = local_table(f"local disk ({tag})", lcold, lep, rows)
-    out = {"epoch_s3": d1, "random_s3": d2, "local": d3, "chunk_rows": chunk_rows,
-           "urls": [url, uri, local, local_lance]}
-    return [t1, t2, t3], out
+    return [t1, t2], {"epoch_s3": d1, "random_s3": d2, "chunk_rows": chunk_rows, "urls": [url, uri]}
 
 
 def skipped_peers() -> str:
@@ -565,6 +578,7 @@ def main() -> None:
     p.add_argument("--peer-epoch-rows", type=bl.parse_count, default=100_000,
                    help="rows of mosaic streaming's epoch dataset (its per-row reads: 2M rows take minutes)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per workload (default 3; --quick 1)")
+    p.add_argument("--local-only", action="store_true", help="only the local disk tables (no S3 server)")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = p.parse_args()
     if importlib.util.find_spec("lance") is None:
@@ -586,7 +600,7 @@ def main() -> None:
         f"from its copy); {repeats} timed round(s) after one untimed, medians", skipped_peers()])
     print(header + "\n", flush=True)
     started = time.perf_counter()
-    server = Server(args.latency_ms / 1000)
+    server = None if args.local_only else Server(args.latency_ms / 1000)
     tmp = tempfile.mkdtemp(prefix="diskreplay-cloud-")
     tables: list[str] = []
     results: dict[str, Any] = {"rows": rows, "row_bytes": ROW_BYTES, "latency_ms": args.latency_ms,
@@ -598,9 +612,11 @@ def main() -> None:
             tables += got
         del data
         url, _, local, _ = results[comps[-1]].pop("urls")
-        extra, results["diskreplay_alone"] = extras(url, local, dr_options(server.endpoints["latency"]), args,
-                                                    rows, repeats, comps[-1], results[comps[-1]]["chunk_rows"]["s3"])
-        tables.append(extra)
+        if server is not None:
+            extra, results["diskreplay_alone"] = extras(url, local, dr_options(server.endpoints["latency"]), args,
+                                                        rows, repeats, comps[-1],
+                                                        results[comps[-1]]["chunk_rows"]["s3"])
+            tables.append(extra)
         for comp in comps:
             results[comp].pop("urls", None)
         if args.out:
@@ -608,7 +624,8 @@ def main() -> None:
             log(f"results written to {args.out}")
         bl.publish_report(header, "\n\n".join(tables), None, started)
     finally:
-        server.close()
+        if server is not None:
+            server.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

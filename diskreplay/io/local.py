@@ -40,6 +40,16 @@ def open_for_reading(path: str) -> int:
     return os.open(path, os.O_RDONLY)
 
 
+def _read(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from the start of the open file ``fd`` (fewer where it is shorter), or
+    None where it is a folder."""
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(size)
+    except IsADirectoryError:
+        return None
+
+
 class LocalChunkStore:
     """Files under a directory. Writes are atomic (temp file in the same directory + rename)."""
 
@@ -64,7 +74,27 @@ class LocalChunkStore:
             return None
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
-        return [self.get(k, limit) for k in keys]
+        """Each object's bytes (at most ``limit`` of them), None where it does not exist; the
+        files go in runs of at most `FILES_AT_ONCE` held open at once, each run asked of the OS
+        first (``POSIX_FADV_WILLNEED``), so that cold ones are read together."""
+        found: list[Blob | None] = []
+        for start in range(0, len(keys), FILES_AT_ONCE):
+            found += self._get_run(keys[start:start + FILES_AT_ONCE], limit)
+        return found
+
+    def _get_run(self, keys: list[str], limit: int | None) -> list[Blob | None]:
+        files: dict[str, tuple[int, int] | None] = {}
+        try:
+            for key in keys:
+                if (opened := self._opened(files, key)) is not None:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(opened[0], 0, limit or 0, os.POSIX_FADV_WILLNEED)
+            return [None if (opened := files[key]) is None else _read(opened[0], min(opened[1], limit or opened[1]))
+                    for key in keys]
+        finally:
+            for opened in files.values():
+                if opened is not None:
+                    os.close(opened[0])
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         """Each range's bytes (``pread``) and its file's size, each file opened once; the ranges

@@ -28,6 +28,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MADV_RANDOM, _MADV_WILLNEED, _MADV_POPULATE_READ = 1, 3, 22
+_RESIDENT_BIT = bytes(value & 1 for value in range(256))
+"""``mincore``'s byte per page, its other bits cleared (only the lowest says the page is resident)."""
 
 DEFAULT_MAX_MAP_COUNT = 65530
 """Linux's default ``vm.max_map_count``: memory maps one process may hold."""
@@ -68,10 +70,25 @@ def cached(path: str) -> bool:
     if address is None or address == _MAP_FAILED:
         return False
     try:
-        pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-        return _libc.mincore(address, size, pages.ctypes.data) == 0 and bool((pages & 1).all())
+        return resident(address, size)
     finally:
         _libc.munmap(address, size)
+
+
+def resident(address: int, size: int) -> bool:
+    """Whether every page of the ``size`` mapped bytes at ``address`` (page-aligned) is in the
+    page cache (``mincore``; False where it cannot tell)."""
+    pages = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    return size == 0 or (_libc.mincore(address, size, pages) == 0 and 0 not in pages.raw.translate(_RESIDENT_BIT))
+
+
+def will_need(addresses: np.ndarray, sizes: np.ndarray) -> None:
+    """Ask the OS to read the mapped pages of ``sizes[i]`` bytes at ``addresses[i]``, all at once
+    (``MADV_WILLNEED`` returns at once: the reads are in flight together, where page faults
+    would wait for one at a time)."""
+    start = addresses - addresses % mmap.PAGESIZE
+    for address, size in zip(start.tolist(), (addresses + sizes - start).tolist()):
+        _libc.madvise(address, size, _MADV_WILLNEED)
 
 
 def _check(result: int | None, what: str) -> int:

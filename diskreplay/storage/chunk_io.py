@@ -36,18 +36,23 @@ def default_io_threads(url: str) -> int:
     return min(4, os.cpu_count() or 1) if is_local(url) else 16
 
 
-def balanced(work: list[ChunkWrite], parts: int) -> list[list[ChunkWrite]]:
-    """``work`` dealt into at most ``parts`` non-empty lists of about equal bytes, each in
-    ``work``'s order: the biggest chunk first, each to the list holding the fewest bytes so far
-    (the frames of a batch spread over the threads, rather than every ``parts``-th chunk, which
-    puts every chunk of one field on one thread when the fields divide by ``parts``)."""
-    lists: list[list[int]] = [[] for _ in range(min(parts, len(work)))]
+def deal(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """The indices of ``sizes`` dealt into at most ``parts`` non-empty lists of about equal total
+    size, each in order: the biggest first, each to the list holding the least so far (the frames
+    of a batch spread over the threads, rather than every ``parts``-th chunk, which puts every
+    chunk of one field on one thread when the fields divide by ``parts``)."""
+    lists: list[list[int]] = [[] for _ in range(min(parts, len(sizes)))]
     loads = [0] * len(lists)
-    for i in sorted(range(len(work)), key=lambda i: work[i][2].nbytes, reverse=True):
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
         lightest = loads.index(min(loads))
         lists[lightest].append(i)
-        loads[lightest] += work[i][2].nbytes
-    return [[work[i] for i in sorted(part)] for part in lists]
+        loads[lightest] += sizes[i]
+    return [sorted(part) for part in lists]
+
+
+def balanced(work: list[ChunkWrite], parts: int) -> list[list[ChunkWrite]]:
+    """``work`` dealt into at most ``parts`` lists of about equal bytes (`deal`)."""
+    return [[work[i] for i in part] for part in deal([rows.nbytes for _, _, rows, _ in work], parts)]
 
 
 class ChunkIO:
@@ -130,7 +135,13 @@ class ChunkIO:
             found = [self._read_raw(key, rows) for key, _, rows in work]  # memcpy-bound: threads only add overhead
         else:
             blobs = self.store.get_many([key for key, _, _ in work])
-            found = list(self.workers.map(self._decode, work, blobs))
+            found = [False] * len(work)
+
+            def decode(part: list[int]) -> None:  # a few jobs, not one per chunk: small ones cost less than a job
+                for i in part:
+                    found[i] = self._decode(work[i], blobs[i])
+            for _ in self.workers.map(decode, deal([rows.nbytes for _, _, rows in work], self.threads)):
+                pass
         for (key, _, rows), ok in zip(work, found):
             if not ok:
                 if must_exist:

@@ -38,6 +38,7 @@ from ..format.layout import (
     read_layout,
 )
 from ..format.pins import KEPT, pin_prefix
+from ..format.shard_table import ShardTable
 from ..io.backends import open_chunkstore
 from ..io.lock import WriterLock
 from ..io.mmap import map_budget
@@ -56,13 +57,13 @@ from .loading import ChunkLoader
 from .log import Log
 from .mapped import MappedChunks
 from .pins import hold_newest, hold_pinned, not_kept, pinned_record, read_index
-from .point_reads import PointReads, Tables
+from .point_reads import PointReads
 from .ragged_reads import RaggedReads
 from .read_ahead import ReadAhead
 from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
-from .shard_tables import inner_chunks, read_tables
+from .shard_tables import TabledIndexes, Tables, inner_chunks, read_tables, sharded_fields
 from .sizing import DEFAULT_CACHE_BYTES, cache_slots
 from .stale import RetiredCheck
 from .union import CommitIndex, UnionLog, UnionStorage, union_threads
@@ -359,7 +360,15 @@ class ReadSide(NamedTuple):
 def _tables(url: str, log: CommitLog, io: ChunkIO) -> Tables:
     """The shard index tables of this buffer that describe its shards at the commit ``log`` shows."""
     inner = inner_chunks(io, log.config.layout)
-    return lambda names: read_tables(log.objects, url, log.record, names, inner, log.config.num_envs)
+    read: dict[tuple, dict[str, ShardTable]] = {}
+
+    def tables(names: tuple[str, ...]) -> dict[str, ShardTable]:  # read once per commit for every reader of them
+        key = (names, log.record.sequence, log.record.time)
+        if key not in read:
+            read.clear()
+            read[key] = read_tables(log.objects, url, log.record, names, inner, log.config.num_envs)
+        return read[key]
+    return tables
 
 
 def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log: Log, io: ChunkIO,
@@ -382,7 +391,8 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
               if memory_map and codec.raw and store.supports_mmap and mmap_supported() else None)
     retired = RetiredCheck(log, cache, cursors.window)
     points = PointReads(io, layout.chunk_rows, tables) if mode == "r" else None
-    row_reads = _row_reads(row_fields, io, cache, retired, points) if row_fields else None
+    row_reads = (_row_reads(row_fields, io, cache, retired, points, tables if mode == "r" else None)
+                 if row_fields else None)
     files = FileMaps(mapped, row_reads, points)
     warmer = Warmer(loader, mapped, retired, cursors.window, files.forget, stored_bytes, mode == "r",
                     store.supports_mmap)
@@ -393,9 +403,10 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
 
 
 def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: RetiredCheck,
-               points: PointReads | None) -> RowReads:
-    """Row-by-row reads of the sharded fields ``names``: their shard files mapped as read, or
-    (an object store's reader) their inner chunks read as byte ranges."""
+               points: PointReads | None, tables: Tables | None) -> RowReads:
+    """Row-by-row reads of the sharded fields ``names``: their shard files mapped as read (their
+    indexes taken from ``tables`` where these hold them), or (an object store's reader) their
+    inner chunks read as byte ranges."""
     schema = io.schema
     if not io.store.supports_mmap:
         assert points is not None, "remote row reads are a reader's"
@@ -403,7 +414,7 @@ def _row_reads(names: tuple[str, ...], io: ChunkIO, cache: ChunkCache, retired: 
     codecs = {name: io.codecs[name] for name in names}
     inner_bytes = {name: int(codecs[name].inner_rows or 0) * schema[name].row_bytes for name in names}
     maps = ShardMaps(io.store, io.key, cache.chunk_rows, codecs, inner_bytes, map_budget(len(schema.fields)),
-                     io.threads)
+                     io.threads, TabledIndexes(tables, sharded_fields(io)))
     return RowReads(names, schema, cache, io, maps, retired)
 
 

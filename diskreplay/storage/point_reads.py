@@ -25,10 +25,10 @@ import numpy as np
 
 from ..errors import CorruptBufferError
 from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, INNER_CHUNK_BYTES, SMALL_ROWS_INNER, Codec, checksum
-from ..format.shard_table import ShardTable
 from ..io.store import Range, Ranged
 from .chunk_io import ChunkIO
 from .outputs import Rows
+from .shard_tables import TabledIndexes, Tables
 
 SMALL_CHUNK_BYTES = SMALL_ROWS_INNER * INNER_CHUNK_BYTES
 """A compressed field whose chunks hold at most this many bytes is not sharded (`inner_rows_for`):
@@ -45,9 +45,6 @@ GAP_BYTES = 4096
 """Raw rows of one chunk object at most this many bytes apart are read in one range: a request
 costs more than that many bytes (a page locally, a round trip remotely)."""
 
-Tables = Callable[[tuple[str, ...]], dict[str, ShardTable]]
-"""The shard index tables of these fields that describe the shards as this reader's commit has
-them (`diskreplay.storage.shard_tables.read_tables`)."""
 InnerPlan = tuple[np.ndarray, list[Range], np.ndarray]
 """A sharded field's reads for rows sorted by (lane, chunk, offset): each row's inner chunk
 among those read, their ranges, and which of them are stored (not empty)."""
@@ -62,11 +59,10 @@ class PointReads:
 
     def __init__(self, io: ChunkIO, chunk_rows: int, tables: Tables | None = None):
         """``tables``: read before the first shard index would be (None: no table)."""
-        self.io, self.chunk_rows, self._tables = io, chunk_rows, tables
-        self._tabled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        """Each table's shards not forgotten since (``[lanes, chunks]`` bool) and their indexes."""
+        self.io, self.chunk_rows = io, chunk_rows
         self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
         self.sharded = frozenset(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
+        self.tabled = TabledIndexes(tables, tuple(self.sharded))
         self.small = frozenset(name for name, codec in io.codecs.items() if not codec.raw and codec.inner_rows is None
                                and chunk_rows * io.schema[name].row_bytes <= SMALL_CHUNK_BYTES)
         self.indexes: dict[tuple[str, int, int], np.ndarray] = {}
@@ -92,9 +88,7 @@ class PointReads:
         gone = set(chunks.tolist())
         for key in [key for key in self.indexes if key[1] == lane and key[2] in gone]:
             del self.indexes[key]
-        for present, _ in self._tabled.values():
-            if lane < len(present):
-                present[lane, chunks[chunks < present.shape[1]]] = False
+        self.tabled.forget(lane, chunks)
 
     def read(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, out: Rows) -> None:
         """The rows at (lane, chunk, offset) of every field of ``out`` (raw, sharded or small:
@@ -231,6 +225,9 @@ class PointReads:
 
     # ---- sharded fields -------------------------------------------------------------------
 
+    def ask(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> None:
+        """Nothing: `decode` reads each field's inner chunks in one round of requests."""
+
     def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
                rows: np.ndarray) -> None:
         """Decode inner chunks ``inners[i]`` of chunks ``(lanes[i], chunks[i])`` of the sharded
@@ -304,17 +301,12 @@ class PointReads:
     def _from_table(self, name: str, shards: list[tuple[int, int]]) -> None:
         """Keep the indexes of these shards that ``name``'s table holds, checked (the tables are
         read first, once: `Tables`). Raises CorruptBufferError naming a shard whose index is bad."""
-        if self._tables is not None:
-            tables, self._tables = self._tables(tuple(sorted(self.sharded))), None
-            self._tabled = {field: (table.present.copy(), table.entries) for field, table in tables.items()}
-        if name not in self._tabled or not shards:
+        if not shards:
             return
-        present, entries = self._tabled[name]
         lanes, chunks = np.array(shards, np.int64).T
-        held = (lanes < present.shape[0]) & (chunks < present.shape[1])
-        held[held] = present[lanes[held], chunks[held]]
+        held, pairs = self.tabled.lookup(name, lanes, chunks)
         lanes, chunks = lanes[held], chunks[held]
-        head, pairs = self.io.codecs[name].index_bytes(self.chunk_rows), entries[lanes, chunks]
+        head = self.io.codecs[name].index_bytes(self.chunk_rows)
         try:
             spans = _spans(pairs.reshape(-1, 2), head, -1).reshape(pairs.shape)
         except ValueError:

@@ -184,6 +184,7 @@ class ChunkReader:
                         out: Mapping[str, np.ndarray]) -> Rows:
         """Sharded fields row by row, the others through the cache."""
         others = tuple(name for name in names if name not in row_reads.names)
+        row_reads.ask(tuple(name for name in names if name in row_reads.names), lane, step)
         rows = self._gather_cached(lane, step, others, out) if others else {}
         for name in names:
             if name in row_reads.names:

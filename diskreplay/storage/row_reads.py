@@ -29,6 +29,11 @@ class InnerChunks(Protocol):
         """Inner chunk ``inners[i]`` of chunk ``(lanes[i], chunks[i])`` decoded into ``out[rows[i]]``."""
         ...
 
+    def ask(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> None:
+        """Inner chunk ``inners[i]`` of chunk ``(lanes[i], chunks[i])`` is decoded next: start
+        reading it, without waiting (or do nothing)."""
+        ...
+
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten."""
         ...
@@ -46,16 +51,28 @@ class RowReads:
         self.schema, self.cache, self.io, self.maps, self.retired = schema, cache, io, maps, retired
         self.chunk_rows = cache.chunk_rows
 
-    def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
-        """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
-        among them), else decoded from their inner chunks (`_decode_frames`, `_decode`), not cached."""
-        rows = output_rows(self.schema[name], len(step), given)
-        layout = self.retired.layout
-        chunk, offset = layout.chunk_and_offset(step)
+    def ask(self, names: tuple[str, ...], lane: np.ndarray, step: np.ndarray) -> None:
+        """These fields' rows are read next: start reading the inner chunks of those the cache
+        does not hold, all fields' at once (locally: their pages asked of the OS)."""
+        chunk, offset, _, cached = self._cached(lane, step)
+        read = ~cached
+        for name in names:
+            self.maps.ask(name, lane[read], chunk[read], offset[read] // int(self.io.codecs[name].inner_rows or 1))
+
+    def _cached(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's chunk, offset in it, cache slot (-1: none) and whether that slot holds it whole."""
+        chunk, offset = self.retired.layout.chunk_and_offset(step)
         width = self.cache.width
         slots = np.where(chunk < width, self.cache.slots_of(lane, np.minimum(chunk, width - 1)), -1)
         cached = slots >= 0
         cached[cached] = ~self.cache.is_partial(slots[cached])
+        return chunk, offset, slots, cached
+
+    def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
+        """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
+        among them), else decoded from their inner chunks (`_decode_frames`, `_decode`), not cached."""
+        rows = output_rows(self.schema[name], len(step), given)
+        chunk, offset, slots, cached = self._cached(lane, step)
         if cached.any():
             self.cache.touch(slots[cached])  # an epoch's chunks read ahead stay while it reads them
             rows[cached] = self.cache.slabs[name].take(self.cache.rows_at(slots[cached], offset[cached]), axis=0)

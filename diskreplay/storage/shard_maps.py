@@ -1,23 +1,31 @@
-"""Sharded chunk files of a local store, memory-mapped with their index read and checked once.
+"""Sharded chunk files of a local store, memory-mapped, their indexes checked once.
 
 A compressed image field is stored as Zarr shards (`diskreplay.format.codecs.Codec.inner_rows`):
 an index of ``(offset, nbytes)`` pairs, then inner chunks of a few rows, each with its CRC32C.
 A reader missing its cache reads single inner chunks. `ShardMaps` maps each shard file the
-first time a read needs it and checks its whole index at once (checksum, every span inside the
-file and no longer than an inner chunk may take); the spans of every mapped shard's inner chunks
-go into one table per field (`_Spans`), so a batch finds its frames with a few array lookups.
-An inner chunk's checksum is checked the first time it is read, by the thread that decodes it.
-LZ4 frames of bytes are then decoded straight from the map into the batch
-(`Codec.direct_blocks`); others are copied out of the map and decoded by their codec.
+first time a read needs it and takes its index from the reader's shard index tables where they
+have it, else from the file; every span is checked to lie inside the file and be no longer than
+an inner chunk may take. The spans of every mapped shard's inner chunks go into one table per
+field (`_Spans`), so a batch finds its frames with a few array lookups. An inner chunk's
+checksum is checked the first time it is read, by the thread that decodes it; one that fails
+where a table gave the index has its shard's own index read (a live writer may have rewritten
+the shard since the table's commit). LZ4 frames of bytes are then decoded straight from the map
+into the batch (`Codec.direct_blocks`); others are copied out of the map and decoded by their
+codec.
+
+Cold reads go in flight together: a page fault reads one page (``MADV_RANDOM``), and a batch
+asks the OS for all the pages it will read first (``MADV_WILLNEED``: the indexes it needs, then
+the inner chunks of every field, `ask`), where a page fault at a time would wait for each read
+in turn. Files in the page cache when mapped are not asked for (asking costs a system call per
+inner chunk).
 
 Maps are file-backed pages: the page cache, shared and reclaimable, never private memory. Each
 costs one of the process's ``vm.max_map_count`` maps, so at most `budget` are held; past that
 the least recently used are closed, never one the batch being decoded reads. Which slot holds a
 chunk's map is one table lookup per field for a whole batch (`_Spans.slot_at`). A shard file the
 writer rewrites is a new file (atomic rename) or one no commit covered yet: `forget` drops its
-map before the next read.
+map (and its table's index) before the next read.
 """
-
 from __future__ import annotations
 
 import mmap
@@ -27,14 +35,28 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CorruptBufferError
-from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, Codec
+from ..format.codecs import CHECKSUM_BYTES, EMPTY_INNER, LZ4_BLOCKS, Codec
 from ..format.lz4_blocks import LZ4_HEAD, LZ4Frames, first_bad_checksum
 from ..io.local import open_for_reading
+from ..io.mmap import resident, will_need
 from ..io.store import ChunkStore
 from ..io.threads import Threads
+from .shard_tables import TabledIndexes
 
 PART_FRAMES = 64
 """Frames a decoding thread takes at least: fewer cost more to hand over than they save."""
+
+
+def _bad_spans(inner_bytes: int, index: np.ndarray, head: int, sizes: np.ndarray) -> np.ndarray:
+    """Of shards' indexes ``[shards, inner, 2]`` in files of ``sizes`` bytes, which inner chunks'
+    spans are bad: outside the file's data, or longer than an inner chunk of ``inner_bytes``
+    decoded bytes may take."""
+    empty = (index == EMPTY_INNER).all(axis=2)
+    limit = 2 * inner_bytes + 1024  # what any codec needs for incompressible rows, and more
+    offset, nbytes, size = index[..., 0], index[..., 1], sizes.astype(np.uint64)[:, None]
+    bad: np.ndarray = ~empty & ((offset < head) | (nbytes <= CHECKSUM_BYTES) | (nbytes > limit)
+                                | (offset > size - np.minimum(nbytes, size)))
+    return bad
 
 
 class _Shard:
@@ -53,14 +75,17 @@ class _Shard:
 class _Spans:
     """The inner chunks of one field's mapped shards, a row per slot: each body's offset in its
     file (-1: stored empty) and bytes (checksum cut off), its LZ4 block's offset (-1: none, see
-    `Codec.direct_blocks`), whether its checksum passed; each slot's map, address and last use;
-    and which slot maps each chunk (``slot_at[lane, chunk]``, -1: none)."""
+    `Codec.direct_blocks`), whether its checksum passed; each slot's map, address, last use,
+    whether its index is a table's and whether its file was in the page cache when mapped; and
+    which slot maps each chunk (``slot_at[lane, chunk]``, -1: none)."""
 
     def __init__(self, inners: int):
         self.offset = np.empty((0, inners), np.int64)
         self.nbytes = np.empty((0, inners), np.int64)
         self.block = np.empty((0, inners), np.int64)
         self.verified = np.empty((0, inners), bool)
+        self.tabled = np.empty(0, bool)
+        self.resident = np.empty(0, bool)
         self.address = np.empty(0, np.int64)
         self.used = np.empty(0, np.int64)
         self.holding = np.empty(0, bool)
@@ -92,7 +117,7 @@ class _Spans:
         """A free slot, the tables grown when none is left."""
         if not self.free:
             size, grown = len(self.address), max(2 * len(self.address), 8)
-            for name in ("offset", "nbytes", "block", "verified", "address", "used", "holding"):
+            for name in ("offset", "nbytes", "block", "verified", "tabled", "resident", "address", "used", "holding"):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
@@ -124,17 +149,20 @@ class ShardMaps:
     """The shard files of a store's row-read fields, mapped; see the module docstring."""
 
     def __init__(self, store: ChunkStore, chunk_key: Callable[[str, int, int], str], chunk_rows: int,
-                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int, threads: int = 1):
+                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int, threads: int = 1,
+                 tabled: TabledIndexes | None = None):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``codecs`` and
         ``inner_bytes`` (decoded bytes of one inner chunk): of each sharded field; ``budget``:
-        shard files held mapped at most; ``threads``: decoding a batch's frames side by side."""
-        self.store, self.chunk_key, self.chunk_rows = store, chunk_key, chunk_rows
+        shard files held mapped at most; ``threads``: decoding a batch's frames side by side;
+        ``tabled``: shard indexes known without reading them from their files (a reader's tables)."""
+        self.store, self.chunk_key, self.chunk_rows, self.tabled = store, chunk_key, chunk_rows, tabled
         self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
         self.workers = Threads(threads - 1, "diskreplay-decode")
         self.maps = 0  # shard files held mapped, over all fields
         self.uses = 0  # decode calls so far: the last one that read a slot is its `_Spans.used`
         self.spans = {name: _Spans(chunk_rows // int(codec.inner_rows or 1)) for name, codec in codecs.items()}
+        self.asked: set[str] = set()  # fields whose next decode was asked for (`ask`)
 
     def decode(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray, out: np.ndarray,
                rows: np.ndarray) -> None:
@@ -150,17 +178,37 @@ class ShardMaps:
         if (slots >= 0).all():
             self.uses += 1
             spans.used[slots] = self.uses
-            return self._decode_held(name, slots, inners, lanes, chunks, out, rows)
+            return self._decode_checked(name, slots, inners, lanes, chunks, out, rows)
         _, which = np.unique(lanes.astype(np.int64) << 32 | chunks, return_inverse=True)
         for lo in range(0, int(which.max()) + 1, self.budget):  # a group's maps stay open while it decodes
             part = np.flatnonzero((which >= lo) & (which < lo + self.budget))
             slots = self._held(name, lanes[part], chunks[part])
-            self._decode_held(name, slots, inners[part], lanes[part], chunks[part], out, rows[part])
+            self._decode_checked(name, slots, inners[part], lanes[part], chunks[part], out, rows[part])
         return None
+
+    def _decode_checked(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray,
+                        chunks: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
+        """`_decode_held`; where it finds damage in a shard whose index a table gave, those
+        shards' own indexes are read and the frames decoded again: a live writer may have
+        rewritten a shard since the table's commit (the rows that commit covers are the same)."""
+        try:
+            self._decode_held(name, slots, inners, lanes, chunks, out, rows)
+        except CorruptBufferError:
+            spans = self.spans[name]
+            tabled = np.unique(slots[spans.tabled[slots]])
+            if not len(tabled):
+                raise
+            for slot in tabled.tolist():
+                shard = spans.shards[slot]
+                assert shard is not None
+                index = self._file_index(name, shard.lane, shard.chunk, shard.data)
+                self._set_spans(name, np.array([slot]), index[None], [shard])
+            self._decode_held(name, slots, inners, lanes, chunks, out, rows)
 
     def _decode_held(self, name: str, slots: np.ndarray, inners: np.ndarray, lanes: np.ndarray, chunks: np.ndarray,
                      out: np.ndarray, rows: np.ndarray) -> None:
-        spans = self.spans[name]
+        spans, asked = self.spans[name], name in self.asked
+        self.asked.discard(name)
         at = slots.astype(np.int64) * spans.offset.shape[1] + inners  # in the tables, raveled
         block, nbytes, verified = (table.ravel().take(at) for table in (spans.block, spans.nbytes, spans.verified))
         flat = out.reshape(len(out), -1).view(np.uint8)
@@ -170,6 +218,8 @@ class ShardMaps:
         offset = spans.offset.ravel().take(at)
         stored = offset >= 0
         unchecked = stored & ~verified
+        if not asked:
+            self._will_need(name, slots, inners)
         flat[rows[~stored]] = 0
         direct = np.flatnonzero(block >= 0)
         if len(direct):
@@ -188,6 +238,24 @@ class ShardMaps:
                     self._verify(name, slots[frames], inners[frames], lanes[frames], chunks[frames])
                 codec.decode_bodies(bodies[s], out, rows[rest][s])
             self._named(name, lanes[rest], chunks[rest], decode_rest)
+
+    def ask(self, name: str, lanes: np.ndarray, chunks: np.ndarray, inners: np.ndarray) -> None:
+        """Map the shard files of chunks ``(lanes[i], chunks[i])`` and ask the OS for the pages of
+        their inner chunks ``inners[i]`` not read yet, without waiting: a batch asks for every
+        field's before it decodes the first, so that their reads are in flight together (the
+        next `decode` of ``name`` does not ask again). Nothing past the budget of maps."""
+        if len(np.unique(lanes.astype(np.int64) << 32 | chunks)) <= self.budget:
+            self._will_need(name, self._held(name, lanes, chunks), inners)
+            self.asked.add(name)
+
+    def _will_need(self, name: str, slots: np.ndarray, inners: np.ndarray) -> None:
+        """Ask the OS for these inner chunks of held shards, all at once, where they are read for
+        the first time from a file that was not in the page cache when mapped (LZ4 shards were
+        asked for whole)."""
+        spans = self.spans[name]
+        offset, nbytes = spans.offset[slots, inners], spans.nbytes[slots, inners]
+        cold = np.flatnonzero((offset >= 0) & ~spans.verified[slots, inners] & ~spans.resident[slots])
+        will_need(spans.address[slots[cold]] + offset[cold], nbytes[cold] + CHECKSUM_BYTES)
 
     def _decode_blocks(self, name: str, frames: LZ4Frames, slots: np.ndarray, inners: np.ndarray,
                        lanes: np.ndarray, chunks: np.ndarray) -> None:
@@ -262,12 +330,10 @@ class ShardMaps:
         spans.used[slots[slots >= 0]] = self.uses
         missing = np.flatnonzero(slots < 0)
         _, first = np.unique(lanes[missing].astype(np.int64) << 32 | chunks[missing], return_index=True)
-        self._make_room(len(first))
-        for i in missing[first].tolist():
-            shard = self._map(name, int(lanes[i]), int(chunks[i]))
-            spans.used[shard.slot] = self.uses
-            self.maps += 1
-        slots[missing] = spans.slots(lanes[missing], chunks[missing])
+        if len(first):
+            self._make_room(len(first))
+            self._map_all(name, lanes[missing[first]], chunks[missing[first]])
+            slots[missing] = spans.slots(lanes[missing], chunks[missing])
         return slots
 
     def _make_room(self, count: int) -> None:
@@ -284,51 +350,101 @@ class ShardMaps:
         for i in oldest.tolist():
             self._close(fields[int(names[i])], int(slots[i]))
 
-    def _map(self, name: str, lane: int, chunk: int) -> _Shard:
-        key = self.chunk_key(name, lane, chunk)
+    def _map_all(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> None:
+        """Map the shard files of these chunks (none held yet) and hold them, their indexes
+        checked: a table's where it has the shard and the span fits the file, else the file's.
+        Every file is opened and every index read from a file asked of the OS before the first
+        is read. Raises CorruptBufferError naming a chunk whose file is missing or bad."""
         head = self.codecs[name].index_bytes(self.chunk_rows)
+        known, tabled = (self.tabled.lookup(name, lanes, chunks) if self.tabled is not None
+                         else (np.zeros(len(lanes), bool), None))
+        maps: list[mmap.mmap] = []
         try:
-            with os.fdopen(open_for_reading(self.store.path(key)), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < head:
-                    raise self._corrupt(name, lane, chunk, f"{size} bytes: too short to hold an index "
-                                                           f"of {head} bytes")
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            for lane, chunk, needed in zip(lanes.tolist(), chunks.tolist(), (~known).tolist()):
+                maps.append(self._open(name, lane, chunk, head, needed))
+            index = np.zeros((len(maps), self.spans[name].offset.shape[1], 2), "<u8")
+            if known.any():
+                index[known] = tabled
+            sizes = np.array([len(data) for data in maps], np.int64)
+            # where the table has none, or a span of its that does not fit the file: the file's index
+            from_file = ~known | _bad_spans(self.inner_bytes[name], index, head, sizes).any(axis=1)
+            for k in np.flatnonzero(from_file).tolist():
+                index[k] = self._file_index(name, int(lanes[k]), int(chunks[k]), maps[k])
+        except BaseException:
+            for data in maps:
+                data.close()
+            raise
+        self._hold_all(name, lanes, chunks, maps, index, ~from_file)
+
+    def _open(self, name: str, lane: int, chunk: int, head: int, index_needed: bool) -> mmap.mmap:
+        """Chunk ``(lane, chunk)``'s shard file mapped, its pages read one at a time as touched,
+        its index (``head`` bytes) asked of the OS if ``index_needed``. Raises
+        CorruptBufferError if it is missing or too short."""
+        key = self.chunk_key(name, lane, chunk)
+        try:
+            fd = open_for_reading(self.store.path(key))
         except FileNotFoundError:
             raise CorruptBufferError(f"{self.store.url!r}: chunk {key!r} is missing, "
                                      f"but the last commit says it holds rows") from None
         try:
-            offset, nbytes = self._spans(name, data, head)
-        except ValueError as exc:
-            data.close()
-            raise self._corrupt(name, lane, chunk, exc) from None
-        spans = self.spans[name]
-        shard = _Shard(data, spans.take(), lane, chunk)
-        assert shard.view is not None
-        slot, stored = shard.slot, offset >= 0
-        spans.hold(shard)
-        spans.offset[slot], spans.nbytes[slot], spans.verified[slot] = offset, nbytes, False
-        blocks = self.codecs[name].direct_blocks(shard.view, offset[stored], nbytes[stored], self.inner_bytes[name])
-        spans.block[slot] = -1
-        spans.block[slot, stored] = blocks
-        return shard
+            size = os.fstat(fd).st_size
+            if size < head:
+                raise self._corrupt(name, lane, chunk, f"{size} bytes: too short to hold an index of {head} bytes")
+            data = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        data.madvise(mmap.MADV_RANDOM)
+        if self.codecs[name].compression in LZ4_BLOCKS:  # `direct_blocks` reads every body's head
+            data.madvise(mmap.MADV_WILLNEED)
+        elif index_needed:
+            data.madvise(mmap.MADV_WILLNEED, 0, head)
+        return data
 
-    def _spans(self, name: str, data: mmap.mmap, head: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every inner chunk's offset (-1: stored empty) and bytes without its checksum, from the
-        index, checked. Raises ValueError."""
-        size = len(data)
-        index = np.frombuffer(Codec.verified_body(data[:head]), dtype="<u8").reshape(-1, 2)
-        empty = (index == EMPTY_INNER).all(axis=1)
-        offset, nbytes = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
-        limit = 2 * self.inner_bytes[name] + 1024  # what any codec needs for incompressible rows, and more
-        bad = ~empty & ((index[:, 0] < head) | (index[:, 1] <= CHECKSUM_BYTES) | (index[:, 1] > limit)
-                        | (index[:, 0] > size - np.minimum(index[:, 1], size)))
+    def _file_index(self, name: str, lane: int, chunk: int, data: mmap.mmap) -> np.ndarray:
+        """The index a shard file holds (``[inner, 2]`` uint64), checked: its checksum, and every
+        span inside the file. Raises CorruptBufferError."""
+        head = self.codecs[name].index_bytes(self.chunk_rows)
+        try:
+            index = np.frombuffer(Codec.verified_body(data[:head]), dtype="<u8").reshape(-1, 2)
+        except ValueError as exc:
+            raise self._corrupt(name, lane, chunk, exc) from None
+        bad = _bad_spans(self.inner_bytes[name], index[None], head, np.array([len(data)]))[0]
         if bad.any():
-            inner = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"inner chunk {inner}: span ({index[inner, 0]}, {index[inner, 1]}) "
-                             f"outside the shard's data ({size} bytes)")
-        offset[empty] = -1
-        return offset, nbytes - CHECKSUM_BYTES
+            inner = int(np.argmax(bad))
+            raise self._corrupt(name, lane, chunk, f"inner chunk {inner}: span ({index[inner, 0]}, "
+                                                   f"{index[inner, 1]}) outside the shard's data ({len(data)} bytes)")
+        return index
+
+    def _hold_all(self, name: str, lanes: np.ndarray, chunks: np.ndarray, maps: list[mmap.mmap],
+                  index: np.ndarray, tabled: np.ndarray) -> None:
+        """Hold the mapped shards, their spans from their checked indexes (``tabled``: a table's)."""
+        spans = self.spans[name]
+        slots = np.array([spans.take() for _ in maps], np.int64)
+        shards = [_Shard(data, slot, lane, chunk)
+                  for data, slot, lane, chunk in zip(maps, slots.tolist(), lanes.tolist(), chunks.tolist())]
+        for shard in shards:
+            spans.hold(shard)
+        spans.used[slots] = self.uses
+        self.maps += len(maps)
+        self._set_spans(name, slots, index, shards)
+        spans.tabled[slots] = tabled
+        spans.resident[slots] = [resident(shard.address, len(shard.data)) for shard in shards]
+
+    def _set_spans(self, name: str, slots: np.ndarray, index: np.ndarray, shards: list[_Shard]) -> None:
+        """The spans of the shards held at ``slots`` from their checked indexes ``[shards, inner, 2]``,
+        none verified yet (none from a table)."""
+        spans = self.spans[name]
+        empty = (index == EMPTY_INNER).all(axis=2)
+        spans.offset[slots] = np.where(empty, -1, index[..., 0].astype(np.int64))
+        spans.nbytes[slots] = index[..., 1].astype(np.int64) - CHECKSUM_BYTES
+        spans.verified[slots], spans.block[slots], spans.tabled[slots] = False, -1, False
+        if self.codecs[name].compression in LZ4_BLOCKS:
+            for shard in shards:
+                offset, nbytes = spans.offset[shard.slot], spans.nbytes[shard.slot]
+                stored = offset >= 0
+                assert shard.view is not None
+                spans.block[shard.slot, stored] = self.codecs[name].direct_blocks(
+                    shard.view, offset[stored], nbytes[stored], self.inner_bytes[name])
 
     def _corrupt(self, name: str, lane: int, chunk: int, why: object) -> CorruptBufferError:
         key = self.chunk_key(name, lane, chunk)
@@ -341,6 +457,8 @@ class ShardMaps:
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again at their next read."""
         chunks = np.asarray(chunks, dtype=np.int64)
+        if self.tabled is not None:
+            self.tabled.forget(lane, chunks)
         for name, spans in self.spans.items():
             slots = spans.slots(np.full(len(chunks), lane), chunks)
             for slot in np.unique(slots[slots >= 0]).tolist():

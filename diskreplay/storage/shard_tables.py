@@ -11,7 +11,7 @@ rewritten. Each inner chunk read through one is still checked against its own ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -21,6 +21,10 @@ from ..format.lanes import LaneLayout
 from ..format.shard_table import MAX_TABLE_BYTES, ShardTable, table_bytes, table_key
 from ..io.store import ChunkStore
 from .chunk_io import ChunkIO
+
+Tables = Callable[[tuple[str, ...]], dict[str, ShardTable]]
+"""The shard index tables of these fields that describe the shards as this reader's commit has
+them (`read_tables`)."""
 
 
 def sharded_fields(io: ChunkIO) -> tuple[str, ...]:
@@ -106,3 +110,34 @@ def read_tables(objects: ChunkStore, url: str, record: CommitRecord, names: tupl
         if (table.sequence, table.time) == (record.sequence, record.time):
             found[name] = table
     return found
+
+
+class TabledIndexes:
+    """The shard indexes a reader's tables hold, the tables read at the first lookup; a shard
+    forgotten since (rewritten after the tables' commit) is left out."""
+
+    def __init__(self, tables: Tables | None, names: tuple[str, ...]):
+        """``tables``: of the sharded fields ``names`` (None: no table)."""
+        self._tables, self.names = tables, tuple(sorted(names))
+        self._held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Each table's shards not forgotten since (``[lanes, chunks]`` bool) and their indexes."""
+
+    def lookup(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which shards ``(lanes[i], chunks[i])`` of field ``name`` its table holds, and their
+        indexes as stored (``[held, inner, 2]`` uint64 ``(offset, nbytes)``, unchecked). Raises
+        CorruptBufferError naming a damaged table."""
+        if self._tables is not None:
+            tables, self._tables = self._tables(self.names), None
+            self._held = {field: (table.present.copy(), table.entries) for field, table in tables.items()}
+        if name not in self._held:
+            return np.zeros(len(lanes), bool), np.empty((0, 0, 2), "<u8")
+        present, entries = self._held[name]
+        held = (lanes < present.shape[0]) & (chunks < present.shape[1])
+        held[held] = present[lanes[held], chunks[held]]
+        return held, entries[lanes[held], chunks[held]]
+
+    def forget(self, lane: int, chunks: np.ndarray) -> None:
+        """These chunks were rewritten: their indexes are no longer the table's."""
+        for present, _ in self._held.values():
+            if lane < len(present):
+                present[lane, chunks[chunks < present.shape[1]]] = False
