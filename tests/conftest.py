@@ -170,6 +170,13 @@ def check_buffer_against(buf: dr.ReplayBuffer, model: Model, committed: bool = F
         assert_rows_equal(batch, model.expected(batch["index"]), "sample")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def sb3_logger_folder(tmp_path_factory):
+    """Stable-Baselines3's `learn` makes a folder for its logger (tempdir/SB3-<time>, left
+    behind) unless ``SB3_LOGDIR`` names one: the session's own, removed with its temp files."""
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+
+
 @pytest.fixture
 def no_fsync(monkeypatch):
     """Skip fsync: durability is not observable inside one process, and on a busy disk each

@@ -357,20 +357,21 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         ids = [5, 6, 1000, 5000]
         check_rows(reader[ids], ids)
         assert proxy.count("/shard-indexes/", "GET") == 2  # obs's and act's tables of shard indexes
-        assert proxy.count("/obs/c.", "GET") == 3  # inner chunks; rows 5 and 6 share one
+        # inner chunks: rows 5 and 6 share one, row 1000's lies beside it (one range); 5000's
+        assert proxy.count("/obs/c.", "GET") == 2
         assert proxy.count("/act/c.", "GET") == 2
         assert proxy.count("/done/c.", "GET") == 2  # each chunk whole, into the cache
         assert proxy.bytes_out < sum(size for key, size in sizes.items() if key.startswith(("obs/c.", "act/c."))) / 4
         proxy.reset_stats()
         check_rows(reader[ids], ids)
-        assert proxy.count("/c.", "GET") == 3 + 2  # the indexes were kept; done's chunks are cached
+        assert proxy.count("/c.", "GET") == 2 + 2  # the indexes were kept; done's chunks are cached
         reader.close()
         whole = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
         proxy.reset_stats()
         check_rows(whole[ids], ids)
-        assert (whole.stats().rows_read_directly, whole.stats().ranges_read) == (4, 3 + 2 + 2)
+        assert (whole.stats().rows_read_directly, whole.stats().ranges_read) == (4, 2 + 2 + 2)
         whole.warm()  # the window followed behind the first read
-        assert proxy.count("/c.", "GET") == (3 + 2 + 2) + 2 * 3
+        assert proxy.count("/c.", "GET") == (2 + 2 + 2) + 2 * 3
         assert_samples_make_no_request(whole, proxy)
         whole.close()
         dense = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy))  # fits its cache
@@ -390,6 +391,27 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         proxy.close()
     array = zarr.open_array(store=url + "/obs", mode="r", storage_options=s3.storage_options())
     np.testing.assert_array_equal(array[0, :, 0], np.arange(8192, dtype=np.float32))
+
+
+def test_contiguous_rows_past_the_cache_are_read_a_shard_run_at_a_time(s3):
+    """A reader past its cache reads sharded fields as inner chunks; the inner chunks of a
+    contiguous read lie side by side in their shard and are fetched as one range per shard."""
+    url = s3.new_url("contiguous-rows")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=4096, compression="zstd",
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend(rows(0, 8192))
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=4096 * 21)
+        reader[[0]]  # the shard index tables
+        proxy.reset_stats()
+        ids = np.arange(600, 6000)  # obs: inner chunks 1-7 of chunk 0 and 0-3 of chunk 1; act: 0-3 and 0-1
+        check_rows(reader[ids], ids)
+        assert [proxy.count(f"/{name}/c.", "GET") for name in ("obs", "act")] == [2, 2]
+        assert reader.stats().ranges_read == 2 + 2 + 2  # the first read's two inner chunks, then a range per shard
+        reader.close()
+    finally:
+        proxy.close()
 
 
 def test_a_kept_shard_index_of_a_rewritten_tail_chunk_is_read_again(s3):

@@ -26,6 +26,7 @@ Workloads (one table each):
    bytes fetched per byte sampled), then the next 20 random batches;
 3. local disk: the same cold first batch after every file of both stores was evicted from the
    page cache (fsync + ``POSIX_FADV_DONTNEED``), and a warm epoch (Loader w0 / w2 vs the scan);
+   ``--local-only`` runs this table alone (no S3 server);
 4. diskreplay only (the last compression's dataset, through the proxy): cold ``sample(256)`` with
    1 request in flight, warm ``sample(256)`` (every chunk cached) vs the same on local disk, and a
    cold in-order pass reading ahead (``--read-ahead`` chunks per gather, ``--ahead-threads`` in
@@ -39,7 +40,7 @@ per-row reads make a full epoch take minutes; cold random batches by index from 
 and Hugging Face datasets (one Parquet file, `load_dataset(..., streaming=True)`, as Arrow
 batches: the whole epoch).
 
-Usage: python tools/bench_cloud.py [--quick] [--rows 2M] [--compression raw,zstd] [--out FILE]
+Usage: python tools/bench_cloud.py [--quick] [--rows 2M] [--compression raw,zstd] [--local-only] [--out FILE]
 """
 
 from __future__ import annotations
@@ -591,13 +592,14 @@ def main() -> None:
     if not comps or set(comps) - {"raw", "zstd"}:
         p.error(f"--compression takes raw and/or zstd, not {args.compression!r}")
 
+    where = ("local disk only" if args.local_only else
+             f"moto {bl.package_versions(['moto'])['moto']} in a child process on 127.0.0.1 behind a proxy adding "
+             f"{args.latency_ms:g} ms per request (repeat GETs served from its copy)")
     header = bl.report_header("diskreplay object-storage benchmark (vs Lance)", args.quick, PACKAGES, details=[
         f"workload: {rows:,} rows x {ROW_BYTES} B ({rows * ROW_BYTES / 1e6:,.0f} MB), diskreplay chunks of "
         f"{f'{args.chunk_rows} rows' if args.chunk_rows else 'the default rows for each store'}"
-        f"{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; "
-        f"moto {bl.package_versions(['moto'])['moto']} in a child "
-        f"process on 127.0.0.1 behind a proxy adding {args.latency_ms:g} ms per request (repeat GETs served "
-        f"from its copy); {repeats} timed round(s) after one untimed, medians", skipped_peers()])
+        f"{'' if args.row_shards else ' (row_shards=False)'}; {', '.join(comps)}; {where}; "
+        f"{repeats} timed round(s) after one untimed, medians", *([] if args.local_only else [skipped_peers()])])
     print(header + "\n", flush=True)
     started = time.perf_counter()
     server = None if args.local_only else Server(args.latency_ms / 1000)

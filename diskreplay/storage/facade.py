@@ -60,7 +60,8 @@ class StorageStats:
     rows_read_directly: int = 0
     """Rows read straight from their chunk objects, not through the cache (cold reads of raw fields)."""
     ranges_read: int = 0
-    """Byte ranges those reads fetched (one request each on an object store)."""
+    """Byte ranges those reads fetched (one request each on an object store; ranges of one
+    object a page or less apart are read as one)."""
 
 
 

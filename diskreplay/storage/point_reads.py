@@ -129,8 +129,13 @@ class PointReads:
             self._fresh(names, lane, chunk, read_inner)
 
     def _get(self, ranges: list[Range]) -> list[Ranged | None]:
-        self.ranges_read += len(ranges)
-        return self.io.store.get_ranges(ranges)
+        """Each range's bytes: ranges of one object at most `GAP_BYTES` apart read as one
+        (a contiguous read's inner chunks, one request for a shard's run of them)."""
+        joined, parts = _joined(ranges)
+        self.ranges_read += len(joined)
+        got = self.io.store.get_ranges(joined)
+        return [None if (one := got[i]) is None else (one[0][at:at + stop - start], one[1])
+                for (_, start, stop), (i, at) in zip(ranges, parts)]
 
     def _plan(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> Plan:
         """A raw field's ranges: runs of nearby rows (`_runs`); a run over half its chunk or more
@@ -397,6 +402,22 @@ def _spans(pairs: np.ndarray, index_bytes: int, size: int) -> np.ndarray:
         i = int(np.flatnonzero(~empty)[np.argmax(bad)])
         raise ValueError(f"inner chunk {i}: span {tuple(pairs[i].tolist())} outside the shard's data")
     return spans
+
+
+def _joined(ranges: list[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
+    """``ranges`` joined where they lie in one object at most `GAP_BYTES` apart (or overlap),
+    and where each lies in the joined ones: ``(joined range, offset in it)``."""
+    joined: list[Range] = []
+    parts: list[tuple[int, int]] = [(0, 0)] * len(ranges)
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i]):
+        key, start, stop = ranges[i]
+        if joined and joined[-1][0] == key and start - joined[-1][2] <= GAP_BYTES:
+            head = joined[-1]
+            joined[-1] = (key, head[1], max(head[2], stop))
+        else:
+            joined.append((key, start, stop))
+        parts[i] = (len(joined) - 1, start - joined[-1][1])
+    return joined, parts
 
 
 def _run_starts(*keys: np.ndarray) -> np.ndarray:

@@ -112,18 +112,22 @@ class ChunkReader:
         """Rows through the chunk cache, missing chunks loaded into it (`_gather_with_misses`)."""
         chunk, offset = self.layout.chunk_and_offset(step)
         slots = self.cache.slots_of(lane, chunk)
-        cached = bool((slots >= 0).all())
-        if cached:
-            self.cache.touch(slots)
-            index = self.cache.rows_at(slots, offset)
-            if out is None:  # the hot path
-                return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        if (slots >= 0).all():
+            return self._from_slots(slots, offset, names, out)
         rows = self._outputs(names, len(step), out or {})
-        if cached:
-            for name, values in rows.items():
-                take_into(self.cache.slabs[name], index, values)
-        else:
-            self._gather_with_misses(lane, chunk, offset, slots, step, rows)
+        self._gather_with_misses(lane, chunk, offset, slots, step, rows)
+        return rows
+
+    def _from_slots(self, slots: np.ndarray, offset: np.ndarray, names: tuple[str, ...],
+                    out: Mapping[str, np.ndarray] | None) -> Rows:
+        """Rows at ``offset`` in the cache's ``slots``, which hold them."""
+        self.cache.touch(slots)
+        index = self.cache.rows_at(slots, offset)
+        if out is None:  # the hot path
+            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
+        rows = self._outputs(names, len(offset), out)
+        for name, values in rows.items():
+            take_into(self.cache.slabs[name], index, values)
         return rows
 
     def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
@@ -182,9 +186,15 @@ class ChunkReader:
 
     def _gather_by_rows(self, row_reads: RowReads, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
                         out: Mapping[str, np.ndarray]) -> Rows:
-        """Sharded fields row by row, the others through the cache."""
+        """Sharded fields row by row, the others through the cache; all through the cache where
+        it holds every row's chunk whole (an epoch reading ahead)."""
+        chunk, offset = self.layout.chunk_and_offset(step)
+        slots = self.cache.slots_of(lane, chunk)
+        if (slots >= 0).all() and not self.cache.is_partial(slots).any():
+            return self._from_slots(slots, offset, names, out or None)
         others = tuple(name for name in names if name not in row_reads.names)
-        row_reads.ask(tuple(name for name in names if name in row_reads.names), lane, step)
+        if not self.planned:  # random rows: every field's inner chunks asked for at once
+            row_reads.ask(tuple(name for name in names if name in row_reads.names), lane, step)
         rows = self._gather_cached(lane, step, others, out) if others else {}
         for name in names:
             if name in row_reads.names:

@@ -56,6 +56,8 @@ class RowReads:
         does not hold, all fields' at once (locally: their pages asked of the OS)."""
         chunk, offset, _, cached = self._cached(lane, step)
         read = ~cached
+        if not read.any():
+            return
         for name in names:
             self.maps.ask(name, lane[read], chunk[read], offset[read] // int(self.io.codecs[name].inner_rows or 1))
 
