@@ -1065,25 +1065,34 @@ def test_local_ranges_of_more_files_than_may_be_open_at_once(tmp_path, monkeypat
     store = local.LocalChunkStore(str(tmp_path))
     for i in range(40):
         store.put(f"f/{i}", bytes([i]) * 10)
-    held, most = set(), 0
-    opened, closed = local.open_for_reading, os.close
-
-    def counted_open(path):
-        nonlocal most
-        fd = opened(path)
-        held.add(fd)
-        most = max(most, len(held))
-        return fd
-
-    def counted_close(fd):
-        held.discard(fd)
-        closed(fd)
-    monkeypatch.setattr(local, "FILES_AT_ONCE", 8)
-    monkeypatch.setattr(local, "open_for_reading", counted_open)
-    monkeypatch.setattr(local.os, "close", counted_close)
+    files = OpenFiles(monkeypatch, at_once=8)
     ranges = [(f"f/{i % 40}", i % 3, i % 3 + 2) for i in range(120)] + [("nope", 0, 1)]
     assert store.get_ranges(ranges) == [(bytes([i % 40]) * 2, 10) for i in range(120)] + [None]
-    assert most == 8 and not held
+    assert files.most == 8 and not files.held
+
+
+class OpenFiles:
+    """The descriptors `LocalChunkStore` holds open, counted (``FILES_AT_ONCE`` set to ``at_once``)."""
+
+    def __init__(self, monkeypatch, at_once: int):
+        from diskreplay.io import local
+
+        self.held: set[int] = set()
+        self.most = 0
+        opened, closed = local.open_for_reading, os.close
+
+        def counted_open(path):
+            fd = opened(path)
+            self.held.add(fd)
+            self.most = max(self.most, len(self.held))
+            return fd
+
+        def counted_close(fd):
+            self.held.discard(fd)
+            closed(fd)
+        monkeypatch.setattr(local, "FILES_AT_ONCE", at_once)
+        monkeypatch.setattr(local, "open_for_reading", counted_open)
+        monkeypatch.setattr(local.os, "close", counted_close)
 
 
 def test_local_objects_of_more_files_than_may_be_open_at_once(tmp_path, monkeypatch):
@@ -1096,30 +1105,15 @@ def test_local_objects_of_more_files_than_may_be_open_at_once(tmp_path, monkeypa
     for i in range(20):
         store.put(f"f/{i}", bytes([i]) * (10 + i))
     os.makedirs(tmp_path / "folder")
-    held, most, advised = set(), 0, []
-    opened, closed, fadvise = local.open_for_reading, os.close, os.posix_fadvise
-
-    def counted_open(path):
-        nonlocal most
-        fd = opened(path)
-        held.add(fd)
-        most = max(most, len(held))
-        return fd
-
-    def counted_close(fd):
-        held.discard(fd)
-        closed(fd)
+    files, advised, fadvise = OpenFiles(monkeypatch, at_once=8), [], os.posix_fadvise
 
     def counted_fadvise(fd, offset, length, advice):
-        advised.append((len(held), length, advice))
+        advised.append((len(files.held), length, advice))
         return fadvise(fd, offset, length, advice)
-    monkeypatch.setattr(local, "FILES_AT_ONCE", 8)
-    monkeypatch.setattr(local, "open_for_reading", counted_open)
-    monkeypatch.setattr(local.os, "close", counted_close)
     monkeypatch.setattr(local.os, "posix_fadvise", counted_fadvise)
     keys = [f"f/{i}" for i in range(20)] + ["nope", "folder"]
     assert store.get_many(keys) == [bytes([i]) * (10 + i) for i in range(20)] + [None, None]
-    assert most == 8 and not held
+    assert files.most == 8 and not files.held
     assert [n for n, _, _ in advised[:8]] == list(range(1, 9)) and len(advised) == 21  # a run's files: all open first
     assert {advice for _, _, advice in advised} == {os.POSIX_FADV_WILLNEED}
     advised.clear()

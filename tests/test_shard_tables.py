@@ -264,11 +264,9 @@ def test_a_writer_takes_the_indexes_of_shards_it_did_not_write_from_the_tables_i
     assert cold_ranges(dataset) == 3 + 3 + 3
 
 
-def test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index(tmp_path):
-    """Found by the model test: a writer opened again fills the tail chunk and writes it behind
-    its appends, before its next commit; the tables of the last commit then differ from that
-    shard. verify notes it, and a reader of that commit reads the shard's own index and the
-    rows of its commit."""
+def rewritten_behind(tmp_path) -> tuple[str, np.ndarray, dr.ReplayBuffer]:
+    """A dataset of 10 frames closed (its tables written), then opened again by the writer
+    returned, which fills the tail chunk and writes it behind its appends, before its next commit."""
     url = str(tmp_path / "frames")
     frames = (np.arange(16)[:, None, None] * 13 + np.arange(1024).reshape(32, 32)).astype(np.uint8)
     with dr.ReplayBuffer.create(url, {"img": dr.Field((32, 32), "uint8")}, capacity=None, chunk_rows=16,
@@ -277,6 +275,15 @@ def test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index
     writer = dr.ReplayBuffer.open(url, "r+")
     writer.extend({"img": frames[10:]})  # chunk 0 is full: written behind, not committed
     writes_done(writer)
+    return url, frames, writer
+
+
+def test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index(tmp_path):
+    """Found by the model test: a writer opened again fills the tail chunk and writes it behind
+    its appends, before its next commit; the tables of the last commit then differ from that
+    shard. verify notes it, and a reader of that commit reads the shard's own index and the
+    rows of its commit."""
+    url, frames, writer = rewritten_behind(tmp_path)
     report = verify(url)
     assert report.ok and any("differs from the index of 1 shard(s), first 'img/c.0.0.0.0'" in n for n in report.notes)
     with dr.ReplayBuffer.open(url) as reader:
@@ -379,14 +386,7 @@ def test_past_its_cache_a_shard_rewritten_after_the_tables_commit_is_read_throug
     """As `test_a_shard_rewritten_after_the_tables_commit_is_read_through_its_own_index`, for a
     reader whose rows exceed its cache: its shard maps take the table's index, find the rewritten
     inner chunk fails its checksum, and read the shard's own."""
-    url = str(tmp_path / "frames")
-    frames = (np.arange(16)[:, None, None] * 13 + np.arange(1024).reshape(32, 32)).astype(np.uint8)
-    with dr.ReplayBuffer.create(url, {"img": dr.Field((32, 32), "uint8")}, capacity=None, chunk_rows=16,
-                                compression="zstd") as buf:  # 1 KiB rows: shards of two 8-row inner chunks
-        buf.extend({"img": frames[:10]})
-    writer = dr.ReplayBuffer.open(url, "r+")
-    writer.extend({"img": frames[10:]})  # chunk 0 is full: written behind, not committed
-    writes_done(writer)
+    url, frames, writer = rewritten_behind(tmp_path)
     with dr.ReplayBuffer.open(url, cache_bytes=4096) as reader:
         assert isinstance(reader.storage.row_reads.maps, ShardMaps)
         np.testing.assert_array_equal(reader[[3, 9]]["img"], frames[[3, 9]])

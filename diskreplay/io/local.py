@@ -87,10 +87,10 @@ class LocalChunkStore:
         try:
             for key in keys:
                 if (opened := self._opened(files, key)) is not None:
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError):  # 0 bytes: to the end of the file
                         os.posix_fadvise(opened[0], 0, limit or 0, os.POSIX_FADV_WILLNEED)
-            return [None if (opened := files[key]) is None else _read(opened[0], min(opened[1], limit or opened[1]))
-                    for key in keys]
+            return [None if (opened := files[key]) is None
+                    else _read(opened[0], opened[1] if limit is None else min(limit, opened[1])) for key in keys]
         finally:
             for opened in files.values():
                 if opened is not None:

@@ -149,12 +149,13 @@ class ShardMaps:
     """The shard files of a store's row-read fields, mapped; see the module docstring."""
 
     def __init__(self, store: ChunkStore, chunk_key: Callable[[str, int, int], str], chunk_rows: int,
-                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int, threads: int = 1,
-                 tabled: TabledIndexes | None = None):
+                 codecs: dict[str, Codec], inner_bytes: dict[str, int], budget: int, threads: int,
+                 tabled: TabledIndexes):
         """``chunk_key(field, lane, chunk)`` names a chunk's file in ``store``; ``codecs`` and
         ``inner_bytes`` (decoded bytes of one inner chunk): of each sharded field; ``budget``:
         shard files held mapped at most; ``threads``: decoding a batch's frames side by side;
-        ``tabled``: shard indexes known without reading them from their files (a reader's tables)."""
+        ``tabled``: shard indexes known without reading them from their files (a reader's
+        tables; a writer's has none)."""
         self.store, self.chunk_key, self.chunk_rows, self.tabled = store, chunk_key, chunk_rows, tabled
         self.codecs, self.inner_bytes, self.threads = codecs, inner_bytes, threads
         self.budget = max(budget, 1)
@@ -356,8 +357,7 @@ class ShardMaps:
         Every file is opened and every index read from a file asked of the OS before the first
         is read. Raises CorruptBufferError naming a chunk whose file is missing or bad."""
         head = self.codecs[name].index_bytes(self.chunk_rows)
-        known, tabled = (self.tabled.lookup(name, lanes, chunks) if self.tabled is not None
-                         else (np.zeros(len(lanes), bool), None))
+        known, tabled = self.tabled.lookup(name, lanes, chunks)
         maps: list[mmap.mmap] = []
         try:
             for lane, chunk, needed in zip(lanes.tolist(), chunks.tolist(), (~known).tolist()):
@@ -457,8 +457,7 @@ class ShardMaps:
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: map them again at their next read."""
         chunks = np.asarray(chunks, dtype=np.int64)
-        if self.tabled is not None:
-            self.tabled.forget(lane, chunks)
+        self.tabled.forget(lane, chunks)
         for name, spans in self.spans.items():
             slots = spans.slots(np.full(len(chunks), lane), chunks)
             for slot in np.unique(slots[slots >= 0]).tolist():
