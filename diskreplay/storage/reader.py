@@ -188,13 +188,12 @@ class ChunkReader:
                         out: Mapping[str, np.ndarray]) -> Rows:
         """Sharded fields row by row, the others through the cache; all through the cache where
         it holds every row's chunk whole (an epoch reading ahead)."""
-        chunk, offset = self.layout.chunk_and_offset(step)
-        slots = self.cache.slots_of(lane, chunk)
-        if (slots >= 0).all() and not self.cache.is_partial(slots).any():
-            return self._from_slots(slots, offset, names, out or None)
+        placed = row_reads.placed(lane, step)
+        if placed.whole.all():
+            return self._from_slots(placed.slots, placed.offset, names, out or None)
         others = tuple(name for name in names if name not in row_reads.names)
         if not self.planned:  # random rows: every field's inner chunks asked for at once
-            row_reads.ask(tuple(name for name in names if name in row_reads.names), lane, step)
+            row_reads.ask(tuple(name for name in names if name in row_reads.names), lane, placed)
         rows = self._gather_cached(lane, step, others, out) if others else {}
         for name in names:
             if name in row_reads.names:

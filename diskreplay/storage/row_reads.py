@@ -10,7 +10,7 @@ The chunk cache then holds the other fields.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -42,6 +42,16 @@ class InnerChunks(Protocol):
         ...
 
 
+class Placed(NamedTuple):
+    """Where rows lie: each one's chunk and offset in it, the cache slot holding that chunk (-1:
+    none), and whether the slot holds it whole (with the row-by-row fields)."""
+
+    chunk: np.ndarray
+    offset: np.ndarray
+    slots: np.ndarray
+    whole: np.ndarray
+
+
 class RowReads:
     """Row-by-row reads of the sharded fields ``names``."""
 
@@ -51,30 +61,31 @@ class RowReads:
         self.schema, self.cache, self.io, self.maps, self.retired = schema, cache, io, maps, retired
         self.chunk_rows = cache.chunk_rows
 
-    def ask(self, names: tuple[str, ...], lane: np.ndarray, step: np.ndarray) -> None:
-        """These fields' rows are read next: start reading the inner chunks of those the cache
-        does not hold, all fields' at once (locally: their pages asked of the OS)."""
-        chunk, offset, _, cached = self._cached(lane, step)
-        read = ~cached
+    def ask(self, names: tuple[str, ...], lane: np.ndarray, placed: Placed) -> None:
+        """These fields' rows (at ``placed``) are read next: start reading the inner chunks of
+        those the cache does not hold whole, all fields' at once (locally: their pages asked of
+        the OS)."""
+        read = ~placed.whole
         if not read.any():
             return
         for name in names:
-            self.maps.ask(name, lane[read], chunk[read], offset[read] // int(self.io.codecs[name].inner_rows or 1))
+            inner = placed.offset[read] // int(self.io.codecs[name].inner_rows or 1)
+            self.maps.ask(name, lane[read], placed.chunk[read], inner)
 
-    def _cached(self, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Each row's chunk, offset in it, cache slot (-1: none) and whether that slot holds it whole."""
+    def placed(self, lane: np.ndarray, step: np.ndarray) -> Placed:
+        """Where the rows at (lane, step) lie, in their chunks and in the cache, as of now."""
         chunk, offset = self.retired.layout.chunk_and_offset(step)
         width = self.cache.width
         slots = np.where(chunk < width, self.cache.slots_of(lane, np.minimum(chunk, width - 1)), -1)
-        cached = slots >= 0
-        cached[cached] = ~self.cache.is_partial(slots[cached])
-        return chunk, offset, slots, cached
+        whole = slots >= 0
+        whole[whole] = ~self.cache.is_partial(slots[whole])
+        return Placed(chunk, offset, slots, whole)
 
     def read(self, name: str, lane: np.ndarray, step: np.ndarray, given: np.ndarray | None) -> np.ndarray:
         """One sharded field's rows: from chunks the cache holds whole (a writer's staged ones
         among them), else decoded from their inner chunks (`_decode_frames`, `_decode`), not cached."""
         rows = output_rows(self.schema[name], len(step), given)
-        chunk, offset, slots, cached = self._cached(lane, step)
+        chunk, offset, slots, cached = self.placed(lane, step)  # anew: reading the other fields may have evicted
         if cached.any():
             self.cache.touch(slots[cached])  # an epoch's chunks read ahead stay while it reads them
             rows[cached] = self.cache.slabs[name].take(self.cache.rows_at(slots[cached], offset[cached]), axis=0)
