@@ -13,6 +13,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import botocore.loaders
 import pytest
 from s3server import SAFETY_S, fault_proxy, outcome, proxy_options, s3
 
@@ -191,13 +192,17 @@ def test_a_first_try_on_a_thread_ends_at_the_deadline(s3, fault_proxy):
 
 
 def _use_after_fork(store: ObstoreChunkStore, options: dict, results) -> None:
+    parsed = []
+    parse = botocore.loaders.JSONFileLoader.load_file
+    botocore.loaders.JSONFileLoader.load_file = lambda loader, path: parsed.append(path) or parse(loader, path)
     reopened = open_chunkstore(store.url, options)
-    results.put((store.get("k"), store.exists("k"), type(reopened).__name__, reopened.get("k")))
+    results.put((store.get("k"), store.exists("k"), type(reopened).__name__, reopened.get("k"), parsed))
 
 
 def test_a_forked_child_is_served_by_s3fs(s3):
     """obstore's runtime does not survive a fork (a request in the child would hang): a store
-    inherited through a fork, and one opened in the child, go through s3fs."""
+    inherited through a fork, and one opened in the child, go through s3fs, on botocore's S3
+    data that the parent parsed before the fork (the child parses no file)."""
     options = s3.storage_options()
     store = ObstoreChunkStore(s3.new_url("fork"), options)
     store.put("k", b"value")
@@ -208,7 +213,7 @@ def test_a_forked_child_is_served_by_s3fs(s3):
     child.start()
     child.join(SAFETY_S)
     assert child.exitcode == 0, "the child hung or failed"
-    assert results.get(timeout=SAFETY_S) == (b"value", True, "FsspecChunkStore", b"value")
+    assert results.get(timeout=SAFETY_S) == (b"value", True, "FsspecChunkStore", b"value", [])
     assert store.get("k") == b"value"  # the parent goes on with obstore
 
 

@@ -31,6 +31,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import StoreUnavailableError
+from . import s3fs_session
 from .retry import RetryPolicy, is_transient
 from .store import Blob, Data, ParallelMap, Range, Ranged, as_bytes, digest, parts_of
 
@@ -470,9 +471,11 @@ class FsspecChunkStore(RemoteCalls):
 def pool_options(url: str, storage_options: dict[str, Any], concurrency: int) -> dict[str, Any]:
     """``storage_options`` with, for s3fs, a botocore connection pool of at least ``concurrency``
     connections (botocore's default of 10 would cap the requests in flight), unless the options
-    set ``max_pool_connections`` themselves."""
+    set ``max_pool_connections`` themselves, and the process's shared session
+    (`diskreplay.io.s3fs_session`)."""
     if url.split("://", 1)[0] not in ("s3", "s3a"):
         return storage_options
+    storage_options = s3fs_session.with_session(storage_options)
     config = dict(storage_options.get("config_kwargs") or {})
     if "max_pool_connections" in config:
         return storage_options

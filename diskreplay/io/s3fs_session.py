@@ -1,0 +1,71 @@
+"""One aiobotocore session per process for the s3fs stores, on botocore data parsed once.
+
+Each s3fs filesystem makes its own aiobotocore session by default, and each session parses the
+S3 service model, its endpoint rules and the partitions from botocore's JSON files before its
+first request: about 60 ms of CPU, paid again by every DataLoader worker that opens a store. Here
+the parsed files live in one botocore data loader per process, which a forked child inherits
+already filled (`warm` fills it before a fork), and the s3fs stores of a process share one
+session on it. Credentials and connections stay per session and per client: a forked child makes
+its own session (on the inherited loader) and its own clients.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+_S3_DATA = ("endpoints", "sdk-default-configuration", "partitions", "_retry")
+_S3_MODELS = ("service-2", "endpoint-rule-set-1")
+_FSSPEC_KWARGS = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+
+_loader: Any = None
+_session: tuple[int, Any] | None = None  # (the pid it was made in, the session)
+
+
+def _data_loader() -> Any:
+    """This process's botocore data loader (a forked child's is its parent's, with what it parsed)."""
+    global _loader
+    if _loader is None:
+        import botocore.loaders
+
+        _loader = botocore.loaders.create_loader()
+    return _loader
+
+
+def warm() -> None:
+    """Parse what an S3 client needs from botocore's data into the shared loader (once per
+    process: later calls find it parsed). Does nothing without s3fs."""
+    try:
+        import s3fs  # noqa: F401  (and botocore with it)
+    except ImportError:
+        return
+    loader = _data_loader()
+    for name in _S3_DATA:
+        loader.load_data(name)
+    for kind in _S3_MODELS:
+        loader.load_service_model("s3", kind, api_version=None)
+
+
+def session() -> Any:
+    """This process's aiobotocore session on the shared data loader."""
+    global _session
+    if _session is None or _session[0] != os.getpid():
+        from aiobotocore.session import AioSession
+
+        made = AioSession()
+        made.register_component("data_loader", _data_loader())
+        _session = (os.getpid(), made)
+    return _session[1]
+
+
+def with_session(storage_options: Mapping[str, Any]) -> dict[str, Any]:
+    """s3fs ``storage_options`` with the shared `session`, unless they configure a session of
+    their own (``session``, or options s3fs passes to one, such as ``profile``)."""
+    import s3fs
+
+    known = set(inspect.signature(s3fs.S3FileSystem.__init__).parameters) | _FSSPEC_KWARGS
+    if "session" in storage_options or not set(storage_options) <= known:
+        return dict(storage_options)
+    return {**storage_options, "session": session()}
