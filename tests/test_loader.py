@@ -19,6 +19,7 @@ import torch
 from test_worker_ring import CACHE, as_numpy, assert_same, buf, make_buf  # buf: the fixture
 
 from diskreplay.torch.data import make_dataset
+from diskreplay.torch.datasets import BlockPlan, ramped_blocks
 from diskreplay.torch.loader import Loader
 from diskreplay.torch.read_sizes import BLOCK_BATCHES
 from diskreplay.torch.tensors import Block
@@ -51,7 +52,7 @@ def test_sample_batches_equal_the_in_process_stream(buf, workers):
     assert_same(got, want)
     assert ld.state_dict()["dataset"]["batch"] == n
     stats = ld.dataset.worker_ring.stats()
-    blocks = math.ceil(n / BLOCK_BATCHES)
+    blocks = next(m + 1 for m, (b, count) in enumerate(ramped_blocks(0, BLOCK_BATCHES, 0, 1)) if b + count >= n)
     assert stats["fallbacks"] == 0
     if workers:  # one DataLoader item per block of batches, not one per batch
         assert blocks <= stats["received"] <= blocks + 2 * workers  # 2: the DataLoader's prefetch_factor
@@ -224,6 +225,26 @@ def test_set_epoch_chooses_the_epoch(buf):
     ds.set_epoch(3)
     assert_same([_rows(third)], [_rows(as_numpy(ds))])
     assert ld.state_dict()["dataset"]["epoch"] == 4
+
+
+def test_sample_blocks_grow_from_one_batch():
+    """A pass's first block is one batch (its first batch waits for one batch's read), then 2,
+    4, ... up to the block size; block m is worker m % num_workers's."""
+    assert list(itertools.islice(ramped_blocks(5, 8, 0, 2), 4)) == [(5, 1), (8, 4), (20, 8), (36, 8)]
+    assert list(itertools.islice(ramped_blocks(5, 8, 1, 2), 3)) == [(6, 2), (12, 8), (28, 8)]
+    assert list(itertools.islice(ramped_blocks(0, 1, 0, 1), 3)) == [(0, 1), (1, 1), (2, 1)]
+    assert list(itertools.islice(ramped_blocks(0, 32, 0, 1), 7)) == [
+        (0, 1), (1, 2), (3, 4), (7, 8), (15, 16), (31, 32), (63, 32)]
+
+
+def test_workers_hand_over_blocks_growing_from_one_batch(buf):
+    ds = dataset(buf)
+    items = torch.utils.data.DataLoader(ds.blocked(BlockPlan(8)), batch_size=None, num_workers=2,
+                                        multiprocessing_context="fork")
+    blocks = list(itertools.islice(items, 6))
+    assert [(len(block.sizes), block.end) for block in blocks] == [(1, 1), (2, 3), (4, 7), (8, 15), (8, 23), (8, 31)]
+    got = [batch for block in blocks for batch in block.batches()]
+    assert_same(as_numpy(got), in_process(buf, 31))
 
 
 def test_spawn_workers_send_blocks_as_tensors(buf):

@@ -42,6 +42,19 @@ class BlockPlan:
     first: int = 0
 
 
+def ramped_blocks(first: int, size: int, worker: int, num_workers: int) -> Iterator[tuple[int, int]]:
+    """``(first batch, batches)`` of worker ``worker``'s blocks of a sample-mode stream from batch
+    ``first``: block m is worker ``m % num_workers``'s and holds ``min(2**m, size)`` batches, so a
+    pass's first batch waits for one batch's read, not for a block of ``size`` (from a cold store
+    that block reads nearly every chunk)."""
+    b, m = first, 0
+    while True:
+        count = min(1 << min(m, size.bit_length()), size)
+        if m % num_workers == worker:
+            yield b, count
+        b, m = b + count, m + 1
+
+
 class _BufferDataset(tud.IterableDataset):
     """What sample and epoch mode share: the reader, the shard, plain-data state, the batch format
     (``as_tensordict``: TensorDicts laid out by `to_tensordict` instead of dicts of tensors)."""
@@ -288,25 +301,23 @@ class SampleDataset(_BufferDataset):
             sink.close()
 
     def _generate_blocks(self, shard: Shard, first: int, size: int, sink: Sink) -> Iterator[Block]:
-        """`Block`s of ``size`` consecutive batches, block m from ``first`` being worker ``m %
-        num_workers``'s: taken from the workers in turn, the batches one process yields (each
-        drawn with its own generator; blocks of one batch with options only ``sample`` takes).
-        Refreshes are checked before each block."""
+        """`Block`s of consecutive batches from ``first`` (`ramped_blocks`: block m is worker ``m %
+        num_workers``'s, of up to ``size`` batches): taken from the workers in turn, the batches one
+        process yields (each drawn with its own generator; blocks of one batch with options only
+        ``sample`` takes). Refreshes are checked before each block."""
         buf = self.reader.get()
         size = size if self._reads_ahead(buf) > 1 else 1
         read = functools.partial(_read, buf, self.batch_size, BatchRngs(self.seed, self.rank, 1), 1,
                                  self.sample_options)
         names, clock = _out_names(buf), _RefreshClock(buf, self.refresh_every, self.refresh_seconds)
-        b, stride = first + size * shard.worker, size * shard.num_workers
         try:
-            while True:
+            for b, count in ramped_blocks(first, size, shard.worker, shard.num_workers):
                 clock.before_read()
-                batches = clock.read(read, b, size, None)[::-1]
-                clock.since += size
-                rows = _joined(batches, _out(names, sink.destination(), size * self.batch_size))
-                b += stride
-                self._batch = b
-                yield Block(sink.emit(rows), [self.batch_size] * size, 0, b - stride + size)
+                batches = clock.read(read, b, count, None)[::-1]
+                clock.since += count
+                rows = _joined(batches, _out(names, sink.destination(), count * self.batch_size))
+                self._batch = b + count
+                yield Block(sink.emit(rows), [self.batch_size] * count, 0, b + count)
         finally:
             sink.close()
 

@@ -31,11 +31,11 @@ class Loader:
     num_workers=...)``, with workers that hand over several batches at once.
 
     Sample mode: the batches and their order are those ``iter(dataset)`` yields in one process,
-    for any ``num_workers`` (block m of ``block_batches`` batches is worker ``m % num_workers``'s),
-    and a position is one int. Epoch mode: each worker reads its shard of the epoch (as with a
-    DataLoader), in blocks taken from the workers in turn; each ``iter(loader)`` is one epoch (the
-    next one after a full pass; `set_epoch` to choose). ``num_workers=0`` iterates the dataset in
-    this process.
+    for any ``num_workers`` (block m, of ``min(2**m, block_batches)`` batches from where the pass
+    starts, is worker ``m % num_workers``'s), and a position is one int. Epoch mode: each worker
+    reads its shard of the epoch (as with a DataLoader), in blocks taken from the workers in turn;
+    each ``iter(loader)`` is one epoch (the next one after a full pass; `set_epoch` to choose).
+    ``num_workers=0`` iterates the dataset in this process.
 
     Resume: `state_dict` after any batch; `load_state_dict` continues with the batch after it.
     Sample mode with any ``num_workers``. Epoch mode with any ``num_workers`` and any
