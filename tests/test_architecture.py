@@ -38,7 +38,6 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "fsspec": ("diskreplay.io",),
     "obstore": ("diskreplay.io",),
     "s3fs": ("diskreplay.io",),
-    "botocore": ("diskreplay.io.s3fs_session",),
     "aiobotocore": ("diskreplay.io.s3fs_session",),
     # rollout and demo import torch at call time
     "torch": ("diskreplay.torch", "diskreplay.integrations", "diskreplay.rollout", "diskreplay.demo"),

@@ -8,6 +8,7 @@ connection for chosen requests (tests/s3server.py).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 import threading
 import time
@@ -255,6 +256,49 @@ def assert_samples_make_no_request(buf: dr.ReplayBuffer, proxy: FaultProxy) -> N
     assert proxy.count("/c.", "GET") == 0
 
 
+@pytest.fixture
+def ranges_cost_pages(monkeypatch):
+    """The chunks of these tests are a few KB, which a read of a few rows loads whole from an
+    object store (`request_bytes`: a request costs about 256 KB there); here rows are read by
+    ranges, as they are from chunks of MBs."""
+    from diskreplay.io import FsspecChunkStore
+
+    monkeypatch.setattr(FsspecChunkStore, "request_bytes", 1)
+    if importlib.util.find_spec("obstore") is not None:
+        from diskreplay.io.obstore_store import ObstoreChunkStore
+
+        monkeypatch.setattr(ObstoreChunkStore, "request_bytes", 1)
+
+
+def test_rows_dense_for_what_a_request_costs_load_their_chunk_whole(s3):
+    """A cold read takes rows by ranges while they are fewer per chunk than the chunk's bytes over
+    what the store says a request costs (``request_bytes``), and loads the chunk whole from there:
+    chunks of 1.4 MB here, so 2 rows per chunk through s3fs, 5 through obstore."""
+    url = s3.new_url("dense-for-a-request")
+    with dr.ReplayBuffer.create(url, FIELDS, capacity=None, chunk_rows=65536, compression=None,
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend(rows(0, 2 * 65536))
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        # a cache of one chunk: no fill of the whole window behind the first read
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=65536 * 21)
+        dense = max(65536 * 21 // reader.storage.store.request_bytes, 1)
+        assert dense == {"FsspecChunkStore": 2, "ObstoreChunkStore": 5}[type(reader.storage.store).__name__]
+        proxy.reset_stats()
+        few = np.arange(dense - 1) * 5000 + 7  # over 4 KB apart in every field: a range each
+        check_rows(reader[few], few)
+        assert (reader.stats().rows_read_directly, reader.stats().chunks_loaded) == (dense - 1, 0)
+        assert proxy.count("/c.0.0", "GET") == 3 * (dense - 1)  # a range per row and field
+        many = 65536 + np.arange(dense) * 5000 + 7
+        check_rows(reader[many], many)
+        assert (reader.stats().rows_read_directly, reader.stats().chunks_loaded) == (dense - 1, 1)
+        assert proxy.count("/c.0.1", "GET") == 3  # chunk 1 of each field, whole
+        reader.close()
+    finally:
+        proxy.close()
+
+
+@pytest.mark.usefixtures("ranges_cost_pages")
 def test_cold_rows_are_read_as_byte_ranges_of_their_chunks(s3):
     """A reader missing rows of raw fields fetches just their bytes: one ranged GET per run of
     nearby rows of a chunk and field; with a window that fits its cache, the whole window follows
@@ -336,6 +380,7 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
         proxy.close()
 
 
+@pytest.mark.usefixtures("ranges_cost_pages")
 def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
     """By default (``row_shards=True``), compressed fields of small rows are shards when a chunk holds
     four inner chunks or more (obs: 512 rows of 12 bytes, act: 1,024 of 8; done's 4 KiB chunks are

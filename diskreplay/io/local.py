@@ -55,6 +55,8 @@ class LocalChunkStore:
 
     supports_mmap = True
     needs_sync = True
+    request_bytes = 1
+    """A ``pread`` costs about the pages it reads, no more."""
 
     def __init__(self, root: str):
         self.root = root

@@ -76,6 +76,9 @@ class ObstoreChunkStore(RemoteCalls):
 
     supports_mmap = False
     needs_sync = False
+    request_bytes = 1 << 18
+    """About what a GET costs beside its bytes (``tools/bench_client.py`` here: 1,800 ranged GETs a
+    second, 612 MB/s in large objects: 340 KB)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any], *, concurrency: int = 16,
                  retry: RetryPolicy | None = None):

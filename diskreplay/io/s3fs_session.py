@@ -28,9 +28,9 @@ def _data_loader() -> Any:
     """This process's botocore data loader (a forked child's is its parent's, with what it parsed)."""
     global _loader
     if _loader is None:
-        import botocore.loaders
+        from aiobotocore.session import AioSession
 
-        _loader = botocore.loaders.create_loader()
+        _loader = AioSession().get_component("data_loader")
     return _loader
 
 
@@ -38,7 +38,7 @@ def warm() -> None:
     """Parse what an S3 client needs from botocore's data into the shared loader (once per
     process: later calls find it parsed). Does nothing without s3fs."""
     try:
-        import s3fs  # noqa: F401  (and botocore with it)
+        import s3fs  # noqa: F401  (and aiobotocore with it)
     except ImportError:
         return
     loader = _data_loader()

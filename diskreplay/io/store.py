@@ -10,6 +10,11 @@ type:
 - ``needs_sync``: writes made with ``durable=False`` (and `put_in_place`) are durable only after
   `sync`. An object store's PUT is durable when it returns (`FsspecChunkStore`): there `sync`
   does nothing.
+
+and one number says what a request costs: ``request_bytes``, the bytes whose transfer takes about
+as long as one more request (on an object store, its client's request rate against its bandwidth
+with many requests in flight; locally 1: a ``pread`` costs its pages): a read of many small ranges
+of an object costs more than a read of it whole beyond that many bytes per range.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class ChunkStore(Protocol):
     url: str
     supports_mmap: bool
     needs_sync: bool
+    request_bytes: int
 
     def path(self, key: str) -> str:
         """Where the object lives: a file path (``supports_mmap``) or the URL path of the object."""
@@ -174,6 +180,7 @@ class PrefixedStore:
         self.store, self.prefix = store, prefix
         self.url = f"{store.url.rstrip('/')}/{prefix.rstrip('/')}"
         self.supports_mmap, self.needs_sync = store.supports_mmap, store.needs_sync
+        self.request_bytes = store.request_bytes
 
     def path(self, key: str) -> str:
         return self.store.path(self.prefix + key)

@@ -77,11 +77,15 @@ class PointReads:
         all small (their chunks are loaded whole into the cache as cheaply)."""
         return (self.raw | self.sharded | self.small).issuperset(names) and not self.small.issuperset(names)
 
-    def sparse(self, lane: np.ndarray, chunk: np.ndarray) -> bool:
-        """Whether rows at (lane, chunk) are few enough in their chunks to read one by one
-        (`DENSE_SHARE`)."""
+    def sparse(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray) -> bool:
+        """Whether the rows of ``names`` at (lane, chunk) are few enough in their chunks to read
+        one by one: fewer per chunk than one `DENSE_SHARE` of its rows (`DENSE_ROWS` at least), and
+        than its bytes over the store's ``request_bytes`` (a range per row then costs more than the
+        whole chunk: from an object store, a few dozen rows of a chunk of a few MB)."""
         touched = len(np.unique(lane * (int(chunk.max(initial=0)) + 1) + chunk))
-        return len(chunk) < touched * max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS)
+        whole = self.chunk_rows * sum(self.io.schema[name].row_bytes for name in names)
+        most = min(max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS), max(whole // self.io.store.request_bytes, 1))
+        return len(chunk) < touched * most
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: read their shard indexes again."""

@@ -164,7 +164,7 @@ class ChunkReader:
         announced, from an object store or while the first-read fill is due."""
         return (self.points is not None and not self.planned and self.points.covers(tuple(out))
                 and (not self.warmer.local or self.warmer.filling) and not self.warmer.found_damage
-                and self.points.sparse(lane[miss], chunk[miss]))
+                and self.points.sparse(tuple(out), lane[miss], chunk[miss]))
 
     def _read_points(self, out: Rows, miss: np.ndarray, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                      step: np.ndarray) -> None:
