@@ -80,12 +80,12 @@ class PointReads:
     def sparse(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray) -> bool:
         """Whether the rows of ``names`` at (lane, chunk) are few enough in their chunks to read
         one by one: fewer per chunk than one `DENSE_SHARE` of its rows (`DENSE_ROWS` at least), and
-        than its bytes over the store's ``request_bytes`` (a range per row then costs more than the
-        whole chunk: from an object store, a few dozen rows of a chunk of a few MB)."""
+        than a range per row and field costs against the chunk whole, at the store's
+        ``request_bytes`` per request (from an object store, a few rows of a chunk of a few MB)."""
         touched = len(np.unique(lane * (int(chunk.max(initial=0)) + 1) + chunk))
         whole = self.chunk_rows * sum(self.io.schema[name].row_bytes for name in names)
-        most = min(max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS), max(whole // self.io.store.request_bytes, 1))
-        return len(chunk) < touched * most
+        requests = whole // (len(names) * self.io.store.request_bytes) + 1
+        return len(chunk) < touched * min(max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS), requests)
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: read their shard indexes again."""
