@@ -8,6 +8,7 @@ import copy
 import itertools
 import os
 import pickle
+import select
 import socket
 
 import numpy as np
@@ -127,6 +128,42 @@ def test_runs_of_the_sequence_are_its_rows_position_by_position(num_envs, capaci
     for got, want in zip(zip(*runs), zip(*one)):
         np.testing.assert_array_equal(np.concatenate(got or [np.zeros(0, np.int64)]),
                                       np.concatenate(want or [np.zeros(0, np.int64)]))
+
+
+def _block_rows() -> EpochRows:
+    """Two lanes of chunks of 8 rows, windows of 3 chunks: 16 windows."""
+    return EpochRows(LaneLayout(2, None, 8), np.zeros(2, np.int64), np.array([200, 170]), seed=3, epoch=1,
+                     shuffle="block", window=3)
+
+
+def _window_sequence() -> np.ndarray:
+    rows = _block_rows()
+    return np.stack(rows.run_rows(0, rows.total))
+
+
+def test_the_next_window_is_shuffled_on_a_thread_also_in_a_forked_child():
+    """A block-shuffled epoch permutes its next window on a thread while the current one is read;
+    the windows are those one computed after the other, and a forked child (whose parent's thread
+    it does not inherit) gets them too."""
+    with_thread = _window_sequence()
+    rows = _block_rows()
+    alone = [rows._permuted(k) for k in range(len(rows._window_ends))]  # each window here, on its own
+    np.testing.assert_array_equal(with_thread, np.concatenate([np.stack(w) for w in alone], axis=1))
+    rows._window_rows(0)
+    assert list(rows._ahead) == [1]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, _window_sequence().tobytes())
+        os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 60)
+    got = b""
+    while ready and (part := os.read(read, 1 << 20)):
+        got += part
+    os.close(read)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    np.testing.assert_array_equal(np.frombuffer(got, np.int64).reshape(2, -1), with_thread)
 
 
 @settings(max_examples=150, deadline=None)
