@@ -80,8 +80,9 @@ class PointReads:
     def sparse(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray) -> bool:
         """Whether the rows of ``names`` at (lane, chunk) are few enough in their chunks to read
         one by one: fewer per chunk than one `DENSE_SHARE` of its rows (`DENSE_ROWS` at least), and
-        than a range per row and field costs against the chunk whole, at the store's
-        ``request_bytes`` per request (from an object store, a few rows of a chunk of a few MB)."""
+        than make a range per row and field cost more than the chunk whole, a request costing the
+        store's ``request_bytes`` (from an object store: about 5 rows of a chunk of 8 MiB of five
+        fields)."""
         touched = len(np.unique(lane * (int(chunk.max(initial=0)) + 1) + chunk))
         whole = self.chunk_rows * sum(self.io.schema[name].row_bytes for name in names)
         requests = whole // (len(names) * self.io.store.request_bytes) + 1
