@@ -97,7 +97,7 @@ class ObstoreChunkStore(RemoteCalls):
         self._options, self._pid = dict(storage_options), os.getpid()
         self._forked: FsspecChunkStore | None = None
         if _RUNTIME_PID is None:
-            os.register_at_fork(before=_load_s3fs)
+            os.register_at_fork(before=s3fs_session.warm)  # a forked child serves S3 through s3fs
             atexit.register(_runtime_out_of_python)
         _RUNTIME_PID = _RUNTIME_PID or self._pid
 
@@ -358,17 +358,6 @@ def _runtime_out_of_python(timeout_s: float = 1.0) -> None:
     deadline = time.monotonic() + timeout_s
     while set(sys._current_frames()) - known and time.monotonic() < deadline:
         time.sleep(0.001)
-
-
-def _load_s3fs() -> None:
-    """Import s3fs and parse botocore's S3 data before a fork: a forked child serves this
-    process's S3 stores through s3fs, and would import it (about 0.6 s) and parse the data
-    (about 60 ms) itself before its first request."""
-    try:
-        fsspec.get_filesystem_class("s3")
-    except ImportError:
-        return
-    s3fs_session.warm()
 
 
 def _ranged(result: Any) -> Ranged:
