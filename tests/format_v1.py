@@ -24,7 +24,7 @@ def downgrade(path: str | Path) -> None:
 def _move_objects(folder: Path) -> None:
     objects = folder / OWN / "objects"
     for item in objects.iterdir():
-        if item.name == "shard-indexes":  # newer than the format: a diskreplay/1 buffer has none
+        if item.name in ("shard-indexes", "shard-index-tables"):  # newer than the format: diskreplay/1 has none
             shutil.rmtree(item)
         elif item.name != "zarr.json":
             item.rename(folder / item.name)

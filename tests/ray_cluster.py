@@ -25,6 +25,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_S = 180
+STARTS = 3
+"""Clusters tried: the head's port is free when picked, but another process (another test
+worker's cluster) may bind it before the head's GCS does."""
+PORT_TAKEN = ("Failed to start the grpc server", "Address already in use")
 
 
 def free_port() -> int:
@@ -95,12 +99,25 @@ class RayCluster:
 @pytest.fixture(scope="session")
 def ray_cluster():
     pytest.importorskip("ray.data")
-    cluster = RayCluster()
+    cluster = started_cluster()
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+def started_cluster() -> RayCluster:
+    """A started `RayCluster`, on another port where the head's was taken meanwhile."""
+    for attempt in range(STARTS):
+        cluster = RayCluster()
+        try:
+            cluster.start()
+            return cluster
+        except RuntimeError as exc:
+            cluster.stop()
+            if attempt == STARTS - 1 or not any(why in str(exc) for why in PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")

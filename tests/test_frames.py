@@ -190,7 +190,7 @@ def test_a_sampled_frame_costs_one_inner_chunk_not_its_whole_chunk(tmp_path, mon
 
 def drop_tables(url: str) -> None:
     """Remove the shard index tables a closing writer left: readers read each shard's own index."""
-    for name in os.listdir(tables := os.path.join(url, "diskreplay", "objects", "shard-indexes")):
+    for name in os.listdir(tables := os.path.join(url, "diskreplay", "objects", "shard-index-tables")):
         os.remove(os.path.join(tables, name))
 
 

@@ -352,17 +352,18 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
         proxy.reset_stats()
         ids = np.array([3, 5, 100, 500])  # 1 KiB frames: inner chunks of 8 frames (8 KiB)
         np.testing.assert_array_equal(reader[ids]["img"], data["img"][ids])
-        assert proxy.count("/shard-indexes/img", "GET") == 1  # the table the writer's close left: every index
+        assert proxy.count("/shard-index-tables/img", "GET") == 1  # the table the writer's close left: every index
+        assert proxy.count("/shard-indexes/img", "GET") == 0  # nor an earlier version's: it has this one
         assert proxy.count("/img/c.", "GET") == 3  # 3 inner chunks (rows 3 and 5 share one)
         assert proxy.count("/act/c.", "GET") == 3  # a chunk each: act is not sharded
-        table = sizes["diskreplay/objects/shard-indexes/img"]
+        table = sizes["diskreplay/objects/shard-index-tables/img"]
         assert proxy.bytes_out - table < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
         proxy.reset_stats()
         np.testing.assert_array_equal(reader[[4, 101]]["img"], data["img"][[4, 101]])
         assert proxy.count("/img/c.", "GET") == 2  # the indexes were kept: inner chunks only
         reader.close()
         s3.client().delete_object(Bucket=s3.bucket, Key=url.split(f"s3://{s3.bucket}/")[1] +
-                                  "/diskreplay/objects/shard-indexes/img")
+                                  "/diskreplay/objects/shard-index-tables/img")
         untabled = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=2 * 64 * 1032)
         proxy.reset_stats()
         np.testing.assert_array_equal(untabled[ids]["img"], data["img"][ids])
@@ -402,7 +403,8 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         proxy.reset_stats()
         ids = [5, 6, 1000, 5000]
         check_rows(reader[ids], ids)
-        assert proxy.count("/shard-indexes/", "GET") == 2  # obs's and act's tables of shard indexes
+        assert proxy.count("/shard-index-tables/", "GET") == 2  # obs's and act's tables of shard indexes
+        assert proxy.count("/shard-indexes/", "GET") == 0  # nor an earlier version's: it has these
         # inner chunks: rows 5 and 6 share one, row 1000's lies beside it (one range); 5000's
         assert proxy.count("/obs/c.", "GET") == 2
         assert proxy.count("/act/c.", "GET") == 2

@@ -7,12 +7,13 @@ import os
 
 import numpy as np
 import pytest
+import zstandard
 from conftest import writes_done
 
 import diskreplay as dr
 from diskreplay.audit import verify
-from diskreplay.format.codecs import checksum
-from diskreplay.format.shard_table import HEADER, ShardTable
+from diskreplay.format.codecs import EMPTY_INNER, checksum
+from diskreplay.format.shard_table import HEADER, ShardTable, table_bytes
 from diskreplay.storage import shard_tables
 from diskreplay.storage.shard_maps import ShardMaps
 
@@ -34,7 +35,7 @@ def check(batch: dict, ids) -> None:
 
 
 def table_path(url, name: str) -> str:
-    return os.path.join(url, "diskreplay", "objects", "shard-indexes", name)
+    return os.path.join(url, "diskreplay", "objects", "shard-index-tables", name)
 
 
 def read_table(url, name: str, inner: int) -> ShardTable:
@@ -135,15 +136,15 @@ def test_a_table_entry_that_does_not_match_its_shard_costs_the_shards_index(data
     entries = table.entries.copy()
     entries[0, :, :, 0] += 3
     with open(table_path(dataset, "obs"), "wb") as f:
-        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+        f.write(ShardTable.of(table.sequence, table.time, table.present, entries).to_bytes())
     # then, for the chunks read, every sharded field's shard index and inner chunk again
     assert cold_ranges(dataset) == 3 + 3 + 3 + (3 + 3) + (3 + 3)
 
 
-def _more_chunks(blob: bytes) -> bytes:
-    body = bytearray(blob[:-4])
-    body[28:32] = (5).to_bytes(4, "little")  # the header's chunks per lane
-    return bytes(body) + checksum(bytes(body))
+def _indexes_as(blob: bytes, frame: bytes) -> bytes:
+    """``blob`` with ``frame`` in place of its zstd frame of indexes (4 shards: 4,096 bytes)."""
+    body = blob[:HEADER.itemsize + 4] + frame
+    return body + checksum(body)
 
 
 def _presence(blob: bytes) -> bytes:
@@ -155,21 +156,25 @@ def _presence(blob: bytes) -> bytes:
 def _span_outside(table: ShardTable) -> ShardTable:
     entries = table.entries.copy()
     entries[0, 1, 5] = (2, 100)  # inside the shard's index
-    return ShardTable(table.sequence, table.time, table.present, entries)
+    return ShardTable.of(table.sequence, table.time, table.present, entries)
 
 
 @pytest.mark.parametrize("damage,message", [
     (lambda blob, table: blob[:10], r"10 bytes, expected at least 44"),
     (lambda blob, table: blob[:-5] + bytes([blob[-5] ^ 1]) + blob[-4:], r"checksum mismatch"),
-    (lambda blob, table: _more_chunks(blob), r"4144 bytes, expected 5169 for 5 chunks per lane"),
+    (lambda blob, table: _indexes_as(blob, zstandard.compress(bytes(3 * 64 * 16))),
+     r"its indexes would decode to 3072 bytes \(-1: unsaid\), expected 4096"),
+    (lambda blob, table: _indexes_as(blob, zstandard.compress(bytes(5 * 64 * 16))),
+     r"its indexes would decode to 5120 bytes \(-1: unsaid\), expected 4096"),
+    (lambda blob, table: _indexes_as(blob, b"not zstd"), r"its indexes do not decode \(.*\), expected 4096 bytes"),
     (lambda blob, table: _presence(blob), r"a presence byte other than 0 or 1"),
-    (lambda blob, table: ShardTable(table.sequence, table.time, np.ones((2, 4), bool),
+    (lambda blob, table: ShardTable.of(table.sequence, table.time, np.ones((2, 4), bool),
                                     np.zeros((2, 4, 64, 2), "<u8")).to_bytes(),
-     r"header \(magic, lanes, inner\) \(b'DRSHIDX1', 2, 64\), expected \(b'DRSHIDX1', 1, 64\)"),
+     r"header \(magic, lanes, inner\) \(b'DRSHIDX2', 2, 64\), expected \(b'DRSHIDX2', 1, 64\)"),
     (lambda blob, table: _span_outside(table).to_bytes(),
      r"the shard index table of 'obs' is damaged: lane 0, chunk 1: inner chunk 5: span \(2, 100\) outside "
      r"the shard's data"),
-], ids=["short", "checksum", "size", "presence", "lanes", "span"])
+], ids=["short", "checksum", "fewer", "more", "frame", "presence", "lanes", "span"])
 def test_a_damaged_table_is_an_error_naming_it(dataset, damage, message):
     with open(table_path(dataset, "obs"), "rb") as f:
         blob = f.read()
@@ -201,14 +206,14 @@ def test_verify_checks_the_tables(dataset):
     entries = table.entries.copy()
     entries[0, 2, 7, 1] += 1
     with open(table_path(dataset, "obs"), "wb") as f:
-        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+        f.write(ShardTable.of(table.sequence, table.time, table.present, entries).to_bytes())
     report = verify(dataset)
     assert report.ok and [n for n in report.notes if "shard index" in n] == [
-        "shard index table 'shard-indexes/obs' differs from the index of 1 shard(s), first 'obs/c.0.2.0' (a writer "
-        "rewrote them since its last commit): readers read those shards' own indexes"]
+        "shard index table 'shard-index-tables/obs' differs from the index of 1 shard(s), first 'obs/c.0.2.0' "
+        "(a writer rewrote them since its last commit): readers read those shards' own indexes"]
     with open(table_path(dataset, "obs"), "wb") as f:
         f.write(blob[:-1])
-    assert verify(dataset).problems == ["shard index table 'shard-indexes/obs' is damaged: checksum mismatch"]
+    assert verify(dataset).problems == ["shard index table 'shard-index-tables/obs' is damaged: checksum mismatch"]
     with open(table_path(dataset, "obs"), "wb") as f:
         f.write(blob)
     writer = dr.ReplayBuffer.open(dataset, "r+")
@@ -216,7 +221,7 @@ def test_verify_checks_the_tables(dataset):
     writer.flush()
     report = verify(dataset)
     assert report.ok and [n for n in report.notes if "shard index" in n] == [
-        f"shard index table 'shard-indexes/{name}' is of commit {table.sequence}, not {table.sequence + 1}: "
+        f"shard index table 'shard-index-tables/{name}' is of commit {table.sequence}, not {table.sequence + 1}: "
         f"readers do not use it" for name in ("obs", "act")]
     writer.close()
 
@@ -363,7 +368,7 @@ def test_a_table_entry_outside_its_shard_file_costs_the_shards_own_index(dataset
     entries = table.entries.copy()
     entries[0, 1, (CHUNK + 300) % CHUNK // 64] = (10**9, 100)  # the inner chunk of row CHUNK + 300
     with open(table_path(dataset, "obs"), "wb") as f:
-        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+        f.write(ShardTable.of(table.sequence, table.time, table.present, entries).to_bytes())
     past_the_cache(dataset)
     damage_index(dataset, "obs", 1)
     with pytest.raises(dr.CorruptBufferError, match=r"chunk 'obs/c.0.1.0' does not decode .*checksum mismatch"):
@@ -377,7 +382,7 @@ def test_a_table_entry_that_does_not_match_its_shard_costs_the_shards_own_index_
     entries = table.entries.copy()
     entries[0, :, :32, 0] += 3  # the first half of each shard's inner chunks: still inside the file
     with open(table_path(dataset, "obs"), "wb") as f:
-        f.write(ShardTable(table.sequence, table.time, table.present, entries).to_bytes())
+        f.write(ShardTable.of(table.sequence, table.time, table.present, entries).to_bytes())
     past_the_cache(dataset)
     past_the_cache(dataset, np.arange(0, 3 * CHUNK + 100, 97))
 
@@ -420,3 +425,69 @@ def test_past_its_cache_a_batch_asks_for_every_fields_inner_chunks_before_it_dec
         ids = [7, 2 * CHUNK + 1]  # an inner chunk read before (obs and act), one not (both)
         check(reader[ids], ids)
         assert events[2:] == ([("ask", 1)] * 2 if cold else []) + [("decode", "obs"), ("decode", "act")]
+
+
+def v1_bytes(table: ShardTable) -> bytes:
+    """``table`` as an earlier version wrote it (format section 6: ``DRSHIDX1``, uncompressed)."""
+    lanes, chunks, inner, _ = table.entries.shape
+    head = np.array([(b"DRSHIDX1", table.sequence, table.time, lanes, chunks, inner, 0)], HEADER)
+    body = head.tobytes() + table.present.astype(np.uint8).tobytes() + table.entries.astype("<u8").tobytes()
+    return body + checksum(body)
+
+
+def test_a_table_keeps_any_indexes_exactly():
+    """Offsets far from where a writer puts them, stored empty inner chunks, shards not held:
+    the table gives back every index of the shards it holds, bit for bit."""
+    rng = np.random.default_rng(5)
+    present = rng.random((3, 7)) < 0.6
+    entries = np.zeros((3, 7, 16, 2), "<u8")
+    entries[present] = rng.integers(0, 2**64, (int(present.sum()), 16, 2), np.uint64, endpoint=False)
+    entries[present, 3] = EMPTY_INNER
+    entries[0, present[0], :, 1] = 4372  # sizes a writer gives: offsets from them
+    blob = ShardTable.of(9, 1.5, present, entries).to_bytes()
+    table = ShardTable.from_bytes(blob, "k", "u", 3, 16)
+    assert (table.sequence, table.time) == (9, 1.5)
+    np.testing.assert_array_equal(table.present, present)
+    np.testing.assert_array_equal(table.entries, entries)
+
+
+def test_a_writers_table_takes_a_few_bytes_per_inner_chunk(dataset):
+    """As a writer lays shards out, each offset follows from the sizes before it: obs's table of
+    4 shards of 64 inner chunks (4,141 bytes uncompressed) takes a few hundred."""
+    for name, inner in (("obs", 64), ("act", 16)):
+        size = os.path.getsize(table_path(dataset, name))
+        assert size < HEADER.itemsize + 4 + 4 + 4 * 4 * inner < table_bytes(1, 4, inner) / 3
+        table = read_table(dataset, name, inner)
+        for chunk in range(4):
+            np.testing.assert_array_equal(table.entries[0, chunk], shard_index(dataset, name, chunk, inner))
+
+
+def test_a_table_an_earlier_version_wrote_is_taken(dataset):
+    """A buffer closed by an earlier version has uncompressed tables elsewhere (``DRSHIDX1``):
+    a reader takes them as it takes this version's, where they are stamped with its commit."""
+    for name, inner in (("obs", 64), ("act", 16)):
+        table = read_table(dataset, name, inner)
+        os.makedirs(os.path.dirname(old := table_path(dataset, name).replace("shard-index-tables", "shard-indexes")),
+                    exist_ok=True)
+        with open(old, "wb") as f:
+            f.write(v1_bytes(table))
+        os.remove(table_path(dataset, name))
+    assert cold_ranges(dataset) == 3 + 3 + 3
+    assert verify(dataset).ok
+    with open(old, "rb") as f:
+        act = ShardTable.from_bytes(f.read(), "act", dataset, 1, 16)
+    with open(old, "wb") as f:
+        f.write(v1_bytes(ShardTable.of(act.sequence - 1, act.time, act.present, act.entries)))
+    assert cold_ranges(dataset) == 3 + (3 + 3) + 3  # act's table is of another commit: its 3 shard indexes
+
+
+def test_a_writers_close_replaces_an_earlier_versions_table(dataset):
+    """An earlier version's table left beside this version's would cost each cold reader its fetch:
+    a writer's close removes it."""
+    old = table_path(dataset, "obs").replace("shard-index-tables", "shard-indexes")
+    os.makedirs(os.path.dirname(old))
+    with open(old, "wb") as f:
+        f.write(v1_bytes(read_table(dataset, "obs", 64)))
+    dr.ReplayBuffer.open(dataset, "r+").close()
+    assert not os.path.exists(old)
+    assert cold_ranges(dataset) == 3 + 3 + 3

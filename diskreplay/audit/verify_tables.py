@@ -13,7 +13,7 @@ from ..errors import CorruptBufferError
 from ..format.codecs import CHECKSUM_BYTES, Codec
 from ..format.commit import CommitRecord
 from ..format.lanes import LaneLayout
-from ..format.shard_table import MAX_TABLE_BYTES, ShardTable, table_key
+from ..format.shard_table import MAX_STORED_BYTES, ShardTable, table_keys
 from ..io import ChunkStore
 
 
@@ -22,12 +22,13 @@ def table_findings(objects: ChunkStore, chunks: ChunkStore, url: str, commit: Co
     """``(problems, notes)`` of the tables of the sharded fields of ``codecs`` in ``objects``
     (``key_of(field, lane, chunk)``: a chunk's key in ``chunks``)."""
     problems, notes = [], []
-    for name, codec in codecs.items():
-        key = table_key(name)
-        if codec.inner_rows is None or (blob := objects.get(key, MAX_TABLE_BYTES + 1)) is None:
+    tabled = [(name, codec, layout.chunk_rows // codec.inner_rows, key) for name, codec in codecs.items()
+              if codec.inner_rows is not None for key in table_keys(name)]
+    for name, codec, inner, key in tabled:
+        if (blob := objects.get(key, MAX_STORED_BYTES + 1)) is None:
             continue
         try:
-            table = ShardTable.from_bytes(blob, key, url, layout.num_envs, layout.chunk_rows // codec.inner_rows)
+            table = ShardTable.from_bytes(blob, key, url, layout.num_envs, inner)
         except CorruptBufferError as exc:
             problems.append(str(exc).removeprefix(f"{url!r}: "))
             continue

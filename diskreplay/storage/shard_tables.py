@@ -18,7 +18,7 @@ import numpy as np
 from ..format.codecs import CHECKSUM_BYTES
 from ..format.commit import CommitRecord
 from ..format.lanes import LaneLayout
-from ..format.shard_table import MAX_TABLE_BYTES, ShardTable, table_bytes, table_key
+from ..format.shard_table import MAX_STORED_BYTES, MAX_TABLE_BYTES, ShardTable, table_bytes, table_keys
 from ..io.store import ChunkStore
 from .chunk_io import ChunkIO
 
@@ -55,7 +55,9 @@ def write_tables(io: ChunkIO, objects: ChunkStore, layout: LaneLayout, record: C
             if field == name and head is not None and len(head) == 16 * inner:
                 present[lane, chunk] = True
                 entries[lane, chunk] = np.frombuffer(head, "<u8").reshape(inner, 2)
-        objects.put(table_key(name), ShardTable(record.sequence, record.time, present, entries).to_bytes(), True)
+        new, earlier = table_keys(name)
+        objects.put(new, ShardTable.of(record.sequence, record.time, present, entries).to_bytes(), True)
+        objects.delete(earlier)  # else each cold reader would fetch it too, to find it stale
 
 
 def _inner(io: ChunkIO, name: str, layout: LaneLayout) -> int:
@@ -98,17 +100,19 @@ def _held(tables: Mapping[str, ShardTable], name: str, lane: int, chunk: int) ->
 
 def read_tables(objects: ChunkStore, url: str, record: CommitRecord, names: tuple[str, ...],
                 inner: Mapping[str, int], lanes: int) -> dict[str, ShardTable]:
-    """The tables of ``names`` stamped with ``record``, read in one round (a field whose table
-    is missing or of another commit is left out). Raises CorruptBufferError naming a damaged
-    table."""
-    keys = [table_key(name) for name in names]
-    found = {}
-    for name, key, blob in zip(names, keys, objects.get_many(keys, MAX_TABLE_BYTES + 1)):
-        if blob is None:
-            continue
-        table = ShardTable.from_bytes(blob, key, url, lanes, inner[name])
-        if (table.sequence, table.time) == (record.sequence, record.time):
-            found[name] = table
+    """The tables of ``names`` stamped with ``record``, read in one round, then an earlier
+    version's where a field has none (a field whose table is missing or of another commit is
+    left out). Raises CorruptBufferError naming a damaged table."""
+    found: dict[str, ShardTable] = {}
+    absent = list(names)
+    for version in range(2):
+        keys = [table_keys(name)[version] for name in absent]
+        blobs = objects.get_many(keys, MAX_STORED_BYTES + 1) if keys else []
+        for name, key, blob in zip(absent, keys, blobs):
+            table = None if blob is None else ShardTable.from_bytes(blob, key, url, lanes, inner[name])
+            if table is not None and (table.sequence, table.time) == (record.sequence, record.time):
+                found[name] = table
+        absent = [name for name, blob in zip(absent, blobs) if blob is None]
     return found
 
 
@@ -119,8 +123,8 @@ class TabledIndexes:
     def __init__(self, tables: Tables | None, names: tuple[str, ...]):
         """``tables``: of the sharded fields ``names`` (None: no table)."""
         self._tables, self.names = tables, tuple(sorted(names))
-        self._held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        """Each table's shards not forgotten since (``[lanes, chunks]`` bool) and their indexes."""
+        self._held: dict[str, tuple[np.ndarray, ShardTable]] = {}
+        """Each table's shards not forgotten since (``[lanes, chunks]`` bool), and the table."""
 
     def lookup(self, name: str, lanes: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which shards ``(lanes[i], chunks[i])`` of field ``name`` its table holds, and their
@@ -128,13 +132,13 @@ class TabledIndexes:
         CorruptBufferError naming a damaged table."""
         if self._tables is not None:
             tables, self._tables = self._tables(self.names), None
-            self._held = {field: (table.present.copy(), table.entries) for field, table in tables.items()}
+            self._held = {field: (table.present.copy(), table) for field, table in tables.items()}
         if name not in self._held:
             return np.zeros(len(lanes), bool), np.empty((0, 0, 2), "<u8")
-        present, entries = self._held[name]
+        present, table = self._held[name]
         held = (lanes < present.shape[0]) & (chunks < present.shape[1])
         held[held] = present[lanes[held], chunks[held]]
-        return held, entries[lanes[held], chunks[held]]
+        return held, table.indexes(lanes[held], chunks[held])
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: their indexes are no longer the table's."""
