@@ -298,3 +298,42 @@ def test_a_diskreplay_1_buffer_warns_of_its_own_objects(tmp_path):
     downgrade(path)
     group = zarr.open_group(str(path), mode="r")
     assert warned(lambda: sorted(group.array_keys())) == (sorted(FIELDS), ["commit.json", "state"])
+
+
+def read_table_as_documented(blob: bytes, inner: int) -> tuple[int, np.ndarray, dict[tuple[int, int], np.ndarray]]:
+    """A shard index table (section 6) read from the page alone: (sequence, presence, the index
+    of each held shard as its chunk file starts with it)."""
+    import zstandard
+    from google_crc32c import value as crc32c
+
+    assert blob[:8] == b"DRSHIDX2" and int.from_bytes(blob[-4:], "little") == crc32c(blob[:-4])
+    sequence = int.from_bytes(blob[8:16], "little")
+    lanes, chunks, stored_inner = (int.from_bytes(blob[24 + 4 * i:28 + 4 * i], "little") for i in range(3))
+    assert stored_inner == inner
+    present = np.frombuffer(blob, np.uint8, lanes * chunks, 40).reshape(lanes, chunks)
+    held = np.argwhere(present == 1)
+    columns = np.frombuffer(zstandard.decompress(blob[40 + lanes * chunks:-4]), "<u8").reshape(2, len(held), inner)
+    indexes = {}
+    for (lane, chunk), residual, nbytes in zip(held.tolist(), columns[0], columns[1]):
+        sizes = np.where(nbytes == 2**64 - 1, 0, nbytes).astype(np.uint64)
+        expected = np.uint64(16 * inner + 4) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+        indexes[(lane, chunk)] = np.stack([residual + expected, nbytes], axis=-1)
+    return sequence, present, indexes
+
+
+def test_a_reader_of_the_document_reads_the_shard_index_tables(tmp_path):
+    """Each table a closing writer leaves holds, for every shard of the last commit, the index
+    its chunk file starts with."""
+    path = tmp_path / "buf"
+    rows = np.arange(3 * 256 + 40, dtype=np.float32)[:, None] * np.ones(17, np.float32)
+    with dr.ReplayBuffer.create(path, {"obs": dr.Field((17,), "float32")}, capacity=None, chunk_rows=256,
+                                compression="zstd", num_envs=2, episode_end=None) as buf:
+        buf.extend({"obs": rows.reshape(-1, 2, 17)})
+    sequence = json.loads((path / "diskreplay" / "objects" / "commit.json").read_text())["sequence"]
+    inner = 256 // 64
+    blob = (path / "diskreplay" / "objects" / "shard-index-tables" / "obs").read_bytes()
+    stored, present, indexes = read_table_as_documented(blob, inner)
+    assert stored == sequence and present.tolist() == [[1, 1], [1, 1]]
+    for (lane, chunk), index in indexes.items():
+        head = (path / "obs" / f"c.{lane}.{chunk}.0").read_bytes()[:16 * inner]
+        np.testing.assert_array_equal(index, np.frombuffer(head, "<u8").reshape(inner, 2))
