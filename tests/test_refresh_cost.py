@@ -32,8 +32,9 @@ def rows(start: int, n: int) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture
-def reads(monkeypatch) -> Counter:
-    """Counts every read operation of a local store, ``{(operation, last part of its first key): n}``
+def reads(monkeypatch, tmp_path) -> Counter:
+    """Counts every read operation of a local store of this test (under ``tmp_path``: not another
+    test's writer renewing its lease meanwhile), ``{(operation, last part of its first key): n}``
     (a ``get_many``: each of its keys, ``("get_many", key)``, and not the gets it makes), and each
     listing of a commit index, ``("list", "commits")``."""
     counts: Counter = Counter()
@@ -46,7 +47,7 @@ def reads(monkeypatch) -> Counter:
             while isinstance(first, (list, tuple)) and first:  # get_ranges' ranges
                 first = first[0]
             keys = args[0] if _name == "get_many" else [first if isinstance(first, str) and first else self.root]
-            if getattr(inside, "depth", 0) == 0:
+            if getattr(inside, "depth", 0) == 0 and self.root.startswith(str(tmp_path)):
                 counts.update((_name, key.rsplit("/", 1)[-1]) for key in keys)
             inside.depth = getattr(inside, "depth", 0) + 1
             try:
