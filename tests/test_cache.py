@@ -7,11 +7,12 @@ import pytest
 from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
 
 import diskreplay as dr
+from diskreplay.format.codecs import Codec
 from diskreplay.format.lanes import LaneLayout
 from diskreplay.format.schema import Field, Schema
 from diskreplay.storage import cache_slots
 from diskreplay.storage.cache import ChunkCache
-from diskreplay.storage.sizing import BEHIND_CHUNKS
+from diskreplay.storage.sizing import BEHIND_CHUNKS, fields_read_by_rows
 
 pytestmark = pytest.mark.usefixtures("no_fsync")
 
@@ -174,6 +175,32 @@ def test_row_fields_have_room_in_the_staging_slots_only():
     assert partial.tolist() == [105, 104] and cache.is_partial(partial).all()
     assert whole.tolist() == [0] and not cache.is_partial(whole).any()
     assert cache.evictable(whole=True) == 5 and cache.evictable(whole=False) == 103
+
+
+def test_a_reader_keeps_the_small_sharded_fields_whose_chunks_fit_half_its_cache():
+    """Of a buffer larger than the cache, a writer reads every sharded field row by row; a reader
+    keeps the chunks of those of the smallest rows whole while all their chunks, with the fields
+    not sharded, fit half its cache (none where that would be all of them)."""
+    schema = Schema({"obs": Field((64,), "float32"), "reward": Field((), "float32"), "done": Field((), "bool"),
+                     "count": Field((), "int64")})
+    sharded, plain = Codec("zstd", inner_rows=64), Codec("zstd")
+    codecs = {"obs": sharded, "reward": sharded, "done": sharded, "count": plain}
+    chunks, rows = 10, 1024  # all chunks of obs: 2,621,440 bytes, reward 40,960, done 10,240, count 81,920
+    assert fields_read_by_rows(schema, codecs, chunks, rows, 1 << 20, reader=False) == ("obs", "reward", "done")
+    assert fields_read_by_rows(schema, codecs, chunks, rows, 1 << 20, reader=True) == ("obs",)
+    assert fields_read_by_rows(schema, codecs, chunks, rows, 2 * 122_880, reader=True) == ("obs", "reward")
+    assert fields_read_by_rows(schema, codecs, chunks, rows, 2 * 92_159, reader=True) == ("obs", "reward", "done")
+    assert fields_read_by_rows(schema, codecs, chunks, rows, 1 << 30, reader=True) == ("obs", "reward", "done")
+
+
+def test_a_partial_reservation_takes_free_slots_without_room_for_row_fields_only():
+    schema = Schema({"obs": Field((8,), "float32"), "reward": Field((), "float32")})
+    cache = ChunkCache(schema, 1, 16, 6, 8, full_slots=2, row_fields=("obs",))
+    cache.assign(np.array([0]), np.array([0]), whole=False)  # slot 5
+    assert cache.reserve_partial(4) is None
+    slots = cache.reserve_partial(3)
+    assert slots.tolist() == [2, 3, 4] and cache.is_pinned(slots).all() and cache.evictable(whole=True) == 2
+    assert cache.slots_of(np.zeros(3, np.int64), np.arange(1, 4)).tolist() == [-1, -1, -1]  # found once placed
 
 
 def test_buffer_cache_size_is_bounded(tmp_path):

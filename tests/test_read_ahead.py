@@ -220,3 +220,34 @@ def test_an_epoch_past_the_cache_reads_sharded_fields_as_whole_chunks(s3, shuffl
         assert reader.stats().chunks_read_ahead == 16
     finally:
         proxy.close()
+
+
+def test_an_epoch_of_a_reader_holding_some_fields_of_its_chunks_reads_them_whole(s3):
+    """A reader past its cache that keeps its small fields' chunks (`test_s3`) and then reads an
+    epoch reads every chunk whole ahead, each chunk object once: the chunks it holds some fields
+    of count as not cached for the epoch."""
+    from test_s3 import SMALL_AND_LARGE, small_and_large
+
+    url = s3.new_url("epoch-kept")
+    data = small_and_large(url, s3.storage_options())
+    proxy = FaultProxy(s3.endpoint)
+    try:
+        ds = make_dataset(url, 4096, mode="epoch", shuffle="none", cache_bytes=6 << 20,
+                          storage_options=proxy_options(s3, proxy))
+        reader = ds.reader.get()
+        reader[[5, 9000]]
+        reader.warm()
+        assert reader.stats().cached_chunks == 8 and reader.storage.row_reads.names == ("obs",)
+        proxy.reset_stats()
+        seen = []
+        for batch in Loader(ds):
+            got = batch["index"].numpy()
+            for name in SMALL_AND_LARGE:
+                np.testing.assert_array_equal(batch[name].numpy(), data[name][got])
+            seen.append(got)
+        np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(8 * 8192))
+        gets = chunk_gets(proxy)
+        assert len(gets) == 3 * 8 and set(gets.values()) == {1}
+        assert reader.stats().chunks_read_ahead == 8
+    finally:
+        proxy.close()

@@ -273,7 +273,7 @@ def ranges_cost_pages(monkeypatch):
 def test_rows_dense_for_what_a_request_costs_load_their_chunk_whole(s3):
     """A cold read takes rows by ranges while a range per row and field costs less than the chunk
     whole and a request per field, at what the store says a request costs (``request_bytes``):
-    chunks of 786 KB here, so from 2 rows per chunk through s3fs, 4 through obstore."""
+    chunks of 786 KB here, so from 3 rows per chunk through s3fs, 4 through obstore."""
     url = s3.new_url("dense-for-a-request")
     obs = {"obs": dr.Field((3,), "float32")}
     with dr.ReplayBuffer.create(url, obs, capacity=None, chunk_rows=65536, compression=None,
@@ -283,17 +283,40 @@ def test_rows_dense_for_what_a_request_costs_load_their_chunk_whole(s3):
     try:
         # a cache of one chunk: no fill of the whole window behind the first read
         reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=65536 * 12)
-        dense = 65536 * 12 // reader.storage.store.request_bytes + 1
-        assert dense == {"FsspecChunkStore": 2, "ObstoreChunkStore": 4}[type(reader.storage.store).__name__]
+        dense = -(-(65536 * 12) // reader.storage.store.request_bytes) + 1
+        assert dense == {"FsspecChunkStore": 3, "ObstoreChunkStore": 4}[type(reader.storage.store).__name__]
         proxy.reset_stats()
-        few = np.arange(dense - 1) * 5000 + 7  # over 4 KB apart: a range each
+        few = np.arange(dense - 1) * 10000 + 7  # 120 KB apart: a range each
         np.testing.assert_array_equal(reader[few]["obs"][:, 0], few)
         assert (reader.stats().rows_read_directly, reader.stats().chunks_loaded) == (dense - 1, 0)
         assert proxy.count("/obs/c.0.0", "GET") == dense - 1
-        many = 65536 + np.arange(dense) * 5000 + 7
+        many = 65536 + np.arange(dense) * 10000 + 7
         np.testing.assert_array_equal(reader[many]["obs"][:, 0], many)
         assert (reader.stats().rows_read_directly, reader.stats().chunks_loaded) == (dense - 1, 1)
         assert proxy.count("/obs/c.0.1", "GET") == 1  # chunk 1, whole
+        reader.close()
+    finally:
+        proxy.close()
+
+
+def test_cold_rows_a_fraction_of_a_request_apart_share_one_range(s3):
+    """On an object store, rows of one chunk closer than an eighth of what a request costs
+    (``request_bytes``: 32 KiB through obstore, 64 KiB through s3fs) are fetched in one ranged
+    GET, the bytes between them with it; rows farther apart in a GET each."""
+    url = s3.new_url("joined-ranges")
+    with dr.ReplayBuffer.create(url, {"obs": FIELDS["obs"]}, capacity=None, chunk_rows=131072, compression=None,
+                                storage_options=s3.storage_options()) as buf:
+        buf.extend({"obs": rows(0, 2 * 131072)["obs"]})
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=131072 * 12)
+        assert reader.storage.store.request_bytes // 8 in (32768, 65536)
+        proxy.reset_stats()
+        ids = np.array([7, 1007, 131072 + 7, 131072 + 10007])  # 12,000 bytes apart; then 120,000
+        np.testing.assert_array_equal(reader[ids]["obs"][:, 0], ids)
+        assert (proxy.count("/obs/c.0.0", "GET"), proxy.count("/obs/c.0.1", "GET")) == (1, 2)
+        assert proxy.bytes_out == 1001 * 12 + 2 * 12
+        assert (reader.stats().rows_read_directly, reader.stats().ranges_read) == (4, 3)
         reader.close()
     finally:
         proxy.close()
@@ -352,12 +375,14 @@ def test_cold_frames_are_read_as_inner_chunks_of_their_shards(s3):
         proxy.reset_stats()
         ids = np.array([3, 5, 100, 500])  # 1 KiB frames: inner chunks of 8 frames (8 KiB)
         np.testing.assert_array_equal(reader[ids]["img"], data["img"][ids])
+        reader.warm()  # act's other chunks follow behind the read
         assert proxy.count("/shard-index-tables/img", "GET") == 1  # the table the writer's close left: every index
         assert proxy.count("/shard-indexes/img", "GET") == 0  # nor an earlier version's: it has this one
         assert proxy.count("/img/c.", "GET") == 3  # 3 inner chunks (rows 3 and 5 share one)
-        assert proxy.count("/act/c.", "GET") == 3  # a chunk each: act is not sharded
+        assert proxy.count("/act/c.", "GET") == 3 + 5  # a chunk each (act is not sharded), then the other 5
         table = sizes["diskreplay/objects/shard-index-tables/img"]
-        assert proxy.bytes_out - table < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
+        img = proxy.bytes_out - table - sum(sizes[f"act/c.0.{c}"] for c in range(8))
+        assert img < sum(sizes[f"img/c.0.{c}.0.0"] for c in (0, 1, 7)) / 4
         proxy.reset_stats()
         np.testing.assert_array_equal(reader[[4, 101]]["img"], data["img"][[4, 101]])
         assert proxy.count("/img/c.", "GET") == 2  # the indexes were kept: inner chunks only
@@ -439,6 +464,50 @@ def test_cold_rows_of_small_compressed_fields_cost_inner_chunks(s3):
         proxy.close()
     array = zarr.open_array(store=url + "/obs", mode="r", storage_options=s3.storage_options())
     np.testing.assert_array_equal(array[0, :, 0], np.arange(8192, dtype=np.float32))
+
+
+SMALL_AND_LARGE = {"obs": dr.Field((32,), "float32"), "reward": dr.Field((), "float32"), "done": dr.Field((), "bool")}
+
+
+def small_and_large(url: str, storage_options: dict, chunks: int = 8) -> dict[str, np.ndarray]:
+    """``chunks`` zstd chunks of 8,192 rows: obs (128 B rows) and reward sharded, done one frame."""
+    ids = np.arange(chunks * 8192)
+    data = {"obs": (ids[:, None] + np.arange(32)).astype(np.float32), "reward": ids.astype(np.float32) / 2,
+            "done": ids % 7 == 0}
+    with dr.ReplayBuffer.create(url, SMALL_AND_LARGE, capacity=None, chunk_rows=8192, compression="zstd",
+                                storage_options=storage_options) as buf:
+        buf.extend(data)
+    return data
+
+
+def test_a_reader_past_its_cache_keeps_the_chunks_of_its_small_fields(s3):
+    """A reader whose rows do not fit its cache reads its large sharded fields row by row; the
+    small fields, whose every chunk fits half its cache, are read by ranges in its first read,
+    then their chunks follow into the cache behind it: later reads fetch the large field only."""
+    url = s3.new_url("small-kept")
+    data = small_and_large(url, s3.storage_options())
+    proxy = FaultProxy(s3.endpoint, latency_s=0.0)
+    try:
+        reader = dr.ReplayBuffer.open(url, storage_options=proxy_options(s3, proxy), cache_bytes=6 << 20)
+        assert reader.storage.row_reads is not None and reader.storage.row_reads.names == ("obs",)
+        proxy.reset_stats()
+        ids = np.array([5, 8192 + 5, 3 * 8192 + 5, 7 * 8192 + 5])
+        got = reader[ids]
+        for name in SMALL_AND_LARGE:
+            np.testing.assert_array_equal(got[name], data[name][ids])
+        reader.warm()  # the small fields' 8 chunks, behind the read
+        # the read: an inner chunk of obs and of reward per row, done's chunks whole (one frame each)
+        assert [proxy.count(f"/{name}/c.", "GET") for name in SMALL_AND_LARGE] == [4, 4 + 8, 4 + 8]
+        assert reader.stats().chunks_loaded == 8
+        proxy.reset_stats()
+        ids = np.array([6, 8192 + 6, 2 * 8192 + 6, 5 * 8192 + 6])
+        got = reader[ids]
+        for name in SMALL_AND_LARGE:
+            np.testing.assert_array_equal(got[name], data[name][ids])
+        assert [proxy.count(f"/{name}/c.", "GET") for name in SMALL_AND_LARGE] == [4, 0, 0]
+        reader.close()
+    finally:
+        proxy.close()
 
 
 def test_contiguous_rows_past_the_cache_are_read_a_shard_run_at_a_time(s3):

@@ -165,6 +165,16 @@ class ChunkCache:
         self._pinned[slots] = True
         return slots
 
+    def reserve_partial(self, n: int) -> np.ndarray | None:
+        """``n`` free slots without room for the row fields, pinned but holding no chunk (a fill
+        of the other fields, as `reserve`), or None where fewer are free."""
+        rest = slice(self.full_slots, None)
+        free = self.full_slots + np.flatnonzero((self._owner_lane[rest] < 0) & ~self._pinned[rest])
+        if len(free) < n:
+            return None
+        self._pinned[free[:n]] = True
+        return free[:n]
+
     def _victims(self, n: int, whole: bool) -> np.ndarray:
         """``n`` unpinned slots, emptied: unused ones first, else the least recently used."""
         eligible = self.full_slots if whole else self.slots

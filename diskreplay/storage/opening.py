@@ -64,7 +64,7 @@ from .reader import ChunkReader
 from .row_reads import RowReads
 from .shard_maps import ShardMaps
 from .shard_tables import TabledIndexes, Tables, inner_chunks, read_tables, sharded_fields
-from .sizing import DEFAULT_CACHE_BYTES, cache_slots
+from .sizing import DEFAULT_CACHE_BYTES, cache_slots, fields_read_by_rows
 from .stale import RetiredCheck
 from .union import CommitIndex, UnionLog, UnionStorage, union_threads
 from .warm import Warmer
@@ -379,11 +379,11 @@ def _read_side(url: str, config: BufferConfig, arrays: dict[str, ArrayMeta], log
     codec, record = buffer_codec(arrays, url), log.record
     stored_bytes = layout.num_envs * (config.lane_capacity or int(record.committed.max(initial=0))) * schema.row_bytes
     fits = stored_bytes <= options.cache_bytes
-    # sharded fields are read row by row on a miss, unless every field fits the cache (remote: readers)
-    row_fields = () if fits or not (store.supports_mmap or mode == "r") else tuple(
-        name for name, c in io.codecs.items() if c.inner_rows is not None)
-    slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", row_fields)
     chunks_per_lane = layout.chunks_per_lane(int(record.committed.max(initial=0)))
+    # sharded fields are read row by row on a miss, unless every field fits the cache (remote: readers)
+    row_fields = () if fits or not (store.supports_mmap or mode == "r") else fields_read_by_rows(
+        schema, io.codecs, layout.num_envs * chunks_per_lane, layout.chunk_rows, options.cache_bytes, mode == "r")
+    slots, full_slots = cache_slots(schema, layout, options.cache_bytes, mode != "r", row_fields)
     cache = ChunkCache(schema, layout.num_envs, layout.chunk_rows, slots, chunks_per_lane, full_slots, row_fields)
     loader = ChunkLoader(cache, io, tuple(name for name in schema.fields if name not in row_fields))
     memory_map = not fits if options.memory_map is None else options.memory_map

@@ -42,8 +42,12 @@ FRESH_TRIES = 3
 """Reads of a live buffer's inner chunks through shard indexes read anew each time (`PointReads._fresh`)
 before damage they find is reported."""
 GAP_BYTES = 4096
-"""Raw rows of one chunk object at most this many bytes apart are read in one range: a request
-costs more than that many bytes (a page locally, a round trip remotely)."""
+"""Ranges of one object at most this many bytes apart are read as one range (at least; see
+`gap_bytes`): a request costs more than that many bytes (a page locally, a round trip remotely)."""
+GAP_SHARE = 8
+"""On an object store, ranges at most ``1 / GAP_SHARE`` of a request's cost in bytes apart
+(`ChunkStore.request_bytes`) are read as one: each join saves a request for a fraction of what
+it costs, and the bytes fetched stay a small multiple of those asked."""
 
 InnerPlan = tuple[np.ndarray, list[Range], np.ndarray]
 """A sharded field's reads for rows sorted by (lane, chunk, offset): each row's inner chunk
@@ -60,6 +64,8 @@ class PointReads:
     def __init__(self, io: ChunkIO, chunk_rows: int, tables: Tables | None = None):
         """``tables``: read before the first shard index would be (None: no table)."""
         self.io, self.chunk_rows = io, chunk_rows
+        self.gap = gap_bytes(io.store.request_bytes)
+        """Ranges of one object at most this many bytes apart are read as one."""
         self.raw = frozenset(name for name, codec in io.codecs.items() if codec.raw and codec.inner_rows is None)
         self.sharded = frozenset(name for name, codec in io.codecs.items() if codec.inner_rows is not None)
         self.tabled = TabledIndexes(tables, tuple(self.sharded))
@@ -80,13 +86,14 @@ class PointReads:
     def sparse(self, names: tuple[str, ...], lane: np.ndarray, chunk: np.ndarray) -> bool:
         """Whether the rows of ``names`` at (lane, chunk) are few enough in their chunks to read
         one by one: fewer per chunk than one `DENSE_SHARE` of its rows (`DENSE_ROWS` at least), and
-        than make a range per row and field cost more than the chunk whole, a request costing the
-        store's ``request_bytes`` (from an object store: about 5 rows of a chunk of 8 MiB of five
-        fields)."""
+        than make a range per row and field cost as much as the chunk whole and a request per
+        field, a request costing the store's ``request_bytes`` (through obstore: from 8 rows of a
+        chunk of 8 MiB of five fields; from 2 rows of a chunk smaller than a request)."""
         touched = len(np.unique(lane * (int(chunk.max(initial=0)) + 1) + chunk))
         whole = self.chunk_rows * sum(self.io.schema[name].row_bytes for name in names)
-        requests = whole // (len(names) * self.io.store.request_bytes) + 1
-        return len(chunk) < touched * min(max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS), requests)
+        requests = len(names) * self.io.store.request_bytes
+        return (len(chunk) < touched * max(self.chunk_rows // DENSE_SHARE, DENSE_ROWS)
+                and len(chunk) * requests < touched * (requests + whole))
 
     def forget(self, lane: int, chunks: np.ndarray) -> None:
         """These chunks were rewritten: read their shard indexes again."""
@@ -134,9 +141,9 @@ class PointReads:
             self._fresh(names, lane, chunk, read_inner)
 
     def _get(self, ranges: list[Range]) -> list[Ranged | None]:
-        """Each range's bytes: ranges of one object at most `GAP_BYTES` apart read as one
+        """Each range's bytes: ranges of one object at most ``gap`` bytes apart read as one
         (a contiguous read's inner chunks, one request for a shard's run of them)."""
-        joined, parts = _joined(ranges)
+        joined, parts = _joined(ranges, self.gap)
         self.ranges_read += len(joined)
         got = self.io.store.get_ranges(joined)
         return [None if (one := got[i]) is None else (one[0][at:at + stop - start], one[1])
@@ -145,7 +152,7 @@ class PointReads:
     def _plan(self, name: str, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray) -> Plan:
         """A raw field's ranges: runs of nearby rows (`_runs`); a run over half its chunk or more
         reads the chunk whole, its checksum with it."""
-        run_of, firsts, starts, stops = _runs(lane, chunk, offset, self.io.schema[name].row_bytes)
+        run_of, firsts, starts, stops = _runs(lane, chunk, offset, self.io.schema[name].row_bytes, self.gap)
         values = self.chunk_rows * self.io.schema[name].row_bytes
         whole = 2 * (stops - starts) >= values
         starts[whole], stops[whole] = 0, values + self.io.codecs[name].trailer
@@ -409,14 +416,21 @@ def _spans(pairs: np.ndarray, index_bytes: int, size: int) -> np.ndarray:
     return spans
 
 
-def _joined(ranges: list[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
-    """``ranges`` joined where they lie in one object at most `GAP_BYTES` apart (or overlap),
+def gap_bytes(request_bytes: int) -> int:
+    """How far apart ranges of one object may lie to be read as one, on a store where a request
+    costs ``request_bytes`` (`ChunkStore.request_bytes`): 4 KiB locally, 32 KiB through obstore,
+    64 KiB through s3fs."""
+    return max(GAP_BYTES, request_bytes // GAP_SHARE)
+
+
+def _joined(ranges: list[Range], gap: int) -> tuple[list[Range], list[tuple[int, int]]]:
+    """``ranges`` joined where they lie in one object at most ``gap`` bytes apart (or overlap),
     and where each lies in the joined ones: ``(joined range, offset in it)``."""
     joined: list[Range] = []
     parts: list[tuple[int, int]] = [(0, 0)] * len(ranges)
     for i in sorted(range(len(ranges)), key=lambda i: ranges[i]):
         key, start, stop = ranges[i]
-        if joined and joined[-1][0] == key and start - joined[-1][2] <= GAP_BYTES:
+        if joined and joined[-1][0] == key and start - joined[-1][2] <= gap:
             head = joined[-1]
             joined[-1] = (key, head[1], max(head[2], stop))
         else:
@@ -433,11 +447,11 @@ def _run_starts(*keys: np.ndarray) -> np.ndarray:
     return new
 
 
-def _runs(lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, row_bytes: int) -> Plan:
-    """Raw rows sorted by (lane, chunk, offset) cut into runs of rows at most `GAP_BYTES` apart."""
-    gap = (offset[1:] - offset[:-1] - 1) * row_bytes
+def _runs(lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, row_bytes: int, gap: int) -> Plan:
+    """Raw rows sorted by (lane, chunk, offset) cut into runs of rows at most ``gap`` bytes apart."""
+    apart = (offset[1:] - offset[:-1] - 1) * row_bytes
     new = np.ones(len(offset), bool)
-    new[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1]) | (gap > GAP_BYTES)
+    new[1:] = (lane[1:] != lane[:-1]) | (chunk[1:] != chunk[:-1]) | (apart > gap)
     firsts = np.flatnonzero(new)
     lasts = np.append(firsts[1:], len(offset)) - 1
     return np.cumsum(new) - 1, firsts, offset[firsts] * row_bytes, (offset[lasts] + 1) * row_bytes

@@ -97,7 +97,7 @@ class ReadAhead:
 
     def top_up(self) -> None:
         """Start chunks of the plan until the budget is used, looking at most ``4 * io.threads``
-        chunks of it a call (chunks cached already are only marked recently used)."""
+        chunks of it a call (chunks cached whole already are only marked recently used)."""
         wanted: list[tuple[int, int]] = []
         # a slot left for reads; a few threads' worth at a time, so no read waits for the whole plan
         # (nor, where the plan's chunks are cached already, for a walk through all of them)
@@ -110,7 +110,7 @@ class ReadAhead:
                 self.budget = 0  # the plan is spent
                 break
             slot = self.cache.slot_of(*key)
-            if slot >= 0:
+            if slot >= 0 and not self.cache.is_partial(slot):
                 self.cache.touch(np.array([slot]))
             else:
                 wanted.append(key)
@@ -137,6 +137,8 @@ class ReadAhead:
         if not shown:
             return
         lanes, chunks = np.array([f.lane for f in shown]), np.array([f.chunk for f in shown])
+        held = self.cache.slots_of(lanes, chunks)  # some fields of a chunk, cached in a slot of their own
+        self.cache.evict(held[held >= 0])
         slots = self.cache.place(lanes, chunks, np.array([f.slot for f in shown]))
         self.cache.unpin(slots)
         asked = np.isin(lane * self.cache.width + chunk, lanes * self.cache.width + chunks)

@@ -1,10 +1,11 @@
-"""How big a buffer's chunks and cache are: `default_chunk_rows` and `cache_slots`."""
+"""How big a buffer's chunks and cache are: `default_chunk_rows`, `cache_slots` and `fields_read_by_rows`."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..checks import check_int
+from ..format.codecs import Codec
 from ..format.lanes import LaneLayout
 from ..format.schema import Schema
 from .cache import ChunkCache
@@ -86,3 +87,24 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
     if ring_chunks is not None:  # more slots than a ring has chunks are dead weight
         slots = min(slots, max(need, ring_chunks))
     return int(slots), int(min(full, slots) if row_fields else slots)
+
+
+def fields_read_by_rows(schema: Schema, codecs: dict[str, Codec], chunks: int, chunk_rows: int, cache_bytes: int,
+               reader: bool) -> tuple[str, ...]:
+    """The sharded fields of a buffer of ``chunks`` chunks larger than ``cache_bytes`` that are
+    read row by row (`cache_slots`' ``row_fields``). A writer reads all of them so. A reader keeps
+    the chunks of some whole in its cache's other slots: those of the smallest rows whose every
+    chunk fits half of ``cache_bytes`` beside the fields not sharded (loaded behind its first
+    read, `Warmer`), so that rows sampled after it cost requests for the large fields only; where
+    that would keep them all (the fields not sharded being what does not fit), none."""
+    sharded = [name for name in schema.fields if codecs[name].inner_rows is not None]
+    if not reader:
+        return tuple(sharded)
+    whole = sum(f.row_bytes for name, f in schema.items() if name not in sharded)
+    kept: set[str] = set()
+    for name in sorted(sharded, key=lambda n: schema[n].row_bytes):
+        whole += schema[name].row_bytes
+        if chunks * chunk_rows * whole > cache_bytes // 2:
+            break
+        kept.add(name)
+    return tuple(name for name in sharded if name not in kept) if len(kept) < len(sharded) else tuple(sharded)

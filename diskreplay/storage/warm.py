@@ -62,6 +62,8 @@ class _Fill:
     jobs: list[tuple[slice, Future[bool]]]
     pid: int
     """The process whose threads run the jobs (a forked child inherits the fill, not its threads)."""
+    partial: bool = False
+    """Whether it loads the fields not read row by row only (chunks cached meanwhile keep their copy)."""
     placed: int = 0
     whole: bool = True
     """Whether every part placed so far read all its chunks."""
@@ -251,9 +253,15 @@ class Warmer:
     def start_fill(self, lanes: np.ndarray, chunks: np.ndarray) -> None:
         """Load every chunk not cached behind the reads, if they fit the cache: into their home
         slots where those are free and every cached chunk is home, else into free slots; `settle`
-        puts them in place."""
+        puts them in place. Where fields are read row by row, the other fields' chunks, into free
+        slots without room for those (`ChunkCache.reserve_partial`), if there are enough."""
         cache = self.cache
-        if cache.row_fields:  # rows that do not fit: a partial chunk in its home slot would pass for whole
+        if cache.row_fields:
+            missing = cache.slots_of(lanes, chunks) < 0
+            lanes, chunks = lanes[missing], chunks[missing]
+            slots = cache.reserve_partial(len(lanes)) if len(lanes) else None
+            if slots is not None:
+                self._start_jobs(lanes, chunks, slots, None, self.loader.cached_fields)
             return
         width = self._home_width()
         home = lanes * width + chunks
@@ -265,23 +273,28 @@ class Warmer:
             return  # a slot is left for reads
         lanes, chunks = lanes[missing], chunks[missing]
         slots = home[missing] if in_place else cache.reserve(len(lanes))
+        self._start_jobs(lanes, chunks, slots, width if in_place else None, self.loader.all_fields)
+
+    def _start_jobs(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray, width: int | None,
+                    names: tuple[str, ...]) -> None:
+        """The fill of the fields ``names`` of these chunks into these slots, a job per part."""
+        cache, io = self.cache, self.loader.io
         cache.pin(slots)
-        io = self.loader.io
-        group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * io.schema.row_bytes, 1))
+        group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * sum(io.schema[n].row_bytes for n in names), 1))
         parts = [slice(i, i + group) for i in range(0, len(slots), group)]
 
         def prefetch() -> None:  # every file asked of the OS at once
             io.store.prefetch([io.key(name, ln, ch) for ln, ch in zip(lanes.tolist(), chunks.tolist())
-                               for name in io.schema.fields])
+                               for name in names])
 
         def read(part: slice) -> bool:  # its keys made on the job's thread: none delays the read before
             return io.read_here([(io.key(name, ln, ch), io.codecs[name], cache.chunk_rows_of(name, slot))
                                  for ln, ch, slot in zip(lanes[part].tolist(), chunks[part].tolist(),
-                                                         slots[part].tolist()) for name in io.schema.fields])
+                                                         slots[part].tolist()) for name in names])
         self.threads.submit(prefetch)
         jobs = [(part, self.threads.submit(read, part)) for part in parts]
         self.loader.chunks_loaded += len(slots)
-        self.fill = _Fill(lanes, chunks, slots, width if in_place else None, jobs, os.getpid())
+        self.fill = _Fill(lanes, chunks, slots, width, jobs, os.getpid(), len(names) < len(io.schema.fields))
 
     def homes(self, lanes: np.ndarray, chunks: np.ndarray) -> np.ndarray | None:
         """Where a reader whose fill is due loads these chunks: their free home slots (so that
@@ -305,7 +318,11 @@ class Warmer:
                 fill.whole, self.found_damage = False, True
                 continue
             held = self.cache.slots_of(lanes, chunks)
-            self.cache.evict(held[held >= 0])
+            if fill.partial:  # a chunk cached meanwhile (whole, by a read) keeps that copy
+                self.cache.release(slots[held >= 0])
+                lanes, chunks, slots = lanes[held < 0], chunks[held < 0], slots[held < 0]
+            else:
+                self.cache.evict(held[held >= 0])
             self.cache.unpin(self.cache.place(lanes, chunks, slots))
             for lane, stale in fill.stale:
                 self.cache.invalidate(lane, stale)

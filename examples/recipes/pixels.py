@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         for codec in CODECS:
             with dr.ReplayBuffer.open(os.path.join(workdir, f"frames-{codec or 'none'}"),
                                       cache_bytes=args.cache_mib << 20) as buf:
-                for _ in range(10):
+                batch = buf.sample(32, stack=4)
+                buf.warm()  # the fill the first read started, finished: the reads below do not race it
+                for _ in range(9):
                     batch = buf.sample(32, stack=4)
-                buf.warm()  # the fill the first read started, finished: the stats below do not race it
                 s = buf.stats()
                 print(f"{codec or 'none':6s} stack batch obs {batch['obs'].shape}, next_obs {batch['next_obs'].shape}; "
                       f"resident {s.resident}, mapped {s.mapped} ({s.maps} files), frames row by row "
