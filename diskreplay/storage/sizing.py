@@ -1,4 +1,5 @@
-"""How big a buffer's chunks and cache are: `default_chunk_rows`, `cache_slots` and `fields_read_by_rows`."""
+"""How big a buffer's chunks and cache are, and what the cache holds: `default_chunk_rows`,
+`cache_slots`, `fields_read_by_rows`."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def cache_slots(schema: Schema, layout: LaneLayout, cache_bytes: int, writer: bo
 
 
 def fields_read_by_rows(schema: Schema, codecs: dict[str, Codec], chunks: int, chunk_rows: int, cache_bytes: int,
-               reader: bool) -> tuple[str, ...]:
+                        reader: bool) -> tuple[str, ...]:
     """The sharded fields of a buffer of ``chunks`` chunks larger than ``cache_bytes`` that are
     read row by row (`cache_slots`' ``row_fields``). A writer reads all of them so. A reader keeps
     the chunks of some whole in its cache's other slots: those of the smallest rows whose every

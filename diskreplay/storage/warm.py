@@ -4,7 +4,9 @@ A reader's window that fits its cache is loaded into it behind its reads (`start
 ``(lane, c)`` goes to slot ``lane * width + c``, so that once the fill is in (`settle`) reads
 find rows from their steps alone (``resident_span``). The fill starts after the first read and
 runs on a thread of its own, a group of chunks per job; until it is in, reads take what they
-miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. On local
+miss straight from the chunk objects (`PointReads`, raw fields) or load those chunks. A window
+whose sharded fields are read row by row (it does not fit) brings the other fields' chunks into
+the slots without room for those, where they fit there. On local
 disk, a reader's rows that do not fit the cache but fit half this machine's RAM are memory-mapped
 as read while a thread reads every file into the page cache, a piece at a time, giving way to
 random reads (`page_in`; each batch asking for its own pages first meanwhile); bigger ones are read
@@ -280,7 +282,8 @@ class Warmer:
         """The fill of the fields ``names`` of these chunks into these slots, a job per part."""
         cache, io = self.cache, self.loader.io
         cache.pin(slots)
-        group = max(1, FILL_JOB_BYTES // max(self.layout.chunk_rows * sum(io.schema[n].row_bytes for n in names), 1))
+        chunk_bytes = self.layout.chunk_rows * sum(io.schema[name].row_bytes for name in names)
+        group = max(1, FILL_JOB_BYTES // max(chunk_bytes, 1))
         parts = [slice(i, i + group) for i in range(0, len(slots), group)]
 
         def prefetch() -> None:  # every file asked of the OS at once
