@@ -121,6 +121,22 @@ def test_reserved_slots_are_pinned_and_found_only_once_placed():
     assert cache.evictable() == 2 and cache.cached_chunks() == 1
 
 
+
+def test_placing_a_chunk_held_elsewhere_forgets_the_other_copy():
+    schema = Schema({"obs": Field((8,), "float32"), "reward": Field((), "float32")})
+    cache = ChunkCache(schema, 1, 16, 4, 8, full_slots=2, row_fields=("obs",))
+    partial = cache.assign(A(0, 0), A(3, 5), whole=False)  # slots 3 and 2: some fields of chunks 3 and 5
+    cache.unpin(partial)
+    whole = cache.reserve(2)  # a fill of every field of chunk 3 and of chunk 1
+    cache.unpin(cache.place(A(0, 0), A(3, 1), whole))
+    assert table(cache)[0, 3] == whole[0] and table(cache)[0, 5] == partial[1]
+    np.testing.assert_array_equal(cache.owners(partial), [[-1, 0], [-1, 5]])  # chunk 3's partial copy forgotten
+    assert cache.cached_chunks() == 3 and not cache.is_partial(whole).any()
+    cache.evict(partial[:1])  # the forgotten slot, recycled: chunk 3 stays where it was placed
+    assert table(cache)[0, 3] == whole[0]
+    cache.place(A(0), A(3), whole[:1])  # placed again in its own slot: kept
+    assert table(cache)[0, 3] == whole[0] and cache.owners(whole[:1])[1].tolist() == [3]
+
 def test_evict_and_invalidate():
     cache = make_cache(slots=3)
     s = cache.assign(A(0, 0, 1), A(0, 1, 1))

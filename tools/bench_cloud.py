@@ -179,7 +179,9 @@ def write_lance(uri: str, data: dict, compression: str | None, so: dict | None) 
 READER_CACHE_BYTES = 2**30
 
 
-def open_reader(url: str, so: dict | None, threads: int = 16) -> dr.ReplayBuffer:
+def open_reader(url: str, so: dict | None, threads: int | None = None) -> dr.ReplayBuffer:
+    """A reader of ``url`` with `READER_CACHE_BYTES` and ``threads`` (default: the store's, 16 on
+    S3 and at most 4 on local disk, what a user gets)."""
     return dr.ReplayBuffer.open(url, "r", storage_options=so, io_threads=threads, cache_bytes=READER_CACHE_BYTES)
 
 
@@ -205,7 +207,7 @@ def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
              server: Server | None, shuffle: str = "block") -> Callable[[], Any]:
     def once() -> float:
         started = time.perf_counter()
-        ds = dr.make_dataset(url, batch, mode="epoch", seed=0, shuffle=shuffle, storage_options=so, io_threads=16,
+        ds = dr.make_dataset(url, batch, mode="epoch", seed=0, shuffle=shuffle, storage_options=so,
                              cache_bytes=READER_CACHE_BYTES)
         got = sum(len(b["index"]) for b in dr.Loader(ds, num_workers=workers))
         secs = time.perf_counter() - started
@@ -222,7 +224,7 @@ def dr_kept_epoch(url: str, batch: int, rows: int) -> Callable[[], Any]:
 
     def once() -> float:
         if not kept:
-            kept.append(dr.Loader(dr.make_dataset(url, batch, mode="epoch", seed=0, io_threads=16,
+            kept.append(dr.Loader(dr.make_dataset(url, batch, mode="epoch", seed=0,
                                                   cache_bytes=READER_CACHE_BYTES)))
         started = time.perf_counter()
         got = sum(len(b["index"]) for b in kept[0])

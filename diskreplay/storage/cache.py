@@ -196,7 +196,11 @@ class ChunkCache:
         return slot
 
     def place(self, lanes: np.ndarray, chunks: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Give each (lane, chunk) the slot named (the caller chose free ones); returns them, pinned."""
+        """Give each (lane, chunk) the slot named (the caller chose free ones); returns them, pinned.
+        A copy of a chunk held in another slot (some of its fields, or an older read) is forgotten:
+        a chunk is resident in one slot at most."""
+        held = self._table[lanes, chunks]
+        self.evict(held[(held >= 0) & (held != slots)])
         self._table[lanes, chunks] = slots
         self._owner_lane[slots] = lanes
         self._owner_chunk[slots] = chunks

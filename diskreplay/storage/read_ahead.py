@@ -137,8 +137,6 @@ class ReadAhead:
         if not shown:
             return
         lanes, chunks = np.array([f.lane for f in shown]), np.array([f.chunk for f in shown])
-        held = self.cache.slots_of(lanes, chunks)  # some fields of a chunk, cached in a slot of their own
-        self.cache.evict(held[held >= 0])
         slots = self.cache.place(lanes, chunks, np.array([f.slot for f in shown]))
         self.cache.unpin(slots)
         asked = np.isin(lane * self.cache.width + chunk, lanes * self.cache.width + chunks)

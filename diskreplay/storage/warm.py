@@ -320,12 +320,10 @@ class Warmer:
                 self.cache.release(slots)
                 fill.whole, self.found_damage = False, True
                 continue
-            held = self.cache.slots_of(lanes, chunks)
             if fill.partial:  # a chunk cached meanwhile (whole, by a read) keeps that copy
-                self.cache.release(slots[held >= 0])
-                lanes, chunks, slots = lanes[held < 0], chunks[held < 0], slots[held < 0]
-            else:
-                self.cache.evict(held[held >= 0])
+                held = self.cache.slots_of(lanes, chunks) >= 0
+                self.cache.release(slots[held])
+                lanes, chunks, slots = lanes[~held], chunks[~held], slots[~held]
             self.cache.unpin(self.cache.place(lanes, chunks, slots))
             for lane, stale in fill.stale:
                 self.cache.invalidate(lane, stale)
