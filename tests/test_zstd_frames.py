@@ -39,9 +39,10 @@ def test_a_zstd_frame_is_kept_when_it_saves_an_eighth():
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("target", ["batched", "one by one", "strided rows"])
-def test_stored_frames_are_found_and_copied_into_their_rows(n, target, monkeypatch):
+@pytest.mark.parametrize("rows", [[5, 0, 2, 7, 1, 6], [3, 0, 4, 0, 0, 5]], ids=["two runs", "one run"])
+def test_stored_frames_are_found_and_copied_into_their_rows(n, target, rows, monkeypatch):
     """Among other frames, only the stored frames of the rows' size are found, and only their
-    rows are written (rows out of order, in two runs)."""
+    rows are written (the stored frames' rows out of order, in two runs; or one run in order)."""
     if target != "batched":
         monkeypatch.setattr(zstd_frames, "_COPY_RUNS", None)
     contents = np.random.default_rng(n).integers(0, 256, (6, n), dtype=np.uint8)
@@ -55,11 +56,13 @@ def test_stored_frames_are_found_and_copied_into_their_rows(n, target, monkeypat
     stored = stored_mask(data, begin, length, n)
     assert stored.tolist() == [True, False, True, False, False, True]
     flat = np.zeros((8, 2 * n), np.uint8)[:, ::2] if target == "strided rows" else np.zeros((8, n), np.uint8)
-    rows = np.array([5, 0, 2, 7, 1, 6])
+    rows = np.array(rows)
     copy_stored(data, begin[stored], flat, rows[stored])
     for frame in np.flatnonzero(stored):
         np.testing.assert_array_equal(flat[rows[frame]], contents[frame])
-    assert not flat[[0, 1, 3, 4, 7]].any()
+    assert not np.delete(flat, rows[stored], axis=0).any()
+    copy_stored(data, begin[:0], flat, rows[:0])  # no frames: nothing written
+    assert not np.delete(flat, rows[stored], axis=0).any()
 
 
 def test_a_truncated_stored_frame_is_not_taken_for_one():

@@ -12,6 +12,8 @@ is left to the zstd decoder.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from ..build import load_extension
@@ -65,23 +67,33 @@ def copy_stored(data: np.ndarray, begin: np.ndarray, flat: np.ndarray, rows: np.
             for offset, size, start in zip(offsets.tolist(), sizes.tolist(), range(0, n, BLOCK_BYTES)):
                 flat[row, start:start + size] = data[at + offset:at + offset + size]
         return
-    order = np.argsort(rows, kind="stable")
-    rows, begin = rows[order], begin[order]
-    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-    for run, starts in zip(np.split(rows, cuts), np.split(begin, cuts)):
-        _COPY_RUNS(data, flat[run[0]:run[-1] + 1].reshape(-1), (starts[:, None] + offsets).reshape(-1),
-                   np.tile(sizes, len(run)))
+    if not len(rows):
+        return
+    steps = np.diff(rows)
+    if not (steps == 1).all():  # a whole shard's frames are one run, in order
+        order = np.argsort(rows, kind="stable")
+        rows, begin = rows[order], begin[order]
+        steps = np.diff(rows)
+    cuts = [0, *(np.flatnonzero(steps != 1) + 1).tolist(), len(rows)]
+    lengths = np.empty((len(rows), len(sizes)), np.int64)
+    lengths[:] = sizes
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        first = int(rows[lo])
+        _COPY_RUNS(data, flat[first:first + hi - lo].reshape(-1), (begin[lo:hi, None] + offsets).reshape(-1),
+                   lengths[lo:hi].reshape(-1))
 
 
 def _blocks(n: int) -> int:
     return -(-n // BLOCK_BYTES)
 
 
+@lru_cache(maxsize=64)
 def _layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Where a stored frame of ``n`` (> 0) content bytes puts what: the offsets of its header
     bytes (the frame's, then each block's) and the bytes there, then each block's content offset
-    and size. A block header is 3 bytes little-endian: the last-block bit, the block type 0
-    (raw) in bits 1-2, the size from bit 3."""
+    and size (read-only: kept for the next frame of ``n`` bytes, a field's inner chunks all are).
+    A block header is 3 bytes little-endian: the last-block bit, the block type 0 (raw) in bits
+    1-2, the size from bit 3."""
     sizes = np.minimum(BLOCK_BYTES, n - BLOCK_BYTES * np.arange(_blocks(n), dtype=np.int64))
     starts = _HEAD_BYTES + (BLOCK_BYTES + _BLOCK_HEAD) * np.arange(len(sizes), dtype=np.int64)
     words = (sizes << 3).astype("<u4")
@@ -89,4 +101,7 @@ def _layout(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     heads = np.concatenate([np.arange(_HEAD_BYTES), (starts[:, None] + np.arange(_BLOCK_HEAD)).reshape(-1)])
     values = np.concatenate([_HEAD, np.frombuffer(n.to_bytes(8, "little"), np.uint8),
                              words.view(np.uint8).reshape(-1, 4)[:, :_BLOCK_HEAD].reshape(-1)])
-    return heads, values, starts + _BLOCK_HEAD, sizes
+    layout = heads, values, starts + _BLOCK_HEAD, sizes
+    for array in layout:
+        array.setflags(write=False)
+    return layout
