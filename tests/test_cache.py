@@ -121,7 +121,6 @@ def test_reserved_slots_are_pinned_and_found_only_once_placed():
     assert cache.evictable() == 2 and cache.cached_chunks() == 1
 
 
-
 def test_placing_a_chunk_held_elsewhere_forgets_the_other_copy():
     schema = Schema({"obs": Field((8,), "float32"), "reward": Field((), "float32")})
     cache = ChunkCache(schema, 1, 16, 4, 8, full_slots=2, row_fields=("obs",))
@@ -136,6 +135,7 @@ def test_placing_a_chunk_held_elsewhere_forgets_the_other_copy():
     assert table(cache)[0, 3] == whole[0]
     cache.place(A(0), A(3), whole[:1])  # placed again in its own slot: kept
     assert table(cache)[0, 3] == whole[0] and cache.owners(whole[:1])[1].tolist() == [3]
+
 
 def test_evict_and_invalidate():
     cache = make_cache(slots=3)

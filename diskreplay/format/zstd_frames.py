@@ -70,7 +70,7 @@ def copy_stored(data: np.ndarray, begin: np.ndarray, flat: np.ndarray, rows: np.
     if not len(rows):
         return
     steps = np.diff(rows)
-    if not (steps == 1).all():  # a whole shard's frames are one run, in order
+    if not (steps == 1).all():  # sorted into runs (a whole shard's frames come as one, in order)
         order = np.argsort(rows, kind="stable")
         rows, begin = rows[order], begin[order]
         steps = np.diff(rows)
