@@ -323,7 +323,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.layout, self.model = layout, BufferModel(layout)
         RUN.layouts.add(layout)
         RUN.sequences += 1
-        self.open_options = layout.cache(2 * layout.num_envs + 4)
+        self.open_options = {k: v for k, v in layout.options().items() if k == "cache_bytes"}
         self.reader_options = layout.cache(3)
         self.buf = dr.ReplayBuffer.create(self.path, sampler=make_sampler(layout.sampler), seed=seed,
                                           **layout.options())
