@@ -142,6 +142,7 @@ class BufferModel:
     committed: View = field(init=False)
     pending_cut: set[int] = field(default_factory=set)  # lanes whose open episode a restart cut
     counter: int = 0
+    arrays: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)  # `steps`' arrays of a lane
 
     def __post_init__(self) -> None:
         n = self.layout.num_envs
@@ -155,6 +156,7 @@ class BufferModel:
         if lane in self.pending_cut:
             self.cut(lane)
         first = self.staged.hi[lane]
+        self.arrays.pop(lane, None)
         self.serials[lane] += serials
         self.terminated[lane] += terminated
         self.truncated[lane] += truncated
@@ -188,6 +190,7 @@ class BufferModel:
         for lane, hi in enumerate(self.committed.hi):
             for rows in (self.serials, self.terminated, self.truncated):
                 del rows[lane][hi:]
+        self.arrays.clear()
         self.staged = self.committed.copy()
         self.restart()
 
@@ -202,17 +205,29 @@ class BufferModel:
         lo, hi = zip(*(self.window(view, lane) for lane in range(self.layout.num_envs)))
         return np.array(lo, np.int64), np.array(hi, np.int64)
 
-    def rows(self, view: View, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows at (lane, step) as ``view`` shows them, ``hi`` being each lane's newest step + 1."""
+    def steps(self, lane: int) -> tuple[np.ndarray, ...]:
+        """The lane's (serial, terminated, truncated) per step, as arrays."""
+        if lane not in self.arrays:
+            self.arrays[lane] = (np.asarray(self.serials[lane], np.int64), np.asarray(self.terminated[lane], bool),
+                                 np.asarray(self.truncated[lane], bool))
+        return self.arrays[lane]
+
+    def flags(self, view: View, lane: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(serial, terminated, truncated, episode end) of the rows at (lane, step) as ``view`` shows them."""
         serial = np.zeros(len(step), np.int64)
         terminated, truncated, end = (np.zeros(len(step), bool) for _ in range(3))
         for e in range(self.layout.num_envs):
             at = lane == e
             s = step[at]
-            serial[at] = np.asarray(self.serials[e], np.int64)[s]
-            terminated[at] = np.asarray(self.terminated[e], bool)[s]
-            truncated[at] = np.asarray(self.truncated[e], bool)[s] | np.isin(s, list(view.cuts[e]))
+            serials, terminations, truncations = self.steps(e)
+            serial[at], terminated[at] = serials[s], terminations[s]
+            truncated[at] = truncations[s] | np.isin(s, list(view.cuts[e]))
             end[at] = np.isin(s, view.ends[e])
+        return serial, terminated, truncated, end
+
+    def rows(self, view: View, lane: np.ndarray, step: np.ndarray, hi: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at (lane, step) as ``view`` shows them, ``hi`` being each lane's newest step + 1."""
+        serial, terminated, truncated, end = self.flags(view, lane, step)
         out = {**row_values(serial, lane, self.layout.frames), "terminated": terminated, "truncated": truncated}
         if self.layout.derive_next:  # next_obs is the lane's next step's obs, inside an episode
             follows = ~end & (step + 1 < hi[lane])
@@ -477,13 +492,16 @@ class BufferMachine(RuleBasedStateMachine):
         ids = np.random.default_rng(seed).permutation(ids_of(lo, hi, n))
         parts = [ids[i:i + batch] for i in range(0, len(ids), batch)]
         r.buf.storage.read_ahead((part % n, part // n) for part in parts)
+        view, got = r.view, []
         try:
             for part in parts:
-                self.check_batch({**r.buf[part], "index": part}, r.view, lo, hi, reader=True)
+                got.append({**r.buf[part], "index": part})
         except dr.StaleReadError:  # a ring's writer overwrote rows: the reader adopted its newest commit
             r.view = self.model.committed.copy()
         finally:
             r.buf.storage.read_ahead(None)
+        if got:  # the batches read before any stale one, checked at once (the model's cost is per call)
+            self.check_batch({k: np.concatenate([g[k] for g in got]) for k in got[0]}, view, lo, hi, reader=True)
 
     @rule(batch=st.integers(1, 64), reader=st.booleans())
     def sample(self, batch: int, reader: bool) -> None:
@@ -644,7 +662,7 @@ class BufferMachine(RuleBasedStateMachine):
         lane, step = ids % n, ids // n
         assert ((lo[lane] <= step) & (step < hi[lane])).all(), ("ids outside the window", ids, lo, hi)
         want = self.model.rows(view, lane, step, hi)
-        later = self.model.rows(self.model.committed, lane, step, hi)["truncated"] if reader else None
+        later = self.model.flags(self.model.committed, lane, step)[2] if reader else None
         assert_rows(got, want, "reader rows" if reader else "writer rows", later)
         if self.layout.sampler == "prioritized" and "weight" in got:
             assert np.isfinite(got["weight"]).all() and (got["weight"] > 0).all()
