@@ -944,7 +944,7 @@ CASES += [
          template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.records": 2**41})),
     Case("journal-records-beyond-objects", open_ro, dr.CorruptBufferError,
          r"state object 'state/sampler\.leaves/\d{12}-[0-9a-f]{16}/log\.0' is missing",
-         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.records": 2**30 + 40})),
+         template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.records": 2**22 + 40})),
     Case("journal-base-dtype-object", open_ro, dr.CorruptBufferError,
          OF_STATE_JSON + r"'sampler\.leaves\.__journal__' field 'base_dtype': expected one of .*, got '\|O'",
          template="per", prepare=edit_state_json(**{"sampler.leaves.__journal__.base_dtype": "|O"})),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ import diskreplay as dr
 from diskreplay.format.journal import LOG_CHUNK, JournalRef
 from diskreplay.io.local import LocalChunkStore
 from diskreplay.io.store import objects_at
-from diskreplay.storage.journal import Journal
+from diskreplay.storage.journal import FIRST_ROUND, Journal, MissingObject
 
 FIELDS = {"obs": dr.Field((2,), "float32"), "done": dr.Field((), "bool")}
 
@@ -424,6 +425,22 @@ def test_a_journal_is_read_in_one_request_per_object_all_at_once(tmp_path):
     np.testing.assert_array_equal(again.records[:len(content.records) - 50], content.records[:-50])
     with dr.ReplayBuffer.open(str(path), "r") as reader:
         assert len(reader.episodes()) == len(again.records)
+
+
+def test_a_reference_claiming_more_log_chunks_than_exist_fails_after_one_round(tmp_path):
+    # before: a request for every log chunk claimed (a damaged count of 2**30 records: 262,144)
+    path = tmp_path / "b"
+    with dr.ReplayBuffer.create(str(path), FIELDS, capacity=None, chunk_rows=1024) as buf:
+        buf.extend(rows(0, 2 * LOG_CHUNK * 2 + 100, episode=2))  # 2 full log chunks of episode ends, then a tail
+    ref = episode_journal_ref(path)
+    claimed = replace(ref, records=3 * FIRST_ROUND * LOG_CHUNK + ref.records % LOG_CHUNK)
+    objects = CountingStore(objects_at(LocalChunkStore(str(path)), OWN))
+    with pytest.raises(MissingObject, match=re.escape(ref.log_key(2))):
+        Journal(objects, str(path), "episodes.ends").read(claimed)
+    assert [(call, len(keys)) for call, keys in objects.calls] == [("get_many", FIRST_ROUND)]
+    objects.calls.clear()
+    content = Journal(objects, str(path), "episodes.ends").read(ref)  # the true count: one round, all of it
+    assert objects.calls == [("get_many", ref.keys())] and len(content.records) == ref.records
 
 
 def test_opening_reads_every_journal_of_the_state_in_one_round(tmp_path, monkeypatch):

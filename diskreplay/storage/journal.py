@@ -22,6 +22,9 @@ from ..io.store import Blob, ChunkStore
 
 Wanted = tuple[str, np.dtype, int]
 """An object of a journal to read: its key, the dtype and the count of its elements."""
+FIRST_ROUND = 1024
+"""Objects `read_journals` asks for before it knows whether any is missing: a damaged reference
+that claims a huge journal fails after this many, not after a request per object it claims."""
 
 
 class MissingObject(Exception):
@@ -150,8 +153,9 @@ def read_journals(reads: list[tuple[Journal, JournalRef]],
     """Each journal's content at its reference, which becomes its committed state. Bases and full
     log chunks are written once: those read for an earlier reference of the same generation are
     not read again (a reader following commits reads what was appended). The objects of all the
-    journals are fetched together, from the first one's store (one round trip on an object store),
-    but for those in ``read_ahead`` (key -> bytes, None: missing), read already.
+    journals are fetched together, from the first one's store (one round trip on an object store;
+    two past `FIRST_ROUND` objects), but for those in ``read_ahead`` (key -> bytes, None: missing),
+    read already.
 
     Raises MissingObject (an object is gone) or CorruptBufferError (one has the wrong size or
     fails its checksum: the first object in order that does)."""
@@ -164,9 +168,12 @@ def read_journals(reads: list[tuple[Journal, JournalRef]],
                                        *([last] if last else [])]]
     ahead = read_ahead or {}
     missing = [key for _, key, *_ in items if key not in ahead]
-    fetched = dict(zip(missing, reads[0][0].store.get_many(
-        missing, limit=max((size for *_, size in items), default=0) + 1))) if missing else {}
-    blobs = [ahead[key] if key in ahead else fetched[key] for _, key, *_ in items]
+    limit = max((size for *_, size in items), default=0) + 1
+    fetched: dict[str, Blob | None] = {}
+    for round_keys in (missing[:FIRST_ROUND], missing[FIRST_ROUND:]):
+        if round_keys and None not in fetched.values():
+            fetched.update(zip(round_keys, reads[0][0].store.get_many(round_keys, limit=limit)))
+    blobs = [ahead[key] if key in ahead else fetched.get(key) for _, key, *_ in items]
     got: list[dict[str, np.ndarray]] = [{} for _ in reads]
     for (i, key, dtype, count, size), blob in zip(items, blobs):
         journal, ref = reads[i]
