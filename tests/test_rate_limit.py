@@ -22,7 +22,7 @@ from diskreplay.format.shards import LEARNER_KEY
 pytestmark = pytest.mark.slow
 
 FIELDS = {"obs": dr.Field((2,), "float64"), "done": dr.Field((), "bool")}
-SHARDS, ACTORS, CHECKS, ROWS = 64, 64, 5, 10
+SHARDS, ACTORS, CHECKS, ROWS = 64, 16, 5, 40  # actors write 16 of the 64 shards, 640 rows in all
 LIMITER = {"samples_per_insert": 2.0, "error_buffer": 2000.0, "min_size": 1}
 
 ACTOR = f"""

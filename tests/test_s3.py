@@ -584,11 +584,11 @@ def test_opening_shards_reads_their_metadata_concurrently(s3, monkeypatch):
         proxy.close()
 
 
-def test_refresh_of_64_shards_with_2_committed_costs_2k_plus_1_requests(s3):
+def test_refresh_of_16_shards_with_2_committed_costs_2k_plus_1_requests(s3):
     """A learner's refresh lists the root's commit index once (which shards committed), then
     reads only the k shards that did: their commit record and its state object, 2k + 1 requests
-    (it read every shard's commit record, 64 + 2k: docs/guide/shards.md)."""
-    shards, changed = 64, [5, 40]
+    (it read every shard's commit record, 16 + 2k: docs/guide/shards.md)."""
+    shards, changed = 16, [5, 12]
     url, so = s3.new_url("refresh-cost"), s3.storage_options()
     dr.ReplayBuffer.create(url, FIELDS, capacity=64, shards=shards, chunk_rows=8, storage_options=so).close()
     proxy = FaultProxy(s3.endpoint)
