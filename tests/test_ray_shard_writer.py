@@ -116,7 +116,7 @@ def test_restart_on_a_new_host_takes_over_a_dead_writers_lease(ray_driver, tmp_p
 def test_live_writer_on_another_host_makes_the_open_fail_after_lease_plus_grace(ray_driver, tmp_path):
     url = str(tmp_path / "buf")
     dr.ReplayBuffer.create(url, **SPEC).close()
-    holder = start_holder(url, "host-alive", lease_s=3)  # renewed every second: a loaded machine keeps it
+    holder = start_holder(url, "host-alive", lease_s=30)  # renewed every 10 s: held past the 2 opens of 6 s
     try:
         writer = start_shard_writer(url, 0, lease_s=1, max_restarts=1)
         with pytest.raises(ray.exceptions.RayActorError,
