@@ -75,10 +75,14 @@ class Layout:
         row_bytes = sum(f.row_bytes for f in self.fields().values())
         return {"cache_bytes": chunks * self.chunk_rows * row_bytes} if self.small_cache else {}
 
+    def writer_cache(self) -> dict:
+        """A writer's ``cache_bytes`` option, if small (the layout's and every reopen's)."""
+        return self.cache(2 * self.num_envs + 4)
+
     def options(self) -> dict:
         return dict(fields=self.fields(), capacity=self.capacity, num_envs=self.num_envs, chunk_rows=self.chunk_rows,
                     compression=self.compression, derive_next=("obs",) if self.derive_next else (),
-                    **self.cache(2 * self.num_envs + 4))
+                    **self.writer_cache())
 
 
 layouts = st.builds(
@@ -338,7 +342,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.layout, self.model = layout, BufferModel(layout)
         RUN.layouts.add(layout)
         RUN.sequences += 1
-        self.open_options = {k: v for k, v in layout.options().items() if k == "cache_bytes"}
+        self.open_options = layout.writer_cache()
         self.reader_options = layout.cache(3)
         self.buf = dr.ReplayBuffer.create(self.path, sampler=make_sampler(layout.sampler), seed=seed,
                                           **layout.options())
