@@ -189,6 +189,25 @@ def test_block_shuffle_reads_a_whole_window_ahead_whatever_the_budget(s3, tmp_pa
     assert reader.stats().chunks_loaded == reader.stats().chunks_read_ahead == CHUNKS
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_block_shuffle_fetches_the_window_after_next_while_one_is_read(s3, tmp_path, where):
+    so = s3.storage_options() if where == "s3" else None
+    url = s3.new_url("next-windows") if where == "s3" else str(tmp_path / "b")
+    write(url, so)
+    ds = make_dataset(url, 16, mode="epoch", shuffle="block", shuffle_window=16, io_threads=4, storage_options=so)
+    ds.read_ahead_bytes = 4 * CHUNK_BYTES
+    reader = ds.reader.get()
+    batches = iter(Loader(ds))
+    window_batches = 16 * CHUNK // 16
+    for _ in range(window_batches // 2):  # half of the first window: its chunks all read by the first batch
+        next(batches)
+    # before: 32 (the first window and the next; the third started only once the second was read)
+    assert reader.stats().chunks_read_ahead == reader.stats().chunks_loaded == 3 * 16
+    for _ in batches:
+        pass
+    assert reader.stats().chunks_loaded == CHUNKS
+
+
 @pytest.mark.parametrize("shuffle", ["none", "block"])
 def test_an_epoch_past_the_cache_reads_sharded_fields_as_whole_chunks(s3, shuffle):
     """A reader whose rows do not fit its cache reads the fields stored as shards of inner chunks

@@ -381,7 +381,8 @@ class EpochDataset(_BufferDataset):
         self._resuming = False  # loaded inside a worker: keep a finished epoch finished once
         self.read_ahead_bytes = CHUNKS_AHEAD_BYTES
         """Decoded bytes of chunks fetched ahead of the batches, not yet read (at most half the cache;
-        with block shuffle at least a shuffle window's chunks, which its reads need all at once)."""
+        with block shuffle at least two shuffle windows' chunks: a window's reads need all of its
+        chunks at once, and the window after next is fetched while one is read)."""
 
     @property
     def epoch(self) -> int:
@@ -509,7 +510,7 @@ class EpochDataset(_BufferDataset):
         ahead = block or (1 if sink.gathers else batches_per_read(self.batch_size, buf, window_rows))
         k = first
         window_bytes = window_rows * buf.storage.schema.row_bytes  # a block-shuffled read needs its whole window
-        budget = max(self.read_ahead_bytes, window_bytes) if self.shuffle == "block" else self.read_ahead_bytes
+        budget = max(self.read_ahead_bytes, 2 * window_bytes) if self.shuffle == "block" else self.read_ahead_bytes
         buf.storage.read_ahead(order.announced(first), budget)
         try:
             while group := list(itertools.islice(batches, ahead - k % ahead if block else ahead)):
