@@ -4,15 +4,16 @@
   talk to it over HTTP with s3fs/boto3 exactly as to S3; nothing is mocked in-process.
 - `FaultProxy`: a threaded HTTP/1.1 proxy on 127.0.0.1 in front of it. Rules make the next N
   requests that match (method, path substring) fail: ``503`` (ServiceUnavailable), ``500``
-  (InternalError), ``slowdown`` (503 SlowDown), ``reset`` (TCP RST, no response), ``blackhole``
-  (the request is read and never answered: the connection is held open until the client closes
-  it, counted in ``holds`` and ``abandoned``, or the proxy closes). It counts
+  (InternalError), ``slowdown`` (503 SlowDown), ``403`` (AccessDenied), ``reset`` (TCP RST, no
+  response), ``blackhole`` (the request is read and never answered: the connection is held open
+  until the client closes it, counted in ``holds`` and ``abandoned``, or the proxy closes). It counts
   requests per (method, path), tracks the most GETs in flight at once and can add latency to
   every request (the benchmarks use that to stand in for a real network). With ``cache=True`` it
   answers repeated GETs of an object from its own copy (a ranged GET from the copy of the whole
-  object, fetched once), so moto's per-request CPU (one Python process) does not cap a benchmark
-  of many concurrent GETs; a PUT or DELETE through the proxy drops the copy. ``bytes_out`` counts
-  the body bytes of the GETs answered.
+  object, fetched once; a presigned URL's signature does not name another object), so moto's
+  per-request CPU (one Python process) does not cap a benchmark of many concurrent GETs; a PUT or
+  DELETE through the proxy drops the copy. ``bytes_out`` counts the body bytes of the GETs
+  answered, ``presigned`` the requests signed in their URL's query.
 
 Fixtures ``s3`` (one server per test session), ``fault_proxy`` (a fresh proxy per test) and
 ``s3_client`` (each test once per S3 client diskreplay has: s3fs and obstore) are defined here;
@@ -107,7 +108,9 @@ _ERRORS = {
     "503": (503, "ServiceUnavailable", "Service is unable to handle request."),
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+    "403": (403, "AccessDenied", "Access Denied"),
 }
+_SIGNATURE_PARAMETERS = ("x-amz-", "awsaccesskeyid=", "signature=", "expires=")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 
 
@@ -124,6 +127,7 @@ class FaultProxy:
         self.in_flight = 0
         self.max_in_flight = 0
         self.bytes_out = 0  # body bytes of the GETs answered (benchmarks: bytes fetched)
+        self.presigned = 0  # requests signed in their query (a presigned URL), not in a header
         self.holds = 0  # blackholed requests held so far
         self.abandoned = 0  # held connections the client closed
         self.holding = 0  # held right now
@@ -185,6 +189,9 @@ class FaultProxy:
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
         body = _read_body(req)
         path = req.path.split("?", 1)[0]
+        if "X-Amz-Signature=" in req.path:
+            with self.lock:
+                self.presigned += 1
         fault = "reset" if self.closing.is_set() else self._fault_for(req.command, path)
         if fault == "blackhole":
             self._hold(req)
@@ -217,7 +224,8 @@ class FaultProxy:
         try:
             if self.latency_s:
                 time.sleep(self.latency_s)
-            hit = self.cache.get(req.path) if cacheable else None
+            key = _cache_key(req.path)
+            hit = self.cache.get(key) if cacheable else None
             if hit is not None:
                 status, reason, response_headers, data = _ranged(hit, req.headers.get("Range"))
             else:
@@ -231,8 +239,8 @@ class FaultProxy:
                 status, reason, response_headers = resp.status, resp.reason, resp.getheaders()
                 if cacheable and status == 200:
                     with self.lock:
-                        self.cache[req.path] = (status, reason, response_headers, data)
-                    status, reason, response_headers, data = _ranged(self.cache[req.path], req.headers.get("Range"))
+                        self.cache[key] = (status, reason, response_headers, data)
+                    status, reason, response_headers, data = _ranged(self.cache[key], req.headers.get("Range"))
         finally:
             if get:
                 with self.lock:
@@ -299,7 +307,7 @@ class FaultProxy:
             self.hits.clear()
             self.faults.clear()
             self.max_in_flight = 0
-            self.bytes_out = 0
+            self.bytes_out = self.presigned = 0
             self.holds = self.abandoned = 0
             self.max_holding = self.holding
 
@@ -310,6 +318,14 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
         self.wait_until(lambda: self.holding == 0, 5.0)
+
+
+def _cache_key(path: str) -> str:
+    """A GET's path and query without a presigned URL's signature parameters (they change with
+    every request for the same object)."""
+    base, _, query = path.partition("?")
+    kept = [part for part in query.split("&") if part and not part.lower().startswith(_SIGNATURE_PARAMETERS)]
+    return f"{base}?{'&'.join(kept)}" if kept else base
 
 
 def _ranged(hit: tuple[int, str, list, bytes], spec: str | None) -> tuple[int, str, list, bytes]:

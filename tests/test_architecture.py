@@ -39,6 +39,7 @@ OWNERS = {  # a third-party library -> the only places that may import it
     "obstore": ("diskreplay.io",),
     "s3fs": ("diskreplay.io",),
     "aiobotocore": ("diskreplay.io.s3fs_session",),
+    "botocore": ("diskreplay.io.s3fs_session", "diskreplay.io.s3_gets"),
     # rollout and demo import torch at call time
     "torch": ("diskreplay.torch", "diskreplay.integrations", "diskreplay.rollout", "diskreplay.demo"),
     "safetensors": ("diskreplay.format.state",),

@@ -1,5 +1,6 @@
-"""Object-store client benchmark (issue #41, item 6): s3fs (diskreplay's `FsspecChunkStore`) vs
-obstore (Rust ``object_store``, the client of zarr-python's ``ObjectStore``) on the same server.
+"""Object-store client benchmark: s3fs (diskreplay's `FsspecChunkStore`), the same store's plain GETs
+(`S3Gets`) and obstore (Rust ``object_store``, the client of zarr-python's ``ObjectStore``) on the
+same server.
 
 The script starts moto's ``ThreadedMotoServer`` in a child process on 127.0.0.1 with the proxy of
 ``tests/s3server.py`` in front of it (``--latency-ms`` per request, default 20 ms). The proxy
@@ -14,14 +15,16 @@ The GET patterns diskreplay makes:
      ``_cat_file`` each under the store's retry layer; obstore: one ``get_range_async`` each, and
      ``get_ranges_async`` per object with its default 1 MB coalescing as a further row).
 
-s3fs runs through ``FsspecChunkStore`` (its semaphore, retry layer and connection pool of
-``concurrency`` connections); obstore runs ``get_async`` / ``get_range_async`` under an asyncio
-semaphore of the same size, on an ``S3Store`` with the same endpoint and ``allow_http``.
+s3fs runs through ``FsspecChunkStore`` with ``plain_gets=False`` (its semaphore, retry layer and
+connection pool of ``concurrency`` connections); the plain GETs through the same store with its
+default ``plain_gets`` (whole objects only: patterns a and b); obstore runs ``get_async`` /
+``get_range_async`` under an asyncio semaphore of the same size, on an ``S3Store`` with the same
+endpoint and ``allow_http``.
 
 Reported per pattern and client (median of interleaved rounds after a warm-up round): wall time,
 MB/s of bytes asked for, requests/s, the requests and bytes the proxy served, and the client's
 CPU seconds per GB asked for (process CPU time of this process, every thread included: what
-competes with training). Ratios are obstore over s3fs (> 1: obstore better).
+competes with training). Ratios are against s3fs (> 1: better than s3fs).
 
 Usage: python tools/bench_client.py [--quick] [--latency-ms 20] [--rounds 7] [--out FILE]
 """
@@ -54,6 +57,7 @@ BUCKET = "bench"
 KEY = {"key": "bench", "secret": "bench"}
 PACKAGES = ["s3fs", "aiobotocore", "botocore", "obstore", "moto"]
 SMALL, LARGE, RANGE = 122 * 1024, 5 * 1024 * 1024, 4096
+PLAIN = "plain GETs (s3fs store)"
 
 SERVER_CODE = """
 import json, sys
@@ -114,9 +118,9 @@ def upload(server: Server, prefix: str, small: int, large: int) -> tuple[list[st
 
 
 class S3fsClient:
-    def __init__(self, endpoint: str, prefix: str, concurrency: int):
+    def __init__(self, endpoint: str, prefix: str, concurrency: int, plain_gets: bool = False):
         self.store = FsspecChunkStore(f"s3://{BUCKET}/{prefix}", {"endpoint_url": endpoint, **KEY},
-                                      concurrency=concurrency)
+                                      concurrency=concurrency, plain_gets=plain_gets)
 
     def get_many(self, keys: list[str]) -> int:
         return sum(len(b or b"") for b in self.store.get_many(keys))
@@ -214,7 +218,7 @@ def measure(server: Server, contestants: dict[str, Callable[[], int]], rounds: i
 
 
 def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
-    lines = ["| pattern | client | time | MB/s | requests/s | requests | CPU s/GB | obstore/s3fs: MB/s, CPU/GB |",
+    lines = ["| pattern | client | time | MB/s | requests/s | requests | CPU s/GB | against s3fs: MB/s, CPU/GB |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for pattern, rows in results.items():
         base = rows["s3fs"]
@@ -246,21 +250,25 @@ def main() -> None:
         ranges = [(large[i % len(large)], int(s), int(s) + RANGE) for i, s in enumerate(starts)]
         results: dict[str, dict[str, dict[str, float]]] = {}
         for n in (16, 32, 64):
-            s3fs_c, obs_c = S3fsClient(endpoint, prefix, n), ObstoreClient(endpoint, prefix, n)
+            s3fs_c, plain_c = S3fsClient(endpoint, prefix, n), S3fsClient(endpoint, prefix, n, plain_gets=True)
+            obs_c = ObstoreClient(endpoint, prefix, n)
             bl.log(f"small objects, {n} in flight")
             results[f"a. {len(small)} × 122 KB, {n} in flight"] = measure(
-                server, {"s3fs": partial(s3fs_c.get_many, small), "obstore": partial(obs_c.get_many, small)}, rounds)
+                server, {"s3fs": partial(s3fs_c.get_many, small), PLAIN: partial(plain_c.get_many, small),
+                         "obstore": partial(obs_c.get_many, small)}, rounds)
         s3fs_c, obs_c = S3fsClient(endpoint, prefix, 256), ObstoreClient(endpoint, prefix, 256)
+        plain_c = S3fsClient(endpoint, prefix, 256, plain_gets=True)
         bl.log("large objects")
         results["b. 8 × 5 MB, 8 in flight"] = measure(
-            server, {"s3fs": partial(s3fs_c.get_many, large), "obstore": partial(obs_c.get_many, large)}, rounds)
+            server, {"s3fs": partial(s3fs_c.get_many, large), PLAIN: partial(plain_c.get_many, large),
+                     "obstore": partial(obs_c.get_many, large)}, rounds)
         bl.log("byte ranges")
         results["c. 256 × 4 KB ranges of 5 MB objects, 256 in flight"] = measure(
             server, {"s3fs": partial(s3fs_c.get_ranges, ranges), "obstore": partial(obs_c.get_ranges, ranges),
                      "obstore get_ranges (1 MB coalescing)": partial(obs_c.get_ranges_coalesced, ranges)}, rounds)
     finally:
         server.close()
-    header = bl.report_header("Object-store client: s3fs vs obstore", args.quick, PACKAGES, details=[
+    header = bl.report_header("Object-store client: s3fs, plain GETs and obstore", args.quick, PACKAGES, details=[
         f"moto + proxy on 127.0.0.1 in a child process, {args.latency_ms:g} ms per request, repeat GETs and ranges "
         f"served from the proxy's copy; median of {rounds} interleaved rounds after a warm-up round",
         "MB/s: bytes asked for per second; CPU s/GB: this process's CPU time (every thread) per GB asked for"])

@@ -13,20 +13,20 @@ policy's deadline is cancelled, which drops its request (the connection is close
 
 obstore's runtime (Rust threads, started once per process) does not survive ``fork``: in a child
 forked after its parent used obstore, any request would hang. There s3fs serves instead: a store
-inherited through a fork hands every call to an `FsspecChunkStore` of the same URL and options,
-and `obstore_usable` tells `open_chunkstore` to open s3fs stores.
+inherited through a fork hands every call to an `FsspecChunkStore` of the same URL and options
+(whose whole-object GETs are plain ones, `S3Gets`, on the child's own connections), and
+`obstore_usable` tells `open_chunkstore` to open s3fs stores.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -129,7 +129,7 @@ class ObstoreChunkStore(RemoteCalls):
         if (forked := self._after_fork()) is not None:
             return forked.get_many(keys, limit)
         if limit is None and self._first_tries_here():
-            return self._first_here(keys, self.concurrency, self._get_here,
+            return self._first_here(keys, self.concurrency, self._threads, self._get_here,
                                     lambda key, first: partial(self._get_async, key, None, first))
         return self._gather_all([partial(self._get_async, key, limit) for key in keys], self.concurrency)
 
@@ -139,42 +139,19 @@ class ObstoreChunkStore(RemoteCalls):
         if (forked := self._after_fork()) is not None:
             return forked.get_ranges(ranges)
         if self._first_tries_here():
-            return self._first_here(list(ranges), self.range_concurrency, self._range_here,
+            return self._first_here(list(ranges), self.range_concurrency, self._threads, self._range_here,
                                     lambda one, first: partial(self._range_async, one[0], one[1], one[2], first))
         return self._gather_all([partial(self._range_async, *one) for one in ranges], self.range_concurrency)
 
-    def _gather_all(self, makers: list[Any], concurrency: int) -> list[Any]:
-        return self._results(self._sync(self._gather_bounded, makers, True, concurrency)) if makers else []
+    def _event_loop(self) -> Any:
+        return self.loop
 
     def _first_tries_here(self) -> bool:
         """Whether first tries may block a thread: the client's timeout is within the deadline
         (a policy made stricter on a live store leaves every try to the event loop)."""
         return self._first_timeout_s <= self.retry.budget_s
 
-    def _first_here(self, items: list[Any], width: int, first: Callable[[Any], Any],
-                    again: Callable[[Any, FirstTry], Any]) -> list[Any]:
-        """``first(item)`` for every item on the store's threads, ``width`` at once; the items
-        whose first try failed are tried again on the event loop (``again(item, first_try)``:
-        the retry policy goes on from that failure). Raises as `_gather_all`."""
-        found: list[Any] = [None] * len(items)
-        order = itertools.count()
-
-        def work() -> None:
-            while (i := next(order)) < len(items):
-                started = time.monotonic()
-                try:
-                    found[i] = first(items[i])
-                except Exception as exc:
-                    found[i] = FirstTry(started, self._timed_out(exc, started))
-
-        for job in [self._threads.submit(work) for _ in range(min(width, len(items)))]:
-            job.result()
-        retry = [i for i, value in enumerate(found) if isinstance(value, FirstTry)]
-        for i, value in zip(retry, self._gather_all([again(items[i], found[i]) for i in retry], width)):
-            found[i] = value
-        return self._results(found)
-
-    def _timed_out(self, exc: Exception, started: float) -> Exception:
+    def _first_error(self, exc: Exception, started: float) -> Exception:
         """``exc``, or the `TimeoutError` a try on the event loop reports where the client's
         timeout ended the try."""
         if time.monotonic() - started < self._first_timeout_s:

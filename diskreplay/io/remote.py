@@ -2,10 +2,12 @@
 
 `get_many` runs one coroutine per key on the filesystem's event loop, at most ``concurrency`` in
 flight (a semaphore), each a single GET (for s3fs, without the HEAD it would otherwise send
-first). Every call (get, put, put_if_absent, delete, exists, clear) retries *transient* failures
-(connection resets and timeouts, HTTP 5xx and 429, S3 ``SlowDown``/throttling codes) with
-exponential backoff and jitter, bounded by `RetryPolicy`: ``attempts`` tries per object, and a
-deadline of ``budget_s`` seconds per object from its first try. On an async filesystem (s3fs)
+first); on ``s3://`` a whole object's first try is a plain GET on the store's threads instead
+(`S3Gets`), its retries coroutines as above. Every call (get, put, put_if_absent, delete,
+exists, clear) retries *transient* failures (connection resets and timeouts, HTTP 5xx and 429,
+S3 ``SlowDown``/throttling codes) with exponential backoff and jitter, bounded by `RetryPolicy`:
+``attempts`` tries per object, and a deadline of ``budget_s`` seconds per object from its first
+try (a plain GET's socket times out then). On an async filesystem (s3fs)
 every call is a coroutine on the filesystem's loop and a try still running at the deadline is
 cancelled (a blackholed endpoint cannot block past it); then `StoreUnavailableError` names the
 URL, the key and the operation. A missing object is never retried and never an error here:
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -33,7 +36,9 @@ import fsspec.asyn
 from ..errors import StoreUnavailableError
 from . import s3fs_session
 from .retry import RetryPolicy, is_transient
+from .s3_gets import S3Gets
 from .store import Blob, Data, ParallelMap, Range, Ranged, as_bytes, digest, parts_of
+from .threads import Threads
 
 log = logging.getLogger(__name__)
 _FILESYSTEMS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -123,6 +128,44 @@ class RemoteCalls:
 
     def sync(self, keys: Collection[str], parallel_map: ParallelMap = map) -> None:
         """Nothing: a PUT is durable when it returns."""
+
+    def _event_loop(self) -> Any:
+        """The event loop the store's coroutines run on."""
+        raise NotImplementedError
+
+    def _gather_all(self, makers: list[Any], concurrency: int) -> list[Any]:
+        """Every ``maker()`` awaited on the store's event loop, ``concurrency`` at once; the
+        first error raised."""
+        if not makers:
+            return []
+        return self._results(fsspec.asyn.sync(self._event_loop(), self._gather_bounded, makers, True, concurrency))
+
+    def _first_here(self, items: list[Any], width: int, threads: Threads, first: Callable[[Any], Any],
+                    again: Callable[[Any, FirstTry], Any]) -> list[Any]:
+        """``first(item)`` for every item on ``threads``, ``width`` at once; the items whose
+        first try failed are tried again on the event loop (``again(item, first_try)`` makes the
+        coroutine: the retry policy goes on from that failure). Raises as `_gather_all`."""
+        found: list[Any] = [None] * len(items)
+        order = itertools.count()
+
+        def work() -> None:
+            while (i := next(order)) < len(items):
+                started = time.monotonic()
+                try:
+                    found[i] = first(items[i])
+                except Exception as exc:
+                    found[i] = FirstTry(started, self._first_error(exc, started))
+
+        for job in [threads.submit(work) for _ in range(min(width, len(items)))]:
+            job.result()
+        retry = [i for i, value in enumerate(found) if isinstance(value, FirstTry)]
+        for i, value in zip(retry, self._gather_all([again(items[i], found[i]) for i in retry], width)):
+            found[i] = value
+        return self._results(found)
+
+    def _first_error(self, exc: Exception, started: float) -> Exception:
+        """How a first try's error ``exc`` counts for the retries after it."""
+        return exc
 
     @staticmethod
     def _results(found: list[Any]) -> list[Any]:
@@ -225,6 +268,10 @@ class FsspecChunkStore(RemoteCalls):
 
     ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
     transient failures and the time of each operation (both may be changed on a live store).
+    With ``plain_gets`` (the default), the first try of each whole-object GET of an ``s3://``
+    URL is a plain GET (`S3Gets`: a third to a half of s3fs's CPU per byte; it survives ``fork``)
+    where the storage options allow it; ``plain_gets`` is then that `S3Gets`, else None (after
+    S3 refused one, s3fs makes every GET of the store).
     On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
     try still running at the policy's deadline is cancelled. On a sync filesystem (memory://) a
     call cannot be interrupted: the deadline is only checked between tries.
@@ -237,8 +284,10 @@ class FsspecChunkStore(RemoteCalls):
     GETs a second, 264 MB/s in large objects: 670 KB)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any], *, concurrency: int = 16,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, plain_gets: bool = True):
         super().__init__(url, concurrency, retry)
+        self.plain_gets = S3Gets.for_options(url, storage_options) if plain_gets else None
+        self._threads = Threads(self.range_concurrency, "diskreplay-get")
         self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.range_concurrency))
         _FILESYSTEMS.add(self.fs)
         self.root = root.rstrip("/")
@@ -257,28 +306,42 @@ class FsspecChunkStore(RemoteCalls):
     # ---- operations -------------------------------------------------------------------------
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
-        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight."""
-        if not keys:
-            return []
-        if self._async:
-            return self._results(fsspec.asyn.sync(self.fs.loop, self._gather_bounded,
-                                                  [partial(self._get_async, key, limit) for key in keys], True))
-        return [self._get_sync(key, limit) for key in keys]
+        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight.
+        A whole object's first try is a plain GET (`S3Gets`) where ``plain_gets`` is set."""
+        if not self._async:
+            return [self._get_sync(key, limit) for key in keys]
+        gets = self.plain_gets
+        if limit is None and gets is not None and keys:
+            return self._first_here(keys, self.concurrency, self._threads,
+                                    lambda key: gets.get(key, self.retry.budget_s), self._get_again)
+        return self._gather_all([partial(self._get_async, key, limit) for key in keys], self.concurrency)
+
+    def _get_again(self, key: str, first: FirstTry) -> Callable[[], Awaitable[Blob | None]]:
+        """The GET after a failed first try: the policy's next try if the failure was transient;
+        else s3fs's first, and no more plain GETs in this store (S3 refused one: s3fs's client
+        is the reference for what that means)."""
+        if self._is_transient(first.error):
+            return partial(self._get_async, key, None, first)
+        if self.plain_gets is not None:
+            log.info("%r: s3fs serves every GET from now on (a plain GET failed: %s)", self.url,
+                     self._describe(first.error))
+            self.plain_gets = None
+        return partial(self._get_async, key, None)
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         """Each range's bytes and its object's size (None where missing), at most
         ``range_concurrency`` ranged GETs in flight."""
-        if not ranges:
-            return []
         if self._async:
-            makers = [partial(self._range_async, *one) for one in ranges]
-            return self._results(fsspec.asyn.sync(self.fs.loop, self._gather_bounded, makers, True,
-                                                  self.range_concurrency))
+            return self._gather_all([partial(self._range_async, *one) for one in ranges], self.range_concurrency)
         return [self._range_sync(*one) for one in ranges]
 
-    async def _get_async(self, key: str, limit: int | None = None) -> bytes | None:
+    def _event_loop(self) -> Any:
+        return self.fs.loop
+
+    async def _get_async(self, key: str, limit: int | None = None, first: FirstTry | None = None) -> bytes | None:
         try:
-            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit))
+            blob: bytes = await self._call_async(f"read of {key!r}", partial(self._cat_async, self.path(key), limit),
+                                                 first)
             return blob
         except FileNotFoundError:
             return None

@@ -22,6 +22,7 @@ _FSSPEC_KWARGS = {"use_listings_cache", "listings_expiry_time", "max_paths", "sk
 
 _loader: Any = None
 _session: tuple[int, Any] | None = None  # (the pid it was made in, the session)
+_botocore_session: tuple[int, Any] | None = None
 
 
 def _data_loader() -> Any:
@@ -60,6 +61,18 @@ def session() -> Any:
         made.register_component("data_loader", _data_loader())
         _session = (os.getpid(), made)
     return _session[1]
+
+
+def botocore_session() -> Any:
+    """This process's (synchronous) botocore session on the shared data loader."""
+    global _botocore_session
+    if _botocore_session is None or _botocore_session[0] != os.getpid():
+        import botocore.session
+
+        made = botocore.session.Session()
+        made.register_component("data_loader", _data_loader())
+        _botocore_session = (os.getpid(), made)
+    return _botocore_session[1]
 
 
 def with_session(storage_options: Mapping[str, Any]) -> dict[str, Any]:
