@@ -1,7 +1,8 @@
 """Plain S3 GETs (`S3Gets`), the first try of an s3fs store's whole-object reads, against the
 real (moto) server through the fault proxy: what goes out (presigned GETs, counted at the proxy),
 what a failure leads to (the policy's retries, or s3fs for good where S3 refuses), forked
-children, and which storage options leave every request to s3fs."""
+children, HTTPS, which storage options leave every request to s3fs; and a model-based test of
+reads, writes, faults and forks against a dict."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from conftest import exit_code_in_fork, logged
-from s3server import fault_proxy, proxy_options, remote_store, s3
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from s3server import FaultProxy, fault_proxy, moto_server, outcome, proxy_options, remote_store, s3
 
-from diskreplay.io import s3_gets
+from diskreplay import RetryPolicy
+from diskreplay.io import FsspecChunkStore, s3_gets
 from diskreplay.io.s3_gets import S3AnswerError, S3Gets
 
 KEYS = [f"obs/c.0.{i}.0" for i in range(6)]
@@ -92,12 +97,20 @@ def test_any_other_answer_is_an_error_with_its_status_and_code(s3, fault_proxy):
     assert bytes(gets.get(KEYS[0], 10.0)) == blob(0)  # the connection that answered 503 and 404 serves on
 
 
-def test_a_forked_child_reads_through_connections_of_its_own(s3, fault_proxy):
-    store = seeded(s3, fault_proxy)
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_forked_child_reads_through_connections_of_its_own(s3, fault_proxy, plain):
+    """An inherited store reads in a forked child: its plain GETs on the child's connections, s3fs
+    on a filesystem of the child's (the parent's is bound to the parent's event loop)."""
+    store = FsspecChunkStore(s3.new_url("gets"), proxy_options(s3, fault_proxy), plain_gets=plain)
+    for i, key in enumerate(KEYS):
+        store.put(key, blob(i))
+    fault_proxy.reset_stats()
     assert [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]  # the parent's connections
-    assert exit_code_in_fork(lambda: [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]) == 0
+    assert exit_code_in_fork(lambda: [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]
+                             and store.get(KEYS[0], limit=10) == blob(0)[:10]) == 0
     assert [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]
-    assert fault_proxy.presigned == fault_proxy.count("/obs/", "GET") == 3 * 6 and store.retried == 0
+    assert fault_proxy.presigned == (3 * 6 if plain else 0) and fault_proxy.count("/obs/", "GET") == 3 * 6 + 1
+    assert store.retried == 0
 
 
 @pytest.mark.parametrize("url,options", [
@@ -203,3 +216,99 @@ def test_https_endpoints_are_checked_against_botocores_certificate_bundle(https_
         assert bytes(S3Gets.for_options("s3://bucket/p", options).get("k", 10.0)) == blob(7)
     finally:
         s3_gets._tls_context.cache_clear()
+
+
+# ---- model-based: reads, writes, faults and forks against a dict ---------------------------------
+
+
+NAMES = [f"k{i}" for i in range(4)]
+TRANSIENT = ["503", "500", "slowdown", "reset"]
+
+
+class PlainGetsMachine(RuleBasedStateMachine):
+    """An s3fs store with plain GETs through the fault proxy, driven by writes, deletes, whole and
+    ranged reads, faults armed on an object's next GETs and reads from a forked child; the model is
+    the objects (a dict), the faults armed per object and whether plain GETs are still on.
+
+    What it predicts: a read returns the model's bytes (None where absent) while at most three
+    transient faults are armed on an object (fewer than the policy's attempts); an armed 403 is
+    taken by the plain GET's first try while plain GETs are on (s3fs then reads the object, and
+    plain GETs are off for good), else it is s3fs's answer, a `PermissionError`; a read consumes
+    every fault armed on what it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s3 = moto_server()
+        self.proxy = FaultProxy(self.s3.endpoint)
+        self.store = remote_store(self.s3.new_url("model"), proxy_options(self.s3, self.proxy), "s3fs")
+        self.store.retry = RetryPolicy(base_delay=0.001, max_delay=0.01)
+        self.objects: dict[str, bytes] = {}
+        self.armed: dict[str, list[str]] = {name: [] for name in NAMES}
+        self.plain = self.store.plain_gets is not None
+
+    def teardown(self) -> None:
+        self.proxy.close()
+
+    def _path(self, name: str) -> str:
+        return f"/{self.store.root}/{name}"
+
+    @rule(name=st.sampled_from(NAMES), size=st.integers(0, 300_000), fill=st.integers(0, 255))
+    def put(self, name: str, size: int, fill: int) -> None:
+        data = bytes([fill]) * size
+        self.store.put(name, data)
+        self.objects[name] = data
+
+    @rule(name=st.sampled_from(NAMES))
+    def delete(self, name: str) -> None:
+        self.store.delete(name)
+        self.objects.pop(name, None)
+
+    @rule(name=st.sampled_from(NAMES), kind=st.sampled_from(TRANSIENT), times=st.integers(1, 2))
+    def arm_transient(self, name: str, kind: str, times: int) -> None:
+        assume("403" not in self.armed[name] and len(self.armed[name]) + times <= 3)
+        self.proxy.fail(kind, self._path(name), times=times, method="GET")
+        self.armed[name] += [kind] * times
+
+    @rule(name=st.sampled_from(NAMES))
+    def arm_refusal(self, name: str) -> None:
+        assume(not self.armed[name])
+        self.proxy.fail("403", self._path(name), times=1, method="GET")
+        self.armed[name] = ["403"]
+
+    @rule(names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
+    def read(self, names: list[str]) -> None:
+        refused = [name for name in names if self.armed[name] == ["403"]]
+        result, error = outcome(lambda: self.store.get_many(names))
+        for name in names:
+            self.armed[name] = []
+        if refused and not self.plain:
+            assert isinstance(error, PermissionError), repr(error)
+            return
+        assert error is None, repr(error)
+        assert [None if b is None else bytes(b) for b in result] == [self.objects.get(n) for n in names]
+        self.plain = self.plain and not refused
+
+    @rule(name=st.sampled_from(NAMES))
+    def read_head(self, name: str) -> None:
+        refused = self.armed[name] == ["403"]
+        result, error = outcome(lambda: self.store.get(name, limit=10))
+        self.armed[name] = []
+        if refused:
+            assert isinstance(error, PermissionError), repr(error)  # a ranged GET is s3fs's
+        else:
+            assert error is None and result == (None if name not in self.objects else self.objects[name][:10])
+
+    @precondition(lambda self: not any(self.armed.values()))
+    @rule()
+    def read_in_a_forked_child(self) -> None:
+        names, want = list(self.objects), list(self.objects.values())
+        assert exit_code_in_fork(lambda: [bytes(b) for b in self.store.get_many(names)] == want) == 0
+
+    @invariant()
+    def plain_gets_are_on_until_s3_refuses_one(self) -> None:
+        assert (self.store.plain_gets is not None) == self.plain
+
+
+TestPlainGetsModel = PlainGetsMachine.TestCase
+TestPlainGetsModel.settings = settings(max_examples=25, stateful_step_count=20, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])

@@ -273,7 +273,8 @@ class FsspecChunkStore(RemoteCalls):
     where the storage options allow it; ``plain_gets`` is then that `S3Gets`, else None (after
     S3 refused one, s3fs makes every GET of the store).
     On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
-    try still running at the policy's deadline is cancelled. On a sync filesystem (memory://) a
+    try still running at the policy's deadline is cancelled; a store inherited through a fork
+    makes a filesystem of its own in the child. On a sync filesystem (memory://) a
     call cannot be interrupted: the deadline is only checked between tries.
     """
 
@@ -288,8 +289,10 @@ class FsspecChunkStore(RemoteCalls):
         super().__init__(url, concurrency, retry)
         self.plain_gets = S3Gets.for_options(url, storage_options) if plain_gets else None
         self._threads = Threads(self.range_concurrency, "diskreplay-get")
-        self.fs, root = fsspec.core.url_to_fs(url, **pool_options(url, storage_options, self.range_concurrency))
-        _FILESYSTEMS.add(self.fs)
+        self._fs_options = pool_options(url, storage_options, self.range_concurrency)
+        self._fs, root = fsspec.core.url_to_fs(url, **self._fs_options)
+        self._fs_pid = os.getpid()
+        _FILESYSTEMS.add(self._fs)
         self.root = root.rstrip("/")
         self._async = bool(getattr(self.fs, "async_impl", False))
         self._cat_kwargs: dict[str, Any] = {}
@@ -299,6 +302,16 @@ class FsspecChunkStore(RemoteCalls):
                     self._cat_kwargs = {"max_concurrency": 1}  # s3fs: one GET, no HEAD first
             except (TypeError, ValueError):
                 pass
+
+    @property
+    def fs(self) -> Any:
+        """The store's filesystem; in a forked child, one of its own (an async filesystem's loop
+        and connections are its parent's: fsspec refuses to use them there)."""
+        if self._fs_pid != os.getpid():
+            self._fs, _ = fsspec.core.url_to_fs(self.url, **self._fs_options)
+            self._fs_pid = os.getpid()
+            _FILESYSTEMS.add(self._fs)
+        return self._fs
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
