@@ -145,7 +145,8 @@ class S3Gets:
     def _body(self, key: str, answer: http.client.HTTPResponse, deadline: float) -> memoryview | None:
         if answer.status == 404:
             answer.read(_ERROR_BODY_BYTES)
-            answer.close()
+            if not answer.isclosed():  # a body longer than an error's: the connection cannot go on
+                self._drop()
             return None
         if answer.status != 200:
             raise _answer_error(key, answer)
