@@ -19,13 +19,15 @@ local disk) and as a Lance dataset (the same rows; fixed-size lists; zstd: Lance
 Workloads (one table each):
 1. epoch from S3: open + every row once, rows/s and MB/s (165 B per row): diskreplay
    ``Loader(make_dataset(url, B, mode="epoch"), num_workers=0 / 2)`` (default block shuffle; and
-   in order, ``shuffle="none"``, the scanner's order) vs
+   in order, ``shuffle="none"``, the scanner's order; and the epochs of one ``Loader``, w0 and w2,
+   kept from round to round as a training run keeps it, its caches filled by the earlier rounds) vs
    Lance ``dataset.to_batches(batch_size=B)`` (each column to numpy), ``B = --epoch-batch``;
 2. cold random batches from S3: a freshly opened dataset, ``sample(256)`` (diskreplay) vs
    ``dataset.take(256 random rows)`` (Lance): the first batch's time, GETs and bytes (and
    bytes fetched per byte sampled), then the next 20 random batches;
 3. local disk: the same cold first batch after every file of both stores was evicted from the
-   page cache (fsync + ``POSIX_FADV_DONTNEED``), and a warm epoch (Loader w0 / w2 vs the scan);
+   page cache (fsync + ``POSIX_FADV_DONTNEED``), and a warm epoch (Loader w0 / w2, kept or fresh,
+   vs the scan);
    ``--local-only`` runs this table alone (no S3 server);
 4. diskreplay only (the last compression's dataset, through the proxy): cold ``sample(256)`` with
    1 request in flight, warm ``sample(256)`` (every chunk cached) vs the same on local disk, and a
@@ -217,21 +219,42 @@ def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
     return lambda: counted(server, once)
 
 
-def dr_kept_epoch(url: str, batch: int, rows: int) -> Callable[[], Any]:
-    """Epochs of one `Loader` kept from call to call: its reader's cache filled by the first
-    (the untimed round), as a training run's later epochs find it."""
-    kept: list[dr.Loader] = []
+class KeptEpochs:
+    """Epochs of one `Loader` (``workers`` processes) kept from call to call: its readers' caches
+    filled by the first calls (the untimed round), as a training run's later epochs find them.
+    `close` stops its workers."""
 
-    def once() -> float:
-        if not kept:
-            kept.append(dr.Loader(dr.make_dataset(url, batch, mode="epoch", seed=0,
-                                                  cache_bytes=READER_CACHE_BYTES)))
+    def __init__(self, url: str, so: dict | None, workers: int, batch: int, rows: int, server: Server | None):
+        self.url, self.so, self.workers, self.batch, self.rows, self.server = url, so, workers, batch, rows, server
+        self.loader: dr.Loader | None = None
+
+    def __call__(self) -> dict[str, float]:
+        return counted(self.server, self._once)
+
+    def _once(self) -> float:
+        if self.loader is None:
+            self.loader = dr.Loader(dr.make_dataset(self.url, self.batch, mode="epoch", seed=0, storage_options=self.so,
+                                                    cache_bytes=READER_CACHE_BYTES), num_workers=self.workers)
         started = time.perf_counter()
-        got = sum(len(b["index"]) for b in kept[0])
+        got = sum(len(b["index"]) for b in self.loader)
         secs = time.perf_counter() - started
-        assert got == rows, (got, rows)
+        assert got == self.rows, (got, self.rows)
         return secs
-    return lambda: counted(None, once)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader.dataset.reader.get().close()
+
+
+def kept_rounds(contestants: dict[str, Callable[[], Any]], repeats: int, what: str) -> dict[str, bl.Stats]:
+    """`run_rounds`, then the kept loaders among the contestants closed."""
+    try:
+        return run_rounds(contestants, repeats, what)
+    finally:
+        for one in contestants.values():
+            if isinstance(one, KeptEpochs):
+                one.close()
 
 
 def lance_epoch(uri: str, so: dict | None, batch: int, rows: int, server: Server | None) -> Callable[[], Any]:
@@ -325,11 +348,21 @@ def epoch_table(title: str, st: dict[str, bl.Stats], rows: int) -> tuple[str, di
         ("rows/s: in order (`shuffle=\"none\"`), num_workers=0, vs the scanner", [rate(ordered, rows),
                                                                                 rate(ln, rows)],
          bl.format_ratio(rows / ordered.median / lr)),
+        *kept_rows(st, ln, rows),
         ("requests per epoch (w0 / w2; scanner)", [f"{counts(w0)} / {counts(w2)}", counts(ln)], ""),
+        ("requests per epoch of the kept `Loader` (w0 / w2)", [f"{counts(st['dr kept w0'])} / "
+                                                              f"{counts(st['dr kept w2'])}", ""], ""),
     ])
     data = {k: {"rows_per_s": rows / s.median, "seconds": s.samples,
                 **{p: med(s, p) for p in ("gets", "mb", "in_flight")}} for k, s in st.items()}
     return table, data
+
+
+def kept_rows(st: dict[str, bl.Stats], scan: bl.Stats, rows: int) -> list[tuple[str, list[str], str]]:
+    """The table rows of the kept loaders' epochs against the scanner."""
+    return [(f"epoch of a `Loader` kept from the epoch before (its cache filled), num_workers={w}, vs the scanner",
+             [rate(kept, rows), rate(scan, rows)], bl.format_ratio(scan.median / kept.median))
+            for w, kept in ((0, st["dr kept w0"]), (2, st["dr kept w2"]))]
 
 
 def random_table(title: str, st: dict[str, bl.Stats]) -> tuple[str, dict]:
@@ -399,8 +432,7 @@ def local_table(title: str, cold: dict[str, bl.Stats], ep: dict[str, bl.Stats], 
          bl.format_ratio(scan.median / w2.median)),
         ("epoch (warm) in order (`shuffle=\"none\"`), num_workers=0, vs the scanner",
          [rate(ordered, rows), rate(scan, rows)], bl.format_ratio(scan.median / ordered.median)),
-        ("epoch of a `Loader` kept from the epoch before (its cache filled), num_workers=0, vs the scanner",
-         [rate(ep["dr kept"], rows), rate(scan, rows)], bl.format_ratio(scan.median / ep["dr kept"].median)),
+        *kept_rows(ep, scan, rows),
         ("epoch, `Loader` num_workers=2 / num_workers=0", [bl.format_ratio(w0.median / w2.median), ""], ""),
     ])
     data = {"cold": {k: {"first_s": s.samples, **{p: med(s, p) for p in s.phases}} for k, s in cold.items()},
@@ -537,11 +569,12 @@ def one_compression(comp: str, data: dict, server: Server | None, tmp: str, args
     lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
                         "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
                                              evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
-    lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
-                      "dr w2": dr_epoch(local, None, 2, b, rows, None),
-                      "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
-                      "dr kept": dr_kept_epoch(local, b, rows),
-                      "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
+    lep = kept_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
+                       "dr w2": dr_epoch(local, None, 2, b, rows, None),
+                       "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
+                       "dr kept w0": KeptEpochs(local, None, 0, b, rows, None),
+                       "dr kept w2": KeptEpochs(local, None, 2, b, rows, None),
+                       "lance": lance_epoch(local_lance, None, b, rows, None)}, repeats, f"[{comp}] local disk, epoch")
     t3, out["local"] = local_table(f"local disk ({tag})", lcold, lep, rows)
     return [*tables, t3], out
 
@@ -560,9 +593,11 @@ def s3_tables(comp: str, data: dict, server: Server, args: argparse.Namespace, r
     b = args.epoch_batch
     tag = f"{comp}, {bl.format_count(rows)} rows"
     epochs, randoms = peer_contestants(comp, data, server, args, rows)
-    ep = run_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
-                     "dr in order": dr_epoch(url, so, 0, b, rows, server, "none"),
-                     "lance": lance_epoch(uri, lso, b, rows, server), **epochs}, repeats, f"[{comp}] epoch from S3")
+    ep = kept_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
+                      "dr in order": dr_epoch(url, so, 0, b, rows, server, "none"),
+                      "dr kept w0": KeptEpochs(url, so, 0, b, rows, server),
+                      "dr kept w2": KeptEpochs(url, so, 2, b, rows, server),
+                      "lance": lance_epoch(uri, lso, b, rows, server), **epochs}, repeats, f"[{comp}] epoch from S3")
     t1, d1 = epoch_table(f"epoch from S3 ({tag}, batches of {b})", ep, rows)
     cold = run_rounds({"dr": cold_random(lambda: open_reader(url, so), dr_sample, server),
                        "lance": cold_random(lambda: open_lance(uri, lso), lance_take(rows), server), **randoms},
