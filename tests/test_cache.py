@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import SMALL_FIELDS, Model, assert_rows_equal, check_buffer_against, min_cache, stack_rows
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import diskreplay as dr
 from diskreplay.format.codecs import Codec
 from diskreplay.format.lanes import LaneLayout
 from diskreplay.format.schema import Field, Schema
-from diskreplay.storage import cache_slots
+from diskreplay.storage import cache_slots, outputs
 from diskreplay.storage.cache import ChunkCache
 from diskreplay.storage.sizing import BEHIND_CHUNKS, fields_read_by_rows
 
@@ -25,6 +27,87 @@ def make_cache(slots=3, num_envs=2, chunk_rows=3, chunks_per_lane=4):
 
 def A(*values):
     return np.array(values, dtype=np.int64)
+
+
+# ---- rows gathered from the slabs ---------------------------------------------------------------
+
+ROW_SHAPES = [((17,), np.float32), ((), np.bool_), ((2, 3), np.int16), ((), np.float64), ((40, 3), np.uint8)]
+
+
+@pytest.mark.parametrize("extension", [True, False])
+@given(rows=st.integers(1, 300), picks=st.lists(st.integers(0, 10**6), max_size=80), seed=st.integers(0, 99),
+       shared=st.booleans())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_take_rows_is_fancy_indexing(monkeypatch: pytest.MonkeyPatch, extension: bool, rows: int, picks: list[int],
+                                     seed: int, shared: bool) -> None:
+    """Rows of several fields of any dtype and row shape, at one index for all or one per field
+    (of sources of their own lengths), by the C extension and by numpy."""
+    if not extension:
+        monkeypatch.setattr(outputs, "_TAKE_ROWS", None)
+    elif outputs._TAKE_ROWS is None:
+        pytest.skip("the _batch extension is not built with take_rows")
+    rng = np.random.default_rng(seed)
+    lengths = [rows] * len(ROW_SHAPES) if shared else [rows + 7 * f for f in range(len(ROW_SHAPES))]
+    sources = [rng.integers(0, 100, (n, *shape)).astype(dtype) for n, (shape, dtype) in zip(lengths, ROW_SHAPES)]
+    indexes = [np.array(picks, dtype=np.int64) % (rows if shared else n) for n in lengths]
+    outs = [np.full((len(picks), *shape), 7, dtype) for shape, dtype in ROW_SHAPES]
+    outputs.take_rows(sources, indexes, outs)
+    for source, index, out in zip(sources, indexes, outs):
+        assert out.dtype == source.dtype and np.array_equal(out, source[index])
+
+
+def test_take_rows_copies_more_fields_than_one_call_takes() -> None:
+    sources = [np.arange(10, dtype=np.int64) * 100 + f for f in range(150)]
+    outs = [np.zeros(3, np.int64) for _ in sources]
+    outputs.take_rows(sources, [A(9, 0, 4)] * len(sources), outs)
+    assert [out.tolist() for out in outs] == [[900 + f, f, 400 + f] for f in range(150)]
+
+
+def test_take_rows_refuses_what_it_cannot_copy() -> None:
+    take = outputs._TAKE_ROWS
+    if take is None:
+        pytest.skip("the _batch extension is not built with take_rows")
+    source, out = np.arange(20, dtype=np.float32).reshape(10, 2), np.zeros((3, 2), np.float32)
+    flags = np.zeros(3, bool)
+    with pytest.raises(IndexError, match=r"indexes\[1\]\[1\] = 10 is outside the 10 rows of sources\[1\]"):
+        take((source, source), (out, out), (A(0, 1, 2), A(3, 10, 0)))
+    with pytest.raises(IndexError, match=r"indexes\[0\]\[0\] = -1 is outside"):
+        take((source,), (out,), (A(-1, 0, 0),))
+    with pytest.raises(ValueError, match=r"targets\[0\] must hold 3 rows of 8 bytes, as sources\[0\] has"):
+        take((source,), (out[:2],), (A(0, 1, 2),))
+    with pytest.raises(ValueError, match=r"targets\[1\] must hold 3 rows of 8 bytes, as sources\[1\] has"):
+        take((source, source), (out, flags), (A(0, 1, 2), A(0, 1, 2)))
+    with pytest.raises(ValueError, match=r"indexes\[1\] must hold 3 int64 rows, as indexes\[0\] does"):
+        take((source, source), (out, out), (A(0, 1, 2), A(0, 1)))
+    with pytest.raises(ValueError, match="as many targets and indexes as sources"):
+        take((source, source), (out,), (A(0, 1, 2),))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        take((source[:, :1],), (out,), (A(0, 1, 2),))
+    assert out.tolist() == [[0, 0]] * 3  # nothing copied by a refused call
+    take((source,), (out,), (A(9, 0, 9),))
+    assert out.tolist() == [[18, 19], [0, 1], [18, 19]]
+
+
+def test_a_reader_gathers_the_same_rows_without_the_extension(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = dr.ReplayBuffer.create(str(tmp_path / "b"), SMALL_FIELDS, capacity=None, chunk_rows=16)
+    rng = np.random.default_rng(0)
+    buf.extend({name: rng.standard_normal((200, *f.shape)).astype(f.dtype) for name, f in SMALL_FIELDS.items()})
+    buf.flush()
+    ids = rng.integers(0, 200, 64)
+    calls: list[int] = []
+    if outputs._TAKE_ROWS is not None:
+        take = outputs._TAKE_ROWS
+        monkeypatch.setattr(outputs, "_TAKE_ROWS", lambda *args: calls.append(len(args[2][0])) or take(*args))
+    fast = buf.rows(ids)
+    assert calls == ([] if outputs._TAKE_ROWS is None else [64])  # the rows came through the cache's slabs
+    monkeypatch.setattr(outputs, "_TAKE_ROWS", None)
+    slow = buf.rows(ids)
+    into = {name: np.empty((64, *f.shape), f.dtype) for name, f in SMALL_FIELDS.items()}
+    given = buf.rows(ids, out=into)
+    for name in SMALL_FIELDS:
+        assert np.array_equal(fast[name], slow[name]) and np.array_equal(given[name], slow[name])
+        assert given[name] is into[name]
+    buf.close()
 
 
 # ---- ChunkCache unit behaviour ------------------------------------------------------------------

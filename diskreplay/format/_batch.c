@@ -6,6 +6,11 @@
  * loop with the GIL released, taking the batch's blocks a few at a time until none is left. The
  * functions are theirs, passed by address (`LZ4_decompress_safe`, `crc32c_value`): this file
  * links against nothing but Python.
+ *
+ * A batch's rows are copied here too: runs of rows end to end (`copy_runs`, ragged.py), and rows
+ * at random of several fields (`take_rows`, storage/outputs.py), row by row with the memory of the
+ * rows ahead asked for first: the loads of several rows are then in flight at once, where a take
+ * per field waits for each row's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -169,6 +174,115 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define TAKE_AHEAD 16 /* rows whose memory is asked for ahead of the row being copied */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(address) __builtin_prefetch(address)
+#else
+#define PREFETCH(address) ((void)(address))
+#endif
+#define TAKE_FIELDS 64
+
+/* A C-contiguous buffer of rows (ndim >= 1) as (address, rows, bytes per row); 0 if not. */
+static int row_buffer(PyObject *array, Py_buffer *view, int writable, const char *name, Py_ssize_t i) {
+    if (PyObject_GetBuffer(array, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    if (view->ndim < 1 || view->shape[0] < 0) {
+        PyErr_Format(PyExc_ValueError, "%s[%zd] must be an array of rows (ndim >= 1)", name, i);
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static Py_ssize_t row_bytes(const Py_buffer *view) { return view->shape[0] ? view->len / view->shape[0] : 0; }
+
+/* Whether row i of every field's index is the row after row i - 1 (rows read in order: copied
+ * as one run). */
+static int follows(const int64_t *const *at, Py_ssize_t fields, Py_ssize_t i) {
+    for (Py_ssize_t f = 0; f < fields; f++)
+        if (at[f][i] != at[f][i - 1] + 1)
+            return 0;
+    return 1;
+}
+
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    PyObject *source_list, *target_list, *index_list;
+    Py_buffer sources[TAKE_FIELDS], targets[TAKE_FIELDS], indexes[TAKE_FIELDS];
+    const int64_t *at[TAKE_FIELDS];
+    Py_ssize_t width[TAKE_FIELDS];
+    Py_ssize_t fields, got = 0, count = -1, f, i, run;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyTuple_Type, &source_list, &PyTuple_Type, &target_list, &PyTuple_Type,
+                          &index_list))
+        return NULL;
+    fields = PyTuple_GET_SIZE(source_list);
+    if (fields > TAKE_FIELDS || PyTuple_GET_SIZE(target_list) != fields || PyTuple_GET_SIZE(index_list) != fields) {
+        PyErr_Format(PyExc_ValueError, "take_rows needs as many targets and indexes as sources, at most %d",
+                     TAKE_FIELDS);
+        return NULL;
+    }
+    for (; got < fields; got++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(index_list, got), &indexes[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (!row_buffer(PyTuple_GET_ITEM(source_list, got), &sources[got], 0, "sources", got)) {
+            PyBuffer_Release(&indexes[got]);
+            goto done;
+        }
+        if (!row_buffer(PyTuple_GET_ITEM(target_list, got), &targets[got], 1, "targets", got)) {
+            PyBuffer_Release(&indexes[got]);
+            PyBuffer_Release(&sources[got]);
+            goto done;
+        }
+        width[got] = row_bytes(&sources[got]);
+        at[got] = (const int64_t *)indexes[got].buf;
+        if (!got)
+            count = indexes[got].len / 8;
+        if (indexes[got].len % 8 != 0 || indexes[got].len / 8 != count) {
+            PyErr_Format(PyExc_ValueError, "indexes[%zd] must hold %zd int64 rows, as indexes[0] does", got, count);
+            got++;
+            goto done;
+        }
+        if (targets[got].shape[0] < count || (count && row_bytes(&targets[got]) != width[got])) {
+            PyErr_Format(PyExc_ValueError, "targets[%zd] must hold %zd rows of %zd bytes, as sources[%zd] has", got,
+                         count, width[got], got);
+            got++;
+            goto done;
+        }
+        for (i = 0; i < count; i++)
+            if (at[got][i] < 0 || at[got][i] >= sources[got].shape[0]) {
+                PyErr_Format(PyExc_IndexError, "indexes[%zd][%zd] = %lld is outside the %zd rows of sources[%zd]", got,
+                             i, (long long)at[got][i], sources[got].shape[0], got);
+                got++;
+                goto done;
+            }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < count; i += run) {
+        run = 1;
+        while (i + run < count && follows(at, fields, i + run))
+            run++;
+        if (run == 1 && i + TAKE_AHEAD < count)
+            for (f = 0; f < fields; f++) {
+                const char *row = (const char *)sources[f].buf + at[f][i + TAKE_AHEAD] * width[f];
+                PREFETCH(row);
+                PREFETCH(row + width[f] - 1);
+            }
+        for (f = 0; f < fields; f++)
+            memcpy((char *)targets[f].buf + i * width[f], (const char *)sources[f].buf + at[f][i] * width[f],
+                   (size_t)(run * width[f]));
+    }
+    Py_END_ALLOW_THREADS
+done:
+    for (f = 0; f < got; f++) {
+        PyBuffer_Release(&indexes[f]);
+        PyBuffer_Release(&sources[f]);
+        PyBuffer_Release(&targets[f]);
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(source, target, starts, lengths)\n\n"
@@ -192,6 +306,15 @@ static PyMethodDef methods[] = {
      "The first body of sizes[i] bytes at addresses sources[i] (int64 arrays) whose CRC32C, by\n"
      "crc32c = the address of crc32c_value(data, count), is not the little-endian uint32 that\n"
      "follows it; -1 when all match. The caller vouches for every address."},
+    {"take_rows", take_rows, METH_VARARGS,
+     "take_rows(sources, targets, indexes)\n\n"
+     "targets[f][i] = sources[f][indexes[f][i]] for every field f (tuples of equal length:\n"
+     "C-contiguous arrays of rows, indexes int64 arrays of one length) and every row i: the rows one\n"
+     "after another, a row's fields together, the memory of the rows 16 ahead asked for first (a run\n"
+     "of consecutive rows in every index: one copy per field), without the GIL. Raises IndexError\n"
+     "for an index outside its source, ValueError for indexes of other lengths, a target too short\n"
+     "or of another row size, an array that is not C-contiguous (or, for a target, not writable);\n"
+     "nothing is copied then."},
     {NULL, NULL, 0, NULL},
 };
 

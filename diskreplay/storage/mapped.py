@@ -41,7 +41,7 @@ from ..format.schema import Schema
 from ..io.local import open_for_reading
 from ..io.mmap import Reservation, map_budget
 from ..io.store import ChunkStore
-from .outputs import take_into
+from .outputs import take_rows
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -195,15 +195,10 @@ class MappedChunks:
         if self.random_reads or self.prefetch_pages:
             for name, row in zip(names, plan.rows):
                 self.regions[name].prefetch(positions[row])
-        rows = {}
-        for name, row in zip(names, plan.rows):
-            at = positions[row]
-            given = out.get(name)
-            if given is None:
-                rows[name] = self.regions[name].rows.take(at, axis=0)
-            else:
-                take_into(self.regions[name].rows, at, given)
-                rows[name] = given
+        sources = [self.regions[name].rows for name in names]
+        rows = {name: given if (given := out.get(name)) is not None else np.empty((len(slot), *s.shape[1:]), s.dtype)
+                for name, s in zip(names, sources)}
+        take_rows(sources, [positions[row] for row in plan.rows], list(rows.values()))
         return rows
 
     def _read_plan(self, names: tuple[str, ...]) -> _ReadPlan:

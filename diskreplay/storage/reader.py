@@ -19,7 +19,7 @@ from .cache import ChunkCache
 from .cursors import Cursors
 from .loading import ChunkLoader
 from .mapped import MappedChunks
-from .outputs import Rows, output_rows, take_into
+from .outputs import Rows, output_rows, take_rows
 from .point_reads import PointReads
 from .read_ahead import READ_AHEAD_BYTES, ReadAhead, Steps
 from .row_reads import RowReads
@@ -99,13 +99,7 @@ class ChunkReader:
         ``lane * width + c``: slab rows follow from the steps alone."""
         slot = self.layout.slot(step)
         span = self.warmer.resident_span
-        index = slot if self.layout.num_envs == 1 else lane * span + slot
-        if out is None:
-            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
-        rows = self._outputs(names, len(step), out)
-        for name, values in rows.items():
-            take_into(self.cache.slabs[name], index, values)
-        return rows
+        return self._take(slot if self.layout.num_envs == 1 else lane * span + slot, names, out)
 
     def _gather_cached(self, lane: np.ndarray, step: np.ndarray, names: tuple[str, ...],
                        out: Mapping[str, np.ndarray] | None) -> Rows:
@@ -122,12 +116,12 @@ class ChunkReader:
                     out: Mapping[str, np.ndarray] | None) -> Rows:
         """Rows at ``offset`` in the cache's ``slots``, which hold them."""
         self.cache.touch(slots)
-        index = self.cache.rows_at(slots, offset)
-        if out is None:  # the hot path
-            return {name: self.cache.slabs[name].take(index, axis=0) for name in names}
-        rows = self._outputs(names, len(offset), out)
-        for name, values in rows.items():
-            take_into(self.cache.slabs[name], index, values)
+        return self._take(self.cache.rows_at(slots, offset), names, out)
+
+    def _take(self, index: np.ndarray, names: tuple[str, ...], out: Mapping[str, np.ndarray] | None) -> Rows:
+        """The slabs' rows at ``index``, into ``out``'s arrays where given."""
+        rows = self._outputs(names, len(index), out or {})
+        take_rows([self.cache.slabs[name] for name in rows], [index] * len(rows), list(rows.values()))
         return rows
 
     def _gather_with_misses(self, lane: np.ndarray, chunk: np.ndarray, offset: np.ndarray, slots: np.ndarray,
