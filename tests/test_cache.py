@@ -36,16 +36,19 @@ ROW_SHAPES = [((17,), np.float32), ((), np.bool_), ((2, 3), np.int16), ((), np.f
 
 @pytest.mark.parametrize("extension", [True, False])
 @given(rows=st.integers(1, 300), picks=st.lists(st.integers(0, 10**6), max_size=80), seed=st.integers(0, 99),
-       shared=st.booleans())
+       shared=st.booleans(), run=st.tuples(st.integers(0, 10**6), st.integers(0, 60)))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_take_rows_is_fancy_indexing(monkeypatch: pytest.MonkeyPatch, extension: bool, rows: int, picks: list[int],
-                                     seed: int, shared: bool) -> None:
-    """Rows of several fields of any dtype and row shape, at one index for all or one per field
-    (of sources of their own lengths), by the C extension and by numpy."""
+                                     seed: int, shared: bool, run: tuple[int, int]) -> None:
+    """Rows of several fields of any dtype and row shape, at random and in runs of consecutive
+    rows, at one index for all or one per field (of sources of their own lengths), by the C
+    extension and by numpy."""
     if not extension:
         monkeypatch.setattr(outputs, "_TAKE_ROWS", None)
     elif outputs._TAKE_ROWS is None:
         pytest.skip("the _batch extension is not built with take_rows")
+    half = len(picks) // 2
+    picks = [*picks[:half], *range(run[0], run[0] + run[1]), *picks[half:]]
     rng = np.random.default_rng(seed)
     lengths = [rows] * len(ROW_SHAPES) if shared else [rows + 7 * f for f in range(len(ROW_SHAPES))]
     sources = [rng.integers(0, 100, (n, *shape)).astype(dtype) for n, (shape, dtype) in zip(lengths, ROW_SHAPES)]
