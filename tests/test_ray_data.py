@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -267,6 +268,27 @@ def test_a_failed_write_leaves_nothing_that_opens(ray_driver, tmp_path):
     with pytest.raises(NotABufferError):
         dr.ReplayBuffer.open(url)
     assert not url.exists() or os.listdir(url) == []
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_a_write_task_stopped_midway_removes_its_shard(tmp_path, stop: type[BaseException]):
+    """What a task cancelled by Ray (a KeyboardInterrupt in it) or failing had written of its shard is
+    gone when it raises: its close may commit what it staged after the driver cleared the failed write."""
+    table = source_table(100)
+    url = tmp_path / "stopped"
+    sink = BufferDatasink(url, chunk_rows=16)
+    sink.on_write_start(table.schema)
+
+    def blocks():
+        yield table.slice(0, 60)
+        raise stop("stopped")
+
+    with pytest.raises(stop, match="stopped"):
+        sink.write(blocks(), SimpleNamespace(task_idx=1))
+    sink.write([table.slice(60)], SimpleNamespace(task_idx=0))
+    assert sorted(os.listdir(url)) == ["shard-00000"]
+    sink.on_write_failed(RuntimeError("stopped"))
+    assert not url.exists()
 
 
 def test_bad_writes_name_what_is_wrong(ray_driver, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ..storage import DEFAULT_CACHE_BYTES
 from .columns import block_columns, fields_of_columns, fields_of_schema
 from .plan import absolute
 
+log = logging.getLogger(__name__)
 WRITE_CACHE_BYTES = 64 << 20
 """A write task's chunk cache beside its staging (8 chunks): what it holds of a block's rows."""
 
@@ -99,16 +101,31 @@ class BufferDatasink(Datasink[dict[str, int]]):
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict[str, int]:
         """A write task: shard ``ctx.task_idx`` holding ``blocks``' rows, committed; returns
-        ``{"shard": i, "rows": n}``. Raises SchemaError naming a column that does not fit."""
+        ``{"shard": i, "rows": n}``. Raises SchemaError naming a column that does not fit. A task
+        that fails or is cancelled (Ray cancels the running tasks of a failed write, which the
+        driver has cleared meanwhile) removes its shard before it raises."""
         shard = int(ctx.task_idx)
         rows = 0
-        with self.shards.create(shard, self._fields(), commit=False) as buf:
-            for block in blocks:
-                columns = block_columns(block, buf.fields, self.shards.url)
-                buf.extend(columns)
-                rows += len(next(iter(columns.values()))) if columns else 0
-            buf.flush()
+        try:
+            with self.shards.create(shard, self._fields(), commit=False) as buf:
+                for block in blocks:
+                    columns = block_columns(block, buf.fields, self.shards.url)
+                    buf.extend(columns)
+                    rows += len(next(iter(columns.values()))) if columns else 0
+                buf.flush()
+        except BaseException:
+            self._discard(shard)
+            raise
         return {"shard": shard, "rows": rows}
+
+    def _discard(self, shard: int) -> None:
+        """Remove what this task wrote of shard ``shard`` (a failure to do so is logged: the
+        task's own error is the one to raise)."""
+        try:
+            open_chunkstore(shard_url(self.shards.url, shard), self.shards.storage_options).clear()
+        except Exception as exc:
+            log.warning("%r: shard %d of a failed write was not removed (%s: %s)", self.shards.url, shard,
+                        type(exc).__name__, exc)
 
     def _fields(self) -> dict[str, Field]:
         if self.fields is None:
