@@ -5,6 +5,7 @@ retries a read task whose worker died; sharded buffers written one shard per wri
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,8 @@ from s3server import s3
 import diskreplay as dr
 from diskreplay.audit import verify
 from diskreplay.errors import BufferExistsError, NotABufferError, SchemaError, StaleReadError
+from diskreplay.format.keys import FAILED_WRITE_KEY
+from diskreplay.io import open_chunkstore
 from diskreplay.ray import BufferDatasink, BufferDatasource, read_buffer, write_buffer
 from diskreplay.storage.chunk_io import ChunkIO
 
@@ -267,7 +270,16 @@ def test_a_failed_write_leaves_nothing_that_opens(ray_driver, tmp_path):
         write_buffer(ds, url, shards=None)
     with pytest.raises(NotABufferError):
         dr.ReplayBuffer.open(url)
-    assert not url.exists() or os.listdir(url) == []
+    assert_only_the_failure_note(url)
+    write_buffer(ray.data.from_arrow(source_table(1000)), url, shards=2)  # the note is no buffer: no overwrite=
+    check_written(str(url), source_table(1000), 2)
+
+
+def assert_only_the_failure_note(url: Path) -> None:
+    """``url`` holds the note of a failed write and nothing else."""
+    files = [os.path.relpath(os.path.join(top, name), url) for top, _, names in os.walk(url) for name in names]
+    assert files == [FAILED_WRITE_KEY]
+    assert json.loads((url / FAILED_WRITE_KEY).read_text())["error"].startswith(("RuntimeError", "RayTaskError"))
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
@@ -288,7 +300,51 @@ def test_a_write_task_stopped_midway_removes_its_shard(tmp_path, stop: type[Base
     sink.write([table.slice(60)], SimpleNamespace(task_idx=0))
     assert sorted(os.listdir(url)) == ["shard-00000"]
     sink.on_write_failed(RuntimeError("stopped"))
+    assert_only_the_failure_note(url)
+
+
+def test_a_task_that_commits_after_the_write_failed_removes_its_shard(tmp_path):
+    """The driver clears a failed write while a task that Ray has not yet cancelled goes on: that task
+    commits its shard afterwards, finds the failure's note and removes the shard; the location is
+    then free for a new write without overwrite=, local and on S3."""
+    table = source_table(100)
+    url = tmp_path / "late"
+    sink = BufferDatasink(url, chunk_rows=16)
+    sink.on_write_start(table.schema)
+    sink.write([table.slice(0, 50)], SimpleNamespace(task_idx=0))
+    sink.on_write_failed(RuntimeError("task 2 failed"))
+    assert_only_the_failure_note(url)
+    with pytest.raises(RuntimeError, match=r"the write failed while task 1 ran; its shard is removed"):
+        sink.write([table.slice(50)], SimpleNamespace(task_idx=1))
+    assert_only_the_failure_note(url)
+    with pytest.raises(NotABufferError):
+        dr.ReplayBuffer.open(url)
+    again = BufferDatasink(url, chunk_rows=16)
+    again.on_write_start(table.schema)
     assert not url.exists()
+    results = [again.write([table.slice(0, 50)], SimpleNamespace(task_idx=0)),
+               again.write([table.slice(50)], SimpleNamespace(task_idx=1))]
+    again.on_write_complete(SimpleNamespace(write_returns=results))
+    check_written(str(url), table, 2)
+
+
+def test_a_failed_write_on_s3_leaves_its_note_and_frees_the_location(s3):
+    table = source_table(100)
+    url, options = s3.new_url("late"), s3.storage_options()
+    sink = BufferDatasink(url, chunk_rows=16, storage_options=options)
+    sink.on_write_start(table.schema)
+    sink.write([table.slice(0, 50)], SimpleNamespace(task_idx=0))
+    sink.on_write_failed(RuntimeError("task 1 failed"))
+    with pytest.raises(RuntimeError, match=r"the write failed while task 1 ran"):
+        sink.write([table.slice(50)], SimpleNamespace(task_idx=1))
+    root = open_chunkstore(url, options)
+    assert list(root.sizes()) == [FAILED_WRITE_KEY]
+    assert json.loads(root.get(FAILED_WRITE_KEY)) == {"error": "RuntimeError: task 1 failed"}
+    with dr.ReplayBuffer.create(url, {"obs": dr.Field((3,), "float32")}, storage_options=options) as buf:
+        buf.add(obs=np.ones(3, np.float32))  # a plain buffer replaces the note, without overwrite=
+    assert FAILED_WRITE_KEY not in open_chunkstore(url, options).sizes()
+    with dr.ReplayBuffer.open(url, storage_options=options) as buf:
+        assert len(buf) == 1
 
 
 def test_bad_writes_name_what_is_wrong(ray_driver, tmp_path):

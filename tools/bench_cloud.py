@@ -211,12 +211,18 @@ def dr_epoch(url: str, so: dict | None, workers: int, batch: int, rows: int,
         started = time.perf_counter()
         ds = dr.make_dataset(url, batch, mode="epoch", seed=0, shuffle=shuffle, storage_options=so,
                              cache_bytes=READER_CACHE_BYTES)
-        got = sum(len(b["index"]) for b in dr.Loader(ds, num_workers=workers))
-        secs = time.perf_counter() - started
+        secs = timed_epoch(dr.Loader(ds, num_workers=workers), rows, started)
         ds.reader.get().close()
-        assert got == rows, (got, rows)
         return secs
     return lambda: counted(server, once)
+
+
+def timed_epoch(loader: dr.Loader, rows: int, started: float) -> float:
+    """Seconds from ``started`` until ``loader`` has given one epoch (asserted: ``rows`` rows)."""
+    got = sum(len(b["index"]) for b in loader)
+    secs = time.perf_counter() - started
+    assert got == rows, (got, rows)
+    return secs
 
 
 class KeptEpochs:
@@ -235,26 +241,12 @@ class KeptEpochs:
         if self.loader is None:
             self.loader = dr.Loader(dr.make_dataset(self.url, self.batch, mode="epoch", seed=0, storage_options=self.so,
                                                     cache_bytes=READER_CACHE_BYTES), num_workers=self.workers)
-        started = time.perf_counter()
-        got = sum(len(b["index"]) for b in self.loader)
-        secs = time.perf_counter() - started
-        assert got == self.rows, (got, self.rows)
-        return secs
+        return timed_epoch(self.loader, self.rows, time.perf_counter())
 
     def close(self) -> None:
         if self.loader is not None:
             self.loader.close()
             self.loader.dataset.reader.get().close()
-
-
-def kept_rounds(contestants: dict[str, Callable[[], Any]], repeats: int, what: str) -> dict[str, bl.Stats]:
-    """`run_rounds`, then the kept loaders among the contestants closed."""
-    try:
-        return run_rounds(contestants, repeats, what)
-    finally:
-        for one in contestants.values():
-            if isinstance(one, KeptEpochs):
-                one.close()
 
 
 def lance_epoch(uri: str, so: dict | None, batch: int, rows: int, server: Server | None) -> Callable[[], Any]:
@@ -304,8 +296,14 @@ def dr_sample(buf: dr.ReplayBuffer, seed: int):
 
 
 def run_rounds(contestants: dict[str, Callable[[], Any]], repeats: int, what: str) -> dict[str, bl.Stats]:
+    """Interleaved rounds of the contestants; then those that hold something (a ``close``) closed."""
     log(f"{what} ...")
-    return bl.interleaved(contestants, repeats, warmup=1, progress=log)
+    try:
+        return bl.interleaved(contestants, repeats, warmup=1, progress=log)
+    finally:
+        for one in contestants.values():
+            if hasattr(one, "close"):
+                one.close()
 
 
 def med(stats: bl.Stats, phase: str | None = None) -> float:
@@ -569,7 +567,7 @@ def one_compression(comp: str, data: dict, server: Server | None, tmp: str, args
     lcold = run_rounds({"dr": cold_random(lambda: open_reader(local, None), dr_sample, None, evict=local),
                         "lance": cold_random(lambda: open_lance(local_lance, None), lance_take(rows), None,
                                              evict=local_lance)}, repeats, f"[{comp}] local disk, cold random")
-    lep = kept_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
+    lep = run_rounds({"dr w0": dr_epoch(local, None, 0, b, rows, None),
                        "dr w2": dr_epoch(local, None, 2, b, rows, None),
                        "dr in order": dr_epoch(local, None, 0, b, rows, None, "none"),
                        "dr kept w0": KeptEpochs(local, None, 0, b, rows, None),
@@ -593,7 +591,7 @@ def s3_tables(comp: str, data: dict, server: Server, args: argparse.Namespace, r
     b = args.epoch_batch
     tag = f"{comp}, {bl.format_count(rows)} rows"
     epochs, randoms = peer_contestants(comp, data, server, args, rows)
-    ep = kept_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
+    ep = run_rounds({"dr w0": dr_epoch(url, so, 0, b, rows, server), "dr w2": dr_epoch(url, so, 2, b, rows, server),
                       "dr in order": dr_epoch(url, so, 0, b, rows, server, "none"),
                       "dr kept w0": KeptEpochs(url, so, 0, b, rows, server),
                       "dr kept w2": KeptEpochs(url, so, 2, b, rows, server),

@@ -172,7 +172,8 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
                      retry: RetryPolicy | None) -> None:
     """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
     delete what is not a buffer, or one a live writer holds: of a sharded buffer, any shard's),
-    then remove it (retried remotely). Raises NotABufferError for a local path that runs into a
+    then remove it (retried remotely). What a failed distributed write left is removed whatever
+    ``overwrite`` says. Raises NotABufferError for a local path that runs into a
     loop of symbolic links or ends in a link to nothing."""
     store = replaceable_location(url, storage_options, overwrite, break_lock, retry)
     if store is not None:
@@ -181,7 +182,8 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
 
 def replaceable_location(url: str, storage_options: Mapping[str, Any] | None, overwrite: bool,
                          break_lock: bool, retry: RetryPolicy | None) -> ChunkStore | None:
-    """The store at ``url`` when it holds a buffer that `prepare_location` would remove, None when
+    """The store at ``url`` when it holds a buffer (or what a failed distributed write left) that
+    `prepare_location` would remove, None when
     there is nothing to remove; the checks of `prepare_location` (BufferExistsError, LockedError),
     nothing removed. Raises NotABufferError as `prepare_location`."""
     problem = broken_path(url)
@@ -192,6 +194,8 @@ def replaceable_location(url: str, storage_options: Mapping[str, Any] | None, ov
         path = local_path(url)
         if not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path)):
             return None
+        if failed_write(store):
+            return store
         if not overwrite:
             raise BufferExistsError(f"{url!r} already exists; pass overwrite=True to replace it")
         _require_buffer_or_empty(path)
@@ -199,11 +203,16 @@ def replaceable_location(url: str, storage_options: Mapping[str, Any] | None, ov
         if not overwrite:
             raise BufferExistsError(f"{url!r} already holds a buffer; pass overwrite=True to replace it")
     else:
-        return None
+        return store if store.exists(keys.FAILED_WRITE_KEY) else None
     root = read_sharded_root(store, url)
     for location in [url] if root is None else [shard_url(url, shard) for shard in range(root.count)]:
         check_unlocked(location, own_stores(location, storage_options), break_lock)
     return store
+
+
+def failed_write(store: ChunkStore) -> bool:
+    """Whether ``store`` holds what a failed distributed write left (`keys.FAILED_WRITE_KEY`) and no buffer."""
+    return store.exists(keys.FAILED_WRITE_KEY) and not any(store.exists(key) for key in BUFFER_MARKERS)
 
 
 def read_sharded_root(store: ChunkStore, url: str) -> ShardedRoot | None:

@@ -186,7 +186,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
 static int row_buffer(PyObject *array, Py_buffer *view, int writable, const char *name, Py_ssize_t i) {
     if (PyObject_GetBuffer(array, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return 0;
-    if (view->ndim < 1 || view->shape[0] < 0) {
+    if (view->ndim < 1) {
         PyErr_Format(PyExc_ValueError, "%s[%zd] must be an array of rows (ndim >= 1)", name, i);
         PyBuffer_Release(view);
         return 0;

@@ -49,6 +49,11 @@ OWN_PREFIXES = tuple(objects_prefix(version) for version in reversed(FORMATS))
 """Where diskreplay's own objects may be in a location of any format, newest first: for questions
 that come before the format is known (is there a commit record, a writer lock?)."""
 
+FAILED_WRITE_KEY = f"{OBJECTS_DIR}/write-failed.json"
+"""Left at a location by a distributed write that failed, before its shards are removed: a write
+task that commits afterwards finds it and removes its own shard. A location holding it and no
+buffer (`BUFFER_MARKERS`) is free: creating a buffer there replaces it without ``overwrite``."""
+
 BUFFER_MARKERS = (GROUP_KEY, *(prefix + COMMIT_KEY for prefix in OWN_PREFIXES))
 """Keys whose presence marks a location as a buffer's: its Zarr group, or a commit record of any format."""
 

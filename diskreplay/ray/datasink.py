@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -16,9 +17,10 @@ from ray.data.datasource import Datasink, WriteResult
 from ..buffer import ReplayBuffer
 from ..buffer.setup import plan_buffer, prepare_location
 from ..buffer.sharding import declare_shards
+from ..format.keys import FAILED_WRITE_KEY, OWN_GROUP
 from ..format.schema import Field
 from ..format.shards import check_shards, shard_url
-from ..io import open_chunkstore
+from ..io import ChunkStore, open_chunkstore
 from ..storage import DEFAULT_CACHE_BYTES
 from .columns import block_columns, fields_of_columns, fields_of_schema
 from .plan import absolute
@@ -103,7 +105,8 @@ class BufferDatasink(Datasink[dict[str, int]]):
         """A write task: shard ``ctx.task_idx`` holding ``blocks``' rows, committed; returns
         ``{"shard": i, "rows": n}``. Raises SchemaError naming a column that does not fit. A task
         that fails or is cancelled (Ray cancels the running tasks of a failed write, which the
-        driver has cleared meanwhile) removes its shard before it raises."""
+        driver has cleared meanwhile) removes its shard before it raises; so does a task that
+        commits after the driver cleared a failed write, raising RuntimeError."""
         shard = int(ctx.task_idx)
         rows = 0
         try:
@@ -116,7 +119,13 @@ class BufferDatasink(Datasink[dict[str, int]]):
         except BaseException:
             self._discard(shard)
             raise
+        if self._root().exists(FAILED_WRITE_KEY):
+            self._discard(shard)
+            raise RuntimeError(f"{self.shards.url!r}: the write failed while task {shard} ran; its shard is removed")
         return {"shard": shard, "rows": rows}
+
+    def _root(self) -> ChunkStore:
+        return open_chunkstore(self.shards.url, self.shards.storage_options)
 
     def _discard(self, shard: int) -> None:
         """Remove what this task wrote of shard ``shard`` (a failure to do so is logged: the
@@ -141,9 +150,16 @@ class BufferDatasink(Datasink[dict[str, int]]):
         declare_shards(open_chunkstore(self.shards.url, self.shards.storage_options), count)
 
     def on_write_failed(self, error: Exception) -> None:
-        """Driver: what the write wrote at ``url`` removed (nothing there opens)."""
-        if self._started:
-            open_chunkstore(self.shards.url, self.shards.storage_options).clear()
+        """Driver: what the write wrote at ``url`` removed (nothing there opens). A note of the
+        failure stays (`FAILED_WRITE_KEY`, written first): a task that commits later finds it and
+        removes its own shard. The next buffer made at ``url`` replaces the note."""
+        if not self._started:
+            return
+        root = self._root()
+        root.put(FAILED_WRITE_KEY, json.dumps({"error": f"{type(error).__name__}: {error}"[:1000]}).encode())
+        shards = {key.split("/", 1)[0] for key in root.sizes() if "/" in key} - {OWN_GROUP}
+        for name in sorted(shards):
+            open_chunkstore(f"{self.shards.url}/{name}", self.shards.storage_options).clear()
 
 
 def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapping[str, Field] | None = None, *,
@@ -172,8 +188,9 @@ def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapp
     Raises:
         SchemaError: a column that cannot be a field (naming it, its type and what was expected),
             or a block whose column does not fit its field. ValueError: a bad argument.
-        BufferExistsError: something is at ``url`` (without ``overwrite``). Ray's errors of a
-            failed task (with the error above as cause); the write then leaves nothing at ``url``.
+        BufferExistsError: something is at ``url`` (without ``overwrite``; what a failed write left
+            is nothing). Ray's errors of a failed task (with the error above as cause); the write
+            then leaves only a note of the failure at ``url`` (`FAILED_WRITE_KEY`).
     """
     url = os.fspath(url)
     if fields is None:
