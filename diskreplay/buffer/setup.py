@@ -173,8 +173,8 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
     """Make ``url`` ready for a new buffer: refuse an existing one unless ``overwrite`` (and never
     delete what is not a buffer, or one a live writer holds: of a sharded buffer, any shard's),
     then remove it (retried remotely). What a failed distributed write left is removed whatever
-    ``overwrite`` says. Raises NotABufferError for a local path that runs into a
-    loop of symbolic links or ends in a link to nothing."""
+    ``overwrite`` says. Raises NotABufferError for a local path that runs into a loop of symbolic
+    links or ends in a link to nothing."""
     store = replaceable_location(url, storage_options, overwrite, break_lock, retry)
     if store is not None:
         store.clear()
@@ -183,9 +183,9 @@ def prepare_location(url: str, storage_options: Mapping[str, Any] | None, overwr
 def replaceable_location(url: str, storage_options: Mapping[str, Any] | None, overwrite: bool,
                          break_lock: bool, retry: RetryPolicy | None) -> ChunkStore | None:
     """The store at ``url`` when it holds a buffer (or what a failed distributed write left) that
-    `prepare_location` would remove, None when
-    there is nothing to remove; the checks of `prepare_location` (BufferExistsError, LockedError),
-    nothing removed. Raises NotABufferError as `prepare_location`."""
+    `prepare_location` would remove, None when there is nothing to remove; the checks of
+    `prepare_location` (BufferExistsError, LockedError), nothing removed. Raises NotABufferError
+    as `prepare_location`."""
     problem = broken_path(url)
     if problem is not None:
         raise NotABufferError(f"{url!r} cannot hold a buffer ({problem})")

@@ -147,7 +147,7 @@ class BufferDatasink(Datasink[dict[str, int]]):
         count = check_shards(max(written, default=0) + 1)
         for shard in sorted(set(range(count)) - written):
             self.shards.create(shard, self._fields(), commit=True).close()
-        declare_shards(open_chunkstore(self.shards.url, self.shards.storage_options), count)
+        declare_shards(self._root(), count)
 
     def on_write_failed(self, error: Exception) -> None:
         """Driver: what the write wrote at ``url`` removed (nothing there opens). A note of the
