@@ -291,6 +291,12 @@ def symlink_loop(p: str) -> None:
     os.symlink(p + "-loop", p + "-loop")
 
 
+def failed_write_note(p: str, note: bytes) -> None:
+    """``p`` holds only the note a failed distributed write leaves."""
+    empty_dir(p)
+    write(os.path.join(p, "diskreplay", "objects", "write-failed.json"), note)
+
+
 def symlink_to_nothing(p: str) -> None:
     os.symlink(p + "-nowhere", p + "-dangling")
 
@@ -541,6 +547,12 @@ CASES = [
          prepare=symlink_to_nothing),
     Case("open-empty-dir", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
          r"is not a diskreplay buffer \(no zarr.json\)", prepare=empty_dir),
+    Case("open-failed-write", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
+         r"is not a diskreplay buffer: a write there failed \(RayTaskError: task 3 failed\); a buffer made there "
+         r"replaces what it left", prepare=lambda p: failed_write_note(p, b'{"error": "RayTaskError: task 3 failed"}')),
+    Case("open-failed-write-bad-note", lambda p: dr.ReplayBuffer.open(p, "r+"), dr.CorruptBufferError,
+         r"diskreplay/objects/write-failed.json holds no error string, got \[3\]",
+         prepare=lambda p: failed_write_note(p, b'{"error": [3]}')),
     Case("open-plain-zarr-group", lambda p: dr.ReplayBuffer.open(p), dr.NotABufferError,
          r"is a zarr group but not a diskreplay buffer \(no diskreplay/1 or diskreplay/2 attributes\)",
          prepare=plain_zarr_group),

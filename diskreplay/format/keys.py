@@ -72,6 +72,18 @@ def array_key(name: str) -> str:
     return f"{name}/{GROUP_KEY}"
 
 
+def failed_write_error(get: Callable[[str], bytes | None], url: str) -> str | None:
+    """The error a failed distributed write noted at ``url`` (`FAILED_WRITE_KEY`; at most 300
+    characters), None if there is no such note. Raises CorruptBufferError for a damaged note."""
+    note = read_json(get, FAILED_WRITE_KEY, url)
+    if note is None:
+        return None
+    error = note.get("error")
+    if not isinstance(error, str):
+        raise CorruptBufferError(f"{url!r}: {FAILED_WRITE_KEY} holds no error string, got {error!r:.60}")
+    return error[:300]
+
+
 def read_json(get: Callable[[str], bytes | None], key: str, url: str) -> dict[str, Any] | None:
     """The JSON object stored at ``key`` (None if missing); see `json_object`."""
     blob = get(key)

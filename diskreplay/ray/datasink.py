@@ -156,10 +156,22 @@ class BufferDatasink(Datasink[dict[str, int]]):
         if not self._started:
             return
         root = self._root()
-        root.put(FAILED_WRITE_KEY, json.dumps({"error": f"{type(error).__name__}: {error}"[:1000]}).encode())
+        root.put(FAILED_WRITE_KEY, json.dumps({"error": _first_cause(error)}).encode())
         shards = {key.split("/", 1)[0] for key in root.sizes() if "/" in key} - {OWN_GROUP}
         for name in sorted(shards):
             open_chunkstore(f"{self.shards.url}/{name}", self.shards.storage_options).clear()
+
+
+def _first_cause(error: BaseException) -> str:
+    """The error that started ``error``'s chain of causes (``__cause__``, or a Ray task error's
+    ``cause``): its type and the first line of its message."""
+    for _ in range(32):  # a chain of causes ends; a cycle is cut here
+        cause = error.__cause__ or getattr(error, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        error = cause
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"[:300]
 
 
 def write_buffer(ds: ray.data.Dataset, url: str | os.PathLike[str], fields: Mapping[str, Field] | None = None, *,

@@ -25,6 +25,7 @@ from ..format.keys import (
     MAX_METADATA_BYTES,
     OWN_PREFIXES,
     array_key,
+    failed_write_error,
     objects_prefix,
 )
 from ..format.layout import (
@@ -325,6 +326,9 @@ def _config_and_commit(url: str, store: ChunkStore) -> tuple[BufferConfig, bytes
     is read again, after its group, as a reader must."""
     group, commit = map(as_bytes, store.get_many([GROUP_KEY, objects_prefix(FORMAT) + COMMIT_KEY],
                                                  limit=MAX_METADATA_BYTES + 1))
+    if group is None and (error := failed_write_error(lambda key: store.get(key, MAX_METADATA_BYTES + 1), url)):
+        raise NotABufferError(f"{url!r} is not a diskreplay buffer: a write there failed ({error}); "
+                              f"a buffer made there replaces what it left")
     config = read_config(lambda key: group if key == GROUP_KEY else None, url)
     if config.lane_capacity is not None or config.format != FORMAT:
         commit = objects_at(store, objects_prefix(config.format)).get(COMMIT_KEY, limit=MAX_METADATA_BYTES + 1)
