@@ -329,6 +329,29 @@ def test_a_task_that_commits_after_the_write_failed_removes_its_shard(tmp_path):
     check_written(str(url), table, 2)
 
 
+@pytest.mark.parametrize("blocks_before", [1, 3])
+def test_a_task_writing_while_the_driver_clears_removes_its_shard(tmp_path, blocks_before: int):
+    """The driver fails the write and clears the shards while a task is between two blocks (its shard
+    half written, chunks of it already stored): the task's writer finds its lock gone and stops
+    before it writes again, and only the note stays."""
+    table = source_table(160)
+    url = tmp_path / "midway"
+    sink = BufferDatasink(url, chunk_rows=16, compression=None)
+    sink.on_write_start(table.schema)
+
+    def blocks():
+        for i in range(4):
+            if i == blocks_before:
+                assert (url / "shard-00000").is_dir()
+                sink.on_write_failed(RuntimeError("task 1 failed"))
+                assert_only_the_failure_note(url)
+            yield table.slice(40 * i, 40)
+
+    with pytest.raises(dr.LockedError, match=r"shard-00000': this writer no longer holds the writer lock"):
+        sink.write(blocks(), SimpleNamespace(task_idx=0))
+    assert_only_the_failure_note(url)
+
+
 def test_a_failed_write_on_s3_leaves_its_note_and_frees_the_location(s3):
     table = source_table(100)
     url, options = s3.new_url("late"), s3.storage_options()
