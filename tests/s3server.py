@@ -128,6 +128,7 @@ class FaultProxy:
         self.max_in_flight = 0
         self.bytes_out = 0  # body bytes of the GETs answered (benchmarks: bytes fetched)
         self.presigned = 0  # requests signed in their query (a presigned URL), not in a header
+        self.connections = 0  # client connections accepted
         self.holds = 0  # blackholed requests held so far
         self.abandoned = 0  # held connections the client closed
         self.holding = 0  # held right now
@@ -143,6 +144,11 @@ class FaultProxy:
 
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy.lock:
+                    proxy.connections += 1
 
             def _handle(self) -> None:
                 proxy._serve(self)
@@ -307,7 +313,7 @@ class FaultProxy:
             self.hits.clear()
             self.faults.clear()
             self.max_in_flight = 0
-            self.bytes_out = self.presigned = 0
+            self.bytes_out = self.presigned = self.connections = 0
             self.holds = self.abandoned = 0
             self.max_holding = self.holding
 

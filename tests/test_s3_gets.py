@@ -45,9 +45,22 @@ def test_whole_object_reads_are_presigned_gets_on_kept_connections(s3, fault_pro
         assert [None if b is None else bytes(b) for b in got] == [blob(i) for i in range(6)] + [None]
     assert fault_proxy.presigned == fault_proxy.count("/obs/", "GET") == 2 * 7
     assert store.retried == 0
-    # a ranged read (the first bytes of an object) stays s3fs's: signed in a header
-    assert store.get_many(KEYS[:1], limit=10) == [blob(0)[:10]]
-    assert fault_proxy.presigned == 14 and fault_proxy.count("/obs/", "GET") == 15
+    # a read bounded by a limit is a plain GET too, its body cut at the limit
+    got = store.get_many(KEYS[:3] + ["obs/absent"], limit=10)
+    assert [None if b is None else bytes(b) for b in got] == [blob(0)[:10], blob(1)[:10], blob(2)[:10], None]
+    assert fault_proxy.presigned == fault_proxy.count("/obs/", "GET") == 18
+
+
+def test_a_body_cut_at_its_limit_drops_its_connection(s3, fault_proxy):
+    gets = seeded(s3, fault_proxy).plain_gets
+    assert bytes(gets.get(KEYS[0], 10.0)) == blob(0)  # this thread's first connection
+    assert bytes(gets.get(KEYS[1], 10.0, limit=10)) == blob(1)[:10]  # on it; the rest of the body is not read
+    assert bytes(gets.get(KEYS[2], 10.0)) == blob(2)  # so a new connection
+    assert bytes(gets.get(KEYS[3], 10.0, limit=len(blob(3)) + 1)) == blob(3)  # whole: the connection is kept
+    assert gets.get("obs/absent", 10.0, limit=10) is None
+    assert bytes(gets.get(KEYS[4], 10.0, limit=0)) == b""
+    assert bytes(gets.get(KEYS[5], 10.0)) == blob(5)
+    assert fault_proxy.connections == 3 and fault_proxy.presigned == 7
 
 
 def test_a_transient_failure_is_retried_and_plain_gets_stay(s3, fault_proxy):
@@ -109,7 +122,7 @@ def test_a_forked_child_reads_through_connections_of_its_own(s3, fault_proxy, pl
     assert exit_code_in_fork(lambda: [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]
                              and store.get(KEYS[0], limit=10) == blob(0)[:10]) == 0
     assert [bytes(b) for b in store.get_many(KEYS)] == [blob(i) for i in range(6)]
-    assert fault_proxy.presigned == (3 * 6 if plain else 0) and fault_proxy.count("/obs/", "GET") == 3 * 6 + 1
+    assert fault_proxy.presigned == (3 * 6 + 1 if plain else 0) and fault_proxy.count("/obs/", "GET") == 3 * 6 + 1
     assert store.retried == 0
 
 
@@ -288,15 +301,17 @@ class PlainGetsMachine(RuleBasedStateMachine):
         assert [None if b is None else bytes(b) for b in result] == [self.objects.get(n) for n in names]
         self.plain = self.plain and not refused
 
-    @rule(name=st.sampled_from(NAMES))
-    def read_head(self, name: str) -> None:
+    @rule(name=st.sampled_from(NAMES), limit=st.sampled_from([1, 10, 200_000]))
+    def read_bounded(self, name: str, limit: int) -> None:
         refused = self.armed[name] == ["403"]
-        result, error = outcome(lambda: self.store.get(name, limit=10))
+        result, error = outcome(lambda: self.store.get(name, limit=limit))
         self.armed[name] = []
-        if refused:
-            assert isinstance(error, PermissionError), repr(error)  # a ranged GET is s3fs's
-        else:
-            assert error is None and result == (None if name not in self.objects else self.objects[name][:10])
+        if refused and not self.plain:
+            assert isinstance(error, PermissionError), repr(error)
+            return
+        assert error is None, repr(error)
+        assert result == (None if name not in self.objects else self.objects[name][:limit])
+        self.plain = self.plain and not refused
 
     @precondition(lambda self: not any(self.armed.values()))
     @rule()

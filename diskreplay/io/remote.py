@@ -268,10 +268,11 @@ class FsspecChunkStore(RemoteCalls):
 
     ``concurrency`` bounds the GETs in flight in `get_many`; ``retry`` bounds the retries of
     transient failures and the time of each operation (both may be changed on a live store).
-    With ``plain_gets`` (the default), the first try of each whole-object GET of an ``s3://``
-    URL is a plain GET (`S3Gets`: a third to a half of s3fs's CPU per byte; it survives ``fork``)
-    where the storage options allow it; ``plain_gets`` is then that `S3Gets`, else None (after
-    S3 refused one, s3fs makes every GET of the store).
+    With ``plain_gets`` (the default), the first try of each GET of an ``s3://`` URL (of a whole
+    object, or of a small one bounded by ``limit``) is a plain GET (`S3Gets`: a third to a half
+    of s3fs's CPU per byte; it survives ``fork``) where the storage options allow it;
+    ``plain_gets`` is then that `S3Gets`, else None (after S3 refused one, s3fs makes every GET
+    of the store).
     On an async filesystem (s3fs, gcsfs, ...) each operation is a coroutine on ``fs.loop`` and a
     try still running at the policy's deadline is cancelled; a store inherited through a fork
     makes a filesystem of its own in the child. On a sync filesystem (memory://) a
@@ -319,27 +320,29 @@ class FsspecChunkStore(RemoteCalls):
     # ---- operations -------------------------------------------------------------------------
 
     def get_many(self, keys: list[str], limit: int | None = None) -> list[Blob | None]:
-        """Every key's bytes (None where missing), at most ``concurrency`` requests in flight.
-        A whole object's first try is a plain GET (`S3Gets`) where ``plain_gets`` is set."""
+        """Every key's bytes (at most ``limit`` of each: a bound for small objects; None where
+        missing), at most ``concurrency`` requests in flight. The first try is a plain GET
+        (`S3Gets`) where ``plain_gets`` is set."""
         if not self._async:
             return [self._get_sync(key, limit) for key in keys]
         gets = self.plain_gets
-        if limit is None and gets is not None and keys:
+        if gets is not None and keys:
             return self._first_here(keys, self.concurrency, self._threads,
-                                    lambda key: gets.get(key, self.retry.budget_s), self._get_again)
+                                    lambda key: gets.get(key, self.retry.budget_s, limit),
+                                    lambda key, first: self._get_again(key, limit, first))
         return self._gather_all([partial(self._get_async, key, limit) for key in keys], self.concurrency)
 
-    def _get_again(self, key: str, first: FirstTry) -> Callable[[], Awaitable[Blob | None]]:
+    def _get_again(self, key: str, limit: int | None, first: FirstTry) -> Callable[[], Awaitable[Blob | None]]:
         """The GET after a failed first try: the policy's next try if the failure was transient;
         else s3fs's first, and no more plain GETs in this store (S3 refused one: s3fs's client
         is the reference for what that means)."""
         if self._is_transient(first.error):
-            return partial(self._get_async, key, None, first)
+            return partial(self._get_async, key, limit, first)
         if self.plain_gets is not None:
             log.info("%r: s3fs serves every GET from now on (a plain GET failed: %s)", self.url,
                      self._describe(first.error))
             self.plain_gets = None
-        return partial(self._get_async, key, None)
+        return partial(self._get_async, key, limit)
 
     def get_ranges(self, ranges: Sequence[Range]) -> list[Ranged | None]:
         """Each range's bytes and its object's size (None where missing), at most

@@ -83,16 +83,18 @@ class S3Gets:
         bucket, _, prefix = path.partition("/")
         return cls(client, bucket, prefix.strip("/"))
 
-    def get(self, key: str, timeout_s: float) -> memoryview | None:
-        """The object's bytes (None if S3 answers 404), within ``timeout_s`` seconds (else a
-        `TimeoutError`, the request dropped with its connection). Raises `S3AnswerError` for any
-        other answer, the network's errors as they come (the connection dropped too)."""
+    def get(self, key: str, timeout_s: float, limit: int | None = None) -> memoryview | None:
+        """The object's bytes, at most ``limit`` of them (None if S3 answers 404), within
+        ``timeout_s`` seconds (else a `TimeoutError`, the request dropped with its connection).
+        Raises `S3AnswerError` for any other answer, the network's errors as they come (the
+        connection dropped too). A body cut at ``limit`` drops the connection: the rest of it is
+        never read, so ``limit`` is for bounding small objects, not for reading a large one's head."""
         deadline = time.monotonic() + timeout_s
         full = f"{self.prefix}/{key}" if self.prefix else key
         target = urlsplit(self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": full}, ExpiresIn=PRESIGNED_S))
         try:
-            return self._body(key, self._send(target, timeout_s), deadline)
+            return self._body(key, self._send(target, timeout_s), deadline, limit)
         except TimeoutError:
             self._drop()
             raise TimeoutError(f"no answer within {timeout_s:.2f} s: the request was cancelled") from None
@@ -142,7 +144,8 @@ class S3Gets:
         if held is not None and held[0][0] == os.getpid():
             held[1].close()
 
-    def _body(self, key: str, answer: http.client.HTTPResponse, deadline: float) -> memoryview | None:
+    def _body(self, key: str, answer: http.client.HTTPResponse, deadline: float,
+              limit: int | None) -> memoryview | None:
         if answer.status == 404:
             answer.read(_ERROR_BODY_BYTES)
             if not answer.isclosed():  # a body longer than an error's: the connection cannot go on
@@ -152,8 +155,12 @@ class S3Gets:
             raise _answer_error(key, answer)
         length = answer.getheader("Content-Length")
         if length is None:
-            return memoryview(answer.read())
-        body = np.empty(int(length), np.uint8).data  # not zeroed: every byte is read into
+            data = answer.read() if limit is None else answer.read(limit)
+            if not answer.isclosed():
+                self._drop()
+            return memoryview(data)
+        size = int(length) if limit is None else min(int(length), limit)
+        body = np.empty(size, np.uint8).data  # not zeroed: every byte is read into
         done = 0
         while done < len(body):
             if time.monotonic() > deadline:
@@ -162,6 +169,8 @@ class S3Gets:
             if not got:
                 raise http.client.IncompleteRead(bytes(body[:done]), len(body) - done)
             done += got
+        if size < int(length):
+            self._drop()  # the body's end stays unread: the connection cannot serve the next GET
         return body
 
 
