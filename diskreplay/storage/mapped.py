@@ -41,7 +41,7 @@ from ..format.schema import Schema
 from ..io.local import open_for_reading
 from ..io.mmap import Reservation, map_budget
 from ..io.store import ChunkStore
-from .outputs import take_rows
+from .outputs import output_rows, take_rows
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -195,10 +195,9 @@ class MappedChunks:
         if self.random_reads or self.prefetch_pages:
             for name, row in zip(names, plan.rows):
                 self.regions[name].prefetch(positions[row])
-        sources = [self.regions[name].rows for name in names]
-        rows = {name: given if (given := out.get(name)) is not None else np.empty((len(slot), *s.shape[1:]), s.dtype)
-                for name, s in zip(names, sources)}
-        take_rows(sources, [positions[row] for row in plan.rows], list(rows.values()))
+        rows = {name: output_rows(self.schema[name], len(slot), out.get(name)) for name in names}
+        take_rows([self.regions[name].rows for name in names], [positions[row] for row in plan.rows],
+                  list(rows.values()))
         return rows
 
     def _read_plan(self, names: tuple[str, ...]) -> _ReadPlan:
