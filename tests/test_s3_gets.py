@@ -51,6 +51,16 @@ def test_whole_object_reads_are_presigned_gets_on_kept_connections(s3, fault_pro
     assert fault_proxy.presigned == fault_proxy.count("/obs/", "GET") == 18
 
 
+def test_an_empty_object_leaves_its_connection_ready_for_the_next_get(s3, fault_proxy):
+    store = seeded(s3, fault_proxy)
+    store.put("obs/empty", b"")
+    gets = store.plain_gets
+    for _ in range(2):
+        assert bytes(gets.get("obs/empty", 10.0)) == b""
+        assert bytes(gets.get(KEYS[0], 10.0)) == blob(0)  # on the same kept connection
+    assert fault_proxy.connections == 1
+
+
 def test_a_body_cut_at_its_limit_drops_its_connection(s3, fault_proxy):
     gets = seeded(s3, fault_proxy).plain_gets
     assert bytes(gets.get(KEYS[0], 10.0)) == blob(0)  # this thread's first connection

@@ -171,6 +171,8 @@ class S3Gets:
             done += got
         if size < int(length):
             self._drop()  # the body's end stays unread: the connection cannot serve the next GET
+        elif not answer.isclosed():
+            answer.read()  # an empty body: no read ended the answer, which would block the connection's next GET
         return body
 
 
