@@ -114,6 +114,31 @@ def test_refresh_adopts_each_shards_newest_commit_and_keeps_the_others_cached(sh
         assert buf.stats().chunks_loaded - loaded == 2 * 2
 
 
+def test_a_learner_refresh_finds_the_commits_of_a_derive_next_shard_after_its_writer_reopens(tmp_path):
+    # found by the sharded model test: the side store of a derive_next shard announced its own
+    # commit sequences as the shard's, so a reopened writer's index name fell behind the commit a
+    # learner had adopted, and the learner's refresh skipped that shard's newest commit
+    url = str(tmp_path / "b")
+    dr.ReplayBuffer.create(url, {**FIELDS, "next_obs": FIELDS["obs"]}, capacity=5, shards=2, chunk_rows=2,
+                           derive_next=("obs",)).close()
+    def steps(t: np.ndarray) -> dict[str, np.ndarray]:
+        return {"obs": content(0, 0, t), "next_obs": content(0, 0, t + 1), "reward": np.zeros(len(t), np.float32),
+                "done": np.zeros(len(t), bool)}
+
+    with dr.ReplayBuffer.open_shard(url, 0) as w:
+        w.extend(steps(np.arange(1)))
+    with dr.ReplayBuffer.open(url, "r") as learner:
+        with dr.ReplayBuffer.open_shard(url, 0) as w:
+            w.extend(steps(np.arange(1, 6)))  # round the ring: the writer commits row 0's retirement first
+            assert learner.refresh() and learner.window()[1].tolist() == [1, 0]
+        with dr.ReplayBuffer.open_shard(url, 0):  # the shard's writer opens again, side store and all
+            sequence = learner.storage.shard_records(newest=True)[0].sequence
+            assert os.listdir(os.path.join(url, "diskreplay", "objects", "commits")) == [f"00000-{sequence:012d}"]
+            assert learner.refresh()
+            np.testing.assert_array_equal(learner.window()[1], [6, 0])
+            check_rows(learner, learner.sample(16))
+
+
 def test_derive_next_and_episodic_returns_across_shards(tmp_path):
     url = str(tmp_path / "b")
     fields = {**FIELDS, "next_obs": FIELDS["obs"]}

@@ -290,8 +290,10 @@ def open_finals(url: str, schema: Schema, num_envs: int, mode: str, options: Opt
 
 
 def finals_options(options: Options, schema: Schema, num_envs: int) -> Options:
-    """``options`` for the side store: its own cache (`finals_cache`), whatever the buffer's is."""
-    return replace(options, cache_bytes=finals_cache(schema, num_envs))
+    """``options`` for the side store: its own cache (`finals_cache`), whatever the buffer's is;
+    no announcer (a shard's announcements name its main commits: the side store's sequences are
+    its own)."""
+    return replace(options, cache_bytes=finals_cache(schema, num_envs), announcer=None)
 
 
 def finals_cache(schema: Schema, num_envs: int) -> int:
