@@ -213,10 +213,11 @@ class UnionStorage(Storage):
         shown, rows = self._log.record, self.layout.chunk_rows
         patched = patch_tails(self._cache, self._io, self.layout, shown.committed, record.committed)
         for lane in np.flatnonzero(shown.committed != record.committed).tolist():
-            old = min(int(shown.committed[lane]), int(record.committed[lane]))
-            first = old - old % rows + (rows if lane in patched else 0)
-            if lane in patched:
+            old, new = sorted((int(shown.committed[lane]), int(record.committed[lane])))
+            first = old - old % rows
+            if lane in patched:  # its steps up to the end of the patched chunk are right
                 self._files.forget(lane, np.array([patched[lane]]))  # a map of it shows the old file
+                first = old + self.layout.piece_length(old, new - old)
             if first < int(record.committed[lane]):
                 self.forget_cached(lane, first, int(record.committed[lane]))
         self._log.adopt(record)
