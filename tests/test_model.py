@@ -198,6 +198,35 @@ class BufferModel:
         self.staged = self.committed.copy()
         self.restart()
 
+    def reopened(self, lo: np.ndarray, hi: np.ndarray, bound: np.ndarray) -> None:
+        """After a `crash`, the reopened writer shows ``[lo, hi)``: the committed rows, fewer old
+        ones perhaps (a ring writer commits a raised lower bound before it overwrites rows), never
+        more and never fewer than the dead writer showed (``bound``: its lower bounds). Adopts ``lo``."""
+        want_lo, want_hi = self.windows(self.committed)
+        assert hi.tolist() == want_hi.tolist(), ("committed rows after a crash", hi, want_hi)
+        assert (want_lo <= lo).all() and (lo <= np.maximum(want_lo, np.minimum(bound, hi))).all(), \
+            ("lower bound after a crash", lo, want_lo, bound)
+        for view in (self.staged, self.committed):
+            view.lower = lo.tolist()
+
+    def new_rows(self, n: int, lanes: list[int], ends: tuple[int, str]) -> tuple[dict, np.ndarray]:
+        """``n`` steps of ``lanes`` (time-major), serials counted on; and the serials [n, lanes]."""
+        serial = self.counter + np.arange(n * len(lanes)).reshape(n, len(lanes))
+        self.counter += serial.size
+        period, how = ends
+        end = (serial % period == period - 1) if period else np.zeros(serial.shape, bool)
+        lane = np.broadcast_to(np.array(lanes), serial.shape)
+        rows = row_values(serial.reshape(-1), lane.reshape(-1), self.layout.frames)
+        rows["terminated"] = end.reshape(-1) & (how != "truncated")
+        rows["truncated"] = end.reshape(-1) & (how != "terminated")
+        return {k: v.reshape(n, len(lanes), *v.shape[1:]) for k, v in rows.items()}, serial
+
+    def store(self, lanes: list[int], rows: dict, serial: np.ndarray) -> None:
+        """`new_rows`' rows, added to ``lanes``."""
+        for j, lane in enumerate(lanes):
+            self.append(lane, serial[:, j].tolist(), rows["terminated"][:, j].tolist(),
+                        rows["truncated"][:, j].tolist())
+
     # -- what a view shows
 
     def window(self, view: View, lane: int) -> tuple[int, int]:
@@ -347,23 +376,6 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf = dr.ReplayBuffer.create(self.path, sampler=make_sampler(layout.sampler), seed=seed,
                                           **layout.options())
 
-    def new_rows(self, n: int, lanes: list[int], ends: tuple[int, str]) -> tuple[dict, np.ndarray]:
-        """``n`` steps of ``lanes`` (time-major), serials counted on; and the serials [n, lanes]."""
-        serial = self.model.counter + np.arange(n * len(lanes)).reshape(n, len(lanes))
-        self.model.counter += serial.size
-        period, how = ends
-        end = (serial % period == period - 1) if period else np.zeros(serial.shape, bool)
-        lane = np.broadcast_to(np.array(lanes), serial.shape)
-        rows = row_values(serial.reshape(-1), lane.reshape(-1), self.layout.frames)
-        rows["terminated"] = end.reshape(-1) & (how != "truncated")
-        rows["truncated"] = end.reshape(-1) & (how != "terminated")
-        return {k: v.reshape(n, len(lanes), *v.shape[1:]) for k, v in rows.items()}, serial
-
-    def store(self, lanes: list[int], rows: dict, serial: np.ndarray) -> None:
-        for j, lane in enumerate(lanes):
-            self.model.append(lane, serial[:, j].tolist(), rows["terminated"][:, j].tolist(),
-                              rows["truncated"][:, j].tolist())
-
     def env_ids(self, pick: list[int] | None) -> tuple[list[int], list[int] | None]:
         """The lanes a call writes: ``pick`` filtered to this layout's lanes (None or none left: all)."""
         ids = [e for e in dict.fromkeys(pick or []) if e < self.layout.num_envs]
@@ -374,12 +386,12 @@ class BufferMachine(RuleBasedStateMachine):
         """``count`` single steps of the picked lanes."""
         lanes, env_ids = self.env_ids(pick)
         for _ in range(count):
-            rows, serial = self.new_rows(1, lanes, ends)
+            rows, serial = self.model.new_rows(1, lanes, ends)
             if self.layout.num_envs == 1 and env_ids is None:
                 self.buf.add(**{k: v[0, 0] for k, v in rows.items()})
             else:
                 self.buf.add(env_ids=env_ids, **{k: v[0] for k, v in rows.items()})
-            self.store(lanes, rows, serial)
+            self.model.store(lanes, rows, serial)
 
     @rule(pick=picks, ends=ends_spec, data=st.data())
     def extend(self, pick: list[int] | None, ends: tuple[int, str], data: st.DataObject) -> None:
@@ -388,12 +400,12 @@ class BufferMachine(RuleBasedStateMachine):
         lanes, env_ids = self.env_ids(pick)
         most = 3 * (self.layout.lane_cap or 32)
         for n in data.draw(st.lists(st.integers(1, most), min_size=1, max_size=4), label="sizes"):
-            rows, serial = self.new_rows(n, lanes, ends)
+            rows, serial = self.model.new_rows(n, lanes, ends)
             if self.layout.num_envs == 1 and env_ids is None:
                 self.buf.extend({k: v[:, 0] for k, v in rows.items()})
             else:
                 self.buf.extend(rows, env_ids=env_ids)
-            self.store(lanes, rows, serial)
+            self.model.store(lanes, rows, serial)
 
     @rule()
     def flush(self) -> None:
@@ -419,16 +431,7 @@ class BufferMachine(RuleBasedStateMachine):
         bound = self.model.windows(self.model.staged)[0]
         self.model.crash()
         self.buf = dr.ReplayBuffer.open(self.path, "r+", **self.open_options)
-        # a ring writer commits a raised lower bound before it overwrites rows: the reopened
-        # writer may show fewer old rows than the last flush, never more and never fewer than
-        # the dead writer did
-        lo, hi = self.buf.window()
-        want_lo, want_hi = self.model.windows(self.model.committed)
-        assert hi.tolist() == want_hi.tolist(), ("committed rows after a crash", hi, want_hi)
-        assert (want_lo <= lo).all() and (lo <= np.maximum(want_lo, np.minimum(bound, hi))).all(), \
-            ("lower bound after a crash", lo, want_lo, bound)
-        for view in (self.model.staged, self.model.committed):
-            view.lower = lo.tolist()
+        self.model.reopened(*self.buf.window(), bound)
 
     @rule(new=st.booleans(), first=st.sampled_from([0, 4, 16]), warm=st.booleans())
     def open_or_refresh_reader(self, new: bool, first: int = 0, warm: bool = False) -> None:

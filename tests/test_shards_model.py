@@ -30,7 +30,6 @@ from test_model import (
     ids_of,
     make_sampler,
     picks,
-    row_values,
     table_rows,
 )
 
@@ -98,21 +97,13 @@ class ShardsMachine(RuleBasedStateMachine):
         buf, model = self.writer(shard), self.models[shard % self.shards]
         lanes = [e for e in dict.fromkeys(pick or []) if e < self.layout.num_envs] or list(range(self.layout.num_envs))
         env_ids = None if len(lanes) == self.layout.num_envs and pick is None else lanes
-        period, how = ends
         for n in sizes:
-            serial = model.counter + np.arange(n * len(lanes)).reshape(n, len(lanes))
-            model.counter += serial.size
-            end = (serial % period == period - 1) if period else np.zeros(serial.shape, bool)
-            rows = row_values(serial.reshape(-1), np.broadcast_to(np.array(lanes), serial.shape).reshape(-1), False)
-            rows = {k: v.reshape(n, len(lanes), *v.shape[1:]) for k, v in rows.items()}
-            rows["terminated"], rows["truncated"] = end & (how != "truncated"), end & (how != "terminated")
+            rows, serial = model.new_rows(n, lanes, ends)
             if self.layout.num_envs == 1 and env_ids is None:
                 buf.extend({k: v[:, 0] for k, v in rows.items()})
             else:
                 buf.extend(rows, env_ids=env_ids)
-            for j, lane in enumerate(lanes):
-                model.append(lane, serial[:, j].tolist(), rows["terminated"][:, j].tolist(),
-                             rows["truncated"][:, j].tolist())
+            model.store(lanes, rows, serial)
         if then:
             self.flush(shard)
         if then == "flush and refresh":
@@ -146,13 +137,7 @@ class ShardsMachine(RuleBasedStateMachine):
         bound = model.windows(model.staged)[0]
         model.crash()
         self.writers[s] = buf = dr.ReplayBuffer.open_shard(self.url, s, **self.layout.writer_cache())
-        lo, hi = buf.window()  # a ring writer may have committed a raised lower bound before the crash
-        want_lo, want_hi = model.windows(model.committed)
-        assert hi.tolist() == want_hi.tolist(), ("committed rows after a crash", s, hi, want_hi)
-        assert (want_lo <= lo).all() and (lo <= np.maximum(want_lo, np.minimum(bound, hi))).all(), \
-            ("lower bound after a crash", s, lo, want_lo, bound)
-        for view in (model.staged, model.committed):
-            view.lower = lo.tolist()
+        model.reopened(*buf.window(), bound)
 
     # -- the learner
 
